@@ -1,0 +1,10 @@
+"""A small reverse-mode autograd engine on NumPy/CuPy arrays (see engine.py for how backward runs)."""
+from .tensor import Tensor, tensor, cat, split, zeros, ones, randn, RemovableHandle
+from .function import Function
+from .grad_mode import no_grad, enable_grad, is_grad_enabled, set_grad_enabled
+from .graph import saved_tensors_hooks
+from . import ops
+
+__all__ = ["Tensor", "tensor", "cat", "split", "zeros", "ones", "randn", "Function", "no_grad",
+           "enable_grad", "is_grad_enabled", "set_grad_enabled", "saved_tensors_hooks", "ops",
+           "RemovableHandle"]

@@ -1,0 +1,141 @@
+"""backward(): reverse-mode differentiation over the recorded graph.
+
+1. Walk the graph from the output (iteratively: a GPT's graph is deep) to collect the nodes and
+   count, for each leaf, how many edges feed it.
+2. Run the nodes newest first. A node is always created after its inputs, so newest-first is a
+   topological order, and it matches PyTorch's order: the last layer's gradients are final first,
+   which is what lets DDP start communicating early.
+3. Each node's backward turns the gradient of its output into gradients of its inputs; gradients
+   that meet at a tensor are summed. When a leaf has received all its contributions it is
+   accumulated into ``leaf.grad`` (in place when a gradient is already there) and its
+   post-accumulate-grad hooks fire: "this parameter's gradient is final".
+4. Unless ``retain_graph=True``, each node frees its saved arrays as soon as it has run.
+
+Ownership: an array that a backward returns freshly (not its incoming gradient, not a view) is
+owned by the engine, which may then add into it in place; anything else is copied before it is
+written to. This keeps accumulation allocation-free without aliasing bugs.
+"""
+
+
+def _owned(g, grad_out, others):
+    if g is grad_out or g.base is not None:
+        return False
+    for o in others:
+        if o is g:
+            return False
+    return True
+
+
+def _add(entry, g, owned):
+    """Sum a new contribution ``g`` into ``entry`` = [array, owned]."""
+    acc = entry[0]
+    if entry[1] and acc.shape == g.shape:
+        acc += g
+    else:
+        entry[0] = acc + g
+        entry[1] = True
+
+
+from ..backend import array_module
+
+
+def backward(root, grad=None, retain_graph=False):
+    from .tensor import Tensor  # local import: tensor.py imports this module
+
+    xp_grad = grad._data if isinstance(grad, Tensor) else grad
+    if xp_grad is None:
+        if root._data.size != 1:
+            raise RuntimeError(
+                f"backward() on a tensor of shape {root.shape} needs grad=: the gradient of the "
+                "loss w.r.t. this tensor (only a scalar output gets an implicit grad of 1)")
+        xp_grad = array_module(root._data).ones_like(root._data)
+    elif xp_grad.shape != root._data.shape:
+        raise ValueError(f"backward(): grad has shape {xp_grad.shape}, the tensor has {root.shape}")
+    if not root.requires_grad:
+        raise RuntimeError("backward() on a tensor that does not require grad (no graph was recorded)")
+
+    if root._ctx is None:  # the root is itself a leaf
+        _accumulate_leaf(root, xp_grad, False)
+        return
+
+    # 1. collect the nodes reachable from the root; count the edges into each leaf
+    nodes = []
+    seen = {id(root._ctx)}
+    stack = [root._ctx]
+    leaf_pending = {}
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        for parent in node.parents:
+            if parent is None:
+                continue
+            pctx = parent._ctx
+            if pctx is None:
+                leaf_pending[id(parent)] = leaf_pending.get(id(parent), 0) + 1
+            elif id(pctx) not in seen:
+                seen.add(id(pctx))
+                stack.append(pctx)
+    nodes.sort(key=_seq, reverse=True)
+
+    # 2-4. newest first
+    grads = {id(root._ctx): [xp_grad, False]}
+    leaf_grads = {}
+    for node in nodes:
+        entry = grads.pop(id(node), None)
+        in_grads = ()
+        if entry is not None:
+            g = entry[0]
+            if node._tensor_hooks:
+                for hook in node._tensor_hooks:
+                    result = hook(Tensor(g))
+                    if result is not None:
+                        g = result._data if isinstance(result, Tensor) else result
+                        entry[1] = False
+            in_grads = node.backward(node, g)
+            if type(in_grads) is not tuple:
+                in_grads = (in_grads,)
+        if not retain_graph:
+            node.release_saved()
+        for i, parent in enumerate(node.parents):
+            if parent is None:
+                continue
+            gi = in_grads[i] if i < len(in_grads) else None
+            if gi is not None:
+                owned = _owned(gi, entry[0], in_grads[:i] + in_grads[i + 1:])
+                pctx = parent._ctx
+                key = id(pctx) if pctx is not None else id(parent)
+                table = grads if pctx is not None else leaf_grads
+                acc = table.get(key)
+                if acc is None:
+                    table[key] = [gi, owned]
+                else:
+                    _add(acc, gi, owned)
+            if parent._ctx is None:
+                left = leaf_pending[id(parent)] - 1
+                leaf_pending[id(parent)] = left
+                if left == 0:
+                    acc = leaf_grads.pop(id(parent), None)
+                    if acc is not None:
+                        _accumulate_leaf(parent, acc[0], acc[1])
+
+
+def _seq(node):
+    return node.seq
+
+
+def _accumulate_leaf(leaf, g, owned):
+    if leaf._hooks:
+        for hook in leaf._hooks:
+            result = hook(type(leaf)._wrap(g))
+            if result is not None:
+                g = result._data if hasattr(result, "_data") else result
+                owned = False
+    if g.shape != leaf._data.shape:
+        raise RuntimeError(f"gradient of shape {g.shape} for a leaf of shape {leaf._data.shape}")
+    if leaf._grad is None:
+        leaf.grad = g if owned else g.copy()
+    else:
+        leaf._grad += g
+    if leaf._post_acc_hooks:
+        for hook in leaf._post_acc_hooks:
+            hook(leaf)

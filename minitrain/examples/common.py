@@ -1,0 +1,46 @@
+"""What the example jobs share: where this process sits in an mpirun launch, and the report.
+
+Until data parallelism lands (issue 4), a job started as ``mpirun -n N`` trains on rank 0 and the
+other ranks exit at once; the launch is read from the MPI launcher's environment (MPICH's
+PMI_RANK/PMI_SIZE, Open MPI's OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job.
+"""
+import json
+import os
+
+from .. import memory
+
+MODEL_STATE = ("params", "grads", "optimizer_state")
+
+
+def launch_info():
+    """(rank, size) of this process in the launcher's world; (0, 1) when started directly."""
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ.get(size_var, "1"))
+    return 0, 1
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+
+
+def persistent_memory():
+    """Model-state bytes live right now (call it at the optimizer step)."""
+    live = memory.snapshot()
+    return {c: live[c] for c in MODEL_STATE}
+
+
+def memory_table(persistent, peak):
+    rows = [f"  {'category':<16}{'at step':>12}{'peak':>12}"]
+    for c in memory.CATEGORIES:
+        rows.append(f"  {c:<16}{fmt_bytes(persistent.get(c, 0)):>12}{fmt_bytes(peak[c]):>12}")
+    rows.append(f"  {'total':<16}{fmt_bytes(sum(persistent.values())):>12}{fmt_bytes(peak['total']):>12}")
+    return "\n".join(rows)
+
+
+def write_json(path, report):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)

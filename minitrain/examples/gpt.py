@@ -1,0 +1,119 @@
+"""Train the small GPT on a character-level corpus (Python's own standard library sources).
+
+    python -m minitrain.examples.gpt [--steps 600] [--json out.json]
+
+Single process for now (tensor and 3D parallelism arrive with later issues): under
+``mpirun -n N`` rank 0 trains and the other ranks exit. Prints the loss as it falls,
+the validation loss, and a sample of generated text.
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+import minitrain
+from minitrain import memory, nn, optim
+from minitrain.data import load_text
+from minitrain.examples.common import launch_info, memory_table, persistent_memory, write_json
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
+    return args
+
+
+def estimate_loss(model, corpus, args, rng, batches=4):
+    model.eval()
+    losses = []
+    with minitrain.no_grad():
+        for _ in range(batches):
+            x, y = corpus.get_batch("val", args.batch_size, args.block_size, rng)
+            losses.append(model(x, y)[1].item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, launched = launch_info()
+    if rank != 0:
+        return 0
+    minitrain.backend.limit_blas_threads()
+    if launched > 1:
+        print(f"note: {launched} ranks launched; model parallelism is not implemented yet, "
+              f"so rank 0 trains alone and ranks 1..{launched - 1} exit.", flush=True)
+
+    minitrain.manual_seed(args.seed)
+    corpus = load_text()
+    config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size,
+                          n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                          dropout=args.dropout)
+    model = nn.GPT(config)
+    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    rng = np.random.default_rng(args.seed)
+    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars")
+
+    memory.reset_peak()
+    initial_val = estimate_loss(model, corpus, args, rng)
+    losses, persistent = [], {}
+    bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
+    start = time.perf_counter()
+    for step in bar:
+        x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        optim.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        persistent = persistent_memory()
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    elapsed = time.perf_counter() - start
+    bar.close()
+    final_val = estimate_loss(model, corpus, args, rng)
+    peak = memory.peak()
+
+    head = np.mean(losses[:10])
+    tail = np.mean(losses[-10:])
+    print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
+          f"val loss {initial_val:.3f} -> {final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
+    context = corpus.encode("def ")[None, :]
+    sample = model.generate(context, args.sample_chars, temperature=0.8, top_k=20,
+                            rng=np.random.default_rng(args.seed))
+    print("sample:\n" + corpus.decode(sample[0]))
+    print("memory on rank 0 (model states at the optimizer step; peak over the run):")
+    print(memory_table(persistent, peak))
+    if args.json:
+        write_json(args.json, {
+            "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
+            "initial_val_loss": initial_val, "final_val_loss": final_val,
+            "final_loss": float(tail), "steps_per_second": args.steps / elapsed,
+            "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
+            "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

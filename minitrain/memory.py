@@ -1,0 +1,148 @@
+"""Memory you can see: live and peak bytes per category, per rank.
+
+Categories follow the ZeRO paper's split of training memory (Rajbhandari et al. 2020, sec. 3):
+model states (``params``, ``grads``, ``optimizer_state``) and residual states (``activations`` =
+arrays saved for backward, ``comm_buffers``). Each array is counted once, by the buffer that owns
+its memory, however many tensors or graph nodes refer to it. ``set_device_capacity(bytes)``
+turns the tracker into a teaching device that raises ``DeviceOutOfMemory`` when the live total
+would exceed it, so "does not fit on one rank" can be shown on a laptop.
+
+Each thread may have its own tracker (``use_tracker``), so ranks simulated as threads keep
+separate accounts.
+"""
+import contextlib
+import threading
+
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
+
+
+class DeviceOutOfMemory(MemoryError):
+    """The teaching device's capacity would be exceeded."""
+
+
+def owner(a):
+    """The array that owns ``a``'s memory (``a`` itself unless it is a view)."""
+    while a.base is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return a
+
+
+class MemoryTracker:
+    """Counts bytes per category. Entries are keyed, and each key is reference-counted, so an
+    array saved by three graph nodes is counted once and released when the last one lets go."""
+
+    def __init__(self):
+        self._entries = {}      # key -> [category, nbytes, refcount]
+        self.capacity = None
+        self.reset()
+
+    def reset(self):
+        self._entries.clear()
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.live_total = 0
+        self.peak_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_total = 0
+
+    def add(self, category, key, nbytes):
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry[2] += 1
+            return
+        if self.capacity is not None and self.live_total + nbytes > self.capacity:
+            raise DeviceOutOfMemory(
+                f"allocating {nbytes:,} bytes of {category} would exceed the device capacity of "
+                f"{self.capacity:,} bytes (live: {self._live_summary()})")
+        self._entries[key] = [category, nbytes, 1]
+        live = self.live[category] + nbytes
+        self.live[category] = live
+        self.live_total += nbytes
+        if live > self.peak_by_category[category]:
+            self.peak_by_category[category] = live
+        if self.live_total > self.peak_total:
+            self.peak_total = self.live_total
+
+    def remove(self, key):
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._entries[key]
+            self.live[entry[0]] -= entry[1]
+            self.live_total -= entry[1]
+
+    def contains(self, key):
+        return key in self._entries
+
+    # ---- activations: arrays saved for backward, keyed by the buffer that owns their memory
+    def add_saved(self, arrays):
+        """Count arrays saved for backward; returns the keys to pass to ``remove_saved``.
+        Arrays that are parameters' storage are not activations and are skipped."""
+        keys = []
+        for a in arrays:
+            if not hasattr(a, "nbytes"):
+                continue
+            base = owner(a)
+            key = id(base)
+            if ("params", key) in self._entries:
+                continue
+            self.add("activations", ("activations", key), base.nbytes)
+            keys.append(("activations", key))
+        return keys
+
+    def remove_saved(self, keys):
+        for key in keys:
+            self.remove(key)
+
+    # ---- reports
+    def snapshot(self):
+        """Live bytes per category and in total."""
+        return {**self.live, "total": self.live_total}
+
+    def peak(self):
+        """Peak bytes per category (each its own maximum) and the peak of the total."""
+        return {**self.peak_by_category, "total": self.peak_total}
+
+    def reset_peak(self):
+        self.peak_by_category = dict(self.live)
+        self.peak_total = self.live_total
+
+    def _live_summary(self):
+        return ", ".join(f"{c}={b:,}" for c, b in self.live.items() if b)
+
+
+_default = MemoryTracker()
+_local = threading.local()
+
+
+def tracker():
+    """The tracker of the calling thread (the process-wide one unless ``use_tracker`` set another)."""
+    return getattr(_local, "tracker", None) or _default
+
+
+@contextlib.contextmanager
+def use_tracker(t):
+    """Make ``t`` the calling thread's tracker inside the block (one per simulated rank)."""
+    old = getattr(_local, "tracker", None)
+    _local.tracker = t
+    try:
+        yield t
+    finally:
+        _local.tracker = old
+
+
+def snapshot():
+    return tracker().snapshot()
+
+
+def peak():
+    return tracker().peak()
+
+
+def reset_peak():
+    tracker().reset_peak()
+
+
+def set_device_capacity(nbytes):
+    """Give the current tracker a capacity in bytes (None: unlimited)."""
+    tracker().capacity = None if nbytes is None else int(nbytes)

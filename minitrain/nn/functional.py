@@ -1,0 +1,68 @@
+"""Stateless layer functions (torch.nn.functional's names), each one fused graph node."""
+from ..autograd import Tensor, ops
+
+
+def _raw(x):
+    return x._data if isinstance(x, Tensor) else x
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T + bias, weight of shape (out_features, in_features)."""
+    return ops.Linear.apply(x, weight, bias)
+
+
+def relu(x):
+    return ops.ReLU.apply(x)
+
+
+def gelu(x):
+    """GELU, tanh approximation (GPT-2's)."""
+    return ops.GELU.apply(x)
+
+
+def softmax(x, axis=-1):
+    return ops.Softmax.apply(x, axis=axis)
+
+
+def log_softmax(x, axis=-1):
+    return ops.LogSoftmax.apply(x, axis=axis)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = tuple(normalized_shape)
+    if tuple(x.shape[-len(normalized_shape):]) != normalized_shape:
+        raise ValueError(f"layer_norm: input of shape {tuple(x.shape)} does not end in {normalized_shape}")
+    return ops.LayerNorm.apply(x, weight, bias, ndims=len(normalized_shape), eps=eps)
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy of integer class targets (no ignore_index, no label smoothing)."""
+    targets = _raw(targets)
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integer class indices, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
+                         f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    return ops.CrossEntropy.apply(logits, targets)
+
+
+def mse_loss(input, target):
+    diff = input - target
+    return (diff * diff).mean()
+
+
+def embedding(indices, weight):
+    indices = _raw(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"embedding: indices must be integers, got {indices.dtype}")
+    return ops.Embedding.apply(indices, weight)
+
+
+def dropout(x, p=0.5, training=True):
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return ops.Dropout.apply(x, p)

@@ -1,0 +1,162 @@
+"""A small decoder-only GPT (Radford et al. 2019, GPT-2's layout, after nanoGPT).
+
+Token + position embeddings, ``n_layer`` pre-LayerNorm blocks of causal multi-head
+self-attention and a 4x GELU MLP (both with residual connections), a final LayerNorm and the
+LM head. Parameter names and shapes match nanoGPT's modules (``h.0.attn.c_attn.weight`` is
+(3·n_embd, n_embd)), so weights copy one-to-one into a PyTorch model for the oracle tests.
+Parameters per layer: 12·n_embd² + 13·n_embd (with biases).
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import backend
+from ..autograd import Tensor, no_grad
+from . import functional as F
+from .layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
+from .module import Module
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = False   # share wte.weight with lm_head.weight (GPT-2 does; off by default)
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+
+class CausalSelfAttention(Module):
+    """softmax(Q K^T / sqrt(d) + causal mask) V over n_head heads of size n_embd / n_head."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = Dropout(config.dropout)
+        self.resid_dropout = Dropout(config.dropout)
+        self._masks = {}
+
+    def causal_mask(self, T, like):
+        """True above the diagonal: position t may not look at positions after it."""
+        key = (T, backend.is_device_array(like))
+        if key not in self._masks:
+            xp = backend.array_module(like)
+            self._masks[key] = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+        return self._masks[key]
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, D = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(C, axis=2)
+        q = q.reshape(B, T, H, D).transpose(1, 2)            # (B, H, T, D)
+        k = k.reshape(B, T, H, D).transpose(1, 2)
+        v = v.reshape(B, T, H, D).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T)
+        att = att.masked_fill(self.causal_mask(T, x.data), -math.inf)
+        att = self.attn_dropout(F.softmax(att, axis=-1))
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)        # heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class FeedForward(Module):
+    """Linear(n_embd, 4 n_embd), GELU, Linear(4 n_embd, n_embd) (nanoGPT's ``MLP``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(Module):
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = Embedding(config.vocab_size, config.n_embd)
+        self.wpe = Embedding(config.block_size, config.n_embd)
+        self.drop = Dropout(config.dropout)
+        self.h = ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+
+    def _init_weights(self):
+        """GPT-2's init: N(0, 0.02) for linear and embedding weights, zero biases, and the
+        residual projections scaled by 1/sqrt(2 n_layer)."""
+        from .. import random
+        for name, p in self.named_parameters():
+            if name.endswith(".bias") or name.startswith("ln_") or ".ln_" in name:
+                continue
+            std = 0.02
+            if name.endswith("c_proj.weight"):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer)
+            p.data[...] = random.randn(*p.shape, dtype=p.dtype) * std
+        for module in self.modules():
+            if isinstance(module, Linear) and module.bias is not None:
+                module.bias.data[...] = 0
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, vocab) for integer tokens ``idx`` (B, T); with ``targets``, (logits, loss)."""
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = backend.array_module(idx).arange(T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits, targets)
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
+        """Sample ``max_new_tokens`` tokens after the context ``idx`` (B, T)."""
+        rng = rng or np.random.default_rng(0)
+        idx = backend.to_host(idx.data if isinstance(idx, Tensor) else idx)
+        was_training = self.training
+        self.eval()
+        with no_grad():
+            for _ in range(max_new_tokens):
+                context = idx[:, -self.config.block_size:]
+                logits = backend.to_host(self(backend.to_device(context)).data[:, -1, :]).astype(np.float64)
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
+                    logits = np.where(logits < kth, -np.inf, logits)
+                probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+                probs /= probs.sum(axis=-1, keepdims=True)
+                nxt = np.array([[rng.choice(probs.shape[-1], p=row)] for row in probs])
+                idx = np.concatenate([idx, nxt], axis=1)
+        self.train(was_training)
+        return idx

@@ -1,0 +1,87 @@
+"""Optimizer base: parameter groups, per-parameter state, zero_grad, state_dict.
+
+State is kept per parameter as a dict of arrays shaped like the parameter (``exp_avg``,
+``momentum_buffer``, ...), and every update is elementwise. That is what lets ZeRO shard it
+later: build the same optimizer on flat shards of the parameters and each rank updates only
+its shard. State arrays register their bytes with ``minitrain.memory`` as ``optimizer_state``.
+"""
+import weakref
+
+from .. import memory
+
+
+def _release(tracker, keys):
+    for key in keys:
+        tracker.remove(key)
+
+
+class Optimizer:
+    def __init__(self, params, defaults):
+        self.defaults = dict(defaults)
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = []
+        for group in groups:
+            group = {**self.defaults, **group, "params": list(group["params"])}
+            self.param_groups.append(group)
+        self.state = {}                 # parameter -> dict of state
+        self._tracker = memory.tracker()
+        self._keys = []
+        weakref.finalize(self, _release, self._tracker, self._keys)
+
+    def _new_state(self, p, name, array):
+        """Create one state array for parameter ``p`` and account its bytes."""
+        self.state.setdefault(p, {})[name] = array
+        key = ("optimizer_state", id(self), id(p), name)
+        if not self._tracker.contains(key):
+            self._tracker.add("optimizer_state", key, array.nbytes)
+            self._keys.append(key)
+        return array
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad[...] = 0
+
+    def step(self):
+        raise NotImplementedError
+
+    def state_dict(self):
+        """{'state': {index: {name: copy}}, 'param_groups': [{..., 'params': [indices]}]} as PyTorch."""
+        index, groups = {}, []
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                ids.append(index[id(p)])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    state[index[id(p)]] = {k: (v.copy() if hasattr(v, "copy") else v)
+                                           for k, v in self.state[p].items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
+            raise ValueError("load_state_dict: parameter groups do not match this optimizer's")
+        by_index = {}
+        for saved, mine in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+            for i, p in zip(saved["params"], mine["params"]):
+                by_index[i] = p
+        for i, entries in state_dict["state"].items():
+            p = by_index[int(i)]
+            for name, value in entries.items():
+                if hasattr(value, "shape") and value.shape == p.shape:
+                    self._new_state(p, name, value.astype(p.dtype, copy=True))
+                else:
+                    self.state.setdefault(p, {})[name] = value
