@@ -37,6 +37,7 @@ def _add(entry, g, owned):
 
 
 from ..backend import array_module
+from .function import Function
 
 
 def backward(root, grad=None, retain_graph=False):
@@ -66,15 +67,14 @@ def backward(root, grad=None, retain_graph=False):
     while stack:
         node = stack.pop()
         nodes.append(node)
-        for parent in node.parents:
+        for parent in node.parents:     # None, a producing node, or a leaf tensor
             if parent is None:
                 continue
-            pctx = parent._ctx
-            if pctx is None:
+            if not isinstance(parent, Function):
                 leaf_pending[id(parent)] = leaf_pending.get(id(parent), 0) + 1
-            elif id(pctx) not in seen:
-                seen.add(id(pctx))
-                stack.append(pctx)
+            elif id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append(parent)
     nodes.sort(key=_seq, reverse=True)
 
     # 2-4. newest first
@@ -100,17 +100,16 @@ def backward(root, grad=None, retain_graph=False):
             if parent is None:
                 continue
             gi = in_grads[i] if i < len(in_grads) else None
+            is_node = isinstance(parent, Function)
             if gi is not None:
                 owned = _owned(gi, entry[0], in_grads[:i] + in_grads[i + 1:])
-                pctx = parent._ctx
-                key = id(pctx) if pctx is not None else id(parent)
-                table = grads if pctx is not None else leaf_grads
-                acc = table.get(key)
+                table = grads if is_node else leaf_grads
+                acc = table.get(id(parent))
                 if acc is None:
-                    table[key] = [gi, owned]
+                    table[id(parent)] = [gi, owned]
                 else:
                     _add(acc, gi, owned)
-            if parent._ctx is None:
+            if not is_node:
                 left = leaf_pending[id(parent)] - 1
                 leaf_pending[id(parent)] = left
                 if left == 0:

@@ -16,7 +16,8 @@ A subclass writes two static methods, as in ``torch.autograd.Function``:
 
 and is called as ``Exp.apply(tensor)``. ``forward`` receives raw arrays (Tensors are unwrapped)
 and returns one array; keyword arguments are non-differentiable options. ``ctx`` is the graph
-node itself: it keeps the inputs that need gradients (``parents``) and what forward saved.
+node itself: ``parents`` holds, per input, the node that produced it, the leaf tensor itself, or
+None (no gradient needed), and ``saved_tensors`` what forward saved.
 Contract for ``backward``: return new arrays or ``grad`` itself, never an array that something
 else keeps (the engine may accumulate in place into arrays it receives).
 Custom Functions are how communication enters the graph (Megatron's f and g, later).
@@ -54,7 +55,10 @@ class Function:
                 raw.append(a._data)
                 if a.requires_grad:
                     record = True
-                    parents.append(a)
+                    # the edge points at the node that made the input (or at the leaf itself),
+                    # never at a non-leaf tensor: intermediate outputs that no backward needs
+                    # are then freed as soon as forward lets go of them
+                    parents.append(a._ctx if a._ctx is not None else a)
                 else:
                     parents.append(None)
             else:

@@ -1,0 +1,97 @@
+"""Test helpers shared by the test suite and the exercise checks.
+
+``gradcheck`` compares backward() with central differences (float64).
+``run_mpi`` runs a command under ``mpiexec -n N`` with a hard timeout; every output line is
+prefixed with its rank (MPICH's ``-l``), and a failure or a hang raises ``MPIRunError``
+carrying all of it, so a deadlock fails a test within its timeout instead of stalling CI.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from .autograd import Tensor
+
+
+def numerical_grad(f, array, eps=1e-6):
+    """Central differences of the scalar ``f()`` w.r.t. every entry of ``array`` (modified in place)."""
+    grad = np.zeros(array.shape, dtype=np.float64)
+    flat, gflat = array.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        plus = f()
+        flat[i] = old - eps
+        minus = f()
+        flat[i] = old
+        gflat[i] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5, seed=0):
+    """Check ``fn(*inputs)`` (inputs: float64 Tensors; those with requires_grad are checked).
+    The output is reduced to a scalar with a fixed random projection, so every output entry matters.
+    Returns the largest absolute error; raises AssertionError naming the input that disagrees."""
+    out = fn(*inputs)
+    projection = np.random.default_rng(seed).standard_normal(out.shape)
+
+    def scalar():
+        return float((fn(*inputs).numpy() * projection).sum())
+
+    for t in inputs:
+        if isinstance(t, Tensor):
+            t.grad = None
+    (out * Tensor(projection)).sum().backward()
+    worst = 0.0
+    for k, t in enumerate(inputs):
+        if not (isinstance(t, Tensor) and t.requires_grad):
+            continue
+        expected = numerical_grad(scalar, t.data, eps)
+        got = np.zeros_like(expected) if t.grad is None else np.asarray(t.grad)
+        err = np.abs(got - expected)
+        worst = max(worst, float(err.max(initial=0.0)))
+        if not np.allclose(got, expected, atol=atol, rtol=rtol):
+            i = np.unravel_index(np.argmax(err), err.shape)
+            raise AssertionError(f"gradcheck: input {k} (shape {t.shape}) differs at {i}: "
+                                 f"backward {got[i]!r}, central difference {expected[i]!r}")
+    return worst
+
+
+class MPIRunError(AssertionError):
+    """An mpiexec run failed or timed out; the message holds every rank's output."""
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):
+    """Run ``mpiexec -n n -l args...``; returns the CompletedProcess (stdout and stderr merged).
+    Ranks get OMP_NUM_THREADS=1 / OPENBLAS_NUM_THREADS=1 so they do not fight over the cores."""
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        raise MPIRunError("mpiexec not found: pip install mpich (or pip install -e '.[dev]')")
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": str(int(timeout)), **(env or {})}
+    # not PYTHONUNBUFFERED: unbuffered print() writes a line in pieces and -l labels every piece;
+    # code that must show output before a hang prints with flush=True (one write per line)
+    full_env.pop("PYTHONUNBUFFERED", None)
+    cmd = [mpiexec, "-n", str(n), "-l", *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout + 10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise MPIRunError(f"timed out after {timeout} s: {' '.join(cmd)}\n--- output of every rank ---\n{out}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    if check and proc.returncode != 0:
+        raise MPIRunError(f"exit code {proc.returncode}: {' '.join(cmd)}\n"
+                          f"--- output of every rank ---\n{out}")
+    return result

@@ -1,0 +1,56 @@
+"""The example jobs, run as a user runs them: in-process, as a subprocess, and under mpiexec."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minitrain.examples import gpt, mlp
+from minitrain.testing import run_mpi
+
+
+def test_mlp_reaches_95_percent_and_writes_the_json_report(tmp_path):
+    out = tmp_path / "mlp.json"
+    assert mlp.main(["--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["test_accuracy"] >= 0.95
+    assert report["world_size"] == 1 and report["strategy"] == "single"
+    assert report["num_params"] == 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    rank0 = report["ranks"][0]
+    psi = report["num_params"]
+    assert rank0["memory"]["persistent"] == {"params": 4 * psi, "grads": 4 * psi, "optimizer_state": 8 * psi}
+    assert rank0["memory"]["peak"]["activations"] > 0
+    assert rank0["bytes_sent"] == 0 and report["samples_per_second"] > 0
+
+
+@pytest.mark.slow
+def test_mlp_under_mpiexec_with_4_ranks(tmp_path):
+    out = tmp_path / "mlp.json"
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress",
+                      "--epochs", "5", "--json", out], n=4, timeout=120)
+    assert "test accuracy" in result.stdout
+    assert json.loads(out.read_text())["test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("args, message", [(["--batch-size", "0"], "--batch-size must be >= 1"),
+                                           (["--optimizer", "lbfgs"], "invalid choice")])
+def test_mlp_rejects_bad_options_with_a_clear_message(args, message):
+    result = subprocess.run([sys.executable, "-m", "minitrain.examples.mlp", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_gpt_loss_falls_and_it_samples(tmp_path, capsys):
+    out = tmp_path / "gpt.json"
+    assert gpt.main(["--steps", "120", "--no-progress", "--sample-chars", "40", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["final_val_loss"] < report["initial_val_loss"] - 1.0
+    assert "sample:" in capsys.readouterr().out
+
+
+def test_gpt_rejects_heads_that_do_not_divide_the_width():
+    result = subprocess.run([sys.executable, "-m", "minitrain.examples.gpt", "--n-embd", "30", "--n-head", "4"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "divisible" in result.stderr

@@ -1,0 +1,31 @@
+"""run_mpi, the harness every later MPI test uses: rank-labelled output, failures and hangs
+reported with every rank's output, within the timeout."""
+import sys
+import time
+
+import pytest
+
+from minitrain.testing import MPIRunError, run_mpi
+
+
+def test_every_rank_runs_and_is_labelled():
+    result = run_mpi([sys.executable, "-c", "import os; print('hello from', os.environ['PMI_RANK'])"], n=3, timeout=30)
+    for r in range(3):
+        assert f"[{r}] hello from {r}" in result.stdout
+
+
+def test_a_failing_rank_fails_the_run_with_all_output():
+    code = "import os, sys; r = int(os.environ['PMI_RANK']); print('rank', r, 'ok'); sys.exit(3 if r == 1 else 0)"
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-c", code], n=2, timeout=30)
+    assert "rank 0 ok" in str(err.value) and "rank 1 ok" in str(err.value)
+
+
+def test_a_hanging_rank_is_killed_at_the_timeout():
+    code = ("import os, time; r = int(os.environ['PMI_RANK']); print('rank', r, 'started', flush=True);"
+            "time.sleep(600 if r == 1 else 0)")
+    start = time.monotonic()
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-c", code], n=2, timeout=5)
+    assert time.monotonic() - start < 30
+    assert "rank 1 started" in str(err.value)

@@ -1,0 +1,79 @@
+"""Optimizer mechanics beyond the PyTorch oracle: state dicts, groups, zero_grad, clipping."""
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import nn, optim
+from minitrain.nn import functional as F
+
+
+def train(model, opt, steps, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        x, y = rng.standard_normal((8, 4)), rng.integers(0, 3, 8)
+        opt.zero_grad()
+        F.cross_entropy(model(mt.Tensor(x)), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("make", [lambda ps: optim.Adam(ps, lr=1e-2),
+                                  lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)])
+def test_state_dict_resumes_training_exactly(make, float64):
+    mt.manual_seed(0)
+    a = nn.MLP([4, 8, 3])
+    b = nn.MLP([4, 8, 3])
+    b.load_state_dict(a.state_dict())
+    opt_a, opt_b = make(a.parameters()), make(b.parameters())
+    train(a, opt_a, 3, seed=1)
+    train(b, opt_b, 3, seed=1)
+    c = nn.MLP([4, 8, 3])
+    c.load_state_dict(b.state_dict())
+    opt_c = make(c.parameters())
+    opt_c.load_state_dict(opt_b.state_dict())
+    train(a, opt_a, 3, seed=2)
+    train(c, opt_c, 3, seed=2)
+    for p, q in zip(a.parameters(), c.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+
+
+def test_param_groups_take_their_own_lr(float64):
+    w1, w2 = nn.Parameter(np.ones(2)), nn.Parameter(np.ones(2))
+    opt = optim.SGD([{"params": [w1]}, {"params": [w2], "lr": 0.5}], lr=0.1)
+    w1.grad, w2.grad = np.ones(2), np.ones(2)
+    opt.step()
+    np.testing.assert_allclose(w1.data, 0.9)
+    np.testing.assert_allclose(w2.data, 0.5)
+
+
+def test_zero_grad_sets_none_or_zeros():
+    w = nn.Parameter(np.ones(2, dtype=np.float32))
+    opt = optim.SGD([w], lr=0.1)
+    w.grad = np.ones(2, dtype=np.float32)
+    opt.zero_grad(set_to_none=False)
+    np.testing.assert_array_equal(w.grad, 0)
+    opt.zero_grad()
+    assert w.grad is None
+
+
+def test_parameters_without_gradients_are_skipped(float64):
+    w = nn.Parameter(np.ones(2))
+    optim.Adam([w]).step()
+    np.testing.assert_array_equal(w.data, 1.0)
+
+
+def test_clip_grad_norm_uses_the_global_norm(float64):
+    a, b = nn.Parameter(np.zeros(1)), nn.Parameter(np.zeros(1))
+    a.grad, b.grad = np.array([3.0]), np.array([4.0])
+    norm = optim.clip_grad_norm_([a, b], 1.0)
+    assert norm == pytest.approx(5.0)
+    np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
+
+
+def test_bad_hyper_parameters_are_rejected():
+    w = nn.Parameter(np.ones(2))
+    with pytest.raises(ValueError):
+        optim.SGD([w], lr=-1)
+    with pytest.raises(ValueError):
+        optim.Adam([w], betas=(1.0, 0.9))
+    with pytest.raises(ValueError):
+        optim.SGD([], lr=0.1)
