@@ -1,0 +1,121 @@
+"""Every collective checked exactly on awkward sizes and every dtype, on any communicator:
+run in-process on ThreadWorld by the tests, and under mpiexec against MPI's built-ins
+(``python -m minitrain.comm.checks``)."""
+import sys
+
+import numpy as np
+
+from ..testing import (COLLECTIVE_DTYPES, check_all_reduce, collective_lengths, expected_reduction,
+                       rank_input)
+from . import collectives as C
+from .collectives import chunk_bounds
+
+
+def check_reduce_scatter(comm, mpi_comm=None):
+    count = 0
+    for n in collective_lengths(comm.size):
+        for dtype in COLLECTIVE_DTYPES:
+            for op in ("sum", "max", "min"):
+                x = rank_input(comm.rank, n, dtype)
+                got = C.ring_reduce_scatter(comm, x, op=op)
+                want = np.array_split(expected_reduction(comm.size, n, dtype, op), comm.size)[comm.rank]
+                assert np.array_equal(got, want), f"[rank {comm.rank}] reduce_scatter n={n} {dtype} {op}"
+                if mpi_comm is not None and dtype != "float16":
+                    from mpi4py import MPI
+                    counts = [b - a for a, b in zip(chunk_bounds(n, comm.size)[:-1], chunk_bounds(n, comm.size)[1:])]
+                    ref = np.empty(counts[comm.rank], dtype)
+                    mpi_comm.Reduce_scatter(x, ref, counts, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+                    assert np.array_equal(got, ref), f"[rank {comm.rank}] reduce_scatter differs from MPI"
+                count += 1
+    return count
+
+
+def check_all_gather(comm, mpi_comm=None):
+    count = 0
+    for n in collective_lengths(comm.size):
+        for dtype in COLLECTIVE_DTYPES:
+            full = rank_input(99, n, dtype)
+            shard = np.array_split(full, comm.size)[comm.rank]
+            for total in (n, None):
+                got = C.ring_all_gather(comm, shard, total=total)
+                assert np.array_equal(got, full), f"[rank {comm.rank}] all_gather n={n} {dtype} total={total}"
+                count += 1
+            if mpi_comm is not None and dtype != "float16":
+                counts = [len(s) for s in np.array_split(full, comm.size)]
+                ref = np.empty(n, dtype)
+                mpi_comm.Allgatherv(shard, [ref, counts])
+                assert np.array_equal(ref, got), f"[rank {comm.rank}] all_gather differs from MPI"
+    return count
+
+
+def check_trees(comm, mpi_comm=None):
+    count = 0
+    for n in collective_lengths(comm.size):
+        for dtype in COLLECTIVE_DTYPES:
+            for root in sorted({0, comm.size - 1}):
+                buf = rank_input(comm.rank, n, dtype)
+                C.broadcast(comm, buf, root=root)
+                assert np.array_equal(buf, rank_input(root, n, dtype)), f"[rank {comm.rank}] broadcast root={root}"
+                got = C.reduce(comm, rank_input(comm.rank, n, dtype), root=root, op="sum")
+                if comm.rank == root:
+                    assert np.array_equal(got, expected_reduction(comm.size, n, dtype, "sum")), "reduce"
+                else:
+                    assert got is None
+                count += 2
+        if mpi_comm is not None:
+            x = rank_input(comm.rank, n, np.float64)
+            ref = x.copy()
+            mpi_comm.Bcast(ref, root=0)
+            C.broadcast(comm, x, root=0)
+            assert np.array_equal(x, ref), "broadcast differs from MPI_Bcast"
+    return count
+
+
+def check_all_to_all(comm, mpi_comm=None):
+    count = 0
+    for per_block in (0, 1, 3):
+        for dtype in COLLECTIVE_DTYPES:
+            x = rank_input(comm.rank, comm.size * per_block * 2, dtype).reshape(comm.size * per_block, 2)
+            got = C.all_to_all(comm, x)
+            blocks = [np.split(rank_input(r, comm.size * per_block * 2, dtype).reshape(-1, 2), comm.size)[comm.rank]
+                      for r in range(comm.size)]
+            assert np.array_equal(got, np.concatenate(blocks)), f"[rank {comm.rank}] all_to_all"
+            if mpi_comm is not None and dtype != "float16":
+                ref = np.empty_like(x)
+                mpi_comm.Alltoall(x, ref)
+                assert np.array_equal(got, ref), "all_to_all differs from MPI_Alltoall"
+            count += 1
+    return count
+
+
+def run_all(comm, mpi_comm=None):
+    """Every collective on every case; returns {name: number of checks}."""
+    counts = {}
+    for name in ("ring_all_reduce", "recursive_doubling_all_reduce", "naive_all_reduce", "all_reduce"):
+        impl = getattr(C, name)
+        counts[name] = check_all_reduce(comm, impl, mpi_comm=mpi_comm, name=name)
+    counts["ring_reduce_scatter"] = check_reduce_scatter(comm, mpi_comm)
+    counts["ring_all_gather"] = check_all_gather(comm, mpi_comm)
+    counts["broadcast+reduce"] = check_trees(comm, mpi_comm)
+    counts["all_to_all"] = check_all_to_all(comm, mpi_comm)
+    return counts
+
+
+def main():
+    from .mpi import init
+    comm = init(timeout=60)
+    big = "--big" in sys.argv
+    counts = run_all(comm, mpi_comm=comm.mpi_comm)
+    if big:   # ~2^27 elements (512 MiB of float32 per rank)
+        n = 1 << 27
+        x = np.full(n, comm.rank + 1, np.float32)
+        got = C.ring_all_reduce(comm, x)
+        ref = np.empty_like(x)
+        comm.mpi_comm.Allreduce(x, ref)
+        assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 elements differ from MPI"
+        counts["ring_all_reduce 2^27"] = 1
+    print(f"rank {comm.rank} of {comm.size}: {sum(counts.values())} checks passed {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

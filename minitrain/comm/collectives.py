@@ -1,0 +1,330 @@
+"""Hand-written collectives on the Communicator's point-to-point calls (Thakur et al. 2005;
+Patarasuk & Yuan 2009 for the ring). MPI's built-ins are the oracle and the speed anchor only.
+
+Cost model: sending n bytes costs alpha + n·beta. p ranks, N elements of the input, b bytes
+each. Per rank (what ``comm.stats`` measures):
+
+  ring_reduce_scatter   (p-1) messages, (N - |own chunk|)·b         ~ (p-1)/p·N·b
+  ring_all_gather       (p-1) messages, (N - |chunk r+1|)·b         ~ (p-1)/p·N·b
+  ring_all_reduce       both of the above: 2(p-1)·alpha + 2(p-1)/p·N·b·beta   (bandwidth-optimal)
+  recursive_doubling    log2(p) messages of N·b: log2(p)·(alpha + N·b·beta)   (latency-optimal)
+  naive_all_reduce      root receives and sends (p-1)·N·b: 2(p-1)·(alpha + N·b·beta) at the root
+  broadcast / reduce    binomial tree: ceil(log2 p)·(alpha + N·b·beta) on the critical path
+  all_to_all            (p-1) messages of N/p·b: (p-1)·alpha + (p-1)/p·N·b·beta
+
+Arrays of any shape are treated as flat; chunks follow ``np.array_split(x.ravel(), p)``, so any
+length works (0, 1, fewer than p, not divisible by p). ``op`` is sum, mean, max or min (mean:
+floating dtypes only, since an integer mean is not an integer). ``ring_all_reduce`` and friends
+return new arrays and leave the input untouched; ``broadcast`` fills the receivers' buffers in
+place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
+"""
+import numpy as np
+
+from ..backend import array_module
+
+OPS = ("sum", "mean", "max", "min")
+# all_reduce(algorithm="auto") uses recursive doubling below this many bytes and the ring above:
+# the crossover measured by scripts/bench_collectives.py on the 2-core machine (see README).
+AUTO_CROSSOVER_BYTES = 64 * 1024
+
+
+def chunk_bounds(n, p):
+    """Start offsets of np.array_split(range(n), p), plus n: chunk i is [b[i], b[i+1])."""
+    base, extra = divmod(n, p)
+    bounds = [0]
+    for i in range(p):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _check_op(op, dtype):
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
+    if op == "mean" and np.dtype(dtype).kind not in "fc":
+        raise TypeError(f"op='mean' needs a floating dtype, got {np.dtype(dtype)} (use 'sum')")
+
+
+def _combine(acc, incoming, op):
+    """acc = acc (op) incoming, in place (mean sums; the division comes at the end)."""
+    xp = array_module(acc)
+    if op in ("sum", "mean"):
+        xp.add(acc, incoming, out=acc)
+    elif op == "max":
+        xp.maximum(acc, incoming, out=acc)
+    else:
+        xp.minimum(acc, incoming, out=acc)
+
+
+def _finish_mean(a, op, p):
+    if op == "mean":
+        a /= p
+
+
+def _flat(x):
+    xp = array_module(x)
+    return xp.ascontiguousarray(x).reshape(-1)
+
+
+def _launch(comm, name, body, args, async_op, header, nbytes):
+    """Take the next sequence number now (program order, identical on every rank), then run
+    the body here or on the progress thread."""
+    seq_tag = comm.next_tag()
+
+    def run():
+        with comm.collective(name, seq_tag, header, nbytes) as tag:
+            return body(comm, tag, *args)
+    run.__name__ = name
+    if async_op:
+        return comm.submit(run)
+    return run()
+
+
+# ---------------------------------------------------------------- ring algorithms
+def _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op):
+    """Phase 1 of the ring: after p-1 steps out[chunk r] holds the reduction of everyone's chunk r.
+    Each chunk arrives at a rank exactly once, so out = received (op) own input, no copy first."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    for step in range(p - 1):
+        send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
+        source = flat if step == 0 else out          # from step 1 on, forward what we reduced
+        incoming = out[bounds[recv_i]:bounds[recv_i + 1]]
+        comm.sendrecv(source[bounds[send_i]:bounds[send_i + 1]], right, incoming, left, tag)
+        _combine(incoming, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
+
+
+def _ring_all_gather_into(comm, tag, out, bounds):
+    """Phase 2: pass chunks around the ring; after p-1 steps every rank holds every chunk."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    for step in range(p - 1):
+        send_i, recv_i = (r - step) % p, (r - step - 1) % p
+        comm.sendrecv(out[bounds[send_i]:bounds[send_i + 1]], right,
+                      out[bounds[recv_i]:bounds[recv_i + 1]], left, tag)
+
+
+def _ring_all_reduce_body(comm, tag, x, op):
+    flat = _flat(x)
+    out = array_module(flat).empty_like(flat)
+    bounds = chunk_bounds(flat.size, comm.size)
+    if comm.size == 1:
+        out[...] = flat
+    _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op)
+    _finish_mean(out[bounds[comm.rank]:bounds[comm.rank + 1]], op, comm.size)
+    _ring_all_gather_into(comm, tag, out, bounds)
+    return out.reshape(x.shape)
+
+
+def ring_all_reduce(comm, x, op="sum", async_op=False):
+    """Every rank gets the reduction of all ranks' ``x`` (same shape everywhere): ring
+    reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank."""
+    _check_op(op, x.dtype)
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
+    return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op), async_op, header, x.nbytes)
+
+
+def _ring_reduce_scatter_body(comm, tag, x, op):
+    flat = _flat(x)
+    bounds = chunk_bounds(flat.size, comm.size)
+    out = array_module(flat).empty_like(flat)
+    if comm.size == 1:
+        out[...] = flat
+    _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op)
+    mine = out[bounds[comm.rank]:bounds[comm.rank + 1]].copy()
+    _finish_mean(mine, op, comm.size)
+    return mine
+
+
+def ring_reduce_scatter(comm, x, op="sum", async_op=False):
+    """Rank r gets chunk r (``np.array_split(x.ravel(), p)[r]``) of the reduction of all ranks' x.
+    (p-1) steps; (N - |chunk r|)·b bytes sent per rank."""
+    _check_op(op, x.dtype)
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
+    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op), async_op, header, x.nbytes)
+
+
+def _ring_all_gather_body(comm, tag, shard, total):
+    shard = _flat(shard)
+    xp = array_module(shard)
+    if total is None:                 # lengths unknown: gather them first (p-1 tiny messages)
+        lengths = np.empty(comm.size, np.int64)
+        lengths[comm.rank] = shard.size
+        sizes_bounds = list(range(comm.size + 1))
+        _ring_all_gather_into(comm, tag, lengths, sizes_bounds)
+        bounds = [0] + np.cumsum(lengths).tolist()
+    else:
+        bounds = chunk_bounds(total, comm.size)
+        if bounds[comm.rank + 1] - bounds[comm.rank] != shard.size:
+            raise ValueError(f"[rank {comm.rank}] ring_all_gather: shard of {shard.size} elements, but "
+                             f"np.array_split of {total} over {comm.size} gives this rank "
+                             f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
+    out = xp.empty(bounds[-1], dtype=shard.dtype)
+    out[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
+    _ring_all_gather_into(comm, tag, out, bounds)
+    return out
+
+
+def ring_all_gather(comm, shard, total=None, async_op=False):
+    """Concatenation of every rank's (flat) shard, in rank order. Shards may differ in length
+    (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
+    lengths are exchanged first. (p-1) steps; (N - |chunk r+1|)·b bytes sent per rank."""
+    header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
+    return _launch(comm, "ring_all_gather", _ring_all_gather_body, (shard, total), async_op, header,
+                   shard.nbytes)
+
+
+# ---------------------------------------------------------------- trees
+def _broadcast_body(comm, tag, x, root):
+    p = comm.size
+    vrank = (comm.rank - root) % p           # rank relative to the root
+    flat = x.reshape(-1)
+    mask = 1
+    while mask < p:                          # round k: ranks [0, 2^k) send to [2^k, 2^(k+1))
+        if vrank < mask:
+            child = vrank + mask
+            if child < p:
+                comm.send(flat, (child + root) % p, tag)
+        elif vrank < 2 * mask:
+            comm.recv(flat, (vrank - mask + root) % p, tag)
+        mask <<= 1
+    return x
+
+
+def broadcast(comm, x, root=0, async_op=False):
+    """Copy root's ``x`` into every rank's ``x`` (in place; every rank passes a buffer of the same
+    shape and dtype) along a binomial tree: ceil(log2 p) rounds."""
+    if not 0 <= root < comm.size:
+        raise ValueError(f"broadcast: root {root} is not in a world of size {comm.size}")
+    if not x.flags.c_contiguous:
+        raise ValueError("broadcast: the buffer must be contiguous (it is filled in place)")
+    header = {"shape": x.shape, "dtype": x.dtype, "extra": root}
+    return _launch(comm, "broadcast", _broadcast_body, (x, root), async_op, header, x.nbytes)
+
+
+def _reduce_body(comm, tag, x, root, op):
+    p = comm.size
+    vrank = (comm.rank - root) % p
+    acc = _flat(x).copy()
+    incoming = array_module(acc).empty_like(acc)
+    mask = 1
+    while mask < p:                          # mirror image of the broadcast tree
+        if vrank & mask:
+            comm.send(acc, (vrank - mask + root) % p, tag)
+            return None
+        child = vrank + mask
+        if child < p:
+            comm.recv(incoming, (child + root) % p, tag)
+            _combine(acc, incoming, op)
+        mask <<= 1
+    _finish_mean(acc, op, p)
+    return acc.reshape(x.shape)
+
+
+def reduce(comm, x, root=0, op="sum", async_op=False):
+    """The reduction of all ranks' ``x`` on ``root`` (None on the others), along a binomial tree."""
+    _check_op(op, x.dtype)
+    if not 0 <= root < comm.size:
+        raise ValueError(f"reduce: root {root} is not in a world of size {comm.size}")
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
+    return _launch(comm, "reduce", _reduce_body, (x, root, op), async_op, header, x.nbytes)
+
+
+# ---------------------------------------------------------------- the contrast and the latency-bound case
+def _naive_body(comm, tag, x, op, root):
+    flat = _flat(x)
+    out = flat.copy()
+    if comm.rank == root:
+        incoming = array_module(flat).empty_like(flat)
+        for peer in range(comm.size):
+            if peer != root:
+                comm.recv(incoming, peer, tag)
+                _combine(out, incoming, op)
+        _finish_mean(out, op, comm.size)
+        for peer in range(comm.size):
+            if peer != root:
+                comm.send(out, peer, tag)
+    else:
+        comm.send(flat, root, tag)
+        comm.recv(out, root, tag)
+    return out.reshape(x.shape)
+
+
+def naive_all_reduce(comm, x, op="sum", root=0, async_op=False):
+    """Everyone sends everything to the root, which reduces and sends the result back to each:
+    the root moves 2(p-1)·N·b bytes, serially. The contrast that motivates the ring."""
+    _check_op(op, x.dtype)
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
+    return _launch(comm, "naive_all_reduce", _naive_body, (x, op, root), async_op, header, x.nbytes)
+
+
+def _recursive_doubling_body(comm, tag, x, op):
+    p, r = comm.size, comm.rank
+    acc = _flat(x).copy()
+    incoming = array_module(acc).empty_like(acc)
+    pow2 = 1
+    while pow2 * 2 <= p:
+        pow2 *= 2
+    extra = p - pow2
+    # fold the ranks beyond the largest power of two into their partners r - pow2
+    if r >= pow2:
+        comm.send(acc, r - pow2, tag)
+        comm.recv(acc, r - pow2, tag)
+        return acc.reshape(x.shape)
+    if r < extra:
+        comm.recv(incoming, r + pow2, tag)
+        _combine(acc, incoming, op)
+    mask = 1
+    while mask < pow2:                       # exchange whole vectors with the partner r XOR mask
+        partner = r ^ mask
+        comm.sendrecv(acc, partner, incoming, partner, tag)
+        _combine(acc, incoming, op)          # a+b == b+a in IEEE arithmetic: partners stay bit-identical
+        mask <<= 1
+    _finish_mean(acc, op, p)
+    if r < extra:
+        comm.send(acc, r + pow2, tag)
+    return acc.reshape(x.shape)
+
+
+def recursive_doubling_all_reduce(comm, x, op="sum", async_op=False):
+    """log2(p) rounds, each exchanging the whole vector with the partner rank r XOR 2^k; ranks
+    beyond the largest power of two fold in first and get the result last. Few messages, many
+    bytes: the right choice for small messages, where latency (alpha) dominates."""
+    _check_op(op, x.dtype)
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
+    return _launch(comm, "recursive_doubling_all_reduce", _recursive_doubling_body, (x, op), async_op,
+                   header, x.nbytes)
+
+
+def _all_to_all_body(comm, tag, x):
+    p, r = comm.size, comm.rank
+    blocks = _flat(x).reshape(p, -1)
+    out = array_module(blocks).empty_like(blocks)
+    out[r] = blocks[r]
+    for step in range(1, p):                 # pairwise exchange: send to r+step, hear from r-step
+        dest, source = (r + step) % p, (r - step) % p
+        comm.sendrecv(blocks[dest], dest, out[source], source, tag)
+    return out.reshape(x.shape)
+
+
+def all_to_all(comm, x, async_op=False):
+    """Block j of ``x`` (x split into p equal blocks along axis 0) goes to rank j; block j of the
+    result came from rank j (MPI_Alltoall). (p-1) messages of N/p elements per rank."""
+    if x.ndim == 0 or x.shape[0] % comm.size:
+        raise ValueError(f"all_to_all: the first axis ({x.shape[:1]}) must divide into {comm.size} equal blocks")
+    header = {"shape": x.shape, "dtype": x.dtype}
+    return _launch(comm, "all_to_all", _all_to_all_body, (x,), async_op, header, x.nbytes)
+
+
+# ---------------------------------------------------------------- the dispatcher
+ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
+              "naive": naive_all_reduce}
+
+
+def all_reduce(comm, x, op="sum", algorithm="auto", async_op=False):
+    """All-reduce choosing the algorithm: ``auto`` takes recursive doubling for messages under
+    AUTO_CROSSOVER_BYTES (latency-bound) and the ring above (bandwidth-bound)."""
+    if algorithm == "auto":
+        algorithm = "recursive_doubling" if x.nbytes < AUTO_CROSSOVER_BYTES else "ring"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown all_reduce algorithm {algorithm!r}: expected auto or one of {sorted(ALGORITHMS)}")
+    return ALGORITHMS[algorithm](comm, x, op=op, async_op=async_op)

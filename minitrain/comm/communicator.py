@@ -1,0 +1,308 @@
+"""Communicator: the only way bytes cross ranks. Point-to-point calls, counted and hang-proof.
+
+Two transports implement the same five primitives (``_isend``, ``_irecv``, ``_split``, ``_idle``,
+``abort``): ``MPICommunicator`` (mpi4py's buffer API) and ``ThreadWorld`` (ranks as threads).
+Everything above is shared and written once, here:
+
+* ``send/recv/sendrecv/isend/irecv`` on contiguous numpy (or cupy) arrays, sent as raw bytes;
+* ``stats``: bytes and messages sent/received, in total and per collective name;
+* waiting: requests are polled with ``test()``: yielding the core for the first ~2 ms, then
+  sleeping with a growing back-off (spinning waiters with more ranks than cores halved the
+  compute rank's speed, DESIGN.md). Every wait has a timeout (``MINITRAIN_TIMEOUT`` seconds,
+  default 300) that raises ``CollectiveTimeout`` naming the operation and the silent peers;
+* collective bookkeeping: each collective call takes the next sequence number, which becomes
+  its message tag (so a blocking collective and an asynchronous one in flight never mix up
+  their messages), and with ``MINITRAIN_DEBUG=1`` first exchanges a header (name, sequence
+  number, shape, dtype, op) with every rank, raising ``CollectiveMismatchError`` on disagreement.
+"""
+import os
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+
+import numpy as np
+
+from .. import trace
+
+USER_TAG_LIMIT = 1 << 15     # p2p tags a user may choose: 0 .. 32767
+COLLECTIVE_TAG_SPAN = 1 << 14
+YIELD_WINDOW_S = 2e-3        # poll with sched_yield this long, then sleep
+MAX_SLEEP_S = 1e-3
+
+
+class CommError(RuntimeError):
+    """A communication call was used wrongly (bad peer, bad buffer, size mismatch)."""
+
+
+class CollectiveTimeout(CommError):
+    """A wait ran past MINITRAIN_TIMEOUT: some peer never answered."""
+
+
+class CollectiveMismatchError(CommError):
+    """Ranks called different collectives, or the same one with different arguments."""
+
+
+class RankFailedError(CommError):
+    """Another rank failed, so this one stopped waiting for it."""
+
+
+def default_timeout():
+    return float(os.environ.get("MINITRAIN_TIMEOUT", "300"))
+
+
+def debug_enabled():
+    return os.environ.get("MINITRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+class CommStats:
+    """Bytes and messages, in total and per collective name ("p2p" outside collectives)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self.bytes_sent = self.bytes_received = 0
+            self.messages_sent = self.messages_received = 0
+            self.by_name = {}
+
+    def _entry(self, name):
+        entry = self.by_name.get(name)
+        if entry is None:
+            entry = self.by_name[name] = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
+                                          "messages_received": 0, "calls": 0}
+        return entry
+
+    def record_send(self, name, nbytes):
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.messages_sent += 1
+            e = self._entry(name)
+            e["bytes_sent"] += nbytes
+            e["messages_sent"] += 1
+
+    def record_recv(self, name, nbytes):
+        with self._lock:
+            self.bytes_received += nbytes
+            self.messages_received += 1
+            e = self._entry(name)
+            e["bytes_received"] += nbytes
+            e["messages_received"] += 1
+
+    def record_call(self, name):
+        with self._lock:
+            self._entry(name)["calls"] += 1
+
+    def __getitem__(self, name):
+        return dict(self.by_name.get(name) or self._entry(name))
+
+    def as_dict(self):
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "messages_sent": self.messages_sent, "messages_received": self.messages_received,
+                "by_name": {k: dict(v) for k, v in self.by_name.items()}}
+
+
+class Request:
+    """A pending send or receive. Transports implement ``test()``; ``peer`` and ``kind`` name it in errors."""
+
+    def __init__(self, peer, kind):
+        self.peer, self.kind = peer, kind
+
+    def test(self):
+        raise NotImplementedError
+
+
+def _as_buffer(a, what):
+    if not hasattr(a, "nbytes"):
+        raise CommError(f"{what}: expected a numpy or cupy array, got {type(a).__name__}")
+    if not (a.flags.c_contiguous or a.size == 0):
+        raise CommError(f"{what}: buffer of shape {a.shape} is not contiguous (use ascontiguousarray)")
+    return a
+
+
+class Communicator:
+    def __init__(self, rank, size, timeout=None):
+        self.rank, self.size = rank, size
+        self.timeout = default_timeout() if timeout is None else timeout
+        self.debug = debug_enabled()
+        self.stats = CommStats()
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._local = threading.local()          # name of the collective running on this thread
+        self._progress = None
+        self._progress_lock = threading.Lock()
+
+    # ---- the transport's primitives
+    def _isend(self, buf, dest, tag):
+        raise NotImplementedError
+
+    def _irecv(self, buf, source, tag):
+        raise NotImplementedError
+
+    def _split(self, color, key):
+        raise NotImplementedError
+
+    def _idle(self, seconds):
+        time.sleep(seconds)
+
+    def abort(self, code=1):
+        raise NotImplementedError
+
+    # ---- point-to-point
+    def _check_peer(self, peer, what):
+        if not 0 <= peer < self.size:
+            raise CommError(f"[rank {self.rank}] {what}: peer {peer} is not in a world of size {self.size}")
+
+    def _current_name(self):
+        return getattr(self._local, "name", None) or "p2p"
+
+    def isend(self, buf, dest, tag=0):
+        self._check_peer(dest, "send")
+        buf = _as_buffer(buf, f"[rank {self.rank}] send to {dest}")
+        self.stats.record_send(self._current_name(), buf.nbytes)
+        return self._isend(buf, dest, tag)
+
+    def irecv(self, buf, source, tag=0):
+        self._check_peer(source, "recv")
+        buf = _as_buffer(buf, f"[rank {self.rank}] recv from {source}")
+        self.stats.record_recv(self._current_name(), buf.nbytes)
+        return self._irecv(buf, source, tag)
+
+    def send(self, buf, dest, tag=0):
+        self.wait_all([self.isend(buf, dest, tag)], f"send to rank {dest}")
+
+    def recv(self, buf, source, tag=0):
+        """Receive into ``buf`` (its size must be the message's) and return it."""
+        self.wait_all([self.irecv(buf, source, tag)], f"recv from rank {source}")
+        return buf
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, sendtag=0, recvtag=None):
+        """Send to ``dest`` and receive from ``source`` at once (a ring step)."""
+        recv = self.irecv(recvbuf, source, sendtag if recvtag is None else recvtag)
+        send = self.isend(sendbuf, dest, sendtag)
+        self.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
+        return recvbuf
+
+    def wait_all(self, requests, what="wait"):
+        """Poll until every request completes: yield the core at first, then sleep with back-off.
+        Raises CollectiveTimeout naming the peers that never answered."""
+        pending = [r for r in requests if not r.test()]
+        if not pending:
+            return
+        start = time.perf_counter()
+        sleep = 0.0
+        while pending:
+            pending = [r for r in pending if not r.test()]
+            if not pending:
+                return
+            elapsed = time.perf_counter() - start
+            if elapsed > self.timeout:
+                name = getattr(self._local, "name", None)
+                peers = sorted({r.peer for r in pending})
+                raise CollectiveTimeout(
+                    f"[rank {self.rank}] {name + ': ' if name else ''}{what} timed out after "
+                    f"{self.timeout:g} s (MINITRAIN_TIMEOUT); no answer from rank(s) {peers} "
+                    f"({', '.join(f'{r.kind} rank {r.peer}' for r in pending)})")
+            if elapsed < YIELD_WINDOW_S:
+                time.sleep(0)
+            else:
+                sleep = min(max(2 * sleep, 5e-5), MAX_SLEEP_S)
+                self._idle(sleep)
+
+    def barrier(self):
+        """Dissemination barrier (Hensgen et al. 1988): ceil(log2 p) rounds of empty messages."""
+        with self.collective("barrier") as tag:
+            token, incoming = np.zeros(0, np.uint8), np.zeros(0, np.uint8)
+            distance = 1
+            while distance < self.size:
+                self.sendrecv(token, (self.rank + distance) % self.size, incoming,
+                              (self.rank - distance) % self.size, tag)
+                distance *= 2
+
+    def split(self, color, key=None):
+        """Sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then rank)."""
+        return self._split(int(color), self.rank if key is None else int(key))
+
+    # ---- collective bookkeeping
+    def next_tag(self):
+        with self._seq_lock:
+            seq = self._seq
+            self._seq += 1
+        return seq, USER_TAG_LIMIT + seq % COLLECTIVE_TAG_SPAN
+
+    @contextmanager
+    def collective(self, name, seq_tag=None, header=None, nbytes=0):
+        """Run a collective body: names its traffic in ``stats``, traces it, and (debug) checks
+        first that every rank is calling the same thing. Yields the message tag to use."""
+        seq, tag = seq_tag if seq_tag is not None else self.next_tag()
+        previous = getattr(self._local, "name", None)
+        self._local.name = name
+        self.stats.record_call(name)
+        try:
+            with trace.span(name, kind="comm", bytes=nbytes, seq=seq):
+                if self.debug and self.size > 1:
+                    self._check_header(name, seq, tag, header or {})
+                yield tag
+        finally:
+            self._local.name = previous
+
+    def _check_header(self, name, seq, tag, header):
+        """Exchange (name, seq, shape, dtype, op) with every rank; raise if any disagrees."""
+        mine = encode_header(name, seq, header)
+        others = np.empty((self.size, mine.size), np.int64)
+        others[self.rank] = mine
+        reqs = []
+        for peer in range(self.size):
+            if peer != self.rank:
+                reqs.append(self._irecv(others[peer], peer, tag))
+                reqs.append(self._isend(mine, peer, tag))
+        self.wait_all(reqs, f"{name} #{seq}: header check")
+        differ = [peer for peer in range(self.size) if not np.array_equal(others[peer], mine)]
+        if differ:
+            lines = [f"  rank {peer}: {describe_header(others[peer])}" for peer in range(self.size)]
+            raise CollectiveMismatchError(
+                f"[rank {self.rank}] collective #{seq} disagrees across ranks (rank(s) {differ} differ "
+                f"from rank {self.rank}):\n" + "\n".join(lines))
+
+    # ---- asynchronous work
+    def submit(self, fn, *args):
+        """Queue ``fn(*args)`` on this communicator's progress thread; returns a Work."""
+        from .work import ProgressThread
+        with self._progress_lock:
+            if self._progress is None:
+                self._progress = ProgressThread(self)
+        return self._progress.submit(fn, args)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+# ---- collective headers (debug mode): fixed-size int64 arrays, comparable element by element
+NAMES = {}
+OPS = {None: 0, "sum": 1, "mean": 2, "max": 3, "min": 4}
+MAX_DIMS = 6
+
+
+def encode_header(name, seq, header):
+    code = zlib.crc32(name.encode())
+    NAMES[code] = name
+    shape = header.get("shape")
+    dims = [-1] * MAX_DIMS if shape is None else (list(shape) + [-2] * MAX_DIMS)[:MAX_DIMS]
+    dtype = header.get("dtype")
+    dcode = zlib.crc32(np.dtype(dtype).str.encode()) if dtype is not None else 0
+    if dtype is not None:
+        NAMES[dcode] = np.dtype(dtype).name
+    extra = header.get("extra", 0)
+    return np.array([code, seq, -1 if shape is None else len(shape), *dims, dcode,
+                     OPS.get(header.get("op"), 9), extra], np.int64)
+
+
+def describe_header(h):
+    name = NAMES.get(int(h[0]), f"collective {int(h[0])}")
+    ndim = int(h[2])
+    shape = "any" if ndim < 0 else tuple(int(d) for d in h[3:3 + ndim])
+    dtype = NAMES.get(int(h[3 + MAX_DIMS]), "?")
+    op = {v: k for k, v in OPS.items()}.get(int(h[4 + MAX_DIMS]))
+    return f"{name} #{int(h[1])} shape={shape} dtype={dtype} op={op} root/extra={int(h[5 + MAX_DIMS])}"

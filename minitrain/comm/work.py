@@ -1,0 +1,67 @@
+"""Asynchronous collectives: a Work handle, and one progress thread per communicator.
+
+``all_reduce(comm, x, async_op=True)`` queues the collective on the communicator's progress
+thread and returns a ``Work`` at once; the caller keeps computing (NumPy and the MPI waits
+release the GIL in their heavy parts) and calls ``work.wait()`` when it needs the result.
+Queued collectives run one at a time in submission order, which is the same order on every
+rank, so their messages can never cross. Do not modify an input array until its Work is done.
+"""
+import queue
+import threading
+
+from .. import memory, trace
+from .communicator import CollectiveTimeout
+
+
+class Work:
+    def __init__(self, comm, name):
+        self.comm, self.name = comm, name
+        self._done = threading.Event()
+        self._result = None
+        self._exception = None
+
+    def _finish(self, result=None, exception=None):
+        self._result, self._exception = result, exception
+        self._done.set()
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def wait(self, timeout=None):
+        """Block until the collective has finished; returns its result (re-raises its error)."""
+        timeout = self.comm.timeout + 5 if timeout is None else timeout
+        if not self._done.wait(timeout):
+            raise CollectiveTimeout(f"[rank {self.comm.rank}] async {self.name} did not finish "
+                                    f"within {timeout:g} s")
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def result(self):
+        return self.wait()
+
+
+class ProgressThread:
+    """Runs queued collectives in order, on behalf of the thread that submitted them (same memory
+    tracker and tracer, so accounting and traces land on the right rank)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"progress-rank{comm.rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, args):
+        work = Work(self.comm, getattr(fn, "__name__", "collective"))
+        self._queue.put((fn, args, work, memory.tracker(), trace.tracer()))
+        return work
+
+    def _loop(self):
+        while True:
+            fn, args, work, tracker, tracer = self._queue.get()
+            trace.set_tracer(tracer)
+            try:
+                with memory.use_tracker(tracker):
+                    work._finish(result=fn(*args))
+            except BaseException as e:      # delivered to whoever waits on the Work
+                work._finish(exception=e)
