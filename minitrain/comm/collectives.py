@@ -68,7 +68,7 @@ def _flat(x):
 def _launch(comm, name, body, args, async_op, header, nbytes):
     """Take the next sequence number now (program order, identical on every rank), then run
     the body here or on the progress thread."""
-    seq_tag = comm.next_tag()
+    seq_tag = comm.next_tag(name)
 
     def run():
         with comm.collective(name, seq_tag, header, nbytes) as tag:

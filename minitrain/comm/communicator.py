@@ -10,9 +10,11 @@ Everything above is shared and written once, here:
   sleeping with a growing back-off (spinning waiters with more ranks than cores halved the
   compute rank's speed, DESIGN.md). Every wait has a timeout (``MINITRAIN_TIMEOUT`` seconds,
   default 300) that raises ``CollectiveTimeout`` naming the operation and the silent peers;
-* collective bookkeeping: each collective call takes the next sequence number, which becomes
-  its message tag (so a blocking collective and an asynchronous one in flight never mix up
-  their messages), and with ``MINITRAIN_DEBUG=1`` first exchanges a header (name, sequence
+* collective bookkeeping: each collective call takes the next sequence number, which (with a
+  hash of the collective's name) becomes its message tag, so a blocking collective and an
+  asynchronous one in flight never mix up their messages, and two ranks that call different
+  collectives wait for each other (and time out naming each other) instead of exchanging
+  mismatched bytes; with ``MINITRAIN_DEBUG=1`` first exchanges a header (name, sequence
   number, shape, dtype, op) with every rank, raising ``CollectiveMismatchError`` on disagreement.
 """
 import os
@@ -26,7 +28,8 @@ import numpy as np
 from .. import trace
 
 USER_TAG_LIMIT = 1 << 15     # p2p tags a user may choose: 0 .. 32767
-COLLECTIVE_TAG_SPAN = 1 << 14
+COLLECTIVE_TAG_SPAN = 1 << 14    # collective sequence numbers wrap here
+NAME_TAG_SLOTS = 16              # ... times a few bits of the collective's name
 YIELD_WINDOW_S = 2e-3        # poll with sched_yield this long, then sleep
 MAX_SLEEP_S = 1e-3
 
@@ -96,7 +99,11 @@ class CommStats:
             self._entry(name)["calls"] += 1
 
     def __getitem__(self, name):
-        return dict(self.by_name.get(name) or self._entry(name))
+        """A copy of the counters of one collective (zeros if it never ran)."""
+        with self._lock:
+            entry = self.by_name.get(name)
+            return dict(entry) if entry else {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
+                                              "messages_received": 0, "calls": 0}
 
     def as_dict(self):
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
@@ -188,13 +195,13 @@ class Communicator:
     def wait_all(self, requests, what="wait"):
         """Poll until every request completes: yield the core at first, then sleep with back-off.
         Raises CollectiveTimeout naming the peers that never answered."""
-        pending = [r for r in requests if not r.test()]
+        pending = [r for r in requests if not self._test(r, what)]
         if not pending:
             return
         start = time.perf_counter()
         sleep = 0.0
         while pending:
-            pending = [r for r in pending if not r.test()]
+            pending = [r for r in pending if not self._test(r, what)]
             if not pending:
                 return
             elapsed = time.perf_counter() - start
@@ -211,6 +218,18 @@ class Communicator:
                 sleep = min(max(2 * sleep, 5e-5), MAX_SLEEP_S)
                 self._idle(sleep)
 
+    def _test(self, request, what):
+        try:
+            return request.test()
+        except CommError:
+            raise
+        except Exception as e:     # the transport's own error (e.g. MPI "message truncated")
+            name = getattr(self._local, "name", None)
+            raise CommError(f"[rank {self.rank}] {name + ': ' if name else ''}{what} failed "
+                            f"({request.kind} rank {request.peer}): {e}. Ranks probably called "
+                            "different collectives or passed different sizes; run with "
+                            "MINITRAIN_DEBUG=1 to see which") from e
+
     def barrier(self):
         """Dissemination barrier (Hensgen et al. 1988): ceil(log2 p) rounds of empty messages."""
         with self.collective("barrier") as tag:
@@ -226,33 +245,41 @@ class Communicator:
         return self._split(int(color), self.rank if key is None else int(key))
 
     # ---- collective bookkeeping
-    def next_tag(self):
+    def next_tag(self, name):
+        """(sequence number, message tag) of the next collective called ``name``."""
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
-        return seq, USER_TAG_LIMIT + seq % COLLECTIVE_TAG_SPAN
+        slot = zlib.crc32(name.encode()) % (NAME_TAG_SLOTS - 1)   # the last slot is for headers
+        return seq, USER_TAG_LIMIT + (seq % COLLECTIVE_TAG_SPAN) * NAME_TAG_SLOTS + slot
+
+    @staticmethod
+    def header_tag(seq):
+        """Debug headers of collective #seq meet whatever collective each rank called."""
+        return USER_TAG_LIMIT + (seq % COLLECTIVE_TAG_SPAN) * NAME_TAG_SLOTS + NAME_TAG_SLOTS - 1
 
     @contextmanager
     def collective(self, name, seq_tag=None, header=None, nbytes=0):
         """Run a collective body: names its traffic in ``stats``, traces it, and (debug) checks
         first that every rank is calling the same thing. Yields the message tag to use."""
-        seq, tag = seq_tag if seq_tag is not None else self.next_tag()
+        seq, tag = seq_tag if seq_tag is not None else self.next_tag(name)
         previous = getattr(self._local, "name", None)
         self._local.name = name
         self.stats.record_call(name)
         try:
             with trace.span(name, kind="comm", bytes=nbytes, seq=seq):
                 if self.debug and self.size > 1:
-                    self._check_header(name, seq, tag, header or {})
+                    self._check_header(name, seq, header or {})
                 yield tag
         finally:
             self._local.name = previous
 
-    def _check_header(self, name, seq, tag, header):
+    def _check_header(self, name, seq, header):
         """Exchange (name, seq, shape, dtype, op) with every rank; raise if any disagrees."""
         mine = encode_header(name, seq, header)
         others = np.empty((self.size, mine.size), np.int64)
         others[self.rank] = mine
+        tag = self.header_tag(seq)
         reqs = []
         for peer in range(self.size):
             if peer != self.rank:

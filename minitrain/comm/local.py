@@ -43,7 +43,7 @@ class _ThreadRecv(Request):
             item = box.popleft()
         if item.nbytes != self.buf.nbytes:
             raise CommError(f"[rank {self.comm.rank}] recv from rank {self.peer} (tag {self.tag}): "
-                            f"buffer holds {self.buf.nbytes} bytes, the message has {item.nbytes}")
+                            f"buffer holds {self.buf.nbytes} bytes, the message has {item.nbytes} bytes")
         self.buf.reshape(-1).view(np.uint8)[...] = item.reshape(-1).view(np.uint8)
         self.done = True
         return True

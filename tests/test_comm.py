@@ -1,0 +1,208 @@
+"""The communication layer in-process (ThreadWorld): every collective exact on awkward sizes and
+dtypes, bytes equal to the formulas, async work, mesh, tracing, and injected faults."""
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from minitrain import trace
+from minitrain.comm import (CollectiveMismatchError, CollectiveTimeout, CommError, DeviceMesh, MeshError,
+                            ThreadWorld, all_reduce, broadcast, chunk_bounds, naive_all_reduce,
+                            recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
+                            ring_reduce_scatter)
+from minitrain.comm.checks import run_all
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_every_collective_is_exact_on_threadworld(p):
+    counts = ThreadWorld(p).run(run_all)
+    assert all(c == counts[0] for c in counts) and sum(counts[0].values()) > 500
+
+
+def chunk(n, p, i):
+    b = chunk_bounds(n, p)
+    return b[i + 1] - b[i]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("n", [1024, 1001])
+def test_ring_bytes_per_rank_equal_the_formulas(p, n):
+    def fn(comm):
+        x = np.ones(n, np.float32)
+        ring_all_reduce(comm, x)
+        ring_reduce_scatter(comm, x)
+        ring_all_gather(comm, np.ones(chunk(n, p, comm.rank), np.float32), total=n)
+        return {k: comm.stats[k]["bytes_sent"] for k in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather")}
+    for r, sent in enumerate(ThreadWorld(p).run(fn)):
+        rs = (n - chunk(n, p, r)) * 4
+        ag = (n - chunk(n, p, (r + 1) % p)) * 4
+        assert sent == {"ring_all_reduce": rs + ag, "ring_reduce_scatter": rs, "ring_all_gather": ag}
+        if n % p == 0:
+            assert sent["ring_all_reduce"] == 2 * (p - 1) / p * n * 4
+            assert sent["ring_reduce_scatter"] == sent["ring_all_gather"] == (p - 1) / p * n * 4
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_naive_and_recursive_doubling_bytes(p):
+    n = 1000
+
+    def fn(comm):
+        naive_all_reduce(comm, np.ones(n))
+        recursive_doubling_all_reduce(comm, np.ones(n))
+        return comm.stats["naive_all_reduce"]["bytes_sent"], comm.stats["recursive_doubling_all_reduce"]["bytes_sent"]
+    sent = ThreadWorld(p).run(fn)
+    assert sent[0][0] == (p - 1) * n * 8                 # the root sends the result to everyone
+    assert all(s[0] == n * 8 for s in sent[1:])
+    assert all(s[1] == math.log2(p) * n * 8 for s in sent)
+
+
+def test_collectives_leave_the_input_untouched_and_return_new_arrays():
+    def fn(comm):
+        x = np.arange(5.0)
+        y = ring_all_reduce(comm, x)
+        return x, y
+    for x, y in ThreadWorld(2).run(fn):
+        assert np.array_equal(x, np.arange(5.0)) and y is not x
+
+
+def test_auto_picks_recursive_doubling_small_and_ring_large():
+    def fn(comm):
+        all_reduce(comm, np.ones(10, np.float32))
+        all_reduce(comm, np.ones(1 << 16, np.float32))
+        return comm.stats["recursive_doubling_all_reduce"]["calls"], comm.stats["ring_all_reduce"]["calls"]
+    assert ThreadWorld(2).run(fn) == [(1, 1), (1, 1)]
+
+
+def test_async_collectives_overlap_with_work_and_finish_in_order():
+    def fn(comm):
+        works = [all_reduce(comm, np.full(50_000, i + 1.0), async_op=True) for i in range(4)]
+        blocking = ring_all_reduce(comm, np.ones(3))
+        results = [w.wait() for w in works]
+        return [r[0] for r in results], blocking[0], all(w.is_completed() for w in works)
+    for values, blocking, done in ThreadWorld(3).run(fn):
+        assert values == [3.0, 6.0, 9.0, 12.0] and blocking == 3.0 and done
+
+
+def test_async_error_is_raised_at_wait():
+    def fn(comm):
+        work = ring_all_reduce(comm, np.ones(3), op="mean", async_op=True)
+        assert work.wait()[0] == 1.0
+        with pytest.raises(ValueError):
+            ring_all_reduce(comm, np.ones(3), op="product")
+        with pytest.raises(TypeError, match="floating"):
+            ring_all_reduce(comm, np.ones(3, np.int64), op="mean")
+    ThreadWorld(2).run(fn)
+
+
+def test_mesh_axes_group_the_right_ranks():
+    def fn(comm):
+        mesh = DeviceMesh(comm, dp=2, pp=2, tp=2)
+        sums = {axis: int(ring_all_reduce(mesh.comm(axis), np.array([comm.rank]))[0]) for axis in ("tp", "dp", "pp")}
+        return mesh.coords, sums, mesh.ranks_along("tp"), mesh.describe()
+    results = ThreadWorld(8).run(fn)
+    coords, sums, tp_ranks, text = results[5]          # rank 5 = pp 1, dp 0, tp 1
+    assert coords == {"pp": 1, "dp": 0, "tp": 1}
+    assert tp_ranks == [4, 5]                          # tp neighbours are adjacent ranks
+    assert sums == {"tp": 4 + 5, "dp": 5 + 7, "pp": 1 + 5}
+    assert "dp 1: tp ranks [  6   7 ]" in text
+
+
+def test_mesh_that_does_not_fit_the_world_is_a_clear_error():
+    def fn(comm):
+        with pytest.raises(MeshError, match="does not fit a world of 4"):
+            DeviceMesh(comm, dp=3, tp=2)
+    ThreadWorld(4).run(fn)
+
+
+def test_split_orders_by_key():
+    def fn(comm):
+        sub = comm.split(color=comm.rank % 2, key=-comm.rank)
+        return sub.rank, sub.size
+    assert ThreadWorld(4).run(fn) == [(1, 2), (1, 2), (0, 2), (0, 2)]
+
+
+def test_recv_size_mismatch_and_bad_peer_name_the_ranks():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send(np.ones(3), 1)
+            with pytest.raises(CommError, match="peer 5 is not in a world of size 2"):
+                comm.send(np.ones(3), 5)
+        else:
+            with pytest.raises(CommError, match=r"\[rank 1\] recv from rank 0.*24 bytes"):
+                comm.recv(np.empty(2), 0)
+    ThreadWorld(2).run(fn)
+
+
+def test_a_rank_that_skips_a_collective_times_out_naming_it():
+    def fn(comm):
+        if comm.rank != 2:
+            ring_all_reduce(comm, np.ones(10))
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"ring_all_reduce.*no answer from rank\(s\) \[2\]"):
+        ThreadWorld(3, timeout=0.5).run(fn)
+    assert time.monotonic() - start < 5
+
+
+def test_mismatched_shapes_are_named_in_debug_mode(monkeypatch):
+    monkeypatch.setenv("MINITRAIN_DEBUG", "1")
+
+    def fn(comm):
+        ring_all_reduce(comm, np.ones(10 + (comm.rank == 1)))
+    with pytest.raises(CollectiveMismatchError, match=r"rank\(s\) \[1\] differ") as err:
+        ThreadWorld(3, timeout=5).run(fn)
+    assert "shape=(11,)" in str(err.value)
+
+
+def test_mismatched_collectives_are_named_in_debug_mode(monkeypatch):
+    monkeypatch.setenv("MINITRAIN_DEBUG", "1")
+
+    def fn(comm):
+        if comm.rank == 0:
+            broadcast(comm, np.ones(4), root=0)
+        else:
+            ring_all_reduce(comm, np.ones(4))
+    with pytest.raises(CollectiveMismatchError, match="broadcast"):
+        ThreadWorld(2, timeout=5).run(fn)
+
+
+def test_a_rank_that_raises_stops_the_others_quickly():
+    def fn(comm):
+        if comm.rank == 1:
+            raise KeyError("injected")
+        ring_all_reduce(comm, np.ones(10))
+    start = time.monotonic()
+    with pytest.raises(KeyError) as err:
+        ThreadWorld(3, timeout=60).run(fn)
+    assert time.monotonic() - start < 5
+    assert "raised on rank 1" in str(err.value.__notes__)
+
+
+def test_each_rank_keeps_its_own_memory_account():
+    world = ThreadWorld(2)
+
+    def fn(comm):
+        from minitrain import nn
+        model = nn.Linear(10 * (comm.rank + 1), 10)
+        return model, world.trackers[comm.rank].live["params"]
+    results = world.run(fn)
+    assert [r[1] for r in results] == [440, 840]
+
+
+def test_trace_records_collectives_and_writes_one_chrome_file(tmp_path):
+    path = tmp_path / "trace.json"
+
+    def fn(comm):
+        trace.enable(rank=comm.rank)
+        with trace.span("compute"):
+            time.sleep(0.001)
+        ring_all_reduce(comm, np.ones(100))
+        trace.save_chrome(str(path), comm)
+        trace.disable()
+    ThreadWorld(3).run(fn)
+    data = json.loads(path.read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2}
+    assert {e["name"] for e in spans} >= {"compute", "ring_all_reduce"}
+
