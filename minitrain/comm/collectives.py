@@ -21,6 +21,7 @@ place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
 import numpy as np
 
 from ..backend import array_module
+from .communicator import register_names
 
 OPS = ("sum", "mean", "max", "min")
 # all_reduce(algorithm="auto") uses recursive doubling below this many bytes and the ring above:
@@ -69,14 +70,9 @@ def _launch(comm, name, body, args, async_op, header, nbytes):
     """Take the next sequence number now (program order, identical on every rank), then run
     the body here or on the progress thread."""
     seq_tag = comm.next_tag(name)
-
-    def run():
-        with comm.collective(name, seq_tag, header, nbytes) as tag:
-            return body(comm, tag, *args)
-    run.__name__ = name
     if async_op:
-        return comm.submit(run)
-    return run()
+        return comm.submit(name, comm.run_collective, name, seq_tag, header, nbytes, body, args)
+    return comm.run_collective(name, seq_tag, header, nbytes, body, args)
 
 
 # ---------------------------------------------------------------- ring algorithms
@@ -316,6 +312,8 @@ def all_to_all(comm, x, async_op=False):
 
 
 # ---------------------------------------------------------------- the dispatcher
+register_names(["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
+                "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all"])
 ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
               "naive": naive_all_reduce}
 

@@ -51,8 +51,8 @@ class ProgressThread:
         self._thread = threading.Thread(target=self._loop, name=f"progress-rank{comm.rank}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn, args):
-        work = Work(self.comm, getattr(fn, "__name__", "collective"))
+    def submit(self, name, fn, args):
+        work = Work(self.comm, name)
         self._queue.put((fn, args, work, memory.tracker(), trace.tracer()))
         return work
 
