@@ -8,7 +8,8 @@ ring_reduce_scatter, ring_all_gather against MPI_Allreduce (in-place and out-of-
 MPI_Reduce_scatter_block and MPI_Allgather. Prints the median time, algbw = bytes/time and
 busbw with the nccl-tests definitions (all-reduce: algbw·2(p-1)/p; the other two: algbw·(p-1)/p),
 the ratio MPI time / ours (>1 means ours is faster; for all-reduce against the faster of
-MPI's two), an alpha-beta fit of the ring (t = 2(p-1)·alpha + 2(p-1)/p·n·beta), and the
+MPI's two). Both sides write into preallocated outputs (``out=`` for ours), as DDP and ZeRO do.
+Also an alpha-beta fit of the ring (t = 2(p-1)·alpha + 2(p-1)/p·n·beta), and the
 size where recursive doubling stops beating the ring.
 """
 import argparse
@@ -56,14 +57,17 @@ def worker(args):
         gathered = np.empty(n // p * p, np.float32)
         rs_out = np.empty(n // p, np.float32)
         row = {"bytes": size, "p": p}
-        row["ring_all_reduce"] = timed(lambda: ring_all_reduce(comm, x), comm)
-        row["all_reduce_auto"] = timed(lambda: all_reduce(comm, x), comm)
+        mine = np.empty_like(x)   # preallocated outputs on both sides, as DDP and ZeRO use them
+        row["ring_all_reduce"] = timed(lambda: ring_all_reduce(comm, x, out=mine), comm)
+        row["all_reduce_auto"] = timed(lambda: all_reduce(comm, x, out=mine), comm)
         row["recursive_doubling"] = timed(lambda: recursive_doubling_all_reduce(comm, x), comm)
         row["mpi_allreduce_out_of_place"] = timed(lambda: mpi.Allreduce(x, out), comm)
         row["mpi_allreduce_in_place"] = timed(lambda: mpi.Allreduce(MPI.IN_PLACE, inplace), comm)
-        row["ring_reduce_scatter"] = timed(lambda: ring_reduce_scatter(comm, x[:n // p * p]), comm)
+        rs_mine = np.empty(n // p, np.float32)
+        row["ring_reduce_scatter"] = timed(lambda: ring_reduce_scatter(comm, x[:n // p * p], out=rs_mine), comm)
         row["mpi_reduce_scatter"] = timed(lambda: mpi.Reduce_scatter_block(x[:n // p * p], rs_out), comm)
-        row["ring_all_gather"] = timed(lambda: ring_all_gather(comm, shard, total=n // p * p), comm)
+        ag_mine = np.empty(n // p * p, np.float32)
+        row["ring_all_gather"] = timed(lambda: ring_all_gather(comm, shard, total=n // p * p, out=ag_mine), comm)
         row["mpi_allgather"] = timed(lambda: mpi.Allgather(shard, gathered), comm)
         rows.append(row)
         size *= 4
@@ -92,7 +96,7 @@ def report(rows):
               f"{r['mpi_allgather'] * 1e3:8.3f}m {r['mpi_allgather'] / r['ring_all_gather']:5.2f}x")
     sizes = np.array([r["bytes"] for r in rows], float)
     ring = np.array([r["ring_all_reduce"] for r in rows])
-    slope, intercept = np.polyfit(sizes, ring, 1)
+    slope, intercept = np.polyfit(sizes, ring, 1, w=1 / ring)   # relative errors: small sizes count too
     alpha = intercept / (2 * (p - 1))
     beta = slope * p / (2 * (p - 1))
     print(f"alpha-beta fit of the ring: alpha = {alpha * 1e6:.1f} us per message, "

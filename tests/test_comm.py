@@ -208,3 +208,19 @@ def test_trace_records_collectives_and_writes_one_chrome_file(tmp_path):
     assert {e["pid"] for e in spans} == {0, 1, 2}
     assert {e["name"] for e in spans} >= {"compute", "ring_all_reduce"}
 
+
+
+def test_out_buffers_are_filled_in_place_and_checked():
+    def fn(comm):
+        x = np.arange(10.0) + comm.rank
+        out, shard_out, gathered = np.empty(10), np.empty(chunk(10, comm.size, comm.rank)), np.empty(10)
+        assert ring_all_reduce(comm, x, out=out) is out
+        assert all_reduce(comm, x, out=np.empty(10)).sum() == out.sum()
+        assert ring_reduce_scatter(comm, x, out=shard_out) is shard_out
+        assert ring_all_gather(comm, shard_out, total=10, out=gathered) is gathered
+        with pytest.raises(ValueError, match="out must be"):
+            ring_all_reduce(comm, x, out=np.empty(9))
+        return out, gathered
+    for out, gathered in ThreadWorld(3).run(fn):
+        np.testing.assert_array_equal(out, 3 * np.arange(10.0) + 3)
+        np.testing.assert_array_equal(gathered, out)

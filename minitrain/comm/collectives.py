@@ -24,8 +24,10 @@ from ..backend import array_module
 from .communicator import register_names
 
 OPS = ("sum", "mean", "max", "min")
-# all_reduce(algorithm="auto") uses recursive doubling below this many bytes and the ring above:
-# the crossover measured by scripts/bench_collectives.py on the 2-core machine (see README).
+# all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
+# above. Measured by scripts/bench_collectives.py on the 2-core machine: the crossover was 64 KiB
+# at p=2 and 128-256 KiB at p=4. It grows with p because the ring's latency term, 2(p-1)·alpha,
+# outgrows recursive doubling's log2(p)·alpha.
 AUTO_CROSSOVER_BYTES = 64 * 1024
 
 
@@ -76,17 +78,22 @@ def _launch(comm, name, body, args, async_op, header, nbytes):
 
 
 # ---------------------------------------------------------------- ring algorithms
-def _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op):
-    """Phase 1 of the ring: after p-1 steps out[chunk r] holds the reduction of everyone's chunk r.
-    Each chunk arrives at a rank exactly once, so out = received (op) own input, no copy first."""
+def _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place):
+    """Phase 1 of the ring. At step s rank r sends chunk (r-s-1) and receives chunk (r-s-2),
+    combining it with its own copy; each chunk arrives at a rank exactly once, so
+    place(step, i) = received (op) own input needs no copy first. Step s+1 forwards what step s
+    reduced. Returns the array holding the full reduction of chunk r (None when p == 1)."""
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
+    reduced = None
     for step in range(p - 1):
         send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
-        source = flat if step == 0 else out          # from step 1 on, forward what we reduced
-        incoming = out[bounds[recv_i]:bounds[recv_i + 1]]
-        comm.sendrecv(source[bounds[send_i]:bounds[send_i + 1]], right, incoming, left, tag)
+        outgoing = flat[bounds[send_i]:bounds[send_i + 1]] if step == 0 else reduced
+        incoming = place(step, recv_i)
+        comm.sendrecv(outgoing, right, incoming, left, tag)
         _combine(incoming, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
+        reduced = incoming
+    return reduced
 
 
 def _ring_all_gather_into(comm, tag, out, bounds):
@@ -99,54 +106,74 @@ def _ring_all_gather_into(comm, tag, out, bounds):
                       out[bounds[recv_i]:bounds[recv_i + 1]], left, tag)
 
 
-def _ring_all_reduce_body(comm, tag, x, op):
+def _output(out, like, n, what):
+    """The caller's output buffer (checked), or a new one."""
+    xp = array_module(like)
+    if out is None:
+        return xp.empty(n, dtype=like.dtype)
+    if out.size != n or out.dtype != like.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be a contiguous {like.dtype} array of {n} elements, "
+                         f"got {out.dtype} of {out.size}")
+    return out.reshape(-1)
+
+
+def _ring_all_reduce_body(comm, tag, x, op, out):
     flat = _flat(x)
-    out = array_module(flat).empty_like(flat)
+    result = _output(out, flat, flat.size, "ring_all_reduce")
     bounds = chunk_bounds(flat.size, comm.size)
     if comm.size == 1:
-        out[...] = flat
-    _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op)
-    _finish_mean(out[bounds[comm.rank]:bounds[comm.rank + 1]], op, comm.size)
-    _ring_all_gather_into(comm, tag, out, bounds)
-    return out.reshape(x.shape)
+        result[...] = flat
+    _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, lambda step, i: result[bounds[i]:bounds[i + 1]])
+    _finish_mean(result[bounds[comm.rank]:bounds[comm.rank + 1]], op, comm.size)
+    _ring_all_gather_into(comm, tag, result, bounds)
+    return result.reshape(x.shape)
 
 
-def ring_all_reduce(comm, x, op="sum", async_op=False):
+def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     """Every rank gets the reduction of all ranks' ``x`` (same shape everywhere): ring
-    reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank."""
+    reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank.
+    Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
     _check_op(op, x.dtype)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op), async_op, header, x.nbytes)
+    return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op, out), async_op, header, x.nbytes)
 
 
-def _ring_reduce_scatter_body(comm, tag, x, op):
+def _ring_reduce_scatter_body(comm, tag, x, op, out):
     flat = _flat(x)
-    bounds = chunk_bounds(flat.size, comm.size)
-    out = array_module(flat).empty_like(flat)
-    if comm.size == 1:
-        out[...] = flat
-    _ring_reduce_scatter_into(comm, tag, flat, out, bounds, op)
-    mine = out[bounds[comm.rank]:bounds[comm.rank + 1]].copy()
-    _finish_mean(mine, op, comm.size)
+    xp = array_module(flat)
+    p, r = comm.size, comm.rank
+    bounds = chunk_bounds(flat.size, p)
+    mine = _output(out, flat, bounds[r + 1] - bounds[r], "ring_reduce_scatter")
+    if p == 1:
+        mine[...] = flat
+    else:
+        # two chunk-sized buffers in turn (receive into one while the other is sent); the last
+        # step, which brings chunk r itself, receives straight into the result
+        largest = bounds[1] - bounds[0]
+        scratch = [xp.empty(largest, flat.dtype), xp.empty(largest, flat.dtype)]
+
+        def place(step, i):
+            return mine if step == p - 2 else scratch[step % 2][:bounds[i + 1] - bounds[i]]
+        _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place)
+    _finish_mean(mine, op, p)
     return mine
 
 
-def ring_reduce_scatter(comm, x, op="sum", async_op=False):
+def ring_reduce_scatter(comm, x, op="sum", out=None, async_op=False):
     """Rank r gets chunk r (``np.array_split(x.ravel(), p)[r]``) of the reduction of all ranks' x.
-    (p-1) steps; (N - |chunk r|)·b bytes sent per rank."""
+    (p-1) steps; (N - |chunk r|)·b bytes sent per rank; working memory two chunks."""
     _check_op(op, x.dtype)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op), async_op, header, x.nbytes)
+    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op, out), async_op, header,
+                   x.nbytes)
 
 
-def _ring_all_gather_body(comm, tag, shard, total):
+def _ring_all_gather_body(comm, tag, shard, total, out):
     shard = _flat(shard)
-    xp = array_module(shard)
     if total is None:                 # lengths unknown: gather them first (p-1 tiny messages)
         lengths = np.empty(comm.size, np.int64)
         lengths[comm.rank] = shard.size
-        sizes_bounds = list(range(comm.size + 1))
-        _ring_all_gather_into(comm, tag, lengths, sizes_bounds)
+        _ring_all_gather_into(comm, tag, lengths, list(range(comm.size + 1)))
         bounds = [0] + np.cumsum(lengths).tolist()
     else:
         bounds = chunk_bounds(total, comm.size)
@@ -154,18 +181,18 @@ def _ring_all_gather_body(comm, tag, shard, total):
             raise ValueError(f"[rank {comm.rank}] ring_all_gather: shard of {shard.size} elements, but "
                              f"np.array_split of {total} over {comm.size} gives this rank "
                              f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
-    out = xp.empty(bounds[-1], dtype=shard.dtype)
-    out[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
-    _ring_all_gather_into(comm, tag, out, bounds)
-    return out
+    result = _output(out, shard, bounds[-1], "ring_all_gather")
+    result[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
+    _ring_all_gather_into(comm, tag, result, bounds)
+    return result
 
 
-def ring_all_gather(comm, shard, total=None, async_op=False):
+def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
     """Concatenation of every rank's (flat) shard, in rank order. Shards may differ in length
     (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
     lengths are exchanged first. (p-1) steps; (N - |chunk r+1|)·b bytes sent per rank."""
     header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
-    return _launch(comm, "ring_all_gather", _ring_all_gather_body, (shard, total), async_op, header,
+    return _launch(comm, "ring_all_gather", _ring_all_gather_body, (shard, total, out), async_op, header,
                    shard.nbytes)
 
 
@@ -318,11 +345,19 @@ ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_
               "naive": naive_all_reduce}
 
 
-def all_reduce(comm, x, op="sum", algorithm="auto", async_op=False):
-    """All-reduce choosing the algorithm: ``auto`` takes recursive doubling for messages under
-    AUTO_CROSSOVER_BYTES (latency-bound) and the ring above (bandwidth-bound)."""
+def all_reduce(comm, x, op="sum", algorithm="auto", out=None, async_op=False):
+    """All-reduce choosing the algorithm: ``auto`` takes recursive doubling for small messages
+    (latency-bound: below AUTO_CROSSOVER_BYTES·p/2) and the ring above (bandwidth-bound).
+    ``out`` (ring only) receives the result in a buffer the caller reuses."""
     if algorithm == "auto":
-        algorithm = "recursive_doubling" if x.nbytes < AUTO_CROSSOVER_BYTES else "ring"
+        small = x.nbytes < AUTO_CROSSOVER_BYTES * max(1, comm.size // 2)
+        algorithm = "recursive_doubling" if small else "ring"
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all_reduce algorithm {algorithm!r}: expected auto or one of {sorted(ALGORITHMS)}")
-    return ALGORITHMS[algorithm](comm, x, op=op, async_op=async_op)
+    if algorithm == "ring":
+        return ring_all_reduce(comm, x, op=op, out=out, async_op=async_op)
+    result = ALGORITHMS[algorithm](comm, x, op=op, async_op=async_op)
+    if out is not None and not async_op:
+        out.reshape(-1)[...] = result.reshape(-1)
+        return out
+    return result

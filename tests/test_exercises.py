@@ -1,0 +1,36 @@
+"""The exercise grader: a correct hand-in passes, a wrong one and the untouched stub fail clearly."""
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).parent / "exercise_solutions"
+
+
+def grade(*args):
+    return subprocess.run([sys.executable, "-m", "minitrain.exercises", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_correct_ring_passes():
+    result = grade("check", "ring_all_reduce", str(HERE / "ring_all_reduce_learner.py"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 passed, 0 failed" in result.stdout
+
+
+def test_the_library_passes_its_own_exercise():
+    assert grade("check", "ring_all_reduce", "--reference").returncode == 0
+
+
+def test_all_to_all_exchange_is_exact_but_fails_the_bandwidth_bound():
+    result = grade("check", "ring_all_reduce", str(HERE / "ring_all_reduce_naive.py"))
+    assert result.returncode == 1
+    assert "PASS  p=4: exact" in result.stdout
+    assert "FAIL  p=4: bytes sent within the ring's bound" in result.stdout
+
+
+def test_the_stub_fails_with_its_own_message(tmp_path):
+    stub = tmp_path / "mine.py"
+    assert grade("stub", "ring_all_reduce", str(stub)).returncode == 0
+    result = grade("check", "ring_all_reduce", str(stub))
+    assert result.returncode == 1
+    assert "NotImplementedError: ring_all_reduce: write the reduce-scatter" in result.stdout
