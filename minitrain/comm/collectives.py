@@ -126,7 +126,7 @@ def _ring_all_reduce_body(comm, tag, x, op, out):
     _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, lambda step, i: result[bounds[i]:bounds[i + 1]])
     _finish_mean(result[bounds[comm.rank]:bounds[comm.rank + 1]], op, comm.size)
     _ring_all_gather_into(comm, tag, result, bounds)
-    return result.reshape(x.shape)
+    return out if out is not None else result.reshape(x.shape)
 
 
 def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
@@ -156,7 +156,7 @@ def _ring_reduce_scatter_body(comm, tag, x, op, out):
             return mine if step == p - 2 else scratch[step % 2][:bounds[i + 1] - bounds[i]]
         _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place)
     _finish_mean(mine, op, p)
-    return mine
+    return out if out is not None else mine
 
 
 def ring_reduce_scatter(comm, x, op="sum", out=None, async_op=False):
@@ -184,7 +184,7 @@ def _ring_all_gather_body(comm, tag, shard, total, out):
     result = _output(out, shard, bounds[-1], "ring_all_gather")
     result[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
     _ring_all_gather_into(comm, tag, result, bounds)
-    return result
+    return out if out is not None else result
 
 
 def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
