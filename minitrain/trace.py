@@ -2,7 +2,8 @@
 
 ``with trace.span("ring_all_reduce", kind="comm", bytes=n):`` records (rank, name, kind, start,
 end, args) into the calling thread's tracer when tracing is on (``trace.enable(rank)``); off, a
-span costs one attribute lookup. ``save_chrome(path, comm)`` gathers every rank's spans to rank 0
+span costs one attribute lookup. Times are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
+for every process on a Linux machine), so ranks line up; exports shift them to start at 0. ``save_chrome(path, comm)`` gathers every rank's spans to rank 0
 through the communicator (duck-typed: this module imports nothing of comm/) and writes one file
 that chrome://tracing or ui.perfetto.dev opens, one process row per rank.
 """
@@ -19,14 +20,12 @@ class Tracer:
         self.rank = rank
         self.enabled = False
         self.events = []
-        self.t0 = time.perf_counter()
         self._lock = threading.Lock()
 
     def add(self, name, kind, start, end, args):
         with self._lock:
-            self.events.append({"rank": self.rank, "name": name, "kind": kind,
-                                "start": start - self.t0, "end": end - self.t0, "args": args,
-                                "thread": threading.current_thread().name})
+            self.events.append({"rank": self.rank, "name": name, "kind": kind, "start": start,
+                                "end": end, "args": args, "thread": threading.current_thread().name})
 
 
 _default = Tracer()
@@ -48,7 +47,6 @@ def enable(rank=None, reset=True):
         t.rank = rank
     if reset:
         t.events.clear()
-        t.t0 = time.perf_counter()
     t.enabled = True
     return t
 
@@ -74,12 +72,17 @@ def span(name, kind="compute", **args):
         t.add(name, kind, start, time.perf_counter(), args)
 
 
+def _origin(all_events):
+    return min((e["start"] for e in all_events), default=0.0)
+
+
 def to_chrome(all_events):
     """Chrome trace-event JSON: one process per rank, one thread row per kind (compute / comm)."""
     out = []
+    t0 = _origin(all_events)
     for e in all_events:
         out.append({"name": e["name"], "cat": e["kind"], "ph": "X", "pid": e["rank"],
-                    "tid": e["kind"], "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
+                    "tid": e["kind"], "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
                     "args": e.get("args", {})})
     ranks = sorted({e["rank"] for e in all_events})
     for r in ranks:
@@ -121,12 +124,14 @@ def plot_timeline(all_events, ax=None, title=None, colors=None):
     colors = colors or {}
     palette = plt.get_cmap("tab10")
     names = sorted({e["name"] for e in all_events})
+    t0 = _origin(all_events)
     for i, row in enumerate(rows):
         for e in all_events:
             if (e["rank"], e["kind"]) != row:
                 continue
             color = colors.get(e["name"], palette(names.index(e["name"]) % 10))
-            ax.barh(i, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, color=color, edgecolor="k", lw=0.3)
+            ax.barh(i, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, color=color,
+                    edgecolor="k", lw=0.3)
     ax.set_yticks(range(len(rows)), [f"rank {r} {k}" for r, k in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
