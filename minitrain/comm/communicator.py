@@ -80,21 +80,14 @@ class CommStats:
                                           "messages_received": 0, "calls": 0}
         return entry
 
-    def record_send(self, name, nbytes):
+    def record(self, name, nbytes, direction):
+        """Count one message; ``direction`` is "sent" or "received"."""
         with self._lock:
-            self.bytes_sent += nbytes
-            self.messages_sent += 1
+            setattr(self, f"bytes_{direction}", getattr(self, f"bytes_{direction}") + nbytes)
+            setattr(self, f"messages_{direction}", getattr(self, f"messages_{direction}") + 1)
             e = self._entry(name)
-            e["bytes_sent"] += nbytes
-            e["messages_sent"] += 1
-
-    def record_recv(self, name, nbytes):
-        with self._lock:
-            self.bytes_received += nbytes
-            self.messages_received += 1
-            e = self._entry(name)
-            e["bytes_received"] += nbytes
-            e["messages_received"] += 1
+            e[f"bytes_{direction}"] += nbytes
+            e[f"messages_{direction}"] += 1
 
     def record_call(self, name):
         with self._lock:
@@ -170,13 +163,13 @@ class Communicator:
     def isend(self, buf, dest, tag=0):
         self._check_peer(dest, "send")
         buf = _as_buffer(buf, f"[rank {self.rank}] send to {dest}")
-        self.stats.record_send(self._current_name(), buf.nbytes)
+        self.stats.record(self._current_name(), buf.nbytes, "sent")
         return self._isend(buf, dest, tag)
 
     def irecv(self, buf, source, tag=0):
         self._check_peer(source, "recv")
         buf = _as_buffer(buf, f"[rank {self.rank}] recv from {source}")
-        self.stats.record_recv(self._current_name(), buf.nbytes)
+        self.stats.record(self._current_name(), buf.nbytes, "received")
         return self._irecv(buf, source, tag)
 
     def send(self, buf, dest, tag=0):
