@@ -8,5 +8,6 @@ from .random import manual_seed
 from .autograd import (Tensor, tensor, cat, split, zeros, ones, randn, Function, no_grad,
                        enable_grad, is_grad_enabled, set_grad_enabled, saved_tensors_hooks)
 from . import backend, memory, random
+from . import nn, optim, data  # noqa: E402  (after the autograd names they build on)
 
 __version__ = "0.1.0"

@@ -174,3 +174,14 @@ def test_only_floating_tensors_can_require_grad():
 def test_split_sizes_must_add_up():
     with pytest.raises(ValueError, match="add up"):
         mt.split(mt.Tensor(np.ones((2, 5))), [2, 2], axis=1)
+
+
+def test_queued_callbacks_run_when_backward_ends(float64):
+    from minitrain.autograd.engine import queue_callback
+    order = []
+    x = mt.Tensor(np.ones(2), requires_grad=True)
+    x.register_post_accumulate_grad_hook(lambda p: queue_callback(lambda: order.append(("end", p.grad.sum()))))
+    (x * 2.0).sum().backward()
+    assert order == [("end", 4.0)]
+    with pytest.raises(RuntimeError, match="while backward"):
+        queue_callback(lambda: None)

@@ -11,6 +11,10 @@
    post-accumulate-grad hooks fire: "this parameter's gradient is final".
 4. Unless ``retain_graph=True``, each node frees its saved arrays as soon as it has run.
 
+5. Callbacks queued during this backward (``queue_callback``, as PyTorch's engine has) run at its
+   end: DDP uses one to launch the buckets that are still open and to wait for every reduction, so
+   that gradients are synchronised when ``backward()`` returns.
+
 Ownership: an array that a backward returns freshly (not its incoming gradient, not a view) is
 owned by the engine, which may then add into it in place; anything else is copied before it is
 written to. This keeps accumulation allocation-free without aliasing bugs.
@@ -36,11 +40,40 @@ def _add(entry, g, owned):
         entry[1] = True
 
 
+import threading
+
 from ..backend import array_module
 from .function import Function
 
 
+class _Callbacks(threading.local):
+    def __init__(self):
+        self.queue = None      # a list while a backward is running on this thread
+
+
+_callbacks = _Callbacks()
+
+
+def queue_callback(fn):
+    """Run ``fn()`` once the backward that is running on this thread has finished."""
+    if _callbacks.queue is None:
+        raise RuntimeError("queue_callback() can only be called while backward() is running")
+    _callbacks.queue.append(fn)
+
+
 def backward(root, grad=None, retain_graph=False):
+    """Accumulate the gradient of ``root`` into every leaf it depends on (see the module docstring)."""
+    outer = _callbacks.queue
+    _callbacks.queue = []
+    try:
+        _backward(root, grad, retain_graph)
+        while _callbacks.queue:                  # a callback may queue another
+            _callbacks.queue.pop(0)()
+    finally:
+        _callbacks.queue = outer
+
+
+def _backward(root, grad, retain_graph):
     from .tensor import Tensor  # local import: tensor.py imports this module
 
     xp_grad = grad._data if isinstance(grad, Tensor) else grad
