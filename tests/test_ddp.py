@@ -1,0 +1,159 @@
+"""DDP against single-process training on the global batch (CS336-style): every step, every
+parameter, float64 to 1e-10, at p = 1..4, with bucket caps forcing 1, 2 and many buckets,
+no_sync accumulation, a frozen parameter, tied weights, unused parameters; bytes per step equal
+the ring's formula; overlap shows in the trace."""
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import nn, optim, trace
+from minitrain.comm import ThreadWorld, chunk_bounds
+from minitrain.nn import functional as F
+from minitrain.parallel import DistributedDataParallel, check_replicas_equal
+
+
+class Toy(nn.Module):
+    """Tied weights (hidden and hidden_again share one Parameter), a frozen layer, and a layer
+    that only some steps use."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.hidden_again = nn.Linear(8, 8)
+        self.hidden_again.weight = self.hidden.weight          # tied
+        self.frozen = nn.Linear(8, 8)
+        for p in self.frozen.parameters():
+            p.requires_grad = False
+        self.out = nn.Linear(8, 3)
+        self.sometimes = nn.Linear(8, 3)
+
+    def forward(self, x, use_sometimes=False):
+        h = F.relu(self.inp(x))
+        h = F.relu(self.hidden(h))
+        h = F.relu(self.hidden_again(h))
+        h = F.relu(self.frozen(h))
+        y = self.out(h)
+        return y + self.sometimes(h) if use_sometimes else y
+
+
+def batches(steps, global_batch, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((global_batch, 6)), rng.integers(0, 3, global_batch)) for _ in range(steps)]
+
+
+def assert_same(model, reference, where):
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.data, ref[name].data, rtol=1e-10, atol=1e-10, err_msg=f"{where}: {name}")
+
+
+def run_equivalence(comm, bucket_cap_mb, make_opt, steps=3, accumulate=1, find_unused=False, use_sometimes=()):
+    mt.set_default_dtype(np.float64)
+    model = Toy()
+    ddp = DistributedDataParallel(model, comm, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused)
+    reference = Toy()
+    reference.load_state_dict(model.state_dict())        # after the broadcast: rank 0's initial weights
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    p, r = comm.size, comm.rank
+    for step, (x, y) in enumerate(batches(steps * accumulate, 4 * p * 2)):
+        sometimes = step in use_sometimes
+        micro = step % accumulate
+        # the single process sees the whole global batch
+        if micro == 0:
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        (F.cross_entropy(reference(mt.Tensor(x), sometimes), y) * (1.0 / accumulate)).backward()
+        # rank r sees every p-th sample (DistributedSampler's layout)
+        loss = F.cross_entropy(ddp(mt.Tensor(x[r::p]), sometimes), y[r::p]) * (1.0 / accumulate)
+        if micro < accumulate - 1:
+            with ddp.no_sync():
+                loss.backward()
+            continue
+        loss.backward()
+        ref_opt.step()
+        opt.step()
+        assert_same(model, reference, f"rank {r} step {step}")
+    check_replicas_equal(model, comm)
+    return [len(ddp.buckets), ddp.step_bytes_sent, [b.size for b in ddp.buckets]]
+
+
+SGD = lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
+ADAM = lambda ps: optim.Adam(ps, lr=0.01)               # noqa: E731
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("cap_mb, expect_buckets", [(25.0, 1), (0.001, 2), (0.0, 9)])
+def test_ddp_equals_single_process(p, cap_mb, expect_buckets, float64):
+    results = ThreadWorld(p).run(run_equivalence, cap_mb, SGD)
+    assert results[0][0] == expect_buckets
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_no_sync_accumulation_equals_the_big_batch(p, float64):
+    results = ThreadWorld(p).run(run_equivalence, 0.001, ADAM, 2, 3)
+    assert results[0][0] == 2
+
+
+def test_unused_parameters_keep_none_like_one_process(float64):
+    # "sometimes" is used in step 1 only: with find_unused_parameters it gets no grad in steps 0 and 2,
+    # so Adam leaves it alone exactly as the single process does
+    ThreadWorld(3).run(run_equivalence, 0.0, ADAM, 3, 1, True, (1,))
+
+
+def test_bytes_per_step_equal_the_ring_formula(float64):
+    p = 3
+    results = ThreadWorld(p).run(run_equivalence, 0.001, SGD)
+    for r, (_, sent, sizes) in enumerate(results):
+        expected = 0
+        for n in sizes:
+            b = chunk_bounds(n, p)
+            expected += ((n - (b[r + 1] - b[r])) + (n - (b[(r + 1) % p + 1] - b[(r + 1) % p]))) * 8
+        assert sent == expected
+        psi = sum(sizes)
+        assert abs(sent - 2 * (p - 1) / p * psi * 8) <= 2 * len(sizes) * 8    # = 2(p-1)/p·Ψ·b up to rounding
+
+
+def test_bucket_reduction_overlaps_backward():
+    mt.manual_seed(0)
+    world = ThreadWorld(2)
+
+    def fn(comm):
+        model = nn.MLP([256, 512, 512, 512, 10])
+        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=0.5)
+        x = mt.Tensor(np.random.default_rng(comm.rank).standard_normal((64, 256)).astype(np.float32))
+        y = np.zeros(64, np.int64)
+        trace.enable(rank=comm.rank)
+        with trace.span("backward"):
+            F.cross_entropy(ddp(x), y).backward()
+        events = trace.events()
+        trace.disable()
+        return events, len(ddp.buckets)
+    for events, n_buckets in world.run(fn):
+        assert n_buckets >= 3
+        wait_start = min(e["start"] for e in events if e["name"] == "wait for buckets")
+        reductions = [e for e in events if e["name"] == "ring_all_reduce"]
+        assert len(reductions) == n_buckets
+        # the first bucket's all-reduce began while backward was still computing
+        assert min(e["start"] for e in reductions) < wait_start
+
+
+def test_check_replicas_equal_names_the_rank_that_diverged():
+    def fn(comm):
+        model = nn.Linear(3, 3)
+        DistributedDataParallel(model, comm)
+        if comm.rank == 2:
+            model.weight.data[0, 0] += 1e-3
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\]"):
+            check_replicas_equal(model, comm)
+    ThreadWorld(3).run(fn)
+
+
+def test_wrapping_broadcasts_rank0_parameters():
+    def fn(comm):
+        mt.manual_seed(comm.rank)                 # different initialisations per rank
+        model = nn.Linear(4, 4)
+        DistributedDataParallel(model, comm)
+        return model.weight.data.copy()
+    weights = ThreadWorld(3).run(fn)
+    assert all(np.array_equal(w, weights[0]) for w in weights)
