@@ -115,19 +115,27 @@ def save_chrome(path, comm=None):
     return path
 
 
+def _row(e):
+    """Timeline row of a span: its rank and kind; collectives run by a progress thread get their own."""
+    kind = e["kind"]
+    if e.get("thread", "").startswith("progress"):
+        kind += " (async)"
+    return e["rank"], kind
+
+
 def plot_timeline(all_events, ax=None, title=None, colors=None):
     """Gantt chart: one row per (rank, kind), a bar per span."""
     import matplotlib.pyplot as plt
+    rows = sorted({_row(e) for e in all_events})
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len({(e["rank"], e["kind"]) for e in all_events})))
-    rows = sorted({(e["rank"], e["kind"]) for e in all_events})
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(rows)))
     colors = colors or {}
     palette = plt.get_cmap("tab10")
     names = sorted({e["name"] for e in all_events})
     t0 = _origin(all_events)
     for i, row in enumerate(rows):
         for e in all_events:
-            if (e["rank"], e["kind"]) != row:
+            if _row(e) != row:
                 continue
             color = colors.get(e["name"], palette(names.index(e["name"]) % 10))
             ax.barh(i, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, color=color,

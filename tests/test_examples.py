@@ -2,11 +2,12 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from minitrain.examples import gpt, mlp
-from minitrain.testing import run_mpi
+from minitrain.testing import MPIRunError, run_mpi
 
 
 def test_mlp_reaches_95_percent_and_writes_the_json_report(tmp_path):
@@ -14,7 +15,7 @@ def test_mlp_reaches_95_percent_and_writes_the_json_report(tmp_path):
     assert mlp.main(["--no-progress", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["test_accuracy"] >= 0.95
-    assert report["world_size"] == 1 and report["strategy"] == "single"
+    assert report["world_size"] == 1 and report["strategy"] == "ddp"
     assert report["num_params"] == 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
     rank0 = report["ranks"][0]
     psi = report["num_params"]
@@ -24,12 +25,35 @@ def test_mlp_reaches_95_percent_and_writes_the_json_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_mlp_under_mpiexec_with_4_ranks(tmp_path):
+def test_the_run_line_trains_data_parallel_on_4_ranks(tmp_path):
+    out, trace_path, plot = tmp_path / "mlp.json", tmp_path / "trace.json", tmp_path / "step.png"
+    start = time.monotonic()
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--json", out,
+                      "--trace", trace_path, "--plot", plot], n=4, timeout=120)
+    assert time.monotonic() - start < 60
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 4 and report["test_accuracy"] >= 0.95
+    assert len(report["ranks"]) == 4 and "compute vs" not in result.stdout
+    # every rank sends what the ring formula says (the start-up broadcast is spread over the steps)
+    assert report["bytes_per_step"] == pytest.approx(report["bytes_per_step_formula"], rel=0.01)
+    assert {e["pid"] for e in json.loads(trace_path.read_text())["traceEvents"]} == {0, 1, 2, 3}
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_local_sgd_averages_every_n_steps(tmp_path):
     out = tmp_path / "mlp.json"
-    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress",
-                      "--epochs", "5", "--json", out], n=4, timeout=120)
-    assert "test accuracy" in result.stdout
-    assert json.loads(out.read_text())["test_accuracy"] > 0.9
+    run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "local_sgd",
+             "--sync-every", "4", "--json", out], n=2, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["test_accuracy"] >= 0.9
+    assert report["bytes_per_step"] == pytest.approx(report["bytes_per_step_formula"], rel=0.05)
+
+
+def test_a_batch_not_divisible_by_the_ranks_is_a_clear_error():
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--batch-size", "64"], n=3, timeout=60)
+    assert "not divisible by the 3 ranks" in str(err.value) and "Traceback" not in str(err.value)
 
 
 @pytest.mark.parametrize("args, message", [(["--batch-size", "0"], "--batch-size must be >= 1"),

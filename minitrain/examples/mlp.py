@@ -1,9 +1,12 @@
-"""The main job: an MLP trained on the real 8x8 digits.
+"""The main job: an MLP trained on the real 8x8 digits, data-parallel over every rank.
 
-    python -m minitrain.examples.mlp [--epochs 30] [--batch-size 64] [--json out.json]
+    mpirun -n 4 python -m minitrain.examples.mlp [--strategy ddp|local_sgd] [--batch-size 64]
+        [--json out.json] [--trace trace.json] [--plot step.png]
 
-Single process for now (data parallelism arrives with issue 4): under ``mpirun -n N`` rank 0
-trains and the other ranks exit. Reports test accuracy, samples/s and memory by category.
+Each rank trains on its DistributedSampler share of every global batch (``--batch-size`` is
+global) and DDP averages the gradients, so N ranks take exactly the steps one process would
+take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
+samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
 """
 import argparse
 import sys
@@ -13,28 +16,37 @@ import numpy as np
 from tqdm import tqdm
 
 import minitrain
-from minitrain import memory, nn, optim
-from minitrain.data import DataLoader, load_digits
-from minitrain.examples.common import launch_info, memory_table, persistent_memory, write_json
+from minitrain import comm as mtcomm
+from minitrain import memory, nn, optim, trace
+from minitrain.data import DataLoader, DistributedSampler, load_digits
+from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
+from minitrain.parallel import DistributedDataParallel, LocalSGD, check_replicas_equal
+
+STRATEGIES = ("ddp", "local_sgd")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2, help="number of hidden layers")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
+    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden", "layers"):
+    for name in ("epochs", "batch_size", "hidden", "layers", "sync_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    return args, p
 
 
 def evaluate(model, x, y):
@@ -43,68 +55,131 @@ def evaluate(model, x, y):
     return float((logits.numpy().argmax(axis=1) == y).mean())
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, launched = launch_info()
-    if rank != 0:
-        return 0
-    minitrain.backend.limit_blas_threads()
-    if launched > 1:
-        print(f"note: {launched} ranks launched; data parallelism is not implemented yet, "
-              f"so rank 0 trains alone and ranks 1..{launched - 1} exit.", flush=True)
+def gather_rows(comm, values):
+    """Every rank's vector of floats, on every rank (one small all-gather)."""
+    mine = np.asarray(values, np.float64)
+    return mtcomm.ring_all_gather(comm, mine, total=mine.size * comm.size).reshape(comm.size, -1)
 
-    minitrain.set_default_dtype(np.dtype(args.dtype))
+
+def main(argv=None):
+    args, parser = parse_args(argv)
+    comm = mtcomm.init()
+    world, rank = comm.size, comm.rank
+    if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
+        if rank == 0:
+            parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
+                         f"each rank takes an equal share of the global batch")
+        sys.exit(2)
+    local_batch = args.batch_size // world
+
+    minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
     model = nn.MLP([x_train.shape[1]] + [args.hidden] * args.layers + [10])
+    if args.strategy == "ddp":
+        wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
+    else:
+        wrapped = LocalSGD(model, comm, sync_every=args.sync_every)
     if args.optimizer == "adam":
         opt = optim.Adam(model.parameters(), lr=args.lr or 1e-3)
     else:
         opt = optim.SGD(model.parameters(), lr=args.lr or 0.1, momentum=0.9)
-    loader = DataLoader((x_train, y_train), args.batch_size, seed=args.seed)
+    sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
+    loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
 
     memory.reset_peak()
-    steps, seen, persistent = 0, 0, {}
-    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress, file=sys.stdout,
-               desc="train", unit="step")
+    trace.enable(rank=rank)
+    steps, seen, persistent, step_events = 0, 0, {}, []
+    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
+               desc=f"{args.strategy} x{world}", unit="step")
+    comm.barrier()
     start = time.perf_counter()
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
         for xb, yb in loader:
-            loss = nn.functional.cross_entropy(model(minitrain.Tensor(xb)), yb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            events_before = len(trace.tracer().events)
+            with trace.span("step", kind="step"):
+                with trace.span("forward"):
+                    loss = nn.functional.cross_entropy(wrapped(minitrain.Tensor(xb)), yb)
+                opt.zero_grad()
+                with trace.span("backward"):
+                    loss.backward()
+                with trace.span("optimizer"):
+                    opt.step()
+                    if args.strategy == "local_sgd":
+                        wrapped.step()
             persistent = persistent_memory()
             steps += 1
             seen += len(xb)
             bar.update(1)
             if steps % 10 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}", epoch=epoch)
+            if len(trace.tracer().events) > 50_000:      # keep the last steps only
+                del trace.tracer().events[:-5_000]
+            step_events = trace.tracer().events[events_before:]
     elapsed = time.perf_counter() - start
     bar.close()
+    if args.strategy == "local_sgd":
+        wrapped.synchronize()            # the replicas drift between averagings: agree before evaluating
+    check_replicas_equal(model, comm)
 
-    final_loss = loss.item()
-    accuracy = evaluate(model, x_test, y_test)
+    events = trace.events()
+    waits = sum(e["end"] - e["start"] for e in events if e["name"] in ("wait for buckets", "average parameters"))
+    comm_total = sum(e["end"] - e["start"] for e in events if e["kind"] == "comm" and e["name"].endswith("all_reduce"))
+    traced_steps = max(1, sum(1 for e in events if e["name"] == "step"))
+    step_time = elapsed / steps
+    exposed = waits / traced_steps
+    psi = model.num_parameters()
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    sent = comm.stats.bytes_sent
     peak = memory.peak()
-    report = {
-        "world_size": 1,
-        "strategy": "single",
-        "num_params": model.num_parameters(),
-        "final_loss": final_loss,
-        "test_accuracy": accuracy,
-        "samples_per_second": seen / elapsed,
-        "steps": steps,
-        "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
-    }
-    print(f"\nMLP {model.sizes} ({report['num_params']:,} parameters), {args.optimizer}, "
-          f"{args.epochs} epochs, global batch {args.batch_size}, {args.dtype}")
+    row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
+           *[persistent[c] for c in ("params", "grads", "optimizer_state")],
+           *[peak[c] for c in memory.CATEGORIES], peak["total"]]
+    table = gather_rows(comm, row)
+    final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
+    if args.trace:
+        trace.save_chrome(args.trace, comm)
+    if rank != 0:
+        return 0
+
+    accuracy = evaluate(model, x_test, y_test)
+    formula = 2 * (world - 1) / world * psi * itemsize
+    if args.strategy == "local_sgd":
+        formula /= args.sync_every
+    print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s), {args.optimizer}, "
+          f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
-          f"{report['samples_per_second']:,.0f} samples/s   {elapsed:.1f} s")
-    print("memory on rank 0 (model states at the optimizer step; peak over the run):")
+          f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
+    print(f"\n{'rank':>4} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
+          f"{'sent/step':>10} {'formula':>10}")
+    for r, v in enumerate(table):
+        print(f"{r:>4} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms {v[3] * 1e3:>9.2f}ms "
+              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10}")
+    print("\n(sent/step averages every message, the start-up broadcast included; formula: 2(p-1)/p·Ψ·bytes"
+          + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "") + ")")
+    print("\nmemory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
+    ranks = []
+    for r, v in enumerate(table):
+        ranks.append({"rank": r, "samples_per_second": v[0], "compute_seconds_per_step": v[1],
+                      "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
+                      "bytes_sent": v[4] * steps,
+                      "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),
+                                 "peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[8:])))}})
     if args.json:
-        write_json(args.json, report)
+        write_json(args.json, {
+            "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
+            "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
+            "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula, "ranks": ranks})
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        trace.plot_timeline([e for e in step_events if e["kind"] != "step"],
+                            title=f"rank 0, last step: compute and each bucket's all-reduce ({args.strategy})")
+        plt.tight_layout()
+        plt.savefig(args.plot, dpi=120)
     return 0
 
 

@@ -208,3 +208,44 @@ def check_replicas_equal(module, comm):
         raise RuntimeError(f"[rank {comm.rank}] replicas diverged: rank(s) {diverged} hold parameters that "
                            f"differ from rank 0's (digests {digests.tolist()})")
     return True
+
+
+class LocalSGD:
+    """Periodic parameter averaging (local SGD; Lin et al. 2020, "Don't use large mini-batches,
+    use local SGD"): each rank steps on its own gradients, and every ``sync_every`` optimizer steps
+    the parameters are averaged across ranks. One all-reduce of Ψ parameters per ``sync_every``
+    steps instead of one of Ψ gradients per step: less communication, staler replicas.
+    Call ``step()`` after each ``optimizer.step()``; it returns True when it averaged."""
+
+    def __init__(self, module, comm, sync_every=4, broadcast_from=0):
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.module, self.comm, self.sync_every = module, comm, sync_every
+        self.steps = 0
+        for p in module.parameters():
+            broadcast(comm, p.data, root=broadcast_from)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def step(self):
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return False
+        self.synchronize()
+        return True
+
+    def synchronize(self):
+        """Average the parameters across ranks now (also at the end of training, so that the
+        replicas agree whatever the last step was)."""
+        with trace.span("average parameters", kind="comm"):
+            params = list(self.module.parameters())
+            flat = array_module(params[0].data).concatenate([p.data.reshape(-1) for p in params])
+            averaged = all_reduce(self.comm, flat, op="mean", algorithm="ring")
+            offset = 0
+            for p in params:
+                p.data[...] = averaged[offset:offset + p.size].reshape(p.shape)
+                offset += p.size
