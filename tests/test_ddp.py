@@ -119,10 +119,11 @@ def test_bucket_reduction_overlaps_backward():
     world = ThreadWorld(2)
 
     def fn(comm):
-        model = nn.MLP([256, 512, 512, 512, 10])
-        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=0.5)
-        x = mt.Tensor(np.random.default_rng(comm.rank).standard_normal((64, 256)).astype(np.float32))
-        y = np.zeros(64, np.int64)
+        # big enough that backward takes tens of ms (its matmuls release the GIL to the progress thread)
+        model = nn.MLP([512, 1024, 1024, 1024, 1024, 10])
+        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=2)
+        x = mt.Tensor(np.random.default_rng(comm.rank).standard_normal((512, 512)).astype(np.float32))
+        y = np.zeros(512, np.int64)
         trace.enable(rank=comm.rank)
         with trace.span("backward"):
             F.cross_entropy(ddp(x), y).backward()
