@@ -158,3 +158,28 @@ def test_wrapping_broadcasts_rank0_parameters():
         return model.weight.data.copy()
     weights = ThreadWorld(3).run(fn)
     assert all(np.array_equal(w, weights[0]) for w in weights)
+
+
+def test_data_parallel_single_process_equals_one_replica(float64):
+    from minitrain.parallel import DataParallel
+    model, reference = Toy(), Toy()
+    reference.load_state_dict(model.state_dict())
+    dp = DataParallel(model, num_replicas=3)
+    opt, ref_opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9), optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches(3, 24)):
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        out = dp(mt.Tensor(x))
+        np.testing.assert_allclose(out.numpy(), reference(mt.Tensor(x)).numpy(), rtol=1e-12)
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(reference(mt.Tensor(x)), y).backward()
+        opt.step()
+        ref_opt.step()
+        assert_same(model, reference, f"DataParallel step {step}")
+    # every step: every trainable parameter copied to the 2 other replicas (tied weight once), and
+    # gradients sent back for the ones this forward used ("sometimes" was not)
+    psi = sum(p.size for p in model.parameters() if p.requires_grad)
+    used = psi - model.sometimes.weight.size - model.sometimes.bias.size
+    assert dp.stats["replicate_bytes"] == 3 * 2 * psi * 8
+    assert dp.stats["reduce_bytes"] == 3 * 2 * used * 8
+    assert dp.stats["scatter_bytes"] == 3 * 16 * 6 * 8 and dp.stats["gather_bytes"] == 3 * 16 * 3 * 8
