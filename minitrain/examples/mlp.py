@@ -152,12 +152,14 @@ def main(argv=None):
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
     print(f"\n{'rank':>4} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
-          f"{'sent/step':>10} {'formula':>10}")
+          f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
         print(f"{r:>4} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms {v[3] * 1e3:>9.2f}ms "
-              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10}")
-    print("\n(sent/step averages every message, the start-up broadcast included; formula: 2(p-1)/p·Ψ·bytes"
-          + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "") + ")")
+              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[-1]):>12}")
+    print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
+          " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
+          " included; formula: 2(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
+          + "; peak memory: every category, by rank, in --json)")
     print("\nmemory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
     ranks = []
