@@ -12,6 +12,7 @@ MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
 import ctypes
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -98,14 +99,23 @@ class MPICommunicator(Communicator):
         _mpi().COMM_WORLD.Abort(code)
 
 
+ABORT_GRACE_S = 0.5
+
+
 def install_excepthook(rank):
-    """An uncaught exception prints ``[rank r]`` and its traceback, then aborts every rank."""
+    """An uncaught exception prints ``[rank r]`` and its traceback, then aborts every rank.
+    The text goes out in one unbuffered write, and the launcher gets ABORT_GRACE_S to forward it
+    before MPI_Abort tears the job down (seen once under load: the abort won the race and the
+    traceback never reached the terminal)."""
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
-        sys.stderr.flush()
-        sys.stdout.flush()
-        _mpi().COMM_WORLD.Abort(1)
+        labelled = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines())
+        try:
+            sys.stdout.flush()
+            os.write(2, labelled.encode(errors="replace"))
+        finally:
+            time.sleep(ABORT_GRACE_S)
+            _mpi().COMM_WORLD.Abort(1)
     sys.excepthook = hook
 
 
