@@ -49,13 +49,15 @@ from .function import Function
 class _Callbacks(threading.local):
     def __init__(self):
         self.queue = None      # a list while a backward is running on this thread
+        self.depth = 0         # backward inside backward: activation recomputation
 
 
 _callbacks = _Callbacks()
 
 
 def queue_callback(fn):
-    """Run ``fn()`` once the backward that is running on this thread has finished."""
+    """Run ``fn()`` when the outermost backward running on this thread has finished (a backward
+    nested inside it, as recomputation runs, does not count: its end is not the end of the step)."""
     if _callbacks.queue is None:
         raise RuntimeError("queue_callback() can only be called while backward() is running")
     _callbacks.queue.append(fn)
@@ -63,14 +65,18 @@ def queue_callback(fn):
 
 def backward(root, grad=None, retain_graph=False):
     """Accumulate the gradient of ``root`` into every leaf it depends on (see the module docstring)."""
-    outer = _callbacks.queue
-    _callbacks.queue = []
+    outermost = _callbacks.depth == 0
+    if outermost:
+        _callbacks.queue = []
+    _callbacks.depth += 1
     try:
         _backward(root, grad, retain_graph)
-        while _callbacks.queue:                  # a callback may queue another
+        while outermost and _callbacks.queue:    # a callback may queue another
             _callbacks.queue.pop(0)()
     finally:
-        _callbacks.queue = outer
+        _callbacks.depth -= 1
+        if outermost:
+            _callbacks.queue = None
 
 
 def _backward(root, grad, retain_graph):

@@ -4,7 +4,8 @@ Token + position embeddings, ``n_layer`` pre-LayerNorm blocks of causal multi-he
 self-attention and a 4x GELU MLP (both with residual connections), a final LayerNorm and the
 LM head. Parameter names and shapes match nanoGPT's modules (``h.0.attn.c_attn.weight`` is
 (3·n_embd, n_embd)), so weights copy one-to-one into a PyTorch model for the oracle tests.
-Parameters per layer: 12·n_embd² + 13·n_embd (with biases).
+Parameters per layer: 12·n_embd² + 13·n_embd (with biases). ``GPTConfig.recompute``: "full"
+recomputes each block in backward, "selective" only the attention core (Korthikanti et al. 2022).
 """
 import math
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd import Tensor, no_grad
+from ..autograd.checkpoint import checkpoint
 from . import functional as F
 from .layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
 from .module import Module
@@ -28,10 +30,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = False   # share wte.weight with lm_head.weight (GPT-2 does; off by default)
+    recompute: str = None       # None, "full" (each block) or "selective" (the attention core)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.recompute not in (None, "none", "full", "selective"):
+            raise ValueError(f"recompute must be None, 'full' or 'selective', got {self.recompute!r}")
 
 
 class CausalSelfAttention(Module):
@@ -44,6 +49,7 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = Dropout(config.dropout)
         self.resid_dropout = Dropout(config.dropout)
+        self.recompute = config.recompute == "selective"
         self._masks = {}
 
     def causal_mask(self, T, like):
@@ -61,11 +67,19 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, H, D).transpose(1, 2)            # (B, H, T, D)
         k = k.reshape(B, T, H, D).transpose(1, 2)
         v = v.reshape(B, T, H, D).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T)
-        att = att.masked_fill(self.causal_mask(T, x.data), -math.inf)
-        att = self.attn_dropout(F.softmax(att, axis=-1))
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)        # heads side by side again
+        # selective recomputation (Korthikanti et al. 2022): the core's (B, H, T, T) activations are
+        # the largest and the cheapest to recompute, so they are dropped and redone in backward
+        y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, C)               # heads side by side again
         return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q, k, v):
+        """softmax(Q K^T / sqrt(d) + mask), dropout, times V: (B, H, T, D) in and out."""
+        T, D = q.shape[2], q.shape[3]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T)
+        att = att.masked_fill(self.causal_mask(T, q.data), -math.inf)
+        att = self.attn_dropout(F.softmax(att, axis=-1))
+        return att @ v
 
 
 class FeedForward(Module):
@@ -90,8 +104,14 @@ class Block(Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = FeedForward(config)
+        self.recompute = config.recompute == "full"
 
     def forward(self, x):
+        if self.recompute:      # full recomputation: keep only the block's input
+            return checkpoint(self.compute, x)
+        return self.compute(x)
+
+    def compute(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
