@@ -16,7 +16,8 @@ from tqdm import tqdm
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.parallel import offload_activations
 
 
 def parse_args(argv=None):
@@ -31,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
+                   help="activation recomputation: each block (full) or the attention core (selective)")
+    p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -67,7 +71,7 @@ def main(argv=None):
     corpus = load_text()
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size,
                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                          dropout=args.dropout)
+                          dropout=args.dropout, recompute=None if args.recompute == "none" else args.recompute)
     model = nn.GPT(config)
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
@@ -78,9 +82,14 @@ def main(argv=None):
     losses, persistent = [], {}
     bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
+    offload = offload_activations() if args.offload_activations else None
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
-        _, loss = model(x, y)
+        if offload is not None:
+            with offload:
+                _, loss = model(x, y)
+        else:
+            _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         optim.clip_grad_norm_(model.parameters(), 1.0)
@@ -102,13 +111,17 @@ def main(argv=None):
     sample = model.generate(context, args.sample_chars, temperature=0.8, top_k=20,
                             rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
+    print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
+          + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / args.steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
     if args.json:
         write_json(args.json, {
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
             "initial_val_loss": initial_val, "final_val_loss": final_val,
-            "final_loss": float(tail), "steps_per_second": args.steps / elapsed,
+            "final_loss": float(tail), "steps_per_second": args.steps / elapsed, "recompute": args.recompute,
+            "offload_activations": args.offload_activations,
+            "bytes_offloaded_per_step": offload.bytes_offloaded / args.steps if offload else 0,
             "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
             "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })

@@ -20,7 +20,8 @@ from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim, trace
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
-from minitrain.parallel import DistributedDataParallel, LocalSGD, check_replicas_equal
+from minitrain.parallel import (DistributedDataParallel, LocalSGD, check_replicas_equal, checkpoint_sequential,
+                                offload_activations)
 
 STRATEGIES = ("ddp", "local_sgd")
 
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="number of hidden layers")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
+    p.add_argument("--recompute", choices=["none", "full"], default="none",
+                   help="full: checkpoint_sequential with round(sqrt(layers)) segments")
+    p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
@@ -90,6 +94,12 @@ def main(argv=None):
     memory.reset_peak()
     trace.enable(rank=rank)
     steps, seen, persistent, step_events = 0, 0, {}, []
+    offload = offload_activations() if args.offload_activations else None
+
+    def forward(x):
+        if args.recompute == "full":        # DDP's hooks are on the parameters: it works unchanged
+            return checkpoint_sequential(model, None, x)
+        return wrapped(x)
     bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"{args.strategy} x{world}", unit="step")
     comm.barrier()
@@ -100,7 +110,11 @@ def main(argv=None):
             events_before = len(trace.tracer().events)
             with trace.span("step", kind="step"):
                 with trace.span("forward"):
-                    loss = nn.functional.cross_entropy(wrapped(minitrain.Tensor(xb)), yb)
+                    if offload is not None:
+                        with offload:
+                            loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
+                    else:
+                        loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
                 opt.zero_grad()
                 with trace.span("backward"):
                     loss.backward()
@@ -160,7 +174,9 @@ def main(argv=None):
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: 2(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
-    print("\nmemory on rank 0 (model states at the optimizer step; peak over the run):")
+    print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
+          + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
+    print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
     ranks = []
     for r, v in enumerate(table):
@@ -173,7 +189,9 @@ def main(argv=None):
         write_json(args.json, {
             "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
             "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
-            "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula, "ranks": ranks})
+            "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
+            "recompute": args.recompute, "offload_activations": args.offload_activations,
+            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0, "ranks": ranks})
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
