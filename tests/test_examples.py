@@ -78,3 +78,28 @@ def test_gpt_rejects_heads_that_do_not_divide_the_width():
     result = subprocess.run([sys.executable, "-m", "minitrain.examples.gpt", "--n-embd", "30", "--n-head", "4"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "divisible" in result.stderr
+
+
+@pytest.mark.parametrize("flags", [["--recompute", "full"], ["--offload-activations"]])
+def test_mlp_recompute_and_offload_keep_the_result_and_report_it(tmp_path, flags):
+    plain, other = tmp_path / "plain.json", tmp_path / "other.json"
+    common = ["--no-progress", "--layers", "6", "--epochs", "3"]
+    assert mlp.main(common + ["--json", str(plain)]) == 0
+    assert mlp.main(common + flags + ["--json", str(other)]) == 0
+    a, b = json.loads(plain.read_text()), json.loads(other.read_text())
+    assert a["final_loss"] == b["final_loss"]                       # the same training, bit for bit
+    assert b["ranks"][0]["memory"]["peak"]["activations"] < a["ranks"][0]["memory"]["peak"]["activations"]
+    assert (b["bytes_offloaded_per_step"] > 0) == ("--offload-activations" in flags)
+
+
+def test_gpt_recompute_modes_train_identically(tmp_path):
+    reports = {}
+    for mode in ("none", "selective", "full"):
+        out = tmp_path / f"{mode}.json"
+        assert gpt.main(["--steps", "8", "--no-progress", "--sample-chars", "1", "--recompute", mode,
+                         "--json", str(out)]) == 0
+        reports[mode] = json.loads(out.read_text())
+    losses = {m: r["final_val_loss"] for m, r in reports.items()}
+    assert len(set(losses.values())) == 1, losses
+    peaks = {m: r["ranks"][0]["memory"]["peak"]["activations"] for m, r in reports.items()}
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
