@@ -60,6 +60,20 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5, seed=0):
     return worst
 
 
+def median_time(fn, repeats, warmup=1):
+    """Median wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed ones (benchmarks)."""
+    import statistics
+    import time
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 class MPIRunError(AssertionError):
     """An mpiexec run failed or timed out; the message holds every rank's output."""
 

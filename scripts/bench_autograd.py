@@ -10,8 +10,6 @@ each and the ratio minitrain / PyTorch (the anchor, measured in the same run).
 Goals (issue 2): <= 1.15x on large, <= 1.5x on small.
 """
 import argparse
-import statistics
-import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -19,6 +17,7 @@ from threadpoolctl import threadpool_limits
 import minitrain as mt
 from minitrain import nn, optim
 from minitrain.nn import functional as F
+from minitrain.testing import median_time
 
 CONFIGS = {"large": dict(batch=256, width=1024, depth=3), "small": dict(batch=32, width=128, depth=3)}
 CLASSES = 10
@@ -26,17 +25,6 @@ CLASSES = 10
 
 def sizes(cfg):
     return [cfg["width"]] * (cfg["depth"] + 1) + [CLASSES]
-
-
-def time_steps(step, repeats, warmup=5):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def minitrain_step(cfg, rng):
@@ -92,8 +80,8 @@ def main(argv=None):
             ours, theirs = minitrain_step(cfg, rng), torch_step(cfg, rng)
             t_ours, t_theirs = [], []
             for _ in range(args.rounds):      # alternate, so drift on a shared machine hits both
-                t_ours.append(time_steps(ours, args.repeats))
-                t_theirs.append(time_steps(theirs, args.repeats))
+                t_ours.append(median_time(ours, args.repeats, warmup=5))
+                t_theirs.append(median_time(theirs, args.repeats, warmup=5))
             results[name] = (min(t_ours), min(t_theirs))
 
     print(f"one SGD step, float32, {args.threads} thread(s), median of {args.repeats} (best of {args.rounds} rounds)")

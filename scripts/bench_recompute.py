@@ -12,7 +12,6 @@ Then the GPT with recompute = none / selective / full.
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -21,6 +20,7 @@ import minitrain as mt
 from minitrain import memory, nn
 from minitrain.nn import functional as F
 from minitrain.parallel import checkpoint_sequential
+from minitrain.testing import median_time
 
 WIDTH, BATCH = 256, 256
 
@@ -30,15 +30,11 @@ def mlp(n):
 
 
 def measure(step, repeats):
+    """(peak saved activations, median step time) of ``step``."""
     tracker = memory.MemoryTracker()
     with memory.use_tracker(tracker):
-        step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return tracker.peak()["activations"], statistics.median(times)
+        t = median_time(step, repeats)
+    return tracker.peak()["activations"], t
 
 
 def mlp_rows(ns, repeats):

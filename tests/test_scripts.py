@@ -14,3 +14,9 @@ def test_bench_autograd_runs_and_reports_both_models(monkeypatch, capsys):
     runpy.run_path(str(SCRIPTS / "bench_autograd.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "large" in out and "small" in out and "x" in out
+
+
+def test_bench_recompute_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_recompute.py", "--layers", "4", "--repeats", "1"])
+    runpy.run_path(str(SCRIPTS / "bench_recompute.py"), run_name="__main__")
+    assert "k = sqrt(n)" in capsys.readouterr().out
