@@ -224,3 +224,13 @@ def test_out_buffers_are_filled_in_place_and_checked():
     for out, gathered in ThreadWorld(3).run(fn):
         np.testing.assert_array_equal(out, 3 * np.arange(10.0) + 3)
         np.testing.assert_array_equal(gathered, out)
+
+
+def test_reduce_scatter_with_uneven_bounds():
+    bounds = [0, 0, 5, 6, 9]                       # rank 0 gets nothing, rank 1 five elements, ...
+
+    def fn(comm):
+        x = np.arange(9.0) * (comm.rank + 1)
+        return ring_reduce_scatter(comm, x, bounds=bounds)
+    for r, got in enumerate(ThreadWorld(4).run(fn)):
+        np.testing.assert_array_equal(got, (np.arange(9.0) * 10)[bounds[r]:bounds[r + 1]])

@@ -138,18 +138,18 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op, out), async_op, header, x.nbytes)
 
 
-def _ring_reduce_scatter_body(comm, tag, x, op, out):
+def _ring_reduce_scatter_body(comm, tag, x, op, out, bounds):
     flat = _flat(x)
     xp = array_module(flat)
     p, r = comm.size, comm.rank
-    bounds = chunk_bounds(flat.size, p)
+    bounds = chunk_bounds(flat.size, p) if bounds is None else list(bounds)
     mine = _output(out, flat, bounds[r + 1] - bounds[r], "ring_reduce_scatter")
     if p == 1:
         mine[...] = flat
     else:
         # two chunk-sized buffers in turn (receive into one while the other is sent); the last
         # step, which brings chunk r itself, receives straight into the result
-        largest = bounds[1] - bounds[0]
+        largest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         scratch = [xp.empty(largest, flat.dtype), xp.empty(largest, flat.dtype)]
 
         def place(step, i):
@@ -159,13 +159,19 @@ def _ring_reduce_scatter_body(comm, tag, x, op, out):
     return out if out is not None else mine
 
 
-def ring_reduce_scatter(comm, x, op="sum", out=None, async_op=False):
+def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False):
     """Rank r gets chunk r (``np.array_split(x.ravel(), p)[r]``) of the reduction of all ranks' x.
-    (p-1) steps; (N - |chunk r|)·b bytes sent per rank; working memory two chunks."""
+    (p-1) steps; (N - |chunk r|)·b bytes sent per rank; working memory two chunks.
+    ``bounds`` (p+1 offsets) gives another partition: chunk r = [bounds[r], bounds[r+1]) (as
+    MPI_Reduce_scatter's counts; ZeRO-2 uses it for the slices of a bucket each rank owns)."""
     _check_op(op, x.dtype)
+    if bounds is not None and (len(bounds) != comm.size + 1 or bounds[0] != 0 or bounds[-1] != x.size
+                               or any(b < a for a, b in zip(bounds[:-1], bounds[1:]))):
+        raise ValueError(f"ring_reduce_scatter: bounds must be {comm.size + 1} non-decreasing offsets "
+                         f"from 0 to {x.size}, got {list(bounds)}")
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op, out), async_op, header,
-                   x.nbytes)
+    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op, out, bounds), async_op,
+                   header, x.nbytes)
 
 
 def _ring_all_gather_body(comm, tag, shard, total, out):

@@ -55,8 +55,11 @@ class Parameter(Tensor):
             self._mem[2] = None
         self._grad = value
         if value is not None:
-            key = ("grads", id(self))
-            tracker.add("grads", key, memory.owner(value).nbytes)
+            # keyed by the buffer that owns the memory: gradients that are views of one flat buffer
+            # (ZeRO, FSDP) count once, as parameters do
+            base = memory.owner(value)
+            key = ("grads", id(base))
+            tracker.add("grads", key, base.nbytes)
             self._mem[2] = key
 
     def __repr__(self):

@@ -7,3 +7,6 @@ from .recompute import checkpoint, checkpoint_sequential  # noqa: E402
 from .offload import offload_activations  # noqa: E402
 
 __all__ += ["checkpoint", "checkpoint_sequential", "offload_activations"]
+from .zero import ZeroRedundancyOptimizer  # noqa: E402
+
+__all__ += ["ZeroRedundancyOptimizer"]

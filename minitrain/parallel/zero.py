@@ -1,0 +1,206 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", sec. 5; DeepSpeed's names). Stage 3 is FullyShardedDataParallel (fsdp.py).
+
+Every rank keeps all the parameters, but the optimizer state is **partitioned**: the trainable
+parameters live in one flat buffer, padded to a multiple of p, and rank r owns the contiguous
+shard [r·S, (r+1)·S), S = Ψ_pad / p. Each rank steps only its shard, with any ordinary optimizer
+built on that shard (the update is elementwise), then the shards are all-gathered back.
+
+* stage 1: after backward, the full gradient is reduce-scattered (each rank gets the average of
+  its shard's gradient); gradients stay whole until then.
+* stage 2: gradients are reduce-scattered bucket by bucket *during* backward, and a parameter's
+  gradient is freed as soon as it is copied into its bucket: only the shard's gradient persists.
+
+Bytes per step: reduce-scatter + all-gather = 2(p-1)/p·Ψ·b, the same as DDP's all-reduce.
+Model states per rank (fp32 Adam, K=8 bytes of state per parameter): stage 1 4Ψ + 4Ψ + 8Ψ/N,
+stage 2 4Ψ + (4 + 8)Ψ/N, up to padding (DDP: 16Ψ).
+"""
+import math
+
+import numpy as np
+
+from .. import memory, trace
+from ..autograd.engine import queue_callback
+from ..backend import array_module
+from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
+from ..nn import Parameter
+
+
+class FlatParameters:
+    """The trainable parameters of a model as views into one flat buffer padded to a multiple of
+    ``p``; rank r's shard is the contiguous slice [r·S, (r+1)·S)."""
+
+    def __init__(self, params, p, rank, order="reverse"):
+        self.params = list(reversed(params)) if order == "reverse" else list(params)
+        if not self.params:
+            raise ValueError("ZeRO: no parameter requires grad")
+        dtypes = {q.dtype for q in self.params}
+        if len(dtypes) != 1:
+            raise TypeError(f"ZeRO flattens parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.numel = sum(q.size for q in self.params)
+        self.shard_size = math.ceil(self.numel / p)
+        self.padded = self.shard_size * p
+        self.rank = rank
+        xp = array_module(self.params[0].data)
+        self.flat = xp.zeros(self.padded, dtype=self.params[0].dtype)
+        self.offsets = {}
+        offset = 0
+        for q in self.params:           # the model's parameters become views of the flat buffer
+            self.flat[offset:offset + q.size] = q.data.reshape(-1)
+            self.offsets[id(q)] = (offset, offset + q.size)
+            q.data = self.flat[offset:offset + q.size].reshape(q.shape)
+            offset += q.size
+        lo = rank * self.shard_size
+        self.shard_range = (lo, lo + self.shard_size)
+
+    def shard_view(self):
+        lo, hi = self.shard_range
+        return self.flat[lo:hi]
+
+
+class ZeroRedundancyOptimizer:
+    """``ZeroRedundancyOptimizer(params, optim.Adam, comm, stage=2, lr=1e-3)``: shards the optimizer
+    state (stage 1) and the gradients (stage 2) over ``comm``. It does its own gradient
+    communication: do not wrap the model in DistributedDataParallel. Call ``zero_grad()``,
+    ``loss.backward()``, ``step()`` as with any optimizer. ``clip_grad_norm_(max_norm)`` clips by the
+    norm of the *full* gradient, computed across the shards. Frozen parameters are left out. A
+    parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
+    whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
+    single-process optimizer would skip it; DeepSpeed does the same)."""
+
+    def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, **defaults):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
+        self.comm, self.stage = comm, stage
+        params = list(params)
+        for q in params:                             # frozen ones too: every rank runs rank 0's model
+            if not q.requires_grad:
+                broadcast(comm, q.data, root=0)
+        self.flat = FlatParameters([q for q in params if q.requires_grad], comm.size, comm.rank)
+        broadcast(comm, self.flat.flat, root=0)      # every rank starts from rank 0's parameters
+        self.shard = Parameter(self.flat.shard_view())
+        xp = array_module(self.flat.flat)
+        self.shard_grad = xp.zeros(self.flat.shard_size, dtype=self.flat.flat.dtype)
+        self.optimizer = optimizer_class([self.shard], **defaults)
+        self.param_groups = self.optimizer.param_groups
+        self._tracker = memory.tracker()
+        if stage == 1:
+            # .grad of every parameter is a view of one flat gradient buffer (4Ψ, kept whole); the
+            # reduce-scatter lands in a shard-sized communication buffer and is copied into the
+            # shard's own slice, which is what the shard's optimizer reads
+            self.flat_grad = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)
+            self._point_grads_at_flat()
+            self._tracker.add("comm_buffers", ("zero1_scratch", id(self)), self.shard_grad.nbytes)
+        else:
+            self._build_buckets(int(bucket_cap_mb * 1024 * 1024), xp)
+
+    def _point_grads_at_flat(self):
+        for q in self.flat.params:
+            lo, hi = self.flat.offsets[id(q)]
+            view = self.flat_grad[lo:hi].reshape(q.shape)
+            if q.grad is not None and q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
+                view[...] = q.grad                  # a gradient made elsewhere (model.zero_grad() set None)
+            q.grad = view
+
+    # ---- stage 2: buckets reduce-scattered during backward
+    def _build_buckets(self, cap, xp):
+        """Contiguous ranges of the flat buffer, in backward order (the buffer is laid out reversed)."""
+        self.buckets, start, size = [], 0, 0
+        itemsize = self.flat.flat.itemsize
+        self._bucket_of = {}
+        for q in self.flat.params:
+            lo, hi = self.flat.offsets[id(q)]
+            if size and (hi - start) * itemsize > cap:
+                self.buckets.append({"range": (start, lo), "params": [], "ready": set(), "work": None})
+                start = lo
+            size = hi - start
+        self.buckets.append({"range": (start, self.flat.padded), "params": [], "ready": set(), "work": None})
+        for q in self.flat.params:
+            lo, _ = self.flat.offsets[id(q)]
+            bucket = next(b for b in self.buckets if b["range"][0] <= lo < b["range"][1])
+            bucket["params"].append(q)
+            self._bucket_of[id(q)] = bucket
+            q.register_post_accumulate_grad_hook(self._grad_ready)
+        self.staging = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)     # the buckets' buffer
+        self._tracker.add("comm_buffers", ("zero2_staging", id(self)), self.staging.nbytes)
+        self._pending = False
+
+    def _grad_ready(self, q):
+        if not self._pending:
+            self._pending = True
+            queue_callback(self._finish_backward)
+        bucket = self._bucket_of[id(q)]
+        lo, hi = self.flat.offsets[id(q)]
+        self.staging[lo:hi] = q.grad.reshape(-1)
+        q.grad = None                               # stage 2: the full gradient is not kept
+        bucket["ready"].add(id(q))
+        if len(bucket["ready"]) == len(bucket["params"]):
+            self._launch(bucket)
+
+    def _launch(self, bucket):
+        a, b = bucket["range"]
+        s0, s1 = self.flat.shard_range
+        size = self.flat.shard_size
+        # the slice of this bucket that each rank owns
+        bounds = [min(max(j * size, a), b) - a for j in range(self.comm.size)] + [b - a]
+        out = self.shard_grad[max(a, s0) - s0:max(min(b, s1), s0) - s0]
+        bucket["work"] = ring_reduce_scatter(self.comm, self.staging[a:b], op="mean", out=out,
+                                             bounds=bounds, async_op=True)
+
+    def _finish_backward(self):
+        for bucket in self.buckets:
+            if bucket["work"] is None:              # parameters without a gradient count as zeros
+                for q in bucket["params"]:
+                    if id(q) not in bucket["ready"]:
+                        lo, hi = self.flat.offsets[id(q)]
+                        self.staging[lo:hi] = 0
+                self._launch(bucket)
+        with trace.span("wait for reduce-scatter", kind="comm"):
+            for bucket in self.buckets:
+                bucket["work"].wait()
+                bucket["work"] = None
+                bucket["ready"].clear()
+        self.shard.grad = self.shard_grad
+        self._pending = False
+
+    # ---- the optimizer interface
+    def zero_grad(self, set_to_none=True):
+        if self.stage == 1:
+            self.flat_grad[...] = 0                 # the views stay; the engine accumulates into them
+            self._point_grads_at_flat()
+        else:
+            self.shard_grad[...] = 0
+            self.shard.grad = None
+            for q in self.flat.params:
+                q.grad = None
+
+    def _reduce_scatter_stage1(self):
+        self._point_grads_at_flat()
+        with trace.span("reduce-scatter gradients", kind="comm"):
+            ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=self.shard_grad)
+        lo, hi = self.flat.shard_range
+        self.flat_grad[lo:hi] = self.shard_grad
+        self.shard.grad = self.flat_grad[lo:hi]
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the L2 norm of the full gradient: squares summed over each shard, then all-reduced."""
+        if self.stage == 1 and self.shard.grad is None:
+            self._reduce_scatter_stage1()
+        g = self.shard.grad
+        local = np.array([float((g * g).sum())], np.float64)
+        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0]))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            g *= coef
+        return total
+
+    def step(self):
+        if self.stage == 1 and self.shard.grad is None:
+            self._reduce_scatter_stage1()
+        self.optimizer.step()                       # updates the shard, a view of the flat buffer
+        with trace.span("all-gather parameters", kind="comm"):
+            ring_all_gather(self.comm, self.flat.shard_view().copy(), total=self.flat.padded, out=self.flat.flat)
+        self.shard.grad = None if self.stage == 1 else self.shard.grad
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
