@@ -106,3 +106,112 @@ def test_bytes_per_step_are_two_psi(stage):
     for psi, rs, ag in ThreadWorld(p).run(fn):
         shard = math.ceil(psi / p)
         assert rs == ag == (p - 1) * shard * 4          # (p-1)/p·Ψ_pad each: 2Ψ in all, as DDP
+
+
+# ---------------------------------------------------------------- stage 3: FullyShardedDataParallel
+from minitrain.parallel import FullyShardedDataParallel  # noqa: E402
+
+
+def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(comm.rank)
+    model = (model_fn or (lambda: nn.MLP([6, 13, 11, 3])))()
+    reference = (model_fn or (lambda: nn.MLP([6, 13, 11, 3])))()
+    fsdp = FullyShardedDataParallel(model, comm)
+    reference.load_state_dict(fsdp.full_state_dict())
+    opt, ref_opt = opt_class(fsdp.parameters(), **kwargs), opt_class(reference.parameters(), **kwargs)
+    p, r = comm.size, comm.rank
+    for step, (x, y) in enumerate(batches(steps, 4 * p * 2)):
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(mt.Tensor(x)), y).backward()
+        opt.zero_grad()
+        F.cross_entropy(fsdp(mt.Tensor(x[r::p])), y[r::p]).backward()
+        ref_opt.step()
+        opt.step()
+        full = fsdp.full_state_dict()
+        for name, q in reference.named_parameters():
+            np.testing.assert_allclose(full[name], q.data, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} step {step} {name}")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
+def test_fsdp_equals_single_process(p, opt, float64):
+    ThreadWorld(p).run(run_fsdp, *opt)
+
+
+def test_fsdp_on_the_gpt_equals_single_process(float64):
+    def gpt():
+        return nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8))
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        mt.manual_seed(comm.rank)
+        model, reference = gpt(), gpt()
+        fsdp = FullyShardedDataParallel(model, comm)
+        reference.load_state_dict(fsdp.full_state_dict())
+        opt, ref_opt = optim.AdamW(fsdp.parameters(), lr=1e-2), optim.AdamW(reference.parameters(), lr=1e-2)
+        idx = np.random.default_rng(0).integers(0, 11, (4 * comm.size, 8))
+        for _ in range(2):
+            ref_opt.zero_grad(); reference(idx, idx)[1].backward(); ref_opt.step()
+            opt.zero_grad(); fsdp(idx[comm.rank::comm.size], idx[comm.rank::comm.size])[1].backward(); opt.step()
+        full = fsdp.full_state_dict()
+        for name, q in reference.named_parameters():
+            np.testing.assert_allclose(full[name], q.data, rtol=1e-10, atol=1e-10, err_msg=name)
+    ThreadWorld(3).run(fn)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_fsdp_model_states_are_16_psi_over_n_and_traffic_3_psi(p):
+    def fn(comm):
+        tracker = memory.MemoryTracker()
+        with memory.use_tracker(tracker):
+            mt.manual_seed(0)
+            model = nn.MLP([30, 41, 41, 7])
+            psi = model.num_parameters()
+            fsdp = FullyShardedDataParallel(model, comm)
+            opt = optim.Adam(fsdp.parameters())
+            x = np.random.default_rng(comm.rank).standard_normal((8, 30)).astype(np.float32)
+            comm.stats.reset()
+            opt.zero_grad()
+            F.cross_entropy(fsdp(mt.Tensor(x)), np.zeros(8, np.int64)).backward()
+            opt.step()
+            shards = sum(u.shard_size for u in fsdp.units)
+            gathered = comm.stats["ring_all_gather"]["bytes_sent"]
+            scattered = comm.stats["ring_reduce_scatter"]["bytes_sent"]
+            return psi, dict(tracker.live), shards, gathered, scattered
+    for psi, live, shards, gathered, scattered in ThreadWorld(p).run(fn):
+        assert shards * p - psi < 3 * p                         # padding: under p per unit
+        assert live["params"] <= 4 * shards + 8 * 3               # shards (+ 8-byte placeholders)
+        assert live["params"] >= 4 * shards
+        assert live["grads"] == 4 * shards
+        assert live["optimizer_state"] == 8 * shards
+        assert gathered == 2 * (p - 1) * shards * 4              # forward and backward
+        assert scattered == (p - 1) * shards * 4                 # 3 (p-1)/p Ψ in all
+
+
+def test_tied_weights_across_units_are_refused():
+    def fn(comm):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[1].weight = model[0].weight
+        with pytest.raises(ValueError, match="tied weights must live in one unit"):
+            FullyShardedDataParallel(model, comm)
+    ThreadWorld(2).run(fn)
+
+
+def test_fsdp_frees_gathered_units_between_forward_and_backward():
+    def fn(comm):
+        tracker = memory.MemoryTracker()
+        with memory.use_tracker(tracker):
+            mt.manual_seed(0)
+            fsdp = FullyShardedDataParallel(nn.MLP([64, 256, 256, 256, 10]), comm)
+            shards = sum(u.shard_size for u in fsdp.units)
+            x = np.ones((4, 64), np.float32)
+            loss = F.cross_entropy(fsdp(mt.Tensor(x)), np.zeros(4, np.int64))
+            after_forward = tracker.live["params"]          # saved weights are references, not copies
+            peak_in_forward = tracker.peak_by_category["params"]
+            loss.backward()                                  # re-gathers each unit for its backward
+            return shards, after_forward, peak_in_forward, comm.stats["ring_all_gather"]["calls"], len(fsdp.units)
+    for shards, after_forward, peak, gathers, units in ThreadWorld(2).run(fn):
+        assert after_forward <= 4 * shards + 8 * units     # only the shards are alive
+        assert peak < 4 * shards * 2 + 4 * 256 * 256        # never the whole model: one unit at a time
+        assert gathers == 2 * units                          # once in forward, once in backward

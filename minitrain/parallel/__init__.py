@@ -10,3 +10,6 @@ __all__ += ["checkpoint", "checkpoint_sequential", "offload_activations"]
 from .zero import ZeroRedundancyOptimizer  # noqa: E402
 
 __all__ += ["ZeroRedundancyOptimizer"]
+from .fsdp import FullyShardedDataParallel  # noqa: E402
+
+__all__ += ["FullyShardedDataParallel"]

@@ -1,0 +1,243 @@
+"""ZeRO stage 3 as FullyShardedDataParallel (Rajbhandari et al. 2020 sec. 5.3; Zhao et al. 2023,
+"PyTorch FSDP"): the parameters themselves are sharded at rest.
+
+The model is cut into units (by default every layer of every Sequential / ModuleList, plus a root
+unit for the rest). Each unit's parameters live as one flat padded buffer of which each rank keeps
+only its 1/p shard: that shard is the Parameter the optimizer sees. Around a unit's forward:
+
+* before: all-gather the shards into the full buffer and point the parameters at views of it;
+* after: free the full buffer (the parameters keep their shape through a zero-stride placeholder).
+  Autograd saved views of the weights for backward (a Linear keeps its weight): a saved-tensor
+  hook replaces each such view by a small reference, and unpacking it in backward **gathers the
+  unit again**, just before that unit's backward needs it;
+* in backward, once every gradient of the unit is final, they are reduce-scattered (average) into
+  the shard's gradient, the full gradients are dropped and the unit is freed again.
+
+Bytes per step: all-gather in forward + all-gather in backward + reduce-scatter = 3(p-1)/p·Ψ·b.
+Model states per rank: (4 + 4 + K)Ψ/N, 16Ψ/N for fp32 Adam, up to padding; the peak adds the
+largest gathered unit or two and their gradients. Tied weights must live in one unit.
+"""
+import math
+
+from .. import memory, trace
+from ..autograd.engine import queue_callback
+from ..autograd.graph import saved_tensors_hooks
+from ..backend import array_module
+from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
+from ..nn import Module, ModuleList, Parameter, Sequential
+
+
+class _UnitRef:
+    """What a saved view of a unit's full buffer becomes while the unit is freed."""
+
+    __slots__ = ("unit", "offset", "shape", "strides")
+
+    def __init__(self, unit, offset, shape, strides):
+        self.unit, self.offset, self.shape, self.strides = unit, offset, shape, strides
+
+
+def _byte_offset(view, base):
+    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+
+
+class _Unit:
+    def __init__(self, name, module, params, comm):
+        self.name, self.module, self.comm = name, module, comm
+        self.params = params
+        self.trainable = [q for q in params if q.requires_grad]
+        xp = array_module(params[0].data)
+        self.xp, self.dtype = xp, params[0].dtype
+        self.numel = sum(q.size for q in params)
+        self.shard_size = math.ceil(self.numel / comm.size)
+        self.padded = self.shard_size * comm.size
+        self.offsets = {}
+        flat = xp.zeros(self.padded, self.dtype)
+        offset = 0
+        for q in params:
+            flat[offset:offset + q.size] = q.data.reshape(-1)
+            self.offsets[id(q)] = (offset, offset + q.size)
+            offset += q.size
+        broadcast(comm, flat, root=0)                      # every rank starts from rank 0's weights
+        lo = comm.rank * self.shard_size
+        self.shard = Parameter(flat[lo:lo + self.shard_size].copy(), requires_grad=bool(self.trainable))
+        self.full = None
+        self._placeholder = xp.zeros((), self.dtype)
+        del flat
+        self.release()
+        self.ready = set()
+        self.staging = None
+        self.work = None
+
+    # ---- gather / release
+    def gather(self):
+        if self.full is not None:
+            return
+        with trace.span(f"all-gather {self.name}", kind="comm"):
+            self.full = self.xp.empty(self.padded, self.dtype)
+            ring_all_gather(self.comm, self.shard.data, total=self.padded, out=self.full)
+        for q in self.params:
+            lo, hi = self.offsets[id(q)]
+            q.data = self.full[lo:hi].reshape(q.shape)
+
+    def release(self):
+        for q in self.params:
+            q.data = self.xp.broadcast_to(self._placeholder, q.shape)   # the shape, no memory
+        self.full = None
+
+    def view(self, ref):
+        self.gather()
+        return self.xp.ndarray(ref.shape, self.dtype, buffer=self.full, offset=ref.offset, strides=ref.strides)
+
+    # ---- gradients
+    def grad_ready(self, q, fsdp):
+        if self.staging is None:
+            self.staging = self.xp.zeros(self.padded, self.dtype)
+            memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
+        lo, hi = self.offsets[id(q)]
+        self.staging[lo:hi] = q.grad.reshape(-1)
+        q.grad = None                                  # the full gradient is not kept
+        self.ready.add(id(q))
+        if len(self.ready) == len(self.trainable):
+            self.reduce()
+
+    def reduce(self):
+        if self.staging is None:                      # no gradient reached this unit: zeros
+            self.staging = self.xp.zeros(self.padded, self.dtype)
+            memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
+        if self.shard.grad is None:
+            self.shard.grad = self.xp.zeros(self.shard_size, self.dtype)
+        self.work = ring_reduce_scatter(self.comm, self.staging, op="mean", out=self.shard.grad, async_op=True)
+        self.release()
+
+    def finish(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.staging is not None:
+            memory.tracker().remove(("fsdp_staging", id(self)))
+            self.staging = None
+        self.ready.clear()
+
+
+def default_units(module):
+    """Every module that is an element of a Sequential or ModuleList and holds parameters."""
+    units = []
+    for name, m in module.named_modules():
+        if isinstance(m, (Sequential, ModuleList)):
+            for child_name, child in m.named_children():
+                if any(True for _ in child.parameters()):
+                    units.append((f"{name}.{child_name}" if name else child_name, child))
+    return units
+
+
+class FullyShardedDataParallel:
+    """``FullyShardedDataParallel(model, comm)``: shard every unit's parameters over ``comm``.
+    ``parameters()`` yields the local shards (give them to any optimizer); ``full_state_dict()``
+    gathers the full parameters under the unwrapped model's names. ``auto_wrap(module) -> list of
+    (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList)."""
+
+    def __init__(self, module, comm, auto_wrap=None):
+        if not isinstance(module, Module):
+            raise TypeError("FullyShardedDataParallel wraps an nn.Module")
+        self.module, self.comm = module, comm
+        names = {id(q): n for n, q in module.named_parameters()}
+        self.names = names
+        owner = {}
+        self.units = []
+        for name, sub in (auto_wrap or default_units)(module):
+            params = [q for q in sub.parameters() if id(q) not in owner]
+            if params:
+                for q in params:
+                    owner[id(q)] = name
+                self.units.append(_Unit(name, sub, params, comm))
+        rest = [q for q in module.parameters() if id(q) not in owner]
+        if rest:
+            self.units.append(_Unit("root", module, rest, comm))
+        self._check_no_tied_across_units(owner)
+        self._pending = False
+        for unit in self.units:
+            if unit.module is not module:
+                unit.module.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: u.release())
+            for q in unit.trainable:
+                q.register_post_accumulate_grad_hook(lambda q, u=unit: self._grad_ready(q, u))
+        self._root = next((u for u in self.units if u.module is module), None)
+
+    def _check_no_tied_across_units(self, owner):
+        for unit in self.units:
+            if unit.module is self.module:
+                continue
+            for q in unit.module.parameters():
+                if owner.get(id(q)) != unit.name:
+                    raise ValueError(f"FullyShardedDataParallel: parameter {self.names[id(q)]} is shared by "
+                                     f"units {owner.get(id(q))} and {unit.name}; tied weights must live in one unit")
+
+    # ---- forward: saved views of gathered units become references
+    def _unit_holding(self, array):
+        """The unit whose gathered buffer ``array`` is a view of, or None."""
+        if not hasattr(array, "base"):
+            return None
+        base = memory.owner(array)
+        for unit in self.units:
+            if unit.full is not None and unit.full is base:
+                return unit
+        return None
+
+    def _pack(self, a):
+        unit = self._unit_holding(a)
+        if unit is None:
+            return a
+        return _UnitRef(unit, _byte_offset(a, unit.full), a.shape, a.strides)
+
+    @staticmethod
+    def _unpack(x):
+        return x.unit.view(x) if isinstance(x, _UnitRef) else x
+
+    def __call__(self, *args, **kwargs):
+        if self._root is not None:
+            self._root.gather()
+        with saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        if self._root is not None:
+            self._root.release()
+        return out
+
+    # ---- backward
+    def _grad_ready(self, q, unit):
+        if not self._pending:
+            self._pending = True
+            queue_callback(self._finish_backward)
+        unit.grad_ready(q, self)
+
+    def _finish_backward(self):
+        for unit in self.units:
+            if unit.trainable and unit.work is None:
+                unit.reduce()
+        with trace.span("wait for reduce-scatter", kind="comm"):
+            for unit in self.units:
+                unit.finish()
+                unit.release()
+        self._pending = False
+
+    # ---- the model's interface
+    def parameters(self):
+        return [u.shard for u in self.units if u.trainable]
+
+    def zero_grad(self):
+        for u in self.units:
+            u.shard.grad = None
+
+    def full_state_dict(self):
+        """name -> full array (copies), gathered unit by unit, under the unwrapped model's names."""
+        state = {}
+        for unit in self.units:
+            unit.gather()
+            for q in unit.params:
+                state[self.names[id(q)]] = q.data.copy()
+            unit.release()
+        return state
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
