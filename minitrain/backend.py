@@ -10,6 +10,14 @@ import os
 
 import numpy as np
 
+try:                                   # bfloat16 for NumPy (the package JAX uses)
+    from ml_dtypes import bfloat16
+except ImportError:                    # pragma: no cover - ml_dtypes is a dependency
+    bfloat16 = None
+
+#: the 16-bit floating dtypes mixed precision computes in
+LOW_PRECISION = tuple(np.dtype(d) for d in (np.float16, bfloat16) if d is not None)
+
 _cupy = None          # the cupy module, once imported
 _device = "cpu"
 _default_dtype = np.dtype(np.float32)

@@ -9,6 +9,10 @@ would exceed it, so "does not fit on one rank" can be shown on a laptop.
 
 Each thread may have its own tracker (``use_tracker``), so ranks simulated as threads keep
 separate accounts.
+
+Host memory (offload, ZeRO-Offload) is accounted beside the device: inside ``with on_host():``
+new entries are host entries (``host_snapshot()``/``host_peak()``), which the device capacity
+does not limit. A Parameter made inside the block keeps its data and gradient on the host.
 """
 import contextlib
 import threading
@@ -32,8 +36,9 @@ class MemoryTracker:
     array saved by three graph nodes is counted once and released when the last one lets go."""
 
     def __init__(self):
-        self._entries = {}      # key -> [category, nbytes, refcount]
+        self._entries = {}      # key -> [category, nbytes, refcount, on_host]
         self.capacity = None
+        self.placing_on_host = False      # set by on_host()
         self.reset()
 
     def reset(self):
@@ -42,17 +47,27 @@ class MemoryTracker:
         self.live_total = 0
         self.peak_by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
+        self.host_live = dict.fromkeys(CATEGORIES, 0)
+        self.host_peak_by_category = dict.fromkeys(CATEGORIES, 0)
 
-    def add(self, category, key, nbytes):
+    def add(self, category, key, nbytes, host=None):
+        """Count ``nbytes`` of ``category`` under ``key`` (on the host if ``host``, or if inside
+        ``on_host()`` when ``host`` is None)."""
         entry = self._entries.get(key)
         if entry is not None:
             entry[2] += 1
+            return
+        if host if host is not None else self.placing_on_host:
+            self._entries[key] = [category, nbytes, 1, True]
+            self.host_live[category] += nbytes
+            self.host_peak_by_category[category] = max(self.host_peak_by_category[category],
+                                                       self.host_live[category])
             return
         if self.capacity is not None and self.live_total + nbytes > self.capacity:
             raise DeviceOutOfMemory(
                 f"allocating {nbytes:,} bytes of {category} would exceed the device capacity of "
                 f"{self.capacity:,} bytes (live: {self._live_summary()})")
-        self._entries[key] = [category, nbytes, 1]
+        self._entries[key] = [category, nbytes, 1, False]
         live = self.live[category] + nbytes
         self.live[category] = live
         self.live_total += nbytes
@@ -68,6 +83,9 @@ class MemoryTracker:
         entry[2] -= 1
         if entry[2] == 0:
             del self._entries[key]
+            if entry[3]:
+                self.host_live[entry[0]] -= entry[1]
+                return
             self.live[entry[0]] -= entry[1]
             self.live_total -= entry[1]
 
@@ -106,6 +124,14 @@ class MemoryTracker:
     def reset_peak(self):
         self.peak_by_category = dict(self.live)
         self.peak_total = self.live_total
+        self.host_peak_by_category = dict(self.host_live)
+
+    def host_snapshot(self):
+        """Live host bytes per category (offloaded model states) and in total."""
+        return {**self.host_live, "total": sum(self.host_live.values())}
+
+    def host_peak(self):
+        return {**self.host_peak_by_category, "total": sum(self.host_peak_by_category.values())}
 
     def _live_summary(self):
         return ", ".join(f"{c}={b:,}" for c, b in self.live.items() if b)
@@ -131,8 +157,28 @@ def use_tracker(t):
         _local.tracker = old
 
 
+@contextlib.contextmanager
+def on_host():
+    """Inside the block, what is allocated is host memory (offload)."""
+    t = tracker()
+    old = t.placing_on_host
+    t.placing_on_host = True
+    try:
+        yield t
+    finally:
+        t.placing_on_host = old
+
+
 def snapshot():
     return tracker().snapshot()
+
+
+def host_snapshot():
+    return tracker().host_snapshot()
+
+
+def host_peak():
+    return tracker().host_peak()
 
 
 def peak():

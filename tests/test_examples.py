@@ -103,3 +103,33 @@ def test_gpt_recompute_modes_train_identically(tmp_path):
     assert len(set(losses.values())) == 1, losses
     peaks = {m: r["ranks"][0]["memory"]["peak"]["activations"] for m, r in reports.items()}
     assert peaks["full"] < peaks["selective"] < peaks["none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, flags", [("zero1", []), ("zero2", ["--precision", "bf16"]),
+                                             ("zero3", ["--offload"])])
+def test_zero_strategies_train_and_report_the_formula_memory(tmp_path, strategy, flags):
+    out = tmp_path / "mlp.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", strategy,
+             "--epochs", "10", "--json", out, *flags], n=4, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["test_accuracy"] >= 0.9
+    formula = report["memory_formula"]
+    for rank in report["ranks"]:
+        measured = rank["memory"]["persistent"]
+        if "--offload" in flags:      # zero3 + offload: model states on the host, nothing on the device
+            measured = rank["memory"]["host"]
+            assert rank["memory"]["persistent"]["optimizer_state"] == 0
+        for c in ("params", "grads", "optimizer_state"):
+            assert formula[c] <= measured[c] <= formula[c] + 64, (c, measured[c], formula[c])
+    assert report["bytes_per_step"] == pytest.approx(report["bytes_per_step_formula"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_a_model_too_big_for_the_device_under_ddp_fits_under_zero3(tmp_path):
+    cmd = [sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--epochs", "1",
+           "--device-memory", "300000"]
+    with pytest.raises(MPIRunError) as err:
+        run_mpi(cmd + ["--strategy", "ddp"], n=4, timeout=60)
+    assert "ddp does not fit the device" in str(err.value) and "exceed the device capacity" in str(err.value)
+    run_mpi(cmd + ["--strategy", "zero3"], n=4, timeout=60)

@@ -170,6 +170,8 @@ def _accumulate_leaf(leaf, g, owned):
                 owned = False
     if g.shape != leaf._data.shape:
         raise RuntimeError(f"gradient of shape {g.shape} for a leaf of shape {leaf._data.shape}")
+    if g.dtype != leaf._data.dtype:          # a leaf's gradient has the leaf's dtype (as in PyTorch)
+        g, owned = g.astype(leaf._data.dtype), True
     if leaf._grad is None:
         leaf.grad = g if owned else g.copy()
     else:

@@ -25,6 +25,7 @@ Custom Functions are how communication enters the graph (Megatron's f and g, lat
 import itertools
 
 from .. import memory
+from ..backend import LOW_PRECISION
 from .graph import current_saved_tensors_hooks
 from .grad_mode import _state as _grad_state
 
@@ -35,6 +36,8 @@ class Function:
     # slots keep node creation and attribute access cheap: a GPT step builds thousands of nodes
     __slots__ = ("parents", "seq", "needs_input_grad", "_saved", "_unpack", "_saved_keys",
                  "_tracker", "_record", "_tensor_hooks", "__dict__")
+    #: an op on float16/bfloat16 inputs returns that dtype (only Cast changes it)
+    keeps_low_precision = True
 
     @staticmethod
     def forward(ctx, *args, **kwargs):
@@ -70,6 +73,9 @@ class Function:
         ctx._saved_keys = None
         ctx._unpack = None
         out = cls.forward(ctx, *raw, **kwargs)
+        if (raw and out.dtype != getattr(raw[0], "dtype", out.dtype) and raw[0].dtype in LOW_PRECISION
+                and out.dtype.kind == "f" and cls.keeps_low_precision):
+            out = out.astype(raw[0].dtype)     # bfloat16 matmul accumulates in fp32: results stay bf16
         result = Tensor.__new__(Tensor)
         result._data = out
         result._grad = None

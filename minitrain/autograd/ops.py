@@ -121,6 +121,23 @@ class Pow(Function):
         return ga, gb
 
 
+class Cast(Function):
+    """``x.to(dtype)``: a copy in another dtype; the gradient goes back in the input's dtype
+    (mixed precision casts weights down and logits up through this)."""
+
+    keeps_low_precision = False
+
+    @staticmethod
+    def forward(ctx, a, dtype):
+        ctx.dtype = a.dtype
+        return a.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        with np.errstate(over="ignore"):      # fp16 overflow becomes inf: the loss scaler's signal
+            return g.astype(ctx.dtype), None
+
+
 class Exp(Function):
     @staticmethod
     def forward(ctx, a):

@@ -27,6 +27,10 @@ def _as_array(data, dtype=None):
     return xp.asarray(arr)
 
 
+def _is_float(dtype):
+    return dtype.kind == "f" or dtype in backend.LOW_PRECISION
+
+
 class RemovableHandle:
     """Returned by every register_*_hook; ``remove()`` takes the hook out again."""
 
@@ -47,7 +51,7 @@ class Tensor:
         self._data = _as_array(data, dtype)
         self._grad = None
         self.requires_grad = bool(requires_grad)
-        if self.requires_grad and self._data.dtype.kind not in "fc":
+        if self.requires_grad and self._data.dtype.kind not in "fc" and self._data.dtype not in backend.LOW_PRECISION:
             raise TypeError(f"only floating tensors can require grad, got {self._data.dtype}")
         self._ctx = None
         self._hooks = None
@@ -122,6 +126,16 @@ class Tensor:
         """A copy in another dtype, outside the graph."""
         return Tensor._wrap(self._data.astype(dtype))
 
+    def to(self, dtype):
+        """This tensor in ``dtype``, differentiable (as ``torch.Tensor.to(dtype)``); itself if
+        already of that dtype."""
+        if self._data.dtype == dtype:
+            return self
+        return ops.Cast.apply(self, dtype)
+
+    def float(self):
+        return self.to(np.float32)
+
     def __repr__(self):
         extra = ", requires_grad=True" if self.requires_grad else ""
         if self._ctx is not None:
@@ -166,7 +180,7 @@ class Tensor:
         if isinstance(other, (int, float)):
             return other
         other = _as_array(other)
-        if other.dtype.kind == "f" and self._data.dtype.kind == "f" and other.dtype != self._data.dtype:
+        if other.dtype != self._data.dtype and _is_float(other.dtype) and _is_float(self._data.dtype):
             other = other.astype(self._data.dtype)
         return other
 

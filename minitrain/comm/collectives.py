@@ -20,7 +20,7 @@ place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
 """
 import numpy as np
 
-from ..backend import array_module
+from ..backend import LOW_PRECISION, array_module
 from .communicator import register_names
 
 OPS = ("sum", "mean", "max", "min")
@@ -43,7 +43,7 @@ def chunk_bounds(n, p):
 def _check_op(op, dtype):
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
-    if op == "mean" and np.dtype(dtype).kind not in "fc":
+    if op == "mean" and np.dtype(dtype).kind not in "fc" and np.dtype(dtype) not in LOW_PRECISION:
         raise TypeError(f"op='mean' needs a floating dtype, got {np.dtype(dtype)} (use 'sum')")
 
 

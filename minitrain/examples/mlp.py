@@ -1,6 +1,7 @@
 """The main job: an MLP trained on the real 8x8 digits, data-parallel over every rank.
 
-    mpirun -n 4 python -m minitrain.examples.mlp [--strategy ddp|local_sgd] [--batch-size 64]
+    mpirun -n 4 python -m minitrain.examples.mlp [--strategy ddp|local_sgd|zero1|zero2|zero3]
+        [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
         [--json out.json] [--trace trace.json] [--plot step.png]
 
 Each rank trains on its DistributedSampler share of every global batch (``--batch-size`` is
@@ -18,18 +19,24 @@ from tqdm import tqdm
 import minitrain
 from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim, trace
+from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
-from minitrain.parallel import (DistributedDataParallel, LocalSGD, check_replicas_equal, checkpoint_sequential,
+from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
+                                ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
+from minitrain.parallel.zero_memory import model_state_bytes
 
-STRATEGIES = ("ddp", "local_sgd")
+STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3")
+PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
+    p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
+                   help="teaching device: each rank may hold at most BYTES from the first step on")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
@@ -37,7 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2, help="number of hidden layers")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="fp16/bf16: mixed precision (fp32 master weights and optimizer state)")
+    p.add_argument("--offload", action="store_true",
+                   help="optimizer state and master weights on the host (ZeRO-Offload); zero3: the shards too")
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
@@ -53,9 +63,9 @@ def parse_args(argv=None):
     return args, p
 
 
-def evaluate(model, x, y):
+def evaluate(model, x, y, dtype):
     with minitrain.no_grad():
-        logits = model(minitrain.Tensor(x))
+        logits = model(minitrain.Tensor(x).to(dtype))
     return float((logits.numpy().argmax(axis=1) == y).mean())
 
 
@@ -76,34 +86,76 @@ def main(argv=None):
         sys.exit(2)
     local_batch = args.batch_size // world
 
+    dtype = np.dtype(PRECISIONS[args.precision])
+    mixed = dtype in LOW_PRECISION
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
-    model = nn.MLP([x_train.shape[1]] + [args.hidden] * args.layers + [10])
+    model = nn.MLP([x_train.shape[1]] + [args.hidden] * args.layers + [10]).to(dtype)
+    opt_class, opt_args = ((optim.Adam, dict(lr=args.lr or 1e-3)) if args.optimizer == "adam"
+                           else (optim.SGD, dict(lr=args.lr or 0.1, momentum=0.9)))
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
+
+    def optimizer_for(params, comm_for_overflow=None):
+        """fp32 master weights in mixed precision; on the host with --offload."""
+        if args.offload:
+            return CPUOffloadOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+        if mixed:
+            return optim.MixedPrecisionOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+        return opt_class(params, **opt_args)
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
-    else:
+        opt = optimizer_for(model.parameters())
+    elif args.strategy == "local_sgd":
         wrapped = LocalSGD(model, comm, sync_every=args.sync_every)
-    if args.optimizer == "adam":
-        opt = optim.Adam(model.parameters(), lr=args.lr or 1e-3)
+        opt = optimizer_for(model.parameters(), comm)
+    elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
+        wrapped = model
+        opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
+                                      bucket_cap_mb=args.bucket_cap_mb, offload=args.offload, **opt_args)
     else:
-        opt = optim.SGD(model.parameters(), lr=args.lr or 0.1, momentum=0.9)
+        wrapped = FullyShardedDataParallel(model, comm, offload_params=args.offload)
+        opt = optimizer_for(wrapped.parameters(), comm)
+    args.dtype = dtype
+    if args.device_memory is not None:
+        # from here on; building the full model before sharding is not counted (as with PyTorch's
+        # meta-device initialisation)
+        memory.set_device_capacity(args.device_memory)
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
     loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
 
     memory.reset_peak()
     trace.enable(rank=rank)
-    steps, seen, persistent, step_events = 0, 0, {}, []
+    state = {"steps": 0, "seen": 0, "persistent": {}, "host": {}, "events": [], "loss": None}
     offload = offload_activations() if args.offload_activations else None
 
     def forward(x):
+        x = x.to(dtype)                     # mixed precision: compute in fp16/bf16, loss in fp32
         if args.recompute == "full":        # DDP's hooks are on the parameters: it works unchanged
-            return checkpoint_sequential(model, None, x)
-        return wrapped(x)
+            return checkpoint_sequential(model, None, x).float()
+        return wrapped(x).float()
     bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"{args.strategy} x{world}", unit="step")
     comm.barrier()
     start = time.perf_counter()
+    try:
+        train(args, loader, wrapped, opt, forward, offload, bar, state)
+    except memory.DeviceOutOfMemory as e:
+        sys.stderr.write(f"[rank {rank}] {args.strategy} does not fit the device: {e}\n")
+        sys.stderr.flush()
+        if world > 1:
+            comm.abort(3)
+        return 3
+    steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
+    elapsed = time.perf_counter() - start
+    bar.close()
+    _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
+                    x_test, y_test, local_batch, offload, state["host"])
+    return 0
+
+
+def train(args, loader, wrapped, opt, forward, offload, bar, state):
+    steps = seen = 0
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
         for xb, yb in loader:
@@ -117,12 +169,13 @@ def main(argv=None):
                         loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
                 opt.zero_grad()
                 with trace.span("backward"):
-                    loss.backward()
+                    (opt.scale(loss) if hasattr(opt, "scale") else loss).backward()
                 with trace.span("optimizer"):
                     opt.step()
                     if args.strategy == "local_sgd":
                         wrapped.step()
-            persistent = persistent_memory()
+            state["persistent"] = persistent_memory()
+            state["host"] = memory.host_snapshot()
             steps += 1
             seen += len(xb)
             bar.update(1)
@@ -130,37 +183,52 @@ def main(argv=None):
                 bar.set_postfix(loss=f"{loss.item():.4f}", epoch=epoch)
             if len(trace.tracer().events) > 50_000:      # keep the last steps only
                 del trace.tracer().events[:-5_000]
-            step_events = trace.tracer().events[events_before:]
-    elapsed = time.perf_counter() - start
-    bar.close()
+            state["events"] = trace.tracer().events[events_before:]
+            state.update(steps=steps, seen=seen, loss=loss)
+
+
+def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
+                    x_test, y_test, local_batch, offload, host):
+    world, rank = comm.size, comm.rank
     if args.strategy == "local_sgd":
         wrapped.synchronize()            # the replicas drift between averagings: agree before evaluating
-    check_replicas_equal(model, comm)
+    if stage < 3:                        # under ZeRO-3 each rank holds a different shard, by design
+        check_replicas_equal(model, comm)
 
     events = trace.events()
-    waits = sum(e["end"] - e["start"] for e in events if e["name"] in ("wait for buckets", "average parameters"))
-    comm_total = sum(e["end"] - e["start"] for e in events if e["kind"] == "comm" and e["name"].endswith("all_reduce"))
+    waits = sum(e["end"] - e["start"] for e in events if e["name"] in (
+        "wait for buckets", "average parameters", "wait for reduce-scatter", "reduce-scatter gradients",
+        "all-gather parameters") or e["name"].startswith("all-gather "))
+    comm_total = sum(e["end"] - e["start"] for e in events if e["kind"] == "comm" and e["name"].startswith(
+        ("ring_", "recursive_doubling")))
     traced_steps = max(1, sum(1 for e in events if e["name"] == "step"))
     step_time = elapsed / steps
     exposed = waits / traced_steps
     psi = model.num_parameters()
-    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    itemsize = args.dtype.itemsize
     sent = comm.stats.bytes_sent
     peak = memory.peak()
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
-           *[peak[c] for c in memory.CATEGORIES], peak["total"]]
+           *[peak[c] for c in memory.CATEGORIES], peak["total"],
+           *[host[c] for c in ("params", "grads", "optimizer_state")]]
     table = gather_rows(comm, row)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
     if args.trace:
         trace.save_chrome(args.trace, comm)
+    # every rank evaluates: under ZeRO-3 the forward all-gathers each unit, a collective
+    accuracy = evaluate(wrapped if stage == 3 else model, x_test, y_test, args.dtype)
     if rank != 0:
         return 0
 
-    accuracy = evaluate(model, x_test, y_test)
-    formula = 2 * (world - 1) / world * psi * itemsize
+    formula = (3 if stage == 3 else 2) * (world - 1) / world * psi * itemsize
     if args.strategy == "local_sgd":
         formula /= args.sync_every
+    # optimizer state bytes per parameter: the moments in fp32 (or fp64), plus fp32 master weights
+    # in mixed precision (Adam: K = 12, the paper's figure) or the host copy with --offload
+    state_item = 4 if args.dtype in LOW_PRECISION else itemsize
+    k = {"adam": 2, "sgd": 1}[args.optimizer] * state_item + (state_item if args.dtype in LOW_PRECISION or args.offload else 0)
+    state_formula = model_state_bytes(psi, world, stage, param_bytes=itemsize, grad_bytes=itemsize, k=k)
     print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s), {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
@@ -169,27 +237,37 @@ def main(argv=None):
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
         print(f"{r:>4} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms {v[3] * 1e3:>9.2f}ms "
-              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[-1]):>12}")
+              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
     print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
-          " included; formula: 2(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
+          " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
     print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
+    if args.offload:
+        print(f"  on the host (offloaded): params {fmt_bytes(host['params'])}, grads {fmt_bytes(host['grads'])}, "
+              f"optimizer_state {fmt_bytes(host['optimizer_state'])}")
+    print(f"  ZeRO formula, stage {stage}: params {fmt_bytes(state_formula['params'])}, grads "
+          f"{fmt_bytes(state_formula['grads'])}, optimizer_state {fmt_bytes(state_formula['optimizer_state'])}"
+          " (measured: 'at step' above; padding and ZeRO-3's placeholders add a few bytes"
+          + ("; --offload puts optimizer_state, and under zero3 params and grads, on the host" if args.offload else "")
+          + ")")
     ranks = []
     for r, v in enumerate(table):
         ranks.append({"rank": r, "samples_per_second": v[0], "compute_seconds_per_step": v[1],
                       "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
                       "bytes_sent": v[4] * steps,
                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),
-                                 "peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[8:])))}})
+                                 "peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[8:14]))),
+                                 "host": dict(zip(("params", "grads", "optimizer_state"), map(int, v[14:17])))}})
     if args.json:
         write_json(args.json, {
             "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
             "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
+            "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0, "ranks": ranks})
     if args.plot:

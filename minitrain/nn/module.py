@@ -14,7 +14,7 @@ from ..autograd import Tensor, RemovableHandle
 
 
 def _release(mem):
-    tracker, pkey, gkey = mem
+    tracker, pkey, gkey = mem[:3]
     if pkey is not None:
         tracker.remove(pkey)
     if gkey is not None:
@@ -28,7 +28,9 @@ class Parameter(Tensor):
 
     def __init__(self, data, requires_grad=True):
         super().__init__(data.data if isinstance(data, Tensor) else data, requires_grad=requires_grad)
-        self._mem = [memory.tracker(), None, None]   # tracker, key of data, key of grad
+        tracker = memory.tracker()
+        # tracker, key of data, key of grad, on the host (made inside memory.on_host(): offloaded)
+        self._mem = [tracker, None, None, tracker.placing_on_host]
         self._track_data()
         weakref.finalize(self, _release, self._mem)
 
@@ -38,7 +40,7 @@ class Parameter(Tensor):
             tracker.remove(self._mem[1])
         base = memory.owner(self._data)
         key = ("params", id(base))
-        tracker.add("params", key, base.nbytes)
+        tracker.add("params", key, base.nbytes, host=self._mem[3])
         self._mem[1] = key
 
     @Tensor.data.setter
@@ -59,7 +61,7 @@ class Parameter(Tensor):
             # (ZeRO, FSDP) count once, as parameters do
             base = memory.owner(value)
             key = ("grads", id(base))
-            tracker.add("grads", key, base.nbytes)
+            tracker.add("grads", key, base.nbytes, host=self._mem[3])
             self._mem[2] = key
 
     def __repr__(self):
@@ -180,6 +182,14 @@ class Module:
                                  f"the model expects {p.shape}")
             p.data[...] = value
         return missing, unexpected
+
+    def to(self, dtype):
+        """Cast every parameter to ``dtype`` in place (``model.to(np.float16)``, ``model.to(bfloat16)``
+        with ``from ml_dtypes import bfloat16``), as ``torch.nn.Module.to(dtype)``."""
+        for q in self.parameters():
+            if q.dtype != dtype:
+                q.data = q.data.astype(dtype)
+        return self
 
     def train(self, mode=True):
         for m in self.modules():

@@ -1,15 +1,11 @@
 """Parallel strategies: each wraps an ordinary model and adds communication at a few points."""
 from .data_parallel import DistributedDataParallel, LocalSGD, check_replicas_equal, parameters_digest
 from .dp_single_process import DataParallel
+from .recompute import checkpoint, checkpoint_sequential
+from .offload import CPUOffloadOptimizer, offload_activations
+from .zero import ZeroRedundancyOptimizer
+from .fsdp import FullyShardedDataParallel
 
-__all__ = ["DistributedDataParallel", "DataParallel", "LocalSGD", "check_replicas_equal", "parameters_digest"]
-from .recompute import checkpoint, checkpoint_sequential  # noqa: E402
-from .offload import offload_activations  # noqa: E402
-
-__all__ += ["checkpoint", "checkpoint_sequential", "offload_activations"]
-from .zero import ZeroRedundancyOptimizer  # noqa: E402
-
-__all__ += ["ZeroRedundancyOptimizer"]
-from .fsdp import FullyShardedDataParallel  # noqa: E402
-
-__all__ += ["FullyShardedDataParallel"]
+__all__ = ["DistributedDataParallel", "DataParallel", "LocalSGD", "check_replicas_equal", "parameters_digest",
+           "checkpoint", "checkpoint_sequential", "CPUOffloadOptimizer", "offload_activations",
+           "ZeroRedundancyOptimizer", "FullyShardedDataParallel"]

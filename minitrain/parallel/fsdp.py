@@ -17,9 +17,10 @@ Bytes per step: all-gather in forward + all-gather in backward + reduce-scatter 
 Model states per rank: (4 + 4 + K)Ψ/N, 16Ψ/N for fp32 Adam, up to padding; the peak adds the
 largest gathered unit or two and their gradients. Tied weights must live in one unit.
 """
+import contextlib
 import math
 
-from .. import memory, trace
+from .. import backend, memory, trace
 from ..autograd.engine import queue_callback
 from ..autograd.graph import saved_tensors_hooks
 from ..backend import array_module
@@ -41,8 +42,9 @@ def _byte_offset(view, base):
 
 
 class _Unit:
-    def __init__(self, name, module, params, comm):
+    def __init__(self, name, module, params, comm, offload_params=False):
         self.name, self.module, self.comm = name, module, comm
+        self.offload_params = offload_params
         self.params = params
         self.trainable = [q for q in params if q.requires_grad]
         xp = array_module(params[0].data)
@@ -59,27 +61,44 @@ class _Unit:
             offset += q.size
         broadcast(comm, flat, root=0)                      # every rank starts from rank 0's weights
         lo = comm.rank * self.shard_size
-        self.shard = Parameter(flat[lo:lo + self.shard_size].copy(), requires_grad=bool(self.trainable))
+        with memory.on_host() if offload_params else contextlib.nullcontext():   # offload: shards on the host
+            self.shard = Parameter(backend.to_host(flat[lo:lo + self.shard_size]).copy(),
+                                   requires_grad=bool(self.trainable))
         self.full = None
+        self.gathering = self.gather_work = None       # a prefetch in flight
         self._placeholder = xp.zeros((), self.dtype)
         del flat
         self.release()
         self.ready = set()
+        self.reduced = False                            # this backward's reduce-scatter has started
         self.staging = None
         self.work = None
 
     # ---- gather / release
+    def prefetch(self):
+        """Start the all-gather without waiting for it (``gather()`` later waits)."""
+        if self.full is None and self.gathering is None:
+            self.gathering = self.xp.empty(self.padded, self.dtype)
+            # offload: the shard is copied host -> device first (on CuPy a real transfer)
+            source = backend.to_device(self.shard.data) if self.offload_params else self.shard.data
+            self.gather_work = ring_all_gather(self.comm, source, total=self.padded,
+                                               out=self.gathering, async_op=True)
+
     def gather(self):
         if self.full is not None:
             return
         with trace.span(f"all-gather {self.name}", kind="comm"):
-            self.full = self.xp.empty(self.padded, self.dtype)
-            ring_all_gather(self.comm, self.shard.data, total=self.padded, out=self.full)
+            self.prefetch()
+            self.gather_work.wait()
+            self.full, self.gathering, self.gather_work = self.gathering, None, None
         for q in self.params:
             lo, hi = self.offsets[id(q)]
             q.data = self.full[lo:hi].reshape(q.shape)
 
     def release(self):
+        if self.gather_work is not None:              # a prefetch nobody used: finish it first
+            self.gather_work.wait()
+            self.gathering = self.gather_work = None
         for q in self.params:
             q.data = self.xp.broadcast_to(self._placeholder, q.shape)   # the shape, no memory
         self.full = None
@@ -104,15 +123,18 @@ class _Unit:
         if self.staging is None:                      # no gradient reached this unit: zeros
             self.staging = self.xp.zeros(self.padded, self.dtype)
             memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
-        if self.shard.grad is None:
-            self.shard.grad = self.xp.zeros(self.shard_size, self.dtype)
-        self.work = ring_reduce_scatter(self.comm, self.staging, op="mean", out=self.shard.grad, async_op=True)
+        self.grad_out = self.xp.zeros(self.shard_size, self.dtype)
+        self.work = ring_reduce_scatter(self.comm, self.staging, op="mean", out=self.grad_out, async_op=True)
+        self.reduced = True
         self.release()
 
     def finish(self):
         if self.work is not None:
             self.work.wait()
             self.work = None
+            # the shard's gradient (offload: copied device -> host)
+            self.shard.grad = backend.to_host(self.grad_out) if self.offload_params else self.grad_out
+            self.grad_out = None
         if self.staging is not None:
             memory.tracker().remove(("fsdp_staging", id(self)))
             self.staging = None
@@ -134,12 +156,15 @@ class FullyShardedDataParallel:
     """``FullyShardedDataParallel(model, comm)``: shard every unit's parameters over ``comm``.
     ``parameters()`` yields the local shards (give them to any optimizer); ``full_state_dict()``
     gathers the full parameters under the unwrapped model's names. ``auto_wrap(module) -> list of
-    (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList)."""
+    (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList).
+    ``prefetch``: start the next unit's all-gather while this one computes (forward and backward).
+    ``offload_params``: the shards and their gradients live on the host (pair it with
+    CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only."""
 
-    def __init__(self, module, comm, auto_wrap=None):
+    def __init__(self, module, comm, auto_wrap=None, prefetch=True, offload_params=False):
         if not isinstance(module, Module):
             raise TypeError("FullyShardedDataParallel wraps an nn.Module")
-        self.module, self.comm = module, comm
+        self.module, self.comm, self.prefetch = module, comm, prefetch
         names = {id(q): n for n, q in module.named_parameters()}
         self.names = names
         owner = {}
@@ -149,19 +174,27 @@ class FullyShardedDataParallel:
             if params:
                 for q in params:
                     owner[id(q)] = name
-                self.units.append(_Unit(name, sub, params, comm))
+                self.units.append(_Unit(name, sub, params, comm, offload_params))
         rest = [q for q in module.parameters() if id(q) not in owner]
         if rest:
-            self.units.append(_Unit("root", module, rest, comm))
+            self.units.append(_Unit("root", module, rest, comm, offload_params))
         self._check_no_tied_across_units(owner)
         self._pending = False
+        layers = [u for u in self.units if u.module is not module]     # in forward order
+        for i, unit in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit, n=nxt: self._before_forward(u, n))
         for unit in self.units:
             if unit.module is not module:
-                unit.module.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
                 unit.module.register_forward_hook(lambda m, args, out, u=unit: u.release())
             for q in unit.trainable:
                 q.register_post_accumulate_grad_hook(lambda q, u=unit: self._grad_ready(q, u))
         self._root = next((u for u in self.units if u.module is module), None)
+
+    def _before_forward(self, unit, next_unit):
+        unit.gather()
+        if self.prefetch and next_unit is not None:    # its all-gather overlaps this unit's forward
+            next_unit.prefetch()
 
     def _check_no_tied_across_units(self, owner):
         for unit in self.units:
@@ -189,9 +222,16 @@ class FullyShardedDataParallel:
             return a
         return _UnitRef(unit, _byte_offset(a, unit.full), a.shape, a.strides)
 
-    @staticmethod
-    def _unpack(x):
-        return x.unit.view(x) if isinstance(x, _UnitRef) else x
+    def _unpack(self, x):
+        if not isinstance(x, _UnitRef):
+            return x
+        if self.prefetch and x.unit.full is None:
+            # backward runs the units in reverse: fetch the one before while this one computes
+            i = self.units.index(x.unit)
+            if i > 0 and self.units[i - 1].module is not self.module:
+                x.unit.gather()
+                self.units[i - 1].prefetch()
+        return x.unit.view(x)
 
     def __call__(self, *args, **kwargs):
         if self._root is not None:
@@ -208,15 +248,22 @@ class FullyShardedDataParallel:
             self._pending = True
             queue_callback(self._finish_backward)
         unit.grad_ready(q, self)
+        if unit.work is not None:
+            # at most two reduce-scatters in flight: an earlier unit's staging buffer is freed
+            # as soon as this one starts, so comm buffers stay near two units, not the model
+            for other in self.units:
+                if other is not unit and other.work is not None:
+                    other.finish()
 
     def _finish_backward(self):
         for unit in self.units:
-            if unit.trainable and unit.work is None:
+            if unit.trainable and not unit.reduced:
                 unit.reduce()
         with trace.span("wait for reduce-scatter", kind="comm"):
             for unit in self.units:
                 unit.finish()
                 unit.release()
+                unit.reduced = False
         self._pending = False
 
     # ---- the model's interface

@@ -1,4 +1,12 @@
-"""Activation offload: the other answer to activation memory (besides recomputation).
+"""Offload to host memory: activations (the other answer to activation memory, besides
+recomputation) and model states (ZeRO-Offload, Ren et al. 2021, "ZeRO-Offload: Democratizing
+Billion-Scale Model Training").
+
+``CPUOffloadOptimizer(params, optim.Adam, lr=...)``: the fp32 master weights and the optimizer
+state live on the host and the update runs there (ZeRO-Offload's CPU Adam); each step the gradients
+go device -> host and the updated weights host -> device. The device keeps only the parameters
+and gradients: 2Ψ + 2Ψ in mixed precision (4Ψ + 4Ψ in fp32) instead of 16Ψ. It is the optimizer
+inside ZeRO-1/2 with ``offload=True``; FSDP's ``offload_params=True`` moves the shards too.
 
 ``with offload_activations() as moved:`` packs every array an operation saves for backward into
 host memory and unpacks it back in backward (a saved-tensor hooks context). On CuPy the copies are
@@ -9,6 +17,14 @@ operations save (a Linear's weight) stay where they are: they live on the device
 """
 from .. import backend, memory
 from ..autograd.graph import saved_tensors_hooks
+from ..optim.mixed_precision import MixedPrecisionOptimizer
+
+
+class CPUOffloadOptimizer(MixedPrecisionOptimizer):
+    """fp32 master weights + optimizer state on the host; parameters of any float dtype on the
+    device (float16/bfloat16 get the loss scaling of MixedPrecisionOptimizer)."""
+
+    offload = True
 
 
 class HostArray:
@@ -21,6 +37,8 @@ class HostArray:
 
 
 class offload_activations(saved_tensors_hooks):
+    """``with offload_activations() as moved:`` parks saved activations on the host (see above)."""
+
     def __init__(self):
         self.bytes_offloaded = 0
         self.bytes_restored = 0

@@ -13,7 +13,9 @@ built on that shard (the update is elementwise), then the shards are all-gathere
 
 Bytes per step: reduce-scatter + all-gather = 2(p-1)/p·Ψ·b, the same as DDP's all-reduce.
 Model states per rank (fp32 Adam, K=8 bytes of state per parameter): stage 1 4Ψ + 4Ψ + 8Ψ/N,
-stage 2 4Ψ + (4 + 8)Ψ/N, up to padding (DDP: 16Ψ).
+stage 2 4Ψ + (4 + 8)Ψ/N, up to padding (DDP: 16Ψ). With float16/bfloat16 parameters the shard's
+optimizer is a MixedPrecisionOptimizer (fp32 master shard + fp32 moments, K = 12): stage 1
+2Ψ + 2Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, the paper's figures.
 """
 import math
 
@@ -21,9 +23,11 @@ import numpy as np
 
 from .. import memory, trace
 from ..autograd.engine import queue_callback
-from ..backend import array_module
+from ..backend import LOW_PRECISION, array_module
 from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
+from ..optim.mixed_precision import MixedPrecisionOptimizer
+from .offload import CPUOffloadOptimizer
 
 
 class FlatParameters:
@@ -63,12 +67,15 @@ class ZeroRedundancyOptimizer:
     state (stage 1) and the gradients (stage 2) over ``comm``. It does its own gradient
     communication: do not wrap the model in DistributedDataParallel. Call ``zero_grad()``,
     ``loss.backward()``, ``step()`` as with any optimizer. ``clip_grad_norm_(max_norm)`` clips by the
-    norm of the *full* gradient, computed across the shards. Frozen parameters are left out. A
+    norm of the *full* gradient, computed across the shards. Frozen parameters are left out.
+    float16/bfloat16 parameters get fp32 master weights (and a loss scale for fp16: backward on
+    ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
     whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
     single-process optimizer would skip it; DeepSpeed does the same)."""
 
-    def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, **defaults):
+    def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, loss_scale="auto",
+                 offload=False, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.comm, self.stage = comm, stage
@@ -81,7 +88,16 @@ class ZeroRedundancyOptimizer:
         self.shard = Parameter(self.flat.shard_view())
         xp = array_module(self.flat.flat)
         self.shard_grad = xp.zeros(self.flat.shard_size, dtype=self.flat.flat.dtype)
-        self.optimizer = optimizer_class([self.shard], **defaults)
+        if offload:
+            # ZeRO-Offload: the shard's fp32 master weights and optimizer state on the host
+            self.optimizer = CPUOffloadOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
+                                                 comm=comm, **defaults)
+        elif self.flat.flat.dtype in LOW_PRECISION:
+            # mixed precision: the shard's fp32 master weights live in the optimizer (K = 12)
+            self.optimizer = MixedPrecisionOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
+                                                     comm=comm, **defaults)
+        else:
+            self.optimizer = optimizer_class([self.shard], **defaults)
         self.param_groups = self.optimizer.param_groups
         self._tracker = memory.tracker()
         if stage == 1:
@@ -182,16 +198,22 @@ class ZeroRedundancyOptimizer:
         self.flat_grad[lo:hi] = self.shard_grad
         self.shard.grad = self.flat_grad[lo:hi]
 
+    def scale(self, loss):
+        """Mixed precision: the loss times the loss scale (call backward on it); else the loss."""
+        return self.optimizer.scale(loss) if hasattr(self.optimizer, "scale") else loss
+
     def clip_grad_norm_(self, max_norm):
         """Clip by the L2 norm of the full gradient: squares summed over each shard, then all-reduced."""
         if self.stage == 1 and self.shard.grad is None:
             self._reduce_scatter_stage1()
         g = self.shard.grad
-        local = np.array([float((g * g).sum())], np.float64)
-        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0]))
+        g32 = g.astype(np.float64)
+        local = np.array([float((g32 * g32).sum())], np.float64)
+        # with a loss scale S the gradients are S times too large: the true norm is total / S
+        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / getattr(self.optimizer, "loss_scale", 1.0)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            g *= coef
+            g[...] = g * coef
         return total
 
     def step(self):

@@ -1,0 +1,121 @@
+"""Mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training"): the model
+computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and its state in fp32.
+
+    model.to(np.float16)                                     # parameters and gradients: 2 bytes
+    opt = MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-3)   # fp16: dynamic loss scale
+    loss = F.cross_entropy(model(x.to(np.float16)).float(), y)
+    opt.scale(loss).backward()
+    opt.step()                    # unscale, skip on inf/NaN, step the fp32 masters, copy them back
+
+Bytes per parameter: 2 (param) + 2 (grad) + K with K = 4 (master) + 4 + 4 (Adam's moments) = 12,
+the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as ``optimizer_state``.
+
+Loss scaling (fp16 only; bfloat16 has fp32's exponent range): small gradients underflow in fp16,
+so the loss is multiplied by S before backward and the gradients divided by S in fp32 after. With
+``loss_scale="dynamic"`` (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
+step when any gradient is inf/NaN, and doubles after ``growth_interval`` clean steps. When the
+parameters are shards (ZeRO, FSDP) pass ``comm``: the overflow flag is all-reduced so that every
+rank skips the same steps.
+"""
+import contextlib
+
+import numpy as np
+
+from .. import backend, memory
+from ..autograd import Tensor
+from ..backend import LOW_PRECISION, array_module
+
+
+class MixedPrecisionOptimizer:
+    #: where the masters and the optimizer state live (CPUOffloadOptimizer: the host)
+    offload = False
+
+    def __init__(self, params, optimizer_class, loss_scale="auto", comm=None, init_scale=2.0 ** 16,
+                 growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, **defaults):
+        self.params = [q for q in params if q.requires_grad]
+        if not self.params:
+            raise ValueError("MixedPrecisionOptimizer: no parameter requires grad")
+        dtypes = {q.dtype for q in self.params}
+        if len(dtypes) != 1 or (next(iter(dtypes)) not in LOW_PRECISION and not self.offload):
+            raise TypeError(f"MixedPrecisionOptimizer expects float16 or bfloat16 parameters, got "
+                            f"{sorted(map(str, dtypes))} (cast the model with model.to(dtype) first)")
+        self.dtype = next(iter(dtypes))
+        if loss_scale == "auto":                     # fp16 needs it, bf16 does not
+            loss_scale = "dynamic" if self.dtype == np.float16 else None
+        self.dynamic = loss_scale == "dynamic"
+        self.loss_scale = float(init_scale if self.dynamic else (loss_scale or 1.0))
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.comm = comm
+        self._good_steps = 0
+        self.skipped_steps = 0
+        self._tracker = memory.tracker()
+        self.masters = []
+        with self._placement():
+            for q in self.params:                    # fp32 copies the optimizer updates
+                # (offloading fp32/fp64 parameters keeps their dtype: the master is a host copy)
+                dtype = np.float32 if q.dtype in LOW_PRECISION else q.dtype
+                master = Tensor(backend.to_host(q.data) if self.offload else q.data, requires_grad=True)
+                master.data = master.data.astype(dtype)            # always a copy
+                self._tracker.add("optimizer_state", ("master", id(self), id(master)), master.data.nbytes)
+                self.masters.append(master)
+            self.optimizer = optimizer_class(self.masters, **defaults)
+        self.param_groups = self.optimizer.param_groups
+
+    def _placement(self):
+        return memory.on_host() if self.offload else contextlib.nullcontext()
+
+    def scale(self, loss):
+        """The loss times the current scale: call ``.backward()`` on this."""
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def _found_inf(self):
+        local = any(q.grad is not None and not bool(array_module(q.grad).isfinite(q.grad).all())
+                    for q in self.params)
+        if self.comm is None or self.comm.size == 1:
+            return local
+        from ..comm import all_reduce               # shards: every rank must agree to skip
+        return bool(all_reduce(self.comm, np.array([float(local)]), op="max")[0])
+
+    def step(self):
+        """Unscale the gradients into fp32, step the masters, copy them into the parameters.
+        Returns False (and lowers the scale) when the step was skipped for inf/NaN gradients."""
+        if self._found_inf():
+            self.skipped_steps += 1
+            self._good_steps = 0
+            if self.dynamic:
+                self.loss_scale *= self.backoff_factor
+            return False
+        grad_bytes = 0
+        for q, master in zip(self.params, self.masters):
+            if q.grad is None:
+                master.grad = None
+                continue
+            # offload: this is the device -> host copy of the gradient (on CuPy a real transfer)
+            master.grad = (backend.to_host(q.grad) if self.offload else q.grad).astype(master.dtype)
+            if self.loss_scale != 1.0:
+                master.grad *= 1.0 / self.loss_scale
+            grad_bytes += master.grad.nbytes
+        with self._placement():
+            self._tracker.add("grads", ("fp32 grads", id(self)), grad_bytes)   # live during the step only
+            self.optimizer.step()
+        for q, master in zip(self.params, self.masters):
+            master.grad = None
+            # round to the parameters' precision in place (offload: the host -> device copy)
+            q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
+        self._tracker.remove(("fp32 grads", id(self)))
+        self._good_steps += 1
+        if self.dynamic and self._good_steps % self.growth_interval == 0:
+            self.loss_scale *= self.growth_factor
+        return True
+
+    def zero_grad(self, set_to_none=True):
+        for q in self.params:
+            if set_to_none:
+                q.grad = None
+            elif q.grad is not None:
+                q.grad[...] = 0
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "loss_scale": self.loss_scale,
+                "masters": [m.data.copy() for m in self.masters]}

@@ -1,0 +1,158 @@
+"""Mixed precision: float16/bfloat16 compute, fp32 master weights, dynamic loss scaling, and the
+ZeRO paper's (2 + 2 + K)Ψ accounting with K = 12 at every stage, measured."""
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import memory, nn, optim
+from minitrain.backend import bfloat16
+from minitrain.comm import ThreadWorld
+from minitrain.nn import functional as F
+from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer
+from minitrain.parallel.zero_memory import MIXED_PRECISION_ADAM, model_state_bytes
+
+LOW = [np.float16, bfloat16]
+
+
+def data(n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 30)), rng.integers(0, 10, n)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_ops_keep_the_low_precision_and_cast_is_differentiable(dtype):
+    x = mt.Tensor(np.linspace(-1, 1, 12).reshape(3, 4), requires_grad=True)
+    w = mt.Tensor(np.ones((5, 4)), requires_grad=True)
+    low = x.to(dtype)
+    y = F.linear(low, w.to(dtype)) * 2.0 + 1.0                 # bf16 matmul accumulates in fp32
+    assert y.dtype == dtype
+    y.float().sum().backward()
+    assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype   # gradients come back in fp64
+    np.testing.assert_allclose(x.grad, np.full((3, 4), 10.0))
+    np.testing.assert_allclose(w.grad, np.tile(2 * x.data.sum(0), (5, 1)), rtol=1e-2)
+
+
+def test_a_leafs_gradient_has_the_leafs_dtype():
+    p = nn.Parameter(np.ones(3, np.float16))
+    (p.to(np.float32) * 3.0).sum().backward()
+    assert p.grad.dtype == np.float16
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_master_weights_step_exactly_like_fp32_adam_on_the_unscaled_gradient(dtype):
+    mt.manual_seed(0)
+    model = nn.MLP([30, 16, 10]).to(dtype)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2)
+    shadow = [mt.Tensor(q.data.astype(np.float32), requires_grad=True) for q in model.parameters()]
+    shadow_opt = optim.Adam(shadow, lr=1e-2)
+    x, y = data()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(mt.Tensor(x).to(dtype)).float(), y)
+        opt.scale(loss).backward()
+        for s, q in zip(shadow, model.parameters()):
+            s.grad = q.grad.astype(np.float32) / np.float32(opt.loss_scale)
+        assert opt.step()
+        shadow_opt.step()
+        for s, m, q in zip(shadow, opt.masters, model.parameters()):
+            np.testing.assert_array_equal(m.data, s.data)            # fp32 masters: bit-equal
+            np.testing.assert_array_equal(q.data, s.data.astype(dtype))   # params: the masters rounded
+    assert opt.loss_scale == (2.0 ** 16 if dtype == np.float16 else 1.0)
+
+
+def test_dynamic_loss_scale_skips_overflow_backs_off_and_grows():
+    model = nn.Linear(4, 2).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, lr=0.1, growth_interval=2)
+    before = [q.data.copy() for q in model.parameters()]
+    for q in model.parameters():
+        q.grad = np.full(q.shape, np.inf, np.float16)
+    assert opt.step() is False and opt.loss_scale == 2.0 ** 15 and opt.skipped_steps == 1
+    for q, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(q.data, b)                     # nothing moved
+    for _ in range(2):
+        for q in model.parameters():
+            q.grad = np.ones(q.shape, np.float16)
+        assert opt.step() is True
+    assert opt.loss_scale == 2.0 ** 16                                # doubled after 2 clean steps
+
+
+def test_loss_scaling_rescues_gradients_that_underflow_in_fp16():
+    # a gradient of 1e-8 is below fp16's smallest subnormal (6e-8): unscaled it becomes 0
+    w = nn.Parameter(np.ones(1, np.float16))
+    x = mt.Tensor(np.array([1e-8], np.float32))
+    (w.to(np.float32) * x).sum().backward()
+    assert float(w.grad[0]) == 0.0
+    w.grad = None
+    opt = optim.MixedPrecisionOptimizer([w], optim.SGD, loss_scale=1024.0, lr=1e6)
+    opt.scale((w.to(np.float32) * x).sum()).backward()
+    assert float(w.grad[0]) == pytest.approx(1024e-8, rel=1e-2)      # representable once scaled
+    assert opt.step()
+    assert float(opt.masters[0].data[0]) == pytest.approx(1 - 1e6 * 1e-8, rel=1e-4)   # unscaled in fp32
+
+
+def test_mixed_precision_trains_a_model():
+    mt.manual_seed(0)
+    x, y = data(64)
+    model = nn.MLP([30, 32, 10]).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(mt.Tensor(x).to(np.float16)).float(), y)
+        opt.scale(loss).backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0]
+
+
+def test_parameters_of_the_wrong_dtype_are_refused():
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        optim.MixedPrecisionOptimizer(nn.Linear(2, 2).parameters(), optim.SGD, lr=0.1)
+
+
+def _initial_state():
+    mt.manual_seed(0)
+    return nn.MLP([30, 24, 17, 10]).state_dict()      # 1,181 parameters: not divisible by 2 or 4
+
+
+def _train_mixed(comm, stage, dtype, init, steps=3):
+    """Every rank sees the same batch, so that the mean of the gradients is exact in low precision
+    (p a power of two) and ZeRO must equal one process bit for bit."""
+    model = nn.MLP([30, 24, 17, 10])
+    model.load_state_dict(init)
+    model.to(dtype)
+    if stage in (1, 2):
+        opt, forward = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, comm, stage=stage,
+                                               bucket_cap_mb=0.001, lr=1e-2), model
+    elif stage == 3:
+        forward = FullyShardedDataParallel(model, comm)
+        opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.Adam, comm=comm, lr=1e-2)
+    else:
+        opt, forward = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2), model
+    x, y = data()
+    persistent = None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(mt.Tensor(x).to(dtype)).float(), y)
+        opt.scale(loss).backward()
+        opt.step()
+        if persistent is None:
+            live = memory.snapshot()
+            persistent = {c: live[c] for c in ("params", "grads", "optimizer_state")}
+    state = forward.full_state_dict() if stage == 3 else {n: q.data.copy() for n, q in model.named_parameters()}
+    return state, persistent, model.num_parameters()
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_mixed_precision_equals_one_process_and_model_states_are_2_2_12(stage, p, dtype):
+    init = _initial_state()
+    reference, _, _ = ThreadWorld(1).run(_train_mixed, 0, dtype, init)[0]
+    for state, persistent, psi in ThreadWorld(p).run(_train_mixed, stage, dtype, init):
+        for name, value in reference.items():
+            np.testing.assert_array_equal(state[name], value, err_msg=name)
+        formula = model_state_bytes(psi, p, stage, **MIXED_PRECISION_ADAM)
+        pad = 4 * 16 * p          # up to p-1 padding elements per flat buffer (one per FSDP unit)
+        for c in ("params", "grads", "optimizer_state"):
+            assert formula[c] <= persistent[c] <= formula[c] + pad, (c, persistent[c], formula[c])
