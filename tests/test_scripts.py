@@ -20,3 +20,18 @@ def test_bench_recompute_runs(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_recompute.py", "--layers", "4", "--repeats", "1"])
     runpy.run_path(str(SCRIPTS / "bench_recompute.py"), run_name="__main__")
     assert "k = sqrt(n)" in capsys.readouterr().out
+
+
+def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "zero.json"
+    monkeypatch.setattr(sys, "argv", ["bench_zero.py", "--ranks", "2", "--steps", "4", "--configs", "zero2", "zero3+offload",
+                                      "--json", str(out), "--plot", str(tmp_path / "m.png")])
+    runpy.run_path(str(SCRIPTS / "bench_zero.py"), run_name="__main__")
+    assert "zero3+offload" in capsys.readouterr().out and (tmp_path / "m.png").stat().st_size > 0
+    import json
+    results = json.loads(out.read_text())
+    zero2, offload = results["zero2/p2"], results["zero3+offload/p2"]
+    shard = -(-zero2["psi"] // 2) * 4                  # one rank's padded shard, fp32
+    assert zero2["bytes"] == [2 * shard, 2 * shard]     # reduce-scatter + all-gather: (p-1) shards each
+    assert zero2["grads"] == [shard, shard] and zero2["optimizer_state"] == [2 * shard, 2 * shard]
+    assert offload["optimizer_state"] == [0, 0] and offload["grads"] == [0, 0]
