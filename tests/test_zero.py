@@ -233,3 +233,26 @@ def test_the_formula_code_reproduces_the_papers_table():
     f = model_state_bytes(1000, 4, 2, **FP32_ADAM)
     assert f == {"params": 4000, "grads": 1000, "optimizer_state": 2000, "total": 7000}
     assert model_state_bytes(1000, 4, 0, **MIXED_PRECISION_ADAM)["total"] == 16000
+
+
+def test_fsdp_prefetches_the_next_units_all_gather_during_this_units_forward():
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = nn.MLP([6, 13, 11, 9, 3])
+        fsdp = FullyShardedDataParallel(model, comm)
+        layers = [u for u in fsdp.units if u.module is not model]
+        seen = []
+        for i, unit in enumerate(layers[:-1]):
+            nxt = layers[i + 1]
+            unit.module.register_forward_hook(
+                lambda m, a, o, n=nxt: seen.append(n.gathering is not None or n.full is not None))
+        F.cross_entropy(fsdp(mt.Tensor(np.ones((4, 6)))), np.zeros(4, np.int64)).backward()
+        off = FullyShardedDataParallel(nn.MLP([6, 13, 11, 9, 3]), comm, prefetch=False)
+        late = []
+        units = [u for u in off.units if u.module is not off.module]
+        for i, unit in enumerate(units[:-1]):
+            unit.module.register_forward_hook(lambda m, a, o, n=units[i + 1]: late.append(n.full is not None))
+        off(mt.Tensor(np.ones((4, 6))))
+        return seen, late
+    for seen, late in ThreadWorld(2).run(fn):
+        assert seen == [True] * 3 and late == [False] * 3
