@@ -133,3 +133,30 @@ def test_a_model_too_big_for_the_device_under_ddp_fits_under_zero3(tmp_path):
         run_mpi(cmd + ["--strategy", "ddp"], n=4, timeout=60)
     assert "ddp does not fit the device" in str(err.value) and "exceed the device capacity" in str(err.value)
     run_mpi(cmd + ["--strategy", "zero3"], n=4, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, flags", [(2, ["--schedule", "1f1b", "--microbatches", "4"]),
+                                      (2, ["--schedule", "interleaved_1f1b", "--microbatches", "4", "--chunks", "2",
+                                           "--layers", "3"]),
+                                      (4, ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2"])])
+def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, flags):
+    out, plot = tmp_path / "pipe.json", tmp_path / "pipe.png"
+    run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "pipeline",
+             "--epochs", "10", "--json", out, "--plot", plot, *flags], n=n, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["test_accuracy"] >= 0.9
+    pipe = report["pipeline"]
+    assert pipe["schedule"] == flags[1] and 0 <= pipe["measured_bubble_fraction"] < 1
+    assert pipe["formula_bubble_fraction"] > 0 and plot.stat().st_size > 0
+
+
+def test_the_pipeline_strategy_rejects_bad_shapes_clearly():
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--microbatches", "5"],
+                n=2, timeout=60)
+    assert "not divisible into 1 replica(s) x 5 micro-batches" in str(err.value)
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--layers", "1"],
+                n=4, timeout=60)
+    assert "fewer than the 4 pipeline stages" in str(err.value)

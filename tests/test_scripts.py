@@ -35,3 +35,15 @@ def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path)
     assert zero2["bytes"] == [2 * shard, 2 * shard]     # reduce-scatter + all-gather: (p-1) shards each
     assert zero2["grads"] == [shard, shard] and zero2["optimizer_state"] == [2 * shard, 2 * shard]
     assert offload["optimizer_state"] == [0, 0] and offload["grads"] == [0, 0]
+
+
+def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "pipe.json"
+    monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--ranks", "2", "--steps", "2", "--width", "32",
+                                      "--json", str(out), "--plot", str(tmp_path / "b.png")])
+    runpy.run_path(str(SCRIPTS / "bench_pipeline.py"), run_name="__main__")
+    assert "interleaved_1f1b v=2" in capsys.readouterr().out
+    import json
+    results = json.loads(out.read_text())["2"]
+    assert results["gpipe/m4"]["formula"] == pytest.approx(1 / 5)
+    assert all(0 <= r["bubble"] < 1 for r in results.values())

@@ -25,9 +25,10 @@ from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
+from minitrain.parallel.pipeline import NAMES as PIPELINE_NAMES
 from minitrain.parallel.zero_memory import model_state_bytes
 
-STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
 
 
@@ -37,6 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
                    help="teaching device: each rank may hold at most BYTES from the first step on")
+    p.add_argument("--schedule", choices=PIPELINE_NAMES, default="1f1b", help="pipeline: the schedule")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
+    p.add_argument("--chunks", type=int, default=1, help="pipeline: model chunks per rank (interleaved_1f1b)")
+    p.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
@@ -57,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden", "layers", "sync_every"):
+    for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args, p
@@ -79,6 +84,9 @@ def main(argv=None):
     args, parser = parse_args(argv)
     comm = mtcomm.init()
     world, rank = comm.size, comm.rank
+    if args.strategy == "pipeline":
+        from minitrain.examples.mlp_pipeline import main_pipeline
+        return main_pipeline(args, parser, comm)
     if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
         if rank == 0:
             parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "

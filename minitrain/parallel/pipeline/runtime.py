@@ -41,26 +41,37 @@ _TAG_LIMIT = 32768                     # tags at and above belong to the collect
 
 
 def balanced_split_points(sizes, parts):
-    """Indices where each of ``parts`` contiguous groups of layers starts (after the first): the
-    k-th cut goes after the layer where the running parameter count passes k/parts of the total
-    (and the group holds parameters), or earlier when the layers left are just enough for the
-    groups left."""
+    """Where each of ``parts`` contiguous groups of layers starts (after the first), chosen so that
+    the largest group's parameter count is as small as possible (the classic linear-partition
+    dynamic programme); a group of parameter-free layers alone is avoided whenever there are
+    enough layers with parameters."""
     n = len(sizes)
     if n < parts:
         raise ValueError(f"cannot cut {n} layers into {parts} pipeline stages: each needs at least one layer")
-    total = sum(sizes)
-    points, cumulative, group = [], 0, 0
-    for i in range(n - 1):
-        cumulative += sizes[i]
-        group += sizes[i]                   # parameters in the group being filled
-        k = len(points) + 1                 # the group that would start at layer i + 1
-        if k >= parts:
-            break
-        layers_left, groups_left = n - (i + 1), parts - k
-        if layers_left == groups_left or (cumulative >= total * k / parts and group > 0):
-            points.append(i + 1)
-            group = 0
-    return points
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    weighted = [0]
+    for size in sizes:
+        weighted.append(weighted[-1] + (size > 0))
+    avoid_empty = weighted[-1] >= parts
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]   # best[k][i]: first i layers in k groups
+    start = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if avoid_empty and weighted[i] == weighted[j]:
+                    continue                              # this group would hold no parameters
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], start[k][i] = cost, j
+    points, i = [], n
+    for k in range(parts, 0, -1):
+        i = start[k][i]
+        points.append(i)
+    return sorted(points)[1:]
 
 
 class PipelineParallel:
@@ -173,12 +184,14 @@ class PipelineParallel:
             for action in self.actions:
                 mb, chunk = action.microbatch, action.chunk
                 virtual = chunk * self.p + self.rank
+                received = None
+                if action.recv_from is not None:         # waiting is bubble, not work: its own span
+                    with trace.span(f"recv {action}", kind="comm"):
+                        received = self._recv(action.recv_from, mb, virtual, action.kind == "B", xp)
                 with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, op=action.kind):
                     if action.kind == "F":
-                        if action.recv_from is None:
-                            inp = Tensor(x[mb * size:(mb + 1) * size])
-                        else:
-                            inp = Tensor(self._recv(action.recv_from, mb, virtual, False, xp), requires_grad=True)
+                        inp = (Tensor(x[mb * size:(mb + 1) * size]) if received is None
+                               else Tensor(received, requires_grad=True))
                         out = self.stages[chunk](inp)
                         inputs[mb, chunk] = inp
                         if virtual == last_virtual:
@@ -190,10 +203,10 @@ class PipelineParallel:
                             self._send(out.data, action.send_to, mb, virtual + 1, False)
                     else:
                         out = outputs.pop((mb, chunk))
-                        if virtual == last_virtual:
+                        if received is None:
                             out.backward()
                         else:
-                            out.backward(self._recv(action.recv_from, mb, virtual, True, xp))
+                            out.backward(received)
                         inp = inputs.pop((mb, chunk))
                         if action.send_to is not None:
                             self._send(inp.grad, action.send_to, mb, virtual - 1, True)
@@ -234,9 +247,8 @@ class PipelineParallel:
             q.data[...] = now
 
     # ---- measurement
-    def measured_bubble_fraction(self, events=None):
-        """1 - (time in F/B actions) / (the step's duration), on this rank, from the trace of the
-        last step (trace.enable() before train_step)."""
+    def step_timing(self, events=None):
+        """(start, end, busy seconds) of the last traced step on this rank (trace.enable() first)."""
         events = trace.events() if events is None else events
         steps = [e for e in events if e["name"] == "pipeline step"]
         if not steps:
@@ -244,7 +256,21 @@ class PipelineParallel:
         step = steps[-1]
         busy = sum(e["end"] - e["start"] for e in events if e["kind"] == "compute" and e.get("args", {}).get("op")
                    and step["start"] <= e["start"] <= step["end"])
-        return 1 - busy / (step["end"] - step["start"])
+        return step["start"], step["end"], busy
+
+    def measured_bubble_fraction(self, events=None, common_window=True):
+        """Per rank of the pipeline, 1 - (time in F/B actions) / (the step's duration), from the trace
+        of the last step. The duration is the same window for every rank, from the first rank's start
+        to the last rank's end (the formula's p x total time; clocks are comparable on one host), so
+        this gathers over the pipeline (a collective); ``common_window=False``: this rank's own span
+        only, no communication. Returns the list over ranks (one value without the common window)."""
+        start, end, busy = self.step_timing(events)
+        if not common_window:
+            return 1 - busy / (end - start)
+        from ...comm import ring_all_gather
+        rows = ring_all_gather(self.comm, np.array([start, end, busy]), total=3 * self.p).reshape(self.p, 3)
+        window = rows[:, 1].max() - rows[:, 0].min()
+        return [float(1 - b / window) for b in rows[:, 2]]
 
     def formula_bubble_fraction(self):
         return formula_bubble_fraction(self.schedule_name, self.p, self.m, self.v)
