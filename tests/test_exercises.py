@@ -34,3 +34,19 @@ def test_the_stub_fails_with_its_own_message(tmp_path):
     result = grade("check", "ring_all_reduce", str(stub))
     assert result.returncode == 1
     assert "NotImplementedError: ring_all_reduce: write the reduce-scatter" in result.stdout
+
+
+def test_a_correct_1f1b_passes_and_the_library_too():
+    result = grade("check", "one_f_one_b", str(HERE / "one_f_one_b_learner.py"))
+    assert result.returncode == 0 and "12 passed, 0 failed" in result.stdout, result.stdout + result.stderr
+    assert grade("check", "one_f_one_b", "--reference").returncode == 0
+
+
+def test_gpipe_handed_in_as_1f1b_fails_the_memory_bound(tmp_path):
+    result = grade("check", "one_f_one_b", str(HERE / "one_f_one_b_gpipe.py"))
+    assert result.returncode == 1
+    assert "PASS  p=4: bubble" in result.stdout and "FAIL  p=4: in flight <= min(p-s, m)" in result.stdout
+    stub = tmp_path / "mine.py"
+    assert grade("stub", "one_f_one_b", str(stub)).returncode == 0
+    result = grade("check", "one_f_one_b", str(stub))
+    assert "NotImplementedError: one_f_one_b: write the warm-up" in result.stdout

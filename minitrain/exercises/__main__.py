@@ -10,6 +10,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).parent
 EXERCISES = {
     "ring_all_reduce": "the ring all-reduce on point-to-point calls (notebook 02_collectives)",
+    "one_f_one_b": "the 1F1B pipeline schedule (notebook 05_pipeline)",
 }
 
 
@@ -49,7 +50,53 @@ def check_ring_all_reduce(impl):
     return results
 
 
-CHECKS = {"ring_all_reduce": check_ring_all_reduce}
+def check_one_f_one_b(impl):
+    """The schedule checker, the bubble formula and 1F1B's in-flight bound, at p = 1..4, m = 1..8."""
+    from minitrain.parallel.pipeline.schedules import Action, formula_bubble_fraction, simulate
+
+    def as_actions(schedule, p):
+        rows = []
+        for s, row in enumerate(schedule):
+            actions = []
+            for item in row:
+                kind, mb = (item.kind, item.microbatch) if isinstance(item, Action) else item
+                prev, nxt = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
+                actions.append(Action(kind, mb, 0, prev, nxt) if kind == "F" else Action(kind, mb, 0, nxt, prev))
+            rows.append(actions)
+        return rows
+
+    results = []
+    for p in (1, 2, 3, 4):
+        for label in ("deadlock-free, every unit once", "bubble (p-1)/(m+p-1)", "in flight <= min(p-s, m)"):
+            try:
+                for m in range(1, 9):
+                    schedule = impl(p, m)
+                    if len(schedule) != p:
+                        raise AssertionError(f"p={p}, m={m}: {len(schedule)} stages instead of {p}")
+                    sim = simulate(as_actions(schedule, p), 1.0, 2.0)
+                    if label.startswith("bubble"):
+                        expected = formula_bubble_fraction("1f1b", p, m)
+                        assert abs(sim["bubble_fraction"] - expected) < 1e-9, \
+                            f"p={p}, m={m}: bubble {sim['bubble_fraction']:.4f}, expected {expected:.4f}"
+                    if label.startswith("in flight"):
+                        bound = [min(p - s, m) for s in range(p)]
+                        assert all(a <= b for a, b in zip(sim["peak_activations"], bound)), \
+                            f"p={p}, m={m}: in flight {sim['peak_activations']}, 1F1B keeps {bound}"
+                results.append((f"p={p}: {label}", None))
+            except BaseException as e:   # the learner's code may raise anything
+                results.append((f"p={p}: {label}", e))
+    return results
+
+
+def _reference(name):
+    if name == "one_f_one_b":
+        from minitrain.parallel.pipeline.schedules import one_f_one_b
+        return one_f_one_b
+    from minitrain import comm as library
+    return getattr(library, name)
+
+
+CHECKS = {"ring_all_reduce": check_ring_all_reduce, "one_f_one_b": check_one_f_one_b}
 
 
 def main(argv=None):
@@ -74,8 +121,7 @@ def main(argv=None):
         print(f"wrote {args.dest}; then: python -m minitrain.exercises check {args.name} {args.dest}")
         return 0
     if args.reference:
-        from minitrain import comm as library
-        impl = getattr(library, args.name)
+        impl = _reference(args.name)
     elif args.path:
         impl = load_function(args.path, args.name)
     else:
