@@ -1,0 +1,455 @@
+"""Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", sec. 3, Figures 3-4) and sequence
+parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", sec. 4.2), on minitrain's GPT.
+
+The MLP Y = GeLU(X A) B: split A by **columns** (each of t ranks computes GeLU(X A_r), no
+communication: GeLU is elementwise) and B by **rows** (each computes GeLU(X A_r) B_r, a partial sum;
+one all-reduce adds them). Attention splits the same way by heads: Q, K, V columns per head group,
+the output projection by rows. Two conjugate operators carry the communication:
+
+* ``f``: identity in forward, all-reduce in backward (before a column-parallel layer: each rank's
+  input gradient is partial);
+* ``g``: all-reduce in forward, identity in backward (after a row-parallel layer).
+
+So a transformer layer costs 2 all-reduces in forward and 2 in backward (Megatron's count).
+
+Sequence parallelism: between the tensor-parallel regions, LayerNorm and dropout work on a 1/t
+slice of the sequence instead of the whole replicated activation. ``f`` becomes an all-gather along
+the sequence (backward: reduce-scatter) and ``g`` a reduce-scatter (backward: all-gather): the same
+bytes as the all-reduce it replaces (an all-reduce *is* a reduce-scatter plus an all-gather), and
+the replicated activations shrink by t.
+
+The embedding is vocab-parallel (each rank a slice of the rows; out-of-slice tokens give zeros,
+then ``g``), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
+all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and never gathers the
+(B, T, V) logits. The vocabulary is padded to a multiple of t (padded logits are -inf).
+"""
+import math
+
+import numpy as np
+
+from .. import backend
+from ..autograd import Function, Tensor
+from ..autograd.engine import queue_callback
+from ..backend import array_module
+from ..comm import broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from ..nn import Module, ModuleList, Parameter
+from ..nn import functional as F
+from ..nn.gpt import GPT
+
+
+# ---------------------------------------------------------------- the conjugate operators
+class CopyToTensorParallelRegion(Function):
+    """Megatron's f: identity forward, all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return ring_all_reduce(ctx.comm, g), None
+
+
+class ReduceFromTensorParallelRegion(Function):
+    """Megatron's g: all-reduce (sum) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return ring_all_reduce(comm, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _gather_along(comm, x, axis):
+    """Concatenate every rank's x along ``axis`` (equal shards)."""
+    xp = array_module(x)
+    front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
+    full = ring_all_gather(comm, front.reshape(-1), total=front.size * comm.size)
+    full = full.reshape((front.shape[0] * comm.size,) + front.shape[1:])
+    return xp.ascontiguousarray(xp.moveaxis(full, 0, axis))
+
+
+def _reduce_scatter_along(comm, x, axis):
+    """Sum over ranks, each rank keeping its 1/t slice along ``axis``."""
+    xp = array_module(x)
+    if x.shape[axis] % comm.size:
+        raise ValueError(f"[rank {comm.rank}] sequence parallelism: length {x.shape[axis]} along axis {axis} "
+                         f"is not divisible by the {comm.size} tensor-parallel ranks")
+    front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
+    mine = ring_reduce_scatter(comm, front.reshape(-1))
+    mine = mine.reshape((front.shape[0] // comm.size,) + front.shape[1:])
+    return xp.ascontiguousarray(xp.moveaxis(mine, 0, axis))
+
+
+class GatherFromSequenceParallelRegion(Function):
+    """Sequence parallelism's f: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis=1):
+        ctx.comm, ctx.axis = comm, axis
+        return _gather_along(comm, x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_along(ctx.comm, g, ctx.axis), None
+
+
+class ReduceScatterToSequenceParallelRegion(Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis=1):
+        ctx.comm, ctx.axis = comm, axis
+        return _reduce_scatter_along(comm, x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_along(ctx.comm, g, ctx.axis), None
+
+
+class GatherFromTensorParallelRegion(Function):
+    """All-gather along the last axis forward, keep this rank's slice backward (gather_output)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, ctx.width = comm, x.shape[-1]
+        return _gather_along(comm, x, x.ndim - 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        r, w = ctx.comm.rank, ctx.width
+        return array_module(g).ascontiguousarray(g[..., r * w:(r + 1) * w]), None
+
+
+def f(x, comm, sequence_parallel=False):
+    return GatherFromSequenceParallelRegion.apply(x, comm) if sequence_parallel \
+        else CopyToTensorParallelRegion.apply(x, comm)
+
+
+def g(x, comm, sequence_parallel=False):
+    return ReduceScatterToSequenceParallelRegion.apply(x, comm) if sequence_parallel \
+        else ReduceFromTensorParallelRegion.apply(x, comm)
+
+
+def _divide(n, t, what):
+    if n % t:
+        raise ValueError(f"tensor parallelism: {what} = {n} is not divisible by tp = {t}")
+    return n // t
+
+
+# ---------------------------------------------------------------- layers
+class ColumnParallelLinear(Module):
+    """Y = X A with A (in, out) split by columns: rank r holds weight rows [r·out/t, (r+1)·out/t)
+    (weights are (out, in), as nn.Linear). Input replicated (f before it), output split along the
+    last axis unless ``gather_output``."""
+
+    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, sequence_parallel=False):
+        super().__init__()
+        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local = _divide(out_features, comm.size, "out_features")
+        bound = 1.0 / math.sqrt(in_features)
+        from .. import random
+        self.weight = Parameter(random.uniform(-bound, bound, (local, in_features)))
+        self.bias = Parameter(random.uniform(-bound, bound, (local,))) if bias else None
+
+    def forward(self, x):
+        y = F.linear(f(x, self.comm, self.sequence_parallel), self.weight, self.bias)
+        return GatherFromTensorParallelRegion.apply(y, self.comm) if self.gather_output else y
+
+
+class RowParallelLinear(Module):
+    """Y = X B with B (in, out) split by rows: rank r holds weight columns [r·in/t, (r+1)·in/t).
+    Input split along its last axis (``input_is_parallel``), partial products summed by g, then the
+    (replicated) bias added once."""
+
+    def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, sequence_parallel=False):
+        super().__init__()
+        if not input_is_parallel:
+            raise ValueError("RowParallelLinear here takes its input already split (input_is_parallel=True), "
+                             "as it always is after a ColumnParallelLinear")
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local = _divide(in_features, comm.size, "in_features")
+        bound = 1.0 / math.sqrt(in_features)
+        from .. import random
+        self.weight = Parameter(random.uniform(-bound, bound, (out_features, local)))
+        self.bias = Parameter(random.uniform(-bound, bound, (out_features,))) if bias else None
+
+    def forward(self, x):
+        y = g(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(Module):
+    """Rank r holds rows [r·V/t, (r+1)·V/t); tokens outside give zero rows; g sums the ranks."""
+
+    def __init__(self, num_embeddings, embedding_dim, comm, sequence_parallel=False):
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.num_embeddings = num_embeddings
+        local = _divide(num_embeddings, comm.size, "the (padded) vocabulary")
+        self.start = comm.rank * local
+        from .. import random
+        self.weight = Parameter(random.randn(local, embedding_dim))
+
+    def forward(self, idx):
+        xp = array_module(idx)
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(xp.where(outside, 0, local), self.weight)
+        rows = rows.masked_fill(outside[..., None], 0.0)
+        return g(rows, self.comm, self.sequence_parallel)
+
+
+class VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy from logits split by vocabulary (B, T, V/t), without gathering them:
+    loss = log Σ_v exp(z_v - M) + M - z_target, with M, the sum and z_target each all-reduced."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, start, vocab_size):
+        xp = array_module(logits)
+        local_v = logits.shape[-1]
+        z = logits.reshape(-1, local_v).astype(logits.dtype, copy=True)
+        ids = start + xp.arange(local_v)
+        z[:, ids >= vocab_size] = -np.inf                       # the padding is not a token
+        t = targets.reshape(-1)
+        local_max = z.max(axis=1)
+        m = ring_all_reduce(comm, xp.ascontiguousarray(local_max), op="max")
+        e = xp.exp(z - m[:, None])
+        total = ring_all_reduce(comm, e.sum(axis=1))
+        mine = (t >= start) & (t < start + local_v)
+        rows = xp.arange(t.shape[0])
+        target_logit = xp.where(mine, z[rows, xp.where(mine, t - start, 0)], 0.0)
+        target_logit = ring_all_reduce(comm, xp.ascontiguousarray(target_logit))
+        loss = xp.log(total) + m - target_logit
+        ctx.save_for_backward(e / total[:, None], t)
+        ctx.start, ctx.shape, ctx.mine = start, logits.shape, mine
+        return xp.asarray(loss.mean(), dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, t = ctx.saved_tensors
+        xp = array_module(softmax)
+        n = t.shape[0]
+        d = softmax.copy()
+        rows = xp.arange(n)[ctx.mine]
+        d[rows, t[ctx.mine] - ctx.start] -= 1.0
+        d *= grad / n
+        return d.reshape(ctx.shape), None
+
+
+# ---------------------------------------------------------------- the GPT, tensor-parallel
+class ParallelAttention(Module):
+    """Causal self-attention with this rank's n_head/t heads: c_attn column-parallel (its Q, K and V
+    columns of those heads), c_proj row-parallel."""
+
+    def __init__(self, config, comm, sequence_parallel):
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.n_head = _divide(config.n_head, comm.size, "n_head")
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, comm, config.bias,
+                                           sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear(config.n_embd, config.n_embd, comm, config.bias,
+                                        sequence_parallel=sequence_parallel)
+        self._masks = {}
+
+    def forward(self, x):
+        qkv = self.c_attn(x)                                  # (B, T, 3·C/t), T the full sequence
+        B, T, _ = qkv.shape
+        H, D = self.n_head, self.head_dim
+        q, k, v = qkv.split(H * D, axis=2)
+        q = q.reshape(B, T, H, D).transpose(1, 2)
+        k = k.reshape(B, T, H, D).transpose(1, 2)
+        v = v.reshape(B, T, H, D).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
+        if T not in self._masks:
+            xp = array_module(qkv.data)
+            self._masks[T] = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+        att = F.softmax(att.masked_fill(self._masks[T], -math.inf), axis=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, H * D)
+        return self.c_proj(y)
+
+
+class ParallelMLP(Module):
+    """c_fc column-parallel, GELU on the local columns, c_proj row-parallel: one g."""
+
+    def __init__(self, config, comm, sequence_parallel):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(config.n_embd, 4 * config.n_embd, comm, config.bias,
+                                         sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear(4 * config.n_embd, config.n_embd, comm, config.bias,
+                                        sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class ParallelBlock(Module):
+    def __init__(self, config, comm, sequence_parallel):
+        super().__init__()
+        from ..nn import LayerNorm
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = ParallelAttention(config, comm, sequence_parallel)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = ParallelMLP(config, comm, sequence_parallel)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TensorParallelGPT(Module):
+    """The GPT with every weight matrix sharded over ``comm`` (see the module docstring).
+    ``forward(idx, targets)`` returns (local logits (B, T, V_pad/t), mean loss) or, without
+    targets, the full logits (gathered: for sampling). ``full_state_dict()`` gathers the GPT's
+    parameters under their unsharded names."""
+
+    def __init__(self, config, comm, sequence_parallel=False):
+        super().__init__()
+        from ..nn import Embedding, LayerNorm
+        if config.dropout:
+            raise ValueError("tensor_parallelize: dropout > 0 would need per-rank random streams for the "
+                             "split regions (Megatron's RNG tracker), which minitrain does not have: use dropout=0")
+        if config.tie_weights:
+            raise ValueError("tensor_parallelize: tied embeddings are not supported (wte is vocab-parallel, "
+                             "lm_head too, but sharing them across both is not implemented)")
+        if config.recompute not in (None, "none"):
+            raise ValueError("tensor_parallelize: recompute is not combined with tensor parallelism here")
+        self.config, self.comm, self.sequence_parallel = config, comm, sequence_parallel
+        t = comm.size
+        self.padded_vocab = -(-config.vocab_size // t) * t
+        self.wte = VocabParallelEmbedding(self.padded_vocab, config.n_embd, comm, sequence_parallel)
+        self.wpe = Embedding(config.block_size, config.n_embd)
+        self.h = ModuleList([ParallelBlock(config, comm, sequence_parallel) for _ in range(config.n_layer)])
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = ColumnParallelLinear(config.n_embd, self.padded_vocab, comm, bias=False,
+                                            sequence_parallel=sequence_parallel)
+        # parameters every rank holds whole: with sequence parallelism each sees 1/t of the tokens,
+        # so their gradients are partial sums, all-reduced once at the end of backward
+        self.replicated = [q for name, q in self.named_parameters() if name.startswith(("wpe.", "ln_f.")) or
+                           ".ln_" in name or name.endswith(("c_proj.bias",))]
+        self._pending = False
+        if sequence_parallel:
+            for q in self.replicated:
+                q.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, q):
+        if not self._pending:
+            self._pending = True
+            queue_callback(self._all_reduce_replicated)
+
+    def _all_reduce_replicated(self):
+        """One all-reduce of all the replicated parameters' gradients, flattened together."""
+        params = [q for q in self.replicated if q.grad is not None]
+        if params:
+            xp = array_module(params[0].grad)
+            flat = ring_all_reduce(self.comm, xp.concatenate([q.grad.reshape(-1) for q in params]))
+            offset = 0
+            for q in params:
+                q.grad[...] = flat[offset:offset + q.size].reshape(q.shape)
+                offset += q.size
+        self._pending = False
+
+    def forward(self, idx, targets=None):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        xp = array_module(idx)
+        if self.sequence_parallel:
+            _divide(T, self.comm.size, "the sequence length (sequence parallelism)")
+            local = T // self.comm.size
+            pos = xp.arange(self.comm.rank * local, (self.comm.rank + 1) * local)
+        else:
+            pos = xp.arange(T)
+        x = self.wte(idx) + self.wpe(pos)                     # SP: (B, T/t, C)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))                   # (B, T, V_pad/t)
+        if targets is None:
+            full = GatherFromTensorParallelRegion.apply(logits, self.comm)
+            return full[..., :self.config.vocab_size]
+        targets = targets.data if isinstance(targets, Tensor) else targets
+        loss = VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
+        return logits, loss
+
+    # ---- names and shards
+    def _shards(self):
+        """unsharded name -> (local parameter, axis along which it is split or None)."""
+        mapping = {"wte.weight": (self.wte.weight, 0), "wpe.weight": (self.wpe.weight, None),
+                   "ln_f.weight": (self.ln_f.weight, None), "lm_head.weight": (self.lm_head.weight, 0)}
+        if self.ln_f.bias is not None:
+            mapping["ln_f.bias"] = (self.ln_f.bias, None)
+        for i, block in enumerate(self.h):
+            p = f"h.{i}."
+            for name, module in (("ln_1", block.ln_1), ("ln_2", block.ln_2)):
+                mapping[p + name + ".weight"] = (module.weight, None)
+                if module.bias is not None:
+                    mapping[p + name + ".bias"] = (module.bias, None)
+            for name, module, axis in (("attn.c_attn", block.attn.c_attn, "qkv"), ("attn.c_proj", block.attn.c_proj, 1),
+                                       ("mlp.c_fc", block.mlp.c_fc, 0), ("mlp.c_proj", block.mlp.c_proj, 1)):
+                mapping[p + name + ".weight"] = (module.weight, axis)
+                if module.bias is not None:
+                    mapping[p + name + ".bias"] = (module.bias, None if axis == 1 else axis)
+        return mapping
+
+    def _slice(self, full, axis, name):
+        """This rank's shard of an unsharded array."""
+        t, r = self.comm.size, self.comm.rank
+        if axis is None:
+            return full
+        if axis == "qkv":                                     # rows: q, k, v blocks, each by heads
+            c = full.shape[0] // 3
+            w = c // t
+            return np.concatenate([full[j * c + r * w:j * c + (r + 1) * w] for j in range(3)], axis=0)
+        if name in ("wte.weight", "lm_head.weight") and full.shape[0] != self.padded_vocab:
+            pad = np.zeros((self.padded_vocab - full.shape[0],) + full.shape[1:], full.dtype)
+            full = np.concatenate([full, pad], axis=0)
+        n = full.shape[axis] // t
+        index = [slice(None)] * full.ndim
+        index[axis] = slice(r * n, (r + 1) * n)
+        return full[tuple(index)]
+
+    def load_full_state_dict(self, state):
+        """Take each unsharded parameter's slice (the sharded model then computes the same function)."""
+        for name, (q, axis) in self._shards().items():
+            full = backend.to_host(state[name])
+            q.data = backend.to_device(np.ascontiguousarray(self._slice(full, axis, name))).astype(q.dtype)
+
+    def full_state_dict(self):
+        """name -> full array, gathered from the shards (a collective on every rank)."""
+        t = self.comm.size
+        state = {}
+        for name, (q, axis) in self._shards().items():
+            local = backend.to_host(q.data)
+            if axis is None:
+                state[name] = local.copy()
+                continue
+            pieces = ring_all_gather(self.comm, np.ascontiguousarray(local).reshape(-1), total=local.size * t)
+            pieces = pieces.reshape((t,) + local.shape)
+            if axis == "qkv":
+                w = local.shape[0] // 3
+                full = np.concatenate([pieces[r][j * w:(j + 1) * w] for j in range(3) for r in range(t)], axis=0)
+            else:
+                full = np.concatenate(list(pieces), axis=axis)
+            if name in ("wte.weight", "lm_head.weight"):
+                full = full[:self.config.vocab_size]
+            state[name] = full
+        return state
+
+
+def tensor_parallelize(gpt, comm, sequence_parallel=False):
+    """The tensor-parallel form of ``gpt`` (an nn.GPT): rank 0's weights are broadcast, then each
+    rank keeps its shard of every matrix. Same function, same names (``full_state_dict()``)."""
+    if not isinstance(gpt, GPT):
+        raise TypeError("tensor_parallelize takes an nn.GPT")
+    state = {}
+    for name, q in gpt.named_parameters():
+        state[name] = broadcast(comm, q.data.copy(), root=0)     # every rank shards the same model
+    model = TensorParallelGPT(gpt.config, comm, sequence_parallel)
+    model.load_full_state_dict(state)
+    return model

@@ -1,0 +1,176 @@
+"""Tensor and sequence parallelism: Megatron's f and g, column/row-parallel linears, the
+tensor-parallel GPT equal to the single-process GPT (forward, gradients, 3 AdamW steps; float64,
+1e-10) at tp = 2 and 4 with and without sequence parallelism (a vocabulary not divisible by tp
+included), Megatron's collective counts per layer, and clear errors."""
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import nn, optim
+from minitrain.comm import ThreadWorld
+from minitrain.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorParallelRegion,
+                                                ReduceFromTensorParallelRegion, RowParallelLinear,
+                                                tensor_parallelize)
+
+CONFIG = dict(vocab_size=23, block_size=16, n_layer=2, n_head=4, n_embd=16)   # 23: padded to 24
+
+
+def gpt_and_init(**overrides):
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, **overrides})
+    model = nn.GPT(config)
+    return config, {k: v.copy() for k, v in model.state_dict().items()}
+
+
+def data(steps=3, vocab=23, B=3, T=8):
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, vocab, (B, T)), rng.integers(0, vocab, (B, T))) for _ in range(steps)]
+
+
+def test_f_and_g_are_conjugate():
+    def fn(comm):
+        x = mt.Tensor(np.full(3, float(comm.rank + 1)), requires_grad=True)
+        y = CopyToTensorParallelRegion.apply(x, comm)          # f: identity forward
+        (y * float(comm.rank + 1)).sum().backward()             # each rank's gradient differs
+        grad_f = x.grad.copy()
+        x.grad = None
+        z = ReduceFromTensorParallelRegion.apply(x, comm)      # g: all-reduce forward
+        (z * 2.0).sum().backward()
+        return y.data, grad_f, z.data, x.grad
+    for r, (y, grad_f, z, grad_g) in enumerate(ThreadWorld(3).run(fn)):
+        assert np.all(y == r + 1) and np.all(grad_f == 1 + 2 + 3)     # f backward: all-reduce
+        assert np.all(z == 6.0) and np.all(grad_g == 2.0)               # g backward: identity
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_column_then_row_parallel_linear_equals_the_unsplit_pair(t):
+    mt.set_default_dtype(np.float64)
+    rng = np.random.default_rng(0)
+    A, B, x = rng.standard_normal((8, 4)), rng.standard_normal((3, 8)), rng.standard_normal((5, 4))
+    expected = np.maximum(x @ A.T, 0) @ B.T
+
+    def fn(comm):
+        col = ColumnParallelLinear(4, 8, comm, bias=False)
+        row = RowParallelLinear(8, 3, comm, bias=False)
+        n = 8 // comm.size
+        col.weight.data = A[comm.rank * n:(comm.rank + 1) * n].copy()
+        row.weight.data = B[:, comm.rank * n:(comm.rank + 1) * n].copy()
+        xt = mt.Tensor(x, requires_grad=True)
+        y = row(col(xt).relu())
+        y.sum().backward()
+        return y.data, xt.grad
+    xt = mt.Tensor(x, requires_grad=True)
+    ref = ((xt @ mt.Tensor(A.T)).relu() @ mt.Tensor(B.T))
+    ref.sum().backward()
+    for y, gx in ThreadWorld(t).run(fn):
+        np.testing.assert_allclose(y, expected, rtol=1e-12)
+        np.testing.assert_allclose(gx, xt.grad, rtol=1e-12)    # f all-reduced the partial gradients
+
+
+def _train_tp(comm, config, init, sequence_parallel, steps=3):
+    mt.set_default_dtype(np.float64)
+    gpt = nn.GPT(config)
+    gpt.load_state_dict(init)
+    model = tensor_parallelize(gpt, comm, sequence_parallel=sequence_parallel)
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    first_logits = None
+    losses = []
+    for x, y in data(steps):
+        if first_logits is None:
+            with mt.no_grad():
+                first_logits = model(x).data                      # gathered over the vocabulary
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.full_state_dict(), losses, first_logits
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_parallel_gpt_equals_the_gpt(t, sequence_parallel):
+    config, init = gpt_and_init()
+    reference = nn.GPT(config)
+    reference.load_state_dict(init)
+    opt = optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_losses, ref_logits = [], None
+    for x, y in data():
+        if ref_logits is None:
+            with mt.no_grad():
+                ref_logits = reference(x).data
+        opt.zero_grad()
+        _, loss = reference(x, y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    for state, losses, logits in ThreadWorld(t).run(_train_tp, config, init, sequence_parallel):
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+        assert set(state) == set(init)
+        for name, value in reference.state_dict().items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def _one_step_counts(comm, config, init, sequence_parallel):
+    gpt = nn.GPT(config)
+    gpt.load_state_dict(init)
+    model = tensor_parallelize(gpt, comm, sequence_parallel=sequence_parallel)
+    x, y = data(1)[0]
+    comm.stats.reset()
+    _, loss = model(x, y)
+    forward = {k: dict(v) for k, v in comm.stats.by_name.items()}
+    comm.stats.reset()
+    loss.backward()
+    backward = {k: dict(v) for k, v in comm.stats.by_name.items()}
+    return forward, backward
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_megatron_counts_two_all_reduces_forward_and_two_backward_per_layer(t):
+    """Per transformer layer (the difference between 2 layers and 1): TP 2 + 2 all-reduces of
+    (B, T, C); SP the same bytes as 2 + 2 (reduce-scatter + all-gather) pairs."""
+    per_layer = {}
+    for sp in (False, True):
+        counts = []
+        for layers in (1, 2):
+            config, init = gpt_and_init(n_layer=layers)
+            counts.append(ThreadWorld(t).run(_one_step_counts, config, init, sp)[0])
+        per_layer[sp] = [{k: {s: two[k][s] - one.get(k, {}).get(s, 0) for s in ("calls", "bytes_sent")}
+                          for k in two} for one, two in zip(counts[0], counts[1])]
+    B, T, C = 3, 8, 16
+    all_reduce_bytes = 2 * (t - 1) * (B * T * C // t) * 8                 # ring: 2(p-1)/p·N·8
+    for direction in (0, 1):                                              # forward, backward
+        tp = per_layer[False][direction]
+        assert tp["ring_all_reduce"] == {"calls": 2, "bytes_sent": 2 * all_reduce_bytes}
+        assert {k for k, v in tp.items() if v["calls"]} == {"ring_all_reduce"}
+        sp = per_layer[True][direction]
+        assert sp["ring_all_gather"]["calls"] == 2 and sp["ring_reduce_scatter"]["calls"] == 2
+        assert sp["ring_all_gather"]["bytes_sent"] + sp["ring_reduce_scatter"]["bytes_sent"] == 2 * all_reduce_bytes
+        # (SP adds one all-reduce per step, not per layer: the LayerNorm / bias gradients, which each
+        # rank computed from its slice of the sequence, summed in one flat buffer)
+        assert sp.get("ring_all_reduce", {"calls": 0})["calls"] == 0
+
+
+def test_shapes_that_do_not_divide_are_clear_errors():
+    config, init = gpt_and_init(n_head=3, n_embd=12)
+
+    def fn(comm):
+        gpt = nn.GPT(config)
+        gpt.load_state_dict(init)
+        tensor_parallelize(gpt, comm)
+    with pytest.raises(ValueError, match="n_head = 3 is not divisible by tp = 2"):
+        ThreadWorld(2).run(fn)
+    config, init = gpt_and_init()
+
+    def odd_sequence(comm):
+        gpt = nn.GPT(config)
+        gpt.load_state_dict(init)
+        model = tensor_parallelize(gpt, comm, sequence_parallel=True)
+        model(np.zeros((2, 7), np.int64), np.zeros((2, 7), np.int64))
+    with pytest.raises(ValueError, match="sequence length .* = 7 is not divisible by tp = 2"):
+        ThreadWorld(2).run(odd_sequence)
+    with pytest.raises(ValueError, match="dropout"):
+        cfg, init = gpt_and_init(dropout=0.1)
+        ThreadWorld(1).run(lambda comm: tensor_parallelize(nn.GPT(cfg), comm))
