@@ -160,3 +160,20 @@ def test_the_pipeline_strategy_rejects_bad_shapes_clearly():
         run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--layers", "1"],
                 n=4, timeout=60)
     assert "fewer than the 4 pipeline stages" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [[], ["--sequence-parallel"]], ids=["tp", "tp+sp"])
+def test_gpt_trains_tensor_parallel_and_counts_megatrons_bytes(tmp_path, flags):
+    out = tmp_path / "gpt.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--steps", "60", "--no-progress",
+             "--sample-chars", "10", "--json", out, *flags], n=2, timeout=180)
+    report = json.loads(out.read_text())
+    assert report["final_val_loss"] < report["initial_val_loss"] - 1.0       # the loss falls
+    assert report["bytes_per_layer_forward"] == report["bytes_per_layer_forward_formula"]
+    assert report["strategy"] == ("tp+sp" if flags else "tp")
+
+
+def test_gpt_tp_rejects_heads_that_do_not_split():
+    with pytest.raises(SystemExit):
+        gpt.main(["--tp", "3", "--n-head", "4"])

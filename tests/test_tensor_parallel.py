@@ -174,3 +174,21 @@ def test_shapes_that_do_not_divide_are_clear_errors():
     with pytest.raises(ValueError, match="dropout"):
         cfg, init = gpt_and_init(dropout=0.1)
         ThreadWorld(1).run(lambda comm: tensor_parallelize(nn.GPT(cfg), comm))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_clipping_uses_the_norm_of_the_full_gradient(sequence_parallel):
+    config, init = gpt_and_init()
+    reference = nn.GPT(config)
+    reference.load_state_dict(init)
+    x, y = data(1)[0]
+    reference(x, y)[1].backward()
+    expected = optim.clip_grad_norm_(reference.parameters(), 0.01)
+
+    def fn(comm):
+        gpt = nn.GPT(config)
+        gpt.load_state_dict(init)
+        model = tensor_parallelize(gpt, comm, sequence_parallel=sequence_parallel)
+        model(x, y)[1].backward()
+        return model.clip_grad_norm_(0.01)
+    assert ThreadWorld(2).run(fn) == pytest.approx([expected] * 2, rel=1e-12)

@@ -1,10 +1,11 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
     python -m minitrain.examples.gpt [--steps 600] [--json out.json]
+    mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
 
-Single process for now (tensor and 3D parallelism arrive with later issues): under
-``mpirun -n N`` rank 0 trains and the other ranks exit. Prints the loss as it falls,
-the validation loss, and a sample of generated text.
+Prints the loss as it falls, the validation loss, and a sample of generated text. With ``--tp N``
+(under ``mpirun -n N``) every weight matrix is split over the N ranks (Megatron-LM; see
+minitrain/examples/gpt_tp.py); without it, under ``mpirun -n N`` rank 0 trains alone.
 """
 import argparse
 import sys
@@ -35,14 +36,23 @@ def parse_args(argv=None):
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
                    help="activation recomputation: each block (full) or the attention core (selective)")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorm and dropout regions split along the sequence (Korthikanti et al.)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd"):
+    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
+    if args.tp > 1 and args.n_head % args.tp:
+        p.error(f"--n-head {args.n_head} is not divisible by --tp {args.tp}: each rank takes whole heads")
+    if args.sequence_parallel and args.block_size % args.tp:
+        p.error(f"--block-size {args.block_size} is not divisible by --tp {args.tp} (sequence parallelism)")
+    if args.sequence_parallel and args.tp == 1:
+        p.error("--sequence-parallel needs --tp > 1")
     return args
 
 
@@ -60,6 +70,9 @@ def estimate_loss(model, corpus, args, rng, batches=4):
 def main(argv=None):
     args = parse_args(argv)
     rank, launched = launch_info()
+    if args.tp > 1:
+        from minitrain.examples.gpt_tp import main_tensor_parallel
+        return main_tensor_parallel(args, launched)
     if rank != 0:
         return 0
     minitrain.backend.limit_blas_threads()

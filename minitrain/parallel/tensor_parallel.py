@@ -356,6 +356,27 @@ class TensorParallelGPT(Module):
                 offset += q.size
         self._pending = False
 
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the norm of the *full* model's gradient: sharded gradients' squares summed over
+        the ranks (one all-reduce), replicated ones counted once."""
+        replicated = {id(q) for q in self.replicated} | {id(q) for q in self.wpe.parameters()}
+        sharded = local_replicated = 0.0
+        for q in self.parameters():
+            if q.grad is None:
+                continue
+            square = float((q.grad.astype(np.float64) ** 2).sum())
+            if id(q) in replicated:
+                local_replicated += square
+            else:
+                sharded += square
+        total = math.sqrt(float(ring_all_reduce(self.comm, np.array([sharded]))[0]) + local_replicated)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for q in self.parameters():
+                if q.grad is not None:
+                    q.grad[...] = q.grad * coef
+        return total
+
     def forward(self, idx, targets=None):
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
