@@ -47,3 +47,15 @@ def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
     results = json.loads(out.read_text())["2"]
     assert results["gpipe/m4"]["formula"] == pytest.approx(1 / 5)
     assert all(0 <= r["bubble"] < 1 for r in results.values())
+
+
+def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "tp.json"
+    monkeypatch.setattr(sys, "argv", ["bench_tensor_parallel.py", "--tp", "1", "2", "--steps", "2", "--n-embd", "32",
+                                      "--block", "16", "--batch", "2", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_tensor_parallel.py"), run_name="__main__")
+    assert "tp=2+sp" in capsys.readouterr().out
+    import json
+    results = json.loads(out.read_text())
+    for name in ("tp=2", "tp=2+sp"):
+        assert results[name]["layer_bytes"] == results[name]["formula"] == 2 * 2 * (1 / 2) * 2 * 16 * 32 * 4

@@ -1,0 +1,104 @@
+"""Tensor-parallel GPT: step time and bytes per transformer layer at tp = 1, 2, 4, measured beside
+Megatron's formula, in one run.
+
+    python scripts/bench_tensor_parallel.py [--tp 1 2 4] [--steps 6] [--n-embd 256] [--json out.json]
+
+GPT: 4 layers, n_embd 256, 8 heads, block 128, batch 8, float32, one BLAS thread per rank (so that
+compute matters: ~25 M multiply-adds per token). Per configuration (TP, and TP + sequence parallelism):
+the median step time (slowest rank), its speed-up over tp=1 in the same run (the anchor: the same
+model in one process), the bytes one rank sends inside one block's forward (measured with hooks)
+beside 2 x 2(t-1)/t·B·T·C·4 (two all-reduces of the block's activations), and the peak of saved
+activations per rank (sequence parallelism cuts the replicated part by t). At tp=4 the 2 cores are
+oversubscribed: the step time there measures the machine, not the method.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def worker(args):
+    import minitrain as mt
+    from minitrain import memory, nn, optim
+    from minitrain.comm import init, ring_all_gather
+    from minitrain.parallel.tensor_parallel import tensor_parallelize
+    comm = init()
+    t, r = comm.size, comm.rank
+    mt.manual_seed(0)
+    config = nn.GPTConfig(vocab_size=96, block_size=args.block, n_layer=4, n_head=8, n_embd=args.n_embd)
+    gpt = nn.GPT(config)
+    model = tensor_parallelize(gpt, comm, sequence_parallel=args.sp) if t > 1 else gpt
+    opt = optim.AdamW(model.parameters(), lr=1e-3)
+    layer = []
+    first = model.h[0]
+    first.register_forward_pre_hook(lambda m, a: layer.append(-comm.stats.bytes_sent))
+    first.register_forward_hook(lambda m, a, o: layer.__setitem__(-1, layer[-1] + comm.stats.bytes_sent))
+    rng = np.random.default_rng(0)
+    times = []
+    memory.reset_peak()
+    for _ in range(args.steps):
+        x = rng.integers(0, 96, (args.batch, args.block))
+        comm.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x, x)[1].backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    row = np.array([np.median(times[1:]), layer[-1], memory.peak()["activations"]], np.float64)
+    rows = ring_all_gather(comm, row, total=3 * t).reshape(t, 3)
+    if r == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"step": float(rows[:, 0].max()), "layer_bytes": float(rows[0, 1]),
+                       "activations": float(rows[0, 2])}, f)
+
+
+def launch(t, sp, args):
+    from minitrain.testing import mpiexec_path
+    out = f"/tmp/bench_tp_{os.getpid()}.json"
+    cmd = [mpiexec_path(), "-n", str(t), sys.executable, __file__, "--worker-out", out, "--steps", str(args.steps),
+           "--n-embd", str(args.n_embd), "--block", str(args.block), "--batch", str(args.batch)] + (["--sp"] if sp else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, timeout=1800, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    ap.add_argument("--sp", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker_out:
+        return worker(args)
+    results = {}
+    base = None
+    print(f"{'config':<10} {'step':>9} {'speed-up':>9} {'fwd bytes/layer':>16} {'formula':>10} {'peak activations':>17}")
+    for t in args.tp:
+        for sp in ((False, True) if t > 1 else (False,)):
+            r = launch(t, sp, args)
+            name = f"tp={t}" + ("+sp" if sp else "")
+            results[name] = r
+            base = base or r["step"]
+            formula = 2 * 2 * (t - 1) / t * args.batch * args.block * args.n_embd * 4
+            r["formula"] = formula
+            print(f"{name:<10} {r['step'] * 1e3:>7.1f}ms {base / r['step']:>8.2f}x {r['layer_bytes'] / 2**20:>13.3f}MiB "
+                  f"{formula / 2**20:>7.3f}MiB {r['activations'] / 2**20:>14.2f}MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
