@@ -17,3 +17,12 @@ def float64():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_dtype():
+    """A test that sets the default dtype (many switch to float64 inside ThreadWorld workers) must
+    not change it for the tests after it."""
+    old = minitrain.get_default_dtype()
+    yield
+    minitrain.set_default_dtype(old)

@@ -130,7 +130,8 @@ def _one_step_counts(comm, config, init, sequence_parallel):
 @pytest.mark.parametrize("t", [2, 4])
 def test_megatron_counts_two_all_reduces_forward_and_two_backward_per_layer(t):
     """Per transformer layer (the difference between 2 layers and 1): TP 2 + 2 all-reduces of
-    (B, T, C); SP the same bytes as 2 + 2 (reduce-scatter + all-gather) pairs."""
+    (B, T, C); SP the same bytes as 2 + 2 (reduce-scatter + all-gather) pairs, plus in backward the
+    two re-gathers of the saved sequence shards (Korthikanti et al. sec. 4.2.2)."""
     per_layer = {}
     for sp in (False, True):
         counts = []
@@ -146,8 +147,11 @@ def test_megatron_counts_two_all_reduces_forward_and_two_backward_per_layer(t):
         assert tp["ring_all_reduce"] == {"calls": 2, "bytes_sent": 2 * all_reduce_bytes}
         assert {k for k, v in tp.items() if v["calls"]} == {"ring_all_reduce"}
         sp = per_layer[True][direction]
-        assert sp["ring_all_gather"]["calls"] == 2 and sp["ring_reduce_scatter"]["calls"] == 2
-        assert sp["ring_all_gather"]["bytes_sent"] + sp["ring_reduce_scatter"]["bytes_sent"] == 2 * all_reduce_bytes
+        # backward re-gathers each column-parallel layer's input (only the shard was saved): +2 all-gathers
+        gathers = 2 if direction == 0 else 4
+        assert sp["ring_all_gather"]["calls"] == gathers and sp["ring_reduce_scatter"]["calls"] == 2
+        assert sp["ring_all_gather"]["bytes_sent"] + sp["ring_reduce_scatter"]["bytes_sent"] == \
+            2 * all_reduce_bytes + (gathers - 2) * all_reduce_bytes // 2
         # (SP adds one all-reduce per step, not per layer: the LayerNorm / bias gradients, which each
         # rank computed from its slice of the sequence, summed in one flat buffer)
         assert sp.get("ring_all_reduce", {"calls": 0})["calls"] == 0
@@ -192,3 +196,31 @@ def test_clipping_uses_the_norm_of_the_full_gradient(sequence_parallel):
         model(x, y)[1].backward()
         return model.clip_grad_norm_(0.01)
     assert ThreadWorld(2).run(fn) == pytest.approx([expected] * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel):
+    """The module docstring's count: TP sbh(4 + 16/t) + 2as²b/t + 2sb, SP (sbh·20 + 2as²b + 2sb)/t
+    elements per layer and rank (the difference between a 2-layer and a 1-layer model's forward)."""
+    from minitrain import memory
+    B, T, C, H = 2, 8, 16, 4
+    saved = []
+    for layers in (1, 2):
+        config, init = gpt_and_init(n_layer=layers, vocab_size=24, block_size=T, n_head=H, n_embd=C)
+
+        def fn(comm):
+            gpt = nn.GPT(config)
+            gpt.load_state_dict(init)
+            model = tensor_parallelize(gpt, comm, sequence_parallel=sequence_parallel)
+            x = np.random.default_rng(0).integers(0, 24, (B, T))
+            before = memory.snapshot()["activations"]
+            model(x, x)
+            return memory.snapshot()["activations"] - before
+        saved.append(ThreadWorld(t).run(fn))
+    sbh, attention = B * T * C, 2 * H * T * T * B / t
+    if sequence_parallel:
+        expected = 8 * (sbh * 20 / t + attention + 2 * B * T / t)
+    else:
+        expected = 8 * (sbh * (4 + 16 / t) + attention + 2 * B * T)
+    for one, two in zip(*saved):
+        assert two - one == expected

@@ -19,6 +19,23 @@ the sequence (backward: reduce-scatter) and ``g`` a reduce-scatter (backward: al
 bytes as the all-reduce it replaces (an all-reduce *is* a reduce-scatter plus an all-gather), and
 the replicated activations shrink by t.
 
+Saved activations per transformer layer and rank, for this implementation (s = sequence, b = batch,
+h = hidden, a = heads, t = tp; in elements; Korthikanti et al.'s Table 2 counts the same way for
+Megatron's kernels, with dropout masks and 2-byte values: sbh(10 + 24/t) + 5as²b/t, and sbh·34/t +
+5as²b/t with SP). Forward of one block saves:
+
+    ln_1: x̂ (sbh) and 1/σ (sb)                  c_attn: its input, ln_1's output (sbh)
+    Q K^T: the qkv buffer (3sbh/t, q, k, v are views of it); the scaled scores are saved by the
+    scaling (as²b/t) and softmax saves its output (as²b/t), which att @ V reuses, with v
+    c_proj: the heads' output re-laid as (b, s, h/t) (sbh/t)
+    ln_2: x̂ (sbh) and 1/σ (sb)                  c_fc: ln_2's output (sbh)
+    GELU: its input and its tanh (2 · 4sbh/t)      c_proj: GELU's output (4sbh/t)
+
+TP total: sbh(4 + 16/t) + 2as²b/t + 2sb; the 4sbh (LayerNorm inputs and outputs) are replicated on
+every rank. With SP those live on sequence shards, and each column-parallel layer saves only its
+input's shard (AllGatherLinear re-gathers it in backward): sbh·20/t + 2as²b/t + 2sb/t, all divided
+by t. tests/test_tensor_parallel.py measures both at t = 1, 2, 4.
+
 The embedding is vocab-parallel (each rank a slice of the rows; out-of-slice tokens give zeros,
 then ``g``), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
 all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and never gathers the
@@ -125,6 +142,33 @@ class GatherFromTensorParallelRegion(Function):
         return array_module(g).ascontiguousarray(g[..., r * w:(r + 1) * w]), None
 
 
+class AllGatherLinear(Function):
+    """Sequence parallelism's f fused with the column-parallel matmul: all-gather the sequence
+    shards, multiply, and keep only the **shard** for backward; backward all-gathers it again
+    (Korthikanti et al. 2022 sec. 4.2.2: one extra all-gather instead of t times the memory)
+    and reduce-scatters the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        full = _gather_along(comm, x, 1)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        out = full @ weight.T
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        full = _gather_along(ctx.comm, x, 1)                  # the re-gather
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = g2.T @ full.reshape(-1, full.shape[-1])
+        gb = g2.sum(axis=0) if ctx.has_bias else None
+        gx = _reduce_scatter_along(ctx.comm, g @ weight, 1)
+        return gx, gw, gb, None
+
+
 def f(x, comm, sequence_parallel=False):
     return GatherFromSequenceParallelRegion.apply(x, comm) if sequence_parallel \
         else CopyToTensorParallelRegion.apply(x, comm)
@@ -158,7 +202,10 @@ class ColumnParallelLinear(Module):
         self.bias = Parameter(random.uniform(-bound, bound, (local,))) if bias else None
 
     def forward(self, x):
-        y = F.linear(f(x, self.comm, self.sequence_parallel), self.weight, self.bias)
+        if self.sequence_parallel:            # x is a sequence shard: gather, multiply, save the shard only
+            y = AllGatherLinear.apply(x, self.weight, self.bias, self.comm)
+        else:
+            y = F.linear(f(x, self.comm), self.weight, self.bias)
         return GatherFromTensorParallelRegion.apply(y, self.comm) if self.gather_output else y
 
 
