@@ -5,11 +5,15 @@
 prefixed with its rank (MPICH's ``-l``), and a failure or a hang raises ``MPIRunError``
 carrying all of it, so a deadlock fails a test within its timeout instead of stalling CI.
 """
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 
@@ -82,6 +86,27 @@ def mpiexec_path():
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def run_worker(script, n, args=(), timeout=1800):
+    """Benchmarks: run ``script --worker-out PATH *args`` under ``mpiexec -n n`` with one BLAS thread
+    per rank (its stdout discarded) and return the JSON that rank 0 wrote to PATH."""
+    out = os.path.join(tempfile.gettempdir(), f"minitrain_worker_{os.getpid()}_{time.monotonic_ns()}.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
+    subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
+    try:
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 right now (PyTorch's gloo rendezvous in the benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):

@@ -13,9 +13,6 @@ speed / staleness trade-off: step time and the training loss reached after the s
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -106,23 +103,10 @@ def worker(args):
                        "waited": waited, "reducing": reducing}, f)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(framework, model, p, steps, sync_every=1):
-    from minitrain.testing import mpiexec_path
-    out = f"/tmp/bench_ddp_{os.getpid()}.json"
-    cmd = [mpiexec_path(), "-n", str(p), sys.executable, __file__, "--worker-out", out, "--framework", framework,
-           "--model", model, "--steps", str(steps), "--sync-every", str(sync_every), "--port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, timeout=1200, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    return result
+    from minitrain.testing import free_port, run_worker
+    return run_worker(__file__, p, ["--framework", framework, "--model", model, "--steps", steps,
+                                    "--sync-every", sync_every, "--port", free_port()], timeout=1200)
 
 
 def main():

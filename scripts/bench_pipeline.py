@@ -14,9 +14,6 @@ wait for a core as well as for their inputs, so the measured bubble there includ
 """
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -91,16 +88,8 @@ def worker(args):
 
 
 def launch(p, args):
-    from minitrain.testing import mpiexec_path
-    out = f"/tmp/bench_pipeline_{os.getpid()}.json"
-    cmd = [mpiexec_path(), "-n", str(p), sys.executable, __file__, "--worker-out", out,
-           "--steps", str(args.steps), "--width", str(args.width)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, timeout=1800, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    return result
+    from minitrain.testing import run_worker
+    return run_worker(__file__, p, ["--steps", args.steps, "--width", args.width])
 
 
 def plot(all_results, path):

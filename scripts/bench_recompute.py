@@ -18,7 +18,6 @@ from threadpoolctl import threadpool_limits
 
 import minitrain as mt
 from minitrain import memory, nn
-from minitrain.nn import functional as F
 from minitrain.parallel import checkpoint_sequential
 from minitrain.testing import median_time
 

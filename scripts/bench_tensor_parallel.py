@@ -13,9 +13,6 @@ oversubscribed: the step time there measures the machine, not the method.
 """
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -57,16 +54,9 @@ def worker(args):
 
 
 def launch(t, sp, args):
-    from minitrain.testing import mpiexec_path
-    out = f"/tmp/bench_tp_{os.getpid()}.json"
-    cmd = [mpiexec_path(), "-n", str(t), sys.executable, __file__, "--worker-out", out, "--steps", str(args.steps),
-           "--n-embd", str(args.n_embd), "--block", str(args.block), "--batch", str(args.batch)] + (["--sp"] if sp else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, timeout=1800, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    return result
+    from minitrain.testing import run_worker
+    return run_worker(__file__, t, ["--steps", args.steps, "--n-embd", args.n_embd, "--block", args.block,
+                                    "--batch", args.batch] + (["--sp"] if sp else []))
 
 
 def main():

@@ -15,9 +15,6 @@ optimizer keeps a host master copy of the shard (4Ψ/N more on the host, none on
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -113,23 +110,9 @@ def torch_worker(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(config, p, steps):
-    from minitrain.testing import mpiexec_path
-    out = f"/tmp/bench_zero_{os.getpid()}.json"
-    cmd = [mpiexec_path(), "-n", str(p), sys.executable, __file__, "--worker-out", out, "--config", config,
-           "--steps", str(steps), "--port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, timeout=1200, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    return result
+    from minitrain.testing import free_port, run_worker
+    return run_worker(__file__, p, ["--config", config, "--steps", steps, "--port", free_port()])
 
 
 def formulas(config, psi, p):

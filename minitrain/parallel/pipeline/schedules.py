@@ -62,6 +62,14 @@ def gpipe(p, m):
             [_with_comm("B", mb, 0, s, p, 1) for mb in reversed(range(m))] for s in range(p)]
 
 
+def _warmup_steady_cooldown(fwd, bwd, warmup):
+    """``warmup`` forwards, then one forward / one backward alternating, then the last backwards."""
+    actions = fwd[:warmup]
+    for i in range(len(fwd) - warmup):
+        actions += [fwd[warmup + i], bwd[i]]
+    return actions + bwd[len(bwd) - warmup:]
+
+
 def one_f_one_b(p, m, steps=1):
     """PipeDream-Flush: warm up with p-s-1 forwards, alternate, drain. ``steps`` > 1 chains
     batches without a flush (that is PipeDream-2BW's timing)."""
@@ -71,11 +79,7 @@ def one_f_one_b(p, m, steps=1):
         warmup = min(p - s - 1, total)
         fwd = [_with_comm("F", i % m, 0, s, p, 1, i // m) for i in range(total)]
         bwd = [_with_comm("B", i % m, 0, s, p, 1, i // m) for i in range(total)]
-        actions = fwd[:warmup]
-        for i in range(total - warmup):
-            actions += [fwd[warmup + i], bwd[i]]
-        actions += bwd[total - warmup:]
-        schedule.append(actions)
+        schedule.append(_warmup_steady_cooldown(fwd, bwd, warmup))
     return schedule
 
 
@@ -100,11 +104,7 @@ def interleaved_1f1b(p, m, v):
         warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
         fwd = [_with_comm("F", *unit(k, False), s, p, v) for k in range(total)]
         bwd = [_with_comm("B", *unit(k, True), s, p, v) for k in range(total)]
-        actions = fwd[:warmup]
-        for i in range(total - warmup):
-            actions += [fwd[warmup + i], bwd[i]]
-        actions += bwd[total - warmup:]
-        schedule.append(actions)
+        schedule.append(_warmup_steady_cooldown(fwd, bwd, warmup))
     return schedule
 
 
@@ -197,7 +197,6 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0):
 def check_complete(schedule):
     """Every (micro-batch, chunk) is computed forward and backward exactly once on its stage, and
     each backward comes after its forward in that stage's list."""
-    p = len(schedule)
     v = num_chunks(schedule)
     for s, actions in enumerate(schedule):
         seen = {}
