@@ -50,3 +50,19 @@ def test_gpipe_handed_in_as_1f1b_fails_the_memory_bound(tmp_path):
     assert grade("stub", "one_f_one_b", str(stub)).returncode == 0
     result = grade("check", "one_f_one_b", str(stub))
     assert "NotImplementedError: one_f_one_b: write the warm-up" in result.stdout
+
+
+def test_megatron_f_g_grades_forward_and_gradients():
+    result = grade("check", "megatron_f_g", str(HERE / "megatron_f_g_learner.py"))
+    assert result.returncode == 0 and "12 passed, 0 failed" in result.stdout, result.stdout + result.stderr
+    assert grade("check", "megatron_f_g", "--reference").returncode == 0
+    wrong = grade("check", "megatron_f_g", str(HERE / "megatron_f_g_swapped.py"))
+    assert wrong.returncode == 1
+    assert "PASS  t=2: forward" in wrong.stdout and "FAIL  t=2: input gradient" in wrong.stdout
+    assert "PASS  t=1: input gradient" in wrong.stdout        # one rank: nothing to sum
+
+
+def test_the_megatron_stub_fails_with_its_own_message(tmp_path):
+    stub = tmp_path / "mine.py"
+    assert grade("stub", "megatron_f_g", str(stub)).returncode == 0
+    assert "NotImplementedError: megatron_f_g: write f's forward" in grade("check", "megatron_f_g", str(stub)).stdout

@@ -11,6 +11,7 @@ HERE = pathlib.Path(__file__).parent
 EXERCISES = {
     "ring_all_reduce": "the ring all-reduce on point-to-point calls (notebook 02_collectives)",
     "one_f_one_b": "the 1F1B pipeline schedule (notebook 05_pipeline)",
+    "megatron_f_g": "Megatron's f and g around a column/row-parallel MLP (notebook 06_tensor_parallel)",
 }
 
 
@@ -88,7 +89,51 @@ def check_one_f_one_b(impl):
     return results
 
 
+def check_megatron_f_g(impl):
+    """A column-then-row-parallel MLP built with the learner's f and g equals the unsplit MLP: output,
+    input gradient and weight gradients, at t = 1..4."""
+    import minitrain as mt
+    from minitrain.comm import ThreadWorld
+    from minitrain.nn import functional as F
+
+    f_class, g_class = impl()
+    rng = np.random.default_rng(0)
+    x, A, B, dy = (rng.standard_normal(s) for s in ((5, 6), (6, 12), (12, 3), (5, 3)))
+    xt, At, Bt = (mt.Tensor(a, requires_grad=True) for a in (x, A, B))
+    y = (xt @ At).relu() @ Bt
+    y.backward(dy)
+
+    def run(comm):
+        n = 12 // comm.size
+        xs = mt.Tensor(x, requires_grad=True)
+        a = mt.Tensor(A[:, comm.rank * n:(comm.rank + 1) * n].T.copy(), requires_grad=True)   # Linear: (out, in)
+        b = mt.Tensor(B[comm.rank * n:(comm.rank + 1) * n].T.copy(), requires_grad=True)
+        out = g_class.apply(F.linear(F.linear(f_class.apply(xs, comm), a).relu(), b), comm)
+        out.backward(dy)
+        return out.data, xs.grad, a.grad.T, b.grad.T
+
+    results = []
+    for t in (1, 2, 3, 4):
+        try:
+            outputs = ThreadWorld(t, timeout=20).run(run)
+        except BaseException as e:   # the learner's code may raise anything
+            results += [(f"t={t}: {label}", e) for label in ("forward", "input gradient", "weight gradients")]
+            continue
+        n = 12 // t
+        for label, ok, why in (
+                ("forward", all(np.allclose(o[0], y.data) for o in outputs), "the output is not X A B"),
+                ("input gradient", all(np.allclose(o[1], xt.grad) for o in outputs), "dX is not the full dX"),
+                ("weight gradients", all(np.allclose(o[2], At.grad[:, r * n:(r + 1) * n]) and
+                                         np.allclose(o[3], Bt.grad[r * n:(r + 1) * n]) for r, o in enumerate(outputs)),
+                 "dA_r / dB_r differ from the slices of dA / dB")):
+            results.append((f"t={t}: {label}", None if ok else AssertionError(why)))
+    return results
+
+
 def _reference(name):
+    if name == "megatron_f_g":
+        from minitrain.parallel import tensor_parallel as tp
+        return lambda: (tp.CopyToTensorParallelRegion, tp.ReduceFromTensorParallelRegion)
     if name == "one_f_one_b":
         from minitrain.parallel.pipeline.schedules import one_f_one_b
         return one_f_one_b
@@ -96,7 +141,8 @@ def _reference(name):
     return getattr(library, name)
 
 
-CHECKS = {"ring_all_reduce": check_ring_all_reduce, "one_f_one_b": check_one_f_one_b}
+CHECKS = {"ring_all_reduce": check_ring_all_reduce, "one_f_one_b": check_one_f_one_b,
+          "megatron_f_g": check_megatron_f_g}
 
 
 def main(argv=None):
