@@ -3,43 +3,76 @@
 ``manual_seed(s)`` makes a run reproducible; ``get_state()`` / ``set_state()`` let activation
 recomputation replay dropout masks exactly. Numbers are drawn on the host with NumPy's PCG64
 and moved to the device, so a CPU and a GPU run with the same seed see the same numbers.
+
+Each MPI process has its own generator, all starting from the same seed, so ranks that run the
+same code draw the same numbers (tensor-parallel ranks rely on it for dropout masks). ThreadWorld's
+ranks are threads of one process: ``use_generator`` gives each thread its own generator, started
+from a copy of the caller's state, so that threads behave as processes do.
 """
+import contextlib
+import threading
+
 import numpy as np
 
 from . import backend
 
 _generator = np.random.Generator(np.random.PCG64(0))
+_thread = threading.local()        # .generator: this thread's own generator (ThreadWorld ranks)
+
+
+def generator():
+    """The generator this thread draws from."""
+    own = getattr(_thread, "generator", None)
+    return _generator if own is None else own
 
 
 def manual_seed(seed):
     """Reseed the generator (as ``torch.manual_seed``)."""
     global _generator
-    _generator = np.random.Generator(np.random.PCG64(int(seed)))
+    fresh = np.random.Generator(np.random.PCG64(int(seed)))
+    if getattr(_thread, "generator", None) is not None:
+        _thread.generator = fresh
+    else:
+        _generator = fresh
 
 
 def get_state():
     """A copy of the generator's state, for ``set_state`` later."""
-    return _generator.bit_generator.state
+    return generator().bit_generator.state
 
 
 def set_state(state):
-    _generator.bit_generator.state = state
+    generator().bit_generator.state = state
 
 
-def generator():
-    return _generator
+def fork():
+    """A new generator in the current one's state (the current one is not advanced)."""
+    copy = np.random.Generator(np.random.PCG64())
+    copy.bit_generator.state = get_state()
+    return copy
+
+
+@contextlib.contextmanager
+def use_generator(gen):
+    """Draw from ``gen`` on this thread inside the block."""
+    previous = getattr(_thread, "generator", None)
+    _thread.generator = gen
+    try:
+        yield gen
+    finally:
+        _thread.generator = previous
 
 
 def randn(*shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
-    return backend.to_device(_generator.standard_normal(shape).astype(dtype, copy=False))
+    return backend.to_device(generator().standard_normal(shape).astype(dtype, copy=False))
 
 
 def rand(*shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
-    return backend.to_device(_generator.random(shape).astype(dtype, copy=False))
+    return backend.to_device(generator().random(shape).astype(dtype, copy=False))
 
 
 def uniform(low, high, shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
-    return backend.to_device(_generator.uniform(low, high, shape).astype(dtype, copy=False))
+    return backend.to_device(generator().uniform(low, high, shape).astype(dtype, copy=False))

@@ -192,6 +192,27 @@ def test_each_rank_keeps_its_own_memory_account():
     assert [r[1] for r in results] == [440, 840]
 
 
+def test_each_rank_draws_from_its_own_generator_started_like_a_process():
+    """As MPI processes seeded alike: every rank draws the same numbers, reseeding one rank does
+    not move the others, and the caller's generator is not advanced."""
+    import minitrain as mt
+    from minitrain import random
+    mt.manual_seed(5)
+    expected = random.rand(4)
+    mt.manual_seed(5)
+
+    def fn(comm):
+        first = random.rand(4)
+        if comm.rank == 1:
+            mt.manual_seed(99)
+        comm.barrier()
+        return first, random.rand(4)
+    results = ThreadWorld(3).run(fn)
+    assert all(np.array_equal(first, expected) for first, _ in results)
+    assert np.array_equal(results[0][1], results[2][1]) and not np.array_equal(results[0][1], results[1][1])
+    np.testing.assert_array_equal(random.rand(4), expected)
+
+
 def test_trace_records_collectives_and_writes_one_chrome_file(tmp_path):
     path = tmp_path / "trace.json"
 

@@ -163,7 +163,8 @@ def test_the_pipeline_strategy_rejects_bad_shapes_clearly():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [[], ["--sequence-parallel"]], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("flags", [[], ["--sequence-parallel", "--dropout", "0.1", "--recompute", "full"]],
+                         ids=["tp", "tp+sp+dropout+recompute"])
 def test_gpt_trains_tensor_parallel_and_counts_megatrons_bytes(tmp_path, flags):
     out = tmp_path / "gpt.json"
     run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--steps", "60", "--no-progress",
@@ -172,6 +173,7 @@ def test_gpt_trains_tensor_parallel_and_counts_megatrons_bytes(tmp_path, flags):
     assert report["final_val_loss"] < report["initial_val_loss"] - 1.0       # the loss falls
     assert report["bytes_per_layer_forward"] == report["bytes_per_layer_forward_formula"]
     assert report["strategy"] == ("tp+sp" if flags else "tp")
+    assert report["recompute"] == ("full" if flags else "none") and report["dropout"] == (0.1 if flags else 0.0)
 
 
 def test_gpt_tp_rejects_heads_that_do_not_split():

@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: Megatron's f and g, column/row-parallel linears, the
 tensor-parallel GPT equal to the single-process GPT (forward, gradients, 3 AdamW steps; float64,
 1e-10) at tp = 2 and 4 with and without sequence parallelism (a vocabulary not divisible by tp
-included), Megatron's collective counts per layer, and clear errors."""
+included; with dropout, recomputation and tied embeddings too), Megatron's collective counts per
+layer, saved activations per layer against the derivation, and clear errors."""
 import numpy as np
 import pytest
 
@@ -9,8 +10,8 @@ import minitrain as mt
 from minitrain import nn, optim
 from minitrain.comm import ThreadWorld
 from minitrain.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorParallelRegion,
-                                                ReduceFromTensorParallelRegion, RowParallelLinear,
-                                                tensor_parallelize)
+                                                ParallelDropout, ReduceFromTensorParallelRegion,
+                                                RowParallelLinear, tensor_parallelize)
 
 CONFIG = dict(vocab_size=23, block_size=16, n_layer=2, n_head=4, n_embd=16)   # 23: padded to 24
 
@@ -74,6 +75,7 @@ def _train_tp(comm, config, init, sequence_parallel, steps=3):
     gpt.load_state_dict(init)
     model = tensor_parallelize(gpt, comm, sequence_parallel=sequence_parallel)
     opt = optim.AdamW(model.parameters(), lr=1e-2)
+    mt.manual_seed(7)                                            # the dropout masks' stream
     first_logits = None
     losses = []
     for x, y in data(steps):
@@ -88,23 +90,39 @@ def _train_tp(comm, config, init, sequence_parallel, steps=3):
     return model.full_state_dict(), losses, first_logits
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("t", [2, 4])
-def test_tensor_parallel_gpt_equals_the_gpt(t, sequence_parallel):
-    config, init = gpt_and_init()
+def _train_reference(config, init, steps=3):
     reference = nn.GPT(config)
     reference.load_state_dict(init)
     opt = optim.AdamW(reference.parameters(), lr=1e-2)
-    ref_losses, ref_logits = [], None
-    for x, y in data():
-        if ref_logits is None:
+    mt.manual_seed(7)
+    losses, first_logits = [], None
+    for x, y in data(steps):
+        if first_logits is None:
             with mt.no_grad():
-                ref_logits = reference(x).data
+                first_logits = reference(x).data
         opt.zero_grad()
         _, loss = reference(x, y)
         loss.backward()
         opt.step()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
+    return reference, losses, first_logits
+
+
+FEATURES = {"plain": {}, "dropout": dict(dropout=0.2), "dropout+full": dict(dropout=0.2, recompute="full"),
+            "dropout+selective": dict(dropout=0.2, recompute="selective"), "tied": dict(tie_weights=True)}
+
+
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_parallel_gpt_equals_the_gpt(t, sequence_parallel, features):
+    """Dropout included: replicated regions draw the same mask on every rank, split regions (heads;
+    with SP the sequence) each keep their slice of the whole tensor's mask, so the masks are one
+    process's; recomputation replays them."""
+    config, init = gpt_and_init(**FEATURES[features])
+    reference, ref_losses, ref_logits = _train_reference(config, init)
+    if config.dropout:          # the masks matter: without them the losses differ
+        assert not np.allclose(ref_losses, _train_reference(gpt_and_init()[0], init)[1], rtol=1e-3)
     for state, losses, logits in ThreadWorld(t).run(_train_tp, config, init, sequence_parallel):
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
@@ -175,9 +193,26 @@ def test_shapes_that_do_not_divide_are_clear_errors():
         model(np.zeros((2, 7), np.int64), np.zeros((2, 7), np.int64))
     with pytest.raises(ValueError, match="sequence length .* = 7 is not divisible by tp = 2"):
         ThreadWorld(2).run(odd_sequence)
-    with pytest.raises(ValueError, match="dropout"):
-        cfg, init = gpt_and_init(dropout=0.1)
-        ThreadWorld(1).run(lambda comm: tensor_parallelize(nn.GPT(cfg), comm))
+    with pytest.raises(ValueError, match="dropout probability must be in"):
+        ThreadWorld(2).run(lambda comm: ParallelDropout(1.0, comm, axis=1))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_the_ranks_dropout_masks_put_together_are_one_process_mask(t):
+    """A (2, 3t, 5) tensor split along axis 1: each rank's mask is its slice of the mask one process
+    draws for the whole tensor from the same seed."""
+    mt.set_default_dtype(np.float64)
+    full = np.ones((2, 3 * t, 5))
+    mt.manual_seed(3)
+    expected = nn.Dropout(0.5)(mt.Tensor(full)).data
+
+    def fn(comm):
+        mt.manual_seed(3)
+        local = full[:, comm.rank * 3:(comm.rank + 1) * 3]
+        return ParallelDropout(0.5, comm, axis=1)(mt.Tensor(local)).data
+    masks = ThreadWorld(t).run(fn)
+    np.testing.assert_array_equal(np.concatenate(masks, axis=1), expected)
+    assert 0 < (expected == 0).sum() < expected.size
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
@@ -198,15 +233,19 @@ def test_clipping_uses_the_norm_of_the_full_gradient(sequence_parallel):
     assert ThreadWorld(2).run(fn) == pytest.approx([expected] * 2, rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
 @pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (4, False), (2, True), (4, True)])
-def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel):
+def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel, recompute):
     """The module docstring's count: TP sbh(4 + 16/t) + 2as²b/t + 2sb, SP (sbh·20 + 2as²b + 2sb)/t
-    elements per layer and rank (the difference between a 2-layer and a 1-layer model's forward)."""
+    elements per layer and rank (the difference between a 2-layer and a 1-layer model's forward).
+    Selective recomputation drops the 2as²b/t of the attention core; full keeps only each block's
+    input: sbh, with SP sbh/t (Korthikanti et al. sec. 5)."""
     from minitrain import memory
     B, T, C, H = 2, 8, 16, 4
     saved = []
     for layers in (1, 2):
-        config, init = gpt_and_init(n_layer=layers, vocab_size=24, block_size=T, n_head=H, n_embd=C)
+        config, init = gpt_and_init(n_layer=layers, vocab_size=24, block_size=T, n_head=H, n_embd=C,
+                                    recompute=recompute)
 
         def fn(comm):
             gpt = nn.GPT(config)
@@ -218,7 +257,11 @@ def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel):
             return memory.snapshot()["activations"] - before
         saved.append(ThreadWorld(t).run(fn))
     sbh, attention = B * T * C, 2 * H * T * T * B / t
-    if sequence_parallel:
+    if recompute == "selective":
+        attention = 0
+    if recompute == "full":
+        expected = 8 * sbh / (t if sequence_parallel else 1)
+    elif sequence_parallel:
         expected = 8 * (sbh * 20 / t + attention + 2 * B * T / t)
     else:
         expected = 8 * (sbh * (4 + 16 / t) + attention + 2 * B * T)

@@ -1,7 +1,8 @@
 """ThreadWorld: N ranks as threads in one process, for fast tests and notebooks.
 
 ``ThreadWorld(4).run(fn)`` calls ``fn(comm)`` on four threads, each with its own
-``ThreadCommunicator`` (and its own memory tracker and tracer, so per-rank accounting works),
+``ThreadCommunicator`` (and its own memory tracker, tracer and random generator, so per-rank
+accounting works and ranks draw the same numbers, as processes with one seed do),
 and returns the four results. Messages go through one shared mailbox keyed by
 (group, source, destination, tag); a send copies its buffer (so the sender may reuse it at
 once, as after MPI_Send returns), a receive copies into the caller's buffer and checks the size.
@@ -13,7 +14,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from .. import memory, trace
+from .. import memory, random, trace
 from .communicator import CommError, Communicator, RankFailedError, Request
 
 
@@ -106,11 +107,12 @@ class ThreadWorld:
         """``fn(comm, *args, **kwargs)`` on every rank at once; returns the list of results."""
         results = [None] * self.size
         errors = {}
+        generators = [random.fork() for _ in range(self.size)]    # as processes: same seed, own stream
 
         def body(r):
             trace.set_tracer(self.tracers[r])
             try:
-                with memory.use_tracker(self.trackers[r]):
+                with memory.use_tracker(self.trackers[r]), random.use_generator(generators[r]):
                     results[r] = fn(self.comms[r], *args, **kwargs)
             except BaseException as e:
                 errors[r] = e

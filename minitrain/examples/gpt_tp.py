@@ -1,5 +1,5 @@
 """The GPT job under tensor parallelism: ``mpirun -n N python -m minitrain.examples.gpt --tp N
-[--sequence-parallel]``.
+[--sequence-parallel] [--dropout P] [--recompute full|selective] [--offload-activations]``.
 
 Every rank builds the same GPT, ``tensor_parallelize`` keeps its shard of every matrix, and all
 ranks train on the same batches (tensor parallelism splits the model, not the data). Rank 0
@@ -18,6 +18,7 @@ from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
+from minitrain.parallel import offload_activations
 from minitrain.parallel.tensor_parallel import tensor_parallelize
 
 
@@ -32,7 +33,8 @@ def main_tensor_parallel(args, launched):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+                          n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                          recompute=None if args.recompute == "none" else args.recompute)
     gpt = nn.GPT(config)
     psi = gpt.num_parameters()
     try:
@@ -51,9 +53,12 @@ def main_tensor_parallel(args, launched):
         block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + comm.stats.bytes_sent))
 
     def val_loss(batches=4):
+        model.eval()                                         # no dropout
         with minitrain.no_grad():
-            return float(np.mean([model(*corpus.get_batch("val", args.batch_size, args.block_size, rng))[1].item()
+            loss = float(np.mean([model(*corpus.get_batch("val", args.batch_size, args.block_size, rng))[1].item()
                                   for _ in range(batches)]))
+        model.train()
+        return loss
     initial_val = val_loss()
     memory.reset_peak()
     losses = []
@@ -62,10 +67,15 @@ def main_tensor_parallel(args, launched):
     comm.barrier()
     sent_before = comm.stats.bytes_sent
     start = time.perf_counter()
+    offload = offload_activations() if args.offload_activations else None
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
-        _, loss = model(x, y)
+        if offload is not None:
+            with offload:
+                _, loss = model(x, y)
+        else:
+            _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         model.clip_grad_norm_(1.0)
@@ -91,6 +101,8 @@ def main_tensor_parallel(args, launched):
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters, tensor-parallel over {t} ranks"
           + (" with sequence parallelism" if args.sequence_parallel else ""))
+    print(f"dropout {args.dropout}, recompute: {args.recompute}"
+          + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
     print(f"\n{'rank':>4} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} {'grads':>10} "
@@ -108,6 +120,7 @@ def main_tensor_parallel(args, launched):
     if args.json:
         write_json(args.json, {
             "world_size": t, "strategy": "tp+sp" if args.sequence_parallel else "tp", "tp": t,
+            "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
             "bytes_per_step": float(table[0, 0]), "bytes_per_layer_forward": float(table[0, 1]),

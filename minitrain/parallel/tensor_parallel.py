@@ -36,6 +36,16 @@ every rank. With SP those live on sequence shards, and each column-parallel laye
 input's shard (AllGatherLinear re-gathers it in backward): sbh·20/t + 2as²b/t + 2sb/t, all divided
 by t. tests/test_tensor_parallel.py measures both at t = 1, 2, 4.
 
+Dropout keeps the sharded model the same function as the unsharded one: where an activation is
+replicated (between the regions, without SP) every rank draws the same mask, as one process would;
+where it is split (attention probabilities by heads; with SP, the residual stream by sequence) each
+rank draws the mask of the *whole* tensor from the shared generator and keeps its slice
+(``ShardedDropout``). Megatron instead forks a per-rank random stream for the split regions (its
+RNG tracker): no extra random numbers, but masks no single process would draw, so it cannot be
+checked against one. Here the split regions cost t times the random numbers and stay exact.
+Recomputation (``GPTConfig.recompute``: "selective" the attention core, "full" each block) replays
+those draws, and in "full" the forward's collectives too.
+
 The embedding is vocab-parallel (each rank a slice of the rows; out-of-slice tokens give zeros,
 then ``g``), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
 all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and never gathers the
@@ -46,7 +56,9 @@ import math
 import numpy as np
 
 from .. import backend
+from .. import random
 from ..autograd import Function, Tensor
+from ..autograd.checkpoint import checkpoint
 from ..autograd.engine import queue_callback
 from ..backend import array_module
 from ..comm import broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter
@@ -179,6 +191,46 @@ def g(x, comm, sequence_parallel=False):
         else ReduceFromTensorParallelRegion.apply(x, comm)
 
 
+class ShardedDropout(Function):
+    """Dropout of this rank's slice ``index`` of a tensor of shape ``full_shape`` split across the
+    ranks: the whole tensor's mask is drawn (the same numbers on every rank, and as one process
+    draws them) and only the slice kept, so the masks of all the ranks put together are one
+    process's mask."""
+
+    @staticmethod
+    def forward(ctx, x, p, full_shape, index):
+        keep = random.rand(*full_shape, dtype=x.dtype)[index] >= p
+        mask = (keep * (1.0 / (1.0 - p))).astype(x.dtype, copy=False)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask, None, None, None
+
+
+class ParallelDropout(Module):
+    """nn.Dropout for an activation split across ``comm`` along ``axis`` (rank r holding the r-th of
+    t equal blocks), or replicated on every rank (``axis=None``: plain dropout, same mask on all)."""
+
+    def __init__(self, p, comm, axis=None):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.comm, self.axis = p, comm, axis
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0 or self.axis is None or self.comm.size == 1:
+            return F.dropout(x, self.p, self.training)
+        full_shape = list(x.shape)
+        full_shape[self.axis] *= self.comm.size
+        n = x.shape[self.axis]
+        index = [slice(None)] * x.ndim
+        index[self.axis] = slice(self.comm.rank * n, (self.comm.rank + 1) * n)
+        return ShardedDropout.apply(x, self.p, tuple(full_shape), tuple(index))
+
+
 def _divide(n, t, what):
     if n % t:
         raise ValueError(f"tensor parallelism: {what} = {n} is not divisible by tp = {t}")
@@ -197,7 +249,6 @@ class ColumnParallelLinear(Module):
         self.in_features, self.out_features = in_features, out_features
         local = _divide(out_features, comm.size, "out_features")
         bound = 1.0 / math.sqrt(in_features)
-        from .. import random
         self.weight = Parameter(random.uniform(-bound, bound, (local, in_features)))
         self.bias = Parameter(random.uniform(-bound, bound, (local,))) if bias else None
 
@@ -223,7 +274,6 @@ class RowParallelLinear(Module):
         self.in_features, self.out_features = in_features, out_features
         local = _divide(in_features, comm.size, "in_features")
         bound = 1.0 / math.sqrt(in_features)
-        from .. import random
         self.weight = Parameter(random.uniform(-bound, bound, (out_features, local)))
         self.bias = Parameter(random.uniform(-bound, bound, (out_features,))) if bias else None
 
@@ -241,7 +291,6 @@ class VocabParallelEmbedding(Module):
         self.num_embeddings = num_embeddings
         local = _divide(num_embeddings, comm.size, "the (padded) vocabulary")
         self.start = comm.rank * local
-        from .. import random
         self.weight = Parameter(random.randn(local, embedding_dim))
 
     def forward(self, idx):
@@ -304,6 +353,9 @@ class ParallelAttention(Module):
                                            sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(config.n_embd, config.n_embd, comm, config.bias,
                                         sequence_parallel=sequence_parallel)
+        self.attn_dropout = ParallelDropout(config.dropout, comm, axis=1)           # split by heads
+        self.resid_dropout = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
+        self.recompute = config.recompute == "selective"
         self._masks = {}
 
     def forward(self, x):
@@ -314,13 +366,20 @@ class ParallelAttention(Module):
         q = q.reshape(B, T, H, D).transpose(1, 2)
         k = k.reshape(B, T, H, D).transpose(1, 2)
         v = v.reshape(B, T, H, D).transpose(1, 2)
+        # selective recomputation: the (B, H/t, T, T) core is redone in backward (no collectives in it)
+        y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q, k, v):
+        """softmax(Q K^T / sqrt(d) + causal mask), dropout, times V, on this rank's heads."""
+        T, D = q.shape[2], q.shape[3]
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
         if T not in self._masks:
-            xp = array_module(qkv.data)
+            xp = array_module(q.data)
             self._masks[T] = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-        att = F.softmax(att.masked_fill(self._masks[T], -math.inf), axis=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, H * D)
-        return self.c_proj(y)
+        att = self.attn_dropout(F.softmax(att.masked_fill(self._masks[T], -math.inf), axis=-1))
+        return att @ v
 
 
 class ParallelMLP(Module):
@@ -332,9 +391,10 @@ class ParallelMLP(Module):
                                          sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(4 * config.n_embd, config.n_embd, comm, config.bias,
                                         sequence_parallel=sequence_parallel)
+        self.dropout = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
 class ParallelBlock(Module):
@@ -345,8 +405,14 @@ class ParallelBlock(Module):
         self.attn = ParallelAttention(config, comm, sequence_parallel)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = ParallelMLP(config, comm, sequence_parallel)
+        self.recompute = config.recompute == "full"
 
     def forward(self, x):
+        if self.recompute:      # full recomputation: keep the block's input, redo the rest in backward
+            return checkpoint(self.compute, x)
+        return self.compute(x)
+
+    def compute(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -360,23 +426,18 @@ class TensorParallelGPT(Module):
     def __init__(self, config, comm, sequence_parallel=False):
         super().__init__()
         from ..nn import Embedding, LayerNorm
-        if config.dropout:
-            raise ValueError("tensor_parallelize: dropout > 0 would need per-rank random streams for the "
-                             "split regions (Megatron's RNG tracker), which minitrain does not have: use dropout=0")
-        if config.tie_weights:
-            raise ValueError("tensor_parallelize: tied embeddings are not supported (wte is vocab-parallel, "
-                             "lm_head too, but sharing them across both is not implemented)")
-        if config.recompute not in (None, "none"):
-            raise ValueError("tensor_parallelize: recompute is not combined with tensor parallelism here")
         self.config, self.comm, self.sequence_parallel = config, comm, sequence_parallel
         t = comm.size
         self.padded_vocab = -(-config.vocab_size // t) * t
         self.wte = VocabParallelEmbedding(self.padded_vocab, config.n_embd, comm, sequence_parallel)
         self.wpe = Embedding(config.block_size, config.n_embd)
+        self.drop = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
         self.h = ModuleList([ParallelBlock(config, comm, sequence_parallel) for _ in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = ColumnParallelLinear(config.n_embd, self.padded_vocab, comm, bias=False,
                                             sequence_parallel=sequence_parallel)
+        if config.tie_weights:      # both are (V/t, C), rows [r·V/t, (r+1)·V/t): the same shard, shared
+            self.lm_head.weight = self.wte.weight
         # parameters every rank holds whole: with sequence parallelism each sees 1/t of the tokens,
         # so their gradients are partial sums, all-reduced once at the end of backward
         self.replicated = [q for name, q in self.named_parameters() if name.startswith(("wpe.", "ln_f.")) or
@@ -434,7 +495,7 @@ class TensorParallelGPT(Module):
             pos = xp.arange(self.comm.rank * local, (self.comm.rank + 1) * local)
         else:
             pos = xp.arange(T)
-        x = self.wte(idx) + self.wpe(pos)                     # SP: (B, T/t, C)
+        x = self.drop(self.wte(idx) + self.wpe(pos))          # SP: (B, T/t, C)
         for block in self.h:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))                   # (B, T, V_pad/t)
@@ -449,7 +510,9 @@ class TensorParallelGPT(Module):
     def _shards(self):
         """unsharded name -> (local parameter, axis along which it is split or None)."""
         mapping = {"wte.weight": (self.wte.weight, 0), "wpe.weight": (self.wpe.weight, None),
-                   "ln_f.weight": (self.ln_f.weight, None), "lm_head.weight": (self.lm_head.weight, 0)}
+                   "ln_f.weight": (self.ln_f.weight, None)}
+        if not self.config.tie_weights:                       # tied: listed once, as wte (as the GPT does)
+            mapping["lm_head.weight"] = (self.lm_head.weight, 0)
         if self.ln_f.bias is not None:
             mapping["ln_f.bias"] = (self.ln_f.bias, None)
         for i, block in enumerate(self.h):
