@@ -176,6 +176,37 @@ def test_gpt_trains_tensor_parallel_and_counts_megatrons_bytes(tmp_path, flags):
     assert report["recompute"] == ("full" if flags else "none") and report["dropout"] == (0.1 if flags else 0.0)
 
 
+@pytest.mark.slow
+def test_gpt_3d_job_trains_as_one_process_does(tmp_path):
+    """dp 2 x pp 2 x tp 2 with sequence parallelism on 8 ranks: the same training batches, the same
+    losses as one process (float32: to rounding), Megatron's bytes per layer for a micro-batch."""
+    steps = ["--steps", "30", "--no-progress", "--sample-chars", "10"]
+    one = tmp_path / "one.json"
+    assert gpt.main([*steps, "--json", str(one)]) == 0
+    out = tmp_path / "3d.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--pp", "2", "--sequence-parallel",
+             "--microbatches", "2", *steps, "--json", out], n=8, timeout=240)
+    report, single = json.loads(out.read_text()), json.loads(one.read_text())
+    assert (report["dp"], report["pp"], report["tp"], report["strategy"]) == (2, 2, 2, "dp+pp+tp+sp")
+    assert report["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
+    assert report["final_val_loss"] == pytest.approx(single["final_val_loss"], rel=1e-4)
+    assert report["bytes_per_layer_forward"] == report["bytes_per_layer_forward_formula"] > 0
+    assert report["bubble_formula"] == pytest.approx(1 / 3)
+    params = [r["memory"]["persistent"]["params"] for r in report["ranks"]]
+    assert max(params) < single["ranks"][0]["memory"]["persistent"]["params"] / 3    # a quarter, + replicas
+
+
+def test_gpt_parallel_job_rejects_a_mesh_that_does_not_fit():
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--pp", "2", "--steps", "1"],
+                n=2, timeout=60)
+    assert "--pp 2 x --tp 2 = 4 ranks per replica do not divide this job's 2 ranks" in str(err.value)
+    with pytest.raises(MPIRunError) as err:
+        run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--dp", "2", "--steps", "1"],
+                n=2, timeout=60)
+    assert "--dp 2 x --pp 1 x --tp 2 = 4 ranks, but this job has 2" in str(err.value)
+
+
 def test_gpt_tp_rejects_heads_that_do_not_split():
     with pytest.raises(SystemExit):
         gpt.main(["--tp", "3", "--n-head", "4"])

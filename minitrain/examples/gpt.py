@@ -2,10 +2,12 @@
 
     python -m minitrain.examples.gpt [--steps 600] [--json out.json]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
+    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
 
-Prints the loss as it falls, the validation loss, and a sample of generated text. With ``--tp N``
-(under ``mpirun -n N``) every weight matrix is split over the N ranks (Megatron-LM; see
-minitrain/examples/gpt_tp.py); without it, under ``mpirun -n N`` rank 0 trains alone.
+Prints the loss as it falls, the validation loss, and a sample of generated text. Under
+``mpirun -n N`` the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
+``--tp`` splits every weight matrix (Megatron-LM), ``--pp`` cuts the layers into pipeline stages,
+and the rest is data parallelism (``--dp`` defaults to N / (pp·tp)).
 """
 import argparse
 import sys
@@ -39,10 +41,17 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorm and dropout regions split along the sequence (Korthikanti et al.)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: ranks / (pp·tp))")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule (with --pp)")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per replica and step")
+    p.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp"):
+    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp", "pp", "microbatches",
+                 "chunks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.n_embd % args.n_head:
@@ -53,6 +62,10 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is not divisible by --tp {args.tp} (sequence parallelism)")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1")
+    if args.dp is not None and args.dp < 1:
+        p.error("--dp must be >= 1")
+    if args.chunks > 1 and args.schedule != "interleaved_1f1b":
+        p.error("--chunks > 1 needs --schedule interleaved_1f1b")
     return args
 
 
@@ -69,16 +82,11 @@ def estimate_loss(model, corpus, args, rng, batches=4):
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, launched = launch_info()
-    if args.tp > 1:
-        from minitrain.examples.gpt_tp import main_tensor_parallel
-        return main_tensor_parallel(args, launched)
-    if rank != 0:
-        return 0
+    _, launched = launch_info()
+    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1:
+        from minitrain.examples.gpt_parallel import main_parallel
+        return main_parallel(args)
     minitrain.backend.limit_blas_threads()
-    if launched > 1:
-        print(f"note: {launched} ranks launched; model parallelism is not implemented yet, "
-              f"so rank 0 trains alone and ranks 1..{launched - 1} exit.", flush=True)
 
     minitrain.manual_seed(args.seed)
     corpus = load_text()
@@ -87,11 +95,12 @@ def main(argv=None):
                           dropout=args.dropout, recompute=None if args.recompute == "none" else args.recompute)
     model = nn.GPT(config)
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
+    val_rng = np.random.default_rng(args.seed + 1)           # validation batches
     print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars")
 
     memory.reset_peak()
-    initial_val = estimate_loss(model, corpus, args, rng)
+    initial_val = estimate_loss(model, corpus, args, val_rng)
     losses, persistent = [], {}
     bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
@@ -113,7 +122,7 @@ def main(argv=None):
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
-    final_val = estimate_loss(model, corpus, args, rng)
+    final_val = estimate_loss(model, corpus, args, val_rng)
     peak = memory.peak()
 
     head = np.mean(losses[:10])

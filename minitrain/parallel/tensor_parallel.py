@@ -231,6 +231,14 @@ class ParallelDropout(Module):
         return ShardedDropout.apply(x, self.p, tuple(full_shape), tuple(index))
 
 
+def positions(T, comm, sequence_parallel, xp):
+    """The positions of this rank's tokens: all T, or with sequence parallelism its T/t slice."""
+    if not sequence_parallel:
+        return xp.arange(T)
+    local = _divide(T, comm.size, "the sequence length (sequence parallelism)")
+    return xp.arange(comm.rank * local, (comm.rank + 1) * local)
+
+
 def _divide(n, t, what):
     if n % t:
         raise ValueError(f"tensor parallelism: {what} = {n} is not divisible by tp = {t}")
@@ -443,17 +451,23 @@ class TensorParallelGPT(Module):
         self.replicated = [q for name, q in self.named_parameters() if name.startswith(("wpe.", "ln_f.")) or
                            ".ln_" in name or name.endswith(("c_proj.bias",))]
         self._pending = False
+        # a pipeline runs one backward per micro-batch: it sets this to False and calls
+        # all_reduce_replicated_grads() once per step (summing twice would count a micro-batch t times)
+        self.reduce_replicated_grads_in_backward = True
         if sequence_parallel:
             for q in self.replicated:
                 q.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, q):
-        if not self._pending:
+        if not self._pending and self.reduce_replicated_grads_in_backward:
             self._pending = True
-            queue_callback(self._all_reduce_replicated)
+            queue_callback(self.all_reduce_replicated_grads)
 
-    def _all_reduce_replicated(self):
-        """One all-reduce of all the replicated parameters' gradients, flattened together."""
+    def all_reduce_replicated_grads(self):
+        """With sequence parallelism: one all-reduce of the replicated parameters' gradients
+        (partial sums over each rank's tokens), flattened together. Without it, nothing to do."""
+        if not self.sequence_parallel:
+            return
         params = [q for q in self.replicated if q.grad is not None]
         if params:
             xp = array_module(params[0].grad)
@@ -464,9 +478,11 @@ class TensorParallelGPT(Module):
                 offset += q.size
         self._pending = False
 
-    def clip_grad_norm_(self, max_norm):
+    def clip_grad_norm_(self, max_norm, pipeline_comm=None):
         """Clip by the norm of the *full* model's gradient: sharded gradients' squares summed over
-        the ranks (one all-reduce), replicated ones counted once."""
+        the ranks (one all-reduce), replicated ones counted once. In a pipeline each rank holds its
+        stage's parameters only (the others have no gradient): the stages' squares are summed over
+        ``pipeline_comm``."""
         replicated = {id(q) for q in self.replicated} | {id(q) for q in self.wpe.parameters()}
         sharded = local_replicated = 0.0
         for q in self.parameters():
@@ -477,7 +493,10 @@ class TensorParallelGPT(Module):
                 local_replicated += square
             else:
                 sharded += square
-        total = math.sqrt(float(ring_all_reduce(self.comm, np.array([sharded]))[0]) + local_replicated)
+        square = float(ring_all_reduce(self.comm, np.array([sharded]))[0]) + local_replicated
+        if pipeline_comm is not None:
+            square = float(ring_all_reduce(pipeline_comm, np.array([square]))[0])
+        total = math.sqrt(square)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for q in self.parameters():
@@ -487,14 +506,7 @@ class TensorParallelGPT(Module):
 
     def forward(self, idx, targets=None):
         idx = idx.data if isinstance(idx, Tensor) else idx
-        B, T = idx.shape
-        xp = array_module(idx)
-        if self.sequence_parallel:
-            _divide(T, self.comm.size, "the sequence length (sequence parallelism)")
-            local = T // self.comm.size
-            pos = xp.arange(self.comm.rank * local, (self.comm.rank + 1) * local)
-        else:
-            pos = xp.arange(T)
+        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
         x = self.drop(self.wte(idx) + self.wpe(pos))          # SP: (B, T/t, C)
         for block in self.h:
             x = block(x)
@@ -502,9 +514,12 @@ class TensorParallelGPT(Module):
         if targets is None:
             full = GatherFromTensorParallelRegion.apply(logits, self.comm)
             return full[..., :self.config.vocab_size]
+        return logits, self.loss(logits, targets)
+
+    def loss(self, logits, targets):
+        """Mean cross-entropy of the vocab-split logits (never gathered)."""
         targets = targets.data if isinstance(targets, Tensor) else targets
-        loss = VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
-        return logits, loss
+        return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
 
     # ---- names and shards
     def _shards(self):
@@ -551,12 +566,13 @@ class TensorParallelGPT(Module):
             full = backend.to_host(state[name])
             q.data = backend.to_device(np.ascontiguousarray(self._slice(full, axis, name))).astype(q.dtype)
 
-    def full_state_dict(self):
-        """name -> full array, gathered from the shards (a collective on every rank)."""
+    def full_state_dict(self, shards=None):
+        """name -> full array, gathered from the shards (a collective on every rank). ``shards``
+        (id(parameter) -> array) supplies shards held elsewhere (a pipeline frees other stages')."""
         t = self.comm.size
         state = {}
         for name, (q, axis) in self._shards().items():
-            local = backend.to_host(q.data)
+            local = backend.to_host(q.data if shards is None else shards[id(q)])
             if axis is None:
                 state[name] = local.copy()
                 continue

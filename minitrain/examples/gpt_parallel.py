@@ -1,0 +1,162 @@
+"""The GPT job on several ranks: ``mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
+[--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
+[--recompute full|selective] [--offload-activations]``.
+
+The N ranks form a ``DeviceMesh`` of dp x pp x tp (tp innermost; ``--dp`` defaults to N / (pp·tp))
+and train ``GPT3D``: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
+takes its rows of the global batch. ``--tp N`` alone is Megatron's tensor parallelism, ``--pp N``
+alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
+Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
+hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
+(2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
+pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
+in one process from the gathered parameters (the sharded model is the same function).
+"""
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+import minitrain
+from minitrain import comm as mtcomm
+from minitrain import memory, nn, optim
+from minitrain.data import load_text
+from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
+from minitrain.examples.gpt import estimate_loss
+from minitrain.parallel import offload_activations
+from minitrain.parallel.gpt_3d import GPT3D
+
+
+def main_parallel(args):
+    comm = mtcomm.init()
+    world, rank = comm.size, comm.rank
+    tp, pp = args.tp, args.pp
+    if args.dp is None and world % (tp * pp):
+        if rank == 0:
+            sys.stderr.write(f"error: --pp {pp} x --tp {tp} = {pp * tp} ranks per replica do not divide this job's "
+                             f"{world} ranks\n")
+        return 2
+    dp = args.dp if args.dp is not None else world // (tp * pp)
+    if dp * pp * tp != world:
+        if rank == 0:
+            sys.stderr.write(f"error: --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} ranks, but this job has "
+                             f"{world} (mpirun -n {dp * pp * tp})\n")
+        return 2
+    if args.batch_size % (dp * args.microbatches):
+        if rank == 0:
+            sys.stderr.write(f"error: --batch-size {args.batch_size} does not split into dp {dp} x "
+                             f"{args.microbatches} micro-batches\n")
+        return 2
+    minitrain.manual_seed(args.seed)
+    corpus = load_text()
+    config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                          recompute=None if args.recompute == "none" else args.recompute)
+    gpt = nn.GPT(config)
+    psi = gpt.num_parameters()
+    rng = np.random.default_rng(args.seed)                   # the same batches on every rank
+    val_rng = np.random.default_rng(args.seed + 1)           # rank 0's alone: it does not move rng
+    initial_val = estimate_loss(gpt, corpus, args, val_rng) if rank == 0 else None
+    try:
+        model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
+                      chunks=args.chunks, sequence_parallel=args.sequence_parallel)
+    except (ValueError, mtcomm.MeshError) as e:
+        if rank == 0:
+            sys.stderr.write(f"error: {e}\n")
+        return 2
+    del gpt
+    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    tp_comm = model.mesh.comm("tp")
+
+    layer_bytes = []
+    for block in model.model.h:                              # bytes sent inside each block's forward
+        block.register_forward_pre_hook(lambda m, a: layer_bytes.append(-tp_comm.stats.bytes_sent))
+        block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + tp_comm.stats.bytes_sent))
+
+    axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
+    strategy = "+".join(name[:2] for name in axes) or "single"
+    strategy += "+sp" if args.sequence_parallel else ""
+    memory.reset_peak()
+    losses = []
+    bar = tqdm(range(args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
+               desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
+    comm.barrier()
+    sent_before = comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
+    start = time.perf_counter()
+    offload = offload_activations() if args.offload_activations else None
+    for step in bar:
+        x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
+        layer_bytes.clear()
+        model.zero_grad()
+        if offload is not None:
+            with offload:
+                loss = model.train_step(x, y)
+        else:
+            loss = model.train_step(x, y)
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        persistent = persistent_memory()
+        losses.append(loss)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    elapsed = time.perf_counter() - start
+    bar.close()
+    sent = comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
+    sent_per_step = (sent - sent_before) / args.steps
+    peak = memory.peak()
+    row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
+                    *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
+                    peak["total"]], np.float64)
+    table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
+    state = model.full_state_dict()
+    if rank != 0:
+        return 0
+    full = nn.GPT(config)
+    full.load_state_dict(state)
+    final_val = estimate_loss(full, corpus, args, val_rng)
+    B, T, C = args.batch_size, args.block_size, args.n_embd
+    b = B // (dp * args.microbatches)
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
+    measured_layer = table[~np.isnan(table[:, 1]), 1]
+    head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
+    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]}"
+          + (", sequence parallel" if args.sequence_parallel else ""))
+    if pp > 1:
+        print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
+              + (f", {args.chunks} chunks" if args.chunks > 1 else "")
+              + f": bubble by the formula {model.pipe.formula_bubble_fraction():.3f}")
+    print(f"dropout {args.dropout}, recompute: {args.recompute}"
+          + (", activations offloaded" if args.offload_activations else ""))
+    print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
+          f"{final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
+    print(f"\n{'rank':>4} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} {'grads':>10} "
+          f"{'optimizer':>10} {'peak act.':>10} {'peak':>10}")
+    for r, v in enumerate(table):
+        layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
+        print(f"{r:>4} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:]))
+    print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
+          " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
+          " backward sends the same again; '-': a stage without blocks)")
+    sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
+                           rng=np.random.default_rng(args.seed))
+    print("sample:\n" + corpus.decode(sample[0]))
+    if args.json:
+        write_json(args.json, {
+            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp,
+            "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
+            "microbatches": args.microbatches, "chunks": args.chunks,
+            "bubble_formula": model.pipe.formula_bubble_fraction(),
+            "dropout": args.dropout, "recompute": args.recompute,
+            "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
+            "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
+            "bytes_per_step": float(table[0, 0]),
+            "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
+            "bytes_per_layer_forward_formula": formula,
+            "ranks": [{"rank": r, "bytes_sent": float(v[0]) * args.steps,
+                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
+                                  "peak": {"activations": int(v[5]), "total": int(v[6])}}}
+                      for r, v in enumerate(table)]})
+    return 0

@@ -1,0 +1,121 @@
+"""3D parallelism on the GPT: tensor parallelism inside a pipeline stage, pipeline parallelism
+across stages, data parallelism across replicas (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", sec. 2.3 and Figure 2's layout).
+
+Nothing new is computed here: the pieces already exist and only meet.
+
+* ``DeviceMesh(comm, dp, pp, tp)`` gives each rank three communicators (tp innermost: a stage's
+  tensor-parallel ranks are neighbours, as they share the most traffic).
+* ``tensor_parallelize`` shards the GPT over the ``tp`` communicator.
+* The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
+  and ``PipelineParallel`` cuts it into stages over the ``pp`` communicator and runs a schedule
+  (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
+  their collectives line up; activations go to the next stage's rank with the same tp coordinate.
+* Gradients are averaged over the ``dp`` communicator once per step (the pipeline does it after
+  the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
+  are summed over ``tp`` once per step too (not once per micro-batch's backward).
+
+Every rank ends the step with the gradient of the mean loss over the global batch, so training
+is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
+depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
+other masks than one process; tied embeddings across the first and last stage would need
+Megatron's extra embedding all-reduce (refused with a clear error).
+"""
+import numpy as np
+
+from ..autograd import Tensor
+from ..backend import array_module
+from ..comm import DeviceMesh, all_reduce
+from ..nn import Module, Sequential
+from .pipeline import PipelineParallel
+from .tensor_parallel import positions, tensor_parallelize
+
+
+class EmbeddingStage(Module):
+    """The pipeline's first layer: token (vocab-parallel) + position embeddings, then dropout."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.comm, self.sequence_parallel = model.comm, model.sequence_parallel
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+
+    def forward(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class HeadStage(Module):
+    """The pipeline's last layer: the final LayerNorm and the vocab-parallel LM head (logits stay
+    split by vocabulary; the loss is the vocab-parallel cross-entropy)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT3D:
+    """The GPT over ``DeviceMesh(comm, dp, pp, tp)``. ``train_step(idx, targets)`` takes the
+    *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
+    each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
+    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards) for any optimizer;
+    ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
+
+    def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
+                 sequence_parallel=False):
+        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
+        self.dp, self.pp, self.tp = dp, pp, tp
+        if pp > 1 and gpt.config.tie_weights:
+            raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
+                             f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
+        layers = gpt.config.n_layer + 2
+        if layers < pp * chunks:
+            raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
+                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
+        self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
+        self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
+        self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
+                                     chunks=chunks, dp_comm=self.mesh.comm("dp"))
+
+    def parameters(self):
+        return self.pipe.parameters()
+
+    def zero_grad(self):
+        self.pipe.zero_grad()
+
+    def train(self, mode=True):
+        self.layers.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def _loss(self, logits, targets):
+        return self.model.loss(logits, targets)
+
+    def train_step(self, idx, targets):
+        n = len(idx)
+        if n % self.dp:
+            raise ValueError(f"[rank {self.mesh.world.rank}] a global batch of {n} rows does not split over "
+                             f"dp = {self.dp} replicas")
+        rows = slice(self.mesh.coordinate("dp") * (n // self.dp), (self.mesh.coordinate("dp") + 1) * (n // self.dp))
+        loss = self.pipe.train_step(idx[rows], targets[rows], self._loss)
+        self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
+        if self.dp > 1:                                           # the replicas' mean: the global batch's
+            loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
+        return loss
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
+        the dp replicas hold the same averaged gradient)."""
+        return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
+
+    def full_state_dict(self):
+        """name -> full array under the GPT's names (collectives over pp, then tp, on every rank)."""
+        by_layer_name = self.pipe.full_state_dict()
+        shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
+        return self.model.full_state_dict(shards)
