@@ -94,8 +94,11 @@ class MPICommunicator(Communicator):
         return MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout)
 
     def abort(self, code=1):
+        """Stop every rank of the job. What this rank wrote gets ABORT_GRACE_S to reach the launcher
+        first (without it, under load, the job died and its message was lost: seen in CI)."""
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         _mpi().COMM_WORLD.Abort(code)
 
 
