@@ -531,11 +531,15 @@ class Embedding(Function):
 
 class Dropout(Function):
     """Zero each element with probability p and scale the rest by 1/(1-p) (inverted dropout).
-    The mask comes from minitrain.random, so recomputation can replay it by restoring the state."""
+    The mask comes from minitrain.random, so recomputation can replay it by restoring the state.
+    With ``full_shape`` and ``index``, x is the slice ``index`` of a tensor of ``full_shape`` split
+    across ranks (tensor parallelism): the whole tensor's mask is drawn, as one process would, and
+    its slice kept, so the ranks' masks put together are one process's mask."""
 
     @staticmethod
-    def forward(ctx, x, p):
-        keep = _random.rand(*x.shape, dtype=x.dtype) >= p
+    def forward(ctx, x, p, full_shape=None, index=None):
+        draw = _random.rand(*(x.shape if full_shape is None else full_shape), dtype=x.dtype)
+        keep = (draw if index is None else draw[index]) >= p
         mask = keep * (1.0 / (1.0 - p))
         mask = mask.astype(x.dtype, copy=False)
         ctx.save_for_backward(mask)

@@ -44,7 +44,7 @@ class CausalSelfAttention(Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head, self.head_dim = config.n_head, config.n_embd // config.n_head
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = Dropout(config.dropout)
@@ -61,16 +61,17 @@ class CausalSelfAttention(Module):
         return self._masks[key]
 
     def forward(self, x):
-        B, T, C = x.shape
-        H, D = self.n_head, C // self.n_head
-        q, k, v = self.c_attn(x).split(C, axis=2)
+        qkv = self.c_attn(x)                                  # (B, T, 3·H·D)
+        B, T, _ = qkv.shape
+        H, D = self.n_head, self.head_dim
+        q, k, v = qkv.split(H * D, axis=2)
         q = q.reshape(B, T, H, D).transpose(1, 2)            # (B, H, T, D)
         k = k.reshape(B, T, H, D).transpose(1, 2)
         v = v.reshape(B, T, H, D).transpose(1, 2)
         # selective recomputation (Korthikanti et al. 2022): the core's (B, H, T, T) activations are
         # the largest and the cheapest to recompute, so they are dropped and redone in backward
         y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, C)               # heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, H * D)           # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v):

@@ -40,11 +40,14 @@ Dropout keeps the sharded model the same function as the unsharded one: where an
 replicated (between the regions, without SP) every rank draws the same mask, as one process would;
 where it is split (attention probabilities by heads; with SP, the residual stream by sequence) each
 rank draws the mask of the *whole* tensor from the shared generator and keeps its slice
-(``ShardedDropout``). Megatron instead forks a per-rank random stream for the split regions (its
-RNG tracker): no extra random numbers, but masks no single process would draw, so it cannot be
-checked against one. Here the split regions cost t times the random numbers and stay exact.
+(``ParallelDropout``, through autograd's Dropout op). Megatron instead forks a per-rank random
+stream for the split regions (its RNG tracker): no extra random numbers, but masks no single
+process would draw, so it cannot be checked against one. Here the split regions cost t times the random numbers and stay exact.
 Recomputation (``GPTConfig.recompute``: "selective" the attention core, "full" each block) replays
 those draws, and in "full" the forward's collectives too.
+
+The attention, the MLP and the block are the GPT's own modules (their ``forward`` inherited) with
+the parallel linears and dropouts put in, so what differs from one process is only the layers.
 
 The embedding is vocab-parallel (each rank a slice of the rows; out-of-slice tokens give zeros,
 then ``g``), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
@@ -57,14 +60,13 @@ import numpy as np
 
 from .. import backend
 from .. import random
-from ..autograd import Function, Tensor
-from ..autograd.checkpoint import checkpoint
+from ..autograd import Function, Tensor, ops
 from ..autograd.engine import queue_callback
 from ..backend import array_module
 from ..comm import broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from ..nn import Module, ModuleList, Parameter
+from ..nn import Embedding, LayerNorm, Module, ModuleList, Parameter
 from ..nn import functional as F
-from ..nn.gpt import GPT
+from ..nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
 
 
 # ---------------------------------------------------------------- the conjugate operators
@@ -191,25 +193,6 @@ def g(x, comm, sequence_parallel=False):
         else ReduceFromTensorParallelRegion.apply(x, comm)
 
 
-class ShardedDropout(Function):
-    """Dropout of this rank's slice ``index`` of a tensor of shape ``full_shape`` split across the
-    ranks: the whole tensor's mask is drawn (the same numbers on every rank, and as one process
-    draws them) and only the slice kept, so the masks of all the ranks put together are one
-    process's mask."""
-
-    @staticmethod
-    def forward(ctx, x, p, full_shape, index):
-        keep = random.rand(*full_shape, dtype=x.dtype)[index] >= p
-        mask = (keep * (1.0 / (1.0 - p))).astype(x.dtype, copy=False)
-        ctx.save_for_backward(mask)
-        return x * mask
-
-    @staticmethod
-    def backward(ctx, g):
-        (mask,) = ctx.saved_tensors
-        return g * mask, None, None, None
-
-
 class ParallelDropout(Module):
     """nn.Dropout for an activation split across ``comm`` along ``axis`` (rank r holding the r-th of
     t equal blocks), or replicated on every rank (``axis=None``: plain dropout, same mask on all)."""
@@ -228,7 +211,7 @@ class ParallelDropout(Module):
         n = x.shape[self.axis]
         index = [slice(None)] * x.ndim
         index[self.axis] = slice(self.comm.rank * n, (self.comm.rank + 1) * n)
-        return ShardedDropout.apply(x, self.p, tuple(full_shape), tuple(index))
+        return ops.Dropout.apply(x, self.p, full_shape=tuple(full_shape), index=tuple(index))
 
 
 def positions(T, comm, sequence_parallel, xp):
@@ -348,13 +331,14 @@ class VocabParallelCrossEntropy(Function):
 
 
 # ---------------------------------------------------------------- the GPT, tensor-parallel
-class ParallelAttention(Module):
-    """Causal self-attention with this rank's n_head/t heads: c_attn column-parallel (its Q, K and V
-    columns of those heads), c_proj row-parallel."""
+class ParallelAttention(CausalSelfAttention):
+    """The GPT's causal self-attention on this rank's n_head/t heads: c_attn column-parallel (its Q,
+    K and V columns of those heads), c_proj row-parallel. ``forward`` and ``core`` are the GPT's own
+    (inherited): they work on however many heads the module has. (``Module.__init__``, not the
+    parent's, which would first build the full-size layers.)"""
 
     def __init__(self, config, comm, sequence_parallel):
-        super().__init__()
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        Module.__init__(self)
         self.n_head = _divide(config.n_head, comm.size, "n_head")
         self.head_dim = config.n_embd // config.n_head
         self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, comm, config.bias,
@@ -363,66 +347,35 @@ class ParallelAttention(Module):
                                         sequence_parallel=sequence_parallel)
         self.attn_dropout = ParallelDropout(config.dropout, comm, axis=1)           # split by heads
         self.resid_dropout = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
+        # selective recomputation redoes the (B, H/t, T, T) core in backward (no collectives in it)
         self.recompute = config.recompute == "selective"
         self._masks = {}
 
-    def forward(self, x):
-        qkv = self.c_attn(x)                                  # (B, T, 3·C/t), T the full sequence
-        B, T, _ = qkv.shape
-        H, D = self.n_head, self.head_dim
-        q, k, v = qkv.split(H * D, axis=2)
-        q = q.reshape(B, T, H, D).transpose(1, 2)
-        k = k.reshape(B, T, H, D).transpose(1, 2)
-        v = v.reshape(B, T, H, D).transpose(1, 2)
-        # selective recomputation: the (B, H/t, T, T) core is redone in backward (no collectives in it)
-        y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, H * D)
-        return self.resid_dropout(self.c_proj(y))
 
-    def core(self, q, k, v):
-        """softmax(Q K^T / sqrt(d) + causal mask), dropout, times V, on this rank's heads."""
-        T, D = q.shape[2], q.shape[3]
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
-        if T not in self._masks:
-            xp = array_module(q.data)
-            self._masks[T] = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-        att = self.attn_dropout(F.softmax(att.masked_fill(self._masks[T], -math.inf), axis=-1))
-        return att @ v
-
-
-class ParallelMLP(Module):
-    """c_fc column-parallel, GELU on the local columns, c_proj row-parallel: one g."""
+class ParallelMLP(FeedForward):
+    """The GPT's MLP with c_fc column-parallel (GELU on the local columns) and c_proj row-parallel:
+    one g. ``forward`` is the GPT's own (inherited)."""
 
     def __init__(self, config, comm, sequence_parallel):
-        super().__init__()
+        Module.__init__(self)
         self.c_fc = ColumnParallelLinear(config.n_embd, 4 * config.n_embd, comm, config.bias,
                                          sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(4 * config.n_embd, config.n_embd, comm, config.bias,
                                         sequence_parallel=sequence_parallel)
         self.dropout = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
+class ParallelBlock(Block):
+    """The GPT's block (LayerNorms replicated, or on sequence shards with SP) around the parallel
+    attention and MLP; ``forward`` (with full recomputation) is the GPT's own (inherited)."""
 
-class ParallelBlock(Module):
     def __init__(self, config, comm, sequence_parallel):
-        super().__init__()
-        from ..nn import LayerNorm
+        Module.__init__(self)
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = ParallelAttention(config, comm, sequence_parallel)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = ParallelMLP(config, comm, sequence_parallel)
         self.recompute = config.recompute == "full"
-
-    def forward(self, x):
-        if self.recompute:      # full recomputation: keep the block's input, redo the rest in backward
-            return checkpoint(self.compute, x)
-        return self.compute(x)
-
-    def compute(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
 
 
 class TensorParallelGPT(Module):
@@ -433,7 +386,6 @@ class TensorParallelGPT(Module):
 
     def __init__(self, config, comm, sequence_parallel=False):
         super().__init__()
-        from ..nn import Embedding, LayerNorm
         self.config, self.comm, self.sequence_parallel = config, comm, sequence_parallel
         t = comm.size
         self.padded_vocab = -(-config.vocab_size // t) * t
