@@ -12,6 +12,7 @@ hooks around each block's forward, on the tensor-parallel communicator) beside M
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 """
+import contextlib
 import sys
 import time
 
@@ -81,18 +82,18 @@ def main_parallel(args):
     losses = []
     bar = tqdm(range(args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
+
+    def bytes_sent():                                        # this rank's, on the world and the mesh's axes
+        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
     comm.barrier()
-    sent_before = comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
+    sent_before = bytes_sent()
     start = time.perf_counter()
-    offload = offload_activations() if args.offload_activations else None
+    offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
         model.zero_grad()
-        if offload is not None:
-            with offload:
-                loss = model.train_step(x, y)
-        else:
+        with offload:
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
@@ -102,8 +103,7 @@ def main_parallel(args):
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
-    sent = comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
-    sent_per_step = (sent - sent_before) / args.steps
+    sent_per_step = (bytes_sent() - sent_before) / args.steps
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],

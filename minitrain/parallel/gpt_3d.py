@@ -87,23 +87,13 @@ class GPT3D:
     def zero_grad(self):
         self.pipe.zero_grad()
 
-    def train(self, mode=True):
-        self.layers.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    def _loss(self, logits, targets):
-        return self.model.loss(logits, targets)
-
     def train_step(self, idx, targets):
         n = len(idx)
         if n % self.dp:
             raise ValueError(f"[rank {self.mesh.world.rank}] a global batch of {n} rows does not split over "
                              f"dp = {self.dp} replicas")
         rows = slice(self.mesh.coordinate("dp") * (n // self.dp), (self.mesh.coordinate("dp") + 1) * (n // self.dp))
-        loss = self.pipe.train_step(idx[rows], targets[rows], self._loss)
+        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.dp > 1:                                           # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
