@@ -11,6 +11,8 @@ hooks around each block's forward, on the tensor-parallel communicator) beside M
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
+``--save-dir``/``--resume``: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
+resumes on any other mesh (or in one process).
 """
 import contextlib
 import sys
@@ -22,9 +24,11 @@ from tqdm import tqdm
 import minitrain
 from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim
+from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
+from minitrain.examples import checkpointing
 from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
-from minitrain.examples.gpt import estimate_loss
+from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
@@ -68,6 +72,7 @@ def main_parallel(args):
         return 2
     del gpt
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = scheduler_for(opt, args)
     tp_comm = model.mesh.comm("tp")
 
     layer_bytes = []
@@ -78,9 +83,25 @@ def main_parallel(args):
     axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
+    ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
+                                      layout=layout(args, strategy, dp, pp, tp, world),
+                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
+        state = model.full_state_dict()                       # the resumed model's validation loss
+        if rank == 0:
+            resumed = nn.GPT(config)
+            resumed.load_state_dict(state)
+            initial_val = estimate_loss(resumed, corpus, args, val_rng)
+        del state
     memory.reset_peak()
     losses = []
-    bar = tqdm(range(args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
+    bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
@@ -97,13 +118,19 @@ def main_parallel(args):
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
+        scheduler.step()
         persistent = persistent_memory()
         losses.append(loss)
+        ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
-    sent_per_step = (bytes_sent() - sent_before) / args.steps
+    ckpt.finish(first_step + len(losses))
+    if not losses:
+        return nothing_left(args, first_step, rank, world)
+    steps = len(losses)
+    sent_per_step = (bytes_sent() - sent_before) / steps
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
@@ -130,7 +157,7 @@ def main_parallel(args):
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
-          f"{final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
+          f"{final_val:.3f}; {steps / elapsed:.1f} steps/s")
     print(f"\n{'rank':>4} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} {'grads':>10} "
           f"{'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
@@ -151,11 +178,12 @@ def main_parallel(args):
             "bubble_formula": model.pipe.formula_bubble_fraction(),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
-            "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
+            "steps_per_second": steps / elapsed, "tokens_per_second": steps * B * T / elapsed,
+            "precision": args.precision, "first_step": first_step, "losses": losses,
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
-            "ranks": [{"rank": r, "bytes_sent": float(v[0]) * args.steps,
+            "ranks": [{"rank": r, "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
                                   "peak": {"activations": int(v[5]), "total": int(v[6])}}}
                       for r, v in enumerate(table)]})

@@ -18,8 +18,10 @@ from tqdm import tqdm
 import minitrain
 from minitrain import comm as mtcomm
 from minitrain import nn, optim, trace
+from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
+from minitrain.examples import checkpointing
 from minitrain.examples.common import fmt_bytes, write_json
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
@@ -64,13 +66,24 @@ def main_pipeline(args, parser, comm):
     local_batch = args.batch_size // args.dp
     sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
     loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
-    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
-               desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
+    from minitrain.examples.mlp import layout
+    ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
+                                      extra=lambda: {"loader": loader.state_dict()})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        loader.load_state_dict(loaded.extra["loader"])
+    bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
+               file=sys.stdout, desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
     trace.enable(rank=rank)
     comm.barrier()
     start = time.perf_counter()
     steps = seen = 0
-    for epoch in range(args.epochs):
+    losses = []
+    for epoch in range(loader.sampler.epoch, args.epochs):      # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
             if len(yb) != local_batch:
@@ -81,11 +94,20 @@ def main_pipeline(args, parser, comm):
             opt.step()
             steps += 1
             seen += len(yb)
+            losses.append(loss)
+            ckpt.after_step(first_step + steps)
             bar.update(1)
             if steps % 10 == 0:
                 bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
     elapsed = time.perf_counter() - start
     bar.close()
+    ckpt.finish(first_step + steps)
+    if steps == 0:
+        from minitrain.examples.mlp import nothing_left
+        return nothing_left(args, comm, first_step)
+    # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
+    losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)
+              .reshape(world, steps).mean(axis=0)]
     events = list(trace.events())
     bubbles = np.asarray(pipe.measured_bubble_fraction(events))        # over this pipeline's ranks
     all_events = trace.gather_events(comm)
@@ -106,6 +128,7 @@ def main_pipeline(args, parser, comm):
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
+              "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": args.chunks, "dp": args.dp,
                            "measured_bubble_fraction": float(np.mean(bubbles)),

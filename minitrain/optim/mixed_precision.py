@@ -118,4 +118,52 @@ class MixedPrecisionOptimizer:
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "loss_scale": self.loss_scale,
-                "masters": [m.data.copy() for m in self.masters]}
+                "masters": [m.data.copy() for m in self.masters], "good_steps": self._good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict):
+        """The inverse of ``state_dict()`` (same parameters, same layout)."""
+        if len(state_dict["masters"]) != len(self.masters):
+            raise ValueError(f"load_state_dict: {len(state_dict['masters'])} master weights for {len(self.masters)} parameters")
+        for master, saved in zip(self.masters, state_dict["masters"]):
+            if tuple(saved.shape) != master.shape:
+                raise ValueError(f"load_state_dict: a master weight of shape {tuple(saved.shape)}, expected {master.shape}")
+            master.data[...] = saved
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.loss_scale = float(state_dict["loss_scale"])
+        self._good_steps = int(state_dict.get("good_steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    # ---- the checkpoint's view (minitrain.sharded): masters and moments cut as the parameters are
+    def _master_placements(self, placements):
+        return {id(m): placements[id(q)] for q, m in zip(self.params, self.masters)}
+
+    def sharded_state_dict(self, placements):
+        """The inner optimizer's state on the masters, plus ``<name>/master`` when the masters are of
+        another dtype than the parameters (fp16/bf16: fp32 masters; an fp32 master equals its
+        parameter, so it is not stored twice), plus the loss scale and its counters."""
+        tensors, scalars = self.optimizer.sharded_state_dict(self._master_placements(placements))
+        for q, master in zip(self.params, self.masters):
+            if master.dtype != q.dtype:
+                for name, piece in placements[id(q)]:
+                    tensors.setdefault(f"{name}/master", []).append((piece, piece.view(master.data)))
+        scalars["mixed_precision"] = {"loss_scale": self.loss_scale, "good_steps": self._good_steps,
+                                      "skipped_steps": self.skipped_steps}
+        return tensors, scalars
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        """Masters (or, when they share the parameters' dtype, copies of the just-loaded parameters),
+        the inner optimizer's state, and the loss scale (a checkpoint without one: unscaled, as fp32)."""
+        for q, master in zip(self.params, self.masters):
+            if master.dtype != q.dtype:
+                for name, piece in placements[id(q)]:
+                    reader.read_into(f"{name}/master", piece, piece.view(master.data))
+            else:
+                master.data[...] = backend.to_host(q.data) if self.offload else q.data
+        self.optimizer.load_sharded_state_dict(reader, self._master_placements(placements), scalars)
+        saved = scalars.get("mixed_precision")
+        if saved is None and self.dtype == np.float16:
+            raise ValueError("the checkpoint has no loss scale: it was not trained in float16 mixed precision")
+        if saved is not None:
+            self.loss_scale = float(saved["loss_scale"])
+            self._good_steps, self.skipped_steps = int(saved["good_steps"]), int(saved["skipped_steps"])

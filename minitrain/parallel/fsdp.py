@@ -26,6 +26,7 @@ from ..autograd.graph import saved_tensors_hooks
 from ..backend import array_module
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
+from ..sharded import flat_buffer_slices
 
 
 class _UnitRef:
@@ -288,3 +289,37 @@ class FullyShardedDataParallel:
         self.module.train(mode)
         return self
 
+    def state_dict(self):
+        """The full parameters under the unwrapped model's names (PyTorch FSDP's default
+        FULL_STATE_DICT: a collective, every rank gets every array)."""
+        return self.full_state_dict()
+
+    def load_state_dict(self, state):
+        """Full arrays by name -> each rank copies in its shard of every unit (no communication)."""
+        for unit in self.units:
+            lo = self.comm.rank * unit.shard_size
+            shard = unit.shard.data                       # on the host with offload_params
+            for q in unit.params:
+                name = self.names[id(q)]
+                if name not in state:
+                    raise KeyError(f"FullyShardedDataParallel.load_state_dict: missing {name}")
+                value = state[name]
+                if tuple(value.shape) != tuple(q.shape):
+                    raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the model "
+                                     f"expects {tuple(q.shape)}")
+                a, b = unit.offsets[id(q)]
+                s, e = max(a, lo), min(b, lo + unit.shard_size)
+                if s < e:
+                    piece = value.reshape(-1)[s - a:e - a]
+                    shard[s - lo:e - lo] = (backend.to_device(piece) if backend.is_device_array(shard)
+                                            else backend.to_host(piece))
+
+    def sharded_parameters(self):
+        """[(unit shard, [(name, Slice)])]: the pieces of the logical parameters this rank's shard of
+        each unit holds (a flat range of the unit cut into boxes; padding excluded)."""
+        out = []
+        for unit in self.units:
+            entries = [(self.names[id(q)], q.shape, unit.offsets[id(q)][0]) for q in unit.params]
+            lo = self.comm.rank * unit.shard_size
+            out.append((unit.shard, flat_buffer_slices(entries, lo, lo + unit.shard_size)))
+        return out

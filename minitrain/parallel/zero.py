@@ -27,6 +27,7 @@ from ..backend import LOW_PRECISION, array_module
 from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
+from ..sharded import flat_buffer_slices
 from .offload import CPUOffloadOptimizer
 
 
@@ -226,3 +227,26 @@ class ZeroRedundancyOptimizer:
 
     def state_dict(self):
         return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """The inverse of ``state_dict()``: this rank's shard state, on the same ranks and parameters."""
+        self.optimizer.load_state_dict(state_dict)
+
+    # ---- the checkpoint's view (minitrain.sharded): the shard's state cut back into parameters
+    def _shard_placements(self, placements):
+        """Where this rank's flat shard sits in the parameters' logical tensors (padding excluded);
+        ``placements``: the parameters' own (each whole, as ZeRO-1/2 keep them on every rank)."""
+        entries = []
+        for q in self.flat.params:
+            (name, piece), = placements[id(q)]
+            if piece.sizes != tuple(q.shape):
+                raise ValueError(f"ZeRO-1/2 expect whole parameters; {name} is a slice {piece}")
+            entries.append((name, q.shape, self.flat.offsets[id(q)][0]))
+        return {id(self.shard): flat_buffer_slices(entries, *self.flat.shard_range)}
+
+    def sharded_state_dict(self, placements):
+        """The shard optimizer's state (moments, fp32 masters) as slices of the parameters' logical tensors."""
+        return self.optimizer.sharded_state_dict(self._shard_placements(placements))
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        self.optimizer.load_sharded_state_dict(reader, self._shard_placements(placements), scalars)

@@ -32,6 +32,7 @@ from ...autograd import Tensor
 from ...backend import array_module, bfloat16
 from ...comm import all_reduce, broadcast
 from ...nn import Sequential
+from ...sharded import whole
 from .schedules import check_schedule, formula_bubble_fraction, get_schedule
 
 _DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
@@ -274,3 +275,35 @@ class PipelineParallel:
 
     def formula_bubble_fraction(self):
         return formula_bubble_fraction(self.schedule_name, self.p, self.m, self.v)
+
+    # ---- the checkpoint's view (minitrain.sharded)
+    def sharded_parameters(self):
+        """[(parameter, [(name, whole slice)])] for the layers of this rank's stages (names of the
+        unwrapped model): a pipeline cuts the model by layers, never inside a parameter."""
+        return [(q, [(self.names[id(q)], whole(q.shape))]) for q in self.parameters()]
+
+    def extra_sharded_state(self, placements):
+        """PipeDream-2BW's stashed weights W(t-1) (``<name>/stash``), which the next step computes on:
+        without them a resumed run would take another step. Other schedules keep nothing."""
+        if self._stash is None:
+            return {}
+        stash = {}
+        for q, old in zip(self.parameters(), self._stash):
+            for name, piece in placements[id(q)]:
+                stash.setdefault(f"{name}/stash", []).append((piece, piece.view(old)))
+        return stash
+
+    def load_extra_sharded_state(self, reader, placements):
+        names = [placements[id(q)][0][0] for q in self.parameters()]
+        saved = [reader.has(f"{name}/stash") for name in names]
+        if not any(saved):
+            self._stash = None                  # as at the start: the first step computes on W(t)
+            return
+        if self.schedule_name != "pipedream_2bw":
+            raise ValueError("the checkpoint holds PipeDream-2BW's stashed weights W(t-1); only the pipedream_2bw "
+                             "schedule computes on them (resume with --schedule pipedream_2bw)")
+        self._stash = []
+        for q, name in zip(self.parameters(), names):
+            old = array_module(q.data).zeros(q.shape, q.dtype)
+            reader.read_into(f"{name}/stash", placements[id(q)][0][1], old)
+            self._stash.append(old)
