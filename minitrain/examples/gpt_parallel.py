@@ -94,8 +94,10 @@ def main_parallel(args):
     if loaded is not None:
         rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
         state = model.full_state_dict()                       # the resumed model's validation loss
+        val_rng = np.random.default_rng(args.seed + 1)        # the batches an uninterrupted run validates on
         if rank == 0:
-            resumed = nn.GPT(config)
+            with minitrain.random.use_generator(minitrain.random.fork()):   # leave the restored generator be
+                resumed = nn.GPT(config)
             resumed.load_state_dict(state)
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
         del state
