@@ -59,3 +59,19 @@ def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp
     results = json.loads(out.read_text())
     for name in ("tp=2", "tp=2+sp"):
         assert results[name]["layer_bytes"] == results[name]["formula"] == 2 * 2 * (1 / 2) * 2 * 16 * 32 * 4
+
+
+def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "ckpt.json"
+    monkeypatch.setattr(sys, "argv", ["bench_checkpoint.py", "--ranks", "2", "--hidden", "64", "--layers", "2",
+                                      "--repeats", "1", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_checkpoint.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "save + fsync" in printed and "load, resharded to DDP" in printed
+    import json
+    results = json.loads(out.read_text())
+    psi = 2 * (64 * 64 + 64)
+    assert results["psi"] == psi and results["model_bytes"] == 3 * 4 * psi       # params + 2 moments, no padding
+    for extra, piece in zip(results["load_extra"], results["largest_piece"]):
+        assert extra <= piece + 256 * 1024                  # one piece in memory (+ the plan's JSON)
+    assert all(v > 0 for v in results["seconds"].values())
