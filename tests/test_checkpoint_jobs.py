@@ -231,6 +231,15 @@ def test_a_corrupt_checkpoint_stops_the_job_with_the_file_and_the_tensor(tmp_pat
     assert "saved with precision = 'fp64', this job has 'fp32'" in capsys.readouterr().err
 
 
+def test_a_changed_global_batch_is_refused(tmp_path, capsys):
+    d = str(tmp_path / "ckpt")
+    assert mlp.main(MLP + ["--epochs", "1", "--batch-size", "256", "--save-dir", d]) == 0
+    capsys.readouterr()
+    assert mlp.main(MLP + ["--epochs", "2", "--batch-size", "128", "--save-dir", d, "--resume"]) == 2
+    assert "global_batch_size = 256, this job has 128 (the data order depends on the global batch)" in \
+        capsys.readouterr().err
+
+
 def test_resume_needs_a_save_dir():
     result = subprocess.run([sys.executable, "-m", "minitrain.examples.mlp", "--resume"], capture_output=True,
                             text=True, timeout=60)
