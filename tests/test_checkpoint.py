@@ -3,6 +3,7 @@ every strategy, resharding between layouts with bit-identical logical tensors (o
 included), corrupted or foreign checkpoints rejected by name, and the atomic commit."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -313,10 +314,12 @@ def test_gpt_dp4_to_tp2_pp2_to_one_process_keeps_every_tensor(tmp_path):
     def second(comm, source):
         job = _gpt_job(comm, 1, 2, 2, dropout=0.0)
         checkpoint.load(source, comm, *job)
-        return checkpoint.save(str(tmp_path / "b"), comm, 3, *job)
+        return checkpoint.save(str(tmp_path / "b"), comm, 3, *job), job[0].full_state_dict()
     a = ThreadWorld(4).run(first)[0]
-    b = ThreadWorld(4).run(second, a)[0]
+    b, gathered = ThreadWorld(4).run(second, a)[0]
     (sa, ea), (sb, eb) = _gpt_state(a), _gpt_state(b)
+    for name, value in gathered.items():      # the tensor-parallel model's own view of what it loaded
+        assert np.array_equal(value, sa[name]), name
     assert ea == eb == 3 and sa.keys() == sb.keys() and any(k.endswith("exp_avg") for k in sa)
     for key in sa:
         assert np.array_equal(sa[key], sb[key]), key
@@ -392,6 +395,18 @@ def test_a_corrupt_manifest_is_named(saved):
         checkpoint.latest(os.path.dirname(saved))
 
 
+def test_pieces_that_leave_a_hole_are_named(saved):
+    """A manifest (correctly signed) whose pieces of a tensor do not cover what a rank asks for."""
+    from minitrain.checkpoint.manifest import _body_crc
+    path = os.path.join(saved, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["tensors"]["model/0.weight"]["pieces"].pop()
+    manifest["checksum"] = _body_crc(manifest)
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(CheckpointError, match=r"the pieces of model/0.weight cover \d+ of the 63 elements this rank needs"):
+        _load_into_ddp(saved)
+
+
 def test_a_checkpoint_of_another_model_names_the_tensor(saved):
     def body(comm):
         mt.manual_seed(0)
@@ -421,7 +436,10 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_newest(s
     real = core.write_rank_file
 
     def dies_on_rank_1(path, pieces, metadata, fsync=True):
-        if metadata["rank"] == 1:
+        if metadata["rank"] == 1:                   # dies once rank 0 has written its file
+            while not os.path.exists(path.replace("rank-00001", "rank-00000")):
+                time.sleep(0.01)
+            time.sleep(0.1)
             raise RuntimeError("killed while writing")
         return real(path, pieces, metadata, fsync)
     monkeypatch.setattr(core, "write_rank_file", dies_on_rank_1)
@@ -467,6 +485,19 @@ def test_ddp_replicas_share_the_writing_and_each_slice_is_written_once(tmp_path)
     assert all(len(t["pieces"]) == 1 for t in manifest["tensors"].values())
     written = [f["bytes"] for f in manifest["files"].values()]
     assert min(written) > 0.3 * max(written)              # largest first, each to the least-loaded holder
+
+
+def test_a_strategy_whose_slices_leave_a_gap_cannot_save(tmp_path):
+    class HalfOfIt:                       # claims the first 2 of 4 rows of a (4, 3) tensor, on both ranks
+        def __init__(self):
+            self.q = nn.Parameter(np.zeros((2, 3)))
+
+        def sharded_parameters(self):
+            from minitrain.sharded import Slice
+            return [(self.q, [("w", Slice((4, 3), (0, 0), (2, 3)))])]
+    with pytest.raises(CheckpointError, match=r"tensor model/w \(4, 3\): the ranks' pieces cover 6 of its 12"):
+        ThreadWorld(2).run(lambda comm: checkpoint.save(str(tmp_path), comm, 0, HalfOfIt()))
+    assert checkpoint.latest(str(tmp_path)) is None
 
 
 def test_inspect_prints_the_manifest_as_a_table(saved, capsys):
