@@ -102,8 +102,9 @@ def worker(args):
         fn()
         return tracemalloc.get_traced_memory()[1] - before - created()
     save_extra = extra(lambda: checkpoint.save(os.path.join(root, "mem"), comm, 0, fsdp, opt))
-    del state, pieces
-    opt.state.clear()                              # a fresh optimizer: load creates its state
+    state = None                                   # drop the views of the old optimizer state, and the state:
+    pieces.clear()
+    opt.state.clear()                              # a fresh optimizer, whose state load creates
 
     def created():
         return sum(v.nbytes for entry in opt.state.values() for v in entry.values() if hasattr(v, "nbytes"))

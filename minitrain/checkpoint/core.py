@@ -135,7 +135,7 @@ def write_checkpoint(directory, comm, step, tensors, scalars, rank_scalars, layo
     try:
         written, nbytes = write_rank_file(os.path.join(tmp, rank_file(rank)), mine, {"rank": rank, "step": step}, fsync)
         status = {"written": {k: [b, e, crc_hex(c)] for k, (b, e, c) in written.items()}, "bytes": nbytes}
-    except OSError as e:
+    except (OSError, CheckpointError) as e:        # every rank learns it; nobody waits for a dead file
         status = {"error": f"writing {os.path.join(tmp, rank_file(rank))}: {e}"}
     results = all_gather_json(comm, status)
     path = error = None
