@@ -18,12 +18,14 @@ parameters are shards (ZeRO, FSDP) pass ``comm``: the overflow flag is all-reduc
 rank skips the same steps.
 """
 import contextlib
+import weakref
 
 import numpy as np
 
 from .. import backend, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
+from .optimizer import _release
 
 
 class MixedPrecisionOptimizer:
@@ -59,6 +61,8 @@ class MixedPrecisionOptimizer:
                 master.data = master.data.astype(dtype)            # always a copy
                 self._tracker.add("optimizer_state", ("master", id(self), id(master)), master.data.nbytes)
                 self.masters.append(master)
+            # the masters' bytes leave the tracker with this optimizer (as Optimizer's state does)
+            weakref.finalize(self, _release, self._tracker, [("master", id(self), id(m)) for m in self.masters])
             self.optimizer = optimizer_class(self.masters, **defaults)
         self.param_groups = self.optimizer.param_groups
 
