@@ -239,7 +239,7 @@ class Reader:
             except CheckpointError as e:
                 raise CheckpointError(f"{e} (while reading tensor {key})") from None
             # on CuPy: the deliberate host -> device copy of what this rank needs
-            out[box_index(*box, s.offsets)] = backend.to_device(src) if backend.is_device_array(out) else src
+            out[box_index(*box, s.offsets)] = backend.to_device(src, "cuda") if backend.is_device_array(out) else src
             covered += math.prod(box[1])
         if covered != s.numel:
             raise CheckpointError(f"{where}: the pieces of {key} cover {covered} of the {s.numel} elements "

@@ -311,7 +311,7 @@ class FullyShardedDataParallel:
                 s, e = max(a, lo), min(b, lo + unit.shard_size)
                 if s < e:
                     piece = value.reshape(-1)[s - a:e - a]
-                    shard[s - lo:e - lo] = (backend.to_device(piece) if backend.is_device_array(shard)
+                    shard[s - lo:e - lo] = (backend.to_device(piece, "cuda") if backend.is_device_array(shard)
                                             else backend.to_host(piece))
 
     def sharded_parameters(self):
