@@ -23,6 +23,7 @@ from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
 from minitrain.examples.common import fmt_bytes, write_json
+from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
 
@@ -66,7 +67,6 @@ def main_pipeline(args, parser, comm):
     local_batch = args.batch_size // args.dp
     sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
     loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
-    from minitrain.examples.mlp import layout
     ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
                                       extra=lambda: {"loader": loader.state_dict()})
     try:
@@ -103,7 +103,6 @@ def main_pipeline(args, parser, comm):
     bar.close()
     ckpt.finish(first_step + steps)
     if steps == 0:
-        from minitrain.examples.mlp import nothing_left
         return nothing_left(args, comm, first_step)
     # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
     losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)

@@ -132,7 +132,7 @@ class MixedPrecisionOptimizer:
         for master, saved in zip(self.masters, state_dict["masters"]):
             if tuple(saved.shape) != master.shape:
                 raise ValueError(f"load_state_dict: a master weight of shape {tuple(saved.shape)}, expected {master.shape}")
-            master.data[...] = saved
+            master.data[...] = backend.to_device(saved, "cuda") if backend.is_device_array(master.data) else saved
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.loss_scale = float(state_dict["loss_scale"])
         self._good_steps = int(state_dict.get("good_steps", 0))
