@@ -89,8 +89,9 @@ class Job:
         elif strategy in ("fsdp", "fsdp_offload"):
             self.owner = FullyShardedDataParallel(model, comm, offload_params=strategy == "fsdp_offload")
             params = self.owner.parameters()
-        elif strategy in ("1f1b", "pipedream_2bw"):
-            self.owner = self.pipe = PipelineParallel(model, comm, strategy, num_microbatches=2)
+        elif strategy in ("1f1b", "pipedream_2bw", "interleaved_1f1b"):
+            self.owner = self.pipe = PipelineParallel(model, comm, strategy, num_microbatches=2,
+                                                      chunks=2 if strategy.startswith("interleaved") else 1)
             params = self.pipe.parameters()
         if strategy in ("zero1", "zero2", "zero2_sgd"):
             self.opt = ZeroRedundancyOptimizer(params, opt_class, comm, stage=int(strategy[4]), **opt_args)
@@ -153,7 +154,7 @@ def _train_save_resume(comm, kind, path, steps=6, cut=3):
 
 @pytest.mark.parametrize("kind, p", [("single", 1), ("ddp", 2), ("zero1", 3), ("zero2_sgd", 2), ("fsdp", 3),
                                      ("fsdp_offload", 2), ("bf16_zero2", 2), ("fp16_ddp", 2), ("1f1b", 2),
-                                     ("pipedream_2bw", 2), ("local_sgd", 2)])
+                                     ("pipedream_2bw", 2), ("interleaved_1f1b", 2), ("local_sgd", 2)])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # fp16: the all-reduce's overflow
 def test_resume_is_bit_exact_under_every_strategy(tmp_path, kind, p):
     for straight, resumed in ThreadWorld(p).run(_train_save_resume, kind, str(tmp_path)):
