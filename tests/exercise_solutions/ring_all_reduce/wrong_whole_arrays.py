@@ -1,4 +1,4 @@
-"""A wrong hand-in: correct results, but every rank sends everything to everyone (not a ring)."""
+"""A wrong hand-in: exact results, but every rank sends its whole array to everyone (not a ring)."""
 import numpy as np
 
 
@@ -13,3 +13,4 @@ def ring_all_reduce(comm, x, op="sum"):
     if op == "mean":
         out /= comm.size
     return out.reshape(x.shape)
+EXPECT = ["whole arrays"]
