@@ -88,6 +88,14 @@ def _is_learner_frame(filename):
         return True
 
 
+def _in_graders(filename):
+    try:
+        pathlib.Path(filename).resolve().relative_to(pathlib.Path(__file__).resolve().parent)
+        return True
+    except ValueError:
+        return False
+
+
 def where(tb_or_frames):
     """'file.py line N: source' of the deepest frame in the learner's code (else the deepest of all)."""
     frames = tb_or_frames if isinstance(tb_or_frames, list) else traceback.extract_tb(tb_or_frames)
@@ -109,6 +117,10 @@ def explain(e):
     if isinstance(e, NotImplementedError):
         return f"not written yet: {e}" if str(e) else "not written yet (NotImplementedError)"
     first = str(e).strip() or "(no message)"
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames and not any(_is_learner_frame(f.filename) for f in frames) and _in_graders(frames[-1].filename):
+        return (f"the grader could not use the result ({type(e).__name__}: {first}, in {where(frames)}); "
+                "check what your code returns against the contract (if it is right, this is a grader bug)")
     text = f"your code raised {type(e).__name__}: {first}"
     at = where(e.__traceback__)
     if at:
@@ -153,8 +165,7 @@ def compare(got, want, what, rtol=1e-10, atol=1e-12, exact=False, chunks=None, r
         return None
     flat_wrong = np.flatnonzero(wrong.reshape(-1))
     first = int(flat_wrong[0])
-    index = np.unravel_index(first, got.shape) if got.ndim > 1 else (first,)
-    shown = index if got.ndim > 1 else first
+    shown = tuple(int(i) for i in np.unravel_index(first, got.shape)) if got.ndim > 1 else first
     text = (f"{what}: element {shown} is {_fmt(g.reshape(-1)[first])}, expected {_fmt(w.reshape(-1)[first])} "
             f"({flat_wrong.size} of {got.size} elements wrong")
     if not np.isfinite(g).all() and np.isfinite(w).all():

@@ -108,3 +108,41 @@ def unpack(value, count, what):
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
         raise Mismatch(f"{what}: returned {got}, expected a tuple of {count} arrays")
     return tuple(as_array(v, f"{what}[{i}]") for i, v in enumerate(value))
+
+
+# ---------------------------------------------------------------- pipeline schedules
+def as_schedule(value, p, m, what):
+    """The learner's schedule (p lists of ("F", i) / ("B", i), or minitrain Actions) as Actions with
+    their communication filled in, or a Mismatch saying what is malformed."""
+    from minitrain.parallel.pipeline import Action
+    if not isinstance(value, (list, tuple)) or len(value) != p:
+        got = f"{len(value)} rows" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise Mismatch(f"{what}: expected a list of p = {p} stages (one list of actions each), got {got}")
+    schedule = []
+    for s, row in enumerate(value):
+        actions = []
+        for k, item in enumerate(row):
+            try:
+                kind, mb = (item.kind, item.microbatch) if isinstance(item, Action) else (tuple(item) + (None, None))[:2]
+            except TypeError:
+                kind, mb = None, None
+            if kind not in ("F", "B") or not isinstance(mb, (int, np.integer)) or not 0 <= mb < m:
+                raise Mismatch(f"{what}: stage {s}, action #{k} is {item!r}; expected ('F', i) or ('B', i) "
+                               f"with 0 <= i < m = {m}")
+            before, after = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
+            actions.append(Action("F", int(mb), 0, before, after) if kind == "F"
+                           else Action("B", int(mb), 0, after, before))
+        schedule.append(actions)
+    return schedule
+
+
+def simulate_schedule(impl, p, m):
+    """(schedule, simulation) of the learner's impl(p, m), forward cost 1 and backward cost 2.
+    The library's checker and simulator: a deadlock or a broken happens-before is a Mismatch."""
+    from minitrain.parallel.pipeline import ScheduleError, simulate
+    what = f"{impl.__name__}(p={p}, m={m})" if hasattr(impl, "__name__") else f"schedule(p={p}, m={m})"
+    schedule = as_schedule(impl(p, m), p, m, what)
+    try:
+        return schedule, simulate(schedule, 1.0, 2.0)
+    except ScheduleError as e:
+        raise Mismatch(f"{what}: {e}") from None
