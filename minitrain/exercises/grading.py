@@ -183,9 +183,9 @@ def compare(got, want, what, rtol=1e-10, atol=1e-12, exact=False, chunks=None, r
         if np.allclose(ratios, r, rtol=1e-6) and not np.isclose(r, 1.0) and (ratios.size > 1 or telling):
             text += f"; every element is {r:.4g} times the expected one"
             if ranks and np.isclose(r, ranks):
-                text += f" = p ({ranks}): a sum where a mean was due?"
+                text += f" = p ({ranks}): summed over the ranks where a mean was due, or summed twice?"
             elif ranks and np.isclose(r, 1.0 / ranks):
-                text += " = 1/p: divided by p once too often?"
+                text += f" = 1/p (p = {ranks}): averaged where a sum was due, or divided by p once too often?"
         elif np.allclose(g, 0.0):
             text += "; your result is all zeros"
     return text

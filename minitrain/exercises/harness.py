@@ -123,7 +123,7 @@ def _rank_lines(p, describe):
 def _describe_error(e):
     at = where(e.__traceback__)
     if _is_rank_failed(e):
-        text = "stopped waiting when another rank failed"
+        text = "was waiting here; it stopped when another rank failed"
     else:
         message = (str(e).strip().splitlines() or [""])[0]
         text = f"{type(e).__name__}: {message}" if message else type(e).__name__

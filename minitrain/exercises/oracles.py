@@ -132,6 +132,12 @@ def as_schedule(value, p, m, what):
             before, after = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
             actions.append(Action("F", int(mb), 0, before, after) if kind == "F"
                            else Action("B", int(mb), 0, after, before))
+        units = sorted((a.kind, a.microbatch) for a in actions)
+        if units != sorted((kind, i) for kind in "FB" for i in range(m)):
+            missing = sorted(set((kind, i) for kind in "FB" for i in range(m)) - set(units))
+            twice = sorted({u for u in units if units.count(u) > 1})
+            raise Mismatch(f"{what}: stage {s} must run ('F', i) and ('B', i) once each for i = 0..{m - 1}; "
+                           + (f"missing {missing[:4]}" if missing else "") + (f" twice: {twice[:4]}" if twice else ""))
         schedule.append(actions)
     return schedule
 
