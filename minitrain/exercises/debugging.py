@@ -92,9 +92,9 @@ def main(train, name):
         comm = mpi_world(timeout=10.0)
         result = train(comm)
         print(f"[rank {comm.rank}] train returned {summary(result)}", flush=True)
-        return 0
+        raise SystemExit(0)
     from .registry import get
-    return get(name).run(train, None)
+    raise SystemExit(get(name).run(train, None))
 
 
 def summary(result):

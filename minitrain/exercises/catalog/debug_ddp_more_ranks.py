@@ -144,7 +144,8 @@ def compare(p, results):
             ratio = np.concatenate(ratios)
             if np.allclose(ratio, ratio[0], rtol=1e-8) and not np.isclose(ratio[0], 1.0):
                 text += (f". In the first step every parameter moved {ratio[0]:.4g} times as far as in one process"
-                         + (f" (p = {p})" if np.isclose(ratio[0], p) else ""))
+                         + (f" (p = {p})" if np.isclose(ratio[0], p) else f" (1/p, p = {p})" if np.isclose(ratio[0], 1 / p)
+                            else ""))
         problems.append(text)
     if len(problems) == p > 1 and len({q.split(':', 1)[1] for q in problems}) == 1:
         return [f"every rank (0-{p - 1}):{problems[0].split(':', 1)[1]}"]

@@ -166,8 +166,13 @@ def _fsdp_step(comm, impl):
     unit = impl(comm, [a.copy() for a in start])
     weight, bias = (mt.Tensor(a, requires_grad=True) for a in unit.gather())
     F.mse_loss(F.linear(mt.Tensor(x[rows]), weight, bias), mt.Tensor(y[rows])).backward()
-    shard_grad = unit.reduce_scatter([weight.grad, bias.grad])
-    unit.shard -= 0.1 * np.asarray(shard_grad)
+    shard_grad = np.asarray(unit.reduce_scatter([weight.grad, bias.grad]))
+    s = -(-15 // comm.size)
+    if shard_grad.shape != (s,) or np.shape(unit.shard) != (s,):
+        raise Mismatch(f"p={comm.size}, rank {comm.rank}, a Linear(4, 3) unit (N = 15): self.shard has shape "
+                       f"{np.shape(unit.shard)} and reduce_scatter returned {shard_grad.shape}; both must be this "
+                       f"rank's S = ceil(N/p) = {s} elements of the zero-padded flat buffer")
+    unit.shard -= 0.1 * shard_grad
     unit.free()
     problem = compare(unit.shard, library_shard, f"p={comm.size}, rank {comm.rank}: the shard after one SGD step "
                       "through your unit vs minitrain's FullyShardedDataParallel", ranks=comm.size)

@@ -112,7 +112,11 @@ def _rank(comm, impl):
     a = mt.Tensor(A[:, r * n:(r + 1) * n].T.copy(), requires_grad=True)
     b = mt.Tensor(Bw[r * n:(r + 1) * n].T.copy(), requires_grad=True)
     sent0 = comm.stats.bytes_sent
-    out = rs.apply(F.linear(F.linear(ag.apply(xs, comm), a).relu(), b), comm)
+    gathered = ag.apply(xs, comm)
+    if tuple(gathered.shape) != (B, T, C):
+        raise Mismatch(f"t={t}, rank {r}: GatherFromSequenceParallelRegion turned a {(B, s, C)} shard into "
+                       f"{tuple(gathered.shape)}, expected {(B, T, C)}: gather along axis 1, the sequence")
+    out = rs.apply(F.linear(F.linear(gathered, a).relu(), b), comm)
     forward_bytes = comm.stats.bytes_sent - sent0
     if tuple(out.shape) != (B, s, OUT):
         raise Mismatch(f"t={t}, rank {r}: the MLP's output has shape {tuple(out.shape)}, expected this rank's "

@@ -3,7 +3,7 @@ from minitrain.autograd import Function
 from minitrain.comm import ring_all_reduce
 
 
-class F(Function):
+class CopyToTensorParallelRegion(Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
@@ -14,7 +14,7 @@ class F(Function):
         return ring_all_reduce(ctx.comm, grad), None
 
 
-class G(Function):
+class ReduceFromTensorParallelRegion(Function):
     @staticmethod
     def forward(ctx, x, comm):
         return ring_all_reduce(comm, x)
@@ -22,7 +22,3 @@ class G(Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def megatron_f_g():
-    return F, G

@@ -1,4 +1,4 @@
-"""A learner's 1F1B, written from the stub's plan (tuples, not minitrain's Action objects)."""
+"""A learner's 1F1B, written from the hints (tuples, not minitrain's Action objects)."""
 
 
 def one_f_one_b(p, m):

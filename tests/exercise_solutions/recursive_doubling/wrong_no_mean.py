@@ -27,4 +27,4 @@ def recursive_doubling_all_reduce(comm, x, op="sum"):
         comm.send(acc, r + q)
     return acc.reshape(x.shape)
 
-EXPECT = ["op='mean'", 'a sum where a mean was due']
+EXPECT = ["op='mean'", 'summed over the ranks where a mean was due']

@@ -23,4 +23,4 @@ def ring_all_reduce(comm, x, op="sum"):
         chunk(recv)[...] = incoming
     return out.reshape(x.shape)
 
-EXPECT = ["op='mean'", 'times the expected', 'a sum where a mean was due']
+EXPECT = ["op='mean'", 'times the expected', 'summed over the ranks where a mean was due']

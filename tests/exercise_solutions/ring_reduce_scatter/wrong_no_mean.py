@@ -19,4 +19,4 @@ def ring_reduce_scatter(comm, x, op="sum"):
     mine = chunk(r).copy()
     return mine
 
-EXPECT = ["op='mean'", 'a sum where a mean was due']
+EXPECT = ["op='mean'", 'summed over the ranks where a mean was due']
