@@ -14,6 +14,7 @@ import time
 import pytest
 
 from minitrain.exercises import all_exercises, get, harness
+from minitrain.exercises.__main__ import main
 from minitrain.exercises.grading import LoadError, explain, load
 
 SOLUTIONS = pathlib.Path(__file__).parent / "exercise_solutions"
@@ -32,9 +33,28 @@ def _isolated(tmp_path, monkeypatch):
     harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
 
 
-def cli(*args, env=None, timeout=300):
+def cli(*args, env=None):
+    """The command line, in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def cli_process(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "minitrain.exercises", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout)
 
 
 def stub_of(e, tmp_path):
@@ -210,7 +230,7 @@ def test_show_stub_and_a_missing_file_on_the_command_line(tmp_path):
     assert cli("stub", "ddp_buckets", str(dest)).returncode == 0 and dest.read_text() == get("ddp_buckets").stub
     refused = cli("stub", "ddp_buckets", str(dest))
     assert refused.returncode == 2 and "--force" in refused.stderr
-    missing = cli("check", "ddp_buckets", str(tmp_path / "nope.py"))
+    missing = cli_process("check", "ddp_buckets", str(tmp_path / "nope.py"))
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
     unknown = cli("show", "ring_allreduce")
     assert unknown.returncode == 2 and "did you mean ring_all_reduce" in unknown.stderr

@@ -23,13 +23,13 @@ Progress (what passed, hints read) is kept in a JSON file: $MINITRAIN_EXERCISES_
 $XDG_CACHE_HOME/minitrain/exercises.json, else ~/.cache/minitrain/exercises.json."""
 
 
-def _wrap(text, indent="  ", width=100):
-    """Wrap each line at ``width``, keeping its own indentation (continuations indented 4 more)."""
+def _wrap(text, indent="  ", width=100, hang=4):
+    """Wrap each line at ``width``, keeping its own indentation (continuations indented ``hang`` more)."""
     out = []
     for line in text.split("\n"):
         lead = " " * (len(line) - len(line.lstrip(" ")))
         out.extend(textwrap.wrap(line.strip(), width, initial_indent=indent + lead,
-                                 subsequent_indent=indent + lead + "    ", break_on_hyphens=False) or [""])
+                                 subsequent_indent=indent + lead + " " * hang, break_on_hyphens=False) or [""])
     return "\n".join(out)
 
 
@@ -54,7 +54,7 @@ def cmd_show(args, progress):
     print(f"kind: {e.kind}" + (f"; walkthrough: notebooks/{e.notebook}.ipynb" if e.notebook else ""))
     print()
     print(_wrap(e.intro(), ""))
-    print("\nYou write:")
+    print("\nYou fix:" if e.kind == "debug" else "\nYou write:")
     for line in e.signatures():
         print(f"    {line}")
     print("\nThe grader's checks:")
@@ -84,7 +84,7 @@ def cmd_hint(args, progress):
         levels = [min(read + 1, total)]
     for level in levels:
         print(f"Hint {level} of {total} ({e.name}):")
-        print(_wrap(e.hints[level - 1]))
+        print(_wrap(e.hints[level - 1], hang=0))
         print()
     if not args.all and levels[-1] < total:
         print(f"Next: python -m minitrain.exercises hint {e.name}   (hint {levels[-1] + 1} of {total})")

@@ -95,9 +95,10 @@ def run_ranks(p, fn, *args, timeout=None, **kwargs):
 
     thread = threading.Thread(target=runner, name=f"grader-world-{p}", daemon=True)
     thread.start()
-    thread.join(timeout * WALL_FACTOR + 5)
+    limit = timeout * WALL_FACTOR + 2
+    thread.join(limit)
     if thread.is_alive():
-        raise StopGrading(_stuck_report(p, timeout * WALL_FACTOR + 5, idents, errors, finished, thread))
+        raise StopGrading(_stuck_report(p, limit, idents, errors, finished, thread))
     if "error" in box:
         for r in sorted(errors):             # a grader's own check that failed inside a rank
             if isinstance(errors[r], Mismatch):
