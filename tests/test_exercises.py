@@ -15,7 +15,7 @@ import pytest
 
 from minitrain.exercises import all_exercises, get, harness
 from minitrain.exercises.__main__ import main
-from minitrain.exercises.grading import LoadError, explain, load
+from minitrain.exercises.grading import LoadError, explain, load, run_checks
 
 SOLUTIONS = pathlib.Path(__file__).parent / "exercise_solutions"
 NAMES = [e.name for e in all_exercises()]
@@ -155,6 +155,14 @@ def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
     assert time.perf_counter() - start < 30
     assert results[-1].status == "fail" and len(results) == 1          # grading stops there
     assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
+
+
+def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
+    path = tmp_path / "spins.py"
+    path.write_text("def softmax_backward(out, grad, axis=-1):\n    x = 0\n    while True:\n        x += 1\n")
+    results = run_checks(get("softmax_backward").checks(), load(path, "softmax_backward"), limit=1.0)
+    assert len(results) == 1 and "did not finish within 1 s" in results[0].explanation
+    assert re.search(r"spins.py line [34]", results[0].explanation)
 
 
 def test_a_hand_in_that_calls_sys_exit_or_raises_is_reported_not_fatal(tmp_path):

@@ -6,11 +6,13 @@ got) when it does not, or lets whatever the learner's code raised fly; run_check
 outcome into a Result, so nothing a hand-in does can crash the grader. compare() writes the
 explanation for two arrays (first wrong element, how many, which chunk, "p times too large").
 """
+import ctypes
 import dataclasses
 import importlib.util
 import os
 import pathlib
 import sys
+import threading
 import traceback
 
 import numpy as np
@@ -49,12 +51,52 @@ class StopGrading(Exception):
     """Raised by a check after which nothing can run (the learner's threads are still running)."""
 
 
-def run_checks(checks, impl, fail_fast=False):
-    """Every check on ``impl``; returns a list of Results. Catches anything the learner's code raises."""
+class Stopped(BaseException):
+    """Injected into a thread of the learner's code that ran past its time limit."""
+
+
+def stop_thread(ident):
+    """Raise Stopped in the thread ``ident`` at its next Python instruction (an endless loop ends)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
+
+
+def call_with_limit(fn, impl, limit):
+    """``fn(impl)`` on a daemon thread; a call still running after ``limit`` seconds is stopped and
+    reported (StopGrading, with the line it was running), so no hand-in can hang the grader."""
+    box = {}
+
+    def target():
+        try:
+            fn(impl)
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="grader-check", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        at = where(traceback.extract_stack(frame)) if frame is not None else "an unknown line"
+        stop_thread(thread.ident)
+        thread.join(2.0)
+        raise StopGrading(f"your code did not finish within {limit:g} s (an endless loop?); it was running at "
+                          f"{at}. Grading stopped here.")
+    if "error" in box:
+        raise box["error"]
+
+
+CHECK_LIMIT_S = 30.0        # at least this long for one check (a check may run several worlds)
+
+
+def run_checks(checks, impl, fail_fast=False, limit=None):
+    """Every check on ``impl``; returns a list of Results. Catches anything the learner's code raises;
+    a check that runs longer than ``limit`` seconds is stopped and ends the grading."""
+    from .harness import WALL_FACTOR, wait_timeout
+    limit = max(CHECK_LIMIT_S, 2 * WALL_FACTOR * wait_timeout()) if limit is None else limit
     results = []
     for check in checks:
         try:
-            check.run(impl)
+            call_with_limit(check.run, impl, limit)
             results.append(Result(check.label, "pass"))
         except KeyboardInterrupt:
             raise

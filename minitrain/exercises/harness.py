@@ -9,13 +9,12 @@ communication) is reported with the line it is executing, and stopped.
 This module is the one place that knows how minitrain reports a hang (the wait timeout given to
 ThreadWorld / minitrain.comm.init, and the exception it raises): exercises only see RanksFailed.
 """
-import ctypes
 import inspect
 import sys
 import threading
 import traceback
 
-from .grading import Mismatch, StopGrading, where
+from .grading import Mismatch, StopGrading, stop_thread, where
 
 DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before it is declared stuck
 WALL_FACTOR = 10                # a world may run this many wait timeouts in all
@@ -24,10 +23,6 @@ WALL_FACTOR = 10                # a world may run this many wait timeouts in all
 class RanksFailed(AssertionError):
     """One or more ranks raised, or waited forever; the message says what each rank was doing."""
     explained = True
-
-
-class _Stopped(BaseException):
-    """Injected into a rank thread that kept running past the wall limit."""
 
 
 _settings = {"wait_timeout": DEFAULT_WAIT_TIMEOUT}
@@ -181,7 +176,7 @@ def _stuck_report(p, limit, idents, errors, finished, world_thread):
         else:
             lines.append(f"  rank {r}: did not start")
     for r in running:                       # stop the endless loops so later checks can run
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(idents[r]), ctypes.py_object(_Stopped))
+        stop_thread(idents[r])
     world_thread.join(2.0)
     return (f"ThreadWorld({p}) did not finish within {limit:g} s: rank(s) {running} never returned "
             "and were not waiting for a message (an endless loop?). Grading stopped here.\n" + "\n".join(lines))
