@@ -183,14 +183,20 @@ def _stuck_report(p, limit, idents, errors, finished, world_thread):
 
 
 def count_launches(comm):
-    """Record, on ``comm``, the name of every collective at the moment it is called (before it runs,
-    even asynchronously). Returns the list that grows as collectives are launched."""
+    """Record, on ``comm``, every collective at the moment it is called (before it runs, even
+    asynchronously): a list that grows with [name, asynchronous] entries. (A collective takes its
+    sequence number with comm.next_tag when called; an asynchronous one is then comm.submit-ted.)"""
     launched = []
-    original = comm.next_tag
+    next_tag, submit = comm.next_tag, comm.submit
 
-    def next_tag(name):
-        launched.append(name)
-        return original(name)
+    def spy_next_tag(name):
+        launched.append([name, False])
+        return next_tag(name)
 
-    comm.next_tag = next_tag
+    def spy_submit(name, fn, *args):
+        if launched:
+            launched[-1][1] = True
+        return submit(name, fn, *args)
+
+    comm.next_tag, comm.submit = spy_next_tag, spy_submit
     return launched

@@ -2,7 +2,8 @@
 parameter order, split at the cap (caps forcing one and several buckets, as CS336's tests do).
 Gradients: every rank's equal one process on the global batch (float64, 1e-12) at p = 1..4, two
 backward passes in a row. Overlap: exactly one all-reduce per bucket, and the first launched
-before backward reaches the first layer (observed at the moment the first layer's gradient is final)."""
+before backward reaches the first layer (observed at the moment the first layer's gradient is final),
+every one asynchronous (a blocking all-reduce in the hook stalls backward)."""
 import numpy as np
 
 from ..grading import Check, Mismatch, compare
@@ -155,7 +156,8 @@ def _train(comm, impl, cap, steps):
         x, y = _batch(step)
         F.mse_loss(ddp(x[rows]), y[rows]).backward()
         grads.append({n: None if q.grad is None else q.grad.copy() for n, q in model.named_parameters()})
-        launches.append((len(launched) - before, (seen[-1] - before) if seen else None))
+        asynchronous = sum(1 for _, is_async in launched[before:] if is_async)
+        launches.append((len(launched) - before, (seen[-1] - before) if seen else None, asynchronous))
     return grads, launches, len(_expected_buckets(model, cap))
 
 
@@ -180,7 +182,7 @@ def _equal(impl, p):
 
 def _overlap(impl, p):
     for r, (_, launches, buckets) in enumerate(run_ranks(p, _train, impl, CAPS[2], 2)):
-        for step, (count, at_first_layer) in enumerate(launches):
+        for step, (count, at_first_layer, asynchronous) in enumerate(launches):
             where = f"p={p}, rank {r}, backward #{step + 1}"
             if count != buckets:
                 raise Mismatch(f"{where}: {count} collective(s) launched, expected one all-reduce per bucket "
@@ -189,6 +191,10 @@ def _overlap(impl, p):
                 raise Mismatch(f"{where}: no all-reduce had started when backward reached the first layer "
                                f"({buckets} buckets): launch a bucket from the hook as soon as its last gradient "
                                "is final, not at the end of backward")
+            if asynchronous != buckets:
+                raise Mismatch(f"{where}: {buckets - asynchronous} of {buckets} bucket all-reduces were blocking: "
+                               "backward stops until each one is done, so nothing overlaps. Launch with "
+                               "async_op=True and wait for the works at the end of backward")
 
 
 def checks():
