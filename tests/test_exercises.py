@@ -177,7 +177,7 @@ def test_a_hand_in_that_calls_sys_exit_or_raises_is_reported_not_fatal(tmp_path)
 
 @pytest.mark.parametrize("content, message", [
     (None, "no such file"), ("dir", "is a directory"), (b"\xff\xfe\x00", "not UTF-8"),
-    ("def ring_all_reduce(comm, x, op='sum')\n    pass\n", "line 1"),
+    ("def ring_all_reduce(comm, x, op='sum')\n    pass\n", "mine.py line 1: expected ':'"),
     ("import no_such_module_here\n", "ModuleNotFoundError"),
     ("def something_else():\n    pass\n", "defines no ring_all_reduce"),
     ("ring_all_reduce = 3\n", "expected a function or a class")])
