@@ -154,6 +154,9 @@ def cmd_check(args, progress):
         if first:
             print(f"Not yet. Start with hint {first}: python -m minitrain.exercises hint {e.name} --level {first}")
         return 1
+    if args.reference:
+        print("minitrain's own implementation passes every check.")
+        return 0
     order = names()
     following = order[order.index(e.name) + 1] if order.index(e.name) + 1 < len(order) else None
     print(f"{e.name} is done." + (f" Next: python -m minitrain.exercises show {following}" if following else ""))

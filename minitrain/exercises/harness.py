@@ -116,12 +116,15 @@ def _rank_lines(p, describe):
     return lines
 
 
-def _describe_error(e):
+REPORT_LINES = 12       # lines of minitrain's own report shown for the rank that failed first
+
+
+def _describe_error(e, lines=1):
     at = where(e.__traceback__)
     if _is_rank_failed(e):
         text = "was waiting here; it stopped when another rank failed"
     else:
-        message = (str(e).strip().splitlines() or [""])[0]
+        message = "\n      ".join(str(e).strip().splitlines()[:lines])
         text = f"{type(e).__name__}: {message}" if message else type(e).__name__
     return text + (f"\n      at {at}" if at else "")
 
@@ -130,9 +133,11 @@ def _failure_report(p, errors, finished, timeout):
     timed_out = sorted(r for r, e in errors.items() if _is_timeout(e))
     raised = sorted(r for r, e in errors.items() if not _is_timeout(e) and not _is_rank_failed(e))
 
+    first = (raised or timed_out or [None])[0]
+
     def describe(r):
         if r in errors:
-            return _describe_error(errors[r])
+            return _describe_error(errors[r], REPORT_LINES if r == first else 1)
         return "returned normally" if finished.get(r) else "was stopped"
 
     lines = _rank_lines(p, describe)
