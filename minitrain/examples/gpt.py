@@ -14,12 +14,11 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples.common import tqdm, fmt_bytes, launch_info, memory_table, persistent_memory, write_json
 from minitrain.parallel import offload_activations
 
 
@@ -97,7 +96,8 @@ def main(argv=None):
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
     val_rng = np.random.default_rng(args.seed + 1)           # validation batches
-    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars")
+    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars, "
+          f"on {minitrain.backend.describe_device()}")
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)
@@ -145,7 +145,8 @@ def main(argv=None):
             "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / args.steps if offload else 0,
             "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
-            "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
+            "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
+                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })
     return 0
 

@@ -93,6 +93,7 @@ def check_megatron_f_g(impl):
     """A column-then-row-parallel MLP built with the learner's f and g equals the unsplit MLP: output,
     input gradient and weight gradients, at t = 1..4."""
     import minitrain as mt
+    from minitrain.backend import to_host
     from minitrain.comm import ThreadWorld
     from minitrain.nn import functional as F
 
@@ -110,7 +111,7 @@ def check_megatron_f_g(impl):
         b = mt.Tensor(B[comm.rank * n:(comm.rank + 1) * n].T.copy(), requires_grad=True)
         out = g_class.apply(F.linear(F.linear(f_class.apply(xs, comm), a).relu(), b), comm)
         out.backward(dy)
-        return out.data, xs.grad, a.grad.T, b.grad.T
+        return tuple(to_host(v) for v in (out.data, xs.grad, a.grad.T, b.grad.T))   # (GPU: copied back)
 
     results = []
     for t in (1, 2, 3, 4):
@@ -121,10 +122,10 @@ def check_megatron_f_g(impl):
             continue
         n = 12 // t
         for label, ok, why in (
-                ("forward", all(np.allclose(o[0], y.data) for o in outputs), "the output is not X A B"),
-                ("input gradient", all(np.allclose(o[1], xt.grad) for o in outputs), "dX is not the full dX"),
-                ("weight gradients", all(np.allclose(o[2], At.grad[:, r * n:(r + 1) * n]) and
-                                         np.allclose(o[3], Bt.grad[r * n:(r + 1) * n]) for r, o in enumerate(outputs)),
+                ("forward", all(np.allclose(o[0], y.numpy()) for o in outputs), "the output is not X A B"),
+                ("input gradient", all(np.allclose(o[1], to_host(xt.grad)) for o in outputs), "dX is not the full dX"),
+                ("weight gradients", all(np.allclose(o[2], to_host(At.grad)[:, r * n:(r + 1) * n]) and
+                                         np.allclose(o[3], to_host(Bt.grad)[r * n:(r + 1) * n]) for r, o in enumerate(outputs)),
                  "dA_r / dB_r differ from the slices of dA / dB")):
             results.append((f"t={t}: {label}", None if ok else AssertionError(why)))
     return results
