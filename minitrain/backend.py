@@ -166,17 +166,6 @@ def synchronize():
         _cupy.cuda.get_current_stream().synchronize()
 
 
-def same_place(a, like, what):
-    """``a`` where ``like`` lives: a host array passed to device code is copied on purpose (and
-    counted); a device array where host memory is expected is refused, naming the argument."""
-    if is_device_array(like) and not is_device_array(a):
-        return to_device(a)
-    if is_device_array(a) and not is_device_array(like):
-        raise TypeError(f"{what} is on the GPU but the other operands are on the host: pass "
-                        f"minitrain.backend.to_host({what.split()[0]}) (or move the others with to_device)")
-    return a
-
-
 # ---------------------------------------------------------------- kernels, randomness, events
 def scatter_add(out, indices, values):
     """out[indices] += values, adding where an index repeats (np.add.at / cupyx.scatter_add)."""

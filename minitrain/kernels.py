@@ -3,11 +3,11 @@ reduction fused with the elementwise work before and after it), where the NumPy 
 op launches one kernel per operation. The CPU keeps its own NumPy code (ops.py, adam.py): the
 numbers there stay exactly what they were.
 
-Kernel launches per call (device), before -> after fusion:
-  GELU forward 7 -> 1, backward 11 -> 1        softmax forward 5 -> 3, backward 4 -> 2
-  log-softmax forward 6 -> 3, backward 4 -> 2   layer norm forward 10 -> 4, backward 13 -> 5
-  dropout forward 6 -> 2 (draw + mask), backward 1 -> 1 (a bool mask instead of a float one)
-  Adam / AdamW step per parameter 10-12 -> 1
+Kernel launches per call, forward / backward (gradient accumulation included), before -> after, as
+the CuPy stand-in counts them on a (4, 8, 16) float32 input:
+  GELU 9 / 13 -> 1 / 1             softmax 5 / 4 -> 3 / 2          log-softmax 6 / 4 -> 3 / 2
+  layer norm 10 / 11 -> 4 / 5      dropout 4 and a host-to-device copy of the mask / 1 -> 3 (2 are
+  cuRAND's) / 1, keeping a bool mask instead of a float one      Adam 15 -> 1, AdamW 14 -> 1 per parameter
 (scripts/bench_gpu.py counts a whole GPT step's launches under the CuPy stand-in.)
 Python scalars are kernel arguments (changing the learning rate does not recompile); reductions
 inside a fused kernel take no keepdims (CuPy's fusion has none), so their results are reshaped.

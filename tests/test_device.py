@@ -52,7 +52,9 @@ def mlp_step(comm, strategy, dtype=np.float32):
     x, y = batch()
     rows = slice(comm.rank * 8, comm.rank * 8 + 8)
     if strategy == "ddp":
-        wrapped, opt = DistributedDataParallel(model, comm), optim.Adam(model.parameters(), lr=1e-2)
+        wrapped = DistributedDataParallel(model, comm)
+        opt = optim.Adam(model.parameters(), lr=1e-2) if dtype == np.float32 else \
+            optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2)
     elif strategy == "zero3":
         wrapped = FullyShardedDataParallel(model, comm)
         opt = optim.Adam(wrapped.parameters(), lr=1e-2)
@@ -76,8 +78,9 @@ def test_a_data_parallel_step_makes_no_synchronisation_and_no_implicit_copy(stan
         assert_budget(delta, syncs=1)          # the loss, read by the loop
 
 
-def test_mixed_precision_adds_one_synchronisation_for_its_overflow_check(standin_gpu):
-    deltas = ThreadWorld(2).run(lambda comm: counted_step(standin_gpu, mlp_step(comm, "zero2", backend.bfloat16)))
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_mixed_precision_adds_one_synchronisation_for_its_overflow_check(standin_gpu, strategy):
+    deltas = ThreadWorld(2).run(lambda comm: counted_step(standin_gpu, mlp_step(comm, strategy, backend.bfloat16)))
     for delta in deltas:
         assert_budget(delta, syncs=2)
 
@@ -208,8 +211,12 @@ def test_dropout_masks_are_drawn_on_the_device_replay_and_agree_across_tensor_pa
         a = F.dropout(x, 0.5).numpy()
     assert c.delta["h2d"] == 0                       # no mask came from the host
     random.set_state(state)
-    full = F.dropout(x, 0.5).numpy()
+    leaf = mt.Tensor(np.ones((4, 6), np.float32), requires_grad=True)
+    out = F.dropout(leaf, 0.5)
+    out.sum().backward()
+    full = out.numpy()
     np.testing.assert_array_equal(a, full)           # recomputation replays it
+    np.testing.assert_array_equal(backend.to_host(leaf.grad), full)      # d(x·mask/(1-p))/dx = mask/(1-p)
     assert set(np.unique(a)) <= {0.0, 2.0} and 0 < (a == 0).sum() < a.size
     random.set_state(state)
     half = ops.Dropout.apply(mt.Tensor(np.ones((4, 3), np.float32)), 0.5, full_shape=(4, 6),
@@ -304,3 +311,21 @@ def test_tensor_parallel_gpt_takes_host_tokens_and_matches_the_gpt(float64):
         return tensor_parallelize(nn.GPT(gpt_config()), comm)(idx, targets)[1].item()
     for got in ThreadWorld(2).run(run):
         assert got == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_trace_spans_are_timed_by_device_events_and_read_back_once(standin_gpu):
+    from minitrain import trace
+    tracer = trace.Tracer(rank=0)
+    trace.set_tracer(tracer)
+    trace.enable(rank=0)
+    x = mt.Tensor(np.ones((64, 64), np.float32))
+    with standin_gpu._standin.counting() as during:
+        for _ in range(3):
+            with trace.span("matmul"):
+                (x @ x).sum()
+    events = trace.events()
+    trace.disable()
+    trace.set_tracer(trace._default)
+    assert during.delta["sync"] == 0                           # recording events never waits
+    assert len(events) == 3 and all("host_start" in e["args"] and "_cuda" not in e for e in events)
+    assert all(e["end"] >= e["start"] for e in events) and events[1]["start"] >= events[0]["end"]

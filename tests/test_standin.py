@@ -31,10 +31,12 @@ def test_no_implicit_conversion_to_numpy(cp):
 
 
 @pytest.mark.parametrize("mix", [lambda x, h: x + h, lambda x, h: h * x, lambda x, h: x.__iadd__(h),
-                                 lambda x, h: np.concatenate([x, h]), lambda x, h: np.maximum(h, x)])
+                                 lambda x, h: np.maximum(h, x), lambda x, h: np.where(x > 0, h, x)])
 def test_numpy_arrays_are_refused_in_device_operations(cp, mix):
     with pytest.raises(TypeError, match="Unsupported type <class 'numpy.ndarray'>"):
         mix(cp.arange(3.0), np.ones(3))
+    with pytest.raises(TypeError, match="Only cupy arrays can be concatenated"):
+        np.concatenate([cp.arange(3.0), np.ones(3)])
 
 
 def test_scalars_mix_and_numpy_functions_dispatch_to_the_device(cp):

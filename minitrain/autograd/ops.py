@@ -485,7 +485,7 @@ def _debug():
     return os.environ.get("MINITRAIN_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-_rows = {}     # (n, module) -> arange(n): the row index of every target, made once per batch size
+_rows = {}     # (n, module, GPU) -> arange(n) on that GPU: the targets' row indices, made once per size
 
 
 class CrossEntropy(Function):

@@ -44,6 +44,8 @@ def _generic(name):
             raise TypeError(f"cupy.{name} is not supported in cupy.fuse (the stand-in allows what CuPy's fusion "
                             "compiles: ufuncs, cupy.where, astype, copy, x[...] = y, one sum/prod/amax/amin)")
         found = []
+        if name == "concatenate" and args and any(not isinstance(a, ndarray) for a in args[0]):
+            raise TypeError("Only cupy arrays can be concatenated")        # CuPy's concatenate_method
         raw = [unwrap(a, found) for a in args]
         raw_kwargs = {k: unwrap(v, found) for k, v in kwargs.items()}
         out = kwargs.get("out")
