@@ -190,6 +190,7 @@ class _Fused:
         self.make, self.name = make, name
         self.fused = self.plain = None
         self.unfusable = set()
+        FUSED.append(self)
 
     def __call__(self, *args):
         if self.fused is None:
@@ -207,6 +208,10 @@ class _Fused:
                 sys.stderr.write(f"minitrain: cupy.fuse could not compile {self.name} for {key} "
                                  f"({type(e).__name__}: {e}); running it unfused\n")
         return self.plain(*args)
+
+
+#: every fused kernel made so far (``unfusable``: the argument types CuPy could not compile it for)
+FUSED = []
 
 
 def fuse(make, name):

@@ -257,6 +257,9 @@ def main(argv=None):
         print_row(name, row)
     print("(kernels: launches per step counted by the CuPy stand-in, with fusion / without (MINITRAIN_FUSE=0);"
           " '-' on a real GPU.\n syncs, h2d, d2h: minitrain's own per step, the batch being on the GPU already)")
+    fallbacks = {f.name: sorted(map(str, f.unfusable)) for f in backend.FUSED if f.unfusable}
+    results["fusion_fallbacks"] = fallbacks
+    print("kernels cupy.fuse could not compile (run unfused): " + (str(fallbacks) if fallbacks else "none"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -16,7 +16,8 @@
 # job, default 150 s), writes its log to OUT_DIR/<step>.log, and a failure is reported and the next
 # one runs. OUT_DIR/figures.json collects every step's status and every job's figures.
 # Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
-# to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options.
+# to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
+# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
 set -u
 OUT=${1:?usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]}
 shift
@@ -28,6 +29,8 @@ PY=${PYTHON:-python3}
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 BENCH_ARGS=${BENCH_ARGS:-}
+EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run: the job's default, 30)
+GPT_STEPS=${GPT_STEPS:-100}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
        MKL_NUM_THREADS=1 MINITRAIN_TIMEOUT=120 PYTHONDONTWRITEBYTECODE=1
 
@@ -116,7 +119,7 @@ step_mlp() {
   run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --json "$OUT/mlp_full_4.json" || status=1
   for n in 1 2 4; do
     for strategy in ddp local_sgd zero1 zero2 zero3; do
-      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs 10 --strategy "$strategy" \
+      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy "$strategy" \
           --json "$OUT/mlp_${strategy}_$n.json" || status=1
     done
   done
@@ -133,7 +136,7 @@ step_mlp2() {
                  "pipeline --schedule pipedream_2bw --layers 3"; do
       local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_')_$n"
       # shellcheck disable=SC2086
-      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs 10 --strategy $flags \
+      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy $flags \
           --json "$OUT/$name.json" || status=1
     done
   done
@@ -151,7 +154,7 @@ step_gpt() {
     flags=${spec#*|}
     name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_')_$n"
     # shellcheck disable=SC2086
-    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps 100 $flags --json "$OUT/$name.json" || status=1
+    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
   done
   return $status
 }
@@ -187,7 +190,7 @@ for step in $STEPS; do
   echo "##### $step (limit $STEP_TIMEOUT s)"
   start=$SECONDS
   export -f run mpi "step_$step"
-  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS
+  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS EPOCHS GPT_STEPS
   LAUNCH_STR=$(printf '%q ' "${LAUNCH[@]}")
   timeout -k 10 "$STEP_TIMEOUT" bash -c "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
   rc=${PIPESTATUS[0]}

@@ -87,11 +87,12 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
     import json
     import subprocess
     from minitrain.testing import mpiexec_path
-    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "env", "bench", "nosuchstep",
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "env", "nosuchstep", "tests",
                              "transport"], capture_output=True, text=True, timeout=600,
-                            env=_standin_env(BENCH_ARGS="--tiny", PYTHON=sys.executable, MPIRUN=mpiexec_path()))
+                            env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path()))
     assert result.returncode == 1, result.stdout + result.stderr          # the unknown step fails the run...
     figures = json.loads((tmp_path / "figures.json").read_text())
-    assert {s: v["status"] for s, v in figures["steps"].items()} == {"env": "ok", "bench": "ok", "transport": "ok"}
-    assert figures["bench_gpu"]["gpt"]["tiny"]["per_step"]["sync"] == 0   # ...and the others ran
-    assert "MPI CUDA-aware: False" in (tmp_path / "env.log").read_text()
+    assert {s: v["status"] for s, v in figures["steps"].items()} == {"env": "ok", "tests": "ok", "transport": "ok"}
+    env_log = (tmp_path / "env.log").read_text()                         # ...and the others ran
+    assert "rank 1: local rank 1, GPU cuda:1" in env_log and "MPI CUDA-aware: False" in env_log
+    assert "no test ran: no real GPU here" in (tmp_path / "tests.log").read_text()

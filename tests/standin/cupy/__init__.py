@@ -34,8 +34,9 @@ h2d_implicit, sync, kernels (per name), fused, device_pointers, pinned_bytes; se
 import numpy as _np
 
 from . import _standin
-from ._core import ndarray, ufunc
-from ._functions import NAMES as _NAMES, build_namespace as _build_namespace
+from ._core import ndarray
+from ._ufunc import ufunc
+from ._functions import build_namespace as _build_namespace
 from ._fusion import fuse
 from ._methods import METHODS as _METHODS
 from . import cuda

@@ -8,7 +8,7 @@ _routines_indexing.pyx at v14.2.0); what CuPy copies or synchronises silently is
 import numpy as np
 
 from . import _standin as S
-from ._ufunc import _MISSING, SCALAR_TYPES, UFUNCS, _binary, _inplace, ufunc  # noqa: F401  (cupy.ufunc)
+from ._ufunc import _MISSING, SCALAR_TYPES, UFUNCS, _binary, _inplace
 
 
 def _peer_error(array_device):
@@ -218,7 +218,6 @@ class ndarray:
 
     # ---- numpy interoperability, as CuPy: dispatch to cupy, refuse NumPy arrays
     def __array_ufunc__(self, u, method, *inputs, **kwargs):
-        import cupy
         if "out" in kwargs:
             out = kwargs["out"]
             if len(out) != 1:

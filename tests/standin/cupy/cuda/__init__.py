@@ -9,7 +9,6 @@ import ctypes
 import threading
 import time
 
-import numpy as np
 
 from .. import _standin as S
 from . import curand, runtime  # noqa: F401  (cupy.cuda.runtime, cupy.cuda.curand)

@@ -21,10 +21,6 @@ _ERRORS = {
     cudaErrorNotSupported: ("cudaErrorNotSupported", "operation not supported"),
 }
 
-#: whether CUDA IPC works here (the stand-in: never; a test may set it to exercise its own double)
-IPC_SUPPORTED = False
-
-
 class CUDARuntimeError(RuntimeError):
     def __init__(self, status):
         self.status = status
@@ -77,6 +73,7 @@ def deviceCanAccessPeer(device, peer):
 
 
 def _ipc_unsupported(*args, **kwargs):
+    """CUDA IPC is not supported here (as in some containers): every IPC call fails like that."""
     raise CUDARuntimeError(cudaErrorNotSupported)
 
 
