@@ -134,7 +134,7 @@ step_mlp2() {
                  "pipeline --schedule gpipe --layers 3" "pipeline --schedule 1f1b --layers 3" \
                  "pipeline --schedule interleaved_1f1b --chunks 2 --layers 7" \
                  "pipeline --schedule pipedream_2bw --layers 3"; do
-      local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_')_$n"
+      local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
       # shellcheck disable=SC2086
       run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy $flags \
           --json "$OUT/$name.json" || status=1
@@ -152,7 +152,7 @@ step_gpt() {
               "4|--pp 2 --schedule interleaved_1f1b --chunks 2 --microbatches 2 --n-layer 4"; do
     n=${spec%%|*}
     flags=${spec#*|}
-    name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_')_$n"
+    name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
     # shellcheck disable=SC2086
     run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
   done
