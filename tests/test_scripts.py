@@ -75,3 +75,40 @@ def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, ca
     for extra, piece in zip(results["load_extra"], results["largest_piece"]):
         assert extra <= piece + 256 * 1024                  # one piece in memory (+ the plan's JSON)
     assert all(v > 0 for v in results["seconds"].values())
+
+
+def _standin_env(**extra):
+    import os
+    standin = str(pathlib.Path(__file__).parent / "standin")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([standin, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_bench_gpu_runs_under_the_cupy_standin_and_counts_what_fusion_saves(tmp_path):
+    import json
+    import subprocess
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu.py"), "--tiny", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, env=_standin_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PyTorch CUDA anchor SKIPPED" in result.stdout and "gpt tiny" in result.stdout
+    report = json.loads(out.read_text())
+    for row in list(report["gpt"].values()) + list(report["mlp"].values()):
+        assert row["per_step"]["sync"] == 0 and row["per_step"]["device_syncs"] == 0
+        assert row["per_step"]["kernels"] < row["per_step_unfused"]["kernels"] / 2
+        assert row["ratio"] is None                       # no CUDA here: no anchor, no ratio
+
+
+def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
+    import json
+    import subprocess
+    from minitrain.testing import mpiexec_path
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "env", "nosuchstep", "tests",
+                             "transport"], capture_output=True, text=True, timeout=600,
+                            env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path()))
+    assert result.returncode == 1, result.stdout + result.stderr          # the unknown step fails the run...
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert {s: v["status"] for s, v in figures["steps"].items()} == {"env": "ok", "tests": "ok", "transport": "ok"}
+    env_log = (tmp_path / "env.log").read_text()                         # ...and the others ran
+    assert "rank 1: local rank 1, GPU cuda:1" in env_log and "MPI CUDA-aware: False" in env_log
+    assert "no test ran: no real GPU here" in (tmp_path / "tests.log").read_text()

@@ -17,14 +17,13 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples.common import tqdm, fmt_bytes, launch_info, memory_table, persistent_memory, write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
@@ -130,7 +129,8 @@ def main(argv=None):
     scheduler = scheduler_for(opt, args)
     rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
     val_rng = np.random.default_rng(args.seed + 1)           # validation batches
-    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars")
+    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars, "
+          f"on {minitrain.backend.describe_device()}")
     ckpt = checkpointing.Checkpointer(args, None, model, opt, scheduler, layout=layout(args),
                                       extra=lambda: {"data_rng": rng.bit_generator.state})
     try:
@@ -193,7 +193,8 @@ def main(argv=None):
             "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
             "tokens_per_second": len(losses) * args.batch_size * args.block_size / elapsed,
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
+            "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
+                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })
     return 0
 

@@ -19,7 +19,6 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
@@ -27,7 +26,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
+from minitrain.examples.common import device_code, device_name, fmt_bytes, persistent_memory, tqdm, write_json
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
@@ -136,7 +135,7 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"]], np.float64)
+                    peak["total"], device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -150,7 +149,7 @@ def main_parallel(args):
     formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
-    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]}"
+    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0]"
           + (", sequence parallel" if args.sequence_parallel else ""))
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
@@ -160,12 +159,12 @@ def main_parallel(args):
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {steps / elapsed:.1f} steps/s")
-    print(f"\n{'rank':>4} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} {'grads':>10} "
-          f"{'optimizer':>10} {'peak act.':>10} {'peak':>10}")
+    print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
+          f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
         layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
-        print(f"{r:>4} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
-              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:]))
+        print(f"{r:>4} {device_name(v[7]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
@@ -185,7 +184,7 @@ def main_parallel(args):
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
-            "ranks": [{"rank": r, "bytes_sent": float(v[0]) * steps,
+            "ranks": [{"rank": r, "device": device_name(v[7]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
                                   "peak": {"activations": int(v[5]), "total": int(v[6])}}}
                       for r, v in enumerate(table)]})

@@ -16,7 +16,6 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
@@ -25,7 +24,8 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory, tqdm,
+                                       write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -279,7 +279,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
-           *[host[c] for c in ("params", "grads", "optimizer_state")]]
+           *[host[c] for c in ("params", "grads", "optimizer_state")], device_code()]
     table = gather_rows(comm, row)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
     losses = global_losses(comm, state_losses)
@@ -298,15 +298,16 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     state_item = 4 if args.dtype in LOW_PRECISION else itemsize
     k = {"adam": 2, "sgd": 1}[args.optimizer] * state_item + (state_item if args.dtype in LOW_PRECISION or args.offload else 0)
     state_formula = model_state_bytes(psi, world, stage, param_bytes=itemsize, grad_bytes=itemsize, k=k)
-    print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s), {args.optimizer}, "
+    print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
+          f"[{minitrain.backend.describe_device()} on rank 0], {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
-    print(f"\n{'rank':>4} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
+    print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
-        print(f"{r:>4} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms {v[3] * 1e3:>9.2f}ms "
-              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
+        print(f"{r:>4} {device_name(v[17]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
+              f"{v[3] * 1e3:>9.2f}ms {fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
     print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
@@ -325,7 +326,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           + ")")
     ranks = []
     for r, v in enumerate(table):
-        ranks.append({"rank": r, "samples_per_second": v[0], "compute_seconds_per_step": v[1],
+        ranks.append({"rank": r, "device": device_name(v[17]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
                       "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
                       "bytes_sent": v[4] * steps,
                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),

@@ -13,7 +13,6 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
@@ -22,7 +21,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import fmt_bytes, write_json
+from minitrain.examples.common import device_code, device_name, fmt_bytes, tqdm, write_json
 from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
@@ -111,6 +110,7 @@ def main_pipeline(args, parser, comm):
     bubbles = np.asarray(pipe.measured_bubble_fraction(events))        # over this pipeline's ranks
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
+    devices = [device_name(c) for c in mtcomm.ring_all_gather(comm, np.array([float(device_code())]), total=world)]
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     if rank != 0:
         return 0
@@ -123,9 +123,11 @@ def main_pipeline(args, parser, comm):
           + (f", {args.dp} data-parallel replicas" if args.dp > 1 else "") + f", {args.microbatches} micro-batches")
     print(f"final loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
+    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0)")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
+              "ranks": [{"rank": r, "device": d} for r, d in enumerate(devices)],
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,

@@ -152,6 +152,8 @@ class GPT(Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if backend.is_device_array(self.wte.weight.data) and not backend.is_device_array(idx):
+            idx = backend.to_device(idx)                  # tokens from the host: one counted copy
         pos = backend.array_module(idx).arange(T)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:

@@ -10,6 +10,9 @@ computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and
 Bytes per parameter: 2 (param) + 2 (grad) + K with K = 4 (master) + 4 + 4 (Adam's moments) = 12,
 the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as ``optimizer_state``.
 
+On the GPU the inf/NaN check is one device reduction over all gradients and one synchronisation
+per step (skipping a step is a decision the host makes, as in PyTorch's GradScaler).
+
 Loss scaling (fp16 only; bfloat16 has fp32's exponent range): small gradients underflow in fp16,
 so the loss is multiplied by S before backward and the gradients divided by S in fp32 after. With
 ``loss_scale="dynamic"`` (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
@@ -22,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from .. import backend, memory
+from .. import backend, kernels, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
 from .optimizer import _release
@@ -74,8 +77,12 @@ class MixedPrecisionOptimizer:
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def _found_inf(self):
-        local = any(q.grad is not None and not bool(array_module(q.grad).isfinite(q.grad).all())
-                    for q in self.params)
+        grads = [q.grad for q in self.params if q.grad is not None]
+        if grads and backend.is_device_array(grads[0]):     # one device reduction, one synchronisation
+            counts = array_module(grads[0]).stack([kernels.count_nonfinite(g) for g in grads])
+            local = bool(backend.to_scalar(counts.sum()))
+        else:
+            local = any(not bool(array_module(g).isfinite(g).all()) for g in grads)
         if self.comm is None or self.comm.size == 1:
             return local
         from ..comm import all_reduce               # shards: every rank must agree to skip

@@ -38,10 +38,6 @@ class _UnitRef:
         self.unit, self.offset, self.shape, self.strides = unit, offset, shape, strides
 
 
-def _byte_offset(view, base):
-    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-
-
 class _Unit:
     def __init__(self, name, module, params, comm, offload_params=False):
         self.name, self.module, self.comm = name, module, comm
@@ -106,7 +102,7 @@ class _Unit:
 
     def view(self, ref):
         self.gather()
-        return self.xp.ndarray(ref.shape, self.dtype, buffer=self.full, offset=ref.offset, strides=ref.strides)
+        return backend.view_of(self.full, ref.shape, self.dtype, ref.offset, ref.strides)
 
     # ---- gradients
     def grad_ready(self, q, fsdp):
@@ -221,7 +217,7 @@ class FullyShardedDataParallel:
         unit = self._unit_holding(a)
         if unit is None:
             return a
-        return _UnitRef(unit, _byte_offset(a, unit.full), a.shape, a.strides)
+        return _UnitRef(unit, backend.byte_offset(a, unit.full), a.shape, a.strides)
 
     def _unpack(self, x):
         if not isinstance(x, _UnitRef):

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import memory, trace
 from ..autograd.engine import queue_callback
-from ..backend import LOW_PRECISION, array_module
+from ..backend import LOW_PRECISION, array_module, is_device_array
 from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
@@ -209,9 +209,15 @@ class ZeroRedundancyOptimizer:
             self._reduce_scatter_stage1()
         g = self.shard.grad
         g32 = g.astype(np.float64)
+        scale = getattr(self.optimizer, "loss_scale", 1.0)
+        if is_device_array(g):       # no synchronisation: the norm stays on the device (see optim/clip.py)
+            xp = array_module(g)
+            total = xp.sqrt(all_reduce(self.comm, (g32 * g32).sum().reshape(1), op="sum")[0]) / scale
+            g *= xp.minimum(max_norm / (total + 1e-6), 1.0)
+            return total
         local = np.array([float((g32 * g32).sum())], np.float64)
         # with a loss scale S the gradients are S times too large: the true norm is total / S
-        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / getattr(self.optimizer, "loss_scale", 1.0)
+        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / scale
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             g[...] = g * coef

@@ -27,9 +27,9 @@ data and simulator show the no-flush timing of several batches chained.
 """
 import numpy as np
 
-from ... import trace
+from ... import backend, trace
 from ...autograd import Tensor
-from ...backend import array_module, bfloat16
+from ...backend import array_module, bfloat16, is_device_array
 from ...comm import all_reduce, broadcast
 from ...nn import Sequential
 from ...sharded import whole
@@ -197,7 +197,7 @@ class PipelineParallel:
                         inputs[mb, chunk] = inp
                         if virtual == last_virtual:
                             loss = loss_fn(out, y[mb * size:(mb + 1) * size])
-                            losses[mb] = loss.item()
+                            losses[mb] = loss.data           # read once, after the step (no sync per micro-batch)
                             outputs[mb, chunk] = loss * (1.0 / self.m)     # mean over micro-batches
                         else:
                             outputs[mb, chunk] = out
@@ -219,8 +219,16 @@ class PipelineParallel:
                     self._all_reduce_gradients()
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
-        total = np.array([sum(losses.values()) / self.m if losses else 0.0])
+        total = np.array([self._mean_loss(list(losses.values()))])
         return float(broadcast(self.comm, total, root=last_virtual % self.p)[0])
+
+    def _mean_loss(self, values):
+        """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
+        if not values:
+            return 0.0
+        if is_device_array(values[0]):
+            return backend.to_scalar(array_module(values[0]).stack(values).astype(np.float64).sum()) / self.m
+        return sum(float(v) for v in values) / self.m
 
     def _all_reduce_gradients(self):
         params = [q for q in self.parameters() if q.grad is not None]
