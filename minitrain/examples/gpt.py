@@ -19,7 +19,7 @@ from tqdm import tqdm
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, planner_line, write_json
 from minitrain.parallel import offload_activations
 
 
@@ -105,8 +105,10 @@ def main(argv=None):
     bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
+    step_times = []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
+        started = time.perf_counter()
         if offload is not None:
             with offload:
                 _, loss = model(x, y)
@@ -116,6 +118,7 @@ def main(argv=None):
         loss.backward()
         optim.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        step_times.append(time.perf_counter() - started)
         persistent = persistent_memory()
         losses.append(loss.item())
         if step % 10 == 0:
@@ -137,6 +140,7 @@ def main(argv=None):
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / args.steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
+    print(planner_line(args, 1, float(np.median(step_times)), peak["total"], kind="gpt", vocab_size=corpus.vocab_size))
     if args.json:
         write_json(args.json, {
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
@@ -145,6 +149,7 @@ def main(argv=None):
             "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / args.steps if offload else 0,
             "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
+            "step_time_s": float(np.median(step_times)),
             "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })
     return 0

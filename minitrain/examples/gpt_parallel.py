@@ -23,7 +23,7 @@ import minitrain
 from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
+from minitrain.examples.common import fmt_bytes, persistent_memory, planner_line, write_json
 from minitrain.examples.gpt import estimate_loss
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
@@ -89,14 +89,17 @@ def main_parallel(args):
     sent_before = bytes_sent()
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
+    step_times = []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
+        started = time.perf_counter()
         model.zero_grad()
         with offload:
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
+        step_times.append(time.perf_counter() - started)
         persistent = persistent_memory()
         losses.append(loss)
         if step % 10 == 0:
@@ -107,7 +110,7 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"]], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(step_times)], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -136,10 +139,12 @@ def main_parallel(args):
     for r, v in enumerate(table):
         layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
         print(f"{r:>4} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
-              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:]))
+              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
+    print(planner_line(args, world, float(table[:, -1].max()), table[:, 6].max(), kind="gpt",
+                       vocab_size=config.vocab_size))
     sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
                            rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -152,11 +157,12 @@ def main_parallel(args):
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
+            "step_time_s": float(table[:, -1].max()),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
             "ranks": [{"rank": r, "bytes_sent": float(v[0]) * args.steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
-                                  "peak": {"activations": int(v[5]), "total": int(v[6])}}}
+                                  "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}}}
                       for r, v in enumerate(table)]})
     return 0

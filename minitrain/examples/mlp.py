@@ -21,7 +21,7 @@ from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
+from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, planner_line, write_json
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -157,6 +157,7 @@ def main(argv=None):
     steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
     elapsed = time.perf_counter() - start
     bar.close()
+    args.step_time = float(np.median(state["step_times"]))        # this rank's median step (planner's comparison)
     _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
                     x_test, y_test, local_batch, offload, state["host"])
     return 0
@@ -168,6 +169,7 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             events_before = len(trace.tracer().events)
+            started = time.perf_counter()
             with trace.span("step", kind="step"):
                 with trace.span("forward"):
                     if offload is not None:
@@ -182,6 +184,7 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
                     opt.step()
                     if args.strategy == "local_sgd":
                         wrapped.step()
+            state.setdefault("step_times", []).append(time.perf_counter() - started)
             state["persistent"] = persistent_memory()
             state["host"] = memory.host_snapshot()
             steps += 1
@@ -219,7 +222,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
-           *[host[c] for c in ("params", "grads", "optimizer_state")]]
+           *[host[c] for c in ("params", "grads", "optimizer_state")], args.step_time]
     table = gather_rows(comm, row)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
     if args.trace:
@@ -250,6 +253,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
+    print(planner_line(args, world, float(table[:, 17].max()), table[:, 13].max()))
     print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
@@ -277,7 +281,8 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
-            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0, "ranks": ranks})
+            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0,
+            "step_time_s": float(table[:, 17].max()), "ranks": ranks})
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -17,10 +17,10 @@ from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
-from minitrain import nn, optim, trace
+from minitrain import memory, nn, optim, trace
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, write_json
+from minitrain.examples.common import fmt_bytes, planner_line, write_json
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
 
@@ -67,18 +67,22 @@ def main_pipeline(args, parser, comm):
     bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
     trace.enable(rank=rank)
+    memory.reset_peak()
     comm.barrier()
     start = time.perf_counter()
     steps = seen = 0
+    step_times = []
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             if len(yb) != local_batch:
                 continue                             # a short last batch would not split into micro-batches
             trace.tracer().events.clear()            # keep the last step's trace only
+            started = time.perf_counter()
             opt.zero_grad()
             loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
             opt.step()
+            step_times.append(time.perf_counter() - started)
             steps += 1
             seen += len(yb)
             bar.update(1)
@@ -90,6 +94,9 @@ def main_pipeline(args, parser, comm):
     bubbles = np.asarray(pipe.measured_bubble_fraction(events))        # over this pipeline's ranks
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
+    peak = memory.peak()                             # per rank: every category, and its median step
+    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.median(step_times)], np.float64)
+    table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     if rank != 0:
         return 0
@@ -104,13 +111,17 @@ def main_pipeline(args, parser, comm):
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
+    print(planner_line(args, world, float(table[:, -1].max()), table[:, -2].max()))
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": args.chunks, "dp": args.dp,
                            "measured_bubble_fraction": float(np.mean(bubbles)),
                            "measured_bubble_fraction_per_rank": bubbles.tolist(),
-                           "formula_bubble_fraction": formula}}
+                           "formula_bubble_fraction": formula},
+              "step_time_s": float(table[:, -1].max()),
+              "ranks": [{"rank": r, "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-1])))}}
+                        for r, v in enumerate(table)]}
     if args.json:
         write_json(args.json, report)
     if args.plot:

@@ -1,0 +1,2 @@
+def load_machine(name=None):
+    return {"name": "stub"}

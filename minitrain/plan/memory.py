@@ -1,0 +1,397 @@
+"""Bytes per rank by category (params, grads, optimizer_state, activations, comm_buffers), two accountings.
+
+**paper**: the papers' assumptions, to reproduce their tables. Model states are ZeRO's (Rajbhandari et al.
+2020, Figure 1): (2 + 2 + K)Ψ with K = 12 (mixed-precision Adam), sharded by stage over N_d
+(``minitrain.parallel.zero_memory``, the same code the ZeRO tests use). Activations per transformer layer
+are Korthikanti et al. (2022) Table 2 (16-bit values, 1-byte dropout masks): sbh(34 + 5as/h) alone;
+TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t·(34 + 5as/h); selective recompute sbh(10 + 24/t), with SP
+34sbh/t; full recompute 2sbh (2sbh/t with SP). A pipeline stage keeps its layers' activations for
+every micro-batch in flight (the schedule's own action list says how many). Extras (sec. 4 as we read
+it): the embedding's dropout mask sbh/t per micro-batch on the first stage; the last LayerNorm's and the
+LM head's inputs (2sbh/t each) and the fp32 logits 4sbV/t on the last.
+
+**minitrain**: the bytes minitrain.memory's ledger counts, its peak per category (``step_walk`` replays
+one step as the ledger sees it). A transformer block saves sbh(4 + 16/t) + 2as²b/t + 2sb values, with SP
+20sbh/t + 2as²b/t + 2sb/t (derived in parallel/tensor_parallel.py); an MLP saves its input and every ReLU's
+output; DDP holds two bucket copies of the gradients (2Ψ·b), ZeRO-1 a flat gradient and a shard scratch,
+ZeRO-2 a staging buffer of Ψ, ZeRO-3 one gathered unit and two staging buffers at a time.
+"""
+from functools import lru_cache
+
+from ..parallel.pipeline import balanced_split_points, get_schedule
+from ..parallel.recompute import default_segments
+from ..parallel.zero_memory import model_state_bytes
+from .layout import PRECISIONS
+
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
+INT64 = 8
+
+
+# ---------------------------------------------------------------- the papers' formulas
+def korthikanti_layer_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute="none"):
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        return 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def paper_model_states(psi, dp, zero, offload=False):
+    states = model_state_bytes(psi, dp, zero, param_bytes=2, grad_bytes=2, k=12)
+    if offload:                        # ZeRO-Offload: the optimizer's K bytes live on the host
+        states = {**states, "optimizer_state": 0}
+    return states
+
+
+# ---------------------------------------------------------------- pieces: the layers a pipeline cuts
+class Piece:
+    """One layer of the Sequential a pipeline cuts: its parameters as ``units`` (FSDP's units, each a list
+    of tensors' element counts, tp shards), what it keeps for backward per micro-batch (``kept``), its own
+    bytes at the worst moment of its backward (``peak``: more than kept when it is recomputed), and
+    ``shared``: bytes held once per step whatever the micro-batch count (an array that every
+    micro-batch's slice is a view of)."""
+
+    def __init__(self, name, units, kept, peak=None, shared=0):
+        self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
+        self.peak = kept if peak is None else peak
+        self.unhooked = False      # run outside FSDP's wrapper: its saved weights are views, not re-gathered
+        self.parts = [self]        # a recomputed segment: the layers its backward goes through
+
+    @property
+    def sizes(self):
+        return [q for u in self.units for q in u]
+
+    @property
+    def params(self):
+        return sum(self.sizes)
+
+
+def mlp_pieces(model, layout, rows, in_pipeline=False):
+    """The MLP's modules (Linear saves its input, ReLU its output), or with ``--recompute full``
+    checkpoint_sequential's round(sqrt(n)) segments (each keeps only its input)."""
+    e = PRECISIONS[layout.precision]
+    loss_e = 4 if layout.mixed else e               # logits go back to fp32 for the loss
+    modules = model.modules()
+    width = [modules[0][1]] + [m[2] for m in modules]       # width of the tensor entering module j
+    pieces = []
+    for j, (kind, i, o) in enumerate(modules):
+        if kind == "linear":
+            first = j == 0 or modules[j - 1][0] != "relu"   # after a ReLU its input is the ReLU's output
+            kept = rows * i * e if first else 0
+            shared = 0
+            if j == 0 and in_pipeline:                      # micro-batches are views of the local batch
+                kept, shared = 0, layout.batch_size // layout.dp * i * e
+            pieces.append(Piece(f"linear{j // 2}", [[i * o, o]], kept, shared=shared))
+        else:
+            pieces.append(Piece(f"relu{j // 2}", [], rows * o * e))
+    loss = rows * model.sizes[-1] * loss_e + (0 if in_pipeline else rows * INT64)
+    pieces[-1].kept += loss + (e if in_pipeline else 0)     # log-softmax (+ targets; pipeline: loss / m)
+    pieces[-1].peak = pieces[-1].kept
+    if in_pipeline:
+        pieces[-1].shared += layout.batch_size // layout.dp * INT64      # targets: views of the local batch
+    if layout.recompute != "full" or in_pipeline:
+        if layout.offload_activations:
+            for p in pieces:
+                p.kept = p.peak = p.shared = 0
+        return pieces
+    n = len(modules)
+    k = default_segments(n)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    segments = []
+    for i in range(k):
+        lo, hi = bounds[i], bounds[i + 1]
+        part = pieces[lo:hi]
+        units = [u for p in part for u in p.units]
+        entering = rows * width[lo] * e
+        inner = sum(p.kept for p in part) - (entering if lo == 0 else 0)   # without the segment's input
+        if i == k - 1:         # the last segment runs plain (as in PyTorch): a Linear first saves its input
+            first = entering if modules[lo][0] == "linear" else 0
+            segments.append(Piece(f"segment{i}", units, 0 if layout.offload_activations else inner + first))
+            continue
+        # checkpointed: keeps its input; backward recomputes it outside any offload context
+        if layout.offload_activations:       # only the recomputed Linear's re-saved input is on the device
+            peak = inner + (entering if modules[lo][0] == "linear" else 0)
+            segments.append(Piece(f"segment{i}", units, 0, peak=peak))
+        else:
+            segments.append(Piece(f"segment{i}", units, entering, peak=entering + inner))
+    for i, segment in enumerate(segments):
+        segment.parts = pieces[bounds[i]:bounds[i + 1]]
+        segment.unhooked = True    # the job calls checkpoint_sequential on the bare model: FSDP's hooks bypassed
+    return segments
+
+
+def gpt_block_bytes(model, layout, b):
+    """(kept, peak) bytes of one transformer block for a micro-batch of b rows (see module docstring)."""
+    e = PRECISIONS[layout.precision]
+    s, h, a, t = model.block_size, model.n_embd, model.n_head, layout.tp
+    r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP
+    core = 2 * a * s * s * b / t * (2 if model.dropout else 1)
+    ln = s * b * h / r + s * b / r                      # x̂ and 1/σ
+    attn_in = ln + s * b * h / r + 3 * s * b * h / t    # ln_1, c_attn's input, the qkv buffer
+    full = (2 * ln + 2 * s * b * h / r + 16 * s * b * h / t + core
+            + (2 * s * b * h / r if model.dropout else 0))
+    if layout.recompute == "full":
+        kept = s * b * h / r
+        return e * kept, e * (kept + full)
+    if layout.recompute == "selective":
+        return e * (full - core), e * max(full - core, attn_in + core)
+    return e * full, e * full
+
+
+def gpt_pieces(model, layout, rows, single_process=False):
+    """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
+    e = PRECISIONS[layout.precision]
+    s, h, t, V = model.block_size, model.n_embd, layout.tp, model.vocab_size
+    r = t if layout.sequence_parallel else 1
+    v_pad = -(-V // t) * t
+    kept, peak = gpt_block_bytes(model, layout, rows)
+    emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
+    head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
+    targets = (rows if single_process else layout.batch_size) * s * INT64      # y: the global batch's array
+    if single_process:                                  # nn.GPT saves idx itself (the batch's own array)
+        emb_kept = s * INT64 + (e * rows * s * h if model.dropout else 0)
+        emb_shared = rows * s * INT64
+    else:
+        emb_shared = 0
+    block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    if layout.offload_activations:
+        kept = peak = emb_kept = emb_shared = head_kept = targets = 0
+    return ([Piece("embedding", [[v_pad * h // t, s * h]], emb_kept, shared=emb_shared)]
+            + [Piece(f"block{i}", [block], kept, peak) for i in range(model.n_layer)]
+            + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
+
+
+# ---------------------------------------------------------------- model states, minitrain's way
+def optimizer_bytes(n, layout):
+    """Optimizer state for n parameters: Adam's two moments (SGD's one momentum) in fp32 or fp64, plus
+    fp32 master weights under mixed precision or --offload (which puts all of it on the host)."""
+    e = PRECISIONS[layout.precision]
+    state = 4 if layout.mixed else e
+    moments = 1 if layout.optimizer == "sgd" else 2
+    return 0 if layout.offload else n * state * (moments + (1 if layout.mixed else 0))
+
+
+def fp32_step_grads(n, layout):
+    """MixedPrecisionOptimizer counts the fp32 copy of the gradients while it steps (on the host if offloaded)."""
+    return 4 * n if layout.mixed and not layout.offload else 0
+
+
+# ---------------------------------------------------------------- one step as the ledger sees it
+def step_walk(pieces, layout, dp):
+    """Peak bytes per category and of the total, for a rank that runs every piece on one micro-batch:
+    forward, ``zero_grad`` (the jobs call it after forward: last step's gradients are alive until then),
+    backward in reverse, the optimizer step. ZeRO stage ``layout.zero`` over ``dp`` ranks."""
+    e = PRECISIONS[layout.precision]
+    z, n, N, host = layout.zero, sum(p.params for p in pieces), dp, layout.offload
+    pad = -(-n // N) * N if z else n                          # ZeRO-1/2: one flat buffer padded to N
+    unit_pad = lambda u: -(-sum(u) // N) * N                  # noqa: E731  ZeRO-3: one flat buffer per unit
+    units = [u for p in pieces for u in p.units]
+    shards = sum(unit_pad(u) for u in units) // N if z == 3 else 0
+    state_n = {0: n, 1: pad // N, 2: pad // N, 3: shards}[z]  # parameters this rank's optimizer steps
+    live = dict.fromkeys(CATEGORIES, 0)
+    peak = dict.fromkeys(CATEGORIES, 0)
+    peak_total = 0
+
+    def moment(**extra):
+        nonlocal peak_total
+        now = {c: live[c] + extra.get(c, 0) for c in CATEGORIES}
+        for c in CATEGORIES:
+            peak[c] = max(peak[c], now[c])
+        peak_total = max(peak_total, sum(now.values()))
+
+    # what the previous step left: parameters, optimizer state, gradients (set to None after forward)
+    live["params"] = e * {0: n, 1: pad, 2: pad, 3: (0 if host else shards) + len(units)}[z]  # + 0-d placeholders
+    live["optimizer_state"] = optimizer_bytes(state_n, layout)
+    grads_prev = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
+    live["grads"] = grads_prev
+    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else 2 * e * n
+    live["comm_buffers"] = {0: ddp_buckets, 1: e * pad // N, 2: e * pad, 3: 0}[z]
+    live["activations"] = sum(p.shared for p in pieces)
+    for p in pieces:                                          # forward (ZeRO-3: one unit gathered at a time)
+        if z == 3 and p.units:
+            moment(params=e * max(unit_pad(u) for u in p.units))
+        live["activations"] += p.kept
+        moment(params=e * unit_pad(p.units[-1]) if z == 3 and p.units else 0)
+    if z != 1:
+        live["grads"] -= grads_prev                           # zero_grad (ZeRO-1 zeroes its flat buffer in place)
+    staging_prev = shard_prev = 0
+    for p in reversed(pieces):                                # backward
+        below = live["activations"] - p.kept
+        live["activations"] = below + p.peak                  # recomputed: its layers' activations again
+        for q in reversed(p.parts):
+            if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
+                for u in reversed(q.units):
+                    gathered = 0 if p.unhooked else e * unit_pad(u)
+                    moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
+                    live["grads"] += 0 if host else shard_prev    # the previous unit's reduce-scatter completes
+                    staging_prev, shard_prev = e * unit_pad(u), e * unit_pad(u) // N
+            elif z == 2:
+                moment(grads=e * max(q.sizes, default=0))     # one full gradient at a time, then staged
+            else:
+                moment()
+                live["grads"] += e * q.params if z == 0 else 0
+            if q is not p:
+                live["activations"] -= q.kept
+        live["activations"] = below
+    live["grads"] = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
+    moment()
+    moment(grads=fp32_step_grads(state_n, layout))            # the optimizer step (mixed: fp32 gradients)
+    return peak, peak_total
+
+
+def pipeline_walk(actions, chunks, layout, local_params, others):
+    """Peak bytes for one pipeline stage: its actions in the schedule's order. A forward adds its chunk's
+    kept activations; a backward goes through its pieces in reverse (recomputed ones at their peak),
+    creating their gradients (None before the step) the first time, then frees the chunk. ``chunks``:
+    chunk -> list of Pieces; ``others``: parameter tensors of other stages (0-d placeholders)."""
+    e = PRECISIONS[layout.precision]
+    zero1 = layout.zero == 1 and layout.dp > 1                # ZeRO-1 on the stage: flat gradients, always there
+    pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
+    kept, first, again = {}, {}, {}
+    for c, ps in chunks.items():                              # (activations, new gradients) inside a backward
+        kept[c] = below = sum(p.kept for p in ps)
+        new, moments = 0, []
+        for p in reversed(ps):
+            below -= p.kept
+            moments.append((below + p.peak, new))
+            new += 0 if zero1 else e * p.params
+        moments.append((0, new))
+        first[c] = max(a + g for a, g in moments)
+        again[c] = max(a for a, _ in moments)
+    shared = sum(p.shared for ps in chunks.values() for p in ps)
+    states = e * (pad + others) + optimizer_bytes(pad // layout.dp if zero1 else local_params, layout) + \
+        (e * pad // layout.dp if zero1 else 0)
+    g = e * pad if zero1 else 0
+    act = act_peak = dyn = 0
+    seen = set()
+    for a in actions:
+        if a.kind == "F":
+            act += kept[a.chunk]
+            act_peak, dyn = max(act_peak, act), max(dyn, act + g)
+            continue
+        others_act = act - kept[a.chunk]
+        fresh = a.chunk not in seen
+        act_peak = max(act_peak, others_act + again[a.chunk])
+        dyn = max(dyn, others_act + g + (first[a.chunk] if fresh else again[a.chunk]))
+        act = others_act
+        if fresh:
+            seen.add(a.chunk)
+            g += 0 if zero1 else e * sum(p.params for p in chunks[a.chunk])
+    step_grads = fp32_step_grads(pad // layout.dp if zero1 else local_params, layout)
+    peak = {"params": e * (pad + others), "grads": g + step_grads, "activations": act_peak + shared,
+            "optimizer_state": optimizer_bytes(pad // layout.dp if zero1 else local_params, layout),
+            "comm_buffers": e * pad // layout.dp if zero1 else 0}
+    return peak, states + max(dyn + shared, g + step_grads)
+
+
+@lru_cache(maxsize=256)
+def _split(sizes, parts):
+    if len(sizes) ** 2 * parts > 400_000:                    # Megatron's even split for paper-scale models
+        n_inner = len(sizes) - 2
+        per = n_inner // parts
+        return tuple(1 + per * k for k in range(1, parts))
+    return tuple(balanced_split_points(list(sizes), parts))
+
+
+@lru_cache(maxsize=512)
+def _schedule(name, p, m, v):
+    return get_schedule(name, p, m, chunks=v)
+
+
+def stage_chunks(pieces, layout, paper=False):
+    """Per stage, chunk -> its pieces (virtual stage c·p + s), cut as the runtime cuts them (balanced by
+    parameters), or for the paper's accounting L/(p·v) blocks per virtual stage (Megatron's rule)."""
+    p, v = layout.pp, layout.chunks
+    if paper:
+        per = (len(pieces) - 2) // (p * v)
+        bounds = [0] + [1 + per * k for k in range(1, p * v)] + [len(pieces)]
+    else:
+        bounds = [0] + list(_split(tuple(x.params for x in pieces), p * v)) + [len(pieces)]
+    stages = [dict() for _ in range(p)]
+    for virtual in range(p * v):
+        stages[virtual % p][virtual // p] = pieces[bounds[virtual]:bounds[virtual + 1]]
+    return stages
+
+
+def _stage_result(peak, total):
+    return {**{c: int(round(peak[c])) for c in CATEGORIES}, "total": int(round(total))}
+
+
+def minitrain_memory(model, layout):
+    """Per stage: peak bytes per category and total, as the jobs' ledgers count them."""
+    b = layout.micro_batch_size
+    if model.kind == "params":
+        pieces = [Piece("model", [[model.num_params]], 0)]
+        peak, total = step_walk(pieces, layout, layout.dp)
+        return [_stage_result(peak, total)]
+    if model.kind == "mlp" and layout.pp == 1:
+        peak, total = step_walk(mlp_pieces(model, layout, b), layout, layout.dp)
+        return [_stage_result(peak, total)]
+    single = model.kind == "gpt" and layout.world == 1 and not layout.extras.get("parallel_job")
+    if single:
+        lay = layout if layout.zero else _no_buffers(layout)
+        peak, total = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, 1)
+        return [_stage_result(peak, total)]
+    pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
+              else gpt_pieces(model, layout, b))
+    if model.kind == "gpt" and layout.pp == 1 and layout.zero >= 2:
+        peak, total = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
+        return [_stage_result(peak, total)]
+    schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    n_all = sum(x.params for x in pieces)
+    out = []
+    for s, chunks in enumerate(stage_chunks(pieces, layout)):
+        local = sum(x.params for ps in chunks.values() for x in ps)
+        others = sum(len(x.sizes) for x in pieces) - sum(len(x.sizes) for ps in chunks.values() for x in ps)
+        peak, total = pipeline_walk(schedule[s], chunks, layout, local, others if layout.pp > 1 else 0)
+        out.append(_stage_result(peak, total))
+    del n_all
+    return out
+
+
+def _no_buffers(layout):
+    from dataclasses import replace
+    return replace(layout, extras={**layout.extras, "no_ddp_buffers": True})
+
+
+def paper_memory(model, layout):
+    """Per stage, the papers' accounting (module docstring)."""
+    if model.kind != "gpt":
+        states = paper_model_states(model.num_parameters(), layout.dp, layout.zero, layout.offload)
+        return [{**{c: int(round(states.get(c, 0))) for c in CATEGORIES}, "total": int(round(states["total"]))}]
+    t, b, s, h, a = layout.tp, layout.micro_batch_size, model.block_size, model.n_embd, model.n_head
+    sp = layout.sequence_parallel
+    per_layer = korthikanti_layer_bytes(s, b, h, a, t, sp, layout.recompute)
+    pieces = gpt_pieces(model, layout, b)
+    schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    out = []
+    for st, chunks in enumerate(stage_chunks(pieces, layout, paper=True)):
+        psi = sum(x.params for ps in chunks.values() for x in ps)
+        states = paper_model_states(psi, layout.dp, layout.zero, layout.offload)
+        bytes_of = {}
+        for c, ps in chunks.items():
+            blocks = sum(1 for x in ps if x.name.startswith("block"))
+            extra = sum(s * b * h / t for x in ps if x.name == "embedding")
+            extra += sum(4 * s * b * h / t + 4 * s * b * model.vocab_size / t for x in ps if x.name == "head")
+            bytes_of[c] = blocks * per_layer + extra
+        act = worst = 0
+        for action in schedule[st]:
+            act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
+            worst = max(worst, act)
+        row = {**{c: states.get(c, 0) for c in CATEGORIES}, "activations": worst, "comm_buffers": 0}
+        out.append({**{c: int(round(row[c])) for c in CATEGORIES}, "total": int(round(sum(row.values())))})
+    return out
+
+
+def predict_memory(model, layout, accounting="minitrain"):
+    """{'stages': per pipeline stage {category: bytes, 'total': bytes}, 'heaviest': the stage whose rank
+    holds the most}."""
+    if accounting not in ("minitrain", "paper"):
+        raise ValueError(f"accounting must be 'minitrain' or 'paper', got {accounting!r}")
+    stages = minitrain_memory(model, layout) if accounting == "minitrain" else paper_memory(model, layout)
+    heaviest = max(range(len(stages)), key=lambda i: stages[i]["total"])
+    return {"stages": stages, "heaviest": heaviest}
