@@ -18,24 +18,27 @@ from .calibrate import load_machine
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes
 
 
-def predict(model, layout, machine=None, accounting="minitrain", device_memory=None):
-    """The planner's answer for one layout, as ``plan --json`` prints it."""
+def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True):
+    """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (per category, of
+    the rank that holds the most), step_time_s, bubble_fraction, fits, flops_per_iteration, the layout."""
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     memory = predict_memory(model, layout, accounting)
     heaviest = memory["stages"][memory["heaviest"]]
     time = predict_time(model, layout, machine)
     capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
-    return {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
-            "accounting": accounting, "machine": machine.get("name"),
-            "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
-            "memory_bytes_per_stage": memory["stages"],
-            "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
-            "bubble_fraction": time["bubble_fraction"],
-            "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
-            "flops_per_iteration": flops_per_iteration(model, layout),
-            "tokens_or_samples_per_s": layout.batch_size * (model.block_size if model.kind == "gpt" else 1)
-            / time["total"] if time["total"] else None}
+    if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory
+        capacity = machine["memory_bytes"] // layout.world
+    result = {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
+              "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
+              "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
+              "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
+              "bubble_fraction": time["bubble_fraction"],
+              "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
+              "flops_per_iteration": flops_per_iteration(model, layout)}
+    if per_stage:
+        result["memory_bytes_per_stage"] = memory["stages"]
+    return result
 
 
 def mlp_from_args(args, world):
@@ -44,14 +47,9 @@ def mlp_from_args(args, world):
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
     common = dict(world=world, batch_size=args.batch_size, precision=args.precision, optimizer=args.optimizer,
                   bucket_cap_mb=args.bucket_cap_mb)
-    if args.strategy == "pipeline":        # the pipeline job runs fp32/fp64, no offload, no recompute
-        dp = args.dp
-        layout = Layout(dp=dp, pp=world // dp if world % dp == 0 else 0, microbatches=args.microbatches,
-                        chunks=args.chunks, schedule=args.schedule, **common)
-        if dp * layout.pp != world:
-            layout = Layout(dp=dp, pp=max(1, world // dp), microbatches=args.microbatches, chunks=args.chunks,
-                            schedule=args.schedule, **{**common, "world": world})
-        return model, layout
+    if args.strategy == "pipeline":        # the pipeline job: fp32/fp64, no offload, no recompute
+        return model, Layout(dp=args.dp, pp=max(1, world // args.dp), microbatches=args.microbatches,
+                             chunks=args.chunks, schedule=args.schedule, **common)
     return model, Layout(dp=world, zero=stage, offload=args.offload, recompute=args.recompute,
                          offload_activations=args.offload_activations,
                          local_sgd_every=args.sync_every if args.strategy == "local_sgd" else 0, **common)

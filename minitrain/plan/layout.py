@@ -8,7 +8,7 @@ choices; ``layouts`` enumerates every valid one for a world size (what ``--searc
 The MLP's strategies map onto layouts: ddp = dp N (ZeRO 0), zero1/2/3 = ZeRO stage s over dp N,
 pipeline = pp N/D x dp D; local_sgd is DDP whose all-reduce of Ψ parameters happens every k steps.
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
 
 PRECISIONS = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}     # bytes per parameter / activation value
 MIXED = ("fp16", "bf16")                                        # low precision + fp32 master weights
@@ -107,6 +107,10 @@ class Layout:
             parts.append(f"{self.schedule}" + (f" v={self.chunks}" if self.chunks > 1 else ""))
         parts.append(f"m={self.microbatches} x b={self.micro_batch_size}")
         return " ".join(parts)
+
+    def fields(self):
+        """The constructor's arguments (to build a variant: ``Layout(**{**l.fields(), "dp": 2})``)."""
+        return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
 
     def as_dict(self):
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "zero": self.zero, "sequence_parallel":

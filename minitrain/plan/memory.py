@@ -21,7 +21,7 @@ from functools import lru_cache
 from ..parallel.pipeline import balanced_split_points, get_schedule
 from ..parallel.recompute import default_segments
 from ..parallel.zero_memory import model_state_bytes
-from .layout import PRECISIONS
+from .layout import PRECISIONS, Layout
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
 INT64 = 8
@@ -58,16 +58,10 @@ class Piece:
     def __init__(self, name, units, kept, peak=None, shared=0):
         self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
         self.peak = kept if peak is None else peak
+        self.sizes = [q for u in self.units for q in u]
+        self.params = sum(self.sizes)
         self.unhooked = False      # run outside FSDP's wrapper: its saved weights are views, not re-gathered
         self.parts = [self]        # a recomputed segment: the layers its backward goes through
-
-    @property
-    def sizes(self):
-        return [q for u in self.units for q in u]
-
-    @property
-    def params(self):
-        return sum(self.sizes)
 
 
 def mlp_pieces(model, layout, rows, in_pipeline=False):
@@ -144,6 +138,14 @@ def gpt_block_bytes(model, layout, b):
 
 def gpt_pieces(model, layout, rows, single_process=False):
     """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
+    return list(_gpt_pieces(model, rows, single_process, layout.tp, layout.sequence_parallel, layout.recompute,
+                            layout.precision, layout.batch_size, layout.offload_activations))
+
+
+@lru_cache(maxsize=256)
+def _gpt_pieces(model, rows, single_process, *key):
+    layout = Layout(**dict(zip(("tp", "sequence_parallel", "recompute", "precision", "batch_size",
+                                "offload_activations"), key)))
     e = PRECISIONS[layout.precision]
     s, h, t, V = model.block_size, model.n_embd, layout.tp, model.vocab_size
     r = t if layout.sequence_parallel else 1
@@ -160,9 +162,9 @@ def gpt_pieces(model, layout, rows, single_process=False):
     block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
     if layout.offload_activations:
         kept = peak = emb_kept = emb_shared = head_kept = targets = 0
-    return ([Piece("embedding", [[v_pad * h // t, s * h]], emb_kept, shared=emb_shared)]
-            + [Piece(f"block{i}", [block], kept, peak) for i in range(model.n_layer)]
-            + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
+    one_block = Piece("block", [block], kept, peak)            # every block alike: one object, L times
+    return tuple([Piece("embedding", [[v_pad * h // t, s * h]], emb_kept, shared=emb_shared)]
+                 + [one_block] * model.n_layer + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
 
 
 # ---------------------------------------------------------------- model states, minitrain's way
@@ -178,6 +180,20 @@ def optimizer_bytes(n, layout):
 def fp32_step_grads(n, layout):
     """MixedPrecisionOptimizer counts the fp32 copy of the gradients while it steps (on the host if offloaded)."""
     return 4 * n if layout.mixed and not layout.offload else 0
+
+
+def model_states_at_rest(n, layout):
+    """``plan params``: what minitrain holds for n parameters at the optimizer step, without the
+    layer-dependent transients (ZeRO-3's gathered unit and staging buffers need the layers' sizes)."""
+    e, z, N = PRECISIONS[layout.precision], layout.zero, layout.dp
+    pad = -(-n // N) * N if z else n
+    state_n = n if z == 0 else pad // N
+    row = {"params": e * (pad // N if z == 3 else pad), "optimizer_state": optimizer_bytes(state_n, layout),
+           "grads": e * {0: n, 1: pad, 2: pad // N, 3: pad // N}[z] + fp32_step_grads(state_n, layout),
+           "activations": 0, "comm_buffers": {0: 2 * e * n, 1: e * pad // N, 2: e * pad, 3: 0}[z]}
+    if layout.offload and z == 3:                 # FSDP offload_params: shards and their gradients on the host
+        row.update(params=0, grads=0)
+    return {**{c: int(row[c]) for c in CATEGORIES}, "total": int(sum(row.values()))}
 
 
 # ---------------------------------------------------------------- one step as the ledger sees it
@@ -251,46 +267,66 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
     e = PRECISIONS[layout.precision]
     zero1 = layout.zero == 1 and layout.dp > 1                # ZeRO-1 on the stage: flat gradients, always there
     pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
-    kept, first, again = {}, {}, {}
-    for c, ps in chunks.items():                              # (activations, new gradients) inside a backward
-        kept[c] = below = sum(p.kept for p in ps)
-        new, moments = 0, []
-        for p in reversed(ps):
-            below -= p.kept
-            moments.append((below + p.peak, new))
-            new += 0 if zero1 else e * p.params
-        moments.append((0, new))
-        first[c] = max(a + g for a, g in moments)
-        again[c] = max(a for a, _ in moments)
-    shared = sum(p.shared for ps in chunks.values() for p in ps)
-    states = e * (pad + others) + optimizer_bytes(pad // layout.dp if zero1 else local_params, layout) + \
-        (e * pad // layout.dp if zero1 else 0)
     g = e * pad if zero1 else 0
-    act = act_peak = dyn = 0
-    seen = set()
-    for a in actions:
-        if a.kind == "F":
-            act += kept[a.chunk]
-            act_peak, dyn = max(act_peak, act), max(dyn, act + g)
-            continue
-        others_act = act - kept[a.chunk]
-        fresh = a.chunk not in seen
-        act_peak = max(act_peak, others_act + again[a.chunk])
-        dyn = max(dyn, others_act + g + (first[a.chunk] if fresh else again[a.chunk]))
-        act = others_act
-        if fresh:
-            seen.add(a.chunk)
-            g += 0 if zero1 else e * sum(p.params for p in chunks[a.chunk])
-    step_grads = fp32_step_grads(pad // layout.dp if zero1 else local_params, layout)
+    if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
+        K, F, A, G, shared = _chunk_backward(tuple(chunks[0]), 0 if zero1 else e)
+        before, after, b_first, b_later = actions
+        act_peak = max(before * K, after * K, (max(b_first, b_later) - 1) * K + A)
+        dyn = max(before * K + g, (after * K + g + G) if after else 0, (b_first - 1) * K + g + F,
+                  ((b_later - 1) * K + g + G + A) if b_later else 0)
+        g += G
+    else:
+        kept, first, again, grads, shared = {}, {}, {}, {}, 0
+        for c, ps in chunks.items():
+            kept[c], first[c], again[c], grads[c], sh = _chunk_backward(tuple(ps), 0 if zero1 else e)
+            shared += sh
+        act = act_peak = dyn = 0
+        seen = set()
+        for a in actions:
+            if a.kind == "F":
+                act += kept[a.chunk]
+                act_peak, dyn = max(act_peak, act), max(dyn, act + g)
+                continue
+            others_act = act - kept[a.chunk]
+            fresh = a.chunk not in seen
+            act_peak = max(act_peak, others_act + again[a.chunk])
+            dyn = max(dyn, others_act + g + (first[a.chunk] if fresh else again[a.chunk]))
+            act = others_act
+            if fresh:
+                seen.add(a.chunk)
+                g += grads[a.chunk]
+    stepped = pad // layout.dp if zero1 else local_params      # what this rank's optimizer steps
+    step_grads = fp32_step_grads(stepped, layout)
     peak = {"params": e * (pad + others), "grads": g + step_grads, "activations": act_peak + shared,
-            "optimizer_state": optimizer_bytes(pad // layout.dp if zero1 else local_params, layout),
-            "comm_buffers": e * pad // layout.dp if zero1 else 0}
+            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if zero1 else 0}
+    states = peak["params"] + peak["optimizer_state"] + peak["comm_buffers"]
     return peak, states + max(dyn + shared, g + step_grads)
+
+
+@lru_cache(maxsize=4096)
+def _chunk_backward(pieces, grad_bytes):
+    """A chunk's kept activations; its worst (activations + new gradients) inside its first backward and
+    its worst activations in a later one; its gradients; its step-long shared bytes."""
+    kept = below = sum(p.kept for p in pieces)
+    new, moments = 0, []
+    for p in reversed(pieces):
+        below -= p.kept
+        moments.append((below + p.peak, new))
+        new += grad_bytes * p.params
+    moments.append((0, new))
+    return (kept, max(a + g for a, g in moments), max(a for a, _ in moments), new,
+            sum(p.shared for p in pieces))
+
+
+@lru_cache(maxsize=4096)
+def _count(pieces):
+    """(parameters, parameter tensors) of some pieces."""
+    return sum(p.params for p in pieces), sum(len(p.sizes) for p in pieces)
 
 
 @lru_cache(maxsize=256)
 def _split(sizes, parts):
-    if len(sizes) ** 2 * parts > 400_000:                    # Megatron's even split for paper-scale models
+    if len(sizes) ** 2 * parts > 60_000:                     # Megatron's even split for paper-scale models
         n_inner = len(sizes) - 2
         per = n_inner // parts
         return tuple(1 + per * k for k in range(1, parts))
@@ -300,6 +336,34 @@ def _split(sizes, parts):
 @lru_cache(maxsize=512)
 def _schedule(name, p, m, v):
     return get_schedule(name, p, m, chunks=v)
+
+
+@lru_cache(maxsize=4096)
+def in_flight(name, p, m, stage):
+    """For a one-chunk schedule, stage ``stage``'s micro-batches in flight: the most at a forward
+    before its first backward, the most at a forward after it (0: none), at its first backward, and
+    the most at a later backward (0: none) — all that the memory walk needs when chunks are alike.
+    Beyond m = 4p they are extrapolated from the schedule at 2p and 3p micro-batches (constant for
+    1F1B, m for GPipe: linear once every stage is in its steady state; tests check both)."""
+    if m > 4 * p:
+        a, b = _in_flight(name, p, 2 * p, stage), _in_flight(name, p, 3 * p, stage)
+        return tuple(int(x + (y - x) * (m - 2 * p) / p) for x, y in zip(a, b))
+    return _in_flight(name, p, m, stage)
+
+
+@lru_cache(maxsize=4096)
+def _in_flight(name, p, m, stage):
+    n = before = after = b_first = b_later = 0
+    seen = False
+    for a in _schedule(name, p, m, 1)[stage]:
+        if a.kind == "F":
+            n += 1
+            before, after = (before, max(after, n)) if seen else (max(before, n), after)
+        else:
+            b_first, b_later = (b_first, max(b_later, n)) if seen else (n, b_later)
+            seen = True
+            n -= 1
+    return before, after, b_first, b_later
 
 
 def stage_chunks(pieces, layout, paper=False):
@@ -325,9 +389,7 @@ def minitrain_memory(model, layout):
     """Per stage: peak bytes per category and total, as the jobs' ledgers count them."""
     b = layout.micro_batch_size
     if model.kind == "params":
-        pieces = [Piece("model", [[model.num_params]], 0)]
-        peak, total = step_walk(pieces, layout, layout.dp)
-        return [_stage_result(peak, total)]
+        return [model_states_at_rest(model.num_params, layout)]
     if model.kind == "mlp" and layout.pp == 1:
         peak, total = step_walk(mlp_pieces(model, layout, b), layout, layout.dp)
         return [_stage_result(peak, total)]
@@ -341,15 +403,15 @@ def minitrain_memory(model, layout):
     if model.kind == "gpt" and layout.pp == 1 and layout.zero >= 2:
         peak, total = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
         return [_stage_result(peak, total)]
-    schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    n_all = sum(x.params for x in pieces)
     out = []
+    tensors = sum(len(x.sizes) for x in pieces)
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
-        local = sum(x.params for ps in chunks.values() for x in ps)
-        others = sum(len(x.sizes) for x in pieces) - sum(len(x.sizes) for ps in chunks.values() for x in ps)
-        peak, total = pipeline_walk(schedule[s], chunks, layout, local, others if layout.pp > 1 else 0)
+        local, mine = _count(tuple(x for ps in chunks.values() for x in ps))
+        others = tensors - mine if layout.pp > 1 else 0
+        actions = (in_flight(layout.schedule, layout.pp, layout.microbatches, s) if layout.chunks == 1
+                   else _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s])
+        peak, total = pipeline_walk(actions, chunks, layout, local, others)
         out.append(_stage_result(peak, total))
-    del n_all
     return out
 
 
@@ -367,21 +429,24 @@ def paper_memory(model, layout):
     sp = layout.sequence_parallel
     per_layer = korthikanti_layer_bytes(s, b, h, a, t, sp, layout.recompute)
     pieces = gpt_pieces(model, layout, b)
-    schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks) if layout.chunks > 1 else None
     out = []
     for st, chunks in enumerate(stage_chunks(pieces, layout, paper=True)):
         psi = sum(x.params for ps in chunks.values() for x in ps)
         states = paper_model_states(psi, layout.dp, layout.zero, layout.offload)
         bytes_of = {}
         for c, ps in chunks.items():
-            blocks = sum(1 for x in ps if x.name.startswith("block"))
+            blocks = sum(1 for x in ps if x.name == "block")
             extra = sum(s * b * h / t for x in ps if x.name == "embedding")
             extra += sum(4 * s * b * h / t + 4 * s * b * model.vocab_size / t for x in ps if x.name == "head")
             bytes_of[c] = blocks * per_layer + extra
-        act = worst = 0
-        for action in schedule[st]:
-            act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
-            worst = max(worst, act)
+        if layout.chunks == 1:
+            worst = bytes_of[0] * max(in_flight(layout.schedule, layout.pp, layout.microbatches, st)[:2])
+        else:
+            act = worst = 0
+            for action in schedule[st]:
+                act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
+                worst = max(worst, act)
         row = {**{c: states.get(c, 0) for c in CATEGORIES}, "activations": worst, "comm_buffers": 0}
         out.append({**{c: int(round(row[c])) for c in CATEGORIES}, "total": int(round(sum(row.values())))})
     return out
