@@ -110,7 +110,8 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(step_times)], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.min(step_times), np.median(step_times)],
+                   np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -157,7 +158,7 @@ def main_parallel(args):
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
-            "step_time_s": float(table[:, -1].max()),
+            "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,

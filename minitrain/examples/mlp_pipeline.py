@@ -95,7 +95,8 @@ def main_pipeline(args, parser, comm):
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
     peak = memory.peak()                             # per rank: every category, and its median step
-    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.median(step_times)], np.float64)
+    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.min(step_times), np.median(step_times)],
+                    np.float64)
     table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     if rank != 0:
@@ -111,7 +112,7 @@ def main_pipeline(args, parser, comm):
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
-    print(planner_line(args, world, float(table[:, -1].max()), table[:, -2].max()))
+    print(planner_line(args, world, float(table[:, -1].max()), table[:, -3].max()))
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
@@ -119,8 +120,8 @@ def main_pipeline(args, parser, comm):
                            "measured_bubble_fraction": float(np.mean(bubbles)),
                            "measured_bubble_fraction_per_rank": bubbles.tolist(),
                            "formula_bubble_fraction": formula},
-              "step_time_s": float(table[:, -1].max()),
-              "ranks": [{"rank": r, "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-1])))}}
+              "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
+              "ranks": [{"rank": r, "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-2])))}}
                         for r, v in enumerate(table)]}
     if args.json:
         write_json(args.json, report)

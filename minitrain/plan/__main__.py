@@ -105,6 +105,8 @@ def parser():
     p.add_argument("--offload", action="store_true", help="optimizer state on the host (ZeRO-Offload)")
     add_common(p, precision="fp16")
     sub.add_parser("calibrate", help="measure this machine (see minitrain/plan/calibrate.py)", add_help=False)
+    sub.add_parser("validate", help="run the jobs, compare with the planner (minitrain/plan/validate.py)",
+                   add_help=False)
     return top
 
 
@@ -174,6 +176,9 @@ def main(argv=None):
     if argv[:1] == ["calibrate"]:
         from .calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from .validate import main as validate_main
+        return validate_main(argv[1:])
     p = parser()
     args = p.parse_args(argv)
     try:

@@ -4,7 +4,8 @@ What the time model needs, each measured the way the jobs run it:
 * matmul FLOP rate by size and dtype (square n x n x n, best of a few; CPU: at 1 BLAS thread and at
   every core, as a job of 1 rank uses them all and a job of N ranks caps each at cores / N);
 * elementwise seconds per element (simple arithmetic, transcendental, reduction along an axis) and the
-  Python overhead of one NumPy call and of one autograd node (forward + backward of a trivial op), and
+  Python overhead of one NumPy call, of one autograd node (forward + backward of a trivial op), per
+  parameter of an optimizer step and of DDP's hooks, of one collective call and one traced span, and
   the cost of first touching new memory (arrays a forward keeps for backward);
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under ``mpiexec -n p``), fitted to t = steps·alpha + bytes·beta with the algorithm's
@@ -123,9 +124,12 @@ def measure_fresh_memory(n=1 << 16, arrays=16, repeats=5):
 
 
 def measure_overheads(repeats=5):
-    """Seconds per NumPy call on a tiny array, and per autograd node (forward + backward of x * 1.0)."""
+    """Python's share of a step, measured on tiny arrays: one NumPy call; one autograd node (forward +
+    backward of x * 1.0); per parameter tensor, an Adam step and DDP's hook and write-back (on a
+    one-rank ThreadWorld); one collective call that moves nothing; one traced span."""
     xp, sync = _xp()
-    from .. import Tensor
+    from .. import Tensor, nn, optim, trace
+    from ..comm import ThreadWorld, ring_all_reduce
     a, b = xp.ones(4, np.float32), xp.ones(4, np.float32)
 
     def calls():
@@ -141,15 +145,44 @@ def measure_overheads(repeats=5):
             y = y * 1.0
         y.sum().backward()
     node = _best(nodes, repeats, sync) / chain
-    return {"numpy_call_s": numpy_call, "autograd_node_s": node}
+    k = 64
+    params = [nn.Parameter(xp.ones(1, np.float32)) for _ in range(k)]
+    for q in params:
+        q.grad = xp.ones(1, np.float32)
+    adam = optim.Adam(params, lr=1e-3)
+    optimizer_param = _best(adam.step, repeats, sync) / k
+
+    def ddp_and_collective(comm):
+        from ..parallel import DistributedDataParallel
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(k // 2)])
+        x = Tensor(xp.ones((1, 1), np.float32))
+        plain = _best(lambda: model(x).sum().backward(), repeats, sync)
+        ddp = DistributedDataParallel(model, comm)
+        wrapped = _best(lambda: ddp(x).sum().backward(), repeats, sync)
+        one = xp.ones(1, np.float32)
+        call = _best(lambda: [ring_all_reduce(comm, one) for _ in range(100)], repeats, sync) / 100
+        return max(0.0, wrapped - plain) / k, call
+    ddp_param, collective_call = ThreadWorld(1).run(ddp_and_collective)[0]
+    trace.enable(rank=0)
+
+    def spans():
+        for _ in range(200):
+            with trace.span("x"):
+                pass
+    span = _best(spans, repeats, sync) / 200
+    trace.disable()
+    trace.tracer().events.clear()
+    return {"numpy_call_s": numpy_call, "autograd_node_s": node, "optimizer_param_s": optimizer_param,
+            "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span}
 
 
 def fit_alpha_beta(points, name, p):
-    """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)]; both kept >= 0."""
+    """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)], in relative error (each
+    point weighted by 1/t, so that small messages count as much as large ones); both kept >= 0."""
     rows = [COLLECTIVES[name](p, n) for n, _ in points]
     a = np.array(rows, np.float64)
     t = np.array([s for _, s in points], np.float64)
-    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
     if beta <= 0:
         alpha, beta = float(np.min(t / a[:, 0])), 1e-12
     if alpha <= 0:
@@ -185,13 +218,13 @@ def _worker(out_path, sizes):
                       "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]
                 op = fn
             times = []
-            for _ in range(6):
+            for _ in range(9):
                 c.barrier()
                 t = time.perf_counter()
                 op()
                 sync()
                 times.append(time.perf_counter() - t)
-            mine = np.array([float(np.median(times[1:]))])
+            mine = np.array([min(times[1:])])                  # best of 8, as the other constants
             slowest = mtcomm.all_reduce(c, mine, op="max")[0]
             points.append((nbytes, float(slowest)))
         if points and c.rank == 0:
@@ -229,7 +262,9 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
     fp32 = machine["elementwise_s_per_element"]["float32"]
     log("elementwise fp32 (ns per element): " + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in fp32.items()) + "; NumPy call "
-        f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; new memory "
+        f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; per parameter: "
+        f"Adam {machine['optimizer_param_s'] * 1e6:.1f} us, DDP {machine['ddp_param_s'] * 1e6:.1f} us; collective call "
+        f"{machine['collective_call_s'] * 1e6:.1f} us; span {machine['trace_span_s'] * 1e6:.1f} us; new memory "
         f"{machine['fresh_memory_s_per_byte'] * 1e6 * 4096:.2f} us per 4 KiB page")
     machine["collectives"] = {}
     msg_sizes = [1 << k for k in range(12, 23 if quick else 25, 2)]

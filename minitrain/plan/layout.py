@@ -125,8 +125,8 @@ def divisors(n):
 
 
 def _nearest(value, valid, count=2):
-    """The valid choices closest to ``value`` (ties: the smaller first)."""
-    return sorted(sorted(set(valid)), key=lambda v: (abs(v - value), v))[:count]
+    """The ``count`` valid choices closest to ``value`` (ties: the smaller), in increasing order."""
+    return sorted(sorted(set(valid), key=lambda v: (abs(v - value), v))[:count])
 
 
 def _choices(values):
@@ -188,7 +188,7 @@ def _check_gpt(model, layout):
                           f"--n-head {_choices(_nearest(model.n_head, divisors(model.n_embd)))}")
     if model.n_head % t:
         raise LayoutError(f"heads not divisible by tp: --n-head {model.n_head} over --tp {t} (each rank takes whole "
-                          f"heads); nearest valid --tp: {_choices(_nearest(t, [d for d in divisors(model.n_head) if layout.world % d == 0]))}")
+                          f"heads); nearest valid --tp: {_choices(_nearest(t, divisors(model.n_head)))} (the divisors of {model.n_head})")
     if model.n_layer % (p * v):
         raise LayoutError(f"layers not divisible by pp x chunks: --n-layer {model.n_layer} over {p} x {v} = {p * v} "
                           f"virtual stages; nearest valid --pp: {_choices(_nearest(p, [d for d in divisors(model.n_layer) if d * v <= model.n_layer and (model.n_layer // d) % v == 0]))}, "

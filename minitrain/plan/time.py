@@ -30,14 +30,15 @@ class Work:
 
     def __init__(self):
         self.mm, self.ew, self.nodes, self.calls, self.fresh = [], {}, 0, 0, 0.0   # fresh: bytes of new memory
+        self.params = self.hooks = self.spans = 0.0     # optimizer / DDP per-parameter Python, traced spans
 
     def matmul(self, m, k, n, batch=1, times=1):
         self.mm += [(m, k, n, batch)] * times
         return self
 
-    def elementwise(self, kind, elements, count=1, dtype=None):
+    def elementwise(self, kind, elements, count=1, dtype=None, calls=True):
         self.ew[kind, dtype] = self.ew.get((kind, dtype), 0) + elements * count
-        self.calls += count
+        self.calls += count if calls else 0
         return self
 
     def add(self, other, times=1):
@@ -47,6 +48,9 @@ class Work:
         self.nodes += other.nodes * times
         self.calls += other.calls * times
         self.fresh += other.fresh * times
+        self.params += other.params * times
+        self.hooks += other.hooks * times
+        self.spans += other.spans * times
         return self
 
 
@@ -82,14 +86,17 @@ class Costs:
                  for (kind, dtype), n in work.ew.items())
         t += work.nodes * self.node_s + (work.calls + len(work.mm)) * self.call
         t += work.fresh * self.m.get("fresh_memory_s_per_byte", 0.0)
+        t += (work.params * self.m.get("optimizer_param_s", 0.0) + work.hooks * self.m.get("ddp_param_s", 0.0)
+              + work.spans * self.m.get("trace_span_s", 0.0))
         return self.slowdown * t
 
 
 def collective(machine, name, nbytes, p, node_span=None):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
-    measured p; else the machine's link constants with the ring's step and byte counts)."""
-    if p <= 1 or nbytes <= 0:
-        return 0.0
+    measured p; else the machine's link constants with the ring's step and byte counts). Over one rank
+    it moves nothing but still costs a call."""
+    if p <= 1:
+        return machine.get("collective_call_s", 0.0)
     steps, sent = {"p2p": (1, nbytes), "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
                    "ring_reduce_scatter": (p - 1, (p - 1) / p * nbytes),
                    "ring_all_gather": (p - 1, (p - 1) / p * nbytes)}[name]
@@ -185,7 +192,7 @@ def gpt_layer_costs(model, layout, rows, c, machine):
     seconds. Tensor parallelism: g all-reduces b·s·h twice per block forward, f twice backward (SP: a
     reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
-           c.slowdown, c.threads)
+           c.slowdown, c.threads, bool(layout.extras.get("parallel_job")))
     if key not in _LAYER_COSTS:
         _LAYER_COSTS[key] = _gpt_layer_costs(model, layout, rows, c, machine)
         if len(_LAYER_COSTS) > 4096:
@@ -202,10 +209,12 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     sp = layout.sequence_parallel
     pair = (collective(machine, "ring_reduce_scatter", act, t, t) + collective(machine, "ring_all_gather", act, t, t)
             if sp else collective(machine, "ring_all_reduce", act, t, t))
+    if not layout.extras.get("parallel_job"):               # nn.GPT in one process: no f, no g
+        pair = 0.0
     block_f, block_b = gpt_block_work(model, layout, rows)
     comm_b = 2 * pair * (2 if layout.recompute == "full" else 1)         # full recompute redoes the forward's
     (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, rows)
-    loss_comm = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t)
+    loss_comm = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t) if pair else 0.0
     return ([(c.seconds(emb_f), pair / (2 if sp else 1), c.seconds(emb_b), 0.0)]
             + [(c.seconds(block_f), 2 * pair, c.seconds(block_b), comm_b)] * model.n_layer
             + [(c.seconds(head_f), loss_comm, c.seconds(head_b), pair / (2 if sp else 1))])
@@ -216,11 +225,12 @@ def optimizer_work(n_params, n_tensors, layout):
     mixed precision / offload add the inf check, the fp32 gradient copy, the unscale and the copy back."""
     state = "fp32" if layout.mixed else None
     inplace, new = {"sgd": (3, 2), "adam": (7, 6), "adamw": (8, 6)}[layout.optimizer]
-    w = Work().elementwise("inplace", n_params, inplace, state).elementwise("simple", n_params, new, state)
+    w = Work().elementwise("inplace", n_params, inplace, state, calls=False)
+    w.elementwise("simple", n_params, new, state, calls=False)
     if layout.mixed or layout.offload:
-        w.elementwise("simple", n_params, 5)
-    w.calls += 4 * n_tensors                                                 # Python per parameter
-    return w
+        w.elementwise("simple", n_params, 5, calls=False)
+    w.params = n_tensors * (inplace + new) / 13 * (1.4 if layout.mixed or layout.offload else 1.0)
+    return w                                       # (per tensor: the Python of an Adam step, calibrated)
 
 
 # ---------------------------------------------------------------- the step
@@ -276,7 +286,8 @@ def predict_time(model, layout, machine):
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes))
     bounds = np.array([0] + (list(_split(counts, p * v)) if p * v > 1 else []) + [len(layers)])
-    p2p = collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) if p > 1 else 0.0
+    p2p = (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2)
+           if p > 1 else 0.0)                                # a header, then the activation (or its gradient)
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, params, tensors)
     work = (prefix[bounds[1:]] - prefix[bounds[:-1]]).reshape(v, p, 6).sum(axis=0)
     fc, fm, bc, bm, n_local, n_tensors = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
@@ -286,33 +297,49 @@ def predict_time(model, layout, machine):
     else:
         span, idle = m * (fc + fm + bc + bm), 0.0
     compute, comm = m * (fc + bc), m * (fm + bm)
-    # the step's tail: gradients reduced over dp, the optimizer
+    # the step's tail: gradients reduced over dp (DDP overlaps its buckets with backward), the optimizer
     dp, z, grad_bytes, span_dp = layout.dp, layout.zero, n_local * e, layout.tp * layout.dp
     tail = Work()
-    if dp > 1 and z == 0:
+    if model.kind == "mlp" and p == 1:                       # the job's loop: step/forward/backward/optimizer spans
+        tail.spans += 5
+    if model.kind == "mlp" and p == 1 and z == 0 and not layout.local_sgd_every:
         reduce = collective(machine, "ring_all_reduce", grad_bytes, dp, span_dp)
-        if layout.local_sgd_every:
-            comm += reduce / layout.local_sgd_every
-        else:
-            cap = layout.bucket_cap_mb * 2 ** 20
-            hidden = min(reduce * (1 - cap / grad_bytes), m * bc) if model.kind == "mlp" and cap < grad_bytes else 0.0
-            comm += reduce - hidden                           # DDP's earlier buckets overlap backward
-            tail.elementwise("simple", n_local, 3)            # into the buckets, the mean, back out
-            tail.calls += 6 * n_tensors
-    elif dp > 1 or z:
-        rs = collective(machine, "ring_reduce_scatter", grad_bytes, dp, span_dp)
-        ag = collective(machine, "ring_all_gather", grad_bytes, dp, span_dp)
-        comm += rs + ag + (ag if z == 3 else 0)               # ZeRO-3 gathers each unit twice
-        tail.elementwise("simple", n_local, 3)
-        tail.calls += 6 * n_tensors
+        cap = layout.bucket_cap_mb * 2 ** 20
+        hidden = min(reduce * (1 - cap / grad_bytes), m * bc) if dp > 1 and cap < grad_bytes else 0.0
+        comm += reduce - hidden
+        tail.elementwise("simple", n_local, 2, calls=False)   # into the buckets and back out
+        tail.hooks += n_tensors
+    elif layout.local_sgd_every:
+        comm += collective(machine, "ring_all_reduce", grad_bytes, dp, span_dp) / layout.local_sgd_every
+    elif z in (1, 2):
+        comm += (collective(machine, "ring_reduce_scatter", grad_bytes, dp, span_dp)
+                 + collective(machine, "ring_all_gather", grad_bytes, dp, span_dp))
+        tail.elementwise("simple", n_local, 3, calls=False)
+        tail.hooks += n_tensors
+    elif z == 3:                                             # per unit: gathered twice, gradients scattered
+        units = [n for n in counts if n]
+        for n in units:
+            size = -(-n // dp) * dp * e
+            comm += 2 * collective(machine, "ring_all_gather", size, dp, span_dp) + \
+                collective(machine, "ring_reduce_scatter", size, dp, span_dp)
+        tail.elementwise("simple", n_local, 4, calls=False)
+        tail.hooks += n_tensors + 4 * len(units)
+    elif dp > 1 or layout.extras.get("parallel_job"):        # the pipeline's one flat all-reduce over dp
+        comm += collective(machine, "ring_all_reduce", grad_bytes, dp, span_dp) if dp > 1 else 0.0
+        tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
+        tail.calls += 2 * n_tensors if dp > 1 else 0
+    if p > 1 or layout.extras.get("parallel_job"):           # the runtime's Python per action (spans, dicts)
+        tail.spans += 4 * m * v * (2 if model.kind == "mlp" else 1)
     state_n = n_local if z == 0 else -(-n_local // dp)
     tail.add(optimizer_work(state_n, n_tensors if z == 0 else 1, layout))
     if model.kind == "gpt":                                   # clip_grad_norm_: squares in fp64, scaled
-        tail.elementwise("simple", n_local, 3, "fp64").elementwise("reduce", n_local, 1, "fp64")
-        tail.elementwise("simple", n_local, 2)
-        tail.calls += 4 * n_tensors
-        comm += 2 * collective(machine, "ring_all_reduce", 8, layout.tp, layout.tp)
-        comm += 2 * collective(machine, "ring_all_reduce", 8, p, p * span_dp) if p > 1 else 0.0
+        tail.elementwise("simple", n_local, 3, "fp64", calls=False).elementwise("reduce", n_local, 1, "fp64", calls=False)
+        tail.elementwise("simple", n_local, 2, calls=False)
+        tail.calls += 6 * n_tensors
+        if layout.extras.get("parallel_job"):                 # clip over tp and pp, the loss's mean over dp
+            comm += collective(machine, "ring_all_reduce", 8, layout.tp, layout.tp)
+            comm += collective(machine, "ring_all_reduce", 8, p, p * span_dp)
+            comm += collective(machine, "ring_all_reduce", 8, dp, span_dp) if dp > 1 else 0.0
     compute += c.seconds(tail)
     total = compute + comm + idle
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
