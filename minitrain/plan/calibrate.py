@@ -244,6 +244,9 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     machine = {"name": f"{platform.node() or 'this machine'} ({device})", "device": device, "cores": cores,
                "memory_bytes": _memory_bytes(), "measured": time.strftime("%Y-%m-%d %H:%M"),
                "numpy": np.__version__, "python": platform.python_version(), "matmul_flops": {}}
+    # first, while malloc has freed no large array yet: once one has been, small ones are recycled from the
+    # heap and never fault, which is not the state of a job whose backward hands its activations back
+    fresh = float(np.median([measure_fresh_memory() for _ in range(5)]))
     threads = [1, cores] if device == "cpu" and cores > 1 else [1]
     for dtype in DTYPES:
         machine["matmul_flops"][dtype] = {}
@@ -254,9 +257,10 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                     repeats=3 if quick else 5)
             log(f"matmul {dtype} x{th} threads: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in
                                                              machine["matmul_flops"][dtype][str(th)]) + " GFLOP/s")
-    machine["elementwise_s_per_element"] = {d: measure_elementwise(d) for d in DTYPES}
-    machine.update(measure_overheads())
-    machine["fresh_memory_s_per_byte"] = measure_fresh_memory()
+    rounds = 1 if quick else 3          # a shared machine: the best of several rounds, each a best of several
+    machine["elementwise_s_per_element"] = {d: _least([measure_elementwise(d) for _ in range(rounds)]) for d in DTYPES}
+    machine.update(_least([measure_overheads() for _ in range(rounds)]))
+    machine["fresh_memory_s_per_byte"] = fresh
     if device == "cuda":
         import cupy
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
@@ -280,6 +284,11 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                     log(f"{name} p={p}: alpha {fit['alpha_s'] * 1e6:.1f} us, "
                         f"{1 / fit['beta_s_per_byte'] / 1e9:.2f} GB/s")
     return machine
+
+
+def _least(dicts):
+    """Key by key, the smallest of several measurements of the same seconds."""
+    return {k: min(d[k] for d in dicts) for k in dicts[0]}
 
 
 def _memory_bytes():

@@ -113,7 +113,7 @@ def collective(machine, name, nbytes, p, node_span=None):
 # ---------------------------------------------------------------- the work of one micro-batch
 def mlp_layer_work(model, layout, rows):
     """Per module of the MLP: (forward, backward) Work for ``rows`` rows (the loss on the last)."""
-    from .memory import mlp_pieces
+    from .activations import mlp_pieces
     kept = mlp_pieces(model, replace(layout, recompute="none", offload_activations=False), rows)
     out = []
     for j, (kind, i, o) in enumerate(model.modules()):
@@ -150,7 +150,7 @@ def gpt_block_work(model, layout, rows):
     if drop:                                                                        # masks drawn, applied
         fwd.elementwise("transcendental", S + 2 * E, 1).elementwise("simple", S + 2 * Er, 2)
     fwd.nodes = 26 + 3 * drop
-    from .memory import gpt_block_bytes
+    from .activations import gpt_block_bytes
     fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows)[0]
     bwd = Work()
     for m_, k_, n_ in ((N, h, 3 * h // t), (N, h // t, h), (N, h, 4 * h // t), (N, 4 * h // t, h)):

@@ -52,8 +52,8 @@ def run(name, machine=None, timeout=300):
     kind, n, options = RUNS[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
-                 *shlex.split(options)], n=n, timeout=timeout)
+        printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
+                           *shlex.split(options)], n=n, timeout=timeout).stdout
         with open(out) as f:
             report = json.load(f)
     model, layout = planned(kind, n, options)
@@ -68,7 +68,8 @@ def run(name, machine=None, timeout=300):
             "describe": predicted["describe"], "ranks": ranks,
             "step_time_s": {"measured": report["step_time_s"], "fastest": report["step_time_min_s"],
                             "predicted": predicted["step_time_s"]["total"]},
-            "bubble_fraction": predicted["bubble_fraction"]}
+            "bubble_fraction": predicted["bubble_fraction"],
+            "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
 
 
 def memory_error(result):
