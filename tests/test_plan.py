@@ -208,6 +208,41 @@ def test_one_chunk_walk_equals_the_walk_over_the_schedules_actions():
             assert fast == slow
 
 
+def test_one_chunk_walk_with_more_micro_batches_in_flight_after_the_first_backward():
+    """A hand-made order (F0 F1 B0 F2 F3 B1 B2 B3): more in flight after the first backward than before."""
+    from minitrain.parallel.pipeline import Action
+    actions = [Action(k, mb) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("F", 3), ("B", 1), ("B", 2), ("B", 3))]
+    model = plan.GPT(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=64)
+    layout = plan.Layout(batch_size=8, microbatches=4, recompute="full", extras={"parallel_job": True})
+    chunks = {0: pmem.gpt_pieces(model, layout, 2)}
+    local = sum(x.params for x in chunks[0])
+    assert pmem.counts_in_flight(actions) == (2, 3)
+    assert pmem.pipeline_walk(pmem.counts_in_flight(actions), chunks, layout, local, 0) == \
+        pmem.pipeline_walk(actions, chunks, layout, local, 0)
+
+
+def _matmul_flops(work):
+    return sum(2 * batch * m * k * n for m, k, n, batch in work.mm)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
+    """The Work the time model charges holds exactly the matmul FLOPs of flops_per_iteration (per rank,
+    per micro-batch: x dp x tp x m gives the whole step's)."""
+    model = plan.GPT(vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=64)
+    layout = plan.Layout(world=4, batch_size=16, dp=2, tp=2, microbatches=2, recompute=recompute)
+    b = layout.micro_batch_size
+    block_f, block_b = ptime.gpt_block_work(model, layout, b)
+    (emb_f, emb_b), (head_f, head_b) = ptime.gpt_ends_work(model, layout, b)
+    per_rank = (3 * (_matmul_flops(block_f) + _matmul_flops(block_b)) + _matmul_flops(head_f) + _matmul_flops(head_b)
+                + _matmul_flops(emb_f) + _matmul_flops(emb_b))
+    assert per_rank * layout.dp * layout.tp * layout.microbatches == plan.flops_per_iteration(model, layout)
+    mlp = plan.MLP((64, 96, 96, 10))
+    mlp_layout = plan.Layout(world=2, dp=2, batch_size=32)
+    work = ptime.mlp_layer_work(mlp, mlp_layout, 16)
+    assert sum(_matmul_flops(f) + _matmul_flops(w) for f, w in work) * 2 == plan.flops_per_iteration(mlp, mlp_layout)
+
+
 # ---------------------------------------------------------------- scale
 def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus_takes_under_2_s():
     """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP): process time, best of 3

@@ -150,10 +150,11 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
     g = e * pad if zero1 else 0
     if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
         K, F, A, G, shared = _chunk_backward(tuple(chunks[0]), 0 if zero1 else e)
-        before, after, b_first, b_later = actions
-        act_peak = max(before * K, after * K, (max(b_first, b_later) - 1) * K + A)
-        dyn = max(before * K + g, (after * K + g + G) if after else 0, (b_first - 1) * K + g + F,
-                  ((b_later - 1) * K + g + G + A) if b_later else 0)
+        # the worst moments are backwards: a forward never has more in flight than the next backward,
+        # and a backward holds at least its own micro-batch's kept bytes (A >= K, F >= K)
+        b_first, b_later = actions
+        act_peak = (max(b_first, b_later) - 1) * K + A
+        dyn = max((b_first - 1) * K + g + F, ((b_later - 1) * K + g + G + A) if b_later else 0)
         g += G
     else:
         kept, first, again, grads, shared = {}, {}, {}, {}, 0
@@ -220,9 +221,8 @@ def _schedule(name, p, m, v):
 
 @lru_cache(maxsize=4096)
 def in_flight(name, p, m, stage):
-    """For a one-chunk schedule, stage ``stage``'s micro-batches in flight: the most at a forward
-    before its first backward, the most at a forward after it (0: none), at its first backward, and
-    the most at a later backward (0: none) — all that the memory walk needs when chunks are alike.
+    """For a one-chunk schedule, stage ``stage``'s micro-batches in flight at its first backward and the
+    most at a later backward (0: none) — all that the memory walk needs when chunks are alike.
     Beyond m = 4p they are extrapolated from the schedule at 2p and 3p micro-batches (constant for
     1F1B, m for GPipe: linear once every stage is in its steady state; tests check both)."""
     if m > 4 * p:
@@ -233,17 +233,19 @@ def in_flight(name, p, m, stage):
 
 @lru_cache(maxsize=4096)
 def _in_flight(name, p, m, stage):
-    n = before = after = b_first = b_later = 0
-    seen = False
-    for a in _schedule(name, p, m, 1)[stage]:
+    return counts_in_flight(_schedule(name, p, m, 1)[stage])
+
+
+def counts_in_flight(actions):
+    """(in flight at the first backward, the most at a later one): see ``in_flight``."""
+    n = b_first = b_later = 0
+    for a in actions:
         if a.kind == "F":
             n += 1
-            before, after = (before, max(after, n)) if seen else (max(before, n), after)
-        else:
-            b_first, b_later = (b_first, max(b_later, n)) if seen else (n, b_later)
-            seen = True
-            n -= 1
-    return before, after, b_first, b_later
+            continue
+        b_first, b_later = (b_first, max(b_later, n)) if b_first else (n, b_later)
+        n -= 1
+    return b_first, b_later
 
 
 def stage_chunks(pieces, layout, paper=False):
@@ -320,7 +322,7 @@ def paper_memory(model, layout):
             extra += sum(4 * s * b * h / t + 4 * s * b * model.vocab_size / t for x in ps if x.name == "head")
             bytes_of[c] = blocks * per_layer + extra
         if layout.chunks == 1:
-            worst = bytes_of[0] * max(in_flight(layout.schedule, layout.pp, layout.microbatches, st)[:2])
+            worst = bytes_of[0] * max(in_flight(layout.schedule, layout.pp, layout.microbatches, st))
         else:
             act = worst = 0
             for action in schedule[st]:

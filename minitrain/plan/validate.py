@@ -21,7 +21,6 @@ MLP = "--epochs 1"
 GPT = "--steps 8 --sample-chars 1"
 # name -> (job, ranks, options); small sizes, one launch each
 RUNS = {
-    "ddp-1": ("mlp", 1, f"{MLP} --hidden 256"),
     "ddp-2": ("mlp", 2, f"{MLP} --hidden 256 --batch-size 128"),
     "zero1-fp16": ("mlp", 2, f"{MLP} --strategy zero1 --precision fp16 --hidden 64"),
     "zero2-bf16-offload": ("mlp", 2, f"{MLP} --strategy zero2 --precision bf16 --offload --hidden 256"),
