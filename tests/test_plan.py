@@ -243,6 +243,30 @@ def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
     assert sum(_matmul_flops(f) + _matmul_flops(w) for f, w in work) * 2 == plan.flops_per_iteration(mlp, mlp_layout)
 
 
+@pytest.mark.slow
+def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
+    """``plan calibrate --quick``: every constant measured and positive, alpha/beta fitted for each collective
+    at p = 2 under mpiexec; predictions from that file; two calibrations merge into their best."""
+    from minitrain.plan import calibrate
+    out = tmp_path / "machine.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out)]) == 0
+    machine = json.loads(out.read_text())
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        assert all(rate > 0 for _, rate in machine["matmul_flops"][dtype]["1"])
+        assert all(v > 0 for v in machine["elementwise_s_per_element"][dtype].values())
+    for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s", "reference_step_s"):
+        assert machine[key] > 0, key
+    for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
+        fit = machine["collectives"][name]["2"]
+        assert fit["alpha_s"] > 0 and fit["beta_s_per_byte"] > 0 and len(fit["points"]) >= 4
+    result = cli(f"mlp --world 2 --machine {out}")
+    assert 0 < result["step_time_s"]["comm"] < result["step_time_s"]["total"]
+    slower = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"], "reference_step_s": 3.0}
+    merged = calibrate.merge([slower, machine])
+    assert merged["numpy_call_s"] == machine["numpy_call_s"] and merged["reference_step_s"] == machine["reference_step_s"]
+
+
 # ---------------------------------------------------------------- scale
 def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus_takes_under_2_s():
     """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP): process time, best of 3

@@ -2,8 +2,9 @@
 mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D,
 recomputation). Memory: every rank's ledger peak, every category, within 5% of the prediction. Step time:
 a shared 2-core machine makes single runs scatter by 2x and more (other jobs take the cores; a 1-rank job's
-second BLAS thread waits for one), so each run is compared by its fastest step (the least disturbed), and
-the tolerance is on the median ratio over the runs whose ranks fit the cores (README: the figures)."""
+second BLAS thread waits for one), so each run is compared by its fastest step (the least disturbed), the
+prediction is scaled by the slowdown of a reference step measured around the run (the anchor), and the
+tolerance is on the median ratio over the runs whose ranks fit the cores (README: the figures)."""
 import os
 import statistics
 
@@ -36,7 +37,7 @@ def test_peak_memory_of_every_rank_is_the_ledgers_within_5_percent(results):
 @pytest.mark.slow
 def test_step_time_where_ranks_fit_the_cores(results):
     cores = os.cpu_count() or 1
-    ratios = {r["name"]: r["step_time_s"]["predicted"] / r["step_time_s"]["fastest"] for r in results
+    ratios = {r["name"]: r["step_time_s"]["predicted_now"] / r["step_time_s"]["fastest"] for r in results
               if r["world"] <= cores}
     assert len(ratios) >= 8
     assert 0.5 <= statistics.median(ratios.values()) <= 2.0, ratios

@@ -176,6 +176,27 @@ def measure_overheads(repeats=5):
             "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span}
 
 
+def reference_step(repeats=10):
+    """Seconds of one fixed training step in this process (an MLP 64-256-256-10, batch 64, Adam, one
+    BLAS thread; best of ``repeats``): the anchor that says how much slower the machine is now than
+    when it was calibrated (validate.py scales its predictions by it on a shared machine)."""
+    from .. import Tensor, nn, optim
+    from ..nn import functional as F
+    xp, sync = _xp()
+    model = nn.MLP([64, 256, 256, 10])
+    opt = optim.Adam(model.parameters(), lr=1e-3)
+    x = Tensor(xp.asarray(np.random.default_rng(0).random((64, 64), np.float32)))
+    y = xp.asarray(np.random.default_rng(1).integers(0, 10, 64))
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with _blas_threads(1):
+        return _best(step, repeats, sync)
+
+
 def fit_alpha_beta(points, name, p):
     """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)], in relative error (each
     point weighted by 1/t, so that small messages count as much as large ones); both kept >= 0."""
@@ -261,6 +282,7 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     machine["elementwise_s_per_element"] = {d: _least([measure_elementwise(d) for _ in range(rounds)]) for d in DTYPES}
     machine.update(_least([measure_overheads() for _ in range(rounds)]))
     machine["fresh_memory_s_per_byte"] = fresh
+    machine["reference_step_s"] = min(reference_step() for _ in range(rounds))
     if device == "cuda":
         import cupy
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
@@ -286,9 +308,40 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     return machine
 
 
-def _least(dicts):
-    """Key by key, the smallest of several measurements of the same seconds."""
-    return {k: min(d[k] for d in dicts) for k in dicts[0]}
+def merge(machines):
+    """Several calibrations of one machine as one: the fastest of each measurement (a shared machine is
+    never faster than it can be), the median of the new-memory costs, the collective fits that predict the
+    least time for 1 MiB. How machines/cpu-2core.json was made from calibrations at different hours."""
+    def fastest_rate(d, th, n):
+        return max(r for m in machines for nn, r in m["matmul_flops"][d].get(th, []) if nn == n)
+
+    def having(key):
+        return [m[key] for m in machines if key in m]
+    out = dict(machines[0])
+    out["matmul_flops"] = {d: {th: [[n, fastest_rate(d, th, n)] for n in sorted({nn for m in machines
+                                                                                for nn, _ in m["matmul_flops"][d].get(th, [])})]
+                               for th in machines[0]["matmul_flops"][d]} for d in DTYPES}
+    out["elementwise_s_per_element"] = {d: _least(having("elementwise_s_per_element"), d) for d in DTYPES}
+    for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "ddp_param_s", "collective_call_s",
+                "trace_span_s", "reference_step_s"):
+        out[key] = min(having(key))
+    out["fresh_memory_s_per_byte"] = float(np.median(having("fresh_memory_s_per_byte")))
+
+    def one_mib(name, p, fit):
+        steps, sent = COLLECTIVES[name](int(p), 1 << 20)
+        return fit["alpha_s"] * steps + fit["beta_s_per_byte"] * sent
+    out["collectives"] = {name: {p: min((m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})),
+                                        key=lambda fit: one_mib(name, p, fit))
+                                 for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
+                          for name in COLLECTIVES}
+    out["measured"] = "best of: " + ", ".join(m["measured"] for m in machines)
+    return out
+
+
+def _least(dicts, dtype=None):
+    """Key by key, the smallest of several measurements of the same seconds (of one dtype's table)."""
+    dicts = [d[dtype] for d in dicts] if dtype else dicts
+    return {k: min(d[k] for d in dicts if k in d) for k in set().union(*dicts)}
 
 
 def _memory_bytes():
@@ -309,6 +362,7 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
     p.add_argument("--name", help="the machine's name in the JSON")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="write the best of these calibrations instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -316,7 +370,10 @@ def main(argv=None):
         return _worker(args.worker, args.sizes)
     if any(r < 2 for r in args.ranks):
         p.error("--ranks: collectives need at least 2 ranks")
-    machine = calibrate(args.ranks, args.quick)
+    if args.merge:
+        machine = merge([load_machine(path) for path in args.merge])
+    else:
+        machine = calibrate(args.ranks, args.quick)
     if args.name:
         machine["name"] = args.name
     path = pathlib.Path(args.out)

@@ -1,10 +1,11 @@
 """The planner against measurement: ``python -m minitrain.plan validate [--runs NAME ...] [--markdown]``.
 
 Each run launches a job (``mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json``) at a small
-size, reads what it measured (every rank's ledger peak per category, the median step time) and puts
-the planner's prediction for the same options beside it: memory per rank and category (the ledger is
-exact, so within 5%), step time (noisy on a shared machine; compared where ranks <= cores, since
-oversubscribed ranks take turns on the cores and the prediction only scales by ranks / cores).
+size, reads what it measured (every rank's ledger peak per category, the median and fastest step) and
+puts the planner's prediction for the same options beside it: memory per rank and category (the ledger
+is exact, so within 5%), step time (compared where ranks <= cores: oversubscribed ranks take turns on the
+cores and the prediction only scales by ranks / cores). On a shared machine the prediction is multiplied
+by the slowdown a fixed reference step shows now against the calibration (``slowdown``).
 The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
 recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
 """
@@ -44,19 +45,29 @@ def planned(kind, n, options):
     return model_and_layout(parser().parse_args([kind, *shlex.split(options), "--world", str(n)]))
 
 
+def slowdown(machine):
+    """How much slower this machine runs a fixed step now than when it was calibrated (>= 1 when others
+    share it): the anchor measured in the same run, by which a prediction is scaled before it is compared."""
+    from .calibrate import reference_step
+    calibrated = machine.get("reference_step_s")
+    return max(1.0, reference_step() / calibrated) if calibrated else 1.0
+
+
 def run(name, machine=None, timeout=300):
     """Launch one run, return {name, ranks, cores, ranks: [(measured peak, predicted peak) per rank],
-    step_time_s: (measured median, predicted), ...}."""
+    step_time_s: (measured median, fastest, predicted, predicted x the machine's slowdown now), ...}."""
     from ..testing import run_mpi
     kind, n, options = RUNS[name]
+    machine = machine if isinstance(machine, dict) else load_machine(machine)
+    before = slowdown(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
         printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
                            *shlex.split(options)], n=n, timeout=timeout).stdout
         with open(out) as f:
             report = json.load(f)
+    factor = min(before, slowdown(machine))                   # the anchor before and after the job
     model, layout = planned(kind, n, options)
-    machine = machine if isinstance(machine, dict) else load_machine(machine)
     predicted = predict(model, layout, machine)
     per_stage = layout.dp * layout.tp
     ranks = []
@@ -66,7 +77,8 @@ def run(name, machine=None, timeout=300):
     return {"name": name, "job": kind, "world": n, "options": options, "cores": machine.get("cores"),
             "describe": predicted["describe"], "ranks": ranks,
             "step_time_s": {"measured": report["step_time_s"], "fastest": report["step_time_min_s"],
-                            "predicted": predicted["step_time_s"]["total"]},
+                            "predicted": predicted["step_time_s"]["total"],
+                            "predicted_now": predicted["step_time_s"]["total"] * factor}, "slowdown": factor,
             "bubble_fraction": predicted["bubble_fraction"],
             "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
 
@@ -87,7 +99,7 @@ def memory_error(result):
 def table(results):
     """The README's table: one row per run."""
     rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | step: median "
-            "(fastest) measured / predicted (predicted / fastest) |", "|---|---|---|---|---|"]
+            "(fastest) measured / predicted x slowdown (/ fastest) |", "|---|---|---|---|---|"]
     for res in results:
         heaviest = max(res["ranks"], key=lambda r: r["measured"]["total"])
         t = res["step_time_s"]
@@ -95,7 +107,7 @@ def table(results):
         rows.append(f"| `{res['job']} {res['options']}` | {res['world']} | {res['describe']} | "
                     f"{heaviest['measured']['total']:,} / {heaviest['predicted']['total']:,} B "
                     f"({memory_error(res):.2%}) | {t['measured'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) / "
-                    f"{t['predicted'] * 1e3:.2f} ms ({t['predicted'] / t['fastest']:.2f}x{note}) |")
+                    f"{t['predicted'] * 1e3:.2f} x {res['slowdown']:.2f} ms ({t['predicted_now'] / t['fastest']:.2f}x{note}) |")
     return "\n".join(rows)
 
 
@@ -112,8 +124,8 @@ def main(argv=None):
         res = results[-1]
         t = res["step_time_s"]
         print(f"{name:>22}: memory worst error {memory_error(res):.3%}; step {t['measured'] * 1e3:.2f} ms measured "
-              f"(median; fastest {t['fastest'] * 1e3:.2f}), {t['predicted'] * 1e3:.2f} ms predicted "
-              f"({t['predicted'] / t['fastest']:.2f}x the fastest)", flush=True)
+              f"(median; fastest {t['fastest'] * 1e3:.2f}), {t['predicted'] * 1e3:.2f} ms predicted, x {res['slowdown']:.2f} "
+              f"for the machine's load now: {t['predicted_now'] / t['fastest']:.2f}x the fastest", flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
