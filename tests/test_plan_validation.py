@@ -1,10 +1,9 @@
 """The planner against the jobs (minitrain/plan/validate.py): 14 runs of examples.mlp / examples.gpt under
 mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D,
 recomputation). Memory: every rank's ledger peak, every category, within 5% of the prediction. Step time:
-a shared 2-core machine makes single runs scatter by 2x and more (other jobs take the cores; a 1-rank job's
-second BLAS thread waits for one), so each run is compared by its fastest step (the least disturbed), the
-prediction is scaled by the slowdown of a reference step measured around the run (the anchor), and the
-tolerance is on the median ratio over the runs whose ranks fit the cores (README: the figures)."""
+on a shared 2-core machine the wall clock of a step scatters by 10x (other jobs hold the cores), so each
+run is compared by the median CPU time of its steps' own thread, which they inflate far less, and the
+ratios of the runs whose ranks fit the cores are checked against their median (README: the figures)."""
 import os
 import statistics
 
@@ -36,9 +35,14 @@ def test_peak_memory_of_every_rank_is_the_ledgers_within_5_percent(results):
 
 @pytest.mark.slow
 def test_step_time_where_ranks_fit_the_cores(results):
+    """Relative accuracy strictly, absolute loosely: other jobs on the machine inflate every run alike (even
+    CPU time, by evicting caches), so each run's predicted / measured ratio is compared with the median
+    ratio of the runs (within 2x: the planner ranks layouts right), and that median with 1 (within 3x:
+    no factor is lost). The README's table has the absolute figures of a quieter hour."""
     cores = os.cpu_count() or 1
-    ratios = {r["name"]: r["step_time_s"]["predicted_now"] / r["step_time_s"]["fastest"] for r in results
+    ratios = {r["name"]: r["step_time_s"]["predicted"] / r["step_time_s"]["cpu"] for r in results
               if r["world"] <= cores}
     assert len(ratios) >= 8
-    assert 0.5 <= statistics.median(ratios.values()) <= 2.0, ratios
-    assert all(0.1 < x < 10 for x in ratios.values()), ratios
+    middle = statistics.median(ratios.values())
+    assert 1 / 3 <= middle <= 3, ratios
+    assert all(0.5 <= x / middle <= 2 for x in ratios.values()), (middle, ratios)

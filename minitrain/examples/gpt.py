@@ -105,10 +105,10 @@ def main(argv=None):
     bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
-    step_times = []
+    step_times, step_cpu_times = [], []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         if offload is not None:
             with offload:
                 _, loss = model(x, y)
@@ -119,6 +119,7 @@ def main(argv=None):
         optim.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step_times.append(time.perf_counter() - started)
+        step_cpu_times.append(time.thread_time() - cpu_started)
         persistent = persistent_memory()
         losses.append(loss.item())
         if step % 10 == 0:
@@ -150,6 +151,7 @@ def main(argv=None):
             "bytes_offloaded_per_step": offload.bytes_offloaded / args.steps if offload else 0,
             "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
             "step_time_s": float(np.median(step_times)), "step_time_min_s": float(np.min(step_times)),
+            "step_cpu_time_s": float(np.median(step_cpu_times)),
             "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })
     return 0

@@ -93,13 +93,13 @@ def main_parallel(args):
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         model.zero_grad()
         with offload:
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
-        step_times.append(time.perf_counter() - started)
+        step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
         persistent = persistent_memory()
         losses.append(loss)
         if step % 10 == 0:
@@ -110,8 +110,8 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.min(step_times), np.median(step_times)],
-                   np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(np.array(step_times)[:, 1]),
+                    np.min(np.array(step_times)[:, 0]), np.median(np.array(step_times)[:, 0])], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -159,6 +159,7 @@ def main_parallel(args):
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
             "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
+            "step_cpu_time_s": float(table[:, -3].max()),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,

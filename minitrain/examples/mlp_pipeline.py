@@ -78,11 +78,11 @@ def main_pipeline(args, parser, comm):
             if len(yb) != local_batch:
                 continue                             # a short last batch would not split into micro-batches
             trace.tracer().events.clear()            # keep the last step's trace only
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             opt.zero_grad()
             loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
             opt.step()
-            step_times.append(time.perf_counter() - started)
+            step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
             steps += 1
             seen += len(yb)
             bar.update(1)
@@ -95,8 +95,9 @@ def main_pipeline(args, parser, comm):
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
     peak = memory.peak()                             # per rank: every category, and its median step
-    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.min(step_times), np.median(step_times)],
-                    np.float64)
+    wall, cpu = np.array(step_times).T
+    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.median(cpu), np.min(wall),
+                     np.median(wall)], np.float64)
     table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     if rank != 0:
@@ -112,7 +113,7 @@ def main_pipeline(args, parser, comm):
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
-    print(planner_line(args, world, float(table[:, -1].max()), table[:, -3].max()))
+    print(planner_line(args, world, float(table[:, -1].max()), table[:, -4].max()))
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
@@ -121,7 +122,8 @@ def main_pipeline(args, parser, comm):
                            "measured_bubble_fraction_per_rank": bubbles.tolist(),
                            "formula_bubble_fraction": formula},
               "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
-              "ranks": [{"rank": r, "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-2])))}}
+              "step_cpu_time_s": float(table[:, -3].max()),
+              "ranks": [{"rank": r, "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-3])))}}
                         for r, v in enumerate(table)]}
     if args.json:
         write_json(args.json, report)

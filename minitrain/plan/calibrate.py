@@ -176,27 +176,6 @@ def measure_overheads(repeats=5):
             "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span}
 
 
-def reference_step(repeats=10):
-    """Seconds of one fixed training step in this process (an MLP 64-256-256-10, batch 64, Adam, one
-    BLAS thread; best of ``repeats``): the anchor that says how much slower the machine is now than
-    when it was calibrated (validate.py scales its predictions by it on a shared machine)."""
-    from .. import Tensor, nn, optim
-    from ..nn import functional as F
-    xp, sync = _xp()
-    model = nn.MLP([64, 256, 256, 10])
-    opt = optim.Adam(model.parameters(), lr=1e-3)
-    x = Tensor(xp.asarray(np.random.default_rng(0).random((64, 64), np.float32)))
-    y = xp.asarray(np.random.default_rng(1).integers(0, 10, 64))
-
-    def step():
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with _blas_threads(1):
-        return _best(step, repeats, sync)
-
-
 def fit_alpha_beta(points, name, p):
     """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)], in relative error (each
     point weighted by 1/t, so that small messages count as much as large ones); both kept >= 0."""
@@ -282,7 +261,6 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     machine["elementwise_s_per_element"] = {d: _least([measure_elementwise(d) for _ in range(rounds)]) for d in DTYPES}
     machine.update(_least([measure_overheads() for _ in range(rounds)]))
     machine["fresh_memory_s_per_byte"] = fresh
-    machine["reference_step_s"] = min(reference_step() for _ in range(rounds))
     if device == "cuda":
         import cupy
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
@@ -323,7 +301,7 @@ def merge(machines):
                                for th in machines[0]["matmul_flops"][d]} for d in DTYPES}
     out["elementwise_s_per_element"] = {d: _least(having("elementwise_s_per_element"), d) for d in DTYPES}
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "ddp_param_s", "collective_call_s",
-                "trace_span_s", "reference_step_s"):
+                "trace_span_s"):
         out[key] = min(having(key))
     out["fresh_memory_s_per_byte"] = float(np.median(having("fresh_memory_s_per_byte")))
 

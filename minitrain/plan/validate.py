@@ -4,8 +4,10 @@ Each run launches a job (``mpiexec -n N python -m minitrain.examples.mlp|gpt ...
 size, reads what it measured (every rank's ledger peak per category, the median and fastest step) and
 puts the planner's prediction for the same options beside it: memory per rank and category (the ledger
 is exact, so within 5%), step time (compared where ranks <= cores: oversubscribed ranks take turns on the
-cores and the prediction only scales by ranks / cores). On a shared machine the prediction is multiplied
-by the slowdown a fixed reference step shows now against the calibration (``slowdown``).
+cores and the prediction only scales by ranks / cores). The jobs time each step twice: by the wall clock,
+which on a shared machine also counts the other jobs that hold the cores, and by the CPU time of the
+step's own thread, which they cannot inflate (it still counts waiting for a peer while polling); the
+prediction is compared with the latter.
 The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
 recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
 """
@@ -45,28 +47,18 @@ def planned(kind, n, options):
     return model_and_layout(parser().parse_args([kind, *shlex.split(options), "--world", str(n)]))
 
 
-def slowdown(machine):
-    """How much slower this machine runs a fixed step now than when it was calibrated (>= 1 when others
-    share it): the anchor measured in the same run, by which a prediction is scaled before it is compared."""
-    from .calibrate import reference_step
-    calibrated = machine.get("reference_step_s")
-    return max(1.0, reference_step() / calibrated) if calibrated else 1.0
-
-
 def run(name, machine=None, timeout=300):
-    """Launch one run, return {name, ranks, cores, ranks: [(measured peak, predicted peak) per rank],
-    step_time_s: (measured median, fastest, predicted, predicted x the machine's slowdown now), ...}."""
+    """Launch one run, return {name, world, ranks: [{measured, predicted} peak bytes per rank and category],
+    step_time_s: {measured (median wall), fastest (wall), cpu (median, the step's own thread), predicted}}."""
     from ..testing import run_mpi
     kind, n, options = RUNS[name]
     machine = machine if isinstance(machine, dict) else load_machine(machine)
-    before = slowdown(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
         printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
                            *shlex.split(options)], n=n, timeout=timeout).stdout
         with open(out) as f:
             report = json.load(f)
-    factor = min(before, slowdown(machine))                   # the anchor before and after the job
     model, layout = planned(kind, n, options)
     predicted = predict(model, layout, machine)
     per_stage = layout.dp * layout.tp
@@ -77,8 +69,7 @@ def run(name, machine=None, timeout=300):
     return {"name": name, "job": kind, "world": n, "options": options, "cores": machine.get("cores"),
             "describe": predicted["describe"], "ranks": ranks,
             "step_time_s": {"measured": report["step_time_s"], "fastest": report["step_time_min_s"],
-                            "predicted": predicted["step_time_s"]["total"],
-                            "predicted_now": predicted["step_time_s"]["total"] * factor}, "slowdown": factor,
+                            "cpu": report["step_cpu_time_s"], "predicted": predicted["step_time_s"]["total"]},
             "bubble_fraction": predicted["bubble_fraction"],
             "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
 
@@ -98,16 +89,16 @@ def memory_error(result):
 
 def table(results):
     """The README's table: one row per run."""
-    rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | step: median "
-            "(fastest) measured / predicted x slowdown (/ fastest) |", "|---|---|---|---|---|"]
+    rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | step wall: median "
+            "(fastest) | step CPU: measured / predicted (ratio) |", "|---|---|---|---|---|---|"]
     for res in results:
         heaviest = max(res["ranks"], key=lambda r: r["measured"]["total"])
         t = res["step_time_s"]
         note = "" if res["world"] <= (res["cores"] or 1) else " oversubscribed"
         rows.append(f"| `{res['job']} {res['options']}` | {res['world']} | {res['describe']} | "
                     f"{heaviest['measured']['total']:,} / {heaviest['predicted']['total']:,} B "
-                    f"({memory_error(res):.2%}) | {t['measured'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) / "
-                    f"{t['predicted'] * 1e3:.2f} x {res['slowdown']:.2f} ms ({t['predicted_now'] / t['fastest']:.2f}x{note}) |")
+                    f"({memory_error(res):.2%}) | {t['measured'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) ms | "
+                    f"{t['cpu'] * 1e3:.2f} / {t['predicted'] * 1e3:.2f} ms ({t['predicted'] / t['cpu']:.2f}x{note}) |")
     return "\n".join(rows)
 
 
@@ -123,9 +114,9 @@ def main(argv=None):
         results.append(run(name, machine))
         res = results[-1]
         t = res["step_time_s"]
-        print(f"{name:>22}: memory worst error {memory_error(res):.3%}; step {t['measured'] * 1e3:.2f} ms measured "
-              f"(median; fastest {t['fastest'] * 1e3:.2f}), {t['predicted'] * 1e3:.2f} ms predicted, x {res['slowdown']:.2f} "
-              f"for the machine's load now: {t['predicted_now'] / t['fastest']:.2f}x the fastest", flush=True)
+        print(f"{name:>22}: memory worst error {memory_error(res):.3%}; step {t['measured'] * 1e3:.2f} ms wall (median; "
+              f"fastest {t['fastest'] * 1e3:.2f}), {t['cpu'] * 1e3:.2f} ms CPU; {t['predicted'] * 1e3:.2f} ms predicted "
+              f"({t['predicted'] / t['cpu']:.2f}x the CPU time)", flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
