@@ -126,7 +126,8 @@ def measure_fresh_memory(n=1 << 16, arrays=16, repeats=5):
 def measure_overheads(repeats=5):
     """Python's share of a step, measured on tiny arrays: one NumPy call; one autograd node (forward +
     backward of x * 1.0); per parameter tensor, an Adam step and DDP's hook and write-back (on a
-    one-rank ThreadWorld); one collective call that moves nothing; one traced span."""
+    one-rank ThreadWorld); one collective call that moves nothing; one traced span; one action of a
+    pipeline (its runtime's bookkeeping and a backward call per micro-batch, beyond the layers' work)."""
     xp, sync = _xp()
     from .. import Tensor, nn, optim, trace
     from ..comm import ThreadWorld, ring_all_reduce
@@ -161,8 +162,20 @@ def measure_overheads(repeats=5):
         wrapped = _best(lambda: ddp(x).sum().backward(), repeats, sync)
         one = xp.ones(1, np.float32)
         call = _best(lambda: [ring_all_reduce(comm, one) for _ in range(100)], repeats, sync) / 100
-        return max(0.0, wrapped - plain) / k, call
-    ddp_param, collective_call = ThreadWorld(1).run(ddp_and_collective)[0]
+        from ..nn import functional as F
+        from ..parallel.pipeline import PipelineParallel
+        m, tiny = 8, nn.Sequential(nn.Linear(1, 1))        # a pipeline of one stage: its actions' own cost
+        pipe = PipelineParallel(tiny, comm, "1f1b", num_microbatches=m)
+        xs, ys = xp.ones((m, 1), np.float32), xp.zeros(m, np.int64)
+        loss = (lambda out, y: F.mse_loss(out, out * 0.0))  # noqa: E731
+        piped = _best(lambda: pipe.train_step(xs, ys, loss), repeats, sync)
+
+        def direct():
+            for i in range(m):
+                (F.mse_loss(tiny(Tensor(xs[i:i + 1])), tiny(Tensor(xs[i:i + 1])) * 0.0) * (1.0 / m)).backward()
+        action = max(0.0, piped - _best(direct, repeats, sync)) / (2 * m)
+        return max(0.0, wrapped - plain) / k, call, action
+    ddp_param, collective_call, pipeline_action = ThreadWorld(1).run(ddp_and_collective)[0]
     trace.enable(rank=0)
 
     def spans():
@@ -173,7 +186,8 @@ def measure_overheads(repeats=5):
     trace.disable()
     trace.tracer().events.clear()
     return {"numpy_call_s": numpy_call, "autograd_node_s": node, "optimizer_param_s": optimizer_param,
-            "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span}
+            "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span,
+            "pipeline_action_s": pipeline_action}
 
 
 def fit_alpha_beta(points, name, p):
@@ -268,7 +282,8 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     log("elementwise fp32 (ns per element): " + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in fp32.items()) + "; NumPy call "
         f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; per parameter: "
         f"Adam {machine['optimizer_param_s'] * 1e6:.1f} us, DDP {machine['ddp_param_s'] * 1e6:.1f} us; collective call "
-        f"{machine['collective_call_s'] * 1e6:.1f} us; span {machine['trace_span_s'] * 1e6:.1f} us; new memory "
+        f"{machine['collective_call_s'] * 1e6:.1f} us; span {machine['trace_span_s'] * 1e6:.1f} us; pipeline action "
+        f"{machine['pipeline_action_s'] * 1e6:.1f} us; new memory "
         f"{machine['fresh_memory_s_per_byte'] * 1e6 * 4096:.2f} us per 4 KiB page")
     machine["collectives"] = {}
     msg_sizes = [1 << k for k in range(12, 23 if quick else 25, 2)]
@@ -301,8 +316,8 @@ def merge(machines):
                                for th in machines[0]["matmul_flops"][d]} for d in DTYPES}
     out["elementwise_s_per_element"] = {d: _least(having("elementwise_s_per_element"), d) for d in DTYPES}
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "ddp_param_s", "collective_call_s",
-                "trace_span_s"):
-        out[key] = min(having(key))
+                "trace_span_s", "pipeline_action_s"):
+        out[key] = min(having(key)) if having(key) else 0.0
     out["fresh_memory_s_per_byte"] = float(np.median(having("fresh_memory_s_per_byte")))
 
     def one_mib(name, p, fit):

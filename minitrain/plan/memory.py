@@ -206,7 +206,9 @@ def _count(pieces):
 
 
 @lru_cache(maxsize=256)
-def _split(sizes, parts):
+def split_points(sizes, parts):
+    """Where the runtime cuts layers of these parameter counts into ``parts`` virtual stages (its
+    balanced_split_points), or, for paper-scale models, Megatron's even split of the blocks."""
     if len(sizes) ** 2 * parts > 60_000:                     # Megatron's even split for paper-scale models
         n_inner = len(sizes) - 2
         per = n_inner // parts
@@ -256,7 +258,7 @@ def stage_chunks(pieces, layout, paper=False):
         per = (len(pieces) - 2) // (p * v)
         bounds = [0] + [1 + per * k for k in range(1, p * v)] + [len(pieces)]
     else:
-        bounds = [0] + list(_split(tuple(x.params for x in pieces), p * v)) + [len(pieces)]
+        bounds = [0] + list(split_points(tuple(x.params for x in pieces), p * v)) + [len(pieces)]
     stages = [dict() for _ in range(p)]
     for virtual in range(p * v):
         stages[virtual % p][virtual // p] = pieces[bounds[virtual]:bounds[virtual + 1]]

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..parallel.pipeline import get_schedule, simulate
 from .layout import PRECISIONS
+from .memory import split_points
 
 DTYPE_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -30,7 +31,7 @@ class Work:
 
     def __init__(self):
         self.mm, self.ew, self.nodes, self.calls, self.fresh = [], {}, 0, 0, 0.0   # fresh: bytes of new memory
-        self.params = self.hooks = self.spans = 0.0     # optimizer / DDP per-parameter Python, traced spans
+        self.params = self.hooks = self.spans = self.actions = 0.0   # Python per parameter / span / pipeline action
 
     def matmul(self, m, k, n, batch=1, times=1):
         self.mm += [(m, k, n, batch)] * times
@@ -51,6 +52,7 @@ class Work:
         self.params += other.params * times
         self.hooks += other.hooks * times
         self.spans += other.spans * times
+        self.actions += other.actions * times
         return self
 
 
@@ -87,7 +89,7 @@ class Costs:
         t += work.nodes * self.node_s + (work.calls + len(work.mm)) * self.call
         t += work.fresh * self.m.get("fresh_memory_s_per_byte", 0.0)
         t += (work.params * self.m.get("optimizer_param_s", 0.0) + work.hooks * self.m.get("ddp_param_s", 0.0)
-              + work.spans * self.m.get("trace_span_s", 0.0))
+              + work.spans * self.m.get("trace_span_s", 0.0) + work.actions * self.m.get("pipeline_action_s", 0.0))
         return self.slowdown * t
 
 
@@ -282,10 +284,9 @@ def predict_time(model, layout, machine):
         block = [2 * h, 3 * h * h // t + 3 * h // t, h * h // t + h, 2 * h, 4 * h * h // t + 4 * h // t, 4 * h * h // t + h]
         sizes = [[v * h, model.block_size * h]] + [block] * model.n_layer + [[2 * h, v * h]]
         act = rows * model.block_size * h * e
-    from .memory import _split
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes))
-    bounds = np.array([0] + (list(_split(counts, p * v)) if p * v > 1 else []) + [len(layers)])
+    bounds = np.array([0] + (list(split_points(counts, p * v)) if p * v > 1 else []) + [len(layers)])
     p2p = (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2)
            if p > 1 else 0.0)                                # a header, then the activation (or its gradient)
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, params, tensors)
@@ -328,8 +329,8 @@ def predict_time(model, layout, machine):
         comm += collective(machine, "ring_all_reduce", grad_bytes, dp, span_dp) if dp > 1 else 0.0
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
-    if p > 1 or layout.extras.get("parallel_job"):           # the runtime's Python per action (spans, dicts)
-        tail.spans += 4 * m * v * (2 if model.kind == "mlp" else 1)
+    if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
+        tail.actions += 2 * m * v
     state_n = n_local if z == 0 else -(-n_local // dp)
     tail.add(optimizer_work(state_n, n_tensors if z == 0 else 1, layout))
     if model.kind == "gpt":                                   # clip_grad_norm_: squares in fp64, scaled
