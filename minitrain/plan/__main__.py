@@ -62,7 +62,7 @@ def add_mlp(p):
     p.add_argument("--offload", action="store_true")
     p.add_argument("--recompute", choices=["none", "full"], default="none")
     p.add_argument("--offload-activations", action="store_true")
-    for name in ("--epochs", "--lr", "--seed", "--trace", "--plot"):
+    for name in ("--epochs", "--lr", "--seed", "--trace", "--plot", "--comm-timeout"):
         p.add_argument(name, help=IGNORED)
     p.add_argument("--no-progress", action="store_true", help=IGNORED)
 
@@ -86,7 +86,7 @@ def add_gpt(p):
     p.add_argument("--chunks", type=_positive, default=1)
     p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
-    for name in ("--steps", "--lr", "--seed", "--sample-chars"):
+    for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout"):
         p.add_argument(name, help=IGNORED)
     p.add_argument("--no-progress", action="store_true", help=IGNORED)
 
