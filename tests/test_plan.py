@@ -267,6 +267,15 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
     assert merged["numpy_call_s"] == machine["numpy_call_s"]
 
 
+def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():
+    """A layout built in Python (as --search builds them) pays tp's collectives: 8 ranks of one node on
+    NVLink, 32 across four nodes on InfiniBand."""
+    model = plan.GPT(vocab_size=51200, block_size=2048, n_layer=8, n_head=32, n_embd=4096)
+    comm = {t: plan.predict(model, plan.Layout(world=t, tp=t, batch_size=4, precision="bf16"),
+                            "a100-80gb")["step_time_s"]["comm"] for t in (8, 32)}
+    assert comm[8] > 0 and comm[32] > 4 * comm[8]
+
+
 # ---------------------------------------------------------------- scale
 def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus_takes_under_2_s():
     """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP): process time, best of 3

@@ -194,7 +194,7 @@ def gpt_layer_costs(model, layout, rows, c, machine):
     seconds. Tensor parallelism: g all-reduces b·s·h twice per block forward, f twice backward (SP: a
     reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
-           c.slowdown, c.threads, bool(layout.extras.get("parallel_job")))
+           c.slowdown, c.threads, bool(layout.extras.get("parallel_job")) or layout.world > 1)
     if key not in _LAYER_COSTS:
         _LAYER_COSTS[key] = _gpt_layer_costs(model, layout, rows, c, machine)
         if len(_LAYER_COSTS) > 4096:
@@ -211,12 +211,12 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     sp = layout.sequence_parallel
     pair = (collective(machine, "ring_reduce_scatter", act, t, t) + collective(machine, "ring_all_gather", act, t, t)
             if sp else collective(machine, "ring_all_reduce", act, t, t))
-    if not layout.extras.get("parallel_job"):               # nn.GPT in one process: no f, no g
+    if t == 1 and layout.world == 1 and not layout.extras.get("parallel_job"):   # nn.GPT in one process: no f, g
         pair = 0.0
     block_f, block_b = gpt_block_work(model, layout, rows)
     comm_b = 2 * pair * (2 if layout.recompute == "full" else 1)         # full recompute redoes the forward's
     (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, rows)
-    loss_comm = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t) if pair else 0.0
+    loss_comm = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t) if pair or t > 1 else 0.0
     return ([(c.seconds(emb_f), pair / (2 if sp else 1), c.seconds(emb_b), 0.0)]
             + [(c.seconds(block_f), 2 * pair, c.seconds(block_b), comm_b)] * model.n_layer
             + [(c.seconds(head_f), loss_comm, c.seconds(head_b), pair / (2 if sp else 1))])
