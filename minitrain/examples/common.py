@@ -72,3 +72,18 @@ def memory_table(persistent, peak):
 def write_json(path, report):
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
+
+
+def planner_line(args, world, step_time, peak_total, kind="mlp", vocab_size=None):
+    """The planner's prediction for this job's options beside what the job measured (minitrain/plan)."""
+    from .. import plan
+    try:
+        model, layout = (plan.mlp_from_args(args, world) if kind == "mlp"
+                         else plan.gpt_from_args(args, world, vocab_size))
+        predicted = plan.predict(model, layout)
+    except plan.LayoutError as e:
+        return f"planner: refuses this layout ({e})"
+    return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step "
+            f"{predicted['step_time_s']['total'] * 1e3:.2f} ms predicted, {step_time * 1e3:.2f} ms measured (median, "
+            f"slowest rank); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
+            f"{fmt_bytes(peak_total)} measured")

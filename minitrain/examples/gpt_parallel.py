@@ -26,7 +26,8 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, device_name, fmt_bytes, persistent_memory, tqdm, write_json
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line,
+                                       tqdm, write_json)
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
@@ -111,15 +112,18 @@ def main_parallel(args):
     sent_before = bytes_sent()
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
+    step_times = []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         model.zero_grad()
         with offload:
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
         scheduler.step()
+        step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
         persistent = persistent_memory()
         losses.append(loss)
         ckpt.after_step(step + 1)
@@ -135,7 +139,8 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], device_code()], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(np.array(step_times)[:, 1]),
+                    np.min(np.array(step_times)[:, 0]), np.median(np.array(step_times)[:, 0]), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -163,11 +168,13 @@ def main_parallel(args):
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
         layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
-        print(f"{r:>4} {device_name(v[7]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
               + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
+    print(planner_line(args, world, float(table[:, -2].max()), table[:, 6].max(), kind="gpt",
+                       vocab_size=config.vocab_size))
     sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
                            rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -181,11 +188,13 @@ def main_parallel(args):
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": steps / elapsed, "tokens_per_second": steps * B * T / elapsed,
             "precision": args.precision, "first_step": first_step, "losses": losses,
+            "step_time_s": float(table[:, -2].max()), "step_time_min_s": float(table[:, -3].max()),
+            "step_cpu_time_s": float(table[:, -4].max()),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
-            "ranks": [{"rank": r, "device": device_name(v[7]), "bytes_sent": float(v[0]) * steps,
+            "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
-                                  "peak": {"activations": int(v[5]), "total": int(v[6])}}}
+                                  "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}}}
                       for r, v in enumerate(table)]})
     return 0

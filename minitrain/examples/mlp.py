@@ -24,8 +24,8 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory, tqdm,
-                                       write_json)
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory,
+                                       planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -187,6 +187,9 @@ def main(argv=None):
     steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
     if steps == 0:
         return nothing_left(args, comm, first_step)
+    args.step_time = float(np.median(state["step_times"]))        # this rank's median step (planner's comparison)
+    args.step_time_min = float(np.min(state["step_times"]))       # its fastest: the least disturbed by other work
+    args.step_cpu_time = float(np.median(state["step_cpu_times"]))  # this thread's CPU: what other jobs cannot slow
     _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
                     x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step)
     return 0
@@ -198,6 +201,7 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             events_before = len(trace.tracer().events)
+            started, cpu_started = time.perf_counter(), time.thread_time()
             with trace.span("step", kind="step"):
                 with trace.span("forward"):
                     if offload is not None:
@@ -212,6 +216,8 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
                     opt.step()
                     if args.strategy == "local_sgd":
                         wrapped.step()
+            state.setdefault("step_times", []).append(time.perf_counter() - started)
+            state.setdefault("step_cpu_times", []).append(time.thread_time() - cpu_started)
             state["persistent"] = persistent_memory()
             state["host"] = memory.host_snapshot()
             steps += 1
@@ -279,7 +285,8 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
-           *[host[c] for c in ("params", "grads", "optimizer_state")], device_code()]
+           *[host[c] for c in ("params", "grads", "optimizer_state")], args.step_time, args.step_time_min,
+           args.step_cpu_time, device_code()]
     table = gather_rows(comm, row)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
     losses = global_losses(comm, state_losses)
@@ -306,12 +313,13 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
-        print(f"{r:>4} {device_name(v[17]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
+        print(f"{r:>4} {device_name(v[20]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
               f"{v[3] * 1e3:>9.2f}ms {fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
     print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
+    print(planner_line(args, world, float(table[:, 17].max()), table[:, 13].max()))
     print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
@@ -326,7 +334,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           + ")")
     ranks = []
     for r, v in enumerate(table):
-        ranks.append({"rank": r, "device": device_name(v[17]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
+        ranks.append({"rank": r, "device": device_name(v[20]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
                       "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
                       "bytes_sent": v[4] * steps,
                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),
@@ -339,7 +347,9 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
-            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0, "ranks": ranks,
+            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0,
+            "step_time_s": float(table[:, 17].max()), "step_time_min_s": float(table[:, 18].max()),
+            "step_cpu_time_s": float(table[:, 19].max()), "ranks": ranks,
             "first_step": first_step, "losses": losses})
     if args.plot:
         import matplotlib
