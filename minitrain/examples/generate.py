@@ -182,20 +182,22 @@ def main(argv=None):
         del gpt
         gc.collect()
     param_bytes = memory.snapshot()["params"]
-    if args.device_memory is not None:
-        if param_bytes > args.device_memory:
-            return error(rank, f"the parameters alone take {param_bytes:,} bytes per rank, more than --device-memory "
-                               f"{args.device_memory:,}: give at least {param_bytes:,} plus the KV blocks")
-        memory.set_device_capacity(args.device_memory)
-    memory.reset_peak()
+    if args.device_memory is not None and param_bytes > args.device_memory:
+        return error(rank, f"the parameters alone take {param_bytes:,} bytes per rank, more than --device-memory "
+                           f"{args.device_memory:,}: give at least {param_bytes:,} plus the KV blocks")
     prompts = make_prompts(corpus, args)
     engine = LLMEngine(model, cache=args.cache, block_size=args.block_size, max_batch=args.max_batch,
                        preempt=args.preempt, share_prefix=args.shared_prefix > 0)
+    capacity = memory.tracker().capacity
+    memory.set_device_capacity(args.device_memory)
+    memory.reset_peak()
     try:
         result = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                  seed=args.seed)
     except ValueError as e:           # the same on every rank: the decisions depend on sizes only
         return error(rank, e)
+    finally:
+        memory.set_device_capacity(capacity)
     if comm is not None:
         check_ranks_agree(comm, result.tokens)
     peak = memory.peak()
