@@ -37,7 +37,7 @@ def test_every_scheme_gives_the_same_tokens_and_reports_memory_by_the_formulas(t
     contiguous = reports["contiguous"]
     assert contiguous["kv_bytes_per_token"] == per_token and contiguous["num_sequences"] == 5
     assert contiguous["kv_bytes_reserved"] == 5 * 40 * per_token == contiguous["kv_ledger_peak"]
-    assert contiguous["kv_bytes_used"] == sum(lengths) * per_token              # after the prompts
+    assert contiguous["kv_bytes_used"] == sum(n + 9 - 1 for n in lengths) * per_token   # at the last step
     paged = reports["paged"]
     assert paged["kv_bytes_used"] == sum(n + 9 - 1 for n in lengths) * per_token   # at the last step
     assert paged["kv_bytes_reserved"] == sum(-(-(n + 8) // 5) for n in lengths) * 5 * per_token

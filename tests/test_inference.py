@@ -135,13 +135,14 @@ def test_the_memory_figures_follow_the_formulas(gpt):
     lengths = [len(p) for p in prompts]
     contiguous = LLMEngine(gpt, cache="contiguous").generate(prompts, NEW)
     assert contiguous.kv_bytes_per_token == bytes_per_token()
-    # every sequence admitted at once: the reservation peaks at the first step, after the prompts
+    # every sequence admitted at once: the reservation is at its peak from the first step to the last,
+    # when each sequence holds prompt + NEW - 1 tokens (the last one is sampled, never fed)
     assert contiguous.num_sequences == len(prompts)
     assert contiguous.kv_bytes_reserved == len(prompts) * CONFIG.block_size * bytes_per_token()
-    assert contiguous.kv_bytes_used == sum(lengths) * bytes_per_token()
-    for block_size in (1, 3, 8):
+    assert contiguous.kv_bytes_used == sum(n + NEW - 1 for n in lengths) * bytes_per_token()
+    for block_size in (1, 3, 4, 8):
         r = LLMEngine(gpt, cache="paged", block_size=block_size).generate(prompts, NEW)
-        # the reservation peaks at the last step, every sequence holding prompt + NEW - 1 tokens
+        # the reservation only grows while they run: its last step at the peak is the last step
         used = sum(n + NEW - 1 for n in lengths)
         blocks = sum(-(-(n + NEW - 1) // block_size) for n in lengths)
         assert (r.kv_bytes_used, r.kv_bytes_reserved) == (used * bytes_per_token(),

@@ -12,8 +12,9 @@ sequence i samples from its own generator seeded (seed, i), so every scheme give
 ``kv_cache``). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; kv_bytes_reserved = the largest KV
 reservation after any step (contiguous: running sequences x context x kv_bytes_per_token; paged: blocks
-held x block_size x kv_bytes_per_token); kv_bytes_used = bytes holding tokens' K/V after the first step
-with that reservation (a shared block once); num_sequences = sequences holding KV memory then;
+held x block_size x kv_bytes_per_token); kv_bytes_used = bytes holding tokens' K/V after the last step
+with that reservation (a shared block once; a sequence of n tokens holds n - 1 tokens' K/V when its
+last token is sampled, as that token is never fed back); num_sequences = sequences holding KV memory then;
 blocks_swapped = blocks copied to host memory by preemption (each comes back once); preemptions =
 sequences preempted (swap or recompute); param_bytes = the parameters on one rank.
 """

@@ -6,7 +6,9 @@ Cost per decoded token: no cache recomputes the whole prefix (a forward over L t
 attention); with a cache one token's forward plus attention over L cached keys. Memory (per rank):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; contiguous reserves the context per
 running sequence, paged ceil(length / block_size) blocks. The accounting (``GenerationResult``) is
-taken after every step's forwards; the ledger (memory.py, ``kv_cache``) counts the same bytes.
+taken after every step's forwards, and kept from the last step at the peak reservation (a sequence
+of n tokens then holds n - 1 tokens' K/V: its last token is sampled, never fed); the ledger
+(memory.py, ``kv_cache``) counts the same bytes.
 """
 import time
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ class GenerationResult:
     tokens_per_second: float          # generated tokens (all prompts) / elapsed
     kv_bytes_per_token: int           # 2 · n_layer · n_head_local · head_dim · itemsize
     kv_bytes_reserved: int            # the largest reservation after any step
-    kv_bytes_used: int                # bytes holding K/V after the first step with that reservation
+    kv_bytes_used: int                # bytes holding K/V after the last step with that reservation
     num_sequences: int                # sequences holding device memory (running) at that step
     kv_ledger_bytes: int              # the memory ledger's kv_cache bytes at that step (== reserved)
     blocks_swapped: int = 0           # blocks copied device -> host by preemption (and back: blocks_swapped_in)
@@ -152,7 +154,7 @@ class LLMEngine:
                             scheduler.share_prefix(s)
                             self._forward_cached(cache, [s], temperature, top_k, record_logits)
                     steps += 1
-                    if cache is not None and cache.reserved_bytes() > peak[0]:
+                    if cache is not None and cache.reserved_bytes() >= peak[0]:     # the last step at the peak
                         peak = (cache.reserved_bytes(), cache.used_bytes(), len(scheduler.running),
                                 tracker.live["kv_cache"] - ledger_before)
                     for s in [s for s in scheduler.running if s.done]:
