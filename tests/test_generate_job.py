@@ -5,8 +5,12 @@ import gc
 import json
 import sys
 
+import numpy as np
 import pytest
 
+import minitrain
+from minitrain import nn
+from minitrain.data import load_text
 from minitrain.examples import generate
 from minitrain.testing import run_mpi
 
@@ -45,6 +49,16 @@ def test_every_scheme_gives_the_same_tokens_and_reports_memory_by_the_formulas(t
     assert paged["kv_bytes_reserved"] == paged["kv_ledger_bytes"] == paged["kv_ledger_peak"]
     out = capsys.readouterr().out
     assert "tokens/s" in out and "waste" in out and "blocks swapped to host 0" in out
+
+
+def test_the_tokens_are_each_prompts_greedy_continuation_in_prompt_order(tmp_path):
+    report = run(tmp_path, "--train-steps", "0", "--cache", "paged", "--block-size", "3", "--max-batch", "2")
+    minitrain.set_default_dtype(np.float64)
+    minitrain.manual_seed(0)                                         # the job's untrained model, rebuilt
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=40, n_layer=2, n_head=4, n_embd=32))
+    for prompt, tokens in zip(report["prompts"], report["tokens"]):
+        expect = gpt.generate(np.array([prompt]), 9, temperature=0, cache=None)[0, len(prompt):]
+        assert tokens == expect.tolist()
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ def make_prompts(corpus, args):
     prefix = list(corpus.val[:args.shared_prefix])
     lengths = rng.integers(args.min_prompt_len, args.max_prompt_len + 1, size=args.num_prompts)
     starts = rng.integers(args.shared_prefix, len(corpus.val) - args.max_prompt_len, size=args.num_prompts)
-    return [prefix + list(corpus.val[s:s + n]) for s, n in zip(starts, lengths)]
+    return [[int(t) for t in prefix + list(corpus.val[s:s + n])] for s, n in zip(starts, lengths)]
 
 
 def load_checkpoint(model, directory):
@@ -216,7 +216,7 @@ def main(argv=None):
             "cache": args.cache, "block_size": args.block_size, "max_batch": args.max_batch, "tp": args.tp,
             "precision": args.precision, "itemsize": np.dtype(minitrain.get_default_dtype()).itemsize,
             "context": args.context, "n_head": args.n_head, "num_params": num_params,
-            "num_prompts": args.num_prompts, "prompt_lengths": [len(p) for p in prompts],
+            "num_prompts": args.num_prompts, "prompts": prompts, "prompt_lengths": [len(p) for p in prompts],
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
             "seed": args.seed, "preempt": args.preempt, "device_memory": args.device_memory,
             "kv_bytes_waste": result.kv_bytes_reserved - result.kv_bytes_used,
