@@ -133,6 +133,8 @@ def test_shared_prefix_blocks_are_counted_once_and_copied_on_write(rng):
     assert cache.tables[1] == [a, b] and cache.pool.refcount[[a, b]].tolist() == [2, 2]
     assert cache.reserved_bytes() == 2 * cache.pool.block_bytes and cache.used_bytes() == 6 * cache.bytes_per_token
     original = cache.pool.k[:, b].copy()
+    # what the scheduler must keep free: a copy of b to write into it, and a new block past it
+    assert (cache.blocks_needed(1, 2), cache.blocks_needed(1, 4), cache.blocks_needed(0, 1)) == (1, 2, 1)
     _, (keys, _, _), written = feed(cache, [1], 2, rng)             # writes slots 1, 2 of b: copy first
     assert cache.tables[1][0] == a and cache.tables[1][1] != b and cache.pool.copies == 1
     assert cache.pool.refcount[[a, b]].tolist() == [2, 1]

@@ -145,6 +145,9 @@ class LLMEngine:
             with no_grad():
                 while scheduler.has_work():
                     prefills, decodes = scheduler.schedule()
+                    if not (prefills or decodes):           # never a hang: make_cache's check prevents it
+                        raise RuntimeError(f"the scheduler cannot run any of the {len(scheduler.waiting)} waiting and "
+                                           f"{len(scheduler.swapped)} swapped sequences: their blocks do not fit")
                     if cache is None:
                         self._forward_full(prefills + decodes, temperature, top_k, record_logits)
                     else:
