@@ -1,6 +1,6 @@
 """KV caches measured: memory waste and throughput against the no-cache baseline.
 
-    python scripts/bench_inference.py [--n-layer 4 --n-embd 128 --context 160 --num-prompts 16]
+    python scripts/bench_inference.py [--n-layer 4 --n-embd 128 --context 256 --num-prompts 16]
         [--batches 1 2 4 8 16] [--block-sizes 1 4 16 64] [--json PATH]
 
 1. Waste, every prompt running at once: reserved vs used KV bytes when the reservation peaked, beside
@@ -29,18 +29,19 @@ def parse_args():
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--context", type=int, default=160)
+    p.add_argument("--context", type=int, default=256)
     p.add_argument("--vocab", type=int, default=96)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-len", type=int, default=8)
-    p.add_argument("--max-prompt-len", type=int, default=96)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--block-size", type=int, default=16, help="paged block size in the throughput runs")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: cores / ranks)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
 
@@ -161,7 +162,7 @@ def preemption_table(model, prompts, args, out):
 
 def main():
     args = parse_args()
-    minitrain.backend.limit_blas_threads()
+    minitrain.backend.limit_blas_threads(args.threads)
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)
     config = nn.GPTConfig(vocab_size=args.vocab, block_size=args.context, n_layer=args.n_layer,

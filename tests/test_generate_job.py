@@ -111,3 +111,10 @@ def test_tensor_parallel_job_generates_the_tokens_of_one_process(tmp_path):
     assert tp["tokens"] == one["tokens"]
     assert tp["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2        # per rank: half the heads
     assert tp["kv_bytes_reserved"] == one["kv_bytes_reserved"] // 2
+
+
+def test_the_checkpoint_hook_refuses_clearly_when_there_is_nothing_to_load(tmp_path, capsys):
+    assert generate.main([*SMALL, "--checkpoint", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err     # before the checkpoint issue lands / after it, with an empty directory
+    assert "--checkpoint needs minitrain.checkpoint" in err or "no checkpoint in" in err
+    gc.collect()

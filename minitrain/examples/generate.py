@@ -57,8 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--train-steps", type=int, default=150, help="brief training before serving (0: none)")
-    p.add_argument("--batch-size", type=int, default=16, help="training batch")
+    p.add_argument("--train-steps", type=int, default=100, help="brief training before serving (0: none)")
+    p.add_argument("--batch-size", type=int, default=8, help="training batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint instead of training")
     p.add_argument("--json", metavar="PATH")
@@ -110,10 +110,13 @@ def load_checkpoint(model, directory):
     except ImportError:
         raise ValueError("--checkpoint needs minitrain.checkpoint (the checkpoint issue), which this "
                          "installation does not have yet: train instead (--train-steps)") from None
-    path = checkpoint.find_latest(directory)
-    if path is None:
-        raise ValueError(f"no checkpoint in {directory}")
-    checkpoint.load(path, None, model, strict=False)
+    try:
+        path = checkpoint.find_latest(directory)
+        if path is None:
+            raise ValueError(f"no checkpoint in {directory}")
+        checkpoint.load(path, None, model, strict=False)
+    except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
+        raise ValueError(f"--checkpoint {directory}: {e}") from None
     return path
 
 

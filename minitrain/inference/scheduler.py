@@ -1,14 +1,10 @@
-"""Which sequences run in the next step: continuous batching with preemption (Yu et al. 2022,
-"Orca", iteration-level scheduling; vLLM's scheduler, Kwon et al. 2023, sec. 4.5).
-
-Every step each running sequence gets one token; finished sequences leave and waiting ones join
-between steps, first come first served. When the paged cache has no block for a running sequence's
-next token, the latest admitted sequence is preempted, all its blocks at once (a sequence needs
-every token's K/V to go on): swapped to host memory and back later (cost: its K/V over the host
-link twice), or freed and recomputed from its tokens when readmitted (cost: one prefill of them).
-Swapped sequences come back before new ones are admitted, and nothing is admitted in a step that
-preempted. The contiguous cache reserves a sequence's whole length on admission, so it never
-preempts: it admits fewer. Decisions depend only on token counts, so tensor-parallel ranks agree.
+"""Which sequences run in the next step: continuous batching with preemption (Yu et al. 2022, "Orca";
+vLLM's scheduler, Kwon et al. 2023, sec. 4.5). Each step every running sequence gets one token;
+finished ones leave, waiting ones join, first come first served. When the paged cache lacks a block,
+the latest admitted sequence is preempted whole: swapped to host and back (cost: its K/V over the
+host link twice) or freed and recomputed when readmitted (cost: one prefill of its tokens). The
+contiguous cache reserves the context on admission: it never preempts, it admits fewer. Decisions
+depend only on token counts, so tensor-parallel ranks agree.
 """
 from collections import deque
 
