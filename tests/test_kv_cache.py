@@ -70,6 +70,7 @@ def test_attention_reads_every_sequences_own_keys_through_the_cache(make, rng):
             np.testing.assert_array_equal(keys[b][:, :n], ref.keys(s))           # the same bits, in order
             assert not mask[b, 0, 0, :n].any() and mask[b, 0, 0, n:].all()       # padding hidden
     assert cache.tokens_held() == sum(lengths.values()) + 3 * 6
+    cache.release()
 
 
 def test_a_prefill_is_causal_inside_the_new_tokens(rng):
@@ -79,6 +80,23 @@ def test_a_prefill_is_causal_inside_the_new_tokens(rng):
     _, (_, _, mask), _ = feed(cache, [0], 4, rng)                   # positions 2..5 after 2 cached
     expected = np.arange(6)[None, :] > (2 + np.arange(4))[:, None]
     np.testing.assert_array_equal(mask[0, 0, :, :6], expected)
+    cache.release()
+
+
+@pytest.mark.parametrize("make", [paged, contiguous], ids=["paged", "contiguous"])
+def test_a_cache_dropped_without_release_leaves_the_ledger(make, rng):
+    tracker = memory.tracker()
+    before, host_before = tracker.live["kv_cache"], tracker.host_live["kv_cache"]
+    cache = make()
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    feed(cache, [0, 1], 3, rng)
+    if isinstance(cache, PagedKVCache):
+        cache.swap_out(1)
+        assert tracker.host_live["kv_cache"] > host_before
+    assert tracker.live["kv_cache"] > before
+    del cache
+    assert (tracker.live["kv_cache"], tracker.host_live["kv_cache"]) == (before, host_before)
 
 
 def test_blocks_are_taken_on_demand_and_returned_when_a_sequence_ends(rng):

@@ -7,10 +7,12 @@ start alike share the blocks of their common prefix (reference counts); writing 
 block first copies it (copy-on-write). Attention gathers the blocks through the table.
 Memory: block_bytes = 2 · n_layer · H · block_size · D · itemsize (per rank; H = n_head / tp).
 """
+import weakref
+
 import numpy as np
 
 from .. import backend, memory
-from ..nn.generation import ContiguousKVCache, KVCache
+from ..nn.generation import ContiguousKVCache, KVCache, release_entries
 
 __all__ = ["BlockPool", "PagedKVCache", "ContiguousKVCache", "NoFreeBlocks"]
 
@@ -39,6 +41,8 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))      # pop() hands out the lowest id first
         self.tracker = memory.tracker()
         self.copies = 0                                      # copy-on-write copies made
+        self._keys = set()                                   # ledger entries held (released if collected)
+        weakref.finalize(self, release_entries, self.tracker, self._keys)
 
     def num_free(self):
         """Blocks that can be allocated now: free in the pool and room on the teaching device."""
@@ -53,6 +57,7 @@ class BlockPool:
             raise NoFreeBlocks(f"all {self.num_blocks} blocks of the KV pool are taken")
         b = self._free[-1]
         self.tracker.add("kv_cache", ("kv_block", id(self), b), self.block_bytes)   # the device may refuse
+        self._keys.add(("kv_block", id(self), b))
         self._free.pop()
         self.refcount[b] = 1
         return b
@@ -64,6 +69,7 @@ class BlockPool:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             self.tracker.remove(("kv_block", id(self), b))
+            self._keys.discard(("kv_block", id(self), b))
             self._free.append(b)
 
     def copy(self, src, dst):
@@ -77,7 +83,13 @@ class BlockPool:
         ledger as host memory under ``key``; the caller releases the device blocks."""
         k, v = backend.to_host(self.k[:, blocks]), backend.to_host(self.v[:, blocks])
         self.tracker.add("kv_cache", key, k.nbytes + v.nbytes, host=True)
+        self._keys.add(key)
         return k, v
+
+    def drop_host(self, key):
+        """A swapped-out copy nobody will bring back (its sequence ended) leaves the ledger."""
+        self.tracker.remove(key)
+        self._keys.discard(key)
 
     def swap_in(self, host, blocks, key):
         """Copy host K/V back into the (newly allocated) device ``blocks``; the host copy leaves the ledger."""
@@ -85,7 +97,7 @@ class BlockPool:
         device = "cpu" if self.xp is np else "cuda"
         self.k[:, blocks] = backend.to_device(k, device)
         self.v[:, blocks] = backend.to_device(v, device)
-        self.tracker.remove(key)
+        self.drop_host(key)
 
 
 class PagedKVCache(KVCache):
@@ -146,7 +158,7 @@ class PagedKVCache(KVCache):
 
     def free_sequence(self, seq_id):
         if seq_id in self.swapped:
-            self.tracker.remove(("kv_swap", id(self), seq_id))
+            self.pool.drop_host(("kv_swap", id(self), seq_id))
             del self.swapped[seq_id]
         else:
             for b in self.tables.pop(seq_id):

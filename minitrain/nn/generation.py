@@ -9,10 +9,19 @@ the sequence starts (the static reservation of Kwon et al. 2023, sec. 3, Fig. 2)
 tokens of it are waste until the sequence ends. vLLM's paged cache (minitrain/inference/) plugs into
 the same protocol; nn never imports it (the layering rule: inference/ sits beside nn/, above it).
 """
+import weakref
+
 import numpy as np
 
 from .. import backend, memory
 from ..autograd import Tensor, no_grad
+
+
+def release_entries(tracker, keys):
+    """Give back ledger entries still held (a cache collected without ``release()``)."""
+    for key in list(keys):
+        tracker.remove(key)
+    keys.clear()
 
 
 class KVCache:
@@ -96,6 +105,8 @@ class ContiguousKVCache(KVCache):
         self.reservation_bytes = max_len * self.bytes_per_token
         self.slot = {}                                    # sequence id -> slot
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._keys = set()                                # ledger entries held (released if collected)
+        weakref.finalize(self, release_entries, self.tracker, self._keys)
 
     @classmethod
     def for_model(cls, model, num_slots, max_len=None):
@@ -114,11 +125,13 @@ class ContiguousKVCache(KVCache):
         if not self._free_slots:
             raise RuntimeError(f"all {self.num_slots} slots of the contiguous cache are taken")
         self.tracker.add("kv_cache", ("kv_cache", id(self), seq_id), self.reservation_bytes)
+        self._keys.add(("kv_cache", id(self), seq_id))
         self.slot[seq_id] = self._free_slots.pop()
         self.lengths[seq_id] = 0
 
     def free_sequence(self, seq_id):
         self.tracker.remove(("kv_cache", id(self), seq_id))
+        self._keys.discard(("kv_cache", id(self), seq_id))
         self._free_slots.append(self.slot.pop(seq_id))
         del self.lengths[seq_id]
         self.batch = [s for s in self.batch if s != seq_id]
