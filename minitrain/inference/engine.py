@@ -129,6 +129,8 @@ class LLMEngine:
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0, record_logits=False):
         prompts = [[int(t) for t in p] for p in prompts]
         self.check_prompts(prompts, max_new_tokens)
+        if temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and top_k >= 1, got {temperature}, {top_k}")
         cache = self.make_cache(max(len(p) for p in prompts) + max_new_tokens)
         tracker = memory.tracker()
         ledger_before = tracker.live["kv_cache"]
