@@ -8,7 +8,7 @@ import pytest
 import minitrain
 from minitrain import memory, nn
 from minitrain.comm import ThreadWorld
-from minitrain.inference import DoesNotFit, LLMEngine, PagedKVCache
+from minitrain.inference import DoesNotFit, LLMEngine, PagedKVCache, Scheduler, sample
 from minitrain.parallel.tensor_parallel import tensor_parallelize
 
 CONFIG = nn.GPTConfig(vocab_size=13, block_size=40, n_layer=2, n_head=4, n_embd=16)
@@ -206,3 +206,61 @@ def test_bad_inputs_are_refused_saying_what_fits(gpt):
         assert len(engine.generate([[1] * 10, [2] * 3], 10).tokens) == 2           # 20 tokens: fits
     finally:
         memory.set_device_capacity(old)
+
+
+def test_sample_is_greedy_at_temperature_0_and_keeps_to_the_top_k():
+    logits = np.array([0.5, 3.0, -1.0, 2.9, 2.8, 0.0])
+    rng = np.random.default_rng(0)
+    assert sample(logits, 0.0) == 1
+    assert {sample(logits, 1.0, top_k=1, rng=rng) for _ in range(50)} == {1}
+    assert {sample(logits, 5.0, top_k=3, rng=rng) for _ in range(300)} == {1, 3, 4}
+    assert len({sample(logits, 5.0, rng=rng) for _ in range(300)}) == 6
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        sample(logits, -1.0)
+
+
+def test_every_step_the_scheduler_promises_only_blocks_the_pool_has(gpt, monkeypatch):
+    """The invariant behind 'never out of blocks mid-forward': after schedule(), the blocks this step's
+    forwards will take (new blocks and copies on write) fit in what is free. Checked at every step of
+    runs under pressure at several block sizes and capacities (block boundaries, swap-ins, sharing)."""
+    original = Scheduler.schedule
+    checked = []
+
+    def checked_schedule(self):
+        prefills, decodes = original(self)
+        if self.paged:
+            need = sum(self.cache.blocks_needed(s.id, 1) for s in decodes)
+            need += sum(self.cache.blocks_for(len(s.tokens)) - len(self.cache.tables[s.id]) for s in prefills)
+            assert need <= self.cache.pool.num_free(), (need, self.cache.pool.num_free())
+            checked.append(need)
+        return prefills, decodes
+
+    monkeypatch.setattr(Scheduler, "schedule", checked_schedule)
+    prompts = make_prompts(shared=4)
+    tracker = memory.tracker()
+    old = tracker.capacity
+    for block_size in (2, 3, 5):
+        longest = -(-(max(len(p) for p in prompts) + NEW) // block_size)
+        for extra in range(4):
+            for preempt, share in (("swap", False), ("swap", True), ("recompute", True)):
+                memory.set_device_capacity(tracker.live_total + (longest + extra) * block_size * bytes_per_token())
+                try:
+                    LLMEngine(gpt, cache="paged", block_size=block_size, preempt=preempt,
+                              share_prefix=share).generate(prompts, NEW)
+                finally:
+                    memory.set_device_capacity(old)
+    assert len(checked) > 100
+
+
+def test_the_contiguous_cache_admits_what_the_device_holds(gpt):
+    prompts = make_prompts()
+    tracker = memory.tracker()
+    old = tracker.capacity
+    memory.set_device_capacity(tracker.live_total + 2 * CONFIG.block_size * bytes_per_token())   # two sequences
+    try:
+        result = LLMEngine(gpt, cache="contiguous").generate(prompts, NEW, record_logits=True)
+    finally:
+        memory.set_device_capacity(old)
+    assert_exact(result, gpt, prompts)
+    assert result.num_sequences == 2 and result.kv_bytes_reserved == 2 * CONFIG.block_size * bytes_per_token()
+    assert result.preemptions == 0
