@@ -112,3 +112,21 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
     env_log = (tmp_path / "env.log").read_text()                         # ...and the others ran
     assert "rank 1: local rank 1, GPU cuda:1" in env_log and "MPI CUDA-aware: False" in env_log
     assert "no test ran: no real GPU here" in (tmp_path / "tests.log").read_text()
+
+
+def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "inference.json"
+    monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--n-layer", "1", "--n-embd", "16", "--context", "32",
+                                      "--num-prompts", "4", "--max-prompt-len", "12", "--max-new-tokens", "8",
+                                      "--batches", "1", "4", "--block-sizes", "1", "5", "--block-size", "4",
+                                      "--repeats", "1", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_inference.py"), run_name="__main__")
+    assert "paged gather" in capsys.readouterr().out
+    import json
+    results = json.loads(out.read_text())
+    for name, w in results["waste"].items():          # the script asserts waste == formula; here: reported
+        assert w["reserved"] - w["used"] == w["formula"] >= 0
+    assert set(results["throughput"]["4"]) == {"none", "contiguous", "paged"}
+    swap, recompute = results["preemption"]["swap"], results["preemption"]["recompute"]
+    assert swap["preemptions"] > 0 and swap["blocks_swapped"] > 0 and swap["recomputed_tokens"] == 0
+    assert recompute["preemptions"] > 0 and recompute["blocks_swapped"] == 0 and recompute["recomputed_tokens"] > 0

@@ -460,14 +460,22 @@ class TensorParallelGPT(Module):
                 q.grad[...] = q.grad * coef
         return total
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
+        """With a KV ``cache`` (generation, the GPT's protocol) each rank's cache holds its own heads'
+        K/V (n_head/t of them): the attention is already split by heads, so nothing else changes."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         if backend.is_device_array(self.wpe.weight.data) and not backend.is_device_array(idx):
             idx = backend.to_device(idx)                  # tokens from the host: one counted copy
-        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("generation with a KV cache runs without sequence parallelism (one new token "
+                             "per sequence does not split along the sequence)")
+        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx)) if cache is None \
+            else cache.positions(idx.shape[1])
         x = self.drop(self.wte(idx) + self.wpe(pos))          # SP: (B, T/t, C)
-        for block in self.h:
-            x = block(x)
+        for i, block in enumerate(self.h):
+            x = block(x) if cache is None else block(x, cache=cache, layer=i)
+        if cache is not None:
+            cache.advance(idx.shape[1])
         logits = self.lm_head(self.ln_f(x))                   # (B, T, V_pad/t)
         if targets is None:
             full = GatherFromTensorParallelRegion.apply(logits, self.comm)
