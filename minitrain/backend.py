@@ -220,6 +220,39 @@ def fuse(make, name):
     return _Fused(make, name)
 
 
+class _ElementwiseKernel(_Fused):
+    """One ``cupy.ElementwiseKernel`` written in CUDA C (``in_params``, ``out_params``, ``operation``)
+    for updates in place, whose arguments are the kernel's (inputs, then the arrays it updates). The
+    CuPy stand-in cannot compile C: there, and with MINITRAIN_FUSE=0, ``make(xp)`` (the same update
+    in xp's ufuncs) runs instead, through cupy.fuse as the other kernels do, so CI checks the
+    arithmetic and the GPU test checks that the C says the same (tests/test_gpu.py)."""
+
+    def __init__(self, make, name, in_params, out_params, operation):
+        super().__init__(make, name)
+        self.spec = (in_params, out_params, operation)
+        self.kernel = None
+
+    def __call__(self, *args):
+        if not FUSE or getattr(_import_cupy(), "__standin__", False):
+            return super().__call__(*args)
+        key = ("C",) + tuple(a.dtype.str for a in args if hasattr(a, "dtype"))
+        if key not in self.unfusable:
+            try:
+                if self.kernel is None:
+                    self.kernel = _cupy.ElementwiseKernel(*self.spec, name=self.name)
+                return self.kernel(*args)
+            except Exception as e:          # e.g. a dtype CUDA C has no sqrt for: say so, run the ufuncs
+                self.unfusable.add(key)
+                sys.stderr.write(f"minitrain: ElementwiseKernel {self.name} failed for {key[1:]} "
+                                 f"({type(e).__name__}: {e}); running it through cupy.fuse\n")
+        return super().__call__(*args)
+
+
+def elementwise_kernel(make, name, in_params, out_params, operation):
+    """An in-place elementwise update as one CUDA kernel (see _ElementwiseKernel)."""
+    return _ElementwiseKernel(make, name, in_params, out_params, operation)
+
+
 _rng = threading.local()   # .states: GPU index -> this thread's cuRAND Philox generator
 
 

@@ -14,7 +14,7 @@ inside a fused kernel take no keepdims (CuPy's fusion has none), so their result
 """
 import math
 
-from .backend import fuse
+from .backend import elementwise_kernel, fuse
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -89,44 +89,38 @@ def log_softmax_backward(out, g, axis=-1):
 
 
 # ---------------------------------------------------------------- layer norm
-_mean = _per_axis(lambda xp, axes: lambda x, inv_n: xp.sum(x, axis=axes) * inv_n, "minitrain_mean")
-_centered_square_mean = _per_axis(lambda xp, axes: lambda x, mean, inv_n: xp.sum((x - mean) * (x - mean), axis=axes) * inv_n,
-                                  "minitrain_variance")
+# The reductions are CuPy's own (x.mean(axis)): cupy.fuse's reductions over the last axis took 4-12 ms
+# per call on an H100 at (64, 256, 384), 100x CuPy's reduction kernels (measured by scripts/bench_gpu.py
+# with a per-kernel timer, 2026-11-23), so only the elementwise work around them is fused.
+_center_square = fuse(lambda xp: lambda x, mean: (x - mean) * (x - mean), "minitrain_center_square")
+_product = fuse(lambda xp: lambda a, b: a * b, "minitrain_product")
 _rstd = fuse(lambda xp: lambda var, eps: 1.0 / xp.sqrt(var + eps), "minitrain_rstd")
 _normalize = fuse(lambda xp: lambda x, mean, rstd, w, b: ((x - mean) * rstd * w + b, (x - mean) * rstd),
                   "minitrain_layer_norm")
-_weighted_mean = _per_axis(lambda xp, axes: lambda g, w, inv_n: xp.sum(g * w, axis=axes) * inv_n,
-                           "minitrain_weighted_mean")
-_weighted_xhat_mean = _per_axis(lambda xp, axes: lambda g, w, xhat, inv_n: xp.sum(g * w * xhat, axis=axes) * inv_n,
-                                "minitrain_weighted_xhat_mean")
-_layer_norm_dx = fuse(lambda xp: lambda g, w, xhat, rstd, a, b: rstd * (g * w - a - xhat * b),
+_layer_norm_dx = fuse(lambda xp: lambda gw, xhat, rstd, a, b: rstd * (gw - a - xhat * b),
                       "minitrain_layer_norm_backward")
 
 
-def _keep_axes(reduced, like, axes):
-    return reduced.reshape(tuple(1 if i in axes else n for i, n in enumerate(like.shape)))
+def sum_product(axes):
+    """sum_product(axes)(a, b) = sum(a * b, axis=axes): one fused product, one CuPy reduction."""
+    return lambda a, b: _product(a, b).sum(axis=axes)
 
 
 def layer_norm(x, weight, bias, axes, eps):
     """(y, x̂, 1/σ) over ``axes`` (the last ones); weight / bias may be None."""
-    n = 1
-    for a in axes:
-        n *= x.shape[a]
-    mean = _keep_axes(_mean(axes)(x, 1.0 / n), x, axes)
-    var = _keep_axes(_centered_square_mean(axes)(x, mean, 1.0 / n), x, axes)
+    mean = x.mean(axis=axes, keepdims=True)
+    var = _center_square(x, mean).mean(axis=axes, keepdims=True)
     rstd = _rstd(var, eps)
     out, xhat = _normalize(x, mean, rstd, 1.0 if weight is None else weight, 0.0 if bias is None else bias)
     return out, xhat, rstd
 
 
 def layer_norm_backward(g, xhat, rstd, weight, axes):
-    n = 1
-    for a in axes:
-        n *= xhat.shape[a]
-    w = 1.0 if weight is None else weight
-    a = _keep_axes(_weighted_mean(axes)(g, w, 1.0 / n), xhat, axes)
-    b = _keep_axes(_weighted_xhat_mean(axes)(g, w, xhat, 1.0 / n), xhat, axes)
-    return _layer_norm_dx(g, w, xhat, rstd, a, b)
+    """dx = (1/σ)(g·w - mean(g·w) - x̂·mean(g·w·x̂)), the means over ``axes``."""
+    gw = g if weight is None else _product(g, weight)
+    a = gw.mean(axis=axes, keepdims=True)
+    b = _product(gw, xhat).mean(axis=axes, keepdims=True)
+    return _layer_norm_dx(gw, xhat, rstd, a, b)
 
 
 # ---------------------------------------------------------------- dropout
@@ -155,7 +149,7 @@ square_sum = fuse(lambda xp: lambda g: xp.sum(g * g), "minitrain_square_sum")
 
 # ---------------------------------------------------------------- optimizers
 def _adam(xp):
-    def adam(p, g, m, v, b1, b2, step_size, bias_correction2_sqrt, eps, decay, l2):
+    def adam(g, b1, b2, step_size, bias_correction2_sqrt, eps, decay, l2, p, m, v):   # the kernel's order
         g = g + l2 * p                       # Adam's L2 term (0 for AdamW)
         p *= decay                           # AdamW's decoupled decay (1 for Adam)
         m *= b1
@@ -166,4 +160,13 @@ def _adam(xp):
     return adam
 
 
-adam_step = fuse(_adam, "minitrain_adam")
+# In CUDA C on the GPU: cupy.fuse of _adam (in-place updates of its inputs) gave other numbers than the
+# CPU's Adam on the H100 (tests/test_gpu.py, 2026-11-23); an ElementwiseKernel says what it updates.
+adam_step = elementwise_kernel(
+    _adam, "minitrain_adam",
+    "G g, T b1, T b2, T step_size, T bias_correction2_sqrt, T eps, T decay, T l2", "T p, T m, T v",
+    """T grad = (T)g + l2 * p;
+       p = p * decay;
+       m = b1 * m + (1 - b1) * grad;
+       v = b2 * v + (1 - b2) * (grad * grad);
+       p = p - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps));""")

@@ -25,7 +25,7 @@ STEPS=${*:-env tests suite mlp mlp2 gpt bench transport}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$(command -v python3)}   # absolute: a launcher may search another PATH (seen: mpirun found no mpi4py)
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 BENCH_ARGS=${BENCH_ARGS:-}

@@ -120,7 +120,7 @@ def test_cupy_refuses_what_the_stand_in_refuses():
         raises(TypeError, lambda: memoryview(x))
         for mix in (lambda: x + np.ones(4), lambda: np.ones(4) * x, lambda: cp.maximum(x, np.ones(4))):
             raises(TypeError, mix, "Unsupported type <class 'numpy.ndarray'>")
-        raises(TypeError, lambda: cp.concatenate([x, np.ones(4)]), "Only cupy arrays can be concatenated")
+        raises(TypeError, lambda: cp.concatenate([x, np.ones(4)]), "Unsupported type <class 'numpy.ndarray'>")
         raises(ValueError, lambda: x.__setitem__(Ellipsis, np.ones(4)), "non-scalar numpy.ndarray cannot be used for fill")
         assert isinstance((np.float32(2) * x).sum(), cp.ndarray)
         assert x.__cuda_array_interface__["data"][0] == x.data.ptr

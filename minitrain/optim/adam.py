@@ -40,8 +40,9 @@ class Adam(Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if is_device_array(data):
                     decoupled = bool(wd) and self.decoupled
-                    kernels.adam_step(data, g, m, v, b1, b2, lr / (1.0 - b1 ** t), math.sqrt(1.0 - b2 ** t), eps,
-                                      1.0 - lr * wd if decoupled else 1.0, wd if wd and not decoupled else 0.0)
+                    kernels.adam_step(g, b1, b2, lr / (1.0 - b1 ** t), math.sqrt(1.0 - b2 ** t), eps,
+                                      1.0 - lr * wd if decoupled else 1.0, wd if wd and not decoupled else 0.0,
+                                      data, m, v)
                     continue
                 if wd:
                     if self.decoupled:

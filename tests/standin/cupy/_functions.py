@@ -45,7 +45,8 @@ def _generic(name):
                             "compiles: ufuncs, cupy.where, astype, copy, x[...] = y, one sum/prod/amax/amin)")
         found = []
         if name == "concatenate" and args and any(not isinstance(a, ndarray) for a in args[0]):
-            raise TypeError("Only cupy arrays can be concatenated")        # CuPy's concatenate_method
+            bad = next(a for a in args[0] if not isinstance(a, ndarray))
+            raise TypeError(f"Unsupported type {type(bad)}")   # CuPy 14.2 on an H100 (2026-11-23): _preprocess_arg
         raw = [unwrap(a, found) for a in args]
         raw_kwargs = {k: unwrap(v, found) for k, v in kwargs.items()}
         out = kwargs.get("out")
