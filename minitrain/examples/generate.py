@@ -146,7 +146,13 @@ def error(rank, message):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    """Run the job on a memory ledger of its own: --device-memory is what this job may place (parameters
+    plus KV blocks), whatever else the process (a notebook, a test session) still holds."""
+    with memory.use_tracker(memory.MemoryTracker()):
+        return _main(parse_args(argv))
+
+
+def _main(args):
     _, launched = launch_info()
     comm = None
     if launched > 1 or args.tp > 1:
