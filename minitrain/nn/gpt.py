@@ -83,9 +83,10 @@ class CausalSelfAttention(Module):
         """softmax(Q K^T / sqrt(d) + mask), dropout, times V: (B, H, T, D) in and out (keys and
         values (B, H, L, D); ``mask`` True where a query may not look, causal by default)."""
         T, D = q.shape[2], q.shape[3]
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, L)
-        att = att.masked_fill(self.causal_mask(T, q.data) if mask is None else mask, -math.inf)
-        att = self.attn_dropout(F.softmax(att, axis=-1))
+        att = q @ k.transpose(-2, -1)                          # (B, H, T, L)
+        att = F.softmax(att, axis=-1, scale=1.0 / math.sqrt(D),   # scaled and masked in the same op
+                        mask=self.causal_mask(T, q.data) if mask is None else mask)
+        att = self.attn_dropout(att)
         return att @ v
 
 

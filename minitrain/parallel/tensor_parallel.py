@@ -25,15 +25,16 @@ Megatron's kernels, with dropout masks and 2-byte values: sbh(10 + 24/t) + 5as²
 5as²b/t with SP). Forward of one block saves:
 
     ln_1: x̂ (sbh) and 1/σ (sb)                  c_attn: its input, ln_1's output (sbh)
-    Q K^T: the qkv buffer (3sbh/t, q, k, v are views of it); the scaled scores are saved by the
-    scaling (as²b/t) and softmax saves its output (as²b/t), which att @ V reuses, with v
+    Q K^T: the qkv buffer (3sbh/t, q, k, v are views of it); scale, mask and softmax are one op
+    (Megatron's fused scale-mask-softmax) that saves only its output (as²b/t), which att @ V
+    reuses, with v
     c_proj: the heads' output re-laid as (b, s, h/t) (sbh/t)
     ln_2: x̂ (sbh) and 1/σ (sb)                  c_fc: ln_2's output (sbh)
     GELU: its input and its tanh (2 · 4sbh/t)      c_proj: GELU's output (4sbh/t)
 
-TP total: sbh(4 + 16/t) + 2as²b/t + 2sb; the 4sbh (LayerNorm inputs and outputs) are replicated on
+TP total: sbh(4 + 16/t) + as²b/t + 2sb; the 4sbh (LayerNorm inputs and outputs) are replicated on
 every rank. With SP those live on sequence shards, and each column-parallel layer saves only its
-input's shard (AllGatherLinear re-gathers it in backward): sbh·20/t + 2as²b/t + 2sb/t, all divided
+input's shard (AllGatherLinear re-gathers it in backward): sbh·20/t + as²b/t + 2sb/t, all divided
 by t. tests/test_tensor_parallel.py measures both at t = 1, 2, 4.
 
 Dropout keeps the sharded model the same function as the unsharded one: where an activation is
