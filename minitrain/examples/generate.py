@@ -102,14 +102,10 @@ def make_prompts(corpus, args):
 
 
 def load_checkpoint(model, directory):
-    """HOOK for issue 17 (checkpoints, minitrain/checkpoint/, not on this branch when this job was
-    written): load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
-    --n-layer/--n-head/--n-embd, and --context = the gpt job's --block-size), parameters only."""
-    try:
-        from minitrain import checkpoint
-    except ImportError:
-        raise ValueError("--checkpoint needs minitrain.checkpoint (the checkpoint issue), which this "
-                         "installation does not have yet: train instead (--train-steps)") from None
+    """Load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
+    --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
+    only: any layout the gpt job saved from (dp, tp, pp) is resharded to this one process."""
+    from minitrain import checkpoint
     try:
         path = checkpoint.find_latest(directory)
         if path is None:
