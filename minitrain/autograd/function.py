@@ -32,6 +32,12 @@ from .grad_mode import _state as _grad_state
 _sequence = itertools.count()   # creation order; backward runs nodes newest first
 
 
+def nodes_recorded():
+    """Graph nodes recorded so far in this process (a step's count is the difference of two calls, less
+    one: the call itself takes a number). The jobs report it per step; the planner predicts it."""
+    return next(_sequence)
+
+
 class Function:
     # slots keep node creation and attribute access cheap: a GPT step builds thousands of nodes
     __slots__ = ("parents", "seq", "needs_input_grad", "_saved", "_unpack", "_saved_keys",

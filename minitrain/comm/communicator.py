@@ -52,6 +52,16 @@ class RankFailedError(CommError):
     """Another rank failed, so this one stopped waiting for it."""
 
 
+_waiting = threading.local()
+
+
+def waiting_cpu_seconds():
+    """CPU seconds this thread has spent so far polling in ``wait_all`` (test() and sched_yield): the part of
+    a step's CPU time that other jobs on a shared machine distort most (a thread that yields is handed the
+    core back again and again while its peer waits for one). The jobs report a step's CPU time without it."""
+    return getattr(_waiting, "cpu", 0.0)
+
+
 def default_timeout():
     return float(os.environ.get("MINITRAIN_TIMEOUT", "300"))
 
@@ -193,7 +203,13 @@ class Communicator:
         pending = [r for r in requests if not self._test(r, what)]
         if not pending:
             return
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            self._poll(pending, what, start)
+        finally:
+            _waiting.cpu = getattr(_waiting, "cpu", 0.0) + time.thread_time() - cpu
+
+    def _poll(self, pending, what, start):
         sleep = 0.0
         while pending:
             pending = [r for r in pending if not self._test(r, what)]
