@@ -245,26 +245,35 @@ def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
 
 @pytest.mark.slow
 def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
-    """``plan calibrate --quick``: every constant measured and positive, alpha/beta fitted for each collective
-    at p = 2 under mpiexec; predictions from that file; two calibrations merge into their best."""
+    """``plan calibrate --quick``: every constant measured and positive (matmul rates square, by rows and
+    batched; the library's ops; the Python per node, per parameter, of DDP, FSDP and a pipeline's action in a
+    2-rank job; the anchor), alpha/beta fitted for each collective at p = 2 under mpiexec, wall and busy;
+    predictions from that file; two calibrations merge into their best."""
     from minitrain.plan import calibrate
     out = tmp_path / "machine.json"
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out)]) == 0
     machine = json.loads(out.read_text())
+    from minitrain.plan.ops import PASSES
     for dtype in ("float32", "float64", "float16", "bfloat16"):
         assert all(rate > 0 for _, rate in machine["matmul_flops"][dtype]["1"])
+        assert all(rate > 0 for _, rate in machine["matmul_batched_flops"][dtype]["1"])
+        assert all(rate > 0 for row in machine["matmul_rows_flops"][dtype]["1"]["flops"] for rate in row)
         assert all(v > 0 for v in machine["elementwise_s_per_element"][dtype].values())
-    for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s", "trace_span_s"):
+        assert set(machine["ops"][dtype]) == set(PASSES), dtype
+        assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in machine["ops"][dtype].values())
+    for key in ("numpy_call_s", "autograd_node_s", "leaf_grad_s", "optimizer_param_s", "collective_call_s",
+                "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s"):
         assert machine[key] > 0, key
     for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
         fit = machine["collectives"][name]["2"]
         assert fit["alpha_s"] > 0 and fit["beta_s_per_byte"] > 0 and len(fit["points"]) >= 4
+        assert fit["busy_alpha_s"] > 0 and fit["busy_beta_s_per_byte"] > 0
     result = cli(f"mlp --world 2 --machine {out}")
     assert 0 < result["step_time_s"]["comm"] < result["step_time_s"]["total"]
-    slower = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"]}
-    merged = calibrate.merge([slower, machine])
-    assert merged["numpy_call_s"] == machine["numpy_call_s"]
+    loaded = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"], "anchor_cpu_time_s": 2 * machine["anchor_cpu_time_s"]}
+    merged = calibrate.merge([loaded, machine])                   # the least loaded calibration, whole
+    assert merged["numpy_call_s"] == machine["numpy_call_s"] and merged["ops"] == machine["ops"]
 
 
 def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():

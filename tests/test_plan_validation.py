@@ -1,11 +1,11 @@
-"""The planner against the jobs (minitrain/plan/validate.py): 14 runs of examples.mlp / examples.gpt under
+"""The planner against the jobs (minitrain/plan/validate.py): 13 runs of examples.mlp / examples.gpt under
 mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D,
-recomputation). Memory: every rank's ledger peak, every category, within 5% of the prediction. Step time:
-on a shared 2-core machine the wall clock of a step scatters by 10x (other jobs hold the cores), so each
-run is compared by the median CPU time of its steps' own thread, which they inflate far less, and the
-ratios of the runs whose ranks fit the cores are checked against their median (README: the figures)."""
+recomputation), predicted from the committed machine constants (machines/cpu-2core.json). Memory: every
+rank's ledger peak, every category, within 5%. Graph nodes per step: exactly the engine's count. Step time,
+where ranks fit the cores: the CPU time of the step's own thread outside its waits (busy), in units of the
+anchor run beside it (which the machine's other jobs slow alike), within 20% of the prediction (README: the
+figures, the wall clock beside them, and what oversubscription does)."""
 import os
-import statistics
 
 import pytest
 
@@ -14,7 +14,7 @@ from minitrain.plan import validate
 
 @pytest.fixture(scope="module")
 def results():
-    return [validate.run(name, timeout=240) for name in validate.RUNS]
+    return [validate.run(name, "cpu-2core", timeout=240) for name in validate.RUNS]
 
 
 @pytest.mark.slow
@@ -34,17 +34,18 @@ def test_peak_memory_of_every_rank_is_the_ledgers_within_5_percent(results):
 
 
 @pytest.mark.slow
-def test_step_time_where_ranks_fit_the_cores(results):
-    """Other jobs on the machine inflate every run (even its CPU time, by evicting its caches: 2-3x at a load
-    of 12 on 2 cores). So each run's predicted / measured ratio is compared with the median ratio of the
-    runs, and that median with 1, both within 3x: no factor lost, no run out of line. The 1-rank run is left
-    out of the time check: a job of one rank gives BLAS both cores, and whenever anything else runs its
-    second thread waits for one (measured: 100x slower), which no prediction of the layout can know. The
-    README's table has the figures; the unit tests check the model's parts (FLOPs, the simulator's bubble)."""
+def test_graph_nodes_of_a_step_are_the_planners_count(results):
+    """The Work the time model charges holds the nodes the engine records (the rank that records the most)."""
+    for res in results:
+        assert res["nodes"]["measured"] == res["nodes"]["predicted"], (res["name"], res["nodes"])
+
+
+@pytest.mark.slow
+def test_step_time_within_20_percent_where_ranks_fit_the_cores(results):
+    """Busy CPU time (the step's own thread, waits left out) in anchors, against the planner's compute plus the
+    busy part of its collectives: every run whose ranks fit the cores within 20%. Oversubscribed runs (4 and 8
+    ranks on 2 cores) are left out: their ranks take turns on the cores and evict each other's caches."""
     cores = os.cpu_count() or 1
-    ratios = {r["name"]: r["step_time_s"]["predicted"] / r["step_time_s"]["cpu"] for r in results
-              if 1 < r["world"] <= cores}
-    assert len(ratios) >= 8
-    middle = statistics.median(ratios.values())
-    assert 1 / 3 <= middle <= 3, ratios
-    assert all(1 / 3 <= x / middle <= 3 for x in ratios.values()), (middle, ratios)
+    ratios = {r["name"]: validate.busy_ratio(r) for r in results if r["world"] <= cores}
+    assert len(ratios) >= 9 or cores < 2, ratios
+    assert all(0.8 <= x <= 1.2 for x in ratios.values()), ratios

@@ -23,8 +23,8 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (fmt_bytes, launch_info, memory_table, persistent_memory, planner_line,
-                                       tqdm, write_json)
+from minitrain.examples.common import (StepTimer, fmt_bytes, launch_info, memory_table, persistent_memory,
+                                       planner_line, tqdm, write_json)
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
@@ -119,6 +119,7 @@ def main(argv=None):
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()
+    minitrain.backend.hold_host_memory()
 
     minitrain.manual_seed(args.seed)
     corpus = load_text()
@@ -148,22 +149,20 @@ def main(argv=None):
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
-    step_times, step_cpu_times = [], []
+    timer = StepTimer()
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        if offload is not None:
-            with offload:
+        with timer:
+            if offload is not None:
+                with offload:
+                    _, loss = model(x, y)
+            else:
                 _, loss = model(x, y)
-        else:
-            _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        optim.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        scheduler.step()
-        step_times.append(time.perf_counter() - started)
-        step_cpu_times.append(time.thread_time() - cpu_started)
+            opt.zero_grad()
+            loss.backward()
+            optim.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            scheduler.step()
         persistent = persistent_memory()
         losses.append(loss.item())
         ckpt.after_step(step + 1)
@@ -189,7 +188,8 @@ def main(argv=None):
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
-    print(planner_line(args, 1, float(np.median(step_times)), peak["total"], kind="gpt", vocab_size=corpus.vocab_size))
+    steps = timer.summary()
+    print(planner_line(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size))
     if args.json:
         write_json(args.json, {
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
@@ -198,11 +198,10 @@ def main(argv=None):
             "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
             "tokens_per_second": len(losses) * args.batch_size * args.block_size / elapsed,
-            "step_time_s": float(np.median(step_times)), "step_time_min_s": float(np.min(step_times)),
-            "step_cpu_time_s": float(np.median(step_cpu_times)),
+            **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
-                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
+                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
         })
     return 0
 

@@ -26,7 +26,8 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line,
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, persistent_memory,
+                                       planner_line,
                                        tqdm, write_json)
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
@@ -112,18 +113,17 @@ def main_parallel(args):
     sent_before = bytes_sent()
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
-    step_times = []
+    timer = StepTimer()
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        model.zero_grad()
-        with offload:
-            loss = model.train_step(x, y)
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        scheduler.step()
-        step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
+        with timer:
+            model.zero_grad()
+            with offload:
+                loss = model.train_step(x, y)
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            scheduler.step()
         persistent = persistent_memory()
         losses.append(loss)
         ckpt.after_step(step + 1)
@@ -139,9 +139,9 @@ def main_parallel(args):
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(np.array(step_times)[:, 1]),
-                    np.min(np.array(step_times)[:, 0]), np.median(np.array(step_times)[:, 0]), device_code()], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
+    step_by_rank, slowest = gather_steps(comm, timer)
     state = model.full_state_dict()
     if rank != 0:
         return 0
@@ -173,7 +173,7 @@ def main_parallel(args):
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
-    print(planner_line(args, world, float(table[:, -2].max()), table[:, 6].max(), kind="gpt",
+    print(planner_line(args, world, slowest, table[:, 6].max(), kind="gpt",
                        vocab_size=config.vocab_size))
     sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
                            rng=np.random.default_rng(args.seed))
@@ -188,13 +188,13 @@ def main_parallel(args):
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": steps / elapsed, "tokens_per_second": steps * B * T / elapsed,
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            "step_time_s": float(table[:, -2].max()), "step_time_min_s": float(table[:, -3].max()),
-            "step_cpu_time_s": float(table[:, -4].max()),
+            **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
             "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
-                                  "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}}}
+                                  "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}},
+                       "step": step_by_rank[r]}
                       for r, v in enumerate(table)]})
     return 0

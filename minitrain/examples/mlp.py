@@ -24,8 +24,8 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory,
-                                       planner_line, tqdm, write_json)
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, memory_table,
+                                       persistent_memory, planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -157,7 +157,7 @@ def main(argv=None):
     memory.reset_peak()
     trace.enable(rank=rank)
     state = {"steps": 0, "seen": 0, "persistent": {}, "host": {}, "events": [], "loss": None, "losses": [],
-             "first_step": first_step, "ckpt": ckpt}
+             "first_step": first_step, "ckpt": ckpt, "timer": StepTimer()}
     offload = offload_activations() if args.offload_activations else None
 
     def forward(x):
@@ -187,11 +187,8 @@ def main(argv=None):
     steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
     if steps == 0:
         return nothing_left(args, comm, first_step)
-    args.step_time = float(np.median(state["step_times"]))        # this rank's median step (planner's comparison)
-    args.step_time_min = float(np.min(state["step_times"]))       # its fastest: the least disturbed by other work
-    args.step_cpu_time = float(np.median(state["step_cpu_times"]))  # this thread's CPU: what other jobs cannot slow
     _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step)
+                    x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step, state["timer"])
     return 0
 
 
@@ -201,8 +198,7 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             events_before = len(trace.tracer().events)
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            with trace.span("step", kind="step"):
+            with state["timer"](counted=len(xb) == loader.batch_size), trace.span("step", kind="step"):
                 with trace.span("forward"):
                     if offload is not None:
                         with offload:
@@ -216,8 +212,6 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
                     opt.step()
                     if args.strategy == "local_sgd":
                         wrapped.step()
-            state.setdefault("step_times", []).append(time.perf_counter() - started)
-            state.setdefault("step_cpu_times", []).append(time.thread_time() - cpu_started)
             state["persistent"] = persistent_memory()
             state["host"] = memory.host_snapshot()
             steps += 1
@@ -263,7 +257,7 @@ def nothing_left(args, comm, first_step):
 
 
 def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, host, state_losses=(), first_step=0):
+                    x_test, y_test, local_batch, offload, host, state_losses=(), first_step=0, timer=None):
     world, rank = comm.size, comm.rank
     # local SGD: the replicas were averaged after the last step (main), so they agree before evaluating
     if stage < 3:                        # under ZeRO-3 each rank holds a different shard, by design
@@ -285,9 +279,9 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
-           *[host[c] for c in ("params", "grads", "optimizer_state")], args.step_time, args.step_time_min,
-           args.step_cpu_time, device_code()]
+           *[host[c] for c in ("params", "grads", "optimizer_state")], device_code()]
     table = gather_rows(comm, row)
+    step_by_rank, slowest = gather_steps(comm, timer)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
     losses = global_losses(comm, state_losses)
     if args.trace:
@@ -313,13 +307,13 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
-        print(f"{r:>4} {device_name(v[20]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
+        print(f"{r:>4} {device_name(v[17]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
               f"{v[3] * 1e3:>9.2f}ms {fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
     print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
-    print(planner_line(args, world, float(table[:, 17].max()), table[:, 13].max()))
+    print(planner_line(args, world, slowest, table[:, 13].max()))
     print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
@@ -334,12 +328,13 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           + ")")
     ranks = []
     for r, v in enumerate(table):
-        ranks.append({"rank": r, "device": device_name(v[20]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
+        ranks.append({"rank": r, "device": device_name(v[17]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
                       "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
                       "bytes_sent": v[4] * steps,
                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),
                                  "peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[8:14]))),
-                                 "host": dict(zip(("params", "grads", "optimizer_state"), map(int, v[14:17])))}})
+                                 "host": dict(zip(("params", "grads", "optimizer_state"), map(int, v[14:17])))},
+                      "step": step_by_rank[r]})
     if args.json:
         write_json(args.json, {
             "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
@@ -348,8 +343,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0,
-            "step_time_s": float(table[:, 17].max()), "step_time_min_s": float(table[:, 18].max()),
-            "step_cpu_time_s": float(table[:, 19].max()), "ranks": ranks,
+            **slowest, "blas_threads": backend.blas_threads(), "ranks": ranks,
             "first_step": first_step, "losses": losses})
     if args.plot:
         import matplotlib

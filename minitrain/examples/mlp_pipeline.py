@@ -21,7 +21,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, device_name, fmt_bytes, planner_line, tqdm, write_json
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, planner_line, tqdm,
+                                       write_json)
 from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
@@ -82,7 +83,7 @@ def main_pipeline(args, parser, comm):
     comm.barrier()
     start = time.perf_counter()
     steps = seen = 0
-    step_times = []
+    timer = StepTimer()
     losses = []
     for epoch in range(loader.sampler.epoch, args.epochs):      # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
@@ -90,11 +91,10 @@ def main_pipeline(args, parser, comm):
             if len(yb) != local_batch:
                 continue                             # a short last batch would not split into micro-batches
             trace.tracer().events.clear()            # keep the last step's trace only
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            opt.zero_grad()
-            loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
-            opt.step()
-            step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
+            with timer:
+                opt.zero_grad()
+                loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
+                opt.step()
             steps += 1
             seen += len(yb)
             losses.append(loss)
@@ -115,11 +115,10 @@ def main_pipeline(args, parser, comm):
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
     devices = [device_name(c) for c in mtcomm.ring_all_gather(comm, np.array([float(device_code())]), total=world)]
-    peak = memory.peak()                             # per rank: every category, and its median step
-    wall, cpu = np.array(step_times).T
-    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.median(cpu), np.min(wall),
-                     np.median(wall)], np.float64)
+    peak = memory.peak()                             # per rank: every category
+    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"]], np.float64)
     table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
+    step_by_rank, slowest = gather_steps(comm, timer)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     if rank != 0:
         return 0
@@ -135,7 +134,7 @@ def main_pipeline(args, parser, comm):
     print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0)")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
-    print(planner_line(args, world, float(table[:, -1].max()), table[:, -4].max()))
+    print(planner_line(args, world, slowest, table[:, -1].max()))
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "first_step": first_step, "losses": losses,
@@ -144,11 +143,10 @@ def main_pipeline(args, parser, comm):
                            "measured_bubble_fraction": float(np.mean(bubbles)),
                            "measured_bubble_fraction_per_rank": bubbles.tolist(),
                            "formula_bubble_fraction": formula},
-              "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
-              "step_cpu_time_s": float(table[:, -3].max()),
+              **slowest, "blas_threads": minitrain.backend.blas_threads(),
               "ranks": [{"rank": r, "device": devices[r],
-                         "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-3])))}}
-                        for r, v in enumerate(table)]}
+                         "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v)))},
+                         "step": step_by_rank[r]} for r, v in enumerate(table)]}
     if args.json:
         write_json(args.json, report)
     if args.plot:

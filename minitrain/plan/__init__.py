@@ -4,11 +4,14 @@
         --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100 --search
 
 Memory per rank by category (``plan/memory.py``: the papers' accounting and minitrain's own, the bytes
-the jobs' ledger counts), step time from FLOPs, alpha-beta communication and the pipeline schedule's
-simulated bubble (``plan/time.py``), machine constants measured by ``python -m minitrain.plan calibrate``
-(``plan/calibrate.py``). ``predict(model, layout)`` is the whole model; ``from_job_args`` turns a job's
-parsed options (examples.mlp / examples.gpt) into a model and a layout, so a job can print the
-prediction beside what it measured.
+the jobs' ledger counts), step time from the work a step does counted from the code (``plan/work.py``:
+matmuls, the library's ops, graph nodes), priced on the machine (``plan/ops.py``, ``plan/time.py``:
+calibrated matmul rates and op costs, alpha-beta communication, the pipeline schedule's simulated bubble),
+machine constants measured by ``python -m minitrain.plan calibrate`` (``plan/calibrate.py``,
+``plan/overheads.py``) and checked against the jobs by ``python -m minitrain.plan validate``.
+``predict(model, layout)`` is the whole model; ``mlp_from_args`` / ``gpt_from_args`` turn a job's parsed
+options (examples.mlp / examples.gpt) into a model and a layout, so a job can print the prediction beside
+what it measured.
 """
 from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
 from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
@@ -46,7 +49,7 @@ def mlp_from_args(args, world):
     model = MLP(tuple([DIGITS_FEATURES] + [args.hidden] * args.layers + [DIGITS_CLASSES]))
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
     common = dict(world=world, batch_size=args.batch_size, precision=args.precision, optimizer=args.optimizer,
-                  bucket_cap_mb=args.bucket_cap_mb)
+                  bucket_cap_mb=args.bucket_cap_mb, threads=getattr(args, "threads", 0) or 0)
     if args.strategy == "pipeline":        # the pipeline job: fp32/fp64, no offload, no recompute
         return model, Layout(dp=args.dp, pp=max(1, world // args.dp), microbatches=args.microbatches,
                              chunks=args.chunks, schedule=args.schedule, **common)
@@ -67,7 +70,7 @@ def gpt_from_args(args, world, vocab_size):
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,
                     chunks=args.chunks, precision=getattr(args, "precision", "fp32") or "fp32",
-                    optimizer="adamw", offload_activations=args.offload_activations,
+                    optimizer="adamw", offload_activations=args.offload_activations, threads=getattr(args, "threads", 0) or 0,
                     extras={"parallel_job": parallel})
     return model, layout
 

@@ -42,6 +42,9 @@ def add_common(p, precision="fp32"):
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
     p.add_argument("--top", type=_positive, default=10, help="--search: how many to print (JSON: all)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="BLAS threads per rank on a CPU (default: as the jobs take them: cores / ranks, at most "
+                        "OMP_NUM_THREADS)")
     p.add_argument("--machine", help="machine constants: a JSON path, or cpu-2core / a100-80gb "
                                      "(default: ~/.cache/minitrain/machine.json if calibrated, else cpu-2core)")
 

@@ -1,19 +1,25 @@
-"""Machine constants, measured: ``python -m minitrain.plan calibrate [--out PATH] [--ranks 2 4]``.
+"""Machine constants, measured: ``python -m minitrain.plan calibrate [--out PATH] [--ranks 2 4] [--merge ...]``.
 
-What the time model needs, each measured the way the jobs run it:
-* matmul FLOP rate by size and dtype (square n x n x n, best of a few; CPU: at 1 BLAS thread and at
-  every core, as a job of 1 rank uses them all and a job of N ranks caps each at cores / N);
-* elementwise seconds per element (simple arithmetic, transcendental, reduction along an axis) and the
-  Python overhead of one NumPy call, of one autograd node (forward + backward of a trivial op), per
-  parameter of an optimizer step and of DDP's hooks, of one collective call and one traced span, and
-  the cost of first touching new memory (arrays a forward keeps for backward);
+What the time model needs, each measured the way the jobs run it (their BLAS threads, their held heap:
+backend.hold_host_memory; on the CPU by the CPU time of the measuring thread where one thread does the
+work, which other jobs on a shared machine inflate least, else by the wall clock; the best of several;
+arrays used in sequence, each call on its own, as a step uses them: ops.in_sequence):
+* matmul FLOP rate by dtype: square n x n x n, a grid of m rows x w-wide weights (a Linear's product), and
+  per product of a batch of 64 (NumPy's batched matmul); CPU: at 1 BLAS thread and at every core;
+* each op of the library (plan/ops.py: LayerNorm, GELU, softmax, the loss, the optimizers' update, ...)
+  per call and per element, fitted at two sizes, and seconds per element of plain passes (simple,
+  transcendental, reduction, in place, scatter); the cost of first touching new memory (arrays beyond
+  the held heap's 32 MiB);
+* the Python a step pays beyond its arithmetic (plan/overheads.py): per NumPy call, graph node, parameter,
+  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job; the anchor;
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under ``mpiexec -n p``), fitted to t = steps·alpha + bytes·beta with the algorithm's
-  own step and byte counts (comm/collectives.py's cost table).
+  own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
+  thread's CPU time outside its waits.
 With ``MINITRAIN_DEVICE=cuda`` the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ``~/.cache/minitrain/machine.json`` (what ``plan`` uses by default); the
-committed ``machines/cpu-2core.json`` was measured so on the 2-core CI machine, ``machines/a100-80gb.json``
-is NVIDIA's datasheet (not measured).
+committed ``machines/cpu-2core.json`` is the least loaded of three calibrations of the 2-core CI machine
+(``--merge``), ``machines/a100-80gb.json`` NVIDIA's datasheet (not measured).
 """
 import argparse
 import json
@@ -25,6 +31,8 @@ import sys
 import time
 
 import numpy as np
+
+from .ops import in_sequence, measure_ops
 
 MACHINES = pathlib.Path(__file__).parent / "machines"
 DEFAULT_PATH = pathlib.Path(os.environ.get("MINITRAIN_CACHE", pathlib.Path.home() / ".cache" / "minitrain")) / "machine.json"
@@ -60,16 +68,22 @@ def _xp():
     return backend.xp(), backend.synchronize
 
 
-def _best(fn, repeats, sync):
+def _best(fn, repeats, sync, clock=time.perf_counter):
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best
+
+
+def _clock(threads=1):
+    """The measuring thread's CPU time on a CPU where it alone works (see the module docstring), else the wall."""
+    from .. import backend
+    return time.thread_time if backend.get_device() == "cpu" and threads == 1 else time.perf_counter
 
 
 def _dtype(name):
@@ -77,34 +91,62 @@ def _dtype(name):
     return bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def measure_matmul(dtype, sizes, repeats=5):
-    """[[n, FLOP/s]] for n x n @ n x n."""
+def measure_matmul(dtype, sizes, repeats=5, batch=1, clock=time.perf_counter):
+    """[[n, FLOP/s]] for n x n @ n x n (``batch`` > 1: per product of a batch of them, one NumPy call), run
+    in sequence on distinct operands, the products kept (ops.in_sequence: as a step runs them)."""
     xp, sync = _xp()
     out = []
     for n in sizes:
-        a = xp.asarray(np.random.default_rng(0).random((n, n))).astype(_dtype(dtype))
-        b = xp.asarray(np.random.default_rng(1).random((n, n))).astype(_dtype(dtype))
-        slow = dtype == "float16" and xp is np and n >= 64        # no BLAS for fp16 on NumPy
-        out.append([n, 2 * n ** 3 / _best(lambda: a @ b, 1 if slow else repeats, sync)])
+        shape = (n, n) if batch == 1 else (batch, n, n)
+        copies = int(min(16, max(2, (16 << 20) // (3 * 4 * batch * n * n))))      # ~16 MiB of operands
+        rng = np.random.default_rng(0)
+        pairs = [[xp.asarray(rng.random(shape)).astype(_dtype(dtype)) for _ in range(2)] for _ in range(copies)]
+        slow = dtype == "float16" and xp is np and n * batch ** (1 / 3) >= 64     # no BLAS for fp16 on NumPy
+        runs = [(lambda a=a, b=b: a @ b) for a, b in (pairs[:2] if slow else pairs)]
+        out.append([n, batch * 2 * n ** 3 / in_sequence(runs, sync, 1 if slow else repeats, clock)])
     return out
 
 
-def measure_elementwise(dtype, n=1 << 18, repeats=10):
+ROWS, WIDTHS = (8, 32, 128, 512), (16, 64, 256, 1024)
+
+
+def measure_matmul_rows(dtype, repeats=5, clock=time.perf_counter):
+    """{"rows": ROWS, "width": WIDTHS, "flops": [[FLOP/s]]}: m x w @ w x w products (a Linear layer's: m rows,
+    a w x w weight, transposed), each on its own weight, in sequence (ops.in_sequence). A few rows on a wide
+    weight run far below the square product of the same FLOPs (measured here: 32 rows x 256 at 35 GFLOP/s,
+    128^3 at 80): the weight is read and packed for few rows. float16 (no BLAS on NumPy): the small corner only."""
+    xp, sync = _xp()
+    rng = np.random.default_rng(0)
+    table = []
+    for m in ROWS:
+        row = []
+        for w in WIDTHS:
+            if dtype == "float16" and xp is np and m * w * w > 1 << 16:
+                row.append(row[-1] if row else table[-1][0])
+                continue
+            copies = int(min(16, max(2, (16 << 20) // (4 * (2 * m * w + w * w)))))
+            sets = [(xp.asarray(rng.random((m, w))).astype(_dtype(dtype)), xp.asarray(rng.random((w, w))).astype(_dtype(dtype)))
+                    for _ in range(copies)]
+            row.append(2 * m * w * w / in_sequence([(lambda a=a, b=b: a @ b.T) for a, b in sets], sync, repeats, clock))
+        table.append(row)
+    return {"rows": list(ROWS), "width": list(WIDTHS), "flops": table}
+
+
+def measure_elementwise(dtype, n=1 << 18, repeats=5, clock=time.perf_counter, copies=8):
     """Seconds per element of the kinds of elementwise work a step does: ``simple`` (a + b, a new
     array), ``inplace`` (a += b), ``transcendental`` (tanh, exp), ``reduce`` (a sum along the last axis) and ``scatter``
-    (an embedding's backward: rows added at repeated indices)."""
+    (an embedding's backward: rows added at repeated indices); each in sequence on distinct arrays (ops.in_sequence)."""
     xp, sync = _xp()
-    a = xp.asarray(np.random.default_rng(0).random(n)).astype(_dtype(dtype))
-    b = xp.asarray(np.random.default_rng(1).random(n)).astype(_dtype(dtype))
-    rows = a.reshape(-1, 64)
     from ..backend import scatter_add
-    table = xp.zeros((97, 64), a.dtype)
-    index = xp.asarray(np.random.default_rng(2).integers(0, 97, n // 64))
-    return {"simple": _best(lambda: a + b, repeats, sync) / n,
-            "inplace": _best(lambda: a.__iadd__(b), repeats, sync) / n,
-            "transcendental": _best(lambda: xp.tanh(a), repeats, sync) / n,
-            "reduce": _best(lambda: rows.sum(axis=-1, keepdims=True), repeats, sync) / n,
-            "scatter": _best(lambda: scatter_add(table, index, rows), 3, sync) / n}
+    rng = np.random.default_rng(0)
+    sets = [[xp.asarray(rng.random(n)).astype(_dtype(dtype)) for _ in range(2)] for _ in range(copies)]
+    index = xp.asarray(rng.integers(0, 97, n // 64))
+    kinds = {"simple": lambda a, b: (lambda: a + b), "inplace": lambda a, b: (lambda: a.__iadd__(b)),
+             "transcendental": lambda a, b: (lambda: xp.tanh(a)),
+             "reduce": lambda a, b: (lambda: a.reshape(-1, 64).sum(axis=-1, keepdims=True)),
+             "scatter": lambda a, b: (lambda t=xp.zeros((97, 64), a.dtype): scatter_add(t, index, a.reshape(-1, 64)))}
+    return {kind: in_sequence([make(a, b) for a, b in sets], sync, repeats if kind != "scatter" else 2, clock) / n
+            for kind, make in kinds.items()}
 
 
 def measure_fresh_memory(n=1 << 16, arrays=16, repeats=5):
@@ -123,73 +165,6 @@ def measure_fresh_memory(n=1 << 16, arrays=16, repeats=5):
     return max(0.0, (_best(kept, repeats, sync) - _best(freed, repeats, sync)) / (arrays * a.nbytes))
 
 
-def measure_overheads(repeats=5):
-    """Python's share of a step, measured on tiny arrays: one NumPy call; one autograd node (forward +
-    backward of x * 1.0); per parameter tensor, an Adam step and DDP's hook and write-back (on a
-    one-rank ThreadWorld); one collective call that moves nothing; one traced span; one action of a
-    pipeline (its runtime's bookkeeping and a backward call per micro-batch, beyond the layers' work)."""
-    xp, sync = _xp()
-    from .. import Tensor, nn, optim, trace
-    from ..comm import ThreadWorld, ring_all_reduce
-    a, b = xp.ones(4, np.float32), xp.ones(4, np.float32)
-
-    def calls():
-        for _ in range(1000):
-            a.__iadd__(b)
-    numpy_call = _best(calls, repeats, sync) / 1000
-    chain = 200
-
-    def nodes():
-        x = Tensor(xp.ones(4, np.float32), requires_grad=True)
-        y = x
-        for _ in range(chain):
-            y = y * 1.0
-        y.sum().backward()
-    node = _best(nodes, repeats, sync) / chain
-    k = 64
-    params = [nn.Parameter(xp.ones(1, np.float32)) for _ in range(k)]
-    for q in params:
-        q.grad = xp.ones(1, np.float32)
-    adam = optim.Adam(params, lr=1e-3)
-    optimizer_param = _best(adam.step, repeats, sync) / k
-
-    def ddp_and_collective(comm):
-        from ..parallel import DistributedDataParallel
-        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(k // 2)])
-        x = Tensor(xp.ones((1, 1), np.float32))
-        plain = _best(lambda: model(x).sum().backward(), repeats, sync)
-        ddp = DistributedDataParallel(model, comm)
-        wrapped = _best(lambda: ddp(x).sum().backward(), repeats, sync)
-        one = xp.ones(1, np.float32)
-        call = _best(lambda: [ring_all_reduce(comm, one) for _ in range(100)], repeats, sync) / 100
-        from ..nn import functional as F
-        from ..parallel.pipeline import PipelineParallel
-        m, tiny = 8, nn.Sequential(nn.Linear(1, 1))        # a pipeline of one stage: its actions' own cost
-        pipe = PipelineParallel(tiny, comm, "1f1b", num_microbatches=m)
-        xs, ys = xp.ones((m, 1), np.float32), xp.zeros(m, np.int64)
-        loss = (lambda out, y: F.mse_loss(out, out * 0.0))  # noqa: E731
-        piped = _best(lambda: pipe.train_step(xs, ys, loss), repeats, sync)
-
-        def direct():
-            for i in range(m):
-                (F.mse_loss(tiny(Tensor(xs[i:i + 1])), tiny(Tensor(xs[i:i + 1])) * 0.0) * (1.0 / m)).backward()
-        action = max(0.0, piped - _best(direct, repeats, sync)) / (2 * m)
-        return max(0.0, wrapped - plain) / k, call, action
-    ddp_param, collective_call, pipeline_action = ThreadWorld(1).run(ddp_and_collective)[0]
-    trace.enable(rank=0)
-
-    def spans():
-        for _ in range(200):
-            with trace.span("x"):
-                pass
-    span = _best(spans, repeats, sync) / 200
-    trace.disable()
-    trace.tracer().events.clear()
-    return {"numpy_call_s": numpy_call, "autograd_node_s": node, "optimizer_param_s": optimizer_param,
-            "ddp_param_s": ddp_param, "collective_call_s": collective_call, "trace_span_s": span,
-            "pipeline_action_s": pipeline_action}
-
-
 def fit_alpha_beta(points, name, p):
     """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)], in relative error (each
     point weighted by 1/t, so that small messages count as much as large ones); both kept >= 0."""
@@ -206,13 +181,16 @@ def fit_alpha_beta(points, name, p):
 
 
 def _worker(out_path, sizes):
-    """Under mpiexec: time every collective at every size (median of 5, slowest rank); rank 0 writes JSON."""
+    """Under mpiexec: time every collective at every size (best of 8, slowest rank), by the wall clock and by
+    the CPU time the calling thread spends outside its waits (its copies, reductions and calls: the part a
+    shared machine distorts least, which the jobs report as busy); rank 0 writes JSON."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
     xp, sync = backend.xp(), backend.synchronize
     results = {}
+    from ..comm.communicator import waiting_cpu_seconds
     for name in COLLECTIVES:
-        points = []
+        points, busy = [], []
         for nbytes in sizes:
             x = xp.ones(nbytes // 4, np.float32)
             buf = xp.empty_like(x)
@@ -231,18 +209,26 @@ def _worker(out_path, sizes):
                       "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
                       "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]
                 op = fn
-            times = []
+            times, own = [], []
             for _ in range(9):
                 c.barrier()
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time() - waiting_cpu_seconds()
                 op()
                 sync()
                 times.append(time.perf_counter() - t)
-            mine = np.array([min(times[1:])])                  # best of 8, as the other constants
-            slowest = mtcomm.all_reduce(c, mine, op="max")[0]
-            points.append((nbytes, float(slowest)))
+                own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
+            mine = np.array([min(times[1:]), min(own[1:])])     # best of 8, as the other constants
+            slowest = mtcomm.all_reduce(c, mine, op="max")
+            points.append((nbytes, float(slowest[0])))
+            busy.append((nbytes, float(slowest[1])))
         if points and c.rank == 0:
             results[name] = fit_alpha_beta(points, name, c.size)
+            own_fit = fit_alpha_beta(busy, name, c.size)
+            results[name].update(busy_alpha_s=own_fit["alpha_s"], busy_beta_s_per_byte=own_fit["beta_s_per_byte"],
+                                 busy_points=own_fit["points"])
+    if c.size == 2:
+        from .overheads import measure_in_a_job
+        results["overheads"] = measure_in_a_job(c)
     if c.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -261,29 +247,51 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     # first, while malloc has freed no large array yet: once one has been, small ones are recycled from the
     # heap and never fault, which is not the state of a job whose backward hands its activations back
     fresh = float(np.median([measure_fresh_memory() for _ in range(5)]))
+    if device == "cpu" and backend.hold_host_memory():      # then, as the jobs run: freed memory held
+        machine["held_array_bytes"] = backend.HELD_ARRAY_BYTES
     threads = [1, cores] if device == "cpu" and cores > 1 else [1]
+    rounds = 1 if quick else 3          # a shared machine: the best of several rounds, each a best of several
+    machine["matmul_batched_flops"] = {}
     for dtype in DTYPES:
-        machine["matmul_flops"][dtype] = {}
+        machine["matmul_flops"][dtype], machine["matmul_batched_flops"][dtype] = {}, {}
         for th in threads:
             with _blas_threads(th):
-                machine["matmul_flops"][dtype][str(th)] = measure_matmul(
-                    dtype, [n for n in sizes if dtype != "float16" or device != "cpu" or n <= 128],
-                    repeats=3 if quick else 5)
-            log(f"matmul {dtype} x{th} threads: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in
-                                                             machine["matmul_flops"][dtype][str(th)]) + " GFLOP/s")
-    rounds = 1 if quick else 3          # a shared machine: the best of several rounds, each a best of several
-    machine["elementwise_s_per_element"] = {d: _least([measure_elementwise(d) for _ in range(rounds)]) for d in DTYPES}
-    machine.update(_least([measure_overheads() for _ in range(rounds)]))
+                clock = _clock(th)
+                square = [n for n in sizes if dtype != "float16" or device != "cpu" or n <= 128]
+                machine["matmul_flops"][dtype][str(th)] = _most([measure_matmul(
+                    dtype, square, repeats=3 if quick else 7, clock=clock) for _ in range(rounds)])
+                machine.setdefault("matmul_rows_flops", {}).setdefault(dtype, {})[str(th)] = _most_grid(
+                    [measure_matmul_rows(dtype, repeats=3 if quick else 5, clock=clock) for _ in range(rounds)])
+                machine["matmul_batched_flops"][dtype][str(th)] = _most([measure_matmul(
+                    dtype, [n for n in (8, 16, 32, 64, 128) if n in square or n < 16], repeats=3 if quick else 5,
+                    batch=64, clock=clock) for _ in range(rounds)])
+            square, batched = machine["matmul_flops"][dtype][str(th)], machine["matmul_batched_flops"][dtype][str(th)]
+            log(f"matmul {dtype} x{th} threads: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in square)
+                + " GFLOP/s; batched x64: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in batched))
+    with _blas_threads(1):
+        clock = _clock(1)
+        machine["elementwise_s_per_element"] = {d: _least([measure_elementwise(d, clock=clock) for _ in range(rounds)])
+                                                for d in DTYPES}
+        xp, sync = _xp()
+        machine["ops"] = {d: _least_fits([measure_ops(_dtype(d), xp, sync, clock=clock) for _ in range(rounds)])
+                          for d in DTYPES}
+        from .overheads import measure_overheads
+        machine.update(_least([measure_overheads(clock=clock) for _ in range(rounds)]))
+        from .overheads import measure_anchor, measure_node_overheads
+        machine["anchor_cpu_time_s"] = min(measure_anchor() for _ in range(rounds))
+        fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
+        machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))
     machine["fresh_memory_s_per_byte"] = fresh
     if device == "cuda":
         import cupy
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
     fp32 = machine["elementwise_s_per_element"]["float32"]
     log("elementwise fp32 (ns per element): " + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in fp32.items()) + "; NumPy call "
-        f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; per parameter: "
+        f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; first gradient "
+        f"of a parameter {machine['leaf_grad_s'] * 1e6:.1f} us; per parameter: "
         f"Adam {machine['optimizer_param_s'] * 1e6:.1f} us, DDP {machine['ddp_param_s'] * 1e6:.1f} us; collective call "
         f"{machine['collective_call_s'] * 1e6:.1f} us; span {machine['trace_span_s'] * 1e6:.1f} us; pipeline action "
-        f"{machine['pipeline_action_s'] * 1e6:.1f} us; new memory "
+        f"{machine['pipeline_action_s'] * 1e6:.1f} us (one rank); new memory "
         f"{machine['fresh_memory_s_per_byte'] * 1e6 * 4096:.2f} us per 4 KiB page")
     machine["collectives"] = {}
     msg_sizes = [1 << k for k in range(12, 23 if quick else 25, 2)]
@@ -295,6 +303,12 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                      "--sizes", *map(str, msg_sizes)], n=p, timeout=600)
             with open(out) as f:
                 for name, fit in json.load(f).items():
+                    if name == "overheads":
+                        machine.update(fit)
+                        log("in a 2-rank job: DDP adds " + f"{fit['ddp_step_s'] * 1e6:.0f} us a step + "
+                            f"{fit['ddp_byte_s'] * 1e9:.2f} ns a gradient byte; FSDP {fit['fsdp_unit_s'] * 1e6:.0f} us a unit; "
+                            f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us")
+                        continue
                     machine["collectives"].setdefault(name, {})[str(p)] = fit
                     log(f"{name} p={p}: alpha {fit['alpha_s'] * 1e6:.1f} us, "
                         f"{1 / fit['beta_s_per_byte'] / 1e9:.2f} GB/s")
@@ -302,23 +316,11 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
 
 
 def merge(machines):
-    """Several calibrations of one machine as one: the fastest of each measurement (a shared machine is
-    never faster than it can be), the median of the new-memory costs, the collective fits that predict the
-    least time for 1 MiB. How machines/cpu-2core.json was made from calibrations at different hours."""
-    def fastest_rate(d, th, n):
-        return max(r for m in machines for nn, r in m["matmul_flops"][d].get(th, []) if nn == n)
-
-    def having(key):
-        return [m[key] for m in machines if key in m]
-    out = dict(machines[0])
-    out["matmul_flops"] = {d: {th: [[n, fastest_rate(d, th, n)] for n in sorted({nn for m in machines
-                                                                                for nn, _ in m["matmul_flops"][d].get(th, [])})]
-                               for th in machines[0]["matmul_flops"][d]} for d in DTYPES}
-    out["elementwise_s_per_element"] = {d: _least(having("elementwise_s_per_element"), d) for d in DTYPES}
-    for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "ddp_param_s", "collective_call_s",
-                "trace_span_s", "pipeline_action_s"):
-        out[key] = min(having(key)) if having(key) else 0.0
-    out["fresh_memory_s_per_byte"] = float(np.median(having("fresh_memory_s_per_byte")))
+    """Several calibrations of one machine as one: the least loaded whole (its anchor ran fastest; every
+    constant in it was measured under that same load, which the jobs' own anchor then scales), with the
+    collective fits, measured apart under mpiexec, that predict the least time for 1 MiB. How
+    machines/cpu-2core.json was made. (Calibrations without an anchor: the first.)"""
+    out = dict(min(machines, key=lambda m: m.get("anchor_cpu_time_s", math.inf)))
 
     def one_mib(name, p, fit):
         steps, sent = COLLECTIVES[name](int(p), 1 << 20)
@@ -327,8 +329,25 @@ def merge(machines):
                                         key=lambda fit: one_mib(name, p, fit))
                                  for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
                           for name in COLLECTIVES}
-    out["measured"] = "best of: " + ", ".join(m["measured"] for m in machines)
+    out["measured"] = f"{out['measured']}, the least loaded of: " + ", ".join(m["measured"] for m in machines)
     return out
+
+
+def _most(curves):
+    """Point by point, the fastest of several measurements of one [[n, FLOP/s]] curve."""
+    return [[n, max(c[i][1] for c in curves)] for i, (n, _) in enumerate(curves[0])]
+
+
+def _most_grid(grids):
+    """Cell by cell, the fastest of several measurements of one rows x width grid."""
+    return {**grids[0], "flops": [[max(g["flops"][i][j] for g in grids) for j in range(len(row))]
+                                  for i, row in enumerate(grids[0]["flops"])]}
+
+
+def _least_fits(tables, n=32768):
+    """Op by op, the fit of several (per call, per element) that predicts the least time for n elements."""
+    return {k: min((t[k] for t in tables if k in t), key=lambda fit: fit[0] + n * fit[1])
+            for k in set().union(*tables)}
 
 
 def _least(dicts, dtype=None):

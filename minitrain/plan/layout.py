@@ -87,6 +87,7 @@ class Layout:
     offload_activations: bool = False
     local_sgd_every: int = 0            # mlp --strategy local_sgd: average parameters every k steps
     bucket_cap_mb: float = 25.0
+    threads: int = 0                    # BLAS threads per rank on a CPU (0: as the jobs take them, see time.py)
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -117,7 +118,7 @@ class Layout:
                 self.sequence_parallel, "recompute": self.recompute, "microbatches": self.microbatches,
                 "micro_batch_size": self.micro_batch_size, "schedule": self.schedule, "chunks": self.chunks,
                 "offload": self.offload, "offload_activations": self.offload_activations,
-                "precision": self.precision, "batch_size": self.batch_size, "world": self.world}
+                "precision": self.precision, "batch_size": self.batch_size, "world": self.world, "threads": self.threads}
 
 
 def divisors(n):

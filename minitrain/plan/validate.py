@@ -1,13 +1,17 @@
-"""The planner against measurement: ``python -m minitrain.plan validate [--runs NAME ...] [--markdown]``.
+"""The planner against measurement: ``python -m minitrain.plan validate [--runs NAME ...] [--json PATH]``.
 
 Each run launches a job (``mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json``) at a small
-size, reads what it measured (every rank's ledger peak per category, the median and fastest step) and
-puts the planner's prediction for the same options beside it: memory per rank and category (the ledger
-is exact, so within 5%), step time (compared where ranks <= cores: oversubscribed ranks take turns on the
-cores and the prediction only scales by ranks / cores). The jobs time each step twice: by the wall clock,
-which on a shared machine also counts the other jobs that hold the cores, and by the CPU time of the
-step's own thread, which they cannot inflate (it still counts waiting for a peer while polling); the
-prediction is compared with the latter.
+size, reads what it measured and puts the planner's prediction for the same options beside it: memory
+per rank and category (the ledger is exact, so within 5%); the graph nodes a step records (counted by the
+engine: exactly); step time. A shared machine distorts a step's wall clock by whole factors (other jobs
+hold the cores), so time is compared on what they distort least: the CPU time of the step's own thread
+outside its waits for peers (``busy``: its arithmetic, Python and its own collectives' copies and
+reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
+other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
+run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the lower quartile over the
+run, times the anchor's calibrated time, for the slowest stage, its ranks averaged. Where ranks outnumber
+cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the planner's
+compute without its ranks / cores factor), and the wall clock against the whole prediction.
 The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
 recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
 """
@@ -17,11 +21,13 @@ import os
 import shlex
 import sys
 import tempfile
+from dataclasses import replace
 
 from . import CATEGORIES, load_machine, predict
+from .time import predict_nodes, predict_time
 
-MLP = "--epochs 1"
-GPT = "--steps 8 --sample-chars 1"
+MLP = "--epochs 3"
+GPT = "--steps 12 --sample-chars 1"
 # name -> (job, ranks, options); small sizes, one launch each
 RUNS = {
     "ddp-2": ("mlp", 2, f"{MLP} --hidden 256 --batch-size 128"),
@@ -49,7 +55,10 @@ def planned(kind, n, options):
 
 def run(name, machine=None, timeout=300):
     """Launch one run, return {name, world, ranks: [{measured, predicted} peak bytes per rank and category],
-    step_time_s: {measured (median wall), fastest (wall), cpu (median, the step's own thread), predicted}}."""
+    nodes: {measured, predicted}, step_time_s: {wall (median), fastest (wall), busy (in anchors, times the
+    anchor's calibrated time: the slowest stage's, its ranks averaged), busy_fastest (the fastest step's, the
+    slowest rank's), waiting (median), predicted_busy, predicted (the whole step), anchor (this run's fastest
+    anchor over its calibrated time: how much the machine's other jobs slowed it)}}."""
     from ..testing import run_mpi
     kind, n, options = RUNS[name]
     machine = machine if isinstance(machine, dict) else load_machine(machine)
@@ -60,16 +69,31 @@ def run(name, machine=None, timeout=300):
         with open(out) as f:
             report = json.load(f)
     model, layout = planned(kind, n, options)
+    layout = replace(layout, threads=report.get("blas_threads") or 0)      # the threads the job ran with
     predicted = predict(model, layout, machine)
+    time = predict_time(model, layout, machine)
+    cores = machine.get("cores") or 1
+    turns = max(1.0, n / cores) if machine.get("device", "cpu") == "cpu" else 1.0
+    slowdown = (report["anchor_cpu_time_s"] / machine["anchor_cpu_time_s"]
+                if report.get("anchor_cpu_time_s") and machine.get("anchor_cpu_time_s") else 1.0)
     per_stage = layout.dp * layout.tp
-    ranks = []
+    ranks, stages = [], {}
     for r in report["ranks"]:
         stage = predicted["memory_bytes_per_stage"][r["rank"] // per_stage]
         ranks.append({"rank": r["rank"], "measured": r["memory"]["peak"], "predicted": stage})
-    return {"name": name, "job": kind, "world": n, "options": options, "cores": machine.get("cores"),
+        stages.setdefault(r["rank"] // per_stage, []).append(r["step"]["step_busy_per_anchor"])
+    # the slowest stage, its ranks (which do the same work) averaged: the largest of two noisy equals is biased
+    busy = max(sum(v) / len(v) for v in stages.values()) * machine["anchor_cpu_time_s"]
+    return {"name": name, "job": kind, "world": n, "options": options, "cores": cores, "threads": layout.threads,
             "describe": predicted["describe"], "ranks": ranks,
-            "step_time_s": {"measured": report["step_time_s"], "fastest": report["step_time_min_s"],
-                            "cpu": report["step_cpu_time_s"], "predicted": predicted["step_time_s"]["total"]},
+            "nodes": {"measured": report["step_autograd_nodes"], "predicted": predict_nodes(model, layout, machine)},
+            "page_faults": report["step_page_faults"],
+            "step_time_s": {"wall": report["step_time_s"], "fastest": report["step_time_min_s"],
+                            "cpu": report["step_cpu_time_min_s"], "busy_fastest": report["step_busy_cpu_time_min_s"],
+                            "busy": busy,
+                            "waiting": report["step_waiting_cpu_time_s"], "anchor": slowdown,
+                            "predicted_busy": time["compute"] / turns + time["comm_busy"],
+                            "predicted": time["total"], "comm": time["comm"], "bubble": time["bubble"]},
             "bubble_fraction": predicted["bubble_fraction"],
             "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
 
@@ -87,18 +111,27 @@ def memory_error(result):
     return worst
 
 
+def busy_ratio(result):
+    """Predicted / measured busy CPU time of a step (1 = exact)."""
+    t = result["step_time_s"]
+    return t["predicted_busy"] / t["busy"]
+
+
 def table(results):
     """The README's table: one row per run."""
-    rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | step wall: median "
-            "(fastest) | step CPU: measured / predicted (ratio) |", "|---|---|---|---|---|---|"]
+    rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | nodes | step busy CPU: "
+            "measured / predicted (ratio; anchor) | waiting CPU | wall: median (fastest) / predicted |",
+            "|---|---|---|---|---|---|---|---|"]
     for res in results:
         heaviest = max(res["ranks"], key=lambda r: r["measured"]["total"])
         t = res["step_time_s"]
-        note = "" if res["world"] <= (res["cores"] or 1) else " oversubscribed"
+        over = res["world"] > (res["cores"] or 1)
         rows.append(f"| `{res['job']} {res['options']}` | {res['world']} | {res['describe']} | "
                     f"{heaviest['measured']['total']:,} / {heaviest['predicted']['total']:,} B "
-                    f"({memory_error(res):.2%}) | {t['measured'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) ms | "
-                    f"{t['cpu'] * 1e3:.2f} / {t['predicted'] * 1e3:.2f} ms ({t['predicted'] / t['cpu']:.2f}x{note}) |")
+                    f"({memory_error(res):.2%}) | {res['nodes']['measured']:.0f} / {res['nodes']['predicted']} | "
+                    f"{t['busy'] * 1e3:.2f} / {t['predicted_busy'] * 1e3:.2f} ms ({busy_ratio(res):.2f}x; "
+                    f"{t['anchor']:.2f}) | {t['waiting'] * 1e3:.2f} ms | {t['wall'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) / "
+                    f"{t['predicted'] * 1e3:.2f} ms{' (ranks take turns)' if over else ''} |")
     return "\n".join(rows)
 
 
@@ -114,9 +147,11 @@ def main(argv=None):
         results.append(run(name, machine))
         res = results[-1]
         t = res["step_time_s"]
-        print(f"{name:>22}: memory worst error {memory_error(res):.3%}; step {t['measured'] * 1e3:.2f} ms wall (median; "
-              f"fastest {t['fastest'] * 1e3:.2f}), {t['cpu'] * 1e3:.2f} ms CPU; {t['predicted'] * 1e3:.2f} ms predicted "
-              f"({t['predicted'] / t['cpu']:.2f}x the CPU time)", flush=True)
+        print(f"{name:>22}: memory worst error {memory_error(res):.3%}; nodes {res['nodes']['measured']:.0f} measured, "
+              f"{res['nodes']['predicted']} predicted; step busy CPU {t['busy'] * 1e3:.2f} ms measured, "
+              f"{t['predicted_busy'] * 1e3:.2f} ms predicted ({busy_ratio(res):.2f}x; anchor {t['anchor']:.2f}); "
+              f"wall {t['wall'] * 1e3:.2f} ms (fastest {t['fastest'] * 1e3:.2f}), {t['predicted'] * 1e3:.2f} ms predicted",
+              flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,93 @@
+"""The time model's counts against the engine, in one process (plan/work.py); the jobs' step timer; the BLAS
+threads a job takes; the ops' costs when a machine has no measured table."""
+import numpy as np
+import pytest
+
+import minitrain
+from minitrain import backend, nn, optim
+from minitrain.autograd.function import nodes_recorded
+from minitrain.examples.common import StepTimer
+from minitrain.parallel import checkpoint_sequential
+from minitrain.plan import GPT, MLP, Layout, load_machine
+from minitrain.plan.ops import PASSES, op_fit, op_seconds
+from minitrain.plan.time import predict_nodes
+
+
+def _recorded(step):
+    before = nodes_recorded()
+    step()
+    return nodes_recorded() - before - 1
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_the_gpts_graph_nodes_are_the_planners_count(recompute):
+    """nn.GPT's forward and backward record exactly the nodes plan/work.py counts (recomputation records
+    the recomputed part again in backward)."""
+    minitrain.manual_seed(0)
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16, recompute=recompute))
+    idx = np.random.default_rng(0).integers(0, 11, (2, 8))
+
+    def step():
+        loss = gpt(idx, idx)[1]
+        gpt.zero_grad()
+        loss.backward()
+    layout = Layout(batch_size=2, recompute=recompute or "none")
+    assert _recorded(step) == predict_nodes(GPT(11, 8, 3, 2, 16), layout)
+
+
+@pytest.mark.parametrize("sizes, recompute, precision", [
+    ((64, 32, 32, 10), "none", "fp32"), ((64, 32, 32, 32, 32, 10), "full", "fp32"), ((64, 32, 10), "none", "fp16")])
+def test_the_mlps_graph_nodes_are_the_planners_count(sizes, recompute, precision):
+    """The mlp job's step on nn.MLP: its Linear / ReLU nodes, the loss, the casts of mixed precision and
+    fp16's loss scaling, checkpoint_sequential's segments."""
+    dtype = {"fp32": np.float32, "fp16": np.float16}[precision]
+    model = nn.MLP(list(sizes)).to(dtype)
+    x, y = minitrain.Tensor(np.ones((4, sizes[0]), np.float32)), np.zeros(4, np.int64)
+
+    def step():
+        inp = x.to(dtype)
+        out = checkpoint_sequential(model, None, inp) if recompute == "full" else model(inp)
+        loss = nn.functional.cross_entropy(out.float() if precision == "fp16" else out, y)
+        model.zero_grad()
+        (loss * 1024.0 if precision == "fp16" else loss).backward()
+    layout = Layout(batch_size=4, recompute=recompute, precision=precision)
+    assert _recorded(step) == predict_nodes(MLP(sizes), layout)
+
+
+def test_step_timer_counts_the_nodes_and_leaves_short_batches_out():
+    minitrain.manual_seed(0)
+    model = nn.MLP([4, 8, 2])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    timer = StepTimer()
+    for rows in (4, 4, 3):
+        with timer(counted=rows == 4):
+            loss = nn.functional.cross_entropy(model(minitrain.Tensor(np.ones((rows, 4), np.float32))), np.zeros(rows, np.int64))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    summary = timer.summary()
+    assert len(timer.steps) == 2 and summary["step_autograd_nodes"] == 4      # Linear, ReLU, Linear, loss
+    assert summary["step_busy_cpu_time_min_s"] <= summary["step_cpu_time_min_s"]
+    assert summary["step_waiting_cpu_time_s"] == 0.0                          # no peer: nothing to wait for
+    assert summary["anchor_cpu_time_s"] > 0 and summary["step_busy_per_anchor"] > 0
+
+
+def test_a_job_keeps_to_the_blas_threads_the_environment_asks_for():
+    assert backend.default_blas_threads(ranks=1, cores=2, environ={}) == 2
+    assert backend.default_blas_threads(ranks=2, cores=2, environ={}) == 1
+    assert backend.default_blas_threads(ranks=1, cores=2, environ={"OMP_NUM_THREADS": "1"}) == 1
+    assert backend.default_blas_threads(ranks=1, cores=8, environ={"OPENBLAS_NUM_THREADS": "3"}) == 3
+    assert backend.default_blas_threads(ranks=1, cores=2, environ={"OMP_NUM_THREADS": ""}) == 2
+
+
+def test_an_op_without_a_measured_cost_is_its_passes_over_memory():
+    """The datasheet machine (no ops table): each pass at the elementwise rate, one launch per pass."""
+    a100 = load_machine("a100-80gb")
+    per = a100["elementwise_s_per_element"]["float32"]
+    call, element = op_fit(a100, "layer_norm", "float32")
+    assert element == pytest.approx(5 * per["simple"] + 2 * per["reduce"])
+    assert call == pytest.approx(7 * a100["numpy_call_s"])
+    assert op_seconds(a100, "layer_norm", 1000, 2, "float32") == pytest.approx(2 * call + 1000 * element)
+    measured = {**a100, "ops": {"float32": {"layer_norm": [1e-5, 2e-9]}}}
+    assert op_seconds(measured, "layer_norm", 1000, 2, "float32") == pytest.approx(2e-5 + 2e-6)
+    assert set(PASSES) >= {"layer_norm", "gelu.backward", "softmax", "adam", "cross_entropy"}
