@@ -40,7 +40,7 @@ def _mpi():
 
 def mpi_library():
     """The MPI this process runs on: the first line of MPI_Get_library_version."""
-    return _mpi().Get_library_version().strip().splitlines()[0].strip()
+    return " ".join(_mpi().Get_library_version().strip().splitlines()[0].split())
 
 
 def cuda_aware():

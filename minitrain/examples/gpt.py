@@ -9,7 +9,6 @@ Prints the loss as it falls, the validation loss, and a sample of generated text
 ``--tp`` splits every weight matrix (Megatron-LM), ``--pp`` cuts the layers into pipeline stages,
 and the rest is data parallelism (``--dp`` defaults to N / (pp·tp)).
 """
-import argparse
 import sys
 import time
 
@@ -19,12 +18,13 @@ from tqdm import tqdm
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples.common import (fmt_bytes, job_parser, launch_info, memory_table, parse_job_args,
+                                       persistent_memory, write_json)
 from minitrain.parallel import offload_activations
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=32)
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp", "pp", "microbatches",
                  "chunks"):
         if getattr(args, name) < 1:

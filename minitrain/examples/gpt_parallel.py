@@ -23,14 +23,14 @@ import minitrain
 from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
+from minitrain.examples.common import fmt_bytes, init_comm, mpi_line, persistent_memory, write_json
 from minitrain.examples.gpt import estimate_loss
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
 
 def main_parallel(args):
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     tp, pp = args.tp, args.pp
     if args.dp is None and world % (tp * pp):
@@ -123,6 +123,7 @@ def main_parallel(args):
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]}"
           + (", sequence parallel" if args.sequence_parallel else ""))
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "")
@@ -145,7 +146,7 @@ def main_parallel(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp,
+            "world_size": world, "mpi_library": mpi_line(), "strategy": strategy, "dp": dp, "pp": pp, "tp": tp,
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),

@@ -9,7 +9,6 @@ global) and DDP averages the gradients, so N ranks take exactly the steps one pr
 take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
 """
-import argparse
 import sys
 import time
 
@@ -21,7 +20,8 @@ from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
+from minitrain.examples.common import (fmt_bytes, init_comm, job_parser, memory_table, mpi_line, parse_job_args,
+                                       persistent_memory, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -33,7 +33,7 @@ PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
     p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -82,16 +82,14 @@ def gather_rows(comm, values):
 
 def main(argv=None):
     args, parser = parse_args(argv)
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     if args.strategy == "pipeline":
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
     if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
-        if rank == 0:
-            parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
-                         f"each rank takes an equal share of the global batch")
-        sys.exit(2)
+        parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
+                     f"each rank takes an equal share of the global batch")
     local_batch = args.batch_size // world
 
     dtype = np.dtype(PRECISIONS[args.precision])
@@ -241,6 +239,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(f"\n{'rank':>4} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
@@ -272,7 +271,8 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
                                  "host": dict(zip(("params", "grads", "optimizer_state"), map(int, v[14:17])))}})
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
+            "world_size": world, "mpi_library": mpi_line(), "strategy": args.strategy, "num_params": psi,
+            "final_loss": final_loss,
             "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,

@@ -20,7 +20,7 @@ from minitrain import comm as mtcomm
 from minitrain import nn, optim, trace
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, write_json
+from minitrain.examples.common import fmt_bytes, mpi_line, write_json
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
 
@@ -104,7 +104,8 @@ def main_pipeline(args, parser, comm):
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
-    report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    report = {"world_size": world, "mpi_library": mpi_line(), "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": args.chunks, "dp": args.dp,
