@@ -112,9 +112,9 @@ def main(argv=None):
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
         opt = optimizer_for(model.parameters())
-    elif args.strategy == "local_sgd":
-        wrapped = LocalSGD(model, comm, sync_every=args.sync_every)
+    elif args.strategy == "local_sgd":            # with fp32 masters, LocalSGD averages the masters
         opt = optimizer_for(model.parameters(), comm)
+        wrapped = LocalSGD(model, comm, sync_every=args.sync_every, optimizer=opt)
     elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
         wrapped = model
         opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
