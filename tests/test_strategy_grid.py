@@ -142,9 +142,11 @@ def run_cell(comm, cell):
         if strategy == "local_sgd":
             wrapped.step()
         mine = wrapped.full_state_dict() if strategy == "fsdp" else {n: q.data for n, q in model.named_parameters()}
-        for name, q in reference.named_parameters():
-            diff = np.abs(np.asarray(mine[name], np.float64) - np.asarray(q.data, np.float64)).max()
-            worst = max(worst, float(diff))
+        pairs = [(mine[name], q.data) for name, q in reference.named_parameters()]
+        if mixed is not None and strategy in ("ddp", "local_sgd"):       # the fp32 masters too
+            pairs += [(m.data, rm.data) for m, rm in zip(opt.masters, ref_opt.masters)]
+        for got, want in pairs:
+            worst = max(worst, float(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)).max()))
     return worst
 
 
