@@ -183,6 +183,6 @@ def test_strategy_equals_one_process_under_mpiexec(cell, mpi_grid):
 def report_grid(comm):
     """Run every cell on ``comm``; rank 0 prints each cell's largest difference over the ranks."""
     for cell in CELLS:
-        worst = all_reduce(comm, np.array([run_cell(comm, cell)]), op="max")[0]
+        worst = float(all_reduce(comm, np.array([run_cell(comm, cell)]), op="max")[0])
         if comm.rank == 0:
             print(f"cell {cell} max_abs_diff {worst!r}", flush=True)
