@@ -59,3 +59,39 @@ def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp
     results = json.loads(out.read_text())
     for name in ("tp=2", "tp=2+sp"):
         assert results[name]["layer_bytes"] == results[name]["formula"] == 2 * 2 * (1 / 2) * 2 * 16 * 32 * 4
+
+
+def test_bench_collectives_runs_and_names_the_mpi_it_ran_on(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "coll.json"
+    monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--ranks", "2", "--max-mib", "0.004",
+                                      "--min-time", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_collectives.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert [r["bytes"] for r in results["rows"][0]] == [1024, 4096]
+    assert all(r[k] > 0 for r in results["rows"][0] for k in ("ring_all_reduce", "mpi_allgather"))
+    assert f"MPI: {mpi_library_name()}" in text and results["mpi_library"] == mpi_library_name()
+
+
+def test_bench_ddp_runs_against_pytorch_and_names_the_mpi(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "ddp.json"
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--ranks", "2", "--steps", "3", "--models", "small",
+                                      "--local-sgd", "2", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_ddp.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert results["small/p2"]["minitrain"]["step"] > 0 and results["small/p2"]["torch"]["step"] > 0
+    assert results["local_sgd/2"]["step"] > 0 and f"MPI: {mpi_library_name()}" in text
+
+
+def test_every_script_is_run_by_some_test():
+    """A script nobody runs rots: each file under scripts/ must be named by a test."""
+    tests = pathlib.Path(__file__).parent
+    sources = "".join(p.read_text() for p in tests.glob("test_*.py"))
+    missing = [p.name for p in sorted(SCRIPTS.iterdir()) if p.is_file() and f'"{p.name}"' not in sources]
+    assert not missing, f"scripts without a smoke test: {missing}"
