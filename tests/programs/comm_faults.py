@@ -36,6 +36,8 @@ print(f"rank {comm.rank} ready", flush=True)
 
 def step(i):
     grad = np.full(1000, float(comm.rank + i), np.float32)
+    if faulty and i == 2 and args.fault not in ("ok", "skip_last"):
+        print(f"rank 1 injects {args.fault} at {time.time():.3f}", flush=True)
     if faulty and i == 2:
         if args.fault == "skip":
             pass
@@ -52,6 +54,7 @@ def step(i):
         else:
             all_reduce(comm, grad)
     elif faulty and args.fault == "skip_last" and i == 3:
+        print(f"rank 1 injects {args.fault} at {time.time():.3f}", flush=True)
         return
     else:
         total = all_reduce(comm, grad)
@@ -68,10 +71,11 @@ if args.fault == "async":
     assert all(np.all(r == comm.size * (i + 1)) for i, r in enumerate(results)), "async results"
     assert np.all(middle == comm.size)
 elif args.fault == "ddp_shape":
-    import minitrain as mt
     from minitrain import nn
     from minitrain.parallel import DistributedDataParallel
     model = nn.Linear(4 + faulty, 3)
+    if faulty:
+        print(f"rank 1 injects {args.fault} at {time.time():.3f}", flush=True)
     DistributedDataParallel(model, comm)
 else:
     for i in range(4):
