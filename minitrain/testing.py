@@ -127,15 +127,16 @@ def mpiexec_path():
     return mpi_launcher()[0]
 
 
-def mpiexec_command(n, label=False):
-    """``[launcher, -n, N, flags...]`` for this machine's MPI. ``label``: prefix output lines with
-    the rank (MPICH ``-l``, Open MPI ``--tag-output``). Open MPI also gets ``--oversubscribe`` (more
-    ranks than cores, as in the tests) and, as root, ``--allow-run-as-root``."""
+def mpiexec_command(n=None, label=False):
+    """``[launcher, -n, N, flags...]`` for this machine's MPI (no ``-n`` when ``n`` is None: the
+    notebooks write ``{mpiexec} -n 4 ...``). ``label``: prefix output lines with the rank (MPICH
+    ``-l``, Open MPI ``--tag-output``). Open MPI also gets ``--oversubscribe`` (more ranks than
+    cores, as in the tests) and, as root, ``--allow-run-as-root``."""
     path, flavor = mpi_launcher()
     if path is None:
         raise MPIRunError("mpiexec not found: pip install mpich (or pip install -e '.[dev]'), or install the "
                           "launcher of the MPI mpi4py was built for")
-    cmd = [path, "-n", str(n)]
+    cmd = [path] + ([] if n is None else ["-n", str(n)])
     if flavor == "openmpi":
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
         cmd += ["--tag-output"] if label else []
