@@ -471,6 +471,9 @@ class TensorParallelGPT(Module):
     def loss(self, logits, targets):
         """Mean cross-entropy of the vocab-split logits (never gathered)."""
         targets = targets.data if isinstance(targets, Tensor) else targets
+        if tuple(targets.shape) != tuple(logits.shape[:-1]) or targets.dtype.kind not in "iu":
+            raise ValueError(f"vocab-parallel cross_entropy: logits {tuple(logits.shape)} need integer targets of "
+                             f"shape {tuple(logits.shape[:-1])}, got {targets.dtype} {tuple(targets.shape)}")
         return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
 
     # ---- names and shards
