@@ -215,3 +215,12 @@ def test_each_rank_records_its_last_calls():
         ("broadcast", 100, (2, 3), "float64", 48, "done")
     assert last["start"] <= last["end"] and snap["next_seq"] == {"world": 101}
     assert [r["seq"] for r in records[:-1]] == list(range(37, 100))
+
+
+def test_a_mismatch_on_a_mesh_axis_names_the_axis_and_its_ranks():
+    def fn(comm):
+        mesh = DeviceMesh(comm, dp=2, tp=2)
+        tp = mesh.comm("tp")
+        ring_all_reduce(tp, np.ones(3 + (comm.rank == 3)))
+    text, _ = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
+    assert "collective #0 on tp[2, 3] differs" in text and "rank 3: ring_all_reduce #0 shape=(4,)" in text, text
