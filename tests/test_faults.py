@@ -33,7 +33,7 @@ def job(fault, *flags):
 
 def test_a_rank_that_skips_a_collective_is_named_at_its_next_call():
     out, _ = job("skip")
-    assert re.search(r"rank 1: broadcast #\d+ shape=\(1,\) int64 root=0   <-- differs", out), out
+    assert re.search(r"rank 1: broadcast #\d+ shape=\(1,\) int64 8 B root=0   <-- differs", out), out
     assert re.search(r"rank\(s\) \[0, 2, 3\] called recursive_doubling_all_reduce #\d+ shape=\(1000,\)", out), out
 
 
@@ -44,7 +44,7 @@ def test_a_rank_that_skips_the_last_collective_and_leaves_is_named():
 
 def test_a_rank_that_calls_a_different_collective_is_named():
     out, took = job("other")
-    assert re.search(r"rank 1: broadcast #\d+ shape=\(1000,\) float32 root=0   <-- differs", out), out
+    assert re.search(r"rank 1: broadcast #\d+ shape=\(1000,\) float32 3.9 KiB root=0   <-- differs", out), out
     assert took < 10
 
 
@@ -56,7 +56,7 @@ def test_a_rank_that_calls_a_different_collective_is_named_by_the_flight_recorde
 
 def test_a_rank_with_a_different_shape_is_named():
     out, took = job("shape")
-    assert re.search(r"rank 1: recursive_doubling_all_reduce #\d+ shape=\(1001,\) float32 op=sum   <-- differs", out), out
+    assert re.search(r"rank 1: recursive_doubling_all_reduce #\d+ shape=\(1001,\) float32 3.9 KiB op=sum   <-- differs", out), out
     assert took < 10
 
 
@@ -69,7 +69,7 @@ def test_a_different_shape_without_checks_fails_on_the_first_message_naming_both
 
 def test_a_ddp_replica_of_another_shape_is_named():
     out, took = job("ddp_shape")
-    assert re.search(r"rank 1: broadcast #\d+ shape=\(3, 5\) float32 root=0   <-- differs", out), out
+    assert re.search(r"rank 1: broadcast #\d+ shape=\(3, 5\) float32 60 B root=0   <-- differs", out), out
 
 
 def test_a_rank_that_raises_aborts_the_job_with_its_traceback_and_last_calls():

@@ -95,3 +95,20 @@ def test_every_script_is_run_by_some_test():
     sources = "".join(p.read_text() for p in tests.glob("test_*.py"))
     missing = [p.name for p in sorted(SCRIPTS.iterdir()) if p.is_file() and f'"{p.name}"' not in sources]
     assert not missing, f"scripts without a smoke test: {missing}"
+
+
+def test_bench_checks_runs_and_each_configuration_switches_what_it_names(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "checks.json"
+    monkeypatch.setattr(sys, "argv", ["bench_checks.py", "--ranks", "2", "--steps", "2", "--big-reps", "1",
+                                      "--rounds", "1", "--mib", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_checks.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert f"MPI: {mpi_library_name()}" in text and results["mpi_library"] == mpi_library_name()
+    for workload, seconds in results["seconds"].items():
+        assert set(seconds) == {"all", "-check", "-sizes", "none"} and all(s > 0 for s in seconds.values())
+        did = results["did"][workload]
+        assert did["all"]["header_messages"] > 0 and did["-check"]["header_messages"] == 0, did
+        assert did["-sizes"]["recorded_calls"] > 0 and did["none"]["recorded_calls"] == 0, did

@@ -40,6 +40,10 @@ class FlightRecorder:
     """One per rank (shared by every communicator of that rank). ``mirror``: the death watch's
     shared-memory slot, told about each call so that a rank killed by SIGKILL can still be named."""
 
+    #: False only to measure what recording costs (scripts/bench_checks.py): the record is made (the
+    #: header check reads it) but not kept, mirrored or tracked
+    recording = True
+
     def __init__(self, rank, capacity=64):
         self.rank, self.capacity = rank, capacity
         self.records = deque(maxlen=capacity)
@@ -56,6 +60,8 @@ class FlightRecorder:
     def open(self, comm, seq, name, shape=None, dtype=None, nbytes=0, op=None, extra=None, peer=None,
              tag=None, state="running"):
         record = Record(comm, seq, name, shape, dtype, nbytes, op, extra, peer, tag, state)
+        if not self.recording:
+            return record
         self.records.append(record)
         self.active[id(record)] = record
         if seq >= 0 and (self.next_seq.get(comm, 0) <= seq):
@@ -66,11 +72,15 @@ class FlightRecorder:
 
     def run(self, record):
         """A queued (asynchronous) collective starts on the progress thread."""
+        if not self.recording:
+            return
         record.state, record.start = "running", time.monotonic()
         if self.mirror is not None:
             self.mirror.begin(record.comm, record.seq, record.name)
 
     def close(self, record, state="done"):
+        if not self.recording:
+            return
         record.state, record.end = state, time.monotonic()
         self.active.pop(id(record), None)
         if self.mirror is not None:
@@ -177,7 +187,8 @@ class Verdict:
         return self.kind in self.FATAL
 
 
-def _record_at(snap, comm, seq):
+def record_at(snap, comm, seq):
+    """The record of collective #seq on ``comm`` in a snapshot, or None."""
     for r in reversed(snap["records"]):
         if r["comm"] == comm and r["seq"] == seq:
             return r
@@ -199,7 +210,7 @@ def analyze(asker, call, members, snapshots):
         if snap["status"] in ("finished", "aborting", "failed"):
             gone.append(m)
             continue
-        r = _record_at(snap, comm, call["seq"])
+        r = record_at(snap, comm, call["seq"])
         if r is not None:
             at_seq[m] = r
         elif snap["next_seq"].get(comm, 0) > call["seq"]:

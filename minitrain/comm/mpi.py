@@ -33,9 +33,15 @@ from .flight_recorder import FlightRecorder
 ABORT_GRACE_S = 0.5
 
 
+_MPI = None
+
+
 def _mpi():
-    from mpi4py import MPI     # initialises MPI (MPI_THREAD_MULTIPLE, mpi4py's default)
-    return MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI     # initialises MPI (MPI_THREAD_MULTIPLE, mpi4py's default)
+        _MPI = MPI
+    return _MPI
 
 
 def mpi_library():
@@ -75,7 +81,7 @@ class MPIRequest(Request):
             if flag:
                 self._done = True
                 if self._status is not None:
-                    self.received = self._status.Get_count(_mpi().BYTE)
+                    self.received = self._status.Get_count(_MPI.BYTE)
                 if self._on_complete is not None:
                     self._on_complete()
         return self._done
@@ -91,14 +97,7 @@ class _Session:
         self.watchdog = None
         if self.size > 1:
             from .watchdog import Watchdog
-            oob, request = world.Idup()
-            deadline = time.monotonic() + timeout
-            while not request.Test():                # a rank that never calls init: no endless wait
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeout(f"[rank {self.rank}] not every rank created the world communicator "
-                                            f"(minitrain.comm.init / MPICommunicator()) within {timeout:g} s")
-                time.sleep(1e-3)
-            self.watchdog = Watchdog(oob, self.recorder)
+            self.watchdog = Watchdog(timed_dup(world, timeout), self.recorder)
         atexit.register(self.close)
 
     def close(self):
@@ -117,6 +116,18 @@ class _Session:
 _SESSION = None
 
 
+def timed_dup(mpi_comm, timeout):
+    """MPI_Comm_idup, waited for with a bound: a rank that never calls init is named, not waited for."""
+    dup, request = mpi_comm.Idup()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"[rank {mpi_comm.Get_rank()}] not every rank created the world communicator "
+                                    f"(minitrain.comm.init / MPICommunicator()) within {timeout:g} s")
+        time.sleep(1e-3)
+    return dup
+
+
 def session(timeout=3 * DEFAULT_COMM_TIMEOUT):
     global _SESSION
     if _SESSION is None:
@@ -127,6 +138,9 @@ def session(timeout=3 * DEFAULT_COMM_TIMEOUT):
 class MPICommunicator(Communicator):
     """``MPICommunicator(mpi_comm=None, timeout=None, *, comm_timeout=10.0, check_collectives=True)``:
     COMM_WORLD by default (the keywords are Communicator's)."""
+
+    #: False only to measure what the receive-size check costs (scripts/bench_checks.py)
+    verify_sizes = True
 
     def __init__(self, mpi_comm=None, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
                  recorder=None, uid=None, members=None):
@@ -166,7 +180,7 @@ class MPICommunicator(Communicator):
         return MPIRequest(request, dest, "send to", on_complete=lambda: host)
 
     def _irecv(self, buf, source, tag):
-        status = _mpi().Status()
+        status = _MPI.Status() if self.verify_sizes else None
         if backend.is_device_array(buf):
             host, staged = self._host_view(buf)
             if staged:
@@ -304,12 +318,16 @@ def check_launch():
 
 
 # ---------------------------------------------------------------- the job's entry point
-def _start_death_watch(comm):
-    """Shared-memory slots for the ranks on this node and one watcher process (death_watch.py)."""
+def _start_death_watch(world):
+    """Shared-memory slots for the ranks on this node and one watcher process (death_watch.py).
+    Its few collectives run on a duplicate of the world ("init"): the job's own calls start at #0."""
     from . import death_watch
     from .collectives import ring_all_gather
-    if comm.size == 1 or not hasattr(os, "pidfd_open"):
+    if world.size == 1 or not hasattr(os, "pidfd_open"):
         return
+    comm = MPICommunicator(timed_dup(world.mpi_comm, world.timeout), world.timeout, uid="init",
+                           comm_timeout=world.comm_timeout, check_collectives=world.check_collectives,
+                           recorder=world.recorder, members=world.members)
     host = zlib.crc32(socket.gethostname().encode())
     token = _random.getrandbits(48)
     table = ring_all_gather(comm, np.array([host, os.getpid(), token], np.int64),
@@ -318,7 +336,7 @@ def _start_death_watch(comm):
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     path = os.path.join(shm, f"minitrain-{int(table[0, 2]):012x}-{host:08x}")
     slot = death_watch.Slot(path, local.index(comm.rank), len(local))
-    comm.recorder.mirror = slot
+    world.recorder.mirror = slot
     comm.barrier()                                   # every local rank has the file mapped
     if comm.rank == local[0]:
         death_watch.start(path, local, [int(table[r, 1]) for r in local], list(range(len(local))))
