@@ -136,13 +136,7 @@ def mpiexec_command(n=None, label=False):
     if path is None:
         raise MPIRunError("mpiexec not found: pip install mpich (or pip install -e '.[dev]'), or install the "
                           "launcher of the MPI mpi4py was built for")
-    cmd = [path] + ([] if n is None else ["-n", str(n)])
-    if flavor == "openmpi":
-        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
-        cmd += ["--tag-output"] if label else []
-    elif label:
-        cmd += ["-l"]
-    return cmd
+    return [path] + _flags(flavor, n, label)
 
 
 _OMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(?:stdout|stderr)>:\s?", re.M)
@@ -151,6 +145,32 @@ _OMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(?:stdout|stderr)>:\s?", re.M)
 def _normalise_labels(text):
     """Open MPI's ``[1,3]<stdout>:line`` becomes MPICH's ``[3] line``."""
     return _OMPI_TAG.sub(lambda m: f"[{m.group(1)}] ", text)
+
+
+def _flags(flavor, n, label):
+    """``-n n`` (none when n is None) plus what the launcher needs: Open MPI's mpirun refuses root
+    without --allow-run-as-root and more ranks than cores without --oversubscribe, and labels output
+    with --tag-output where MPICH's hydra takes -l."""
+    args = [] if n is None else ["-n", str(n)]
+    if flavor == "openmpi":
+        args += ["--oversubscribe"] + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+        return args + (["--tag-output"] if label else [])
+    return args + (["-l"] if label else [])
+
+
+_FLAVOR = {}
+
+
+def launcher_args(mpiexec, n, label=False):
+    """``_flags`` for a given launcher path, its flavor asked of ``mpiexec --version``."""
+    if mpiexec not in _FLAVOR:
+        try:
+            version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+            text = version.stdout + version.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            text = ""
+        _FLAVOR[mpiexec] = "openmpi" if ("Open MPI" in text or "OpenRTE" in text) else "mpich"
+    return _flags(_FLAVOR[mpiexec], n, label)
 
 
 def run_worker(script, n, args=(), timeout=1800):

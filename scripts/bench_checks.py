@@ -15,7 +15,9 @@ a configuration's time is the median over rounds of the slowest rank's mean step
   -check      size checks + flight recorder
   -sizes      flight recorder only
   none        nothing
-Prints each configuration's time and its ratio to ``none``, and what each mechanism adds.
+Prints each configuration's time and its ratio to ``none``, and what each mechanism adds; and,
+from steadier figures, check_collectives' share of the step: collectives per step (counted) x what
+the check adds to a 1 KiB all-reduce.
 """
 import argparse
 import json
@@ -120,6 +122,16 @@ def main():
         print(f"{w:<26}{cells}" + "".join(f"{a:>+11.1%}" for a in adds) + "    ")
     print("(x: ratio to 'none'; 'adds': share of the default ('all') step each mechanism accounts for; "
           "differences within the rounds' spread are noise)")
+    # the same share from steadier figures: collectives per step x what the check adds to one small
+    # (latency-bound) all-reduce, over the step
+    step, small = out["seconds"]["mlp step"], out["seconds"]["ring all-reduce 1 KiB"]
+    per_step = out["did"]["mlp step"]["all"]["header_messages"] / (args.steps * args.rounds)
+    per_call = small["all"] - small["-check"]
+    out["check_share_estimate"] = {"collectives_per_step": per_step, "seconds_per_collective": per_call,
+                                   "share_of_step": per_step * per_call / step["all"]}
+    print(f"check_collectives on the mlp step, estimated: {per_step:g} collective(s) per step x "
+          f"{per_call * 1e6:.0f} us each (1 KiB all-reduce, all - -check) = {per_step * per_call / step['all']:.1%} "
+          f"of the {step['all'] * 1e3:.3f} ms step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from minitrain.testing import mpi_launcher, run_mpi
 
@@ -117,3 +116,22 @@ def test_a_launcher_of_another_mpi_stops_the_job_naming_both():
             assert mpi_launcher()[0] in text, text
         else:
             assert "minitrain:" not in result.stderr                 # printed once, by rank 0
+
+
+def test_the_receive_contract_holds_under_mpi_too():
+    """MPI accepts a shorter message and garbles another dtype; minitrain refuses both, as ThreadWorld does.
+    Also: a second init() starts no second death watch; a rank waits at exit for the others 3 s at most."""
+    out = run_mpi([sys.executable, str(pathlib.Path(__file__).parent / "programs" / "recv_contract.py")], n=2,
+                  timeout=60).stdout
+    cases = dict(re.findall(r"CASE (\w+)[^:]*: (.*)", out))
+    assert set(cases) == {"shorter", "longer", "dtype"}, out
+    assert re.search(r"\[rank 1\] recv from rank 0 \(tag 5\): the message from rank 0 has 24 bytes, but rank 1 "
+                     r"expected 32 bytes \(float64, shape \(4,\)\); rank 0 sent float64 of shape \(3,\)", cases["shorter"])
+    assert "(tag 6): the message from rank 0 has more than the 32 bytes that fit" in cases["longer"], cases
+    assert re.search(r"rank 0 sends float32 .*\(16 bytes\) with tag 7, rank 1 recvs float64 .*\(16 bytes\)",
+                     cases["dtype"]) or re.search(r"rank 1 recvs float64 .* with tag 7, rank 0 sends float32",
+                                                  cases["dtype"]), cases["dtype"]
+    assert "rank 0 done" in out and "rank 1 done" in out and "pending" not in out, out   # withdrawn: no request left
+    if hasattr(os, "pidfd_open"):
+        assert "death watchers of rank 0: 1" in out, out
+    assert "[rank 0] left the script 3 s ago; rank(s) [1] have not: not waiting for them any longer" in out, out

@@ -2,13 +2,14 @@
 dtype), ``out=`` checked before a byte moves, check_collectives, and the flight recorder's verdicts
 (a rank at another call or gone ends the run at once, a slow rank is named and waited for up to
 the hard timeout, a deadlock is named). The same faults under mpiexec: tests/test_faults.py."""
+import re
 import time
 
 import numpy as np
 import pytest
 
 from minitrain.comm import (ALL_REDUCE_ALGORITHMS, CollectiveMismatchError, CollectiveTimeout, CommError, DeviceMesh,
-                            ThreadWorld, all_reduce, broadcast, ring_all_gather, ring_all_reduce,
+                            FlightRecorder, ThreadWorld, all_reduce, broadcast, ring_all_gather, ring_all_reduce,
                             ring_reduce_scatter)
 
 
@@ -73,7 +74,7 @@ def test_out_of_the_wrong_shape_dtype_layout_or_overlapping_the_input_is_refused
         bad = {"shape": np.empty(good[0] + 1), "2-d": np.empty((1,) + good), "dtype": np.empty(good, np.float32),
                "layout": np.empty((good[0], 2))[:, 0], "overlap": x[:good[0]] if good[0] <= 12 else None}
         for what, out in bad.items():
-            with pytest.raises(ValueError, match=r"\[rank \d\] .*out must be") as err:
+            with pytest.raises(ValueError, match=r"\[rank \d\] .*out must be"):
                 collective(comm, x, out)
             assert comm.stats.bytes_sent == 0, what                        # not a byte sent
         out = np.empty(good)
@@ -107,18 +108,27 @@ def test_an_unknown_algorithm_is_refused_with_the_names():
 
 
 # ---------------------------------------------------------------- check_collectives
-def test_a_different_shape_is_named_before_any_data_moves():
-    sent = {}
+def test_a_different_shape_is_named_and_no_rank_returns_a_result():
+    returned = {}
 
     def fn(comm):
-        try:
-            ring_all_reduce(comm, np.ones(10 + (comm.rank == 2)))
-        finally:
-            sent[comm.rank] = comm.stats["ring_all_reduce"]["bytes_sent"]
+        returned[comm.rank] = ring_all_reduce(comm, np.ones(10 + (comm.rank == 2)))
     text, took = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
-    assert "flight recorder report" in text and "rank 2: ring_all_reduce #0 shape=(11,) float64 88 B op=sum   <-- differs" in text, text
+    assert "flight recorder report (check_collectives)" in text, text        # the calls, not just the sizes
+    assert "rank 2: ring_all_reduce #0 shape=(11,) float64 88 B op=sum   <-- differs" in text, text
     assert "rank 0: ring_all_reduce #0 shape=(10,)" in text and took < 3
-    assert sent[2] == sent[0] == 0       # the odd rank and its right neighbour stopped before sending data
+    assert returned == {}, returned        # the header is compared before the call returns, on every rank
+
+
+def test_ranks_that_agree_on_everything_but_the_op_get_no_result():
+    # the data of a sum and of a max flow alike: only the header can tell, and the call must not return
+    returned = {}
+
+    def fn(comm):
+        returned[comm.rank] = ring_all_reduce(comm, np.ones(8), op="max" if comm.rank == 1 else "sum")
+    text, _ = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
+    assert "rank 1: ring_all_reduce #0 shape=(8,) float64 64 B op=max   <-- differs" in text, text
+    assert returned == {}, returned
 
 
 def test_a_different_collective_is_named():
@@ -224,3 +234,23 @@ def test_a_mismatch_on_a_mesh_axis_names_the_axis_and_its_ranks():
         ring_all_reduce(tp, np.ones(3 + (comm.rank == 3)))
     text, _ = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
     assert "collective #0 on tp[2, 3] differs" in text and "rank 3: ring_all_reduce #0 shape=(4,)" in text, text
+
+
+def test_a_receive_of_another_dtype_is_named_even_when_the_sender_waits_for_the_receiver():
+    # MPI (the dtype travels in the tag: the messages never match): rank 0 sent float32 with tag 7
+    # and waits in a barrier for rank 1, whose float64 receive with tag 7 waits for rank 0. A wait
+    # cycle; whichever rank reports, the verdict names the cause, not just "a deadlock"
+    from minitrain.comm.flight_recorder import analyze
+    recorders = [FlightRecorder(0), FlightRecorder(1)]
+    send = recorders[0].open("world", -1, "send", (4,), "float32", 16, peer=1, tag=7)
+    recorders[0].close(send)
+    barrier = recorders[0].open("world", 2, "barrier", None, None, 0)
+    barrier.waiting_for, barrier.wait_since = [1], barrier.start
+    recv = recorders[1].open("world", -1, "recv", (2,), "float64", 16, peer=0, tag=7)
+    recv.waiting_for, recv.wait_since = [0], recv.start
+    snaps = {r: recorders[r].snapshot() for r in (0, 1)}
+    for asker, call in ((0, barrier), (1, recv)):
+        verdict = analyze(asker, call.as_dict(), [0, 1] if asker == 0 else [0, 1], snaps)
+        assert verdict.kind == "mismatch" and verdict.culprits == [0, 1], verdict.text
+        assert re.search(r"rank 1 recvs float64 16 B \(16 bytes\) with tag 7, rank 0 sends float32 16 B", verdict.text), \
+            verdict.text

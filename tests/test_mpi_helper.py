@@ -43,3 +43,23 @@ def test_open_mpi_output_is_labelled_like_mpich_and_its_launch_has_the_flags_it_
     assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
     monkeypatch.setattr(testing, "_LAUNCHER", ("/venv/bin/mpiexec", "mpich"))
     assert mpiexec_command(2, label=True) == ["/venv/bin/mpiexec", "-n", "2", "-l"]
+
+
+def test_open_mpis_launcher_gets_its_own_flags(tmp_path, monkeypatch):
+    import os
+    from minitrain import backend
+    from minitrain.testing import launcher_args
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.6'\n")
+    fake.chmod(0o755)
+    args = launcher_args(str(fake), 4, label=True)
+    assert args[:2] == ["-n", "4"] and "--tag-output" in args and "--oversubscribe" in args
+    assert ("--allow-run-as-root" in args) == (os.geteuid() == 0)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    monkeypatch.delenv("MPI_LOCALRANKID", raising=False)
+    assert backend.local_rank() == 3                      # Open MPI's local rank places the GPU
+
+
+def test_mpichs_launcher_labels_with_l():
+    from minitrain.testing import launcher_args, mpiexec_path
+    assert launcher_args(mpiexec_path(), 2, label=True) == ["-n", "2", "-l"]

@@ -20,8 +20,8 @@ place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
 """
 import numpy as np
 
-from ..backend import LOW_PRECISION, array_module
-from .communicator import register_names
+from ..backend import LOW_PRECISION, address, array_module
+from .headers import register_names
 
 OPS = ("sum", "mean", "max", "min")
 # all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
@@ -91,11 +91,16 @@ def _check_out(comm, name, out, shape, like):
             problems.append(f"dtype {out.dtype} instead of {like.dtype}")
         if not out.flags.c_contiguous:
             problems.append("it is not contiguous")
-        elif out.size and like.size and getattr(xp, "may_share_memory", np.may_share_memory)(out, like):
+        elif out.size and like.size and _overlap(out, like):
             problems.append("it overlaps the input (the result would read its own partial sums)")
     if problems:
         raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous {like.dtype} array of shape "
                          f"{tuple(shape)} on the input's device, apart from the input: " + "; ".join(problems))
+
+
+def _overlap(a, b):
+    """Whether two contiguous arrays share bytes (their address ranges meet; either device)."""
+    return address(a) < address(b) + b.nbytes and address(b) < address(a) + a.nbytes
 
 
 # ---------------------------------------------------------------- ring algorithms

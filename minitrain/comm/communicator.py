@@ -15,17 +15,16 @@ many bytes arrived (MPI: the status's count); everything above is shared and wri
   10 ms, then sleeping with a growing back-off (measured: spinning made a 4 MiB ring all-reduce at
   4 ranks on 2 cores 5x slower; ``time.sleep(0)`` made 1 KiB sendrecv 3x slower than sched_yield).
   A wait longer than ``comm_timeout`` (the stall threshold, default 10 s) asks every rank's flight
-  recorder what it is doing (flight_recorder.py): a rank at another call ends the job at once, a
-  slow one is named in a warning; a wait longer than ``timeout`` (default 3 x comm_timeout) raises
-  ``CollectiveTimeout`` with the same report;
+  recorder what it is doing (flight_recorder.py, reports.py): a rank at another call ends the job at
+  once, a slow one is named in a warning; a wait longer than ``timeout`` (default 3 x comm_timeout)
+  raises ``CollectiveTimeout`` with the same report;
 * collective bookkeeping: each collective takes the next sequence number, which (with a few bits of
   its name) becomes its message tag, so asynchronous and blocking collectives never exchange each
-  other's messages; with ``check_collectives`` (on by default) every collective first exchanges a
-  header (name, sequence number, shape, dtype, op) with every rank and raises
-  ``CollectiveMismatchError`` naming the ranks that disagree, before a byte of data moves.
+  other's messages; with ``check_collectives`` (on by default) every collective first compares its
+  header with the ring neighbour's (headers.py) and raises ``CollectiveMismatchError`` naming the
+  ranks that disagree, before a byte of data moves.
 """
 import os
-import sys
 import threading
 import time
 import zlib
@@ -33,7 +32,8 @@ import zlib
 import numpy as np
 
 from .. import trace
-from .flight_recorder import FlightRecorder, analyze, call_name, format_report, group_calls, record_at
+from .flight_recorder import FlightRecorder, call_name
+from .stats import CommStats  # noqa: F401  (re-exported)
 
 USER_TAG_LIMIT = 1 << 15          # p2p tags a user may choose: 0 .. 32767
 COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in flight at once: far fewer)
@@ -84,54 +84,6 @@ def wire_tag(tag, dtype):
     return tag * DTYPE_SLOTS + dtype_code(dtype)
 
 
-class CommStats:
-    """Bytes and messages, in total and per collective name ("p2p" outside collectives)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self):
-        with self._lock:
-            self.bytes_sent = self.bytes_received = 0
-            self.messages_sent = self.messages_received = 0
-            self.by_name = {}
-
-    def _entry(self, name):
-        entry = self.by_name.get(name)
-        if entry is None:
-            entry = self.by_name[name] = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
-                                          "messages_received": 0, "calls": 0}
-        return entry
-
-    def record(self, name, nbytes, direction, total=True):
-        """Count one message; ``direction`` is "sent" or "received". ``total=False``: only under
-        ``name`` (check_collectives' headers: the totals stay the algorithms' bytes)."""
-        with self._lock:
-            if total:
-                setattr(self, f"bytes_{direction}", getattr(self, f"bytes_{direction}") + nbytes)
-                setattr(self, f"messages_{direction}", getattr(self, f"messages_{direction}") + 1)
-            e = self._entry(name)
-            e[f"bytes_{direction}"] += nbytes
-            e[f"messages_{direction}"] += 1
-
-    def record_call(self, name):
-        with self._lock:
-            self._entry(name)["calls"] += 1
-
-    def __getitem__(self, name):
-        """A copy of the counters of one collective (zeros if it never ran)."""
-        with self._lock:
-            entry = self.by_name.get(name)
-            return dict(entry) if entry else {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
-                                              "messages_received": 0, "calls": 0}
-
-    def as_dict(self):
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "messages_sent": self.messages_sent, "messages_received": self.messages_received,
-                "by_name": {k: dict(v) for k, v in self.by_name.items()}}
-
-
 class Request:
     """A pending send or receive. Transports implement ``test()`` and set ``received`` (bytes that
     arrived) when a receive completes; the Communicator fills in ``buf``, ``tag`` and ``record``."""
@@ -144,6 +96,9 @@ class Request:
 
     def test(self):
         raise NotImplementedError
+
+    def cancel(self):
+        """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""
 
 
 def _as_buffer(a, what):
@@ -262,15 +217,18 @@ class Communicator:
         """Poll until every request completes: yield the core at first, then sleep with back-off.
         Past ``comm_timeout`` the flight records of every rank are compared (a mismatch raises at
         once); past ``timeout`` raises CollectiveTimeout naming the ranks that never answered."""
-        pending = [r for r in requests if not self._test(r, what)]
-        if not pending:
-            return
-        start = time.monotonic()
-        sleep, marked, stalled = 0.0, None, False
+        pending, marked, failed = requests, None, True
         try:
+            pending = [r for r in pending if not self._test(r, what)]
+            if not pending:
+                failed = False
+                return
+            start = time.monotonic()
+            sleep, stalled = 0.0, False
             while True:
                 pending = [r for r in pending if not self._test(r, what)]
                 if not pending:
+                    failed = False
                     return
                 elapsed = time.monotonic() - start
                 if elapsed < YIELD_WINDOW_S:
@@ -288,25 +246,36 @@ class Communicator:
         finally:
             for record in marked or ():
                 record.waiting_for = None
+            if failed:                  # an error (or a stall) ends this wait: nobody waits for these any more
+                for r in pending:
+                    self._close(r, "failed")
 
     def _test(self, request, what):
         try:
             done = request.test()
-        except MessageTruncated:
-            raise self._size_error(request, None) from None
-        except CommError:
-            raise
-        except Exception as e:     # the transport's own error
-            call = self._call()
+            if done and request.received is not None and request.received != request.buf.nbytes:
+                raise self._size_error(request, request.received)
+        except BaseException as e:
+            self._close(request, "failed")
+            if isinstance(e, MessageTruncated):
+                raise self._size_error(request, None) from None
+            if isinstance(e, CommError) or not isinstance(e, Exception):
+                raise
+            call = self._call()     # the transport's own error
             raise CommError(f"[rank {self.rank}] {call_name(call.as_dict()) + ': ' if call else ''}{what} failed "
                             f"({request.kind} rank {request.peer}): {e}") from e
         if done:
-            if request.received is not None and request.received != request.buf.nbytes:
-                raise self._size_error(request, request.received)
-            if request.record is not None:
-                self.recorder.close(request.record)
-                request.record = None
+            self._close(request, "done")
         return done
+
+    def _close(self, request, state):
+        """Close a point-to-point call's flight record (done, or failed: no longer waited for, and
+        a pending receive withdrawn)."""
+        if state == "failed":
+            request.cancel()
+        if request.record is not None:
+            self.recorder.close(request.record, state)
+            request.record = None
 
     def _mark_waiting(self, pending, start):
         since = start
@@ -317,40 +286,9 @@ class Communicator:
             record.waiting_for, record.wait_since = peers, since
         return records
 
-    def _stall_call(self, pending):
-        """(record, members) of what this wait is part of: the collective, or the first p2p call."""
-        call = self._call()
-        if call is not None:
-            return call, self.members
-        for r in pending:
-            if r.record is not None:
-                return r.record, sorted({self.world_rank, r.record.peer})
-        return None, None
-
     def _stalled(self, pending, what, elapsed, hard):
-        """Compare flight records; raise now on a mismatch (or at the hard timeout), warn otherwise."""
-        call, members = self._stall_call(pending)
-        if call is None:
-            if hard:
-                peers = sorted({r.peer for r in pending})
-                raise CollectiveTimeout(f"[rank {self.rank}] {what} timed out after {self.timeout:g} s; no answer "
-                                        f"from rank(s) {peers}")
-            return
-        snaps = self._snapshots(range_all(self), SNAPSHOT_TIMEOUT_S)
-        snaps[self.world_rank] = self.recorder.snapshot()
-        record = call.as_dict()
-        verdict = analyze(self.world_rank, record, members, snaps)
-        report = format_report(self.world_rank, record, members, snaps, verdict, elapsed,
-                               None if (hard or verdict.fatal) else self.timeout)
-        reporter = _reporter(record["comm"], members, snaps, self.world_rank)
-        if not (hard or verdict.fatal):
-            if reporter == self.world_rank:
-                sys.stderr.write(_prefixed(self.world_rank, "warning: " + report) + "\n")
-                sys.stderr.flush()
-            return
-        error = (CollectiveTimeout if hard and not verdict.fatal else CollectiveMismatchError)(
-            f"[rank {self.rank}] {report}")
-        self._raise_once(error, reporter)
+        """Past comm_timeout (or the hard timeout): compare flight records (reports.py)."""
+        stalled(self, pending, what, elapsed, hard)
 
     def _raise_once(self, error, reporter):
         """One rank reports a fault; the others give it time to end the job (or to raise, on
@@ -360,40 +298,8 @@ class Communicator:
         raise error
 
     def _size_error(self, request, received, their_dtype=None):
-        """A receive whose size (or dtype) is not the sender's: name both ranks, the call, both sizes."""
-        buf, peer = request.buf, request.peer
-        call = self._call()
-        where = call_name(call.as_dict()) + ("" if self.uid == "world" else f" on {self.uid}") if call else \
-            f"recv from rank {peer} (tag {request.tag})"
-        theirs = (f"{received} bytes" if received is not None else f"more than the {buf.nbytes} bytes that fit")
-        if their_dtype is not None:
-            theirs += f" of {their_dtype}"
-        text = (f"[rank {self.rank}] {where}: the message from rank {peer} has {theirs}, but rank {self.rank} "
-                f"expected {buf.nbytes} bytes ({buf.dtype.name}, shape {tuple(buf.shape)})")
-        sender = self._peer_call(self.members[peer], call, request.tag)
-        if sender is not None:
-            mine = call.as_dict() if call else None
-            if call is not None:
-                text += (f"; rank {peer} called {call_name(sender)} with {_sig(sender)}, rank {self.rank} "
-                         f"with {_sig(mine)}")
-            else:
-                text += f"; rank {peer} sent {sender['dtype']} of shape {tuple(sender['shape'])} ({sender['nbytes']} bytes)"
-        return (CollectiveMismatchError if call is not None else CommError)(text)
-
-    def _peer_call(self, peer_world, call, tag):
-        """The peer's record of the same collective (or its send with this tag), if it answers."""
-        try:
-            snap = self._snapshots([peer_world], SNAPSHOT_TIMEOUT_S).get(peer_world)
-        except Exception:          # an error path: the report is a bonus
-            return None
-        if not snap:
-            return None
-        for r in reversed(snap["records"]):
-            if call is not None and r["comm"] == call.comm and r["seq"] == call.seq:
-                return r
-            if call is None and r["seq"] < 0 and r["name"] == "send" and r["tag"] == tag and r["peer"] == self.world_rank:
-                return r
-        return None
+        """The receive contract's error (reports.py)."""
+        return size_error(self, request, received, their_dtype)
 
     def barrier(self):
         """Dissemination barrier (Hensgen et al. 1988): ceil(log2 p) rounds of empty messages."""
@@ -441,8 +347,8 @@ class Communicator:
 
     def run_collective(self, name, seq_tag, header, nbytes, body, args, record):
         """Run ``body(self, tag, *args)`` as collective ``name``: its traffic is counted under the
-        name, it is traced and recorded, and (check_collectives) every rank first checks that all
-        call the same thing."""
+        name, it is traced and recorded, and (check_collectives) every rank first checks that its
+        neighbour calls the same thing (headers.py)."""
         seq, tag = seq_tag
         if record.state == "queued":
             self.recorder.run(record)
@@ -453,7 +359,7 @@ class Communicator:
         start = time.perf_counter() if tracing else 0.0
         try:
             if self.check_collectives and self.size > 1:
-                self._check_header(record)
+                check_header(self, record)
             result = body(self, tag, *args)
         except BaseException:
             self.recorder.close(record, "failed")
@@ -464,45 +370,6 @@ class Communicator:
                 trace.tracer().add(name, "comm", start, time.perf_counter(), {"bytes": nbytes, "seq": seq})
         self.recorder.close(record)
         return result
-
-    def _check_header(self, record):
-        """Compare (name, seq, shape, dtype, op) with the left neighbour on the ring: one small
-        message each way (measured: an all-to-all of headers cost 3x as much at p = 4). If any two
-        ranks disagree, some pair of neighbours does; the rank that sees it reads every rank's
-        flight record of this call for the report, and raises before a byte of data moves."""
-        mine = encode_header(record)
-        theirs = np.empty_like(mine)
-        left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-        tag = self.header_tag(record.seq)
-        self._local.count_as = "check_collectives"       # headers are counted apart from the data
-        try:
-            reqs = [self.irecv(theirs, left, tag), self.isend(mine, right, tag)]
-        finally:
-            self._local.count_as = None
-        self.wait_all(reqs, "header check")
-        if np.array_equal(theirs, mine):
-            return
-        deadline = time.monotonic() + min(self.comm_timeout, 2.0)
-        while True:             # the other ranks' records of this call (some may be a moment behind)
-            snaps = self._snapshots(range_all(self), SNAPSHOT_TIMEOUT_S)
-            snaps[self.world_rank] = self.recorder.snapshot()
-            calls = {w: record_at(snaps[w], record.comm, record.seq) if snaps.get(w) else None for w in self.members}
-            if all(calls.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if calls[self.members[left]] is None:
-            calls[self.members[left]] = decode_header(theirs, record.comm)
-        verdict = group_calls(record.comm, record.seq, {w: c for w, c in calls.items() if c is not None})
-        lines = [f"[rank {self.rank}] flight recorder report (check_collectives): {verdict.text}"]
-        for w in self.members:
-            c = calls[w]
-            what = f"{call_name(c)} {_sig(c)}" if c else "not at this call (yet), or no answer from its flight recorder"
-            lines.append(f"  rank {w}: {what}" + ("   <-- differs" if w in verdict.culprits else ""))
-        # every rank whose left neighbour differs sees it: the lowest of them reports
-        seen = [self.members[q] for q in range(self.size) if calls[self.members[q]] and
-                calls[self.members[(q - 1) % self.size]] and
-                _header_key(calls[self.members[q]]) != _header_key(calls[self.members[(q - 1) % self.size]])]
-        self._raise_once(CollectiveMismatchError("\n".join(lines)), min(seen + [self.world_rank]))
 
     # ---- asynchronous work
     def submit(self, name, fn, *args):
@@ -524,27 +391,6 @@ def range_all(comm):
     return list(range(world)) if world else list(comm.members)
 
 
-def _reporter(comm, members, snaps, me):
-    """The lowest rank waiting in any call on ``comm`` reports a fault (every rank computes the
-    same answer from the same records); ``me`` if no record says so."""
-    waiting = [m for m in members if snaps.get(m) and any(
-        r["comm"] == comm and r["state"] == "running" for r in snaps[m]["records"])]
-    return min(waiting) if waiting else me
-
-
-def _header_key(c):
-    return (c["name"], c["shape"], c["dtype"], c["op"], c["extra"])
-
-
-def _prefixed(rank, text):
-    return "\n".join(f"[rank {rank}] {line}" for line in text.splitlines())
-
-
-def _sig(r):
-    from .flight_recorder import signature
-    return signature(r)
-
-
 def _barrier_body(comm, tag):
     token, incoming = np.zeros(0, np.uint8), np.zeros(0, np.uint8)
     distance = 1
@@ -564,48 +410,5 @@ def _name_slot(name):
     return slot
 
 
-# ---- collective headers: fixed-size int64 arrays, comparable element by element
-NAMES = {}      # code -> name, for every collective, dtype and op (a rank must decode what it never called)
-
-
-def register_names(names):
-    for name in names:
-        NAMES[_code(name)] = name
-
-
-def _code(text):
-    return zlib.crc32(str(text).encode())
-
-
-for _dt in _DTYPE_NAMES:
-    NAMES[_code(_dt)] = _dt
-OPS = (None, "sum", "mean", "max", "min")
-MAX_DIMS = 6
-register_names(["barrier"])
-
-
-def encode_header(record):
-    """[name, seq, ndim, dims x 6, dtype, op, extra] as int64 (shape None: ndim -1; the bytes are
-    not compared: an all-gather's shards may differ in length)."""
-    NAMES.setdefault(_code(record.name), record.name)
-    shape = record.shape
-    dims = [-1] * MAX_DIMS if shape is None else (list(shape) + [-2] * MAX_DIMS)[:MAX_DIMS]
-    dcode = 0 if record.dtype is None else _code(record.dtype)
-    if record.dtype is not None:
-        NAMES.setdefault(dcode, record.dtype)
-    extra = record.extra
-    return np.array([_code(record.name), record.seq, -1 if shape is None else len(shape), *dims, dcode,
-                     OPS.index(record.op) if record.op in OPS else 9,
-                     -(1 << 62) if extra is None else int(extra)], np.int64)
-
-
-def decode_header(h, comm):
-    ndim = int(h[2])
-    dtype = NAMES.get(int(h[3 + MAX_DIMS])) if int(h[3 + MAX_DIMS]) else None
-    op_index = int(h[4 + MAX_DIMS])
-    extra = int(h[5 + MAX_DIMS])
-    return {"comm": comm, "seq": int(h[1]), "name": NAMES.get(int(h[0]), f"collective {int(h[0])}"),
-            "shape": None if ndim < 0 else tuple(int(d) for d in h[3:3 + min(ndim, MAX_DIMS)]),
-            "dtype": dtype, "op": OPS[op_index] if op_index < len(OPS) else "?",
-            "extra": None if extra == -(1 << 62) else extra, "nbytes": None,
-            "peer": None, "tag": None}
+from .headers import check_header  # noqa: E402  (headers.py imports this module)
+from .reports import size_error, stalled  # noqa: E402  (reports.py imports this module)

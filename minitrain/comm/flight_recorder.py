@@ -228,7 +228,7 @@ def analyze(asker, call, members, snapshots):
         return verdict
     cycle = _wait_cycle(call, snapshots)
     if cycle:
-        return Verdict("deadlock", cycle, f"rank(s) {cycle} wait for each other in different calls (a deadlock)")
+        return _deadlock(cycle, snapshots)
     if behind or silent:
         ends = _chain_ends(behind, snapshots)
         text = (f"rank(s) {behind} have not reached {where}" if behind else "")
@@ -298,6 +298,18 @@ def _wait_cycle(call, snapshots):
         node = nxt
 
 
+def _deadlock(cycle, snapshots):
+    """A wait cycle; if one of its receives waits for a message its peer sent with another dtype or
+    size (the tags keep them apart: neither ever completes), that is the cause to name."""
+    for m in cycle:
+        for r, _ in _waits(snapshots.get(m)):
+            if r["seq"] < 0 and r["name"] == "recv":
+                verdict = _p2p_mismatch(m, r, snapshots.get(r["peer"]))
+                if verdict is not None:
+                    return verdict
+    return Verdict("deadlock", cycle, f"rank(s) {cycle} wait for each other in different calls (a deadlock)")
+
+
 def _chain_ends(ranks, snapshots):
     """Follow who waits for whom from ``ranks``; return the ranks at the ends (computing / silent)."""
     ends, frontier, seen = set(), list(ranks), set(ranks)
@@ -324,21 +336,36 @@ def _analyze_p2p(me_rank, call, snapshots):
         return Verdict("finished", [peer], f"rank {peer} has {'left the script' if snap['status'] == 'finished' else 'failed'}"
                        f" and will never answer {call_name(call)}")
     want = "recv" if call["name"] == "send" else "send"
+    verdict = _p2p_mismatch(me_rank, call, snap)
+    if verdict is not None:
+        return verdict
     for r in reversed(snap["records"]):
         if r["seq"] < 0 and r["name"] == want and r["tag"] == call["tag"] and r["peer"] == me_rank:
-            if r["dtype"] != call["dtype"] or r["nbytes"] != call["nbytes"]:
-                return Verdict("mismatch", [peer, me_rank],
-                               f"rank {me_rank} {call['name']}s {call['dtype']} {fmt_bytes(call['nbytes'])} ({call['nbytes']} bytes) "
-                               f"with tag {call['tag']}, rank {peer} {want}s {r['dtype']} {fmt_bytes(r['nbytes'])} "
-                               f"({r['nbytes']} bytes) with that tag")
             if r["state"] == "running":
                 return Verdict("arrived", [], f"rank {peer} has posted the matching {want}: the transfer is slow")
     cycle = _wait_cycle(call, snapshots)
     if cycle:
-        return Verdict("deadlock", cycle, f"rank(s) {cycle} wait for each other in different calls (a deadlock)")
+        return _deadlock(cycle, snapshots)
     ends = _chain_ends([peer], snapshots)
     return Verdict("slow", ends, f"rank {peer} has not posted the matching {want}" +
                    (f" (it waits, in turn, for rank(s) {ends})" if ends != [peer] else ""))
+
+
+def _p2p_mismatch(me_rank, call, peer_snap):
+    """A Verdict if the peer's latest matching call (its send for our recv, or the reverse) with
+    this tag has another dtype or size, else None."""
+    if peer_snap is None:
+        return None
+    want = "recv" if call["name"] == "send" else "send"
+    for r in reversed(peer_snap["records"]):
+        if r["seq"] < 0 and r["name"] == want and r["tag"] == call["tag"] and r["peer"] == me_rank:
+            if r["dtype"] == call["dtype"] and r["nbytes"] == call["nbytes"]:
+                return None
+            return Verdict("mismatch", [call["peer"], me_rank],
+                           f"rank {me_rank} {call['name']}s {call['dtype']} {fmt_bytes(call['nbytes'])} ({call['nbytes']} "
+                           f"bytes) with tag {call['tag']}, rank {call['peer']} {want}s {r['dtype']} "
+                           f"{fmt_bytes(r['nbytes'])} ({r['nbytes']} bytes) with that tag")
+    return None
 
 
 def format_report(asker, call, members, snapshots, verdict, waited, hard_timeout=None):

@@ -26,9 +26,9 @@ import zlib
 import numpy as np
 
 from .. import backend
-from .communicator import (DEFAULT_COMM_TIMEOUT, CollectiveTimeout, CommError, Communicator, MessageTruncated,
-                           Request, _prefixed)
+from .communicator import DEFAULT_COMM_TIMEOUT, CollectiveTimeout, CommError, Communicator, MessageTruncated, Request
 from .flight_recorder import FlightRecorder
+from .reports import prefixed
 
 ABORT_GRACE_S = 0.5
 
@@ -86,6 +86,18 @@ class MPIRequest(Request):
                     self._on_complete()
         return self._done
 
+    def cancel(self):
+        """A receive nobody waits for any more is withdrawn (MPI_Cancel), so that it cannot take a
+        later message meant for another receive."""
+        if self._done or self.kind != "recv from":
+            return
+        try:
+            self._request.Cancel()
+            self._request.Wait()
+        except Exception:           # already failed or matched: nothing left to withdraw
+            pass
+        self._done = True
+
 
 class _Session:
     """One per process, like COMM_WORLD itself: the flight recorder, the watchdog on a duplicate
@@ -98,6 +110,7 @@ class _Session:
         if self.size > 1:
             from .watchdog import Watchdog
             self.watchdog = Watchdog(timed_dup(world, timeout), self.recorder)
+        self.timeout = timeout
         atexit.register(self.close)
 
     def close(self):
@@ -110,7 +123,7 @@ class _Session:
         if self.recorder.status == "running":
             self.recorder.set_status("finished", detail)
         if self.watchdog is not None:
-            self.watchdog.close()
+            self.watchdog.close(self.timeout)
 
 
 _SESSION = None
@@ -241,7 +254,7 @@ def install_excepthook(comm):
         try:
             announce_abort(comm, f"{exc_type.__name__}: {exc}".splitlines()[0][:300])
             sys.stdout.flush()
-            os.write(2, (_prefixed(rank, text) + "\n").encode(errors="replace"))
+            os.write(2, (prefixed(rank, text) + "\n").encode(errors="replace"))
         finally:
             time.sleep(ABORT_GRACE_S)
             _mpi().COMM_WORLD.Abort(1)
@@ -323,8 +336,8 @@ def _start_death_watch(world):
     Its few collectives run on a duplicate of the world ("init"): the job's own calls start at #0."""
     from . import death_watch
     from .collectives import ring_all_gather
-    if world.size == 1 or not hasattr(os, "pidfd_open"):
-        return
+    if world.size == 1 or not hasattr(os, "pidfd_open") or world.recorder.mirror is not None:
+        return                                       # (a second init() in this process: already watched)
     comm = MPICommunicator(timed_dup(world.mpi_comm, world.timeout), world.timeout, uid="init",
                            comm_timeout=world.comm_timeout, check_collectives=world.check_collectives,
                            recorder=world.recorder, members=world.members)
@@ -347,11 +360,15 @@ def _start_death_watch(world):
 def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True):
     """Entry point of an MPI job: checks the launcher against the MPI library, COMM_WORLD as a
     Communicator, BLAS threads capped to the rank's share of the cores, the death watch, and the
-    abort-on-error hook installed. ``comm_timeout``: the stall threshold (s); ``timeout``: the hard
-    limit of any wait (default 3 x comm_timeout); ``check_collectives``: compare every collective's
-    arguments across ranks before it moves data."""
+    abort-on-error hook installed, and, on the GPU, this rank's device chosen: GPU
+    ``local_rank % device_count`` (the launcher's local rank, so ranks on one node spread over its
+    GPUs, and share them round-robin when there are more ranks than GPUs). ``comm_timeout``: the
+    stall threshold (s); ``timeout``: the hard limit of any wait (default 3 x comm_timeout);
+    ``check_collectives``: compare every collective's arguments across ranks before it moves data."""
     check_launch()
     comm = MPICommunicator(timeout=timeout, comm_timeout=comm_timeout, check_collectives=check_collectives)
+    if backend.get_device() == "cuda":
+        backend.use_gpu(backend.local_rank() % backend.gpu_count())
     if limit_threads:
         backend.limit_blas_threads()
     install_excepthook(comm)

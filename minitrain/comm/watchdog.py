@@ -6,13 +6,15 @@ does not see it) and answers four messages on its own communicator (``MPI_Comm_i
 so they never meet the job's traffic):
 
 * QUERY -> REPLY: this rank's flight recorder snapshot (what it is doing, its last calls);
-* FINISHED: a rank has left the script (sent at exit, with its snapshot). Each rank waits at exit
-  until every other rank has said so, answering queries meanwhile: MPI_Finalize would wait as long,
-  and a rank stalled in a collective learns that the peer it waits for has left, not just "no answer";
+* FINISHED: a rank has left the script (sent at exit, with its snapshot), so that a rank stalled in a
+  collective learns that the peer it waits for has left, not just "no answer". Each rank waits at exit
+  until every other rank has said so, answering queries meanwhile, for the hard timeout at most (then
+  it says which ranks it leaves behind and goes: they know it has left);
 * ABORT: a rank is about to end the job with its own report; the others stay quiet.
 
 Control messages are small Python objects (pickled by mpi4py's lowercase calls); arrays never go here.
 """
+import sys
 import threading
 import time
 
@@ -101,17 +103,24 @@ class Watchdog:
                 self.cond.wait(POLL_S)
         return predicate()
 
-    def close(self):
-        """At exit: tell every rank this one has left, wait until all have (answering queries),
-        then stop the thread before MPI_Finalize."""
+    def close(self, timeout):
+        """At exit: tell every rank this one has left, wait until all have (answering queries) for
+        ``timeout`` seconds at most, then stop the thread before MPI_Finalize."""
         if self._stop.is_set():
             return
         snapshot = self.recorder.snapshot()
         for r in range(self.size):
             if r != self.rank:
                 self._send(snapshot, r, FINISHED)
+        deadline = time.monotonic() + timeout
         with self.cond:
             while len(self.recorder.finished_peers) < self.size - 1 and self.recorder.abort_notice is None:
+                if time.monotonic() > deadline:
+                    behind = [r for r in range(self.size) if r != self.rank and r not in self.recorder.finished_peers]
+                    sys.stderr.write(f"[rank {self.rank}] left the script {timeout:g} s ago; rank(s) {behind} have "
+                                     "not: not waiting for them any longer (they know this rank has left)\n")
+                    sys.stderr.flush()
+                    break
                 self.cond.wait(POLL_S)
         deadline = time.monotonic() + 10.0          # our FINISHED messages: received by now, or never
         while time.monotonic() < deadline:

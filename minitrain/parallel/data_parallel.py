@@ -273,3 +273,11 @@ class LocalSGD:
                 offset += a.size
             for q, master in pairs:                       # the parameters: the averaged masters, rounded
                 q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
+
+    def state_dict(self):
+        """The averaging phase (steps since the start): a checkpoint taken right after an averaging
+        holds equal replicas; the optimizers' states still differ per rank (each steps on its own)."""
+        return {"steps": self.steps, "sync_every": self.sync_every}
+
+    def load_state_dict(self, state):
+        self.steps = int(state["steps"])

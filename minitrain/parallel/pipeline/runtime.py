@@ -27,11 +27,12 @@ data and simulator show the no-flush timing of several batches chained.
 """
 import numpy as np
 
-from ... import trace
+from ... import backend, trace
 from ...autograd import Tensor
-from ...backend import array_module, bfloat16
+from ...backend import array_module, bfloat16, is_device_array
 from ...comm import all_reduce, broadcast
 from ...nn import Sequential
+from ...sharded import whole
 from .schedules import check_schedule, formula_bubble_fraction, get_schedule
 
 _DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
@@ -196,7 +197,7 @@ class PipelineParallel:
                         inputs[mb, chunk] = inp
                         if virtual == last_virtual:
                             loss = loss_fn(out, y[mb * size:(mb + 1) * size])
-                            losses[mb] = loss.item()
+                            losses[mb] = loss.data           # read once, after the step (no sync per micro-batch)
                             outputs[mb, chunk] = loss * (1.0 / self.m)     # mean over micro-batches
                         else:
                             outputs[mb, chunk] = out
@@ -218,8 +219,16 @@ class PipelineParallel:
                     self._all_reduce_gradients()
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
-        total = np.array([sum(losses.values()) / self.m if losses else 0.0])
+        total = np.array([self._mean_loss(list(losses.values()))])
         return float(broadcast(self.comm, total, root=last_virtual % self.p)[0])
+
+    def _mean_loss(self, values):
+        """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
+        if not values:
+            return 0.0
+        if is_device_array(values[0]):
+            return backend.to_scalar(array_module(values[0]).stack(values).astype(np.float64).sum()) / self.m
+        return sum(float(v) for v in values) / self.m
 
     def _all_reduce_gradients(self):
         params = [q for q in self.parameters() if q.grad is not None]
@@ -274,3 +283,35 @@ class PipelineParallel:
 
     def formula_bubble_fraction(self):
         return formula_bubble_fraction(self.schedule_name, self.p, self.m, self.v)
+
+    # ---- the checkpoint's view (minitrain.sharded)
+    def sharded_parameters(self):
+        """[(parameter, [(name, whole slice)])] for the layers of this rank's stages (names of the
+        unwrapped model): a pipeline cuts the model by layers, never inside a parameter."""
+        return [(q, [(self.names[id(q)], whole(q.shape))]) for q in self.parameters()]
+
+    def extra_sharded_state(self, placements):
+        """PipeDream-2BW's stashed weights W(t-1) (``<name>/stash``), which the next step computes on:
+        without them a resumed run would take another step. Other schedules keep nothing."""
+        if self._stash is None:
+            return {}
+        stash = {}
+        for q, old in zip(self.parameters(), self._stash):
+            for name, piece in placements[id(q)]:
+                stash.setdefault(f"{name}/stash", []).append((piece, piece.view(old)))
+        return stash
+
+    def load_extra_sharded_state(self, reader, placements):
+        names = [placements[id(q)][0][0] for q in self.parameters()]
+        saved = [reader.has(f"{name}/stash") for name in names]
+        if not any(saved):
+            self._stash = None                  # as at the start: the first step computes on W(t)
+            return
+        if self.schedule_name != "pipedream_2bw":
+            raise ValueError("the checkpoint holds PipeDream-2BW's stashed weights W(t-1); only the pipedream_2bw "
+                             "schedule computes on them (resume with --schedule pipedream_2bw)")
+        self._stash = []
+        for q, name in zip(self.parameters(), names):
+            old = array_module(q.data).zeros(q.shape, q.dtype)
+            reader.read_into(f"{name}/stash", placements[id(q)][0][1], old)
+            self._stash.append(old)
