@@ -175,7 +175,7 @@ def main(argv=None):
             measure("nccl/all_reduce", lambda n: nccl.nccl_all_reduce(bench.x[:n], out=bench.out[:n]))
         else:
             raise SystemExit(f"unknown config {name!r}")
-    report = {"device": backend.describe_device(), "ranks": p, "mpi": bench.MPI.Get_library_version().splitlines()[0],
+    report = {"device": backend.describe_device(), "world_size": p, "mpi": bench.MPI.Get_library_version().splitlines()[0],
               "negotiated_transport": negotiated, "note": note, "check_collectives": args.check_collectives,
               "sizes": args.sizes, "results": results, "ipc_sync": {k: v for k, v in syncs.items() if v},
               "unavailable": unavailable, "goals": goals(results, p)}
@@ -217,7 +217,7 @@ def fmt_size(b):
 
 def print_report(r):
     names = list(r["results"])
-    print(f"ring all-reduce, float32, {r['ranks']} ranks on {r['device']}; {r['mpi']}")
+    print(f"ring all-reduce, float32, {r['world_size']} ranks on {r['device']}; {r['mpi']}")
     print(f"negotiated transport: {r['negotiated_transport']}" + (f" ({r['note']})" if r["note"] else "")
           + f"; check_collectives {'on' if r['check_collectives'] else 'off'}")
     print("bus bandwidth GB/s (nccl-tests: bytes/time x 2(p-1)/p); time per call in brackets")

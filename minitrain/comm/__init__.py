@@ -20,7 +20,7 @@ def init(timeout=None, limit_threads=True, *, backend=None, transport=None):
     from .mpi import init as mpi_init
     from .transport import setup
     comm = mpi_init(timeout=timeout, limit_threads=limit_threads)
-    backend = backend or os.environ.get("MINITRAIN_BACKEND", "mpi")
+    backend = backend or os.environ.get("MINITRAIN_BACKEND") or "mpi"
     if backend == "nccl":
         from .nccl import NCCLCommunicator
         return NCCLCommunicator(comm)

@@ -153,9 +153,12 @@ class NCCLCommunicator(Communicator):
         self.bootstrap.abort(code)
 
     # ---- program order: every collective on the progress thread
-    def run_collective(self, *args):
+    def _on_progress_thread(self):
         progress = getattr(self, "_progress", None)
-        if progress is not None and threading.current_thread() is progress._thread:
+        return progress is not None and threading.current_thread() is progress._thread
+
+    def run_collective(self, *args):
+        if self._on_progress_thread():
             return super().run_collective(*args)
         return self.submit(args[0], self._on_device, super().run_collective, args).wait()
 
@@ -164,7 +167,7 @@ class NCCLCommunicator(Communicator):
             return fn(*args)
 
     def submit(self, name, fn, *args):
-        if fn is self.run_collective:       # an asynchronous collective: on this rank's GPU as well
+        if fn == self.run_collective:       # an asynchronous collective: on this rank's GPU as well
             return super().submit(name, self._on_device, super().run_collective, args)
         return super().submit(name, fn, *args)
 
@@ -175,6 +178,8 @@ class NCCLCommunicator(Communicator):
         if x.dtype.name not in NCCL_DTYPES or op not in NCCL_OPS:
             raise ValueError(f"nccl_all_reduce: {x.dtype} / op {op!r} is not one NCCL reduces")
         out = self.cupy.empty_like(x) if out is None else out
+        if not self._on_progress_thread():          # in program order with the queued collectives
+            return self.submit("nccl_all_reduce", self._on_device, self.nccl_all_reduce, (x, op, out)).wait()
         stream = self.cupy.cuda.get_current_stream()
         with self.lock:
             self.nccl.allReduce(x.data.ptr, out.data.ptr, x.size, NCCL_DTYPES[x.dtype.name], NCCL_OPS[op], stream.ptr)

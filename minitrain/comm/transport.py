@@ -218,7 +218,7 @@ def choose(comm, want="auto"):
 def setup(comm, transport=None):
     """Give an MPICommunicator its device transport (on the GPU; on the CPU only host arrays move).
     ``transport``: None reads MINITRAIN_TRANSPORT (default auto). A fallback is said once, on rank 0."""
-    want = transport or os.environ.get("MINITRAIN_TRANSPORT", "auto")
+    want = transport or os.environ.get("MINITRAIN_TRANSPORT") or "auto"
     if backend.get_device() != "cuda":
         if want != "auto":
             raise ValueError(f"transport {want!r} moves device buffers: select the GPU first (MINITRAIN_DEVICE=cuda)")
