@@ -16,8 +16,6 @@ import threading
 import time
 import traceback
 
-import numpy as np
-
 from .. import backend
 from .communicator import Communicator, Request
 from .transport import default_transport, mpi_buffer
