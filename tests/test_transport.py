@@ -36,9 +36,9 @@ def check(tmp_path, n, *args, **env):
     return json.loads(out.read_text()), proc.stdout
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_transport_moves_the_right_bytes_and_reuses_its_buffers(tmp_path, n):
-    report, output = check(tmp_path, n, "--mismatch", CUPY_STANDIN_IPC="1")
+@pytest.mark.parametrize("n, gpus", [(2, 1), (4, 4)], ids=["2 ranks on one GPU", "4 ranks on 4 GPUs"])
+def test_every_transport_moves_the_right_bytes_and_reuses_its_buffers(tmp_path, n, gpus):
+    report, output = check(tmp_path, n, "--mismatch", CUPY_STANDIN_IPC="1", CUPY_STANDIN_DEVICES=str(gpus))
     assert report["negotiated"] == "cuda-ipc" and report["ranks_checked"] == n
     entries = report["transports"]
     assert [entries[k]["name"] for k in ("auto", "cuda-ipc", "cuda-ipc/host", "pinned-staging")] == \
@@ -60,6 +60,14 @@ def test_without_cuda_ipc_the_job_stages_through_pinned_memory_and_says_why_once
     assert "no CUDA IPC: cudaErrorNotSupported: operation not supported on rank 0" in report["note"]
     assert output.count("device buffers move by pinned-staging") == 1       # rank 0 says it, once
     assert report["transports"]["auto"]["pinned_bytes"] > 0
+
+
+def test_a_cuda_aware_mpi_gets_the_device_buffers_themselves(tmp_path):
+    """MINITRAIN_CUDA_AWARE=1 declares the MPI CUDA-aware; under the stand-in mpi4py then reads device
+    pointers (host memory here, through __cuda_array_interface__), so the direct path runs for real."""
+    report, _ = check(tmp_path, 2, "--transports", "auto", MINITRAIN_CUDA_AWARE="1", CUPY_STANDIN_FORBID_DEVICE_POINTERS="0")
+    assert report["negotiated"] == "cuda-aware-mpi" and report["transports"]["auto"]["checks"] > 0
+    assert "cupy._core.ndarray" in report["mpi4py_saw"] and report["transports"]["auto"]["pinned_bytes"] == 0
 
 
 def test_asking_for_cuda_ipc_where_it_cannot_work_is_a_clear_error(tmp_path):

@@ -26,6 +26,15 @@ from .. import backend
 from .communicator import CommError, Request
 from .transport import REDUCE_UFUNCS, DeviceTransport, mpi_buffer
 
+# What this relies on, as read (CuPy 14.2, cupy_backends/cuda/api/runtime.pyx; CUDA runtime API docs):
+#   ipcGetMemHandle(ptr) -> 64 bytes; CUDA wants the *base* of a cudaMalloc allocation ("Base pointer to previously
+#     allocated device memory"), and a freed-then-reallocated address gets a new handle;
+#   ipcOpenMemHandle(handle: bytes, flags=cudaIpcMemLazyEnablePeerAccess) -> int, the allocation's base here;
+#     opening an open handle again returns the same pointer (reference counted); freeing an exported allocation
+#     before its importers close it is undefined behaviour (hence close());
+#   ipcGetEventHandle(event ptr) -> 64 bytes (the event made with interprocess=True, disable_timing=True);
+#   ipcOpenEventHandle(bytes) -> int (a CUevent); streamWaitEvent(stream ptr, event ptr, flags);
+#   cupy.cuda.UnownedMemory(ptr, size, owner, device_id) + MemoryPointer(mem, offset) wrap a raw pointer.
 MAGIC = 0x6D74_6970_6331           # "mtipc1": a descriptor, not a host array sent by mistake
 DESCRIPTOR_WORDS, ACK_WORDS = 22, 10
 SYNC_MODES = ("event", "host")

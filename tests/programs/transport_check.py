@@ -9,7 +9,8 @@ on awkward lengths and several dtypes, each equal to the exact result; the bytes
 2(p-1)/p·N·b whatever the transport; repeated calls on the same buffers open no new IPC handle and
 allocate no new pinned memory; a completed send may be overwritten at once (the receiver, late, still
 gets what was sent); a size mismatch raises on both ranks. Every array handed to mpi4py is
-recorded: none may be a device array (MPI here is not CUDA-aware). Rank 0 writes OUT.json.
+recorded: none may be a device array unless MPI is CUDA-aware (MINITRAIN_CUDA_AWARE=1 makes the stand-in's
+MPI one: mpi4py then reads the stand-in's device pointers, which are host memory). Rank 0 writes OUT.json.
 """
 import argparse
 import json
@@ -187,7 +188,10 @@ def main():
         report["transports"][name] = entry
         C.ring_all_reduce(comm, cp.zeros(1, np.float32))        # every rank done before the next transport
     devices = sorted(t for t in seen if "cupy" in t)
-    assert not devices, f"[rank {comm.rank}] device arrays reached mpi4py: {devices}"
+    if T.mpi_is_cuda_aware():        # the direct path: device buffers go to MPI as they are
+        assert devices, f"[rank {comm.rank}] MPI is CUDA-aware, yet no device buffer went to it directly"
+    else:
+        assert not devices, f"[rank {comm.rank}] device arrays reached mpi4py: {devices}"
     report["mpi4py_saw"] = sorted(seen)
     rows = C.ring_all_gather(comm, np.array([len(seen)], np.int64), total=comm.size)
     if comm.rank == 0:
