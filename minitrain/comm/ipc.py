@@ -36,6 +36,7 @@ from .transport import REDUCE_UFUNCS, DeviceTransport, mpi_buffer
 #   ipcOpenEventHandle(bytes) -> int (a CUevent); streamWaitEvent(stream ptr, event ptr, flags);
 #   cupy.cuda.UnownedMemory(ptr, size, owner, device_id) + MemoryPointer(mem, offset) wrap a raw pointer.
 MAGIC = 0x6D74_6970_6331           # "mtipc1": a descriptor, not a host array sent by mistake
+LAZY_PEER_ACCESS = 1                # cudaIpcMemLazyEnablePeerAccess: map a peer GPU's memory, enabling peer access
 DESCRIPTOR_WORDS, ACK_WORDS = 22, 10
 SYNC_MODES = ("event", "host")
 # CUDA driver API, cuda.h: CUpointer_attribute
@@ -178,7 +179,7 @@ class CudaIpcTransport(DeviceTransport):
                 return view
             mem = self.opened.get((peer, alloc_id))
             if mem is None:
-                ptr = self.runtime.ipcOpenMemHandle(desc[6:14].tobytes(), self.runtime.cudaIpcMemLazyEnablePeerAccess)
+                ptr = self.runtime.ipcOpenMemHandle(desc[6:14].tobytes(), LAZY_PEER_ACCESS)
                 # device_id: the mapping is used by kernels on this rank's device (peer access when the
                 # memory is on another GPU); CuPy would otherwise warn on every kernel that reads it
                 mem = self.opened[(peer, alloc_id)] = self.cupy.cuda.UnownedMemory(ptr, size, self, device_id=self.device)
@@ -315,7 +316,7 @@ def negotiate(comm):
     if problem is None and comm.size > 1:
         handle, offset, size = table[left]["handle"]
         try:
-            ptr = rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)
+            ptr = rt.ipcOpenMemHandle(handle, LAZY_PEER_ACCESS)
             mem = cupy.cuda.UnownedMemory(ptr, size, None, device_id=mine["device"])
             seen = cupy.ndarray((64,), np.int32, memptr=cupy.cuda.MemoryPointer(mem, offset))
             if not bool((seen == left + 1).all()):
