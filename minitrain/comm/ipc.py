@@ -289,8 +289,9 @@ def negotiate(comm):
     cupy = backend._import_cupy()
     rt = cupy.cuda.runtime
     mine = {"host": socket.gethostname(), "device": rt.getDevice(), "error": None, "handle": None, "events": None}
-    probe = cupy.full(64, comm.rank + 1, np.int32)
+    probe = None
     try:
+        probe = cupy.full(64, comm.rank + 1, np.int32)
         base, size, _ = allocation_range(probe.data.ptr)
         mine["handle"] = (rt.ipcGetMemHandle(base), probe.data.ptr - base, size)
     except Exception as e:                 # cudaErrorNotSupported (containers, the stand-in), no libcuda
