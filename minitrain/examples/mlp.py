@@ -28,7 +28,7 @@ from minitrain.examples.common import (device_code, device_name, fmt_bytes, memo
                                        planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
-                                offload_activations)
+                                found_inf_on_any_rank, offload_activations)
 from minitrain.parallel.pipeline import NAMES as PIPELINE_NAMES
 from minitrain.parallel.zero_memory import model_state_bytes
 
@@ -115,10 +115,11 @@ def main(argv=None):
 
     def optimizer_for(params, comm_for_overflow=None):
         """fp32 master weights in mixed precision; on the host with --offload."""
+        agree = found_inf_on_any_rank(comm_for_overflow) if comm_for_overflow is not None else None
         if args.offload:
-            return CPUOffloadOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return CPUOffloadOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         if mixed:
-            return optim.MixedPrecisionOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         return opt_class(params, **opt_args)
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)

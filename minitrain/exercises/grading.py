@@ -308,12 +308,6 @@ def require(condition, message):
         raise Mismatch(message)
 
 
-def expect_equal(got, want, what, **kwargs):
-    problem = compare(got, want, what, **kwargs)
-    if problem:
-        raise Mismatch(problem)
-
-
 # ---------------------------------------------------------------- loading the learner's file
 def load(path, names):
     """Import the learner's file and return the object(s) named ``names`` (a str or a tuple).

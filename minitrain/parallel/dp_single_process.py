@@ -89,6 +89,3 @@ class DataParallel:
 
     def parameters(self):
         return self.module.parameters()
-
-    def reset_stats(self):
-        self.stats = self._zero_stats()

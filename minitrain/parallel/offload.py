@@ -17,7 +17,15 @@ operations save (a Linear's weight) stay where they are: they live on the device
 """
 from .. import backend, memory
 from ..autograd.graph import saved_tensors_hooks
+from ..comm import all_reduce
 from ..optim.mixed_precision import MixedPrecisionOptimizer
+
+
+def found_inf_on_any_rank(comm):
+    """The reduction a mixed-precision optimizer of sharded parameters needs (all_reduce_found_inf):
+    the maximum of the ranks' inf/NaN flags, so that every rank skips the same steps. One all-reduce
+    of one number per step."""
+    return lambda flag: all_reduce(comm, flag, op="max")
 
 
 class CPUOffloadOptimizer(MixedPrecisionOptimizer):

@@ -8,7 +8,7 @@ choices; ``layouts`` enumerates every valid one for a world size (what ``--searc
 The MLP's strategies map onto layouts: ddp = dp N (ZeRO 0), zero1/2/3 = ZeRO stage s over dp N,
 pipeline = pp N/D x dp D; local_sgd is DDP whose all-reduce of Ψ parameters happens every k steps.
 """
-from dataclasses import dataclass, field, fields as dataclass_fields, replace
+from dataclasses import dataclass, field, fields as dataclass_fields
 
 PRECISIONS = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}     # bytes per parameter / activation value
 MIXED = ("fp16", "bf16")                                        # low precision + fp32 master weights
@@ -226,7 +226,3 @@ def layouts(model, world, batch_size, precision="bf16", optimizer="adam", zeros=
                             except LayoutError:
                                 pass
     return out
-
-
-def with_layout(layout, **changes):
-    return replace(layout, **changes)

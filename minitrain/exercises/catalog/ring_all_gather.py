@@ -73,7 +73,7 @@ def _exact(comm, impl):
                 raise Mismatch(f"{case}: returned dtype {got.dtype}, expected {full.dtype} (the shard's)")
             problem = compare(got, full, case, exact=True, chunks=p)
             if problem:
-                raise Mismatch(problem + f" (rank j's shard is chunk j: the result must be in rank order)")
+                raise Mismatch(problem + " (rank j's shard is chunk j: the result must be in rank order)")
 
 
 def _traffic(comm, impl):
