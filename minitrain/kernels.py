@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for the GPU: each function here is one ``cupy.fuse`` kernel (or a
+"""Fused elementwise kernels for the GPU: each function here is one cupy.fuse kernel (or a
 reduction fused with the elementwise work before and after it), where the NumPy code of the same
 op launches one kernel per operation. The CPU keeps its own NumPy code (ops.py, adam.py): the
 numbers there stay exactly what they were.

@@ -1,16 +1,16 @@
 """Spans per rank -> one Chrome-trace / Perfetto JSON, and matplotlib timelines.
 
-``with trace.span("ring_all_reduce", kind="comm", bytes=n):`` records (rank, name, kind, start,
-end, args) into the calling thread's tracer when tracing is on (``trace.enable(rank)``); off, a
-span costs one attribute lookup. Times are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
-for every process on a Linux machine), so ranks line up; exports shift them to start at 0. ``save_chrome(path, comm)`` gathers every rank's spans to rank 0
+with trace.span("ring_all_reduce", kind="comm", bytes=n): records (rank, name, kind, start,
+end, args) into the calling thread's tracer when tracing is on (trace.enable(rank)); off, a
+span costs one attribute lookup. Times are time.perf_counter() (CLOCK_MONOTONIC, one clock
+for every process on a Linux machine), so ranks line up; exports shift them to start at 0. save_chrome(path, comm) gathers every rank's spans to rank 0
 through the communicator (duck-typed: this module imports nothing of comm/) and writes one file
 that chrome://tracing or ui.perfetto.dev opens, one process row per rank.
 
 On the GPU a span also records a CUDA event at its start and end, so it measures what the device
 did, not when the host queued it (kernels run asynchronously): reading the events back
-(``events()``, ``save_chrome``) waits for the GPU once and replaces the span's times by the
-device's, on a clock aligned with the host's at the first span (host times kept in ``args``).
+(events(), save_chrome) waits for the GPU once and replaces the span's times by the
+device's, on a clock aligned with the host's at the first span (host times kept in args).
 Recording an event never makes the host wait, so tracing adds no synchronisation to a step.
 """
 import json

@@ -1,4 +1,4 @@
-"""The main job's pipeline strategy (``python -m minitrain.examples.mlp --strategy pipeline``):
+"""The main job's pipeline strategy (python -m minitrain.examples.mlp --strategy pipeline):
 
     mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline --schedule 1f1b --microbatches 8
         [--chunks V] [--dp D] [--json out.json] [--plot pipeline.png]
@@ -6,7 +6,7 @@
 The MLP's layers are cut into ranks/D stages (x chunks); D data-parallel replicas of the pipeline
 each take 1/D of every global batch and average their gradients once per step. Rank 0 reports the
 measured bubble (from the trace of the last step: 1 - time in forward/backward / step time) beside
-the formula, and ``--plot`` draws the simulated timeline (the schedule run with the measured mean
+the formula, and --plot draws the simulated timeline (the schedule run with the measured mean
 forward and backward times) above the measured one.
 """
 import sys

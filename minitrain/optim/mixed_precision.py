@@ -1,5 +1,5 @@
 """Mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training"): the model
-computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and its state in fp32.
+computes in float16 or bfloat16, the optimizer keeps fp32 master weights and its state in fp32.
 
     model.to(np.float16)                                     # parameters and gradients: 2 bytes
     opt = MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-3)   # fp16: dynamic loss scale
@@ -8,14 +8,14 @@ computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and
     opt.step()                    # unscale, skip on inf/NaN, step the fp32 masters, copy them back
 
 Bytes per parameter: 2 (param) + 2 (grad) + K with K = 4 (master) + 4 + 4 (Adam's moments) = 12,
-the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as ``optimizer_state``.
+the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as optimizer_state.
 
 On the GPU the inf/NaN check is one device reduction over all gradients and one synchronisation
 per step (skipping a step is a decision the host makes, as in PyTorch's GradScaler).
 
 Loss scaling (fp16 only; bfloat16 has fp32's exponent range): small gradients underflow in fp16,
 so the loss is multiplied by S before backward and the gradients divided by S in fp32 after. With
-``loss_scale="dynamic"`` (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
+loss_scale="dynamic" (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
 step when any gradient is inf/NaN, and doubles after growth_interval clean steps. When the
 parameters are shards (ZeRO, FSDP) every rank must skip the same steps: pass
 all_reduce_found_inf, a function that takes this rank's flag (a one-element float array, 1.0 for

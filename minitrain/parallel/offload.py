@@ -2,18 +2,18 @@
 recomputation) and model states (ZeRO-Offload, Ren et al. 2021, "ZeRO-Offload: Democratizing
 Billion-Scale Model Training").
 
-``CPUOffloadOptimizer(params, optim.Adam, lr=...)``: the fp32 master weights and the optimizer
+CPUOffloadOptimizer(params, optim.Adam, lr=...): the fp32 master weights and the optimizer
 state live on the host and the update runs there (ZeRO-Offload's CPU Adam); each step the gradients
 go device -> host and the updated weights host -> device. The device keeps only the parameters
 and gradients: 2Ψ + 2Ψ in mixed precision (4Ψ + 4Ψ in fp32) instead of 16Ψ. It is the optimizer
-inside ZeRO-1/2 with ``offload=True``; FSDP's ``offload_params=True`` moves the shards too.
+inside ZeRO-1/2 with offload=True; FSDP's offload_params=True moves the shards too.
 
-``with offload_activations() as moved:`` packs every array an operation saves for backward into
+with offload_activations() as moved: packs every array an operation saves for backward into
 host memory and unpacks it back in backward (a saved-tensor hooks context). On CuPy the copies are
 real device <-> host transfers; on NumPy the array simply leaves the teaching device's budget
-(``minitrain.memory`` counts activations on the device only) without being copied. Parameters that
+(minitrain.memory counts activations on the device only) without being copied. Parameters that
 operations save (a Linear's weight) stay where they are: they live on the device anyway.
-``moved`` counts the bytes each way.
+moved counts the bytes each way.
 """
 from .. import backend, memory
 from ..autograd.graph import saved_tensors_hooks

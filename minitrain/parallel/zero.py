@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", sec. 5; DeepSpeed's names). Stage 3 is FullyShardedDataParallel (fsdp.py).
 
-Every rank keeps all the parameters, but the optimizer state is **partitioned**: the trainable
+Every rank keeps all the parameters, but the optimizer state is partitioned: the trainable
 parameters live in one flat buffer, padded to a multiple of p, and rank r owns the contiguous
 shard [r·S, (r+1)·S), S = Ψ_pad / p. Each rank steps only its shard, with any ordinary optimizer
 built on that shard (the update is elementwise), then the shards are all-gathered back.

@@ -1,6 +1,6 @@
 """What each layer keeps for backward, in bytes: the activation side of minitrain's accounting.
 
-A ``Piece`` is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
+A Piece is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
 [embedding, blocks, head] as GPT3D lays them out), with its parameters. Counted as the ledger counts: each
 array once, by the buffer that owns it (a Linear after a ReLU saves the ReLU's own output; micro-batches that
 are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + as²b/t + 2sb
