@@ -158,28 +158,30 @@ def _row(e):
     return e["rank"], kind
 
 
-def plot_timeline(all_events, ax=None, title=None, colors=None):
-    """Gantt chart: one row per (rank, kind), a bar per span."""
+def plot_timeline(all_events, ax=None, title=None, colors=None, legend=True):
+    """Gantt chart: one row per (rank, kind), a bar per span; the legend (one entry per span name)
+    sits right of the axes, where it hides no bar."""
     import matplotlib.pyplot as plt
     rows = sorted({_row(e) for e in all_events})
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(rows)))
     colors = colors or {}
-    palette = plt.get_cmap("tab10")
     names = sorted({e["name"] for e in all_events})
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")     # no two names share a colour up to 20
     t0 = _origin(all_events)
     for i, row in enumerate(rows):
         for e in all_events:
             if _row(e) != row:
                 continue
-            color = colors.get(e["name"], palette(names.index(e["name"]) % 10))
+            color = colors.get(e["name"], palette(names.index(e["name"]) % palette.N))
             ax.barh(i, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, color=color,
                     edgecolor="k", lw=0.3)
     ax.set_yticks(range(len(rows)), [f"rank {r} {k}" for r, k in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms")
+    ax.set_xlabel("time (ms)")
     if title:
         ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors.get(n, palette(i % 10))) for i, n in enumerate(names)]
-    ax.legend(handles, names, fontsize=7, loc="upper right")
+    if legend:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors.get(n, palette(i % palette.N))) for i, n in enumerate(names)]
+        ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     return ax

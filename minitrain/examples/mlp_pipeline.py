@@ -174,13 +174,14 @@ def plot_pipeline(pipe, all_events, path, pp):
         colors[e["name"]] = palette((2 * mb + (op == "B")) % 20)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.5 + 1.0 * pp), sharex=True)
     from minitrain import trace as tr
-    tr.plot_timeline(simulated, ax=top, colors=colors,
+    tr.plot_timeline(simulated, ax=top, colors=colors, legend=False,
                      title=f"simulated {pipe.schedule_name}: bubble {sim['bubble_fraction']:.3f} "
                            f"(formula {pipe.formula_bubble_fraction():.3f})")
-    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)")
-    for ax in (top, bottom):
-        legend = ax.get_legend()
-        if legend is not None:
-            legend.remove()
+    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)", legend=False)
+    # one entry per micro-batch and direction (F i: forward of micro-batch i, B i: its backward), beside the axes
+    batches = sorted({int(e["name"][1:].split(".")[0]) for e in simulated})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette((2 * mb + (op == "B")) % 20)) for mb in batches for op in "FB"]
+    top.legend(handles, [f"{op} {mb}" for mb in batches for op in "FB"], fontsize=7, ncol=2, title="micro-batch",
+               title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
