@@ -1,11 +1,11 @@
 """MPICommunicator: the Communicator over mpi4py's buffer API (never pickle for arrays).
 
-Arrays travel as raw bytes (``[buf, MPI.BYTE]``), so every NumPy dtype works, float16 included,
+Arrays travel as raw bytes ([buf, MPI.BYTE]), so every NumPy dtype works, float16 included,
 and the two sides must agree on sizes (the collectives guarantee it; debug mode checks it).
 CuPy arrays go through the communicator's device transport (transport.py: CUDA-aware MPI when
-``MPIX_Query_cuda_support`` says so or ``MINITRAIN_CUDA_AWARE=1`` forces it, CUDA IPC on one node,
-else pinned staging): the seam is ``_isend`` / ``_irecv``, below the counting and the checks.
-``init()`` is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
+MPIX_Query_cuda_support says so or MINITRAIN_CUDA_AWARE=1 forces it, CUDA IPC on one node, else
+pinned staging): the seam is _isend / _irecv, below the counting and the checks.
+init() is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
 installs the hook that turns an uncaught exception on any rank into "[rank r] traceback" and an
 MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
 """

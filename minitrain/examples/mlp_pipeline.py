@@ -1,4 +1,4 @@
-"""The main job's pipeline strategy (``python -m minitrain.examples.mlp --strategy pipeline``):
+"""The main job's pipeline strategy (python -m minitrain.examples.mlp --strategy pipeline):
 
     mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline --schedule 1f1b --microbatches 8
         [--chunks V] [--dp D] [--json out.json] [--plot pipeline.png]
@@ -6,7 +6,7 @@
 The MLP's layers are cut into ranks/D stages (x chunks); D data-parallel replicas of the pipeline
 each take 1/D of every global batch and average their gradients once per step. Rank 0 reports the
 measured bubble (from the trace of the last step: 1 - time in forward/backward / step time) beside
-the formula, and ``--plot`` draws the simulated timeline (the schedule run with the measured mean
+the formula, and --plot draws the simulated timeline (the schedule run with the measured mean
 forward and backward times) above the measured one.
 """
 import sys
@@ -176,13 +176,14 @@ def plot_pipeline(pipe, all_events, path, pp):
         colors[e["name"]] = palette((2 * mb + (op == "B")) % 20)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.5 + 1.0 * pp), sharex=True)
     from minitrain import trace as tr
-    tr.plot_timeline(simulated, ax=top, colors=colors,
+    tr.plot_timeline(simulated, ax=top, colors=colors, legend=False,
                      title=f"simulated {pipe.schedule_name}: bubble {sim['bubble_fraction']:.3f} "
                            f"(formula {pipe.formula_bubble_fraction():.3f})")
-    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)")
-    for ax in (top, bottom):
-        legend = ax.get_legend()
-        if legend is not None:
-            legend.remove()
+    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)", legend=False)
+    # one entry per micro-batch and direction (F i: forward of micro-batch i, B i: its backward), beside the axes
+    batches = sorted({int(e["name"][1:].split(".")[0]) for e in simulated})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette((2 * mb + (op == "B")) % 20)) for mb in batches for op in "FB"]
+    top.legend(handles, [f"{op} {mb}" for mb in batches for op in "FB"], fontsize=7, ncol=2, title="micro-batch",
+               title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
