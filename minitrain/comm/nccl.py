@@ -1,6 +1,6 @@
 """NCCL as a Communicator backend: device buffers move by NCCL's send/recv, host buffers by the MPI
 communicator it was started from, so the hand-written collectives run unchanged on NCCL's
-point-to-point calls, beside NCCL's own all-reduce (``nccl_all_reduce``) on the same buffers.
+point-to-point calls, beside NCCL's own all-reduce (nccl_all_reduce) on the same buffers.
 
 Start-up, as ncclCommInitRank wants it: every rank first checks (over MPI) that NCCL is there and
 that no two ranks share a GPU (NCCL refuses that), then rank 0 draws the 128-byte unique id and

@@ -1,7 +1,7 @@
 """How device buffers cross MPI ranks: one transport per communicator, chosen when the job starts.
 
 Host (NumPy) arrays go to MPI as they are. A device (CuPy) array goes through the communicator's
-transport, the first of these that works here (``describe(comm)`` names it in the job's table):
+transport, the first of these that works here (describe(comm) names it in the job's table):
 
   cuda-aware-mpi  MPI reads and writes device memory itself (MPIX_Query_cuda_support() is 1)
   cuda-ipc        ranks on one node map each other's device memory (ipc.py): the receiver's kernel
@@ -10,7 +10,7 @@ transport, the first of these that works here (``describe(comm)`` names it in th
                   two PCIe copies (2·N·b / B_pcie) beside MPI's alpha + N·b·beta
 
 Staging buffers are page-locked, allocated once per communicator (grown on demand), reused, and
-counted in the memory ledger under comm_buffers (host). ``mpi_buffer`` is the one place where an
+counted in the memory ledger under comm_buffers (host). mpi_buffer is the one place where an
 array reaches mpi4py: a device array there is refused unless the MPI library is CUDA-aware, since a
 device pointer handed to any other MPI is a segmentation fault, not an error.
 """
