@@ -19,6 +19,8 @@
 # Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
 # to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
 # TRANSPORT_ARGS extra bench_gpu_collectives.py options, EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+# MINITRAIN_TRANSPORT (auto | cuda-ipc | pinned-staging | cuda-aware-mpi), MINITRAIN_IPC_SYNC (event | host) and
+# MINITRAIN_BACKEND (mpi | nccl) reach every rank (under Open MPI through -x).
 set -u
 OUT=${1:?usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]}
 shift
@@ -41,6 +43,9 @@ if "$LAUNCHER" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
   LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS
           -x MINITRAIN_TIMEOUT)
   [ "$(id -u)" = 0 ] && LAUNCH+=(--allow-run-as-root)
+  for var in MINITRAIN_TRANSPORT MINITRAIN_IPC_SYNC MINITRAIN_BACKEND MINITRAIN_CUDA_AWARE; do   # the transport knobs
+    [ -n "${!var:-}" ] && LAUNCH+=(-x "$var")
+  done
 else
   LAUNCH=("$LAUNCHER")
 fi
