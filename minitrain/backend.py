@@ -150,6 +150,24 @@ def to_device(a, device=None):
     return to_host(a)
 
 
+def to_host_into(a, out, blocking=True):
+    """Copy device array ``a`` into the host array ``out`` of the same shape and dtype (counted). Into
+    pinned memory with ``blocking=False`` the copy is queued on the stream: synchronize() before reading."""
+    _counts.d2h += 1
+    _counts.d2h_bytes += a.nbytes
+    _counts.sync += bool(blocking)
+    a.get(out=out, blocking=blocking)
+    return out
+
+
+def to_device_into(out, host):
+    """Copy the host array ``host`` into device array ``out`` (counted; queued on the stream)."""
+    _counts.h2d += 1
+    _counts.h2d_bytes += host.nbytes
+    out.set(host)
+    return out
+
+
 def to_scalar(a):
     """A Python number from a one-element array (on the device: a counted copy and synchronisation)."""
     if is_device_array(a):

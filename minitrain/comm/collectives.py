@@ -90,10 +90,20 @@ def _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place):
         send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
         outgoing = flat[bounds[send_i]:bounds[send_i + 1]] if step == 0 else reduced
         incoming = place(step, recv_i)
-        comm.sendrecv(outgoing, right, incoming, left, tag)
-        _combine(incoming, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
+        _sendrecv_reduce(comm, outgoing, right, incoming, left, tag, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
         reduced = incoming
     return reduced
+
+
+def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
+    """One reduce-scatter step: send ``sendbuf``, and make ``recvbuf`` = what arrives (op) ``own``.
+    A transport that reads the peer's memory (CUDA IPC) reduces as it reads: one kernel, no copy."""
+    recv = comm.irecv(recvbuf, source, tag)
+    fused = recv.reduce_on_arrival(own, op)
+    send = comm.isend(sendbuf, dest, tag)
+    comm.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
+    if not fused:
+        _combine(recvbuf, own, op)
 
 
 def _ring_all_gather_into(comm, tag, out, bounds):

@@ -110,6 +110,12 @@ class Request:
     def test(self):
         raise NotImplementedError
 
+    def reduce_on_arrival(self, own, op):
+        """Ask a pending receive to arrive as ``recvbuf = message (op) own`` (a reduce-scatter step).
+        True if the transport does it (CUDA IPC: in the kernel that reads the peer's memory); False
+        (here): the caller combines after the wait."""
+        return False
+
 
 def _as_buffer(a, what):
     if not hasattr(a, "nbytes"):

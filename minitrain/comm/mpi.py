@@ -2,9 +2,9 @@
 
 Arrays travel as raw bytes ([buf, MPI.BYTE]), so every NumPy dtype works, float16 included,
 and the two sides must agree on sizes (the collectives guarantee it; debug mode checks it).
-CuPy arrays are staged through host memory unless MPI says it is CUDA-aware
-(MPIX_Query_cuda_support via ctypes) or MINITRAIN_CUDA_AWARE=1 forces the direct path:
-the PyPI mpich wheel is not CUDA-aware, and a device pointer given to it would crash.
+CuPy arrays go through the communicator's device transport (transport.py: CUDA-aware MPI when
+MPIX_Query_cuda_support says so or MINITRAIN_CUDA_AWARE=1 forces it, CUDA IPC on one node, else
+pinned staging): the seam is _isend / _irecv, below the counting and the checks.
 init() is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
 installs the hook that turns an uncaught exception on any rank into "[rank r] traceback" and an
 MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
@@ -12,13 +12,13 @@ MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
 import ctypes
 import os
 import sys
+import threading
 import time
 import traceback
 
-import numpy as np
-
 from .. import backend
 from .communicator import Communicator, Request
+from .transport import default_transport, mpi_buffer
 
 
 def _mpi():
@@ -55,43 +55,50 @@ class MPIRequest(Request):
         return self._done
 
 
+_TRANSPORT_LOCK = threading.Lock()
+
+
 class MPICommunicator(Communicator):
     def __init__(self, mpi_comm=None, timeout=None):
         MPI = _mpi()
         self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), timeout)
         self._byte = MPI.BYTE
-        self._cuda_aware = None
 
-    def _host_view(self, buf):
-        """(host buffer to hand to MPI, whether it is a staging copy)."""
-        if backend.is_device_array(buf):
-            if self._cuda_aware is None:
-                self._cuda_aware = cuda_aware()
-            backend.synchronize()
-            if not self._cuda_aware:
-                return backend.to_host(buf), True
-        return buf, False
+    backend_name = "mpi"
+    #: how device arrays move (transport.py): comm.init() negotiates it; otherwise the default
+    transport = None
+    transport_note = ""
+
+    def device_transport(self):
+        if self.transport is None:
+            with _TRANSPORT_LOCK:                      # the progress thread may ask at the same time
+                if self.transport is None:
+                    self.transport = default_transport(self)
+        return self.transport
 
     def _isend(self, buf, dest, tag):
-        host, _ = self._host_view(buf)
-        # the staging copy (if any) is kept alive by the closure until the send completes
-        request = self.mpi_comm.Isend([host, self._byte], dest, tag)
-        return MPIRequest(request, dest, "send to", on_complete=lambda: host)
+        if backend.is_device_array(buf):
+            return self.device_transport().isend(buf, dest, tag)
+        return self._mpi_isend(buf, dest, tag)
 
     def _irecv(self, buf, source, tag):
         if backend.is_device_array(buf):
-            host, staged = self._host_view(buf)
-            if staged:
-                host = np.empty(buf.shape, buf.dtype)
-                request = self.mpi_comm.Irecv([host, self._byte], source, tag)
-                return MPIRequest(request, source, "recv from",
-                                  on_complete=lambda: buf.set(host))
-        request = self.mpi_comm.Irecv([buf, self._byte], source, tag)
-        return MPIRequest(request, source, "recv from")
+            return self.device_transport().irecv(buf, source, tag)
+        return self._mpi_irecv(buf, source, tag)
+
+    def _mpi_isend(self, buf, dest, tag):
+        """``buf`` to MPI as it is: a host array (a device array only if MPI is CUDA-aware: mpi_buffer)."""
+        return MPIRequest(self.mpi_comm.Isend(mpi_buffer(buf), dest, tag), dest, "send to")
+
+    def _mpi_irecv(self, buf, source, tag):
+        return MPIRequest(self.mpi_comm.Irecv(mpi_buffer(buf), source, tag), source, "recv from")
 
     def _split(self, color, key):
-        return MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout)
+        child = MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout)
+        if self.transport is not None:                 # the same transport (collective over the child)
+            child.transport, child.transport_note = self.transport.split(child), self.transport_note
+        return child
 
     def abort(self, code=1):
         """Stop every rank of the job. What this rank wrote gets ABORT_GRACE_S to reach the launcher

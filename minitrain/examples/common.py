@@ -44,6 +44,12 @@ def device_code():
     return backend.gpu_index() if backend.get_device() == "cuda" else -1
 
 
+def transport_name(comm):
+    """How this job's device buffers cross ranks (minitrain/comm/transport.py), for its table and JSON."""
+    from ..comm.transport import describe
+    return describe(comm)
+
+
 def device_name(code):
     return "cpu" if code < 0 else f"cuda:{int(code)}"
 

@@ -26,7 +26,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line,
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line, transport_name,
                                        tqdm, write_json)
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
@@ -154,7 +154,8 @@ def main_parallel(args):
     formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
-    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0]"
+    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
+          f"transport {transport_name(comm)}]"
           + (", sequence parallel" if args.sequence_parallel else ""))
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
@@ -180,7 +181,7 @@ def main_parallel(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp,
+            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),

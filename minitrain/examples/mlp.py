@@ -24,7 +24,7 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory,
+from minitrain.examples.common import (device_code, device_name, transport_name, fmt_bytes, memory_table, persistent_memory,
                                        planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
@@ -307,7 +307,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     k = {"adam": 2, "sgd": 1}[args.optimizer] * state_item + (state_item if args.dtype in LOW_PRECISION or args.offload else 0)
     state_formula = model_state_bytes(psi, world, stage, param_bytes=itemsize, grad_bytes=itemsize, k=k)
     print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
-          f"[{minitrain.backend.describe_device()} on rank 0], {args.optimizer}, "
+          f"[{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}], {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
@@ -344,7 +344,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     if args.json:
         write_json(args.json, {
             "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
-            "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
+            "transport": transport_name(comm), "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
