@@ -1,11 +1,11 @@
 """Test helpers shared by the test suite and the exercise checks.
 
-``gradcheck`` compares backward() with central differences (float64).
-``run_mpi`` runs a command under ``mpiexec -n N`` with a hard timeout; every output line is
-prefixed with its rank (``[r] ``: MPICH's ``-l``, Open MPI's ``--tag-output`` rewritten to the same
-form), and a failure or a hang raises ``MPIRunError`` carrying all of it, so a deadlock fails a test
+gradcheck compares backward() with central differences (float64).
+run_mpi runs a command under mpiexec -n N with a hard timeout; every output line is
+prefixed with its rank ([r] : MPICH's -l, Open MPI's --tag-output rewritten to the same
+form), and a failure or a hang raises MPIRunError carrying all of it, so a deadlock fails a test
 within its timeout instead of stalling CI. The launcher is the one that belongs to the MPI library
-mpi4py loads (``mpi_launcher``): the mpich wheel's ``mpiexec`` (hydra) or Open MPI's ``mpirun``.
+mpi4py loads (mpi_launcher): the mpich wheel's mpiexec (hydra) or Open MPI's mpirun.
 """
 import json
 import os

@@ -5,7 +5,7 @@ bandwidth-bound all-reduce (and, for honesty, a latency-bound one).
 
     python scripts/bench_checks.py [--ranks 4] [--steps 100] [--rounds 5] [--mib 16] [--json out.json]
 
-Launches itself under ``mpiexec -n p``. The main job's step is examples/mlp.py's default: the MLP
+Launches itself under mpiexec -n p. The main job's step is examples/mlp.py's default: the MLP
 64-128-128-10 on the digits, global batch 64, DDP, Adam, fp32. Four configurations, measured in
 turn inside each round (interleaved, so that a machine shared with other jobs slows them alike,
 in an order rotated each round);
@@ -15,7 +15,7 @@ a configuration's time is the median over rounds of the slowest rank's mean step
   -check      size checks + flight recorder
   -sizes      flight recorder only
   none        nothing
-Prints each configuration's time and its ratio to ``none``, and what each mechanism adds; and,
+Prints each configuration's time and its ratio to none, and what each mechanism adds; and,
 from steadier figures, check_collectives' share of the step: collectives per step (counted) x what
 the check adds to a 1 KiB all-reduce.
 """
@@ -24,6 +24,8 @@ import json
 import time
 
 import numpy as np
+
+from minitrain import cli
 
 CONFIGS = {"all": (True, True, True), "-check": (False, True, True), "-sizes": (False, False, True),
            "none": (False, False, False)}          # check_collectives, verify_sizes, recording
@@ -96,13 +98,13 @@ def worker(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4, help="ranks (one mpiexec launch)")
     ap.add_argument("--steps", type=int, default=100, help="steps (and 1 KiB all-reduces) per configuration and round")
     ap.add_argument("--big-reps", type=int, default=10, help="big all-reduces per configuration and round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mib", type=float, default=16)
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; each measures every configuration once")
+    ap.add_argument("--mib", type=float, default=16, help="size of the big (bandwidth-bound) all-reduce, MiB")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

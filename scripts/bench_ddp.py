@@ -12,10 +12,11 @@ speed / staleness trade-off: step time and the training loss reached after the s
 """
 import argparse
 import json
-import os
 import time
 
 import numpy as np
+
+from minitrain import cli
 
 LR = 0.05
 BUCKET_CAP_MB = 4   # both frameworks; at the default 25 MiB the large model (16.8 MB) is one bucket,
@@ -111,10 +112,10 @@ def launch(framework, model, p, steps, sync_every=1):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="one mpiexec launch per p")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per model")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="which models (local SGD runs on the last one)")
     ap.add_argument("--local-sgd", type=int, nargs="*", default=[1, 4, 8], metavar="K",

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from minitrain import cli
+
 SCHEDULES = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 MICROBATCHES = [1, 2, 4, 8, 16]
 LAYERS, BATCH = 8, 512
@@ -115,12 +117,12 @@ def plot(all_results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per schedule and m")
+    ap.add_argument("--width", type=int, default=1024, help="W of the 8 Linear(W, W) layers")
+    ap.add_argument("--plot", metavar="PNG", help="draw the bubbles beside the formula (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

@@ -23,7 +23,7 @@ from minitrain.backend import bfloat16
 from minitrain.comm import ALL_REDUCE_ALGORITHMS, ThreadWorld, all_reduce
 from minitrain.nn import functional as F
 from minitrain.parallel import (DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
-                                ZeroRedundancyOptimizer)
+                                ZeroRedundancyOptimizer, found_inf_on_any_rank)
 
 PRECISIONS = {"fp64": np.float64, "bf16": bfloat16, "fp16": np.float16}
 ACCUMULATION = {"step": 1, "accumulate": 2, "no_sync": 2}     # micro-batches per optimizer step
@@ -88,7 +88,8 @@ def optimizer_args(strategy, precision):
 def build_optimizer(params, opt_class, kwargs, mixed, comm=None):
     if mixed is None:
         return opt_class(params, **kwargs)
-    return optim.MixedPrecisionOptimizer(params, opt_class, comm=comm, **mixed, **kwargs)
+    agree = found_inf_on_any_rank(comm) if comm is not None else None       # sharded: skip steps alike
+    return optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=agree, **mixed, **kwargs)
 
 
 def scaled(opt, loss):

@@ -1,27 +1,27 @@
 """Communicator: the only way bytes cross ranks. Point-to-point calls, counted, checked, hang-proof.
 
-Two transports implement the same primitives (``_isend``, ``_irecv``, ``_split``, ``_idle``,
-``_snapshots``, ``abort``): ``MPICommunicator`` (mpi4py's buffer API) and ``ThreadWorld`` (ranks as
+Two transports implement the same primitives (_isend, _irecv, _split, _idle,
+_snapshots, abort): MPICommunicator (mpi4py's buffer API) and ThreadWorld (ranks as
 threads). A transport moves raw bytes under a *wire tag* and reports, when a receive completes, how
 many bytes arrived (MPI: the status's count); everything above is shared and written once, here:
 
-* ``send/recv/sendrecv/isend/irecv`` on contiguous numpy (or cupy) arrays. The contract: a receive
-  whose size or dtype differs from the sender's raises ``CommError`` naming both ranks, the call
+* send/recv/sendrecv/isend/irecv on contiguous numpy (or cupy) arrays. The contract: a receive
+  whose size or dtype differs from the sender's raises CommError naming both ranks, the call
   (collective and sequence number, or the p2p tag) and both sizes. Sizes are checked on completion
-  (free: MPI's status); the dtype travels in the wire tag (``logical tag * 16 + dtype code``), so a
+  (free: MPI's status); the dtype travels in the wire tag (logical tag * 16 + dtype code), so a
   message of another dtype never matches, and the stalled wait's flight recorder report names both;
-* ``stats``: bytes and messages sent/received, in total and per collective name;
-* waiting: requests are polled with ``test()``: yielding the core (``sched_yield``) for the first
+* stats: bytes and messages sent/received, in total and per collective name;
+* waiting: requests are polled with test(): yielding the core (sched_yield) for the first
   10 ms, then sleeping with a growing back-off (measured: spinning made a 4 MiB ring all-reduce at
-  4 ranks on 2 cores 5x slower; ``time.sleep(0)`` made 1 KiB sendrecv 3x slower than sched_yield).
-  A wait longer than ``comm_timeout`` (the stall threshold, default 10 s) asks every rank's flight
+  4 ranks on 2 cores 5x slower; time.sleep(0) made 1 KiB sendrecv 3x slower than sched_yield).
+  A wait longer than comm_timeout (the stall threshold, default 10 s) asks every rank's flight
   recorder what it is doing (flight_recorder.py, reports.py): a rank at another call ends the job at
-  once, a slow one is named in a warning; a wait longer than ``timeout`` (default 3 x comm_timeout)
-  raises ``CollectiveTimeout`` with the same report;
+  once, a slow one is named in a warning; a wait longer than timeout (default 3 x comm_timeout)
+  raises CollectiveTimeout with the same report;
 * collective bookkeeping: each collective takes the next sequence number, which (with a few bits of
   its name) becomes its message tag, so asynchronous and blocking collectives never exchange each
-  other's messages; with ``check_collectives`` (on by default) every collective first compares its
-  header with the ring neighbour's (headers.py) and raises ``CollectiveMismatchError`` naming the
+  other's messages; with check_collectives (on by default) every collective first compares its
+  header with the ring neighbour's (headers.py) and raises CollectiveMismatchError naming the
   ranks that disagree, before a byte of data moves.
 """
 import os
@@ -99,6 +99,12 @@ class Request:
 
     def cancel(self):
         """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""
+
+    def reduce_on_arrival(self, own, op):
+        """Ask a pending receive to arrive as ``recvbuf = message (op) own`` (a reduce-scatter step).
+        True if the transport does it (CUDA IPC: in the kernel that reads the peer's memory); False
+        (here): the caller combines after the wait."""
+        return False
 
 
 def _as_buffer(a, what):

@@ -4,13 +4,13 @@ crash in C code, os._exit), and the call it was in.
 A rank killed by SIGKILL cannot report anything, and MPICH's launcher (hydra) then kills every other
 rank at once, with SIGKILL too, and prints the PID of *a* process, not always the dead one's
 (measured with the mpich 5.0.2 wheel). So each rank mirrors its current call into a small
-shared-memory slot (~1 us per collective: ``begin`` / ``end`` below), and one watcher process per
-node, started by ``minitrain.comm.init`` in a session of its own (the launcher's cleanup does not
+shared-memory slot (~1 us per collective: begin / end below), and one watcher process per
+node, started by minitrain.comm.init in a session of its own (the launcher's cleanup does not
 reach it), waits on every local rank's pidfd. The first rank to end while its slot says neither
 "finished" (left the script) nor "aborting" (reported its own error) is the one that died: the watcher
 prints its flight recorder line and the other ranks', then exits. The launcher forwards that text
 (hydra waits for the watcher to close its copy of the rank's stderr). Standard library only: the
-watcher runs as ``python -I death_watch.py`` and starts in ~20 ms.
+watcher runs as python -I death_watch.py and starts in ~20 ms.
 """
 import mmap
 import os

@@ -3,12 +3,12 @@
 As PyTorch's NCCL flight recorder: every collective (and every point-to-point call made outside a
 collective) leaves a record: communicator, sequence number, name, shape, dtype, bytes, start time,
 state (queued / running / done / failed) and, once a wait lasts, the ranks it waits for. Each rank
-keeps the last ``capacity`` records in a ring (a deque: O(1) per call, ~2 us). When a wait passes
-the stall threshold (``comm_timeout``), the waiting rank collects every member's records out of band
+keeps the last capacity records in a ring (a deque: O(1) per call, ~2 us). When a wait passes
+the stall threshold (comm_timeout), the waiting rank collects every member's records out of band
 (ThreadWorld: directly; MPI: the watchdog thread of each rank answers on a duplicated communicator)
-and ``analyze`` names the verdict: a rank at another call or sequence number, or one that has left,
+and analyze names the verdict: a rank at another call or sequence number, or one that has left,
 ends the job at once; a rank still computing is named in a warning and the wait goes on to the hard
-timeout. ``format_report`` writes the *flight recorder report* a user sees.
+timeout. format_report writes the *flight recorder report* a user sees.
 """
 import os
 import socket

@@ -5,10 +5,10 @@ header beside the data instead of before it saved nothing measurable, the cost b
 own overhead, and would let a rank whose neighbour agrees return a result mixed from different
 calls). If any two ranks disagree, some pair of neighbours does: the ranks that see it send no data
 (so no result that depends on theirs completes); each reads every rank's flight record of this
-call (flight_recorder.py) and raises ``CollectiveMismatchError`` naming each rank's call, with
-``<-- differs`` at the minority. Headers are fixed-size int64 arrays, compared element by element;
-names, dtypes and ops travel as CRC-32 codes (``register_names``: every rank can decode a name it
-never called). Counted apart from the data, in ``comm.stats["check_collectives"]``.
+call (flight_recorder.py) and raises CollectiveMismatchError naming each rank's call, with
+<-- differs at the minority. Headers are fixed-size int64 arrays, compared element by element;
+names, dtypes and ops travel as CRC-32 codes (register_names: every rank can decode a name it
+never called). Counted apart from the data, in comm.stats["check_collectives"].
 """
 import time
 import zlib

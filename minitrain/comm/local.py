@@ -1,14 +1,14 @@
 """ThreadWorld: N ranks as threads in one process, for fast tests and notebooks.
 
-``ThreadWorld(4).run(fn)`` calls ``fn(comm)`` on four threads, each with its own
-``ThreadCommunicator`` (and its own memory tracker, tracer, flight recorder and random generator, so
+ThreadWorld(4).run(fn) calls fn(comm) on four threads, each with its own
+ThreadCommunicator (and its own memory tracker, tracer, flight recorder and random generator, so
 per-rank accounting works and ranks draw the same numbers, as processes with one seed do), and
 returns the four results. Messages go through one shared mailbox keyed by (group, source,
 destination, tag); a send copies its buffer (so the sender may reuse it at once, as after MPI_Send
 returns), a receive checks the message's size and dtype against its buffer and copies it in.
 The flight records of every rank are read directly (no out-of-band channel needed). If one rank
 raises, the others stop waiting within milliseconds; a rank that waits for one that has returned
-from ``fn`` fails at once; ``run`` re-raises the first error with a note naming the rank, and
+from fn fails at once; run re-raises the first error with a note naming the rank, and
 never waits without bound for a rank that does not return.
 """
 import threading

@@ -1,10 +1,10 @@
 """DeviceMesh: the world as a grid of named axes, each axis a sub-communicator (as picotron).
 
-``grid = arange(world).reshape(pp, dp, tp)``: tp is innermost (tensor-parallel neighbours are
+grid = arange(world).reshape(pp, dp, tp): tp is innermost (tensor-parallel neighbours are
 adjacent ranks, which on a real cluster share a node and its fast links), then dp, then pp.
-A rank's coordinates are where it sits in that grid; ``mesh.comm("dp")`` connects the ranks that
+A rank's coordinates are where it sits in that grid; mesh.comm("dp") connects the ranks that
 differ only in their dp coordinate. The splits are timed like any collective (a rank that never
-builds the mesh is named, not waited for), and each axis's communicator is called ``tp[4, 5]`` (axis
+builds the mesh is named, not waited for), and each axis's communicator is called tp[4, 5] (axis
 and world ranks) in flight recorder reports.
 """
 import numpy as np

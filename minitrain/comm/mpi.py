@@ -1,14 +1,13 @@
 """MPICommunicator: the Communicator over mpi4py's buffer API (never pickle for arrays).
 
-The transport seam is ``_isend(buf, dest, tag)`` / ``_irecv(buf, source, tag)``: raw bytes under a
-wire tag, returning a request whose ``test()`` sets ``received`` (the byte count MPI's status
-reports) and raises ``MessageTruncated`` when the message is longer than the buffer. Any other
-transport (CUDA IPC, pinned staging, NCCL) implements these two and inherits the checks, the
-flight recorder and the timeouts. Arrays travel as ``[buf, MPI.BYTE]``, so every NumPy dtype works.
-CuPy arrays are staged through host memory unless MPI says it is CUDA-aware
-(``MPIX_Query_cuda_support`` via ctypes) or ``MINITRAIN_CUDA_AWARE=1`` forces the direct path:
-the PyPI mpich wheel is not CUDA-aware, and a device pointer given to it would crash.
-``init()`` is the entry point for jobs: it checks that the launcher and the MPI library belong
+The transport seam is _isend(buf, dest, tag) / _irecv(buf, source, tag): raw bytes under a
+wire tag, returning a request whose test() sets received (the byte count MPI's status reports) and
+raises MessageTruncated when the message is longer than the buffer; the counting, the receive
+contract, the flight recorder and the timeouts sit above it (communicator.py). Host arrays travel
+as [buf, MPI.BYTE], so every NumPy dtype works. CuPy arrays go through the communicator's device
+transport (transport.py: CUDA-aware MPI when MPIX_Query_cuda_support says so or
+MINITRAIN_CUDA_AWARE=1 forces it, CUDA IPC on one node, else pinned staging).
+init() is the entry point for jobs: it checks that the launcher and the MPI library belong
 together, wraps COMM_WORLD, caps BLAS threads per rank, starts the death watch, and installs the
 hook that turns an uncaught exception on any rank into "[rank r] traceback" and an MPI Abort.
 """
@@ -19,6 +18,7 @@ import random as _random
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import zlib
@@ -29,6 +29,7 @@ from .. import backend
 from .communicator import DEFAULT_COMM_TIMEOUT, CollectiveTimeout, CommError, Communicator, MessageTruncated, Request
 from .flight_recorder import FlightRecorder
 from .reports import prefixed
+from .transport import default_transport, mpi_buffer
 
 ABORT_GRACE_S = 0.5
 
@@ -148,8 +149,11 @@ def session(timeout=3 * DEFAULT_COMM_TIMEOUT):
     return _SESSION
 
 
+_TRANSPORT_LOCK = threading.Lock()
+
+
 class MPICommunicator(Communicator):
-    """``MPICommunicator(mpi_comm=None, timeout=None, *, comm_timeout=10.0, check_collectives=True)``:
+    """MPICommunicator(mpi_comm=None, timeout=None, *, comm_timeout=10.0, check_collectives=True):
     COMM_WORLD by default (the keywords are Communicator's)."""
 
     #: False only to measure what the receive-size check costs (scripts/bench_checks.py)
@@ -174,40 +178,46 @@ class MPICommunicator(Communicator):
                          uid=uid or ("world" if is_world else f"mpi{members}"), members=members)
         self.world_size = world.Get_size()
         self._byte = MPI.BYTE
-        self._cuda_aware = None
 
-    def _host_view(self, buf):
-        """(host buffer to hand to MPI, whether it is a staging copy)."""
-        if backend.is_device_array(buf):
-            if self._cuda_aware is None:
-                self._cuda_aware = cuda_aware()
-            backend.synchronize()
-            if not self._cuda_aware:
-                return backend.to_host(buf), True
-        return buf, False
+    backend_name = "mpi"
+    #: how device arrays move (transport.py): comm.init() negotiates it; otherwise the default
+    transport = None
+    transport_note = ""
+
+    def device_transport(self):
+        if self.transport is None:
+            with _TRANSPORT_LOCK:                      # the progress thread may ask at the same time
+                if self.transport is None:
+                    self.transport = default_transport(self)
+        return self.transport
 
     def _isend(self, buf, dest, tag):
-        host, _ = self._host_view(buf)
-        # the staging copy (if any) is kept alive by the closure until the send completes
-        request = self.mpi_comm.Isend([host, self._byte], dest, tag)
-        return MPIRequest(request, dest, "send to", on_complete=lambda: host)
+        if backend.is_device_array(buf):
+            return self.device_transport().isend(buf, dest, tag)
+        return self._mpi_isend(buf, dest, tag)
 
     def _irecv(self, buf, source, tag):
-        status = _MPI.Status() if self.verify_sizes else None
         if backend.is_device_array(buf):
-            host, staged = self._host_view(buf)
-            if staged:
-                host = np.empty(buf.shape, buf.dtype)
-                request = self.mpi_comm.Irecv([host, self._byte], source, tag)
-                return MPIRequest(request, source, "recv from", status, on_complete=lambda: buf.set(host))
-        request = self.mpi_comm.Irecv([buf, self._byte], source, tag)
-        return MPIRequest(request, source, "recv from", status)
+            return self.device_transport().irecv(buf, source, tag)
+        return self._mpi_irecv(buf, source, tag)
+
+    def _mpi_isend(self, buf, dest, tag):
+        """buf to MPI as it is: a host array (a device array only if MPI is CUDA-aware: mpi_buffer)."""
+        return MPIRequest(self.mpi_comm.Isend(mpi_buffer(buf), dest, tag), dest, "send to")
+
+    def _mpi_irecv(self, buf, source, tag):
+        """With a status: the byte count that arrived is checked against buf (the receive contract)."""
+        status = _MPI.Status() if self.verify_sizes else None
+        return MPIRequest(self.mpi_comm.Irecv(mpi_buffer(buf), source, tag), source, "recv from", status)
 
     def _split(self, color, key):
         # a timed all-gather first: every rank has arrived, so MPI's blocking Split cannot hang
         members, _, uid = self._split_table(color, key)
-        return MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout, uid=uid, members=members,
-                               **self._options())
+        child = MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout, uid=uid, members=members,
+                                **self._options())
+        if self.transport is not None:                 # the same transport (collective over the child)
+            child.transport, child.transport_note = self.transport.split(child), self.transport_note
+        return child
 
     def _snapshots(self, world_ranks, timeout):
         if self.session is None or self.session.watchdog is None:

@@ -1,10 +1,10 @@
 """What a rank says when a wait stalls or a message does not fit.
 
-``stalled``: a wait past ``comm_timeout`` collects every rank's flight records (out of band) and
-``analyze``s them: a fatal verdict (another call, a rank gone, a deadlock) raises now, a slow rank is
+stalled: a wait past comm_timeout collects every rank's flight records (out of band) and
+analyzes them: a fatal verdict (another call, a rank gone, a deadlock) raises now, a slow rank is
 named in one warning (by the lowest waiting rank: every rank computes the same reporter from the same
 records) and the wait goes on; past the hard timeout it raises whatever the verdict.
-``size_error``: the receive contract, one text for both transports: both ranks, the call (collective
+size_error: the receive contract, one text for both transports: both ranks, the call (collective
 and sequence number, or the p2p tag), both sizes, and the sender's call from its flight record.
 """
 import sys

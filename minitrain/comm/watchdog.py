@@ -2,7 +2,7 @@
 
 A stalled rank cannot ask the others through the communicator it is stuck in, so every rank runs a
 small thread that wakes every 50 ms (it sleeps, never spins: measured, a 4-rank job on 2 cores
-does not see it) and answers four messages on its own communicator (``MPI_Comm_idup`` of the world,
+does not see it) and answers four messages on its own communicator (MPI_Comm_idup of the world,
 so they never meet the job's traffic):
 
 * QUERY -> REPLY: this rank's flight recorder snapshot (what it is doing, its last calls);

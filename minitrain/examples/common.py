@@ -1,5 +1,5 @@
 """What the example jobs share: where this process sits in an mpirun launch, the options every job
-takes (``--comm-timeout``), argument parsing that speaks once for N ranks, and the report.
+takes (--comm-timeout), argument parsing that speaks once for N ranks, and the report.
 
 The launch is read from the MPI launcher's environment (MPICH's PMI_RANK/PMI_SIZE, Open MPI's
 OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job and a bad option is reported by
@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from .. import backend, memory
+from .. import backend, cli, memory
 from ..comm.communicator import DEFAULT_COMM_TIMEOUT
 
 try:                                   # the progress bar is optional: without tqdm, no bar
@@ -45,6 +45,12 @@ def launch_info():
 def device_code():
     """This rank's device as a number for the per-rank tables: the GPU index, or -1 for the CPU."""
     return backend.gpu_index() if backend.get_device() == "cuda" else -1
+
+
+def transport_name(comm):
+    """How this job's device buffers cross ranks (minitrain/comm/transport.py), for its table and JSON."""
+    from ..comm.transport import describe
+    return describe(comm)
 
 
 def device_name(code):
@@ -111,7 +117,7 @@ def add_job_options(parser):
 
 
 def job_parser(description):
-    return add_job_options(JobArgumentParser(description=description))
+    return add_job_options(JobArgumentParser(description=description, formatter_class=cli.HelpFormatter))
 
 
 def parse_job_args(parser, argv=None):

@@ -1,4 +1,4 @@
-"""The main job's pipeline strategy (``python -m minitrain.examples.mlp --strategy pipeline``):
+"""The main job's pipeline strategy (python -m minitrain.examples.mlp --strategy pipeline):
 
     mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline --schedule 1f1b --microbatches 8
         [--chunks V] [--dp D] [--json out.json] [--plot pipeline.png]
@@ -6,7 +6,7 @@
 The MLP's layers are cut into ranks/D stages (x chunks); D data-parallel replicas of the pipeline
 each take 1/D of every global batch and average their gradients once per step. Rank 0 reports the
 measured bubble (from the trace of the last step: 1 - time in forward/backward / step time) beside
-the formula, and ``--plot`` draws the simulated timeline (the schedule run with the measured mean
+the formula, and --plot draws the simulated timeline (the schedule run with the measured mean
 forward and backward times) above the measured one.
 """
 import sys
@@ -21,7 +21,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, device_name, fmt_bytes, mpi_line, planner_line, tqdm, write_json
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, mpi_line, planner_line, tqdm,
+                                       transport_name, write_json)
 from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
@@ -132,12 +133,14 @@ def main_pipeline(args, parser, comm):
           + (f", {args.dp} data-parallel replicas" if args.dp > 1 else "") + f", {args.microbatches} micro-batches")
     print(f"final loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
-    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0)")
+    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
+          f"transport {transport_name(comm)})")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(planner_line(args, world, float(table[:, -1].max()), table[:, -4].max()))
-    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
+    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
+              "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
@@ -175,13 +178,14 @@ def plot_pipeline(pipe, all_events, path, pp):
         colors[e["name"]] = palette((2 * mb + (op == "B")) % 20)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.5 + 1.0 * pp), sharex=True)
     from minitrain import trace as tr
-    tr.plot_timeline(simulated, ax=top, colors=colors,
+    tr.plot_timeline(simulated, ax=top, colors=colors, legend=False,
                      title=f"simulated {pipe.schedule_name}: bubble {sim['bubble_fraction']:.3f} "
                            f"(formula {pipe.formula_bubble_fraction():.3f})")
-    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)")
-    for ax in (top, bottom):
-        legend = ax.get_legend()
-        if legend is not None:
-            legend.remove()
+    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)", legend=False)
+    # one entry per micro-batch and direction (F i: forward of micro-batch i, B i: its backward), beside the axes
+    batches = sorted({int(e["name"][1:].split(".")[0]) for e in simulated})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette((2 * mb + (op == "B")) % 20)) for mb in batches for op in "FB"]
+    top.legend(handles, [f"{op} {mb}" for mb in batches for op in "FB"], fontsize=7, ncol=2, title="micro-batch",
+               title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

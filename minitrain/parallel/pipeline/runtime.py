@@ -1,13 +1,13 @@
 """The pipeline runtime: executes a schedule (schedules.py) on real ranks.
 
-``PipelineParallel(model, comm, "1f1b", num_microbatches=8)`` cuts an ``nn.Sequential`` into
-p·v contiguous virtual stages (balanced by parameter count unless ``split_points`` says where),
+PipelineParallel(model, comm, "1f1b", num_microbatches=8) cuts an nn.Sequential into
+p·v contiguous virtual stages (balanced by parameter count unless split_points says where),
 keeps the ones this rank owns (chunk c of rank s is virtual stage c·p + s; the other layers'
-weights are freed) and runs ``train_step(x, y, loss_fn)``: the global batch is cut into m
+weights are freed) and runs train_step(x, y, loss_fn): the global batch is cut into m
 micro-batches, this rank's actions run in the schedule's order, and each parameter ends with the
 gradient of the mean loss over the whole batch, exactly what one process computes.
 
-Why it cannot deadlock: every send is non-blocking (``isend``; the buffers are kept until the end
+Why it cannot deadlock: every send is non-blocking (isend; the buffers are kept until the end
 of the step) and every receive blocks until its message is there. A rank therefore only ever waits
 for a message that a dependency of its current action produces; the schedule checker proved that
 the dependency graph of the actions, in each stage's order, has no cycle, so the message is always
@@ -15,14 +15,14 @@ eventually sent. Each message carries a tag made of (micro-batch, chunk, directi
 which two messages between the same pair of ranks arrive does not matter.
 
 Messages: a small header (dtype and shape) then the array. Activations go forward, gradients of
-activations backward; parameters never move. With a data-parallel communicator (``dp_comm``,
-e.g. ``DeviceMesh(comm, dp=2, pp=2).comm("dp")``) the gradients are averaged over it once per step,
+activations backward; parameters never move. With a data-parallel communicator (dp_comm,
+e.g. DeviceMesh(comm, dp=2, pp=2).comm("dp")) the gradients are averaged over it once per step,
 after the last micro-batch (2D: dp x pp).
 
-PipeDream-2BW (``schedule="pipedream_2bw"``): double-buffered weights. The micro-batches of batch t
+PipeDream-2BW (schedule="pipedream_2bw"): double-buffered weights. The micro-batches of batch t
 run forward and backward on the *stashed* version W(t-1) while the optimizer updates W(t):
 W(t+1) = W(t) - lr·∇L(W(t-1)), a one-step-delayed gradient (Narayanan et al. 2021, sec. 3). The
-runtime executes one batch per ``train_step`` (it flushes, so that the step returns); the schedule's
+runtime executes one batch per train_step (it flushes, so that the step returns); the schedule's
 data and simulator show the no-flush timing of several batches chained.
 """
 import numpy as np

@@ -1,22 +1,22 @@
 """Pipeline schedules as pure data, a checker, and a simulator.
 
 A schedule is, for each stage (rank) s of a pipeline of p stages, the ordered list of what that
-stage computes: ``Action("F", microbatch, chunk)`` (forward) and ``Action("B", microbatch, chunk)``
+stage computes: Action("F", microbatch, chunk) (forward) and Action("B", microbatch, chunk)
 (backward). The model is cut into p·v *virtual stages*; chunk c on stage s is virtual stage
 c·p + s (Narayanan et al. 2021's interleaving; v = 1 otherwise). The communication is implied and
 spelled out on each action: a forward receives its input from virtual stage k-1 and sends its
 output to k+1; a backward receives the output's gradient from k+1 and sends the input's gradient
-to k-1 (``recv_from`` / ``send_to``, as stage indices, None at the ends).
+to k-1 (recv_from / send_to, as stage indices, None at the ends).
 
-* ``naive``: one micro-batch at a time through the whole pipeline (model parallelism without
+* naive: one micro-batch at a time through the whole pipeline (model parallelism without
   pipelining); bubble (p-1)/p.
-* ``gpipe`` (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
-* ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
+* gpipe (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
+* 1f1b (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
   one backward alternating, then the remaining backwards; same bubble as GPipe, min(p-s, m) in flight.
-* ``interleaved_1f1b`` (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
-* ``pipedream_2bw`` (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"):
-  1F1B with no flush between batches, ``steps`` batches back to back; each action carries the batch
-  (``step``) its micro-batch belongs to. Its weights are double-buffered (see runtime.py).
+* interleaved_1f1b (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
+* pipedream_2bw (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"):
+  1F1B with no flush between batches, steps batches back to back; each action carries the batch
+  (step) its micro-batch belongs to. Its weights are double-buffered (see runtime.py).
 
 With unit costs (forward f, backward b per chunk) GPipe, 1F1B and interleaved take
 (v·m + p - 1)(f + b): the bubble fraction is (p-1)/(v·m + p - 1).
