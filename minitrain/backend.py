@@ -309,12 +309,15 @@ def elapsed_ms(start, end, wait=True):
 
 
 # ---------------------------------------------------------------- memory views
+def address(a):
+    """The address of ``a``'s first element (device pointers only through CuPy's MemoryPointer,
+    never by converting the array)."""
+    return a.data.ptr if is_device_array(a) else a.__array_interface__["data"][0]
+
+
 def byte_offset(view, base):
-    """Where ``view``'s first element lies in ``base``'s memory, in bytes (device pointers only
-    through CuPy's MemoryPointer, never by converting the array)."""
-    if is_device_array(view):
-        return view.data.ptr - base.data.ptr
-    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    """Where ``view``'s first element lies in ``base``'s memory, in bytes."""
+    return address(view) - address(base)
 
 
 def view_of(base, shape, dtype, offset, strides):

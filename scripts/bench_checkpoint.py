@@ -164,6 +164,8 @@ def main():
           f"{max(res['load_extra']) / shard:.3f} shard (one shard: {fmt(shard)}; largest piece "
           f"{fmt(max(res['largest_piece']))}; load's count leaves out the optimizer state it creates)")
     print(f"goals: save >= 0.5x np.save ({s['np_save'] / s['save']:.2f}x with fsync), extra memory <= 1 shard")
+    from minitrain.testing import mpi_library_name
+    print(f"MPI: {mpi_library_name()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -132,7 +132,8 @@ def main():
         results = launch(p, args)
         all_results[p] = results
         single = results.pop("single")
-        print(f"\np = {p} (one process on the whole batch: {single * 1e3:.1f} ms/step)")
+        from minitrain.testing import mpi_library_name
+        print(f"\np = {p} (one process on the whole batch: {single * 1e3:.1f} ms/step; MPI: {mpi_library_name()})")
         print(f"  {'schedule':<18} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>8} {'formula':>8} {'diff':>7}")
         for key, row in results.items():
             name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 else "")

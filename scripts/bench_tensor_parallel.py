@@ -76,6 +76,8 @@ def main():
         return worker(args)
     results = {}
     base = None
+    from minitrain.testing import mpi_library_name
+    print(f"MPI: {mpi_library_name()}")
     print(f"{'config':<10} {'step':>9} {'speed-up':>9} {'fwd bytes/layer':>16} {'formula':>10} {'peak activations':>17}")
     for t in args.tp:
         for sp in ((False, True) if t > 1 else (False,)):

@@ -82,7 +82,8 @@ def minitrain_worker(args):
 def torch_worker(args):
     import torch
     import torch.distributed as dist
-    rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    from minitrain.examples.common import launch_info
+    rank, world = launch_info()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -187,6 +188,8 @@ def main():
                 line += (f"{r['bytes'][0] / 2**20:>8.2f}Mi {traffic / 2**20:>8.2f}Mi {device / 2**20:>12.2f}Mi "
                          f"{formula_device / 2**20:>8.2f}Mi {r['host'][0] / 2**20:>7.2f}Mi {r['peak'][0] / 2**20:>7.2f}Mi")
             print(line)
+    from minitrain.testing import mpi_library_name
+    print(f"\nMPI: {mpi_library_name()}; PyTorch anchors: gloo")
     print("\n(step: slowest rank's median; device states: params + grads + optimizer state on rank 0 at the first "
           "step;\n formula: the ZeRO paper's (4 + 4 + 8)Ψ split by stage, minus what --offload moves to the host; "
           "peak: everything, gathered units and buffers included)")

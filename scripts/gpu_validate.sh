@@ -36,12 +36,12 @@ TRANSPORT_ARGS=${TRANSPORT_ARGS:-}
 EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run: the job's default, 30)
 GPT_STEPS=${GPT_STEPS:-100}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
-       MKL_NUM_THREADS=1 MINITRAIN_TIMEOUT=120 PYTHONDONTWRITEBYTECODE=1
+       MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+COMM_TIMEOUT=${COMM_TIMEOUT:-40}            # the jobs' stall threshold (hard timeout 3x: first-use kernel compiles)
 
 LAUNCHER=${MPIRUN:-$(command -v mpirun || command -v mpiexec)}
 if "$LAUNCHER" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
-  LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS
-          -x MINITRAIN_TIMEOUT)
+  LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS)
   [ "$(id -u)" = 0 ] && LAUNCH+=(--allow-run-as-root)
   for var in MINITRAIN_TRANSPORT MINITRAIN_IPC_SYNC MINITRAIN_BACKEND MINITRAIN_CUDA_AWARE; do   # the transport knobs
     [ -n "${!var:-}" ] && LAUNCH+=(-x "$var")
@@ -124,10 +124,10 @@ step_suite() {
 
 step_mlp() {
   local status=0 flags
-  run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --json "$OUT/mlp_full_4.json" || status=1
+  run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --json "$OUT/mlp_full_4.json" || status=1
   for n in 1 2 4; do
     for strategy in ddp local_sgd zero1 zero2 zero3; do
-      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy "$strategy" \
+      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --epochs "$EPOCHS" --strategy "$strategy" \
           --json "$OUT/mlp_${strategy}_$n.json" || status=1
     done
   done
@@ -144,7 +144,7 @@ step_mlp2() {
                  "pipeline --schedule pipedream_2bw --layers 3"; do
       local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
       # shellcheck disable=SC2086
-      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy $flags \
+      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --epochs "$EPOCHS" --strategy $flags \
           --json "$OUT/$name.json" || status=1
     done
   done
@@ -153,7 +153,7 @@ step_mlp2() {
 
 step_gpt() {
   local status=0 spec n flags name
-  run "gpt_1" "$PY" -m minitrain.examples.gpt --no-progress --steps 300 --json "$OUT/gpt_1.json" || status=1
+  run "gpt_1" "$PY" -m minitrain.examples.gpt --no-progress --comm-timeout "$COMM_TIMEOUT" --steps 300 --json "$OUT/gpt_1.json" || status=1
   for spec in "1|--recompute full" "1|--offload-activations" "1|--dropout 0.1" "2|--dp 2" "2|--tp 2" \
               "2|--tp 2 --sequence-parallel --dropout 0.1" "2|--pp 2 --microbatches 2" "2|--tp 2 --recompute selective" \
               "4|--tp 2 --pp 2 --microbatches 2" "4|--tp 4" "4|--tp 2 --dp 2 --sequence-parallel" \
@@ -162,7 +162,7 @@ step_gpt() {
     flags=${spec#*|}
     name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
     # shellcheck disable=SC2086
-    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
+    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --comm-timeout "$COMM_TIMEOUT" --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
   done
   return $status
 }

@@ -210,3 +210,25 @@ def test_gpt_parallel_job_rejects_a_mesh_that_does_not_fit():
 def test_gpt_tp_rejects_heads_that_do_not_split():
     with pytest.raises(SystemExit):
         gpt.main(["--tp", "3", "--n-head", "4"])
+
+
+@pytest.mark.parametrize("module, args", [
+    ("mlp", ["--epochs", "0"]), ("mlp", ["--comm-timeout", "-1"]), ("mlp", ["--strategy", "pipeline", "--bogus"]),
+    ("mlp", ["--batch-size", "64", "--epochs", "1"]),          # found after MPI starts: 64 over 3 ranks
+    ("gpt", ["--steps", "0"]), ("gpt", ["--n-head", "3"]),
+    ("generate", ["--tp", "3", "--bogus"]), ("generate", ["--tp", "2", "--train-steps", "0"])])  # 2 of 3 ranks
+def test_a_bad_option_is_reported_once_and_every_rank_exits_2(module, args):
+    result = run_mpi([sys.executable, "-m", f"minitrain.examples.{module}", *args], n=3, timeout=60, check=False)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.count("error:") == 1, result.stdout            # rank 0 alone, not once per rank
+    assert "Traceback" not in result.stdout
+
+
+def test_a_job_names_the_mpi_it_ran_on_and_its_comm_timeout(tmp_path):
+    from minitrain.testing import mpi_library_name
+    out = tmp_path / "mlp.json"
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--epochs", "1",
+                      "--comm-timeout", "7", "--json", out], n=2, timeout=120)
+    assert f"MPI: {mpi_library_name()}; check_collectives on, stall threshold 7 s" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["mpi_library"] == mpi_library_name() and report["comm_timeout"] == 7

@@ -63,8 +63,11 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, bootstrap):
         options = bootstrap._options() if hasattr(bootstrap, "_options") else {}
-        super().__init__(bootstrap.rank, bootstrap.size, bootstrap.timeout, **options)
+        # its own name in the flight records (its sequence numbers are not the bootstrap's)
+        super().__init__(bootstrap.rank, bootstrap.size, bootstrap.timeout, uid=f"nccl:{bootstrap.uid}",
+                         members=bootstrap.members, **options)
         self.bootstrap = bootstrap
+        self.world_size = getattr(bootstrap, "world_size", bootstrap.size)
         cupy = self.cupy = backend._import_cupy()
         self.device = cupy.cuda.runtime.getDevice()
         try:
@@ -108,14 +111,14 @@ class NCCLCommunicator(Communicator):
     def _isend(self, buf, dest, tag):
         if not backend.is_device_array(buf):
             return self.bootstrap._isend(buf, dest, tag)
-        return self._post(buf, dest, "send to")
+        return self._nccl_post(buf, dest, "send to")
 
     def _irecv(self, buf, source, tag):
         if not backend.is_device_array(buf):
             return self.bootstrap._irecv(buf, source, tag)
-        return self._post(buf, source, "recv from")
+        return self._nccl_post(buf, source, "recv from")
 
-    def _post(self, buf, peer, kind):
+    def _nccl_post(self, buf, peer, kind):
         request = _NcclRequest(self, buf, peer, kind)
         with self.lock:
             self.pending.append(request)
@@ -147,6 +150,12 @@ class NCCLCommunicator(Communicator):
 
     def _idle(self, seconds):
         self.bootstrap._idle(seconds)
+
+    def _snapshots(self, world_ranks, timeout):          # the flight records travel over the bootstrap's channel
+        return self.bootstrap._snapshots(world_ranks, timeout)
+
+    def _wait_for_reporter(self, reporter, seconds):
+        self.bootstrap._wait_for_reporter(reporter, seconds)
 
     def abort(self, code=1):
         self.nccl.abort()

@@ -72,6 +72,12 @@ class StagedRequest(Request):
             self.done = True
         return self.done
 
+    def cancel(self):
+        """A receive nobody waits for any more: withdraw the MPI receive under it."""
+        if not self.done:
+            self.inner.cancel()
+            self.done = True
+
 
 class DeviceTransport:
     """``isend`` / ``irecv`` of device arrays for one MPICommunicator (``comm``), which lends its host

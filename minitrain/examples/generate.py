@@ -18,7 +18,6 @@ last token is sampled, as that token is never fed back); num_sequences = sequenc
 blocks_swapped = blocks copied to host memory by preemption (each comes back once); preemptions =
 sequences preempted (swap or recompute); param_bytes = the parameters on one rank.
 """
-import argparse
 import gc
 import sys
 import time
@@ -26,14 +25,14 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import cli, memory, nn, optim
+from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, write_json
+from minitrain.examples.common import fmt_bytes, init_comm, job_parser, launch_info, mpi_line, parse_job_args, write_json
 from minitrain.inference import CACHES, LLMEngine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--cache", choices=CACHES, default="paged", help="KV cache scheme")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most")
@@ -62,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate of the brief training")
     p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     for name in ("num_prompts", "max_new_tokens", "max_batch", "tp", "min_prompt_len", "context", "n_layer",
                  "n_head", "n_embd", "batch_size"):
         if getattr(args, name) < 1:
@@ -152,8 +151,7 @@ def _main(args):
     _, launched = launch_info()
     comm = None
     if launched > 1 or args.tp > 1:
-        from minitrain import comm as mtcomm
-        comm = mtcomm.init()
+        comm = init_comm(args)
         if comm.size != args.tp:
             return error(comm.rank, f"--tp {args.tp} needs exactly {args.tp} ranks (mpirun -n {args.tp}); this job "
                                     f"has {comm.size}")
@@ -169,17 +167,16 @@ def _main(args):
     num_params = gpt.num_parameters()
     losses, source = [], "untrained"
     train_start = time.perf_counter()
-    if rank == 0:                     # under tp, rank 0 trains and tensor_parallelize broadcasts its weights
-        try:
-            if args.checkpoint:
-                source = f"checkpoint {load_checkpoint(gpt, args.checkpoint)}"
-            elif args.train_steps:
-                losses = train(gpt, corpus, args)
-                source = f"trained {args.train_steps} steps, loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f}"
-        except ValueError as e:
-            if comm is None:
-                return error(rank, e)
-            raise
+    # every rank trains the same replica (same seed, same batches): no rank waits past the stall
+    # threshold for another's training; tensor_parallelize then broadcasts rank 0's weights
+    try:
+        if args.checkpoint:
+            source = f"checkpoint {load_checkpoint(gpt, args.checkpoint)}"
+        elif args.train_steps:
+            losses = train(gpt, corpus, args)
+            source = f"trained {args.train_steps} steps, loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f}"
+    except ValueError as e:           # the same on every rank: rank 0 says it, every rank exits 2
+        return error(rank, e)
     train_seconds = time.perf_counter() - train_start
     model = gpt
     if comm is not None:
@@ -210,6 +207,8 @@ def _main(args):
     if rank != 0:
         return 0
     report(args, config, num_params, source, train_seconds, prompts, result, param_bytes, peak, corpus)
+    if comm is not None:
+        print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if args.json:
         write_json(args.json, {
             "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
@@ -228,7 +227,8 @@ def _main(args):
             "kv_ledger_bytes": result.kv_ledger_bytes, "kv_ledger_peak": peak["kv_cache"],
             "blocks_swapped_in": result.blocks_swapped_in, "recomputed_tokens": result.recomputed_tokens,
             "shared_tokens": result.shared_tokens, "cow_copies": result.cow_copies, "num_blocks": result.num_blocks,
-            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses})
+            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses,
+            "mpi_library": mpi_line() if comm is not None else None, "comm_timeout": args.comm_timeout})
     return 0
 
 

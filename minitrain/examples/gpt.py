@@ -12,25 +12,24 @@ and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning r
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 """
-import argparse
 import sys
 import time
 
 import numpy as np
 
 import minitrain
-from minitrain import cli, memory, nn, optim
+from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (fmt_bytes, launch_info, memory_table, persistent_memory, planner_line,
-                                       tqdm, write_json)
+from minitrain.examples.common import (fmt_bytes, job_parser, launch_info, memory_table, parse_job_args,
+                                       persistent_memory, planner_line, tqdm, write_json)
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="global batch: sequences per step, all replicas together")
     p.add_argument("--block-size", type=int, default=32, help="context length in characters")
@@ -60,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10)

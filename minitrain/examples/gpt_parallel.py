@@ -26,15 +26,15 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line, transport_name,
-                                       tqdm, write_json)
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, init_comm, mpi_line, persistent_memory,
+                                       planner_line, transport_name, tqdm, write_json)
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
 
 def main_parallel(args):
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     tp, pp = args.tp, args.pp
     if args.dp is None and world % (tp * pp):
@@ -157,6 +157,7 @@ def main_parallel(args):
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
           + (", sequence parallel" if args.sequence_parallel else ""))
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "")
@@ -181,7 +182,8 @@ def main_parallel(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
+            "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),

@@ -11,7 +11,6 @@ samples/s, compute vs communication time, bytes sent (beside the ring formula), 
 --save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
 (minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.
 """
-import argparse
 import sys
 import time
 
@@ -19,13 +18,14 @@ import numpy as np
 
 import minitrain
 from minitrain import comm as mtcomm
-from minitrain import backend, cli, memory, nn, optim, trace
+from minitrain import backend, memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (device_code, device_name, transport_name, fmt_bytes, memory_table, persistent_memory,
-                                       planner_line, tqdm, write_json)
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, init_comm, job_parser, memory_table,
+                                       mpi_line, parse_job_args, persistent_memory, planner_line, tqdm, transport_name,
+                                       write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 found_inf_on_any_rank, offload_activations)
@@ -37,7 +37,7 @@ PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="how the ranks share the work")
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
         p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
@@ -91,16 +91,14 @@ def gather_rows(comm, values):
 
 def main(argv=None):
     args, parser = parse_args(argv)
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     if args.strategy == "pipeline":
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
     if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
-        if rank == 0:
-            parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
-                         f"each rank takes an equal share of the global batch")
-        sys.exit(2)
+        parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
+                     f"each rank takes an equal share of the global batch")
     local_batch = args.batch_size // world
 
     dtype = np.dtype(PRECISIONS[args.precision])
@@ -124,9 +122,9 @@ def main(argv=None):
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
         opt = optimizer_for(model.parameters())
-    elif args.strategy == "local_sgd":
-        wrapped = LocalSGD(model, comm, sync_every=args.sync_every)
+    elif args.strategy == "local_sgd":            # with fp32 masters, LocalSGD averages the masters
         opt = optimizer_for(model.parameters(), comm)
+        wrapped = LocalSGD(model, comm, sync_every=args.sync_every, optimizer=opt)
     elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
         wrapped = model
         opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
@@ -311,6 +309,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
@@ -343,8 +342,9 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
                                  "host": dict(zip(("params", "grads", "optimizer_state"), map(int, v[14:17])))}})
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
-            "transport": transport_name(comm), "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": args.strategy,
+            "num_params": psi, "final_loss": final_loss, "transport": transport_name(comm),
+            "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,

@@ -21,7 +21,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, device_name, fmt_bytes, planner_line, tqdm, transport_name, write_json
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, mpi_line, planner_line, tqdm,
+                                       transport_name, write_json)
 from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, simulate
 
@@ -136,9 +137,10 @@ def main_pipeline(args, parser, comm):
           f"transport {transport_name(comm)})")
     print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
           f"(p-1)/(v·m+p-1) = {formula:.3f}")
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(planner_line(args, world, float(table[:, -1].max()), table[:, -4].max()))
-    report = {"world_size": world, "strategy": "pipeline", "transport": transport_name(comm), "num_params": psi,
-              "final_loss": loss,
+    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
+              "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,

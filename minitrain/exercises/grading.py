@@ -8,6 +8,7 @@ explanation for two arrays (first wrong element, how many, which chunk, "p times
 """
 import ctypes
 import dataclasses
+import gc
 import importlib.util
 import os
 import pathlib
@@ -62,6 +63,19 @@ def stop_thread(ident):
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
 
 
+def current_frames():
+    """``sys._current_frames()`` with the garbage collector paused: on CPython 3.11 a collection
+    inside it, while another thread exits, deadlocks the process (python/cpython#106883; seen here
+    when a grader stopped an endless loop)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def call_with_limit(fn, impl, limit):
     """``fn(impl)`` on a daemon thread; a call still running after ``limit`` seconds is stopped and
     reported (StopGrading, with the line it was running), so no hand-in can hang the grader."""
@@ -77,7 +91,7 @@ def call_with_limit(fn, impl, limit):
     thread.start()
     thread.join(limit)
     if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident)
+        frame = current_frames().get(thread.ident)
         at = where(traceback.extract_stack(frame)) if frame is not None else "an unknown line"
         stop_thread(thread.ident)
         thread.join(2.0)

@@ -210,6 +210,9 @@ class TensorParallelGPT(Module):
     def loss(self, logits, targets):
         """Mean cross-entropy of the vocab-split logits (never gathered)."""
         targets = targets.data if isinstance(targets, Tensor) else targets
+        if tuple(targets.shape) != tuple(logits.shape[:-1]) or targets.dtype.kind not in "iu":
+            raise ValueError(f"vocab-parallel cross_entropy: logits {tuple(logits.shape)} need integer targets of "
+                             f"shape {tuple(logits.shape[:-1])}, got {targets.dtype} {tuple(targets.shape)}")
         if backend.is_device_array(logits.data) and not backend.is_device_array(targets):
             targets = backend.to_device(targets)           # targets from the host: one counted copy
         return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
