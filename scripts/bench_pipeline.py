@@ -1,16 +1,17 @@
 """Pipeline bubbles, measured against the formula, for every schedule and number of micro-batches.
 
-    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 5] [--width 1024] [--plot bubbles.png] [--json out.json]
+    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--width 1024] [--microbatches 4 8 16]
+        [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png] [--json out.json]
 
 Model: a balanced stack of 8 x (Linear(W, W) + ReLU), W = 1024 by default, global batch 512, float32,
-one BLAS thread per rank; every stage gets the same number of identical layers, so the formula's
-assumption (equal stage times) holds. For each schedule (naive, gpipe, 1f1b, interleaved_1f1b with
-v = 2) and m in {1, 2, 4, 8, 16}: the median step time and the measured bubble (1 - time in forward
-and backward actions / the step's window from the first rank's start to the last rank's end, mean
-over ranks, median over steps) beside (p-1)/(v·m+p-1)
-((p-1)/p for naive). The anchor is the same model trained in one process on the whole batch: the
-"speed-up" column is its step time / the pipeline's. At p=4 the 2 cores are oversubscribed: ranks
-wait for a core as well as for their inputs, so the measured bubble there includes that.
+one BLAS thread per rank; every (virtual) stage gets the same number of identical layers, so the
+formula's assumption (equal stages) holds. Measured bubble (minitrain/parallel/pipeline/measure.py):
+per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
+to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
+formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
+measured F, B, W for zb_h1 and zbv, and the residual per cause. The anchor is the same model
+trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
+the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 """
 import argparse
 import json
@@ -18,8 +19,8 @@ import time
 
 import numpy as np
 
-SCHEDULES = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
-MICROBATCHES = [1, 2, 4, 8, 16]
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
+CHUNKS = {"interleaved_1f1b": 2}
 LAYERS, BATCH = 8, 512
 
 
@@ -40,11 +41,11 @@ def data(width, steps):
 def worker(args):
     import minitrain as mt
     from minitrain import nn, optim, trace
-    from minitrain.comm import init, ring_all_gather
+    from minitrain.comm import init
     from minitrain.parallel.pipeline import PipelineParallel
     comm = init()
     p, r = comm.size, comm.rank
-    batches = data(args.width, args.steps + 1)
+    batches = data(args.width, args.steps)
     results = {}
     if r == 0:                                   # the anchor: one process, the whole batch
         mt.manual_seed(0)
@@ -59,29 +60,23 @@ def worker(args):
             times.append(time.perf_counter() - t0)
         results["single"] = float(np.median(times[1:]))
     comm.barrier()
-    for name, v in SCHEDULES:
-        for m in MICROBATCHES:
+    for name in args.schedules:
+        for m in args.microbatches:
             if name == "interleaved_1f1b" and m % p:
                 continue
             mt.manual_seed(0)
-            pipe = PipelineParallel(build(args.width), comm, name, m, chunks=v)
+            pipe = PipelineParallel(build(args.width), comm, name, m, chunks=CHUNKS.get(name))
             opt = optim.SGD(pipe.parameters(), lr=1e-3)
             trace.enable(rank=r)
-            times, bubbles = [], []
+            comm.barrier()
             for x, y in batches:
                 trace.tracer().events.clear()
-                comm.barrier()
-                t0 = time.perf_counter()
                 opt.zero_grad()
                 pipe.train_step(x, y, nn.functional.cross_entropy)
                 opt.step()
-                times.append(time.perf_counter() - t0)
-                bubbles.append(pipe.measured_bubble_fraction()[r])
-            row = np.array([np.median(times[1:]), np.median(bubbles[1:])])
-            rows = ring_all_gather(comm, row, total=2 * p).reshape(p, 2)
-            results[f"{name}/m{m}"] = {"step": float(rows[:, 0].max()), "bubble": float(rows[:, 1].mean()),
-                                       "bubble_per_rank": rows[:, 1].tolist(),
-                                       "formula": pipe.formula_bubble_fraction(), "chunks": v, "m": m}
+            summary = pipe.measured_bubble()
+            results[f"{name}/m{m}"] = {"m": m, "chunks": pipe.v, **summary}
+            trace.disable()
     if r == 0:
         with open(args.worker_out, "w") as f:
             json.dump(results, f)
@@ -89,36 +84,43 @@ def worker(args):
 
 def launch(p, args):
     from minitrain.testing import run_worker
-    return run_worker(__file__, p, ["--steps", args.steps, "--width", args.width])
+    return run_worker(__file__, p, ["--steps", args.steps, "--width", args.width, "--microbatches",
+                                    *args.microbatches, "--schedules", *args.schedules])
 
 
 def plot(all_results, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4.2), squeeze=False)
     for ax, (p, results) in zip(axes[0], sorted(all_results.items())):
-        for i, (name, v) in enumerate(SCHEDULES):
+        for i, name in enumerate(SCHEDULES):
             rows = [results[k] for k in results if k.startswith(name + "/")]
             if not rows:
                 continue
             ms = [row["m"] for row in rows]
-            ax.plot(ms, [row["formula"] for row in rows], "-", color=f"C{i}", label=f"{name} formula")
-            ax.plot(ms, [row["bubble"] for row in rows], "o", color=f"C{i}", label=f"{name} measured")
+            ax.plot(ms, [row["formula_bubble_fraction"] for row in rows], "-", color=f"C{i}", label=f"{name} formula")
+            ax.errorbar(ms, [row["measured_bubble_fraction"] for row in rows], fmt="o", color=f"C{i}",
+                        yerr=np.abs(np.array([row["measured_bubble_fraction_spread"] for row in rows]).T -
+                                    [row["measured_bubble_fraction"] for row in rows]), capsize=2,
+                        label=f"{name} measured (per-step range)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches m")
         ax.set_ylabel("bubble fraction")
-        ax.set_title(f"p = {p}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_title(f"p = {p}" + (" (oversubscribed: 4 ranks on 2 cores)" if p > 2 else ""))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=110)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first is not measured)")
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     ap.add_argument("--plot", metavar="PNG")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -130,12 +132,17 @@ def main():
         results = launch(p, args)
         all_results[p] = results
         single = results.pop("single")
-        print(f"\np = {p} (one process on the whole batch: {single * 1e3:.1f} ms/step)")
-        print(f"  {'schedule':<18} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>8} {'formula':>8} {'diff':>7}")
+        print(f"\np = {p}" + (" (4 ranks on 2 cores: oversubscribed)" if p > 2 else "")
+              + f"; one process on the whole batch: {single * 1e3:.1f} ms/step")
+        print(f"  {'schedule':<18} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'range':>13} {'formula':>8} "
+              f"{'diff':>7}  residual by cause (fraction of the step)")
         for key, row in results.items():
-            name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 else "")
-            print(f"  {name:<18} {row['m']:>3} {row['step'] * 1e3:>7.1f}ms {single / row['step']:>8.2f}x "
-                  f"{row['bubble']:>8.3f} {row['formula']:>8.3f} {row['bubble'] - row['formula']:>+7.3f}")
+            name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 and "zbv" not in key else "")
+            low, high = row["measured_bubble_fraction_spread"]
+            causes = ", ".join(f"{k} {v:+.3f}" for k, v in row["residual_by_cause"].items() if abs(v) >= 0.005)
+            print(f"  {name:<18} {row['m']:>3} {row['step_time_s'] * 1e3:>7.1f}ms {single / row['step_time_s']:>8.2f}x "
+                  f"{row['measured_bubble_fraction']:>7.3f} {low:>6.3f}-{high:<6.3f} {row['formula_bubble_fraction']:>8.3f} "
+                  f"{row['measured_bubble_fraction'] - row['formula_bubble_fraction']:>+7.3f}  {causes}")
     if args.plot:
         plot(all_results, args.plot)
         print(f"plot: {args.plot}")

@@ -131,16 +131,19 @@ def test_the_stage_table_names_layers_and_cost_shares():
 
 
 def test_split_idle_on_a_hand_made_step():
-    """Rank 0 starts the step at 0 and ends at 10; rank 1 started early (-1) and ends at 10.5."""
-    rows = np.array([[[0.0, 10.0, 9.0, 6.0, 2.0, 0.5]],
-                     [[-1.0, 10.5, 10.0, 5.0, 4.0, 0.5]]])
-    wall, bubble, causes = split_idle(rows, first_rank=0)
-    assert wall.tolist() == [10.5]
-    assert bubble[:, 0] == pytest.approx([1 - 6 / 10.5, 1 - 5 / 10.5])
-    expected = {"waiting": [2.5, 3.0], "send": [0.5, 0.5], "python_overhead": [0.5, 1.5], "end_of_step": [1.0, 0.5],
-                "late_start": [0.0, 0.0]}
+    """GPipe, p = 2, m = 1. Rank 0 starts the step at 0: F0 [1, 3], sends [3, 3.5], waits for B0's
+    gradient [4, 8], B0 [8, 9.5], 0.3 s at the end, leaves at 10. Rank 1 entered early (-1): waits
+    for F0 [-0.5, 4], F0 [4, 5.5], B0 [5.5, 7.5], sends [7.5, 7.7], 2 s at the end, leaves at 10.2."""
+    nan = np.nan
+    rows = np.array([[[0.0, 10.0, 0.3, 0.0, 1, 3, nan, nan, 3, 3.5, 8, 9.5, 4, 8, nan, nan]],
+                     [[-1.0, 10.2, 2.0, 0.0, 4, 5.5, -0.5, 4, nan, nan, 5.5, 7.5, nan, nan, 7.5, 7.7]]])
+    wall, bubble, causes = split_idle(rows, get_schedule("gpipe", 2, 1), first_rank=0)
+    assert wall.tolist() == [10.2]
+    assert bubble[:, 0] == pytest.approx([1 - 3.5 / 10.2, 1 - 3.5 / 10.2])
+    expected = {"waiting": [3.7 + 0.3 + 0.2, 3.5 + 2.0], "message_transfer": [0.3, 0.5], "send": [0.5, 0.2],
+                "python_overhead": [1.0 + 0.5 + 0.2, 0.5], "dp_all_reduce": [0, 0], "late_start": [0, 0]}
     for name, values in expected.items():
-        assert causes[name][:, 0] * 10.5 == pytest.approx(values), name
+        assert causes[name][:, 0] * 10.2 == pytest.approx(values), name
     assert sum(causes.values())[:, 0] == pytest.approx(bubble[:, 0])
 
 
@@ -163,7 +166,7 @@ def test_the_measured_bubble_is_split_into_causes_that_add_up(schedule):
         residual = summary["residual_by_cause"]
         assert sum(residual.values()) == pytest.approx(summary["measured_bubble_fraction"] -
                                                        summary["formula_bubble_fraction"], abs=1e-9)
-        assert all(residual[k] >= 0 for k in ("send", "python_overhead", "end_of_step", "late_start"))
+        assert all(residual[k] >= 0 for k in ("message_transfer", "send", "python_overhead", "late_start"))
         assert all(0 <= b < 1 for b in summary["measured_bubble_fraction_per_rank"])
         assert ops.count("W") == (3 * 4 * 2 if schedule == "zbv" else 0)
         if schedule == "gpipe":

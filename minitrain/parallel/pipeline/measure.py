@@ -1,92 +1,122 @@
 """The measured bubble, and where the rest of the step went.
 
-Definition (the one the formula counts): in each step, per rank, the time not spent in that
-stage's own forward / backward / weight-gradient work (F, B, W spans), over the step's wall time.
-The step's wall time is the pipeline's: from the first stage starting the step (nothing can
-happen before that: every other stage waits for its activations) to the last rank finishing it.
-The reported bubble is the mean over ranks, averaged over the steps after the first (the first
-allocates every buffer and warms the caches; it is reported on its own).
+Definition (what the formula counts): in each step, per rank, the time not spent in that stage's
+own forward / backward / weight-gradient work (its F, B, W spans), over the step's wall time. The
+step's wall time is the pipeline's: from the first stage entering the step (nothing happens
+before: every other stage waits for its activations) to the last rank leaving it (the step ends
+with an all-reduce of the loss, so all leave together). Reported: the mean over ranks, averaged
+over the steps after the first (the first allocates the buffers and learns the message shapes;
+it is reported on its own).
 
-The idle time of a rank is split, exactly, into causes: waiting for a message or after its work
-is done (``waiting``: the schedule's own bubble lives here), posting sends (``send``), Python
-between the spans (``python_overhead``: slicing micro-batches, wrapping tensors, bookkeeping), the
-end of the step (``end_of_step``: waiting for sends, the loss broadcast, a dp all-reduce) and a
-late start (``late_start``: still in the previous step's optimizer). ``residual_by_cause`` says,
-as fractions of the step, what makes the measured bubble differ from the formula: the schedule
-run by the simulator with each stage's measured F, B, W costs accounts for the ``stage_imbalance``
-(simulated minus formula); waiting beyond the simulated bubble (``waiting_beyond_schedule``:
-message latency, neighbours delayed by their own overheads); and every overhead above. The causes
-sum to measured minus formula.
+Every rank's idle time is split, exactly, into causes, using the trace's spans and matching each
+receive with the neighbour's send (one clock for all processes of a host):
+``waiting`` (for a message not yet sent, for the others at the end of the step, after its last
+work: the schedule's own bubble lives here), ``message_transfer`` (from the send being posted to
+the receive returning: the copy into the receive buffer and the waiter's wake-up), ``send``
+(posting sends), ``python_overhead`` (between the spans: slicing micro-batches, wrapping tensors,
+bookkeeping), ``dp_all_reduce`` (2D only) and ``late_start`` (the rank entered the step after the
+first stage: still in the previous step's optimizer). ``residual_by_cause`` is measured minus
+formula, split: ``stage_imbalance`` (the schedule simulated with each stage's measured F, B, W,
+minus the formula), ``waiting_beyond_schedule`` (waiting minus that simulated bubble: neighbours
+delayed by their own overheads) and every overhead above. The causes add up to measured - formula.
 """
 import numpy as np
 
-from .schedules import SPLIT_BACKWARD, formula_bubble_fraction, simulate
+from .schedules import SPLIT_BACKWARD, formula_bubble_fraction, simulate, virtual_stage
 
-_FIELDS = ("start", "end", "last", "busy", "recv", "send")
-_OPS = "FBW"
+_HEAD = ("start", "end", "end_wait", "dp")       # step span; wait for sends + loss all-reduce; dp
+_SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")     # per action: compute, receive, send (start, end)
 
 
-def step_record(events, n_virtual):
-    """This rank's time split of one step, from its trace events: a flat float64 array of the
-    ``_FIELDS``, then per virtual stage and op (F, B, W) the summed time and the count."""
-    step = next(e for e in events if e["name"] == "pipeline step")
-    row = np.zeros(len(_FIELDS) + 2 * 3 * n_virtual)
-    ops = np.zeros((2, n_virtual, 3))
-    last = step["start"]
-    busy = recv = send = 0.0
+def step_record(events, n_actions):
+    """This rank's timestamps of one step, from its trace events: the ``_HEAD`` fields, then per
+    action of its schedule the ``_SLOT`` times (NaN where the action has no receive or send)."""
+    row = np.full(len(_HEAD) + len(_SLOT) * n_actions, np.nan)
+    slots = row[len(_HEAD):].reshape(n_actions, len(_SLOT))
+    row[2] = row[3] = 0.0
     for e in events:
         args = e.get("args") or {}
-        duration = e["end"] - e["start"]
-        if "op" in args:
-            busy += duration
-            k = args.get("virtual", args.get("chunk", 0))
-            ops[0, k, _OPS.index(args["op"])] += duration
-            ops[1, k, _OPS.index(args["op"])] += 1
+        if e["name"] == "pipeline step":
+            row[0], row[1] = e["start"], e["end"]
+        elif "op" in args:
+            slots[args["index"], 0:2] = e["start"], e["end"]
         elif args.get("wait") == "recv":
-            recv += duration
+            slots[args["index"], 2:4] = e["start"], e["end"]
         elif args.get("wait") == "send":
-            send += duration
-        else:
-            continue
-        last = max(last, e["end"])
-    row[:len(_FIELDS)] = step["start"], step["end"], last, busy, recv, send
-    row[len(_FIELDS):] = ops.ravel()
+            slots[args["index"], 4:6] = e["start"], e["end"]
+        elif args.get("wait") == "end":
+            row[2] += e["end"] - e["start"]
+        elif args.get("wait") == "dp":
+            row[3] += e["end"] - e["start"]
     return row
+
+
+def senders(schedule):
+    """For each (rank, action index) that receives from another rank: (sender rank, its action index)."""
+    p = len(schedule)
+    index = {(s, a.kind, a.step, a.microbatch, virtual_stage(a, s, p)): i
+             for s in range(p) for i, a in enumerate(schedule[s])}
+    pairs = {}
+    for r in range(p):
+        for i, a in enumerate(schedule[r]):
+            if a.recv_from is not None and a.recv_from != r:
+                k = virtual_stage(a, r, p) + (-1 if a.kind == "F" else 1)
+                pairs[r, i] = (a.recv_from, index[a.recv_from, a.kind, a.step, a.microbatch, k])
+    return pairs
+
+
+def split_idle(rows, schedule, first_rank):
+    """Per step and rank: the step's wall time, the bubble, and the idle time by cause (fractions
+    of the step). ``rows``: (ranks, steps, fields) as ``step_record`` writes them."""
+    p, n_steps = rows.shape[:2]
+    start, end, end_wait, dp = (rows[:, :, i] for i in range(len(_HEAD)))
+    slots = rows[:, :, len(_HEAD):].reshape(p, n_steps, -1, len(_SLOT))
+    c0, c1, r0, r1, s0, s1 = (slots[..., i] for i in range(len(_SLOT)))
+    w0 = start[first_rank]
+    w1 = end.max(axis=0)
+    wall = w1 - w0
+    begin = np.maximum(start, w0)
+    busy = np.nansum(c1 - c0, axis=2)
+    wait = np.zeros_like(busy)
+    transfer = np.zeros_like(busy)
+    for (r, i), (q, j) in senders(schedule).items():
+        posted = s1[q, :, j]                               # the sender's isend was posted by then
+        duration = r1[r, :, i] - r0[r, :, i]
+        waited = np.clip(posted - r0[r, :, i], 0.0, duration)
+        early = np.clip(begin[r] - r0[r, :, i], 0.0, duration)       # before the step began on this rank
+        wait[r] += np.maximum(waited - early, 0.0)
+        transfer[r] += duration - waited - np.maximum(early - waited, 0.0)
+    send = np.nansum(s1 - s0, axis=2)
+    causes = {"waiting": wait + end_wait + (w1 - end), "message_transfer": transfer, "send": send,
+              "dp_all_reduce": dp, "late_start": begin - w0}
+    causes["python_overhead"] = wall - busy - sum(causes.values())
+    return wall, 1 - busy / wall, {k: v / wall for k, v in causes.items()}
+
+
+def stage_costs(rows, schedule, steps):
+    """Mean F, B, W seconds per virtual stage over ``steps`` (arrays of length p·v)."""
+    p = len(schedule)
+    n_virtual = 1 + max(virtual_stage(a, s, p) for s in range(p) for a in schedule[s])
+    total, count = np.zeros((n_virtual, 3)), np.zeros((n_virtual, 3))
+    for s in range(p):
+        slots = rows[s, steps, len(_HEAD):].reshape(len(steps), -1, len(_SLOT))
+        for i, a in enumerate(schedule[s]):
+            k, op = virtual_stage(a, s, p), "FBW".index(a.kind)
+            total[k, op] += np.sum(slots[:, i, 1] - slots[:, i, 0])
+            count[k, op] += len(steps)
+    mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    return mean[:, 0], mean[:, 1], mean[:, 2]
 
 
 def _gather(pipe, records):
     """(ranks, steps, fields): every rank's records of the pipeline's steps."""
     from ...comm import ring_all_gather
     mine = np.asarray(records, np.float64)
-    counts = ring_all_gather(pipe.comm, np.array([float(len(records))]), total=pipe.p)
-    if len(set(counts.tolist())) != 1:
-        raise RuntimeError(f"[rank {pipe.rank}] the pipeline's ranks traced different numbers of steps: "
-                           f"{counts.astype(int).tolist()}")
-    allrows = ring_all_gather(pipe.comm, mine.ravel(), total=mine.size * pipe.p)
-    return allrows.reshape(pipe.p, *mine.shape)
-
-
-def split_idle(rows, first_rank):
-    """Per step and rank: the step's wall time, the bubble, and the idle time split by cause
-    (each a fraction of the step). ``rows``: (ranks, steps, fields)."""
-    start, end, last, busy, recv, send = (rows[:, :, i] for i in range(len(_FIELDS)))
-    w0 = start[first_rank]                                # the first stage starts the step
-    w1 = end.max(axis=0)
-    wall = w1 - w0
-    begin = np.maximum(start, w0)                         # a rank that started early waits until w0
-    recv_in = np.maximum(recv - (begin - start), 0.0)     # ... in its first receive: not in the step
-    causes = {"waiting": recv_in + (w1 - end), "send": send,
-              "python_overhead": np.maximum(last - begin - busy - recv_in - send, 0.0),
-              "end_of_step": end - last, "late_start": begin - w0}
-    return wall, 1 - busy / wall, {k: v / wall for k, v in causes.items()}
-
-
-def stage_costs(rows, n_virtual, steps):
-    """Mean F, B, W time per virtual stage over ``steps`` (arrays of length n_virtual)."""
-    ops = rows[:, steps, len(_FIELDS):].reshape(rows.shape[0], len(steps), 2, n_virtual, 3)
-    total, count = ops[:, :, 0].sum(axis=(0, 1)), ops[:, :, 1].sum(axis=(0, 1))
-    mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
-    return mean[:, 0], mean[:, 1], mean[:, 2]
+    shapes = ring_all_gather(pipe.comm, np.array(mine.shape, np.float64), total=2 * pipe.p).reshape(pipe.p, 2)
+    if len({tuple(row) for row in shapes.tolist()}) != 1:
+        raise RuntimeError(f"[rank {pipe.rank}] the pipeline's ranks traced different steps: (steps, fields) "
+                           f"per rank {shapes.astype(int).tolist()}")
+    return ring_all_gather(pipe.comm, mine.ravel(), total=mine.size * pipe.p).reshape(pipe.p, *mine.shape)
 
 
 def summarize(pipe, skip_first=True, last_only=False):
@@ -95,28 +125,27 @@ def summarize(pipe, skip_first=True, last_only=False):
         raise RuntimeError(f"[rank {pipe.rank}] no traced pipeline step: call trace.enable() before train_step")
     rows = _gather(pipe, pipe.step_records)
     n_steps = rows.shape[1]
-    steps = [n_steps - 1] if last_only else (list(range(1, n_steps)) if skip_first and n_steps > 1 else
-                                             list(range(n_steps)))
-    wall, bubble, causes = split_idle(rows, pipe.where[0][0])
-    n_virtual = len(pipe.where)
-    f, b, w = stage_costs(rows, n_virtual, steps)
-    split = pipe.schedule_name in SPLIT_BACKWARD
+    if last_only:
+        steps = [n_steps - 1]
+    else:
+        steps = list(range(1, n_steps)) if skip_first and n_steps > 1 else list(range(n_steps))
+    wall, bubble, causes = split_idle(rows, pipe.schedule, pipe.where[0][0])
+    f, b, w = stage_costs(rows, pipe.schedule, steps)
     simulated = simulate(pipe.schedule, f, b, w)
-    if split:              # no closed form: the simulator at the stages' mean F, B, W
+    if pipe.schedule_name in SPLIT_BACKWARD:      # no closed form: the simulator at the mean F, B, W
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v, f.mean(), b.mean(), w.mean())
     else:
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v)
-    measured = float(bubble[:, steps].mean())
+    per_step = bubble.mean(axis=0)
     mean_cause = {k: float(v[:, steps].mean()) for k, v in causes.items()}
     residual = {"stage_imbalance": simulated["bubble_fraction"] - formula,
                 "waiting_beyond_schedule": mean_cause.pop("waiting") - simulated["bubble_fraction"]}
     residual.update(mean_cause)
-    return {"measured_bubble_fraction": measured,
+    return {"measured_bubble_fraction": float(per_step[steps].mean()),
             "measured_bubble_fraction_per_rank": bubble[:, steps].mean(axis=1).tolist(),
-            "measured_bubble_fraction_per_step": bubble.mean(axis=0).tolist(),
-            "measured_bubble_fraction_spread": [float(np.min(bubble[:, steps].mean(axis=0))),
-                                                float(np.max(bubble[:, steps].mean(axis=0)))],
-            "first_step_bubble_fraction": float(bubble[:, 0].mean()),
+            "measured_bubble_fraction_per_step": per_step.tolist(),
+            "measured_bubble_fraction_spread": [float(per_step[steps].min()), float(per_step[steps].max())],
+            "first_step_bubble_fraction": float(per_step[0]),
             "formula_bubble_fraction": float(formula),
             "simulated_bubble_fraction": float(simulated["bubble_fraction"]),
             "residual_by_cause": {k: float(v) for k, v in residual.items()},

@@ -5,7 +5,7 @@ p·v contiguous virtual stages (balanced by counted cost, partition.py, unless `
 says where), keeps the ones this rank owns (as the schedule places them: the interleaved loop or
 zbv's V; the other layers' weights are freed) and runs ``train_step(x, y, loss_fn)``: the global
 batch is cut into m micro-batches, this rank's actions run in the schedule's order, and each
-parameter ends with the gradient of the mean loss over the whole batch, as one process computes.
+parameter ends with the gradient of the mean loss over the whole batch, as one process computes. The step ends with an all-reduce of the loss: every rank leaves it together.
 
 Why it cannot deadlock: every send is non-blocking (``isend``; the buffers are kept until the end
 of the step) and every receive blocks until its message is there. A rank therefore only ever waits
@@ -173,18 +173,18 @@ class PipelineParallel:
         tracer = trace.tracer()
         first_event = len(tracer.events)
         with trace.span("pipeline step", kind="step"):
-            for action in self.actions:
+            for index, action in enumerate(self.actions):
                 mb, chunk, kind = action.microbatch, action.chunk, action.kind
                 virtual = virtual_stage(action, self.rank, self.p)
                 if kind == "W":
-                    with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, virtual=virtual, op="W"):
+                    with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, op="W", index=index):
                         weight_grads.pop((mb, chunk)).run()
                     continue
                 received = None
                 if action.recv_from is not None:         # waiting is bubble, not work: its own span
-                    with trace.span(f"recv {action}", kind="comm", wait="recv"):
+                    with trace.span(f"recv {action}", kind="comm", wait="recv", index=index):
                         received = self._recv(action.recv_from, mb, virtual, kind == "B", xp)
-                with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, virtual=virtual, op=kind):
+                with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, op=kind, index=index):
                     if kind == "F":
                         inp = (Tensor(x[mb * size:(mb + 1) * size]) if received is None
                                else Tensor(received, requires_grad=True))
@@ -204,24 +204,24 @@ class PipelineParallel:
                             out.backward(received)
                         inp = inputs.pop((mb, chunk))
                 if action.send_to is not None:
-                    with trace.span(f"send {action}", kind="comm", wait="send"):
+                    with trace.span(f"send {action}", kind="comm", wait="send", index=index):
                         data = out.data if kind == "F" else inp.grad
                         self._send(data, action.send_to, mb, virtual + (1 if kind == "F" else -1), kind == "B")
-            with trace.span("wait for sends", kind="comm"):
+            with trace.span("wait for sends", kind="comm", wait="end"):
                 self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
             self._pending = []
             if self.dp_comm is not None and self.dp_comm.size > 1:
-                with trace.span("all-reduce gradients (dp)", kind="comm"):
+                with trace.span("all-reduce gradients (dp)", kind="comm", wait="dp"):
                     self._all_reduce_gradients()
-            with trace.span("loss broadcast", kind="comm"):
+            with trace.span("loss all-reduce", kind="comm", wait="end"):   # every rank leaves the step together
                 total = np.zeros(1)
                 if losses:                                   # one deliberate device sync per step
                     total[0] = float(sum(losses[1:], losses[0])) / self.m
-                total = broadcast(self.comm, total, root=self.loss_rank)
+                total = all_reduce(self.comm, total, op="sum")
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
         if tracer.enabled:
-            self.step_records.append(measure.step_record(tracer.events[first_event:], len(self.where)))
+            self.step_records.append(measure.step_record(tracer.events[first_event:], len(self.actions)))
         return float(total[0])
 
     def _all_reduce_gradients(self):
