@@ -40,9 +40,9 @@ def data(width, steps):
 
 def worker(args):
     import minitrain as mt
-    from minitrain import nn, optim, trace
-    from minitrain.comm import init
-    from minitrain.parallel.pipeline import PipelineParallel
+    from minitrain import memory, nn, optim, trace
+    from minitrain.comm import init, ring_all_gather
+    from minitrain.parallel.pipeline import PipelineParallel, simulate
     comm = init()
     p, r = comm.size, comm.rank
     batches = data(args.width, args.steps)
@@ -69,13 +69,17 @@ def worker(args):
             opt = optim.SGD(pipe.parameters(), lr=1e-3)
             trace.enable(rank=r)
             comm.barrier()
+            memory.reset_peak()
             for x, y in batches:
                 trace.tracer().events.clear()
                 opt.zero_grad()
                 pipe.train_step(x, y, nn.functional.cross_entropy)
                 opt.step()
             summary = pipe.measured_bubble()
-            results[f"{name}/m{m}"] = {"m": m, "chunks": pipe.v, **summary}
+            peak = ring_all_gather(comm, np.array([float(memory.peak()["activations"])]), total=p)
+            in_flight = simulate(pipe.schedule)["peak_activations"]        # chunks of 1/v of a stage
+            results[f"{name}/m{m}"] = {"m": m, "chunks": pipe.v, "peak_activation_bytes_per_rank": peak.tolist(),
+                                       "peak_in_flight_microbatches": max(in_flight) / pipe.v, **summary}
             trace.disable()
     if r == 0:
         with open(args.worker_out, "w") as f:
