@@ -204,4 +204,37 @@ def test_the_timeline_draws_simulated_above_measured_with_a_legend_that_covers_n
     for ax in (top, bottom):
         assert not box.overlaps(ax.get_window_extent())
     drawn = {tuple(np.round(bar.get_facecolor()[:3], 3)) for bar in bottom.patches}
-    assert {tuple(np.round(matplotlib.colors.to_rgb(COLORS[k]), 3)) for k in "FBW"} <= drawn
+    wanted = {tuple(np.round(matplotlib.colors.to_rgb(COLORS[k]), 3)) for k in ("F", "B", "W", "wait", "idle")}
+    assert len(wanted) == 5 and wanted <= drawn                          # five distinct colours, all drawn
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_new_batch_shape_sends_the_shapes_again(schedule):
+    """Message shapes are learned once per batch shape (a header, then payloads alone): a step with
+    another batch size must not reuse the old shapes."""
+    mt.set_default_dtype(np.float64)
+    depth = 4
+    model = make_model(depth)
+    data = [(x[:n], y[:n]) for (x, y), n in zip(batches(4), (24, 12, 24, 12))]
+    reference = []
+    for x, y in data:
+        model.zero_grad()
+        F.cross_entropy(model(mt.Tensor(x)), y).backward()
+        reference.append({n: q.grad.copy() for n, q in model.named_parameters()})
+    init = make_model(depth).state_dict()
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        m = make_model(depth)
+        m.load_state_dict(init)
+        pipe = PipelineParallel(m, comm, schedule, 4)
+        grads = []
+        for x, y in data:
+            pipe.zero_grad()
+            pipe.train_step(x, y, F.cross_entropy)
+            grads.append({n: q.grad.copy() for n, q in pipe.named_parameters()})
+        return grads
+    for grads in ThreadWorld(2).run(fn):
+        for step, expected in zip(grads, reference):
+            for name, value in step.items():
+                np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-12)

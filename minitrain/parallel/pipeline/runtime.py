@@ -91,6 +91,7 @@ class PipelineParallel:
                     self.owner[names[id(q)]] = stage_rank
             if stage_rank == self.rank:
                 self.stages[chunk], self.virtual[chunk] = Sequential(*part), k
+        self._weights = {c: stage.parameters() for c, stage in self.stages.items()}   # W's share of backward
         local = {id(q) for stage in self.stages.values() for q in stage.parameters()}
         xp = array_module(next(iter(model.parameters())).data)
         for q in model.parameters():            # free the layers other ranks own (shape kept)
@@ -198,7 +199,7 @@ class PipelineParallel:
                     else:
                         out = outputs.pop((mb, chunk))
                         if self.split_backward:                    # B: input gradient; W later
-                            with defer_weight_grads(self.stages[chunk].parameters()) as weight_grads[mb, chunk]:
+                            with defer_weight_grads(self._weights[chunk]) as weight_grads[mb, chunk]:
                                 out.backward(received)
                         else:
                             out.backward(received)
