@@ -136,6 +136,8 @@ def main():
         results = launch(p, args)
         all_results[p] = results
         single = results.pop("single")
+        for row in results.values():
+            row["single_process_step_s"], row["speed_up"] = single, single / row["step_time_s"]
         print(f"\np = {p}" + (" (4 ranks on 2 cores: oversubscribed)" if p > 2 else "")
               + f"; one process on the whole batch: {single * 1e3:.1f} ms/step")
         print(f"  {'schedule':<18} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'range':>13} {'formula':>8} "

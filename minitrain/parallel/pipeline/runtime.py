@@ -41,6 +41,7 @@ _DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
     [np.dtype(bfloat16)] if bfloat16 is not None else [])
 _HEADER = 10                           # dtype code, ndim, up to 8 dimensions
 _TAG_LIMIT = 32768                     # tags at and above belong to the collectives
+MAX_RECORDS = 10_000                   # traced steps kept for measured_bubble()
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
 
@@ -102,7 +103,7 @@ class PipelineParallel:
                 broadcast(dp_comm, q.data, root=0)
         self._stash = None                     # pipedream_2bw: the weight version W(t-1)
         self._shapes = {}                      # (batch shape, mb, virtual, direction) -> (dtype code, shape)
-        self.step_records = []                 # per traced step: this rank's time split (measure.py)
+        self.step_records = []                 # per traced step: this rank's timestamps (measure.py)
 
     # ---- the model's interface
     def parameters(self):
@@ -223,6 +224,8 @@ class PipelineParallel:
             self._swap_out_stash(current)
         if tracer.enabled:
             self.step_records.append(measure.step_record(tracer.events[first_event:], len(self.actions)))
+            if len(self.step_records) > MAX_RECORDS:
+                del self.step_records[1]             # keep the first step (reported on its own) and the last ones
         return float(total[0])
 
     def _all_reduce_gradients(self):
