@@ -238,3 +238,28 @@ def test_a_new_batch_shape_sends_the_shapes_again(schedule):
         for step, expected in zip(grads, reference):
             for name, value in step.items():
                 np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_every_w_action_computes_its_micro_batchs_weight_gradients(schedule, monkeypatch):
+    """B leaves the weights alone and W does their work, for every micro-batch (not only the first)."""
+    from minitrain.autograd import WeightGradients
+    run = WeightGradients.run
+    queued = []
+
+    def counting_run(self):
+        queued.append(len(self))
+        return run(self)
+    monkeypatch.setattr(WeightGradients, "run", counting_run)
+    init = make_model(4).state_dict()
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = make_model(4)
+        model.load_state_dict(init)
+        pipe = PipelineParallel(model, comm, schedule, 4)
+        for x, y in batches(2):
+            pipe.train_step(x, y, F.cross_entropy)
+    ThreadWorld(2).run(fn)
+    assert len(queued) == 2 * 2 * 4 * (2 if schedule == "zbv" else 1)     # steps x ranks x m x chunks
+    assert min(queued) >= 1                          # every virtual stage here holds a Linear

@@ -92,7 +92,7 @@ class PipelineParallel:
                     self.owner[names[id(q)]] = stage_rank
             if stage_rank == self.rank:
                 self.stages[chunk], self.virtual[chunk] = Sequential(*part), k
-        self._weights = {c: stage.parameters() for c, stage in self.stages.items()}   # W's share of backward
+        self._weights = {c: list(stage.parameters()) for c, stage in self.stages.items()}   # what W computes
         local = {id(q) for stage in self.stages.values() for q in stage.parameters()}
         xp = array_module(next(iter(model.parameters())).data)
         for q in model.parameters():            # free the layers other ranks own (shape kept)
