@@ -8,8 +8,9 @@ with an all-reduce of the loss, so all leave together). Reported: the mean over 
 over the steps after the first (the first allocates the buffers and learns the message shapes;
 it is reported on its own).
 
-Every rank's idle time is split, exactly, into causes, using the trace's spans and matching each
-receive with the neighbour's send (one clock for all processes of a host):
+Every rank's idle time is split, exactly, into causes, from the runtime's timestamps of each
+action's compute, receive and send, matching each receive with the neighbour's send (one clock
+for all processes of a host):
 ``waiting`` (for a message not yet sent, for the others at the end of the step, after its last
 work: the schedule's own bubble lives here), ``message_transfer`` (from the send being posted to
 the receive returning: the copy into the receive buffer and the waiter's wake-up), ``send``
@@ -24,31 +25,11 @@ import numpy as np
 
 from .schedules import SPLIT_BACKWARD, formula_bubble_fraction, simulate, virtual_stage
 
-_HEAD = ("start", "end", "end_wait", "dp")       # step span; wait for sends + loss all-reduce; dp
-_SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")     # per action: compute, receive, send (start, end)
-
-
-def step_record(events, n_actions):
-    """This rank's timestamps of one step, from its trace events: the ``_HEAD`` fields, then per
-    action of its schedule the ``_SLOT`` times (NaN where the action has no receive or send)."""
-    row = np.full(len(_HEAD) + len(_SLOT) * n_actions, np.nan)
-    slots = row[len(_HEAD):].reshape(n_actions, len(_SLOT))
-    row[2] = row[3] = 0.0
-    for e in events:
-        args = e.get("args") or {}
-        if e["name"] == "pipeline step":
-            row[0], row[1] = e["start"], e["end"]
-        elif "op" in args:
-            slots[args["index"], 0:2] = e["start"], e["end"]
-        elif args.get("wait") == "recv":
-            slots[args["index"], 2:4] = e["start"], e["end"]
-        elif args.get("wait") == "send":
-            slots[args["index"], 4:6] = e["start"], e["end"]
-        elif args.get("wait") == "end":
-            row[2] += e["end"] - e["start"]
-        elif args.get("wait") == "dp":
-            row[3] += e["end"] - e["start"]
-    return row
+# A step's record (runtime.py writes one per traced step and rank): the step's start and end, the
+# time waiting at its end (sends, loss all-reduce), the dp all-reduce, then per action of the rank's
+# schedule the start and end of its compute, its receive and its send (NaN where it has none).
+_HEAD = ("start", "end", "end_wait", "dp")
+_SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")
 
 
 def senders(schedule):
@@ -67,7 +48,7 @@ def senders(schedule):
 
 def split_idle(rows, schedule, first_rank):
     """Per step and rank: the step's wall time, the bubble, and the idle time by cause (fractions
-    of the step). ``rows``: (ranks, steps, fields) as ``step_record`` writes them."""
+    of the step). ``rows``: (ranks, steps, fields), the records described above."""
     p, n_steps = rows.shape[:2]
     start, end, end_wait, dp = (rows[:, :, i] for i in range(len(_HEAD)))
     slots = rows[:, :, len(_HEAD):].reshape(p, n_steps, -1, len(_SLOT))

@@ -5,7 +5,8 @@ p·v contiguous virtual stages (balanced by counted cost, partition.py, unless `
 says where), keeps the ones this rank owns (as the schedule places them: the interleaved loop or
 zbv's V; the other layers' weights are freed) and runs ``train_step(x, y, loss_fn)``: the global
 batch is cut into m micro-batches, this rank's actions run in the schedule's order, and each
-parameter ends with the gradient of the mean loss over the whole batch, as one process computes. The step ends with an all-reduce of the loss: every rank leaves it together.
+parameter ends with the gradient of the mean loss over the whole batch, as one process computes.
+The step ends with an all-reduce of the loss: every rank leaves it together.
 
 Why it cannot deadlock: every send is non-blocking (``isend``; the buffers are kept until the end
 of the step) and every receive blocks until its message is there. A rank therefore only ever waits
@@ -25,6 +26,8 @@ while the optimizer updates W(t): W(t+1) = W(t) - lr·∇L(W(t-1)) (Narayanan et
 One batch per ``train_step`` (it flushes, so that the step returns); the schedule and the
 simulator show the no-flush timing of several batches chained.
 """
+import time
+
 import numpy as np
 
 from ... import trace
@@ -41,7 +44,8 @@ _DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
     [np.dtype(bfloat16)] if bfloat16 is not None else [])
 _HEADER = 10                           # dtype code, ndim, up to 8 dimensions
 _TAG_LIMIT = 32768                     # tags at and above belong to the collectives
-MAX_RECORDS = 10_000                   # traced steps kept for measured_bubble()
+MAX_RECORDS = 2_000                    # traced steps kept for measured_bubble()
+nan = float("nan")
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
 
@@ -173,60 +177,85 @@ class PipelineParallel:
         self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
         inputs, outputs, weight_grads, losses = {}, {}, {}, []
         tracer = trace.tracer()
-        first_event = len(tracer.events)
-        with trace.span("pipeline step", kind="step"):
-            for index, action in enumerate(self.actions):
-                mb, chunk, kind = action.microbatch, action.chunk, action.kind
-                virtual = virtual_stage(action, self.rank, self.p)
-                if kind == "W":
-                    with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, op="W", index=index):
-                        weight_grads.pop((mb, chunk)).run()
-                    continue
-                received = None
-                if action.recv_from is not None:         # waiting is bubble, not work: its own span
-                    with trace.span(f"recv {action}", kind="comm", wait="recv", index=index):
-                        received = self._recv(action.recv_from, mb, virtual, kind == "B", xp)
-                with trace.span(str(action), kind="compute", microbatch=mb, chunk=chunk, op=kind, index=index):
-                    if kind == "F":
-                        inp = (Tensor(x[mb * size:(mb + 1) * size]) if received is None
-                               else Tensor(received, requires_grad=True))
-                        out = self.stages[chunk](inp)
-                        inputs[mb, chunk] = inp
-                        if virtual == len(self.where) - 1:
-                            loss = loss_fn(out, y[mb * size:(mb + 1) * size])
-                            losses.append(loss.data)
-                            out = loss * (1.0 / self.m)            # mean over micro-batches
-                        outputs[mb, chunk] = out
-                    else:
-                        out = outputs.pop((mb, chunk))
-                        if self.split_backward:                    # B: input gradient; W later
-                            with defer_weight_grads(self._weights[chunk]) as weight_grads[mb, chunk]:
-                                out.backward(received)
-                        else:
-                            out.backward(received)
-                        inp = inputs.pop((mb, chunk))
-                if action.send_to is not None:
-                    with trace.span(f"send {action}", kind="comm", wait="send", index=index):
-                        data = out.data if kind == "F" else inp.grad
-                        self._send(data, action.send_to, mb, virtual + (1 if kind == "F" else -1), kind == "B")
-            with trace.span("wait for sends", kind="comm", wait="end"):
-                self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
-            self._pending = []
-            if self.dp_comm is not None and self.dp_comm.size > 1:
-                with trace.span("all-reduce gradients (dp)", kind="comm", wait="dp"):
-                    self._all_reduce_gradients()
-            with trace.span("loss all-reduce", kind="comm", wait="end"):   # every rank leaves the step together
-                total = np.zeros(1)
-                if losses:                                   # one deliberate device sync per step
-                    total[0] = float(sum(losses[1:], losses[0])) / self.m
-                total = all_reduce(self.comm, total, op="sum")
+        clock = time.perf_counter            # each action's compute, receive and send, timed (measure.py)
+        stamps = [[nan] * 6 for _ in self.actions]
+        step_start = clock()
+        for index, action in enumerate(self.actions):
+            mb, chunk, kind = action.microbatch, action.chunk, action.kind
+            virtual = virtual_stage(action, self.rank, self.p)
+            times = stamps[index]
+            if kind == "W":
+                times[0] = clock()
+                weight_grads.pop((mb, chunk)).run()
+                times[1] = clock()
+                continue
+            received = None
+            if action.recv_from is not None:         # waiting is bubble, not work: timed apart
+                times[2] = clock()
+                received = self._recv(action.recv_from, mb, virtual, kind == "B", xp)
+                times[3] = clock()
+            times[0] = clock()
+            if kind == "F":
+                inp = Tensor(x[mb * size:(mb + 1) * size]) if received is None else Tensor(received, requires_grad=True)
+                out = self.stages[chunk](inp)
+                inputs[mb, chunk] = inp
+                if virtual == len(self.where) - 1:
+                    loss = loss_fn(out, y[mb * size:(mb + 1) * size])
+                    losses.append(loss.data)
+                    out = loss * (1.0 / self.m)            # mean over micro-batches
+                outputs[mb, chunk] = out
+            else:
+                out = outputs.pop((mb, chunk))
+                if self.split_backward:                    # B: input gradient; W later
+                    with defer_weight_grads(self._weights[chunk]) as weight_grads[mb, chunk]:
+                        out.backward(received)
+                else:
+                    out.backward(received)
+                inp = inputs.pop((mb, chunk))
+            times[1] = clock()
+            if action.send_to is not None:
+                times[4] = clock()
+                data = out.data if kind == "F" else inp.grad
+                self._send(data, action.send_to, mb, virtual + (1 if kind == "F" else -1), kind == "B")
+                times[5] = clock()
+        end = [clock()]                           # then: sends done, (dp all-reduce), loss all-reduce
+        self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
+        self._pending = []
+        end.append(clock())
+        if self.dp_comm is not None and self.dp_comm.size > 1:
+            self._all_reduce_gradients()
+        end.append(clock())
+        total = np.zeros(1)
+        if losses:                                           # one deliberate device sync per step
+            total[0] = float(sum(losses[1:], losses[0])) / self.m
+        total = all_reduce(self.comm, total, op="sum")       # every rank leaves the step together
+        end.append(clock())
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
         if tracer.enabled:
-            self.step_records.append(measure.step_record(tracer.events[first_event:], len(self.actions)))
-            if len(self.step_records) > MAX_RECORDS:
-                del self.step_records[1]             # keep the first step (reported on its own) and the last ones
+            self._record(tracer, step_start, stamps, end)
         return float(total[0])
+
+    def _record(self, tracer, step_start, stamps, end):
+        """Keep this step's timestamps for measured_bubble() and write them into the trace (after
+        the step, so that tracing costs the step nothing)."""
+        sent_wait, dp, loss = end[1] - end[0], end[2] - end[1], end[3] - end[2]
+        flat = [t for times in stamps for t in times]
+        self.step_records.append(np.array([step_start, end[3], sent_wait + loss, dp] + flat))
+        if len(self.step_records) > MAX_RECORDS:
+            del self.step_records[1]                 # keep the first step (reported on its own) and the last ones
+        tracer.add("pipeline step", "step", step_start, end[3], {})
+        for index, (action, times) in enumerate(zip(self.actions, stamps)):
+            args = {"microbatch": action.microbatch, "chunk": action.chunk, "index": index}
+            if times[2] == times[2]:
+                tracer.add(f"recv {action}", "comm", times[2], times[3], {**args, "wait": "recv"})
+            tracer.add(str(action), "compute", times[0], times[1], {**args, "op": action.kind})
+            if times[4] == times[4]:
+                tracer.add(f"send {action}", "comm", times[4], times[5], {**args, "wait": "send"})
+        tracer.add("wait for sends", "comm", end[0], end[1], {"wait": "end"})
+        if dp:
+            tracer.add("all-reduce gradients (dp)", "comm", end[1], end[2], {"wait": "dp"})
+        tracer.add("loss all-reduce", "comm", end[2], end[3], {"wait": "end"})
 
     def _all_reduce_gradients(self):
         params = [q for q in self.parameters() if q.grad is not None]

@@ -37,8 +37,8 @@ def measured_bars(events, row_of_rank):
             kind = "wait"
         else:
             continue
-        bars.append((row_of_rank[e["rank"]], kind, max(e["start"], t0) - t0, min(e["end"], t1) - t0, args.get("microbatch"),
-                     args.get("chunk", 0)))
+        bars.append((row_of_rank[e["rank"]], kind, max(e["start"], t0) - t0, min(e["end"], t1) - t0,
+                     args.get("microbatch"), args.get("chunk", 0)))
     return bars, t1 - t0
 
 
