@@ -2,11 +2,15 @@
 
 Every tensor holds an ``xp`` array. Code never imports cupy outside this file; it asks
 ``array_module(a)`` for the module that owns an array, or ``xp()`` for the module of the current
-device. ``MINITRAIN_DEVICE=cuda`` (or ``minitrain.set_device("cuda")``) selects CuPy.
-The default floating dtype is float32, as in PyTorch; ``set_default_dtype(np.float64)`` switches
-it (the oracle tests run in float64).
+device. ``MINITRAIN_DEVICE=cuda`` (or ``minitrain.set_device("cuda")``) selects CuPy;
+``use_gpu(i)`` picks the GPU (``minitrain.comm.init()`` gives rank r its local rank's).
+Moves between host and device happen only here, on purpose, and are counted (``transfer_counts``):
+host -> device copies, device -> host copies, and synchronisations (the host waiting for the GPU).
+The default floating dtype is float32, as in PyTorch; ``set_default_dtype(np.float64)`` switches it.
 """
 import os
+import sys
+import threading
 
 import numpy as np
 
@@ -20,6 +24,7 @@ LOW_PRECISION = tuple(np.dtype(d) for d in (np.float16, bfloat16) if d is not No
 
 _cupy = None          # the cupy module, once imported
 _device = "cpu"
+_gpu = 0              # the GPU this process computes on (each thread makes it current: bind_thread)
 _default_dtype = np.dtype(np.float32)
 
 
@@ -57,6 +62,40 @@ def cuda_available():
         return False
 
 
+# ---------------------------------------------------------------- which GPU
+def gpu_count():
+    return _import_cupy().cuda.runtime.getDeviceCount()
+
+
+def use_gpu(index):
+    """Compute on GPU ``index`` from now on (this thread now; other threads through bind_thread)."""
+    global _gpu
+    count = gpu_count()
+    if not 0 <= index < count:
+        raise ValueError(f"GPU {index} does not exist: this machine has {count}")
+    _gpu = index
+    bind_thread()
+
+
+def bind_thread():
+    """Make this process's GPU current for the calling thread (a new thread starts on GPU 0, as
+    with the CUDA runtime: a progress thread must call this before it touches device arrays)."""
+    if _device == "cuda":
+        _cupy.cuda.Device(_gpu).use()
+
+
+def gpu_index():
+    return _gpu
+
+
+def describe_device():
+    """'cpu' or 'cuda:1 (NVIDIA H100 80GB HBM3)': what the job's table prints."""
+    if _device != "cuda":
+        return "cpu"
+    name = _cupy.cuda.runtime.getDeviceProperties(_gpu)["name"]
+    return f"cuda:{_gpu} ({name.decode() if isinstance(name, bytes) else name})"
+
+
 def xp():
     """The array module of the current device."""
     return _cupy if _device == "cuda" else np
@@ -73,27 +112,61 @@ def is_device_array(a):
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
+# ---------------------------------------------------------------- counted moves
+class _Counts(threading.local):
+    def __init__(self):
+        self.h2d = self.h2d_bytes = self.d2h = self.d2h_bytes = self.sync = 0
+
+
+_counts = _Counts()
+
+
+def transfer_counts():
+    """This thread's deliberate moves so far: h2d / d2h (copies and bytes) and sync."""
+    c = _counts
+    return {"h2d": c.h2d, "h2d_bytes": c.h2d_bytes, "d2h": c.d2h, "d2h_bytes": c.d2h_bytes, "sync": c.sync}
+
+
 def to_host(a):
-    """A NumPy copy (or the array itself, if it already is one)."""
+    """A NumPy copy of a device array (counted: a blocking copy, so also a synchronisation);
+    a host array itself."""
     if is_device_array(a):
+        _counts.d2h += 1
+        _counts.d2h_bytes += a.nbytes
+        _counts.sync += 1
         return _cupy.asnumpy(a)
     return np.asarray(a)
 
 
 def to_device(a, device=None):
-    """``a`` on ``device`` (default: the current one)."""
+    """``a`` on ``device`` (default: the current one); a host -> device copy is counted."""
     device = device or _device
     if device == "cuda":
+        if not is_device_array(a):
+            a = np.asarray(a)
+            _counts.h2d += 1
+            _counts.h2d_bytes += a.nbytes
         return _import_cupy().asarray(a)
     return to_host(a)
+
+
+def to_scalar(a):
+    """A Python number from a one-element array (on the device: a counted copy and synchronisation)."""
+    if is_device_array(a):
+        _counts.d2h += 1
+        _counts.d2h_bytes += a.nbytes
+        _counts.sync += 1
+    return a.item()
 
 
 def synchronize():
     """Wait for queued GPU work (a no-op on the CPU). Call before timing or before MPI reads a buffer."""
     if _cupy is not None and _device == "cuda":
+        _counts.sync += 1
         _cupy.cuda.get_current_stream().synchronize()
 
 
+# ---------------------------------------------------------------- kernels, randomness, events
 def scatter_add(out, indices, values):
     """out[indices] += values, adding where an index repeats (np.add.at / cupyx.scatter_add)."""
     if is_device_array(out):
@@ -101,6 +174,146 @@ def scatter_add(out, indices, values):
         cupyx.scatter_add(out, indices, values)
     else:
         np.add.at(out, indices, values)
+
+
+#: fused kernels on (MINITRAIN_FUSE=0: every fused function runs as its separate operations, to
+#: measure what fusion saves)
+FUSE = os.environ.get("MINITRAIN_FUSE", "1") != "0"
+
+
+class _Fused:
+    """``cupy.fuse`` of ``make(cupy)``: one kernel per call. Should CuPy fail to compile it for some
+    argument types (its fusion knows fewer dtypes than its ufuncs), the same function runs unfused
+    (one kernel per operation) and that is said once on stderr."""
+
+    def __init__(self, make, name):
+        self.make, self.name = make, name
+        self.fused = self.plain = None
+        self.unfusable = set()
+        FUSED.append(self)
+
+    def __call__(self, *args):
+        if self.fused is None:
+            cupy = _import_cupy()
+            self.plain = self.make(cupy)
+            self.fused = cupy.fuse(kernel_name=self.name)(self.plain)
+        key = tuple((a.dtype.str, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
+        if FUSE and key not in self.unfusable:
+            try:
+                return self.fused(*args)
+            except Exception as e:
+                if getattr(_cupy, "__standin__", False):      # the stand-in ran it eagerly: a real bug
+                    raise
+                self.unfusable.add(key)
+                sys.stderr.write(f"minitrain: cupy.fuse could not compile {self.name} for {key} "
+                                 f"({type(e).__name__}: {e}); running it unfused\n")
+        return self.plain(*args)
+
+
+#: every fused kernel made so far (``unfusable``: the argument types CuPy could not compile it for)
+FUSED = []
+
+
+def fuse(make, name):
+    """A fused elementwise kernel for device arrays: ``make(xp)`` returns a function of arrays and
+    Python scalars written with xp's ufuncs (what cupy.fuse compiles)."""
+    return _Fused(make, name)
+
+
+class _ElementwiseKernel(_Fused):
+    """One ``cupy.ElementwiseKernel`` written in CUDA C (``in_params``, ``out_params``, ``operation``)
+    for updates in place, whose arguments are the kernel's (inputs, then the arrays it updates). The
+    CuPy stand-in cannot compile C: there, and with MINITRAIN_FUSE=0, ``make(xp)`` (the same update
+    in xp's ufuncs) runs instead, through cupy.fuse as the other kernels do, so CI checks the
+    arithmetic and the GPU test checks that the C says the same (tests/test_gpu.py)."""
+
+    def __init__(self, make, name, in_params, out_params, operation):
+        super().__init__(make, name)
+        self.spec = (in_params, out_params, operation)
+        self.kernel = None
+
+    def __call__(self, *args):
+        if not FUSE or getattr(_import_cupy(), "__standin__", False):
+            return super().__call__(*args)
+        key = ("C",) + tuple(a.dtype.str for a in args if hasattr(a, "dtype"))
+        if key not in self.unfusable:
+            try:
+                if self.kernel is None:
+                    self.kernel = _cupy.ElementwiseKernel(*self.spec, name=self.name)
+                return self.kernel(*args)
+            except Exception as e:          # e.g. a dtype CUDA C has no sqrt for: say so, run the ufuncs
+                self.unfusable.add(key)
+                sys.stderr.write(f"minitrain: ElementwiseKernel {self.name} failed for {key[1:]} "
+                                 f"({type(e).__name__}: {e}); running it through cupy.fuse\n")
+        return super().__call__(*args)
+
+
+def elementwise_kernel(make, name, in_params, out_params, operation):
+    """An in-place elementwise update as one CUDA kernel (see _ElementwiseKernel)."""
+    return _ElementwiseKernel(make, name, in_params, out_params, operation)
+
+
+_rng = threading.local()   # .states: GPU index -> this thread's cuRAND Philox generator
+
+
+def device_uniform(shape, seed, dtype):
+    """Uniform [0, 1) numbers drawn on the GPU by cuRAND's Philox from ``seed`` (a counter-based
+    generator: reseeding costs nothing, so every draw takes its seed from the host generator and
+    recomputation replays it)."""
+    cupy = _cupy
+    states = getattr(_rng, "states", None)
+    if states is None:
+        states = _rng.states = {}
+    state = states.get(_gpu)
+    if state is None:
+        state = states[_gpu] = cupy.random.RandomState(seed, method=cupy.cuda.curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
+    else:
+        state.seed(seed)
+    return state.random_sample(shape, dtype=np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def record_event():
+    """A CUDA event recorded now on the current stream (None on the CPU): trace spans time the GPU."""
+    if _device != "cuda":
+        return None
+    event = _cupy.cuda.Event()
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end, wait=True):
+    """Milliseconds between two recorded events; waits for ``end`` first (a counted synchronisation)
+    unless the caller already waited for a later event."""
+    if wait:
+        _counts.sync += 1
+        end.synchronize()
+    return _cupy.cuda.get_elapsed_time(start, end)
+
+
+# ---------------------------------------------------------------- memory views
+def byte_offset(view, base):
+    """Where ``view``'s first element lies in ``base``'s memory, in bytes (device pointers only
+    through CuPy's MemoryPointer, never by converting the array)."""
+    if is_device_array(view):
+        return view.data.ptr - base.data.ptr
+    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+
+
+def view_of(base, shape, dtype, offset, strides):
+    """The array of ``shape``/``strides`` at byte ``offset`` inside ``base``'s memory."""
+    if is_device_array(base):
+        return _cupy.ndarray(shape, dtype, memptr=base.data + offset, strides=strides)
+    return np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides)
+
+
+# ---------------------------------------------------------------- host threads and dtypes
+def local_rank():
+    """This process's rank among those the MPI launcher put on this machine (MPICH's
+    MPI_LOCALRANKID, Open MPI's OMPI_COMM_WORLD_LOCAL_RANK; 0 when not launched by one)."""
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
 
 
 def local_rank_count():
@@ -114,10 +327,14 @@ def local_rank_count():
 def limit_blas_threads(threads=None):
     """Cap BLAS/OpenMP threads in this process (default: cores / ranks on this machine).
     Ranks that each start one BLAS thread per core fight over the cores: measured here, 4 ranks on
-    2 cores made a digits-MLP run 30x slower until each rank kept to its share."""
+    2 cores made a digits-MLP run 30x slower until each rank kept to its share. Without
+    threadpoolctl (an optional dependency) nothing is capped: set OMP_NUM_THREADS instead."""
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // local_rank_count())
-    from threadpoolctl import threadpool_limits
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
     return threadpool_limits(limits=threads)
 
 

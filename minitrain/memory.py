@@ -2,8 +2,9 @@
 
 Categories follow the ZeRO paper's split of training memory (Rajbhandari et al. 2020, sec. 3):
 model states (``params``, ``grads``, ``optimizer_state``) and residual states (``activations`` =
-arrays saved for backward, ``comm_buffers``). Each array is counted once, by the buffer that owns
-its memory, however many tensors or graph nodes refer to it. ``set_device_capacity(bytes)``
+arrays saved for backward, ``comm_buffers``); inference adds ``kv_cache`` (the keys and values a
+generating model keeps, minitrain/inference/). Each array is counted once, by the buffer that
+owns its memory, however many tensors or graph nodes refer to it. ``set_device_capacity(bytes)``
 turns the tracker into a teaching device that raises ``DeviceOutOfMemory`` when the live total
 would exceed it, so "does not fit on one rank" can be shown on a laptop.
 
@@ -17,7 +18,8 @@ does not limit. A Parameter made inside the block keeps its data and gradient on
 import contextlib
 import threading
 
-CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")   # training's
+ALL_CATEGORIES = CATEGORIES + ("kv_cache",)                                             # + inference's
 
 
 class DeviceOutOfMemory(MemoryError):
@@ -43,12 +45,12 @@ class MemoryTracker:
 
     def reset(self):
         self._entries.clear()
-        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.live = dict.fromkeys(ALL_CATEGORIES, 0)
         self.live_total = 0
-        self.peak_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_by_category = dict.fromkeys(ALL_CATEGORIES, 0)
         self.peak_total = 0
-        self.host_live = dict.fromkeys(CATEGORIES, 0)
-        self.host_peak_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.host_live = dict.fromkeys(ALL_CATEGORIES, 0)
+        self.host_peak_by_category = dict.fromkeys(ALL_CATEGORIES, 0)
 
     def add(self, category, key, nbytes, host=None):
         """Count ``nbytes`` of ``category`` under ``key`` (on the host if ``host``, or if inside
@@ -91,6 +93,10 @@ class MemoryTracker:
 
     def contains(self, key):
         return key in self._entries
+
+    def free_bytes(self):
+        """What the device can still take (None: no capacity set, unlimited)."""
+        return None if self.capacity is None else self.capacity - self.live_total
 
     # ---- activations: arrays saved for backward, keyed by the buffer that owns their memory
     def add_saved(self, arrays):

@@ -2,7 +2,9 @@
 
 ``manual_seed(s)`` makes a run reproducible; ``get_state()`` / ``set_state()`` let activation
 recomputation replay dropout masks exactly. Numbers are drawn on the host with NumPy's PCG64
-and moved to the device, so a CPU and a GPU run with the same seed see the same numbers.
+and moved to the device, so a CPU and a GPU run with the same seed see the same numbers (parameter
+initialisation); dropout masks on the GPU are drawn there (``device_uniform``), from one host seed
+per mask, so they replay and agree across ranks as well, but differ from the CPU's masks.
 
 Each MPI process has its own generator, all starting from the same seed, so ranks that run the
 same code draw the same numbers (tensor-parallel ranks rely on it for dropout masks). ThreadWorld's
@@ -71,6 +73,14 @@ def randn(*shape, dtype=None):
 def rand(*shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
     return backend.to_device(generator().random(shape).astype(dtype, copy=False))
+
+
+def device_uniform(*shape, dtype=None):
+    """Uniform [0, 1) numbers drawn on the GPU (dropout masks): the host generator gives one seed
+    (so ranks that share a seed draw the same numbers, and restoring the state replays the draw),
+    cuRAND's Philox draws them where they are used, with no host-to-device copy."""
+    seed = int(generator().integers(0, 2 ** 63 - 1))
+    return backend.device_uniform(shape, seed, dtype or backend.get_default_dtype())
 
 
 def uniform(low, high, shape, dtype=None):

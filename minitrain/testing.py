@@ -1,9 +1,10 @@
 """Test helpers shared by the test suite and the exercise checks.
 
 ``gradcheck`` compares backward() with central differences (float64).
-``run_mpi`` runs a command under ``mpiexec -n N`` with a hard timeout; every output line is
-prefixed with its rank (MPICH's ``-l``), and a failure or a hang raises ``MPIRunError``
-carrying all of it, so a deadlock fails a test within its timeout instead of stalling CI.
+``run_mpi`` runs a command under ``mpiexec -n N`` (MPICH's or Open MPI's) with a hard timeout;
+every output line is prefixed with its rank (``-l`` / ``--tag-output``), and a failure or a hang
+raises ``MPIRunError`` carrying all of it, so a deadlock fails a test within its timeout instead of
+stalling CI.
 """
 import json
 import os
@@ -88,12 +89,33 @@ def mpiexec_path():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
+_FLAVOR = {}
+
+
+def launcher_args(mpiexec, n, label=False):
+    """``-n n`` plus what the launcher needs: Open MPI's mpirun refuses root without
+    --allow-run-as-root and more ranks than cores without --oversubscribe, and labels output with
+    --tag-output where MPICH's hydra takes -l."""
+    if mpiexec not in _FLAVOR:
+        try:
+            version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+            text = version.stdout + version.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            text = ""
+        _FLAVOR[mpiexec] = "openmpi" if ("Open MPI" in text or "OpenRTE" in text) else "mpich"
+    if _FLAVOR[mpiexec] == "openmpi":
+        extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+        return ["-n", str(n)] + extra + (["--tag-output"] if label else [])
+    return ["-n", str(n)] + (["-l"] if label else [])
+
+
 def run_worker(script, n, args=(), timeout=1800):
     """Benchmarks: run ``script --worker-out PATH *args`` under ``mpiexec -n n`` with one BLAS thread
     per rank (its stdout discarded) and return the JSON that rank 0 wrote to PATH."""
     out = os.path.join(tempfile.gettempdir(), f"minitrain_worker_{os.getpid()}_{time.monotonic_ns()}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
+    mpiexec = mpiexec_path()
+    cmd = [mpiexec, *launcher_args(mpiexec, n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
     subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
     try:
         with open(out) as f:
@@ -120,7 +142,7 @@ def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):
     # not PYTHONUNBUFFERED: unbuffered print() writes a line in pieces and -l labels every piece;
     # code that must show output before a hang prints with flush=True (one write per line)
     full_env.pop("PYTHONUNBUFFERED", None)
-    cmd = [mpiexec, "-n", str(n), "-l", *[str(a) for a in args]]
+    cmd = [mpiexec, *launcher_args(mpiexec, n, label=True), *[str(a) for a in args]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:

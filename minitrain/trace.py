@@ -6,6 +6,12 @@ span costs one attribute lookup. Times are ``time.perf_counter()`` (CLOCK_MONOTO
 for every process on a Linux machine), so ranks line up; exports shift them to start at 0. ``save_chrome(path, comm)`` gathers every rank's spans to rank 0
 through the communicator (duck-typed: this module imports nothing of comm/) and writes one file
 that chrome://tracing or ui.perfetto.dev opens, one process row per rank.
+
+On the GPU a span also records a CUDA event at its start and end, so it measures what the device
+did, not when the host queued it (kernels run asynchronously): reading the events back
+(``events()``, ``save_chrome``) waits for the GPU once and replaces the span's times by the
+device's, on a clock aligned with the host's at the first span (host times kept in ``args``).
+Recording an event never makes the host wait, so tracing adds no synchronisation to a step.
 """
 import json
 import threading
@@ -13,6 +19,8 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+
+from . import backend
 
 
 class Tracer:
@@ -22,10 +30,31 @@ class Tracer:
         self.events = []
         self._lock = threading.Lock()
 
-    def add(self, name, kind, start, end, args):
+    def add(self, name, kind, start, end, args, cuda_events=None):
+        event = {"rank": self.rank, "name": name, "kind": kind, "start": start, "end": end, "args": args,
+                 "thread": threading.current_thread().name}
+        if cuda_events is not None:
+            event["_cuda"] = cuda_events
         with self._lock:
-            self.events.append({"rank": self.rank, "name": name, "kind": kind, "start": start,
-                                "end": end, "args": args, "thread": threading.current_thread().name})
+            if cuda_events is not None and self._reference is None:
+                self._reference = (cuda_events[0], start)     # the device clock's zero, in host time
+            self.events.append(event)
+
+    _reference = None
+
+    def resolve(self):
+        """Give spans timed by CUDA events the device's times (waits for the GPU once)."""
+        with self._lock:
+            pending = [e for e in self.events if "_cuda" in e]
+            if not pending:
+                return
+            reference, host_zero = self._reference
+            backend.elapsed_ms(reference, pending[-1]["_cuda"][1])        # the one wait
+            for e in pending:
+                first, last = e.pop("_cuda")
+                e["args"] = {**e["args"], "host_start": e["start"], "host_end": e["end"]}
+                e["start"] = host_zero + backend.elapsed_ms(reference, first, wait=False) / 1e3
+                e["end"] = host_zero + backend.elapsed_ms(reference, last, wait=False) / 1e3
 
 
 _default = Tracer()
@@ -47,6 +76,7 @@ def enable(rank=None, reset=True):
         t.rank = rank
     if reset:
         t.events.clear()
+        t._reference = None
     t.enabled = True
     return t
 
@@ -56,7 +86,10 @@ def disable():
 
 
 def events():
-    return list(tracer().events)
+    """This thread's tracer's spans (device-timed ones resolved first)."""
+    t = tracer()
+    t.resolve()
+    return list(t.events)
 
 
 @contextmanager
@@ -66,10 +99,12 @@ def span(name, kind="compute", **args):
         yield
         return
     start = time.perf_counter()
+    first = backend.record_event()               # None on the CPU
     try:
         yield
     finally:
-        t.add(name, kind, start, time.perf_counter(), args)
+        end = time.perf_counter()
+        t.add(name, kind, start, end, args, None if first is None else (first, backend.record_event()))
 
 
 def _origin(all_events):

@@ -26,3 +26,35 @@ def _restore_default_dtype():
     old = minitrain.get_default_dtype()
     yield
     minitrain.set_default_dtype(old)
+
+
+STANDIN = __import__("pathlib").Path(__file__).parent / "standin"
+
+
+@pytest.fixture
+def standin_gpu():
+    """The strict CuPy stand-in (tests/standin) as this test's GPU, in strict mode: an implicit
+    conversion or a device pointer request raises. Yields the stand-in ``cupy`` with zeroed
+    counters; afterwards the device is the CPU again. Skipped where a real CuPy is loaded."""
+    import sys
+    loaded = sys.modules.get("cupy")
+    if loaded is not None and not getattr(loaded, "__standin__", False):
+        pytest.skip("a real CuPy is loaded in this process")
+    if str(STANDIN) not in sys.path:
+        sys.path.insert(0, str(STANDIN))
+    import cupy
+    from minitrain import backend
+    if not getattr(cupy, "__standin__", False):
+        pytest.skip("a real CuPy is installed: the stand-in runs in the device suite's subprocesses")
+    standin = cupy._standin
+    old = standin.IMPLICIT, standin.FORBID_DEVICE_POINTERS
+    standin.IMPLICIT, standin.FORBID_DEVICE_POINTERS = "error", True
+    backend.set_device("cuda")
+    backend.use_gpu(0)
+    standin.reset()
+    try:
+        yield cupy
+    finally:
+        backend.set_device("cpu")
+        standin.set_current_device(0)
+        standin.IMPLICIT, standin.FORBID_DEVICE_POINTERS = old

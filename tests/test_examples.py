@@ -173,7 +173,7 @@ def test_four_ranks_run_the_pipeline_with_the_defaults(tmp_path):
     pipe = json.loads(out.read_text())["pipeline"]
     assert pipe["num_stages"] == 4 and pipe["layers"] == 4
     assert "stages are unequal" in result.stdout and "implied bubble" in result.stdout
-    assert pipe["implied_bubble_fraction"] > pytest.approx(3 / 7)      # 1F1B, m = 4, equal stages: 3/7
+    assert pipe["implied_bubble_fraction"] > 3 / 7 + 0.01                # 1F1B, m = 4, equal stages: 3/7
 
 
 def test_the_pipeline_strategy_rejects_bad_shapes_clearly():

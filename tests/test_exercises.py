@@ -1,68 +1,255 @@
-"""The exercise grader: a correct hand-in passes, a wrong one and the untouched stub fail clearly."""
+"""The exercises: every grader rejects its stub and accepts the library's own implementation and a
+learner's correct hand-in, and rejects every wrong hand-in in tests/exercise_solutions/ with an
+explanation and a hint to read; the command line (list, show, hint, stub, check, run) and the
+progress file. Graders run in this process (one import of everything), the CLI in a few subprocesses."""
+import ast
+import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
+import time
 
-HERE = pathlib.Path(__file__).parent / "exercise_solutions"
+import pytest
 
+from minitrain.exercises import all_exercises, get, harness
+from minitrain.exercises.__main__ import main
+from minitrain.exercises.grading import LoadError, explain, load, run_checks
 
-def grade(*args):
-    return subprocess.run([sys.executable, "-m", "minitrain.exercises", *args],
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_a_correct_ring_passes():
-    result = grade("check", "ring_all_reduce", str(HERE / "ring_all_reduce_learner.py"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "8 passed, 0 failed" in result.stdout
-
-
-def test_the_library_passes_its_own_exercise():
-    assert grade("check", "ring_all_reduce", "--reference").returncode == 0
+SOLUTIONS = pathlib.Path(__file__).parent / "exercise_solutions"
+NAMES = [e.name for e in all_exercises()]
+WRONG = sorted(SOLUTIONS.glob("*/wrong_*.py"))
+GOOD = sorted(SOLUTIONS.glob("*/good_*.py"))
+HANG_TIMEOUT = 1.0          # wrong hand-ins that deadlock fail within this many seconds per world
 
 
-def test_all_to_all_exchange_is_exact_but_fails_the_bandwidth_bound():
-    result = grade("check", "ring_all_reduce", str(HERE / "ring_all_reduce_naive.py"))
-    assert result.returncode == 1
-    assert "PASS  p=4: exact" in result.stdout
-    assert "FAIL  p=4: bytes sent within the ring's bound" in result.stdout
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Progress goes to a temporary file; the wait timeout is the default unless a test changes it."""
+    monkeypatch.setenv("MINITRAIN_EXERCISES_PROGRESS", str(tmp_path / "progress.json"))
+    harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
+    yield
+    harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
 
 
-def test_the_stub_fails_with_its_own_message(tmp_path):
-    stub = tmp_path / "mine.py"
-    assert grade("stub", "ring_all_reduce", str(stub)).returncode == 0
-    result = grade("check", "ring_all_reduce", str(stub))
-    assert result.returncode == 1
-    assert "NotImplementedError: ring_all_reduce: write the reduce-scatter" in result.stdout
+def cli(*args, env=None):
+    """The command line, in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def test_a_correct_1f1b_passes_and_the_library_too():
-    result = grade("check", "one_f_one_b", str(HERE / "one_f_one_b_learner.py"))
+def cli_process(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "minitrain.exercises", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def stub_of(e, tmp_path):
+    path = tmp_path / f"{e.name}_stub.py"
+    path.write_text(e.stub)
+    return path
+
+
+# ---------------------------------------------------------------- the registry
+def test_the_learning_path_has_sixteen_exercises_and_four_bugs_to_hunt():
+    kinds = [e.kind for e in all_exercises()]
+    assert kinds.count("implement") >= 16 and kinds.count("debug") >= 4
+    assert len(set(NAMES)) == len(NAMES) and len({e.order for e in all_exercises()}) == len(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_exercise_is_complete_and_reads_as_plain_text(name):
+    e = get(name)
+    tree = ast.parse(e.stub)
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert set([e.defines] if isinstance(e.defines, str) else e.defines) <= defined
+    assert len(e.hints) >= 2 and all(len(h) > 40 for h in e.hints)
+    assert e.checks() and all(1 <= c.hint <= len(e.hints) for c in e.checks())
+    text = e.intro() + "".join(e.hints) + e.title
+    assert not re.search(r"``|:(func|class|meth|mod|ref):`|^\.\. \w+::|\*\*[A-Za-z][^*\n]*\*\*", text, re.M), "markup"
+    assert f"check {name}" in e.intro()
+    if e.kind == "implement":          # a stub gives the contract, never the code: bodies only raise
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                simple = all(isinstance(s, ast.Raise) or (isinstance(s, ast.Return) and node.name == "__call__")
+                             for s in body)
+                assert simple, f"{name}: the stub's {node.name} has code beyond raise NotImplementedError"
+
+
+# ---------------------------------------------------------------- graders
+@pytest.mark.parametrize("name", NAMES)
+def test_the_grader_rejects_the_stub(name, tmp_path):
+    e = get(name)
+    harness.set_wait_timeout(HANG_TIMEOUT)
+    results = e.grade(e.load(stub_of(e, tmp_path)), fail_fast=True)
+    failed = [r for r in results if r.status == "fail"]
+    assert failed and failed[0].explanation and failed[0].hint
+    if e.kind == "implement":
+        assert failed[0].explanation.startswith("not written yet")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_grader_accepts_the_library_s_own_implementation(name):
+    results = get(name).grade(get(name).reference())
+    assert all(r.status != "fail" for r in results), "\n".join(f"{r.label}: {r.explanation}" for r in results)
+
+
+@pytest.mark.parametrize("path", GOOD, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_a_learner_s_correct_hand_in_passes(path):
+    e = get(path.parent.name)
+    results = e.grade(e.load(path))
+    assert all(r.status != "fail" for r in results), "\n".join(f"{r.label}: {r.explanation}" for r in results)
+
+
+@pytest.mark.parametrize("path", WRONG, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_a_wrong_hand_in_fails_with_an_explanation_and_a_hint(path):
+    e = get(path.parent.name)
+    expected = ast.literal_eval(re.search(r"^EXPECT = (.*)$", path.read_text(), re.M).group(1))
+    harness.set_wait_timeout(HANG_TIMEOUT)
+    results = e.grade(e.load(path), fail_fast=True)
+    failed = [r for r in results if r.status == "fail"]
+    assert failed, f"{path.name} passed every check"
+    explanation = failed[0].explanation
+    assert failed[0].hint and all(fragment in explanation for fragment in expected), explanation
+    assert "the grader could not use" not in explanation
+
+
+def test_every_exercise_has_a_correct_hand_in_and_wrong_ones():
+    for e in all_exercises():
+        folder = SOLUTIONS / e.name
+        assert list(folder.glob("good_*.py")), e.name
+        assert len(list(folder.glob("wrong_*.py"))) >= (1 if e.kind == "debug" else 3), e.name
+
+
+def test_a_debugging_exercise_s_fix_is_exactly_what_turns_the_broken_program_into_its_reference():
+    for e in all_exercises():
+        if e.kind == "debug":
+            fixed = e.stub
+            for broken, repaired in e.module.FIX:
+                assert e.stub.count(broken) == 1
+                fixed = fixed.replace(broken, repaired)
+            assert fixed != e.stub and (SOLUTIONS / e.name / "good_fix.py").read_text() == fixed
+
+
+# ---------------------------------------------------------------- a hand-in that hangs, loops or exits
+def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
+    path = tmp_path / "loops.py"
+    path.write_text("def ring_all_reduce(comm, x, op='sum'):\n    while True:\n        pass\n")
+    harness.set_wait_timeout(0.3)
+    start = time.perf_counter()
+    results = get("ring_all_reduce").grade(load(path, "ring_all_reduce"))
+    assert time.perf_counter() - start < 30
+    assert results[-1].status == "fail" and len(results) == 1          # grading stops there
+    assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
+
+
+def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
+    path = tmp_path / "spins.py"
+    path.write_text("def softmax_backward(out, grad, axis=-1):\n    x = 0\n    while True:\n        x += 1\n")
+    results = run_checks(get("softmax_backward").checks(), load(path, "softmax_backward"), limit=1.0)
+    assert len(results) == 1 and "did not finish within 1 s" in results[0].explanation
+    assert re.search(r"spins.py line [34]", results[0].explanation)
+
+
+def test_a_hand_in_that_calls_sys_exit_or_raises_is_reported_not_fatal(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\n\ndef softmax_backward(out, grad, axis=-1):\n    sys.exit(3)\n")
+    results = get("softmax_backward").grade(load(path, "softmax_backward"))
+    assert results[0].status == "fail" and "SystemExit" in results[0].explanation and "exits.py line 4" in results[0].explanation
+    path.write_text("def gpipe(p, m):\n    return 42\n")
+    results = get("gpipe_schedule").grade(load(path, "gpipe"))
+    assert "expected a list of p = 1 stages" in results[0].explanation
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), ("dir", "is a directory"), (b"\xff\xfe\x00", "not UTF-8"),
+    ("def ring_all_reduce(comm, x, op='sum')\n    pass\n", "mine.py line 1: expected ':'"),
+    ("import no_such_module_here\n", "ModuleNotFoundError"),
+    ("def something_else():\n    pass\n", "defines no ring_all_reduce"),
+    ("ring_all_reduce = 3\n", "expected a function or a class")])
+def test_a_file_that_cannot_be_graded_is_a_clear_message(tmp_path, content, message):
+    path = tmp_path / "mine.py"
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(LoadError, match=message):
+        load(path, "ring_all_reduce")
+
+
+def test_explanations_name_the_element_the_ratio_and_the_hint(tmp_path):
+    path = SOLUTIONS / "ring_all_reduce" / "wrong_no_mean.py"
+    harness.set_wait_timeout(HANG_TIMEOUT)
+    failed = [r for r in get("ring_all_reduce").grade(load(path, "ring_all_reduce")) if r.status == "fail"]
+    assert re.search(r"rank \d of \d, ring_all_reduce\(n=\d+, float64, op='mean'\): element 0 is", failed[0].explanation)
+    assert "= p (2)" in failed[0].explanation and failed[0].hint == 2
+    assert explain(NotImplementedError("write it")) == "not written yet: write it"
+
+
+# ---------------------------------------------------------------- the command line
+def test_check_records_progress_and_list_shows_it(tmp_path):
+    env = {"MINITRAIN_EXERCISES_PROGRESS": str(tmp_path / "p.json")}
+    result = cli("check", "gpipe_schedule", str(SOLUTIONS / "gpipe_schedule" / "good_learner.py"), env=env)
     assert result.returncode == 0 and "12 passed, 0 failed" in result.stdout, result.stdout + result.stderr
-    assert grade("check", "one_f_one_b", "--reference").returncode == 0
+    failing = cli("check", "one_f_one_b", str(SOLUTIONS / "one_f_one_b" / "wrong_gpipe.py"), env=env)
+    assert failing.returncode == 1 and "Read hint 2: python -m minitrain.exercises hint one_f_one_b --level 2" in failing.stdout
+    state = json.loads((tmp_path / "p.json").read_text())["exercises"]
+    assert state["gpipe_schedule"]["passed"] and state["gpipe_schedule"]["attempts"] == 1
+    assert not state["one_f_one_b"]["passed"] and state["one_f_one_b"]["last_path"].endswith("wrong_gpipe.py")
+    listing = cli("list", env=env).stdout
+    assert re.search(r"gpipe_schedule\s+implement\s+passed", listing) and re.search(r"one_f_one_b\s+implement\s+tried", listing)
+    assert all(name in listing for name in NAMES) and f"1 of {len(NAMES)} passed" in listing
 
 
-def test_gpipe_handed_in_as_1f1b_fails_the_memory_bound(tmp_path):
-    result = grade("check", "one_f_one_b", str(HERE / "one_f_one_b_gpipe.py"))
-    assert result.returncode == 1
-    assert "PASS  p=4: bubble" in result.stdout and "FAIL  p=4: in flight <= min(p-s, m)" in result.stdout
-    stub = tmp_path / "mine.py"
-    assert grade("stub", "one_f_one_b", str(stub)).returncode == 0
-    result = grade("check", "one_f_one_b", str(stub))
-    assert "NotImplementedError: one_f_one_b: write the warm-up" in result.stdout
+def test_hints_come_one_level_at_a_time(tmp_path):
+    env = {"MINITRAIN_EXERCISES_PROGRESS": str(tmp_path / "p.json")}
+    hints = get("ring_all_reduce").hints
+    first, second = cli("hint", "ring_all_reduce", env=env).stdout, cli("hint", "ring_all_reduce", env=env).stdout
+    assert "Hint 1 of 3" in first and hints[0][:40] in " ".join(first.split()) and "Hint 2" not in first
+    assert "Hint 2 of 3" in second and "Next: python -m minitrain.exercises hint ring_all_reduce" in second
+    assert "Hint 3 of 3" in cli("hint", "ring_all_reduce", "--level", "3", env=env).stdout
+    everything = cli("hint", "ring_all_reduce", "--all", env=env).stdout
+    assert all(f"Hint {k} of 3" in everything for k in (1, 2, 3))
+    assert json.loads((tmp_path / "p.json").read_text())["exercises"]["ring_all_reduce"]["hints_read"] == 3
+    assert cli("hint", "ring_all_reduce", "--level", "9", env=env).returncode == 2
 
 
-def test_megatron_f_g_grades_forward_and_gradients():
-    result = grade("check", "megatron_f_g", str(HERE / "megatron_f_g_learner.py"))
-    assert result.returncode == 0 and "12 passed, 0 failed" in result.stdout, result.stdout + result.stderr
-    assert grade("check", "megatron_f_g", "--reference").returncode == 0
-    wrong = grade("check", "megatron_f_g", str(HERE / "megatron_f_g_swapped.py"))
-    assert wrong.returncode == 1
-    assert "PASS  t=2: forward" in wrong.stdout and "FAIL  t=2: input gradient" in wrong.stdout
-    assert "PASS  t=1: input gradient" in wrong.stdout        # one rank: nothing to sum
+def test_show_stub_and_a_missing_file_on_the_command_line(tmp_path):
+    shown = cli("show", "ddp_buckets")
+    assert shown.returncode == 0 and "class BucketedDDP" in shown.stdout and "register_post_accumulate_grad_hook" in shown.stdout
+    assert "- p=4: one all-reduce per bucket, launched during backward" in shown.stdout and "``" not in shown.stdout
+    dest = tmp_path / "mine.py"
+    assert cli("stub", "ddp_buckets", str(dest)).returncode == 0 and dest.read_text() == get("ddp_buckets").stub
+    refused = cli("stub", "ddp_buckets", str(dest))
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    missing = cli_process("check", "ddp_buckets", str(tmp_path / "nope.py"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    unknown = cli("show", "ring_allreduce")
+    assert unknown.returncode == 2 and "did you mean ring_all_reduce" in unknown.stderr
 
 
-def test_the_megatron_stub_fails_with_its_own_message(tmp_path):
-    stub = tmp_path / "mine.py"
-    assert grade("stub", "megatron_f_g", str(stub)).returncode == 0
-    assert "NotImplementedError: megatron_f_g: write f's forward" in grade("check", "megatron_f_g", str(stub)).stdout
+def test_run_shows_what_minitrain_reports_for_a_broken_program(tmp_path):
+    result = cli("run", "debug_pipeline_hang", "--timeout", "1")
+    assert result.returncode == 1 and "minitrain reports" in result.stdout
+    assert "hung" in result.stdout and "debug_pipeline_hang_broken.py line" in result.stdout
+    mine = tmp_path / "mine.py"
+    mine.write_text((SOLUTIONS / "debug_pipeline_hang" / "good_fix.py").read_text())
+    fixed = subprocess.run([sys.executable, str(mine)], capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0 and "equals one process at p = 2" in fixed.stdout, fixed.stdout + fixed.stderr
+    assert cli("run", "ring_all_reduce").returncode == 2

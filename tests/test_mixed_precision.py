@@ -156,3 +156,15 @@ def test_zero_mixed_precision_equals_one_process_and_model_states_are_2_2_12(sta
         pad = 4 * 16 * p          # up to p-1 padding elements per flat buffer (one per FSDP unit)
         for c in ("params", "grads", "optimizer_state"):
             assert formula[c] <= persistent[c] <= formula[c] + pad, (c, persistent[c], formula[c])
+
+
+def test_the_masters_leave_the_memory_tracker_with_their_optimizer():
+    import gc
+    from minitrain import memory
+    before = memory.snapshot()["optimizer_state"]
+    model = nn.MLP([30, 24, 10]).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-3)
+    assert memory.snapshot()["optimizer_state"] == before + 4 * model.num_parameters()
+    del opt
+    gc.collect()
+    assert memory.snapshot()["optimizer_state"] == before

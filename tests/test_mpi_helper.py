@@ -29,3 +29,23 @@ def test_a_hanging_rank_is_killed_at_the_timeout():
         run_mpi([sys.executable, "-c", code], n=2, timeout=5)
     assert time.monotonic() - start < 30
     assert "rank 1 started" in str(err.value)
+
+
+def test_open_mpis_launcher_gets_its_own_flags(tmp_path, monkeypatch):
+    import os
+    from minitrain import backend
+    from minitrain.testing import launcher_args
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.6'\n")
+    fake.chmod(0o755)
+    args = launcher_args(str(fake), 4, label=True)
+    assert args[:2] == ["-n", "4"] and "--tag-output" in args and "--oversubscribe" in args
+    assert ("--allow-run-as-root" in args) == (os.geteuid() == 0)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    monkeypatch.delenv("MPI_LOCALRANKID", raising=False)
+    assert backend.local_rank() == 3                      # Open MPI's local rank places the GPU
+
+
+def test_mpichs_launcher_labels_with_l():
+    from minitrain.testing import launcher_args, mpiexec_path
+    assert launcher_args(mpiexec_path(), 2, label=True) == ["-n", "2", "-l"]

@@ -46,7 +46,7 @@ def _add(entry, g, owned):
 
 import threading
 
-from ..backend import array_module
+from ..backend import array_module, is_device_array, to_device
 from . import deferred as _deferred
 from .function import Function
 
@@ -88,6 +88,8 @@ def _backward(root, grad, retain_graph):
     from .tensor import Tensor  # local import: tensor.py imports this module
 
     xp_grad = grad._data if isinstance(grad, Tensor) else grad
+    if xp_grad is not None and is_device_array(root._data) and not is_device_array(xp_grad):
+        xp_grad = to_device(xp_grad)           # a host gradient for a GPU output: copied on purpose (counted)
     if xp_grad is None:
         if root._data.size != 1:
             raise RuntimeError(

@@ -6,10 +6,12 @@ input (None where no gradient is needed). Broadcasting is undone by the one help
 "weak" (a float32 array times 0.5 stays float32), never NumPy float64 scalars.
 """
 import math
+import os
 
 import numpy as np
 
-from ..backend import array_module, scatter_add
+from .. import kernels
+from ..backend import array_module, is_device_array, scatter_add
 from .. import random as _random
 from .function import Function
 
@@ -214,6 +216,15 @@ class MatMul(Function):
         return ga, gb
 
 
+def matmul_rows(x, w):
+    """x (..., k) @ w (k, n) as one (rows, k) @ (k, n) product. On the GPU this is one cuBLAS GEMM
+    (CuPy reads a transposed w in place); CuPy's matmul of a 3-D x would copy w to contiguous memory
+    and run a batched GEMM per call. (The CPU keeps NumPy's matmul, and its exact results.)"""
+    if not is_device_array(x) or x.ndim == 2:
+        return x @ w
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
+
+
 class Linear(Function):
     """y = x @ W.T + b with W of shape (out, in), as torch.nn.functional.linear. One graph node
     for the whole layer keeps per-op overhead low."""
@@ -221,7 +232,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.save_for_backward(x, weight)
-        out = x @ weight.T
+        out = matmul_rows(x, weight.T)
         if bias is not None:
             out += bias
         return out
@@ -230,7 +241,7 @@ class Linear(Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
-        gx = g @ weight if need[0] else None
+        gx = matmul_rows(g, weight) if need[0] else None
         g2 = g.reshape(-1, g.shape[-1])
         gw = g2.T @ x.reshape(-1, x.shape[-1]) if need[1] else None
         gb = g2.sum(axis=0) if len(need) > 2 and need[2] else None
@@ -400,6 +411,10 @@ class GELU(Function):
 
     @staticmethod
     def forward(ctx, x):
+        if is_device_array(x):                      # one fused kernel (kernels.py)
+            out, t = kernels.gelu(x)
+            ctx.save_for_backward(x, t)
+            return out
         t = array_module(x).tanh(_GELU_C * (x + 0.044715 * x * x * x))
         ctx.save_for_backward(x, t)
         return 0.5 * x * (1.0 + t)
@@ -407,6 +422,8 @@ class GELU(Function):
     @staticmethod
     def backward(ctx, g):
         x, t = ctx.saved_tensors
+        if is_device_array(g):
+            return kernels.gelu_backward(g, x, t)
         dinner = _GELU_C * (1.0 + 3 * 0.044715 * x * x)
         return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner)
 
@@ -414,20 +431,27 @@ class GELU(Function):
 class Softmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1):
-        xp = array_module(x)
-        e = xp.exp(x - x.max(axis=axis, keepdims=True))
-        out = e / e.sum(axis=axis, keepdims=True)
         ctx.axis = axis
+        if is_device_array(x):
+            out = kernels.softmax(x, axis)
+        else:
+            xp = array_module(x)
+            e = xp.exp(x - x.max(axis=axis, keepdims=True))
+            out = e / e.sum(axis=axis, keepdims=True)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
+        if is_device_array(g):
+            return kernels.softmax_backward(out, g, ctx.axis)
         return out * (g - (g * out).sum(axis=ctx.axis, keepdims=True))
 
 
 def _log_softmax(x, axis):
+    if is_device_array(x):
+        return kernels.log_softmax(x, axis)
     xp = array_module(x)
     shifted = x - x.max(axis=axis, keepdims=True)
     return shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
@@ -444,26 +468,54 @@ class LogSoftmax(Function):
     @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
+        if is_device_array(g):
+            return kernels.log_softmax_backward(out, g, ctx.axis)
         return g - array_module(out).exp(out) * g.sum(axis=ctx.axis, keepdims=True)
+
+
+def check_targets(t, classes):
+    """IndexError unless every target lies in [0, classes). On device arrays this reads two numbers
+    back (a synchronisation): the device path does it only with MINITRAIN_DEBUG=1."""
+    if t.size and (int(t.min()) < 0 or int(t.max()) >= classes):
+        raise IndexError(f"cross_entropy: targets must lie in [0, {classes}), "
+                         f"found {int(t.min())}..{int(t.max())}")
+
+
+def _debug():
+    return os.environ.get("MINITRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+_rows = {}     # (n, module, GPU) -> arange(n) on that GPU: the targets' row indices, made once per size
 
 
 class CrossEntropy(Function):
     """Mean negative log-likelihood of integer targets under softmax(logits), fused.
-    logits (..., C), targets (...) of integers; gradient (softmax - onehot) / N."""
+    logits (..., C), targets (...) of integers; gradient (softmax - onehot) / N.
+    Bad targets: on the host an IndexError; on the GPU, where checking them would make the host wait
+    for the device in every step, an out-of-range target makes the loss NaN (no synchronisation),
+    and MINITRAIN_DEBUG=1 checks them with an IndexError (one synchronisation)."""
 
     @staticmethod
     def forward(ctx, logits, targets):
         xp = array_module(logits)
         classes = logits.shape[-1]
-        logp = _log_softmax(logits.reshape(-1, classes), axis=1)
         t = targets.reshape(-1)
         n = t.shape[0]
-        if n and (int(t.min()) < 0 or int(t.max()) >= classes):
-            raise IndexError(f"cross_entropy: targets must lie in [0, {classes}), "
-                             f"found {int(t.min())}..{int(t.max())}")
+        ctx.shape = logits.shape
+        if xp is not np:
+            if _debug():
+                check_targets(t, classes)
+            logp = kernels.log_softmax(logits.reshape(-1, classes), 1)
+            clipped = xp.clip(t, 0, classes - 1)
+            key = (n, id(xp), logp.device.id)
+            if key not in _rows:
+                _rows[key] = xp.arange(n)
+            ctx.save_for_backward(logp, clipped)
+            return kernels.nll(logp[_rows[key], clipped], t, classes).astype(logits.dtype, copy=False)
+        logp = _log_softmax(logits.reshape(-1, classes), axis=1)
+        check_targets(t, classes)
         rows = xp.arange(n)
         ctx.save_for_backward(logp, t)
-        ctx.shape = logits.shape
         return xp.asarray(-logp[rows, t].sum() / n, dtype=logits.dtype)
 
     @staticmethod
@@ -471,6 +523,11 @@ class CrossEntropy(Function):
         logp, t = ctx.saved_tensors
         xp = array_module(logp)
         n = t.shape[0]
+        if xp is not np:                          # exp(logp)·g/n, then -g/n at the targets: 4 kernels
+            scale = g * (1.0 / max(n, 1))
+            grad = kernels.softmax_of_logp(logp, scale)
+            scatter_add(grad, (_rows[(n, id(xp), logp.device.id)], t), -scale)
+            return grad.reshape(ctx.shape), None
         grad = xp.exp(logp)
         grad[xp.arange(n), t] -= 1.0
         grad *= g / n
@@ -484,12 +541,16 @@ class LayerNorm(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ndims=1, eps=1e-5):
         axes = tuple(range(x.ndim - ndims, x.ndim))
+        ctx.axes = axes
+        if is_device_array(x):                       # 4 kernels (kernels.py)
+            out, xhat, rstd = kernels.layer_norm(x, weight, bias, axes, eps)
+            ctx.save_for_backward(xhat, rstd, weight)
+            return out
         mean = x.mean(axis=axes, keepdims=True)
         centered = x - mean
         var = (centered * centered).mean(axis=axes, keepdims=True)
         rstd = 1.0 / array_module(x).sqrt(var + eps)
         xhat = centered * rstd
-        ctx.axes = axes
         ctx.save_for_backward(xhat, rstd, weight)
         out = xhat * weight if weight is not None else xhat.copy()
         if bias is not None:
@@ -502,6 +563,11 @@ class LayerNorm(Function):
         axes = ctx.axes
         lead = tuple(range(xhat.ndim - len(axes)))
         need = ctx.needs_input_grad
+        if is_device_array(g):
+            gw = kernels.sum_product(lead)(g, xhat) if weight is not None and need[1] else None
+            gb = g.sum(axis=lead) if len(need) > 2 and need[2] else None
+            gx = kernels.layer_norm_backward(g, xhat, rstd, weight, axes) if need[0] else None
+            return gx, gw, gb
         gw = (g * xhat).sum(axis=lead) if weight is not None and need[1] else None
         gb = g.sum(axis=lead) if len(need) > 2 and need[2] else None
         gx = None
@@ -538,6 +604,12 @@ class Dropout(Function):
 
     @staticmethod
     def forward(ctx, x, p, full_shape=None, index=None):
+        if is_device_array(x):          # drawn on the device from one host seed; a bool mask is kept
+            draw = _random.device_uniform(*(x.shape if full_shape is None else full_shape), dtype=x.dtype)
+            ctx.scale = 1.0 / (1.0 - p)
+            out, keep = kernels.dropout(x, draw if index is None else draw[index], p, ctx.scale)
+            ctx.save_for_backward(keep)
+            return out
         draw = _random.rand(*(x.shape if full_shape is None else full_shape), dtype=x.dtype)
         keep = (draw if index is None else draw[index]) >= p
         mask = keep * (1.0 / (1.0 - p))
@@ -548,4 +620,6 @@ class Dropout(Function):
     @staticmethod
     def backward(ctx, g):
         (mask,) = ctx.saved_tensors
+        if is_device_array(g):
+            return kernels.dropout_backward(g, mask, ctx.scale), None
         return g * mask, None

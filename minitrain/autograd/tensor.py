@@ -7,16 +7,19 @@ differ (``transpose(dim0, dim1)`` swaps two axes, ``permute(*dims)`` reorders al
 """
 import numpy as np
 
-from .. import backend
+from .. import backend, memory
 
 
 def _as_array(data, dtype=None):
+    """The array a new tensor holds. On the GPU, host data is copied to the device on purpose
+    (counted by backend), except inside ``memory.on_host()``, where offload keeps its tensors."""
     xp = backend.xp()
     if isinstance(data, Tensor):
         data = data._data
     if isinstance(data, (np.ndarray, np.generic)) or backend.is_device_array(data):
         arr = data if dtype is None else data.astype(dtype, copy=False)
-        if backend.get_device() == "cuda" and not backend.is_device_array(arr):
+        if backend.get_device() == "cuda" and not backend.is_device_array(arr) and \
+                not memory.tracker().placing_on_host:
             arr = backend.to_device(arr)
         return arr
     arr = np.asarray(data)  # Python numbers and lists: floats take the default dtype
@@ -24,7 +27,7 @@ def _as_array(data, dtype=None):
         dtype = backend.get_default_dtype()
     if dtype is not None:
         arr = arr.astype(dtype, copy=False)
-    return xp.asarray(arr)
+    return arr if xp is np or memory.tracker().placing_on_host else backend.to_device(arr)
 
 
 def _is_float(dtype):
@@ -113,7 +116,8 @@ class Tensor:
         return len(self._data)
 
     def item(self):
-        return self._data.item()
+        """The value of a one-element tensor (on the GPU: a counted copy, the host waits for the GPU)."""
+        return backend.to_scalar(self._data)
 
     def numpy(self):
         """The data as a NumPy array (copied from the GPU if need be)."""

@@ -124,8 +124,12 @@ def install_excepthook(rank):
 
 def init(timeout=None, limit_threads=True):
     """Entry point of an MPI job: COMM_WORLD as a Communicator, BLAS threads capped to the
-    rank's share of the cores, and the abort-on-error hook installed."""
+    rank's share of the cores, the abort-on-error hook installed, and, on the GPU, this rank's
+    device chosen: GPU ``local_rank % device_count`` (the launcher's local rank, so ranks on one
+    node spread over its GPUs, and share them round-robin when there are more ranks than GPUs)."""
     comm = MPICommunicator(timeout=timeout)
+    if backend.get_device() == "cuda":
+        backend.use_gpu(backend.local_rank() % backend.gpu_count())
     if limit_threads:
         backend.limit_blas_threads()
     install_excepthook(comm.rank)

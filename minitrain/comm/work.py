@@ -9,7 +9,7 @@ rank, so their messages can never cross. Do not modify an input array until its 
 import queue
 import threading
 
-from .. import memory, trace
+from .. import backend, memory, trace
 from .communicator import CollectiveTimeout
 
 
@@ -57,6 +57,7 @@ class ProgressThread:
         return work
 
     def _loop(self):
+        backend.bind_thread()             # the rank's GPU (a new thread starts on GPU 0)
         while True:
             fn, args, work, tracker, tracer = self._queue.get()
             trace.set_tracer(tracer)

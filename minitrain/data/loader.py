@@ -1,5 +1,6 @@
 """A minimal batch loader over in-memory arrays: yields (x, y) batches in the order of a sampler
-(DistributedSampler, or a seeded shuffle of everything)."""
+(DistributedSampler, or a seeded shuffle of everything). ``state_dict()`` is its position (epoch,
+batches yielded in it), so a resumed job continues mid-epoch (as torchdata's StatefulDataLoader)."""
 import numpy as np
 
 from .. import backend
@@ -16,6 +17,8 @@ class DataLoader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.drop_last = batch_size, drop_last
         self.sampler = sampler or DistributedSampler(n, 0, 1, seed=seed, shuffle=shuffle)
+        self.batches_done = 0           # batches yielded in the current epoch
+        self._resume_at = 0
 
     def set_epoch(self, epoch):
         self.sampler.set_epoch(epoch)
@@ -26,8 +29,27 @@ class DataLoader:
 
     def __iter__(self):
         idx = np.asarray(self.sampler.indices())
-        for start in range(0, len(idx), self.batch_size):
+        skip, self._resume_at = self._resume_at, 0
+        self.batches_done = skip
+        for start in range(skip * self.batch_size, len(idx), self.batch_size):
             batch = idx[start:start + self.batch_size]
             if self.drop_last and len(batch) < self.batch_size:
                 return
+            self.batches_done += 1
             yield tuple(backend.to_device(a[batch]) for a in self.arrays)
+
+    def state_dict(self):
+        """Where the data stands: the epoch and the batches already yielded in it. With the global
+        batch (batch_size x ranks) unchanged, batch j holds the same samples on any number of ranks
+        (DistributedSampler), so the position carries over to another world size."""
+        return {"epoch": self.sampler.epoch, "batches_done": self.batches_done, "seed": self.sampler.seed,
+                "global_batch_size": self.batch_size * self.sampler.world}
+
+    def load_state_dict(self, state):
+        """The next iteration starts at batch ``batches_done`` of epoch ``epoch``."""
+        global_batch = self.batch_size * self.sampler.world
+        if state["global_batch_size"] != global_batch or state["seed"] != self.sampler.seed:
+            raise ValueError(f"the data position was saved for a global batch of {state['global_batch_size']} "
+                             f"(seed {state['seed']}); this loader's is {global_batch} (seed {self.sampler.seed})")
+        self.sampler.set_epoch(int(state["epoch"]))
+        self.batches_done = self._resume_at = int(state["batches_done"])

@@ -1,25 +1,31 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
-    python -m minitrain.examples.gpt [--steps 600] [--json out.json]
+    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json]
+        [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 ``mpirun -n N`` the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
 ``--tp`` splits every weight matrix (Megatron-LM), ``--pp`` cuts the layers into pipeline stages,
-and the rest is data parallelism (``--dp`` defaults to N / (pp·tp)).
+and the rest is data parallelism (``--dp`` defaults to N / (pp·tp)). The learning rate warms up
+linearly for ``--warmup-steps`` and then decays by a cosine to a tenth (``--lr-schedule``). Checkpoints
+(``--save-dir``) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 """
 import argparse
 import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import memory, nn, optim
+from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, memory_table, persistent_memory, write_json
+from minitrain.examples import checkpointing
+from minitrain.examples.common import (fmt_bytes, launch_info, memory_table, persistent_memory, planner_line,
+                                       tqdm, write_json)
+from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
 
@@ -33,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine))")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: steps // 10, at most 100")
+    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=200)
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
@@ -49,7 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
+    checkpointing.add_arguments(p)
     args = p.parse_args(argv)
+    checkpointing.check_arguments(p, args)
+    if args.warmup_steps is None:
+        args.warmup_steps = min(100, args.steps // 10)
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp", "pp", "microbatches",
                  "chunks"):
         if getattr(args, name) < 1:
@@ -80,9 +96,25 @@ def estimate_loss(model, corpus, args, rng, batches=4):
     return float(np.mean(losses))
 
 
+def scheduler_for(opt, args):
+    """The GPT's schedule: linear warm-up then cosine to lr/10 (PyTorch: the same LambdaLR)."""
+    factor = warmup_cosine(args.warmup_steps, args.steps) if args.lr_schedule == "cosine" else (lambda step: 1.0)
+    return LambdaLR(opt, factor)
+
+
+def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
+    """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
+    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "zero_stage": 0,
+            "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
+            "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
+            "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
+            "lr_schedule": args.lr_schedule}
+
+
 def main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
+    minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
@@ -95,18 +127,31 @@ def main(argv=None):
                           dropout=args.dropout, recompute=None if args.recompute == "none" else args.recompute)
     model = nn.GPT(config)
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = scheduler_for(opt, args)
     rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
     val_rng = np.random.default_rng(args.seed + 1)           # validation batches
-    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars")
+    print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars, "
+          f"on {minitrain.backend.describe_device()}")
+    ckpt = checkpointing.Checkpointer(args, None, model, opt, scheduler, layout=layout(args),
+                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(None, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)
     losses, persistent = [], {}
-    bar = tqdm(range(args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
+    bar = tqdm(range(first_step, args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
+    step_times, step_cpu_times = [], []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
+        started, cpu_started = time.perf_counter(), time.thread_time()
         if offload is not None:
             with offload:
                 _, loss = model(x, y)
@@ -116,37 +161,58 @@ def main(argv=None):
         loss.backward()
         optim.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        scheduler.step()
+        step_times.append(time.perf_counter() - started)
+        step_cpu_times.append(time.thread_time() - cpu_started)
         persistent = persistent_memory()
         losses.append(loss.item())
+        ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
+    ckpt.finish(first_step + len(losses))
+    if not losses:
+        return nothing_left(args, first_step)
     final_val = estimate_loss(model, corpus, args, val_rng)
     peak = memory.peak()
 
     head = np.mean(losses[:10])
     tail = np.mean(losses[-10:])
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
-          f"val loss {initial_val:.3f} -> {final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
+          f"val loss {initial_val:.3f} -> {final_val:.3f}; {len(losses) / elapsed:.1f} steps/s")
     context = corpus.encode("def ")[None, :]
     sample = model.generate(context, args.sample_chars, temperature=0.8, top_k=20,
                             rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
     print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
-          + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / args.steps)} per step" if offload else ""))
+          + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(persistent, peak))
+    print(planner_line(args, 1, float(np.median(step_times)), peak["total"], kind="gpt", vocab_size=corpus.vocab_size))
     if args.json:
         write_json(args.json, {
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
             "initial_val_loss": initial_val, "final_val_loss": final_val,
-            "final_loss": float(tail), "steps_per_second": args.steps / elapsed, "recompute": args.recompute,
+            "final_loss": float(tail), "steps_per_second": len(losses) / elapsed, "recompute": args.recompute,
             "offload_activations": args.offload_activations,
-            "bytes_offloaded_per_step": offload.bytes_offloaded / args.steps if offload else 0,
-            "tokens_per_second": args.steps * args.batch_size * args.block_size / elapsed,
-            "ranks": [{"rank": 0, "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
+            "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
+            "tokens_per_second": len(losses) * args.batch_size * args.block_size / elapsed,
+            "step_time_s": float(np.median(step_times)), "step_time_min_s": float(np.min(step_times)),
+            "step_cpu_time_s": float(np.median(step_cpu_times)),
+            "precision": args.precision, "first_step": first_step, "losses": losses,
+            "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
+                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0}],
         })
+    return 0
+
+
+def nothing_left(args, first_step, rank=0, world=1):
+    """A resumed job whose checkpoint already completed --steps: nothing to train."""
+    if rank == 0:
+        print(f"the checkpoint's step {first_step} already completes --steps {args.steps}: nothing to train")
+        if args.json:
+            write_json(args.json, {"world_size": world, "steps": 0, "first_step": first_step, "losses": []})
     return 0
 
 

@@ -11,20 +11,24 @@ hooks around each block's forward, on the tensor-parallel communicator) beside M
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
+``--save-dir``/``--resume``: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
+resumes on any other mesh (or in one process).
 """
 import contextlib
 import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
 from minitrain import memory, nn, optim
+from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, persistent_memory, write_json
-from minitrain.examples.gpt import estimate_loss
+from minitrain.examples import checkpointing
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, persistent_memory, planner_line,
+                                       tqdm, write_json)
+from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
@@ -68,6 +72,7 @@ def main_parallel(args):
         return 2
     del gpt
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = scheduler_for(opt, args)
     tp_comm = model.mesh.comm("tp")
 
     layer_bytes = []
@@ -78,9 +83,27 @@ def main_parallel(args):
     axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
+    ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
+                                      layout=layout(args, strategy, dp, pp, tp, world),
+                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
+        state = model.full_state_dict()                       # the resumed model's validation loss
+        val_rng = np.random.default_rng(args.seed + 1)        # the batches an uninterrupted run validates on
+        if rank == 0:
+            with minitrain.random.use_generator(minitrain.random.fork()):   # leave the restored generator be
+                resumed = nn.GPT(config)
+            resumed.load_state_dict(state)
+            initial_val = estimate_loss(resumed, corpus, args, val_rng)
+        del state
     memory.reset_peak()
     losses = []
-    bar = tqdm(range(args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
+    bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
@@ -89,25 +112,35 @@ def main_parallel(args):
     sent_before = bytes_sent()
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
+    step_times = []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         model.zero_grad()
         with offload:
             loss = model.train_step(x, y)
         model.clip_grad_norm_(1.0)
         opt.step()
+        scheduler.step()
+        step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
         persistent = persistent_memory()
         losses.append(loss)
+        ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     bar.close()
-    sent_per_step = (bytes_sent() - sent_before) / args.steps
+    ckpt.finish(first_step + len(losses))
+    if not losses:
+        return nothing_left(args, first_step, rank, world)
+    steps = len(losses)
+    sent_per_step = (bytes_sent() - sent_before) / steps
     peak = memory.peak()
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"]], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), np.median(np.array(step_times)[:, 1]),
+                    np.min(np.array(step_times)[:, 0]), np.median(np.array(step_times)[:, 0]), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     state = model.full_state_dict()
     if rank != 0:
@@ -121,7 +154,7 @@ def main_parallel(args):
     formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
-    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]}"
+    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0]"
           + (", sequence parallel" if args.sequence_parallel else ""))
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
@@ -130,16 +163,18 @@ def main_parallel(args):
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
-          f"{final_val:.3f}; {args.steps / elapsed:.1f} steps/s")
-    print(f"\n{'rank':>4} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} {'grads':>10} "
-          f"{'optimizer':>10} {'peak act.':>10} {'peak':>10}")
+          f"{final_val:.3f}; {steps / elapsed:.1f} steps/s")
+    print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
+          f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
         layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
-        print(f"{r:>4} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
-              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:]))
+        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+              + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
+    print(planner_line(args, world, float(table[:, -2].max()), table[:, 6].max(), kind="gpt",
+                       vocab_size=config.vocab_size))
     sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
                            rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -151,12 +186,15 @@ def main_parallel(args):
             "bubble_formula": model.pipe.formula_bubble_fraction(),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
-            "steps_per_second": args.steps / elapsed, "tokens_per_second": args.steps * B * T / elapsed,
+            "steps_per_second": steps / elapsed, "tokens_per_second": steps * B * T / elapsed,
+            "precision": args.precision, "first_step": first_step, "losses": losses,
+            "step_time_s": float(table[:, -2].max()), "step_time_min_s": float(table[:, -3].max()),
+            "step_cpu_time_s": float(table[:, -4].max()),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
-            "ranks": [{"rank": r, "bytes_sent": float(v[0]) * args.steps,
+            "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
-                                  "peak": {"activations": int(v[5]), "total": int(v[6])}}}
+                                  "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}}}
                       for r, v in enumerate(table)]})
     return 0

@@ -2,26 +2,30 @@
 
     mpirun -n 4 python -m minitrain.examples.mlp [--strategy ddp|local_sgd|zero1|zero2|zero3]
         [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
-        [--json out.json] [--trace trace.json] [--plot step.png]
+        [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
 Each rank trains on its DistributedSampler share of every global batch (``--batch-size`` is
 global) and DDP averages the gradients, so N ranks take exactly the steps one process would
 take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
+``--save-dir``/``--save-every``/``--resume``: sharded checkpoints, resumable on any layout
+(minitrain/examples/checkpointing.py); the JSON's ``losses`` are the global loss of every step run.
 """
 import argparse
 import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
-from minitrain import memory, nn, optim, trace
+from minitrain import backend, memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
+from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, memory_table, persistent_memory, write_json
+from minitrain.examples import checkpointing
+from minitrain.examples.common import (device_code, device_name, fmt_bytes, memory_table, persistent_memory,
+                                       planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 offload_activations)
@@ -63,7 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
     p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    checkpointing.add_arguments(p)
     args = p.parse_args(argv)
+    checkpointing.check_arguments(p, args)
+    if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
+        p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
+                f"replicas agree only right after an averaging, and a checkpoint holds one model")
     for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -135,18 +144,34 @@ def main(argv=None):
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
     loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
 
+    ckpt = checkpointing.Checkpointer(
+        args, comm, wrapped, opt, layout=layout(args, world, stage),
+        extra=lambda: {"loader": loader.state_dict(), "local_sgd": wrapped.state_dict() if args.strategy == "local_sgd" else None},
+        optimizer_key=f"optimizer.rank{rank}" if args.strategy == "local_sgd" else "optimizer")
+    try:           # local SGD's optimizer states are per replica; it may also start from a common one
+        loaded = ckpt.resume(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        loader.load_state_dict(loaded.extra["loader"])
+        if args.strategy == "local_sgd" and loaded.extra.get("local_sgd"):
+            wrapped.load_state_dict(loaded.extra["local_sgd"])
     memory.reset_peak()
     trace.enable(rank=rank)
-    state = {"steps": 0, "seen": 0, "persistent": {}, "host": {}, "events": [], "loss": None}
+    state = {"steps": 0, "seen": 0, "persistent": {}, "host": {}, "events": [], "loss": None, "losses": [],
+             "first_step": first_step, "ckpt": ckpt}
     offload = offload_activations() if args.offload_activations else None
 
     def forward(x):
         x = x.to(dtype)                     # mixed precision: compute in fp16/bf16, loss in fp32
         if args.recompute == "full":        # DDP's hooks are on the parameters: it works unchanged
-            return checkpoint_sequential(model, None, x).float()
-        return wrapped(x).float()
-    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
-               desc=f"{args.strategy} x{world}", unit="step")
+            out = checkpoint_sequential(model, None, x)
+        else:
+            out = wrapped(x)
+        return out.float() if mixed else out    # fp64 stays fp64 (the loss included)
+    bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
+               file=sys.stdout, desc=f"{args.strategy} x{world}", unit="step")
     comm.barrier()
     start = time.perf_counter()
     try:
@@ -157,20 +182,29 @@ def main(argv=None):
         if world > 1:
             comm.abort(3)
         return 3
-    steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
     elapsed = time.perf_counter() - start
     bar.close()
+    if args.strategy == "local_sgd" and wrapped.steps % args.sync_every:
+        wrapped.synchronize()            # the last checkpoint holds one model: average the replicas first
+    ckpt.finish(first_step + state["steps"])
+    steps, seen, persistent, step_events, loss = (state[k] for k in ("steps", "seen", "persistent", "events", "loss"))
+    if steps == 0:
+        return nothing_left(args, comm, first_step)
+    args.step_time = float(np.median(state["step_times"]))        # this rank's median step (planner's comparison)
+    args.step_time_min = float(np.min(state["step_times"]))       # its fastest: the least disturbed by other work
+    args.step_cpu_time = float(np.median(state["step_cpu_times"]))  # this thread's CPU: what other jobs cannot slow
     _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, state["host"])
+                    x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step)
     return 0
 
 
 def train(args, loader, wrapped, opt, forward, offload, bar, state):
     steps = seen = 0
-    for epoch in range(args.epochs):
+    for epoch in range(loader.sampler.epoch, args.epochs):     # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
             events_before = len(trace.tracer().events)
+            started, cpu_started = time.perf_counter(), time.thread_time()
             with trace.span("step", kind="step"):
                 with trace.span("forward"):
                     if offload is not None:
@@ -185,6 +219,8 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
                     opt.step()
                     if args.strategy == "local_sgd":
                         wrapped.step()
+            state.setdefault("step_times", []).append(time.perf_counter() - started)
+            state.setdefault("step_cpu_times", []).append(time.thread_time() - cpu_started)
             state["persistent"] = persistent_memory()
             state["host"] = memory.host_snapshot()
             steps += 1
@@ -196,13 +232,43 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
                 del trace.tracer().events[:-5_000]
             state["events"] = trace.tracer().events[events_before:]
             state.update(steps=steps, seen=seen, loss=loss)
+            state["losses"].append(loss.data)        # on the device: fetched once, after training
+            state["ckpt"].after_step(state["first_step"] + steps)
+
+
+def layout(args, world, stage):
+    """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
+    pipeline = args.strategy == "pipeline"
+    return {"job": "mlp", "strategy": args.strategy, "world_size": world, "dp": args.dp if pipeline else world,
+            "pp": world // args.dp if pipeline else 1, "tp": 1, "zero_stage": stage, "precision": args.precision,
+            "optimizer": args.optimizer, "global_batch_size": args.batch_size, "offload": args.offload,
+            "sizes": [64] + [args.hidden] * args.layers + [10], "schedule": args.schedule if pipeline else None,
+            "chunks": args.chunks if pipeline else None, "sync_every": args.sync_every if args.strategy == "local_sgd" else None}
+
+
+def global_losses(comm, local):
+    """The global loss of every step: each rank's losses (device scalars, fetched in one copy),
+    averaged over the ranks (equal shares of the global batch)."""
+    if not local:
+        return []
+    mine = backend.to_host(backend.array_module(local[0]).stack(local)).astype(np.float64)
+    return [float(v) for v in gather_rows(comm, mine).mean(axis=0)]
+
+
+def nothing_left(args, comm, first_step):
+    """A resumed job whose checkpoint already completed --epochs: nothing to train."""
+    if comm.rank == 0:
+        print(f"the checkpoint's step {first_step} already completes --epochs {args.epochs}: nothing to train")
+        if args.json:
+            write_json(args.json, {"world_size": comm.size, "strategy": args.strategy, "steps": 0,
+                                   "first_step": first_step, "losses": []})
+    return 0
 
 
 def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, host):
+                    x_test, y_test, local_batch, offload, host, state_losses=(), first_step=0):
     world, rank = comm.size, comm.rank
-    if args.strategy == "local_sgd":
-        wrapped.synchronize()            # the replicas drift between averagings: agree before evaluating
+    # local SGD: the replicas were averaged after the last step (main), so they agree before evaluating
     if stage < 3:                        # under ZeRO-3 each rank holds a different shard, by design
         check_replicas_equal(model, comm)
 
@@ -222,9 +288,11 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     row = [seen / elapsed, step_time - exposed, exposed, comm_total / traced_steps, sent / steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
-           *[host[c] for c in ("params", "grads", "optimizer_state")]]
+           *[host[c] for c in ("params", "grads", "optimizer_state")], args.step_time, args.step_time_min,
+           args.step_cpu_time, device_code()]
     table = gather_rows(comm, row)
     final_loss = float(np.mean(gather_rows(comm, [loss.item()])))
+    losses = global_losses(comm, state_losses)
     if args.trace:
         trace.save_chrome(args.trace, comm)
     # every rank evaluates: under ZeRO-3 the forward all-gathers each unit, a collective
@@ -240,19 +308,21 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     state_item = 4 if args.dtype in LOW_PRECISION else itemsize
     k = {"adam": 2, "sgd": 1}[args.optimizer] * state_item + (state_item if args.dtype in LOW_PRECISION or args.offload else 0)
     state_formula = model_state_bytes(psi, world, stage, param_bytes=itemsize, grad_bytes=itemsize, k=k)
-    print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s), {args.optimizer}, "
+    print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
+          f"[{minitrain.backend.describe_device()} on rank 0], {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
-    print(f"\n{'rank':>4} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
+    print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
-        print(f"{r:>4} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms {v[3] * 1e3:>9.2f}ms "
-              f"{fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
+        print(f"{r:>4} {device_name(v[20]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>11.2f}ms {v[2] * 1e3:>11.2f}ms "
+              f"{v[3] * 1e3:>9.2f}ms {fmt_bytes(v[4]):>10} {fmt_bytes(formula):>10} {fmt_bytes(v[13]):>12}")
     print("\n(comm exposed: time backward waits for the buckets, stragglers included; comm total: time the\n"
           " all-reduces took, overlapping backward when there are several buckets; sent/step averages every\n message, the start-up broadcast"
           " included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes" + (f" / {args.sync_every}" if args.strategy == "local_sgd" else "")
           + "; peak memory: every category, by rank, in --json)")
+    print(planner_line(args, world, float(table[:, 17].max()), table[:, 13].max()))
     print(f"\nrecompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / steps)} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
@@ -267,7 +337,7 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
           + ")")
     ranks = []
     for r, v in enumerate(table):
-        ranks.append({"rank": r, "samples_per_second": v[0], "compute_seconds_per_step": v[1],
+        ranks.append({"rank": r, "device": device_name(v[20]), "samples_per_second": v[0], "compute_seconds_per_step": v[1],
                       "comm_exposed_seconds_per_step": v[2], "comm_total_seconds_per_step": v[3],
                       "bytes_sent": v[4] * steps,
                       "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[5:8]))),
@@ -280,7 +350,10 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,
             "recompute": args.recompute, "offload_activations": args.offload_activations,
-            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0, "ranks": ranks})
+            "bytes_offloaded_per_step": offload.bytes_offloaded / steps if offload else 0,
+            "step_time_s": float(table[:, 17].max()), "step_time_min_s": float(table[:, 18].max()),
+            "step_cpu_time_s": float(table[:, 19].max()), "ranks": ranks,
+            "first_step": first_step, "losses": losses})
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -16,14 +16,16 @@ import sys
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 import minitrain
 from minitrain import comm as mtcomm
-from minitrain import nn, optim, trace
+from minitrain import memory, nn, optim, trace
+from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
-from minitrain.examples.common import fmt_bytes, write_json
+from minitrain.examples import checkpointing
+from minitrain.examples.common import device_code, device_name, fmt_bytes, planner_line, tqdm, write_json
+from minitrain.examples.mlp import layout, nothing_left
 from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
 from minitrain.parallel.pipeline.partition import format_stage_table
 from minitrain.parallel.pipeline.schedules import default_chunks
@@ -47,6 +49,7 @@ def main_pipeline(args, parser, comm):
     except ValueError as e:
         _fail(parser, comm, str(e))
     layers = max(2, pp * chunks) if args.layers is None else args.layers
+    args.chunks, args.layers = chunks, layers        # resolved: the checkpoint's layout and the planner see them
     if args.batch_size % (args.dp * args.microbatches):
         _fail(parser, comm, f"--batch-size {args.batch_size} is not divisible into {args.dp} replica(s) x "
                             f"{args.microbatches} micro-batches")
@@ -80,34 +83,62 @@ def main_pipeline(args, parser, comm):
     local_batch = args.batch_size // args.dp
     sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
     loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
-    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress or rank != 0, file=sys.stdout,
-               desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
+    ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
+                                      extra=lambda: {"loader": loader.state_dict()})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        loader.load_state_dict(loaded.extra["loader"])
+    bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
+               file=sys.stdout, desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
     trace.enable(rank=rank)
+    memory.reset_peak()
     comm.barrier()
     start = time.perf_counter()
     steps = seen = 0
-    for epoch in range(args.epochs):
+    step_times = []
+    losses = []
+    for epoch in range(loader.sampler.epoch, args.epochs):      # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
             if len(yb) != local_batch:
                 continue                             # a short last batch would not split into micro-batches
             trace.tracer().events.clear()            # keep the last step's trace (the runtime keeps a summary)
+            started, cpu_started = time.perf_counter(), time.thread_time()
             opt.zero_grad()
             loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
             opt.step()
+            step_times.append((time.perf_counter() - started, time.thread_time() - cpu_started))
             steps += 1
             seen += len(yb)
+            losses.append(loss)
+            ckpt.after_step(first_step + steps)
             bar.update(1)
             if steps % 10 == 0:
                 bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch)
     elapsed = time.perf_counter() - start
     bar.close()
+    ckpt.finish(first_step + steps)
+    if steps == 0:
+        return nothing_left(args, comm, first_step)
+    # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
+    losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)
+              .reshape(world, steps).mean(axis=0)]
     summary = pipe.measured_bubble()                 # over this pipeline's ranks and steps
     if args.trace:
         trace.save_chrome(args.trace, comm)
     all_events = trace.gather_events(comm)
     sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent)
                                                         / max(steps, 1)]), total=world)[0])
+    devices = [device_name(c) for c in mtcomm.ring_all_gather(comm, np.array([float(device_code())]), total=world)]
+    peak = memory.peak()                             # per rank: every category, and its median step
+    wall, cpu = np.array(step_times).T
+    mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"], np.median(cpu), np.min(wall),
+                     np.median(wall)], np.float64)
+    table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     row_of_rank = {r: s for s, r in enumerate(mesh.ranks_along("pp"))}   # rank 0's pipeline
     if rank != 0:
@@ -119,6 +150,7 @@ def main_pipeline(args, parser, comm):
     formula = summary["formula_bubble_fraction"]
     print(f"\nfinal loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
+    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0)")
     low, high = summary["measured_bubble_fraction_spread"]
     print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first; per step {low:.3f}..{high:.3f}): "
           f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with the measured "
@@ -128,11 +160,18 @@ def main_pipeline(args, parser, comm):
             f"{summary['simulated_step_time_s'] * 1e3:.2f} ms simulated")
     print("  measured - formula, by cause (fraction of the step): " + ", ".join(
         f"{k} {v:+.3f}" for k, v in summary["residual_by_cause"].items()))
+    print(planner_line(args, world, float(table[:, -1].max()), table[:, -4].max()))
     report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
+              "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": chunks, "dp": args.dp, "layers": layers,
-                           "stages": pipe.stage_rows, "implied_bubble_fraction": implied, **summary}}
+                           "stages": pipe.stage_rows, "implied_bubble_fraction": implied, **summary},
+              "step_time_s": float(table[:, -1].max()), "step_time_min_s": float(table[:, -2].max()),
+              "step_cpu_time_s": float(table[:, -3].max()),
+              "ranks": [{"rank": r, "device": devices[r],
+                         "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v[:-3])))}}
+                        for r, v in enumerate(table)]}
     if args.json:
         write_json(args.json, report)
     if args.plot:

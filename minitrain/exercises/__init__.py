@@ -1,7 +1,11 @@
-"""Exercises graded by minitrain's own tests: ``python -m minitrain.exercises check NAME PATH``.
+"""Exercises graded by minitrain's own tests: python -m minitrain.exercises list | show NAME |
+hint NAME | stub NAME DEST | check NAME PATH | run NAME [PATH].
 
-``python -m minitrain.exercises list`` shows them; ``stub NAME DEST`` copies the starting file
-(signature, docstring, the parts to write marked ``EXERCISE``). The checks are the ones the
-library's own implementation passes (an adapter, as in Stanford CS336): ``--reference`` grades
-minitrain's implementation with the same checks.
+One module per exercise lives in catalog/ (registry.py says what it defines); grading.py holds
+checks, results and explanations; harness.py runs rank code on ThreadWorld so that a learner's
+hang or crash is reported, never inherited; progress.py remembers what passed. The same checks
+grade the library's own implementation (check NAME --reference), as in Stanford CS336.
 """
+from .registry import Exercise, UnknownExercise, all_exercises, get, names
+
+__all__ = ["Exercise", "UnknownExercise", "all_exercises", "get", "names"]

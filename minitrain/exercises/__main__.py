@@ -1,189 +1,230 @@
-"""``python -m minitrain.exercises {list, stub NAME DEST, check NAME PATH [--reference]}``."""
+"""The exercises' command line: list, show, hint, stub, check, run (see python -m minitrain.exercises -h)."""
 import argparse
-import importlib.util
-import pathlib
-import shutil
 import sys
+import textwrap
 
-import numpy as np
+from . import harness
+from .grading import LoadError
+from .progress import Progress, default_path
+from .registry import UnknownExercise, all_exercises, get, names
 
-HERE = pathlib.Path(__file__).parent
-EXERCISES = {
-    "ring_all_reduce": "the ring all-reduce on point-to-point calls (notebook 02_collectives)",
-    "one_f_one_b": "the 1F1B pipeline schedule (notebook 05_pipeline)",
-    "megatron_f_g": "Megatron's f and g around a column/row-parallel MLP (notebook 06_tensor_parallel)",
-}
+DESCRIPTION = """\
+Exercises graded by minitrain's own tests. Start with list, read an exercise with show, copy its
+stub with stub, write the code, then check it; hint shows one hint at a time.
 
+  python -m minitrain.exercises list
+  python -m minitrain.exercises show ring_all_reduce
+  python -m minitrain.exercises stub ring_all_reduce mine.py
+  python -m minitrain.exercises check ring_all_reduce mine.py
+  python -m minitrain.exercises hint ring_all_reduce          (the next unread hint)
+  python -m minitrain.exercises run debug_rank_dependent_hang (debugging exercises: see the bug)
 
-def load_function(path, name):
-    spec = importlib.util.spec_from_file_location(f"exercise_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, name):
-        raise SystemExit(f"{path} defines no function {name}()")
-    return getattr(module, name)
-
-
-def check_ring_all_reduce(impl):
-    """The library's collective checks, plus the ring's bandwidth bound, at p = 1..4."""
-    from minitrain.comm import ThreadWorld
-    from minitrain.testing import check_all_reduce
-
-    results = []
-
-    def bandwidth(comm):
-        n = 1200
-        before = comm.stats.bytes_sent
-        impl(comm, np.ones(n, np.float32), op="sum")
-        sent = comm.stats.bytes_sent - before
-        bound = 2 * (comm.size - 1) * -(-n // comm.size) * 4
-        assert sent <= bound, (f"[rank {comm.rank}] sent {sent} bytes for {n} float32 at p={comm.size}: "
-                               f"a ring sends at most 2(p-1)·ceil(N/p)·4 = {bound}")
-
-    for p in (1, 2, 3, 4):
-        for label, fn in (("exact on every length, dtype and op", lambda c: check_all_reduce(c, impl)),
-                          ("bytes sent within the ring's bound", bandwidth)):
-            try:
-                ThreadWorld(p, timeout=20).run(fn)
-                results.append((f"p={p}: {label}", None))
-            except BaseException as e:   # the learner's code may raise anything
-                results.append((f"p={p}: {label}", e))
-    return results
+Progress (what passed, hints read) is kept in a JSON file: $MINITRAIN_EXERCISES_PROGRESS, else
+$XDG_CACHE_HOME/minitrain/exercises.json, else ~/.cache/minitrain/exercises.json."""
 
 
-def check_one_f_one_b(impl):
-    """The schedule checker, the bubble formula and 1F1B's in-flight bound, at p = 1..4, m = 1..8."""
-    from minitrain.parallel.pipeline.schedules import Action, formula_bubble_fraction, simulate
-
-    def as_actions(schedule, p):
-        rows = []
-        for s, row in enumerate(schedule):
-            actions = []
-            for item in row:
-                kind, mb = (item.kind, item.microbatch) if isinstance(item, Action) else item
-                prev, nxt = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
-                actions.append(Action(kind, mb, 0, prev, nxt) if kind == "F" else Action(kind, mb, 0, nxt, prev))
-            rows.append(actions)
-        return rows
-
-    results = []
-    for p in (1, 2, 3, 4):
-        for label in ("deadlock-free, every unit once", "bubble (p-1)/(m+p-1)", "in flight <= min(p-s, m)"):
-            try:
-                for m in range(1, 9):
-                    schedule = impl(p, m)
-                    if len(schedule) != p:
-                        raise AssertionError(f"p={p}, m={m}: {len(schedule)} stages instead of {p}")
-                    sim = simulate(as_actions(schedule, p), 1.0, 2.0)
-                    if label.startswith("bubble"):
-                        expected = formula_bubble_fraction("1f1b", p, m)
-                        assert abs(sim["bubble_fraction"] - expected) < 1e-9, \
-                            f"p={p}, m={m}: bubble {sim['bubble_fraction']:.4f}, expected {expected:.4f}"
-                    if label.startswith("in flight"):
-                        bound = [min(p - s, m) for s in range(p)]
-                        assert all(a <= b for a, b in zip(sim["peak_activations"], bound)), \
-                            f"p={p}, m={m}: in flight {sim['peak_activations']}, 1F1B keeps {bound}"
-                results.append((f"p={p}: {label}", None))
-            except BaseException as e:   # the learner's code may raise anything
-                results.append((f"p={p}: {label}", e))
-    return results
+def _wrap(text, indent="  ", width=100, hang=4):
+    """Wrap each line at ``width``, keeping its own indentation (continuations indented ``hang`` more)."""
+    out = []
+    for line in text.split("\n"):
+        lead = " " * (len(line) - len(line.lstrip(" ")))
+        out.extend(textwrap.wrap(line.strip(), width, initial_indent=indent + lead,
+                                 subsequent_indent=indent + lead + " " * hang, break_on_hyphens=False) or [""])
+    return "\n".join(out)
 
 
-def check_megatron_f_g(impl):
-    """A column-then-row-parallel MLP built with the learner's f and g equals the unsplit MLP: output,
-    input gradient and weight gradients, at t = 1..4."""
-    import minitrain as mt
-    from minitrain.comm import ThreadWorld
-    from minitrain.nn import functional as F
-
-    f_class, g_class = impl()
-    rng = np.random.default_rng(0)
-    x, A, B, dy = (rng.standard_normal(s) for s in ((5, 6), (6, 12), (12, 3), (5, 3)))
-    xt, At, Bt = (mt.Tensor(a, requires_grad=True) for a in (x, A, B))
-    y = (xt @ At).relu() @ Bt
-    y.backward(dy)
-
-    def run(comm):
-        n = 12 // comm.size
-        xs = mt.Tensor(x, requires_grad=True)
-        a = mt.Tensor(A[:, comm.rank * n:(comm.rank + 1) * n].T.copy(), requires_grad=True)   # Linear: (out, in)
-        b = mt.Tensor(B[comm.rank * n:(comm.rank + 1) * n].T.copy(), requires_grad=True)
-        out = g_class.apply(F.linear(F.linear(f_class.apply(xs, comm), a).relu(), b), comm)
-        out.backward(dy)
-        return out.data, xs.grad, a.grad.T, b.grad.T
-
-    results = []
-    for t in (1, 2, 3, 4):
-        try:
-            outputs = ThreadWorld(t, timeout=20).run(run)
-        except BaseException as e:   # the learner's code may raise anything
-            results += [(f"t={t}: {label}", e) for label in ("forward", "input gradient", "weight gradients")]
-            continue
-        n = 12 // t
-        for label, ok, why in (
-                ("forward", all(np.allclose(o[0], y.data) for o in outputs), "the output is not X A B"),
-                ("input gradient", all(np.allclose(o[1], xt.grad) for o in outputs), "dX is not the full dX"),
-                ("weight gradients", all(np.allclose(o[2], At.grad[:, r * n:(r + 1) * n]) and
-                                         np.allclose(o[3], Bt.grad[r * n:(r + 1) * n]) for r, o in enumerate(outputs)),
-                 "dA_r / dB_r differ from the slices of dA / dB")):
-            results.append((f"t={t}: {label}", None if ok else AssertionError(why)))
-    return results
+def cmd_list(args, progress):
+    rows = all_exercises()
+    done = 0
+    print(f"{'':3} {'exercise':<30} {'kind':<10} {'status':<8} {'hints':<6} what")
+    for i, e in enumerate(rows, 1):
+        state = progress.get(e.name)
+        status = "passed" if state.get("passed") else ("tried" if state.get("attempts") else "-")
+        done += bool(state.get("passed"))
+        hints = f"{state.get('hints_read', 0)}/{len(e.hints)}"
+        note = f" (notebook {e.notebook})" if e.notebook else ""
+        print(f"{i:>2}. {e.name:<30} {e.kind:<10} {status:<8} {hints:<6} {e.title}{note}")
+    print(f"\n{done} of {len(rows)} passed (progress: {progress.path})")
+    return 0
 
 
-def _reference(name):
-    if name == "megatron_f_g":
-        from minitrain.parallel import tensor_parallel as tp
-        return lambda: (tp.CopyToTensorParallelRegion, tp.ReduceFromTensorParallelRegion)
-    if name == "one_f_one_b":
-        from minitrain.parallel.pipeline.schedules import one_f_one_b
-        return one_f_one_b
-    from minitrain import comm as library
-    return getattr(library, name)
+def cmd_show(args, progress):
+    e = get(args.name)
+    print(f"{e.name}: {e.title}")
+    print(f"kind: {e.kind}" + (f"; walkthrough: notebooks/{e.notebook}.ipynb" if e.notebook else ""))
+    print()
+    print(_wrap(e.intro(), ""))
+    print("\nYou fix:" if e.kind == "debug" else "\nYou write:")
+    for line in e.signatures():
+        print(f"    {line}")
+    print("\nThe grader's checks:")
+    for check in e.checks():
+        print(f"  - {check.label}")
+    print(f"\nStart:  python -m minitrain.exercises stub {e.name} mine.py")
+    if e.kind == "debug":
+        print(f"Run it: python -m minitrain.exercises run {e.name} [mine.py]")
+    print(f"Check:  python -m minitrain.exercises check {e.name} mine.py")
+    read = progress.get(e.name).get("hints_read", 0)
+    print(f"Hints:  {len(e.hints)} levels, {read} read (python -m minitrain.exercises hint {e.name})")
+    return 0
 
 
-CHECKS = {"ring_all_reduce": check_ring_all_reduce, "one_f_one_b": check_one_f_one_b,
-          "megatron_f_g": check_megatron_f_g}
+def cmd_hint(args, progress):
+    e = get(args.name)
+    total = len(e.hints)
+    read = progress.get(e.name).get("hints_read", 0)
+    if args.all:
+        levels = list(range(1, total + 1))
+    elif args.level is not None:
+        if not 1 <= args.level <= total:
+            print(f"{e.name} has hints 1 to {total}; there is no hint {args.level}", file=sys.stderr)
+            return 2
+        levels = [args.level]
+    else:
+        levels = [min(read + 1, total)]
+    for level in levels:
+        print(f"Hint {level} of {total} ({e.name}):")
+        print(_wrap(e.hints[level - 1], hang=0))
+        print()
+    if not args.all and levels[-1] < total:
+        print(f"Next: python -m minitrain.exercises hint {e.name}   (hint {levels[-1] + 1} of {total})")
+    elif not args.all and args.level is None and read >= total:
+        print("That was the last hint.")
+    warning = progress.record_hint(e.name, max(levels))
+    if warning:
+        print(f"note: {warning}", file=sys.stderr)
+    return 0
+
+
+def cmd_stub(args, progress):
+    import pathlib
+    e = get(args.name)
+    dest = pathlib.Path(args.dest)
+    if dest.exists() and not args.force:
+        print(f"{dest} exists; not overwriting it (pass --force to replace it)", file=sys.stderr)
+        return 2
+    try:
+        dest.write_text(e.stub)
+    except OSError as err:
+        print(f"cannot write {dest}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    print(f"wrote {dest}; then: python -m minitrain.exercises check {e.name} {dest}")
+    return 0
+
+
+def _load(e, args):
+    if args.reference:
+        return e.reference(), "minitrain's own implementation"
+    if not args.path:
+        raise LoadError(f"{args.command} {e.name} needs the path of your file (or --reference to grade "
+                        "minitrain's own implementation)")
+    return e.load(args.path), args.path
+
+
+def cmd_check(args, progress):
+    e = get(args.name)
+    try:
+        impl, what = _load(e, args)
+    except LoadError as err:
+        print(f"check {e.name}: {err}", file=sys.stderr)
+        if args.path and not args.reference:
+            progress.record_check(e.name, False, args.path)
+        return 2
+    print(f"check {e.name}: {what}\n")
+    results = e.grade(impl, fail_fast=args.fail_fast)
+    failed = [r for r in results if r.status == "fail"]
+    previous = None
+    for r in results:
+        print(f"  {r.status.upper():<5} {r.label}")
+        if r.status != "pass" and r.explanation:
+            same = r.explanation == previous
+            print(_wrap("(the same as above)" if same else r.explanation, "        "))
+            previous = r.explanation
+        if r.status == "fail" and r.hint:
+            print(f"        Read hint {r.hint}: python -m minitrain.exercises hint {e.name} --level {r.hint}")
+    passed = sum(r.status == "pass" for r in results)
+    skipped = sum(r.status == "skip" for r in results)
+    print(f"\n{passed} passed, {len(failed)} failed" + (f", {skipped} skipped" if skipped else ""))
+    if not args.reference:
+        warning = progress.record_check(e.name, not failed, args.path)
+        if warning:
+            print(f"note: {warning}", file=sys.stderr)
+    if failed:
+        first = min(r.hint for r in failed if r.hint) if any(r.hint for r in failed) else None
+        if first:
+            print(f"Not yet. Start with hint {first}: python -m minitrain.exercises hint {e.name} --level {first}")
+        return 1
+    if args.reference:
+        print("minitrain's own implementation passes every check.")
+        return 0
+    order = names()
+    following = order[order.index(e.name) + 1] if order.index(e.name) + 1 < len(order) else None
+    print(f"{e.name} is done." + (f" Next: python -m minitrain.exercises show {following}" if following else ""))
+    return 0
+
+
+def cmd_run(args, progress):
+    e = get(args.name)
+    if e.kind != "debug":
+        print(f"{e.name} is not a debugging exercise; run is for those "
+              f"({', '.join(x.name for x in all_exercises() if x.kind == 'debug')})", file=sys.stderr)
+        return 2
+    try:
+        impl = e.load(args.path) if args.path else e.module.broken()
+    except LoadError as err:
+        print(f"run {e.name}: {err}", file=sys.stderr)
+        return 2
+    return e.run(impl, args.p)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minitrain.exercises", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("list")
-    stub = sub.add_parser("stub")
-    stub.add_argument("name", choices=sorted(EXERCISES))
-    stub.add_argument("dest")
-    check = sub.add_parser("check")
-    check.add_argument("name", choices=sorted(EXERCISES))
-    check.add_argument("path", nargs="?")
-    check.add_argument("--reference", action="store_true", help="grade minitrain's own implementation")
-    args = ap.parse_args(argv)
-
-    if args.command == "list":
-        for name, what in EXERCISES.items():
-            print(f"{name:<20} {what}  (stub: {HERE / (name + '_stub.py')})")
-        return 0
-    if args.command == "stub":
-        shutil.copy(HERE / f"{args.name}_stub.py", args.dest)
-        print(f"wrote {args.dest}; then: python -m minitrain.exercises check {args.name} {args.dest}")
-        return 0
-    if args.reference:
-        impl = _reference(args.name)
-    elif args.path:
-        impl = load_function(args.path, args.name)
-    else:
-        ap.error("check needs PATH (or --reference)")
-    results = CHECKS[args.name](impl)
-    failed = 0
-    for label, error in results:
-        if error is None:
-            print(f"  PASS  {label}")
+    ap = argparse.ArgumentParser(prog="python -m minitrain.exercises", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--progress", metavar="PATH", default=None,
+                    help=f"the progress file (default: {default_path()})")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("list", help="every exercise, in learning-path order, with what passed")
+    p = sub.add_parser("show", help="the exercise's text: contract, signature, the grader's checks")
+    p.add_argument("name", metavar="NAME")
+    p = sub.add_parser("hint", help="the next unread hint (or --level K, or --all)")
+    p.add_argument("name", metavar="NAME")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--level", type=int, metavar="K", help="show hint K (1 = the gentlest)")
+    group.add_argument("--all", action="store_true", help="show every hint")
+    p = sub.add_parser("stub", help="write the exercise's starting file to DEST")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("dest", metavar="DEST")
+    p.add_argument("--force", action="store_true", help="overwrite DEST if it exists (default: refuse)")
+    for command, text in (("check", "grade your file with the library's own tests"),
+                          ("run", "debugging exercises: run the program (the broken one by default) "
+                                  "and show what minitrain reports")):
+        p = sub.add_parser(command, help=text)
+        p.add_argument("name", metavar="NAME")
+        p.add_argument("path", metavar="PATH", nargs="?", help="your file")
+        p.add_argument("--timeout", type=float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
+                       help="seconds a rank may wait for a message before it counts as stuck "
+                            f"(default: {harness.DEFAULT_WAIT_TIMEOUT:g})")
+        if command == "check":
+            p.add_argument("--reference", action="store_true",
+                           help="grade minitrain's own implementation instead of a file")
+            p.add_argument("--fail-fast", action="store_true", help="stop at the first failed check")
         else:
-            failed += 1
-            first = (str(error).splitlines() or [""])[0]
-            notes = "; ".join(getattr(error, "__notes__", []))
-            print(f"  FAIL  {label}\n        {type(error).__name__}: {first}" + (f" ({notes})" if notes else ""))
-    print(f"{len(results) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+            p.add_argument("-p", type=int, default=None, metavar="N", help="number of ranks (default: the exercise's)")
+    args = ap.parse_args(argv)
+    progress = Progress(args.progress)
+    if progress.warning:
+        print(f"note: {progress.warning}", file=sys.stderr)
+    if getattr(args, "timeout", None) is not None:
+        harness.set_wait_timeout(args.timeout)
+    args.reference = getattr(args, "reference", False)
+    args.fail_fast = getattr(args, "fail_fast", False)
+    commands = {"list": cmd_list, "show": cmd_show, "hint": cmd_hint, "stub": cmd_stub, "check": cmd_check,
+                "run": cmd_run}
+    try:
+        return commands[args.command](args, progress)
+    except UnknownExercise as err:
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

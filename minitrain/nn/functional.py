@@ -1,4 +1,7 @@
-"""Stateless layer functions (torch.nn.functional's names), each one fused graph node."""
+"""Stateless layer functions (torch.nn.functional's names), each one fused graph node.
+Integer inputs (targets, indices) on the host meet device weights by a counted copy to the device
+(the API edge); integer inputs on the device with host weights are refused."""
+from .. import backend
 from ..autograd import Tensor, ops
 
 
@@ -37,6 +40,16 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return ops.LayerNorm.apply(x, weight, bias, ndims=len(normalized_shape), eps=eps)
 
 
+def _integers_beside(values, like, what, call):
+    """Host integers beside device data: checked and moved on purpose; the reverse is refused."""
+    if backend.is_device_array(like) and not backend.is_device_array(values):
+        return backend.to_device(values)
+    if backend.is_device_array(values) and not backend.is_device_array(like):
+        raise TypeError(f"{call}: {what} are on the GPU but the weights on the host: pass "
+                        f"minitrain.backend.to_host({what}) or move the model to the GPU")
+    return values
+
+
 def cross_entropy(logits, targets):
     """Mean cross-entropy of integer class targets (no ignore_index, no label smoothing)."""
     targets = _raw(targets)
@@ -45,6 +58,9 @@ def cross_entropy(logits, targets):
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
                          f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    if backend.is_device_array(_raw(logits)) and not backend.is_device_array(targets):
+        ops.check_targets(targets.reshape(-1), logits.shape[-1])      # free here, while on the host
+    targets = _integers_beside(targets, _raw(logits), "targets", "cross_entropy")
     return ops.CrossEntropy.apply(logits, targets)
 
 
@@ -57,6 +73,7 @@ def embedding(indices, weight):
     indices = _raw(indices)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"embedding: indices must be integers, got {indices.dtype}")
+    indices = _integers_beside(indices, _raw(weight), "indices", "embedding")
     return ops.Embedding.apply(indices, weight)
 
 

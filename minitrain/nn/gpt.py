@@ -10,12 +10,11 @@ recomputes each block in backward, "selective" only the attention core (Korthika
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from .. import backend
-from ..autograd import Tensor, no_grad
+from ..autograd import Tensor
 from ..autograd.checkpoint import checkpoint
 from . import functional as F
+from . import generation
 from .layers import Dropout, Embedding, LayerNorm, Linear, ModuleList
 from .module import Module
 
@@ -60,7 +59,9 @@ class CausalSelfAttention(Module):
             self._masks[key] = xp.triu(xp.ones((T, T), dtype=bool), k=1)
         return self._masks[key]
 
-    def forward(self, x):
+    def forward(self, x, cache=None, layer=0):
+        """``cache`` (generation, nn/generation.py's KVCache protocol): x holds only the new tokens;
+        their K/V go into the cache as layer ``layer``'s, and they attend to everything cached."""
         qkv = self.c_attn(x)                                  # (B, T, 3·H·D)
         B, T, _ = qkv.shape
         H, D = self.n_head, self.head_dim
@@ -68,17 +69,22 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, H, D).transpose(1, 2)            # (B, H, T, D)
         k = k.reshape(B, T, H, D).transpose(1, 2)
         v = v.reshape(B, T, H, D).transpose(1, 2)
-        # selective recomputation (Korthikanti et al. 2022): the core's (B, H, T, T) activations are
-        # the largest and the cheapest to recompute, so they are dropped and redone in backward
-        y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
+        if cache is not None:                                # (B, H, L, D) keys and values, L >= T
+            keys, values, mask = cache.append(layer, k.data, v.data)
+            y = self.core(q, Tensor(keys), Tensor(values), mask)
+        else:
+            # selective recomputation (Korthikanti et al. 2022): the core's (B, H, T, T) activations are
+            # the largest and the cheapest to recompute, so they are dropped and redone in backward
+            y = checkpoint(self.core, q, k, v) if self.recompute else self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, H * D)           # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
-    def core(self, q, k, v):
-        """softmax(Q K^T / sqrt(d) + mask), dropout, times V: (B, H, T, D) in and out."""
+    def core(self, q, k, v, mask=None):
+        """softmax(Q K^T / sqrt(d) + mask), dropout, times V: (B, H, T, D) in and out (keys and
+        values (B, H, L, D); ``mask`` True where a query may not look, causal by default)."""
         T, D = q.shape[2], q.shape[3]
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, T)
-        att = att.masked_fill(self.causal_mask(T, q.data), -math.inf)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, L)
+        att = att.masked_fill(self.causal_mask(T, q.data) if mask is None else mask, -math.inf)
         att = self.attn_dropout(F.softmax(att, axis=-1))
         return att @ v
 
@@ -107,13 +113,15 @@ class Block(Module):
         self.mlp = FeedForward(config)
         self.recompute = config.recompute == "full"
 
-    def forward(self, x):
+    def forward(self, x, cache=None, layer=0):
+        if cache is not None:   # generation (no backward): the KV cache is layer ``layer``'s
+            return self.compute(x, cache, layer)
         if self.recompute:      # full recomputation: keep only the block's input
             return checkpoint(self.compute, x)
         return self.compute(x)
 
-    def compute(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def compute(self, x, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cache=cache, layer=layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -146,38 +154,28 @@ class GPT(Module):
             if isinstance(module, Linear) and module.bias is not None:
                 module.bias.data[...] = 0
 
-    def forward(self, idx, targets=None):
-        """Logits (B, T, vocab) for integer tokens ``idx`` (B, T); with ``targets``, (logits, loss)."""
+    def forward(self, idx, targets=None, cache=None):
+        """Logits (B, T, vocab) for integer tokens ``idx`` (B, T); with ``targets``, (logits, loss).
+        With a KV ``cache`` (generation), ``idx`` holds only the tokens new to the cache's sequences."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = backend.array_module(idx).arange(T)
+        if backend.is_device_array(self.wte.weight.data) and not backend.is_device_array(idx):
+            idx = backend.to_device(idx)                  # tokens from the host: one counted copy
+        pos = backend.array_module(idx).arange(T) if cache is None else cache.positions(T)   # (T) or (B, T)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
+        for i, block in enumerate(self.h):
+            x = block(x) if cache is None else block(x, cache=cache, layer=i)
+        if cache is not None:
+            cache.advance(T)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits, targets)
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
-        """Sample ``max_new_tokens`` tokens after the context ``idx`` (B, T)."""
-        rng = rng or np.random.default_rng(0)
-        idx = backend.to_host(idx.data if isinstance(idx, Tensor) else idx)
-        was_training = self.training
-        self.eval()
-        with no_grad():
-            for _ in range(max_new_tokens):
-                context = idx[:, -self.config.block_size:]
-                logits = backend.to_host(self(backend.to_device(context)).data[:, -1, :]).astype(np.float64)
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
-                    logits = np.where(logits < kth, -np.inf, logits)
-                probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-                probs /= probs.sum(axis=-1, keepdims=True)
-                nxt = np.array([[rng.choice(probs.shape[-1], p=row)] for row in probs])
-                idx = np.concatenate([idx, nxt], axis=1)
-        self.train(was_training)
-        return idx
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None, cache="contiguous"):
+        """Sample ``max_new_tokens`` tokens after the context ``idx`` (B, T) (``temperature`` 0: greedy),
+        with a KV cache: "contiguous" (default), None (recompute the prefix for every token), or a
+        paged one from minitrain.inference (nn/generation.py)."""
+        return generation.generate(self, idx, max_new_tokens, temperature, top_k, rng, cache)

@@ -9,7 +9,7 @@ Parameters register their bytes (and their gradients') with ``minitrain.memory``
 import weakref
 from collections import OrderedDict
 
-from .. import memory
+from .. import backend, memory
 from ..autograd import Tensor, RemovableHandle
 
 
@@ -166,7 +166,8 @@ class Module:
         return OrderedDict((name, p.data) for name, p in self.named_parameters())
 
     def load_state_dict(self, state_dict, strict=True):
-        """Copy arrays into the parameters, checking names and shapes."""
+        """Copy arrays into the parameters, checking names and shapes (host or device values: each
+        is copied to where its parameter lives)."""
         params = dict(self.named_parameters())
         missing = [k for k in params if k not in state_dict]
         unexpected = [k for k in state_dict if k not in params]
@@ -180,7 +181,8 @@ class Module:
             if tuple(value.shape) != p.shape:
                 raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)}, "
                                  f"the model expects {p.shape}")
-            p.data[...] = value
+            # as PyTorch's copy_: the value is copied to where the parameter lives (a counted move)
+            p.data[...] = backend.to_device(value) if backend.is_device_array(p.data) else backend.to_host(value)
         return missing, unexpected
 
     def to(self, dtype):

@@ -1,10 +1,11 @@
-"""Optimizers with PyTorch's update rules, global-norm gradient clipping, and fp32 master weights
-for mixed precision."""
+"""Optimizers with PyTorch's update rules, global-norm gradient clipping, fp32 master weights
+for mixed precision, and learning-rate schedulers (``optim.lr_scheduler``)."""
 from .optimizer import Optimizer
 from .sgd import SGD
 from .adam import Adam, AdamW
 from .clip import clip_grad_norm_, grad_norm_squared
 from .mixed_precision import MixedPrecisionOptimizer
+from . import lr_scheduler
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_", "grad_norm_squared",
-           "MixedPrecisionOptimizer"]
+           "MixedPrecisionOptimizer", "lr_scheduler"]

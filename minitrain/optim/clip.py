@@ -1,15 +1,25 @@
 """Gradient clipping by global norm: g *= max_norm / (||g||_2 + 1e-6) when the norm exceeds max_norm,
-where ||g|| is the norm of all gradients together (torch.nn.utils.clip_grad_norm_)."""
+where ||g|| is the norm of all gradients together (torch.nn.utils.clip_grad_norm_).
+On the GPU nothing is read back: the norm stays a 0-d device array and every gradient is multiplied
+by min(1, coef) (as PyTorch does), so clipping costs no synchronisation; on the CPU the norm is a float."""
 import math
+
+import numpy as np
+
+from .. import kernels
+from ..backend import array_module, is_device_array
 
 
 def grad_norm_squared(parameters):
-    """Sum of squared gradient entries (ZeRO adds these partial sums across shards)."""
+    """Sum of squared gradient entries (ZeRO adds these partial sums across shards): a float, or a
+    0-d float64 device array when the gradients are on the GPU."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads and is_device_array(grads[0]):
+        xp = array_module(grads[0])
+        return xp.stack([kernels.square_sum(g) for g in grads]).astype(np.float64).sum()
     total = 0.0
-    for p in parameters:
-        if p.grad is not None:
-            g = p.grad
-            total += float((g * g).sum())
+    for g in grads:
+        total += float((g * g).sum())
     return total
 
 
@@ -18,7 +28,13 @@ def clip_grad_norm_(parameters, max_norm, total_norm=None):
     norm before clipping. ``total_norm`` may be passed when it was computed elsewhere (across shards)."""
     parameters = [p for p in parameters if p.grad is not None]
     if total_norm is None:
-        total_norm = math.sqrt(grad_norm_squared(parameters))
+        total_norm = grad_norm_squared(parameters)
+        total_norm = array_module(total_norm).sqrt(total_norm) if is_device_array(total_norm) else math.sqrt(total_norm)
+    if is_device_array(total_norm):
+        coef = array_module(total_norm).minimum(max_norm / (total_norm + 1e-6), 1.0)
+        for p in parameters:
+            p.grad *= coef
+        return total_norm
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         for p in parameters:

@@ -10,6 +10,9 @@ computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and
 Bytes per parameter: 2 (param) + 2 (grad) + K with K = 4 (master) + 4 + 4 (Adam's moments) = 12,
 the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as ``optimizer_state``.
 
+On the GPU the inf/NaN check is one device reduction over all gradients and one synchronisation
+per step (skipping a step is a decision the host makes, as in PyTorch's GradScaler).
+
 Loss scaling (fp16 only; bfloat16 has fp32's exponent range): small gradients underflow in fp16,
 so the loss is multiplied by S before backward and the gradients divided by S in fp32 after. With
 ``loss_scale="dynamic"`` (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
@@ -18,12 +21,14 @@ parameters are shards (ZeRO, FSDP) pass ``comm``: the overflow flag is all-reduc
 rank skips the same steps.
 """
 import contextlib
+import weakref
 
 import numpy as np
 
-from .. import backend, memory
+from .. import backend, kernels, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
+from .optimizer import _release
 
 
 class MixedPrecisionOptimizer:
@@ -59,6 +64,8 @@ class MixedPrecisionOptimizer:
                 master.data = master.data.astype(dtype)            # always a copy
                 self._tracker.add("optimizer_state", ("master", id(self), id(master)), master.data.nbytes)
                 self.masters.append(master)
+            # the masters' bytes leave the tracker with this optimizer (as Optimizer's state does)
+            weakref.finalize(self, _release, self._tracker, [("master", id(self), id(m)) for m in self.masters])
             self.optimizer = optimizer_class(self.masters, **defaults)
         self.param_groups = self.optimizer.param_groups
 
@@ -70,8 +77,12 @@ class MixedPrecisionOptimizer:
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def _found_inf(self):
-        local = any(q.grad is not None and not bool(array_module(q.grad).isfinite(q.grad).all())
-                    for q in self.params)
+        grads = [q.grad for q in self.params if q.grad is not None]
+        if grads and backend.is_device_array(grads[0]):     # one device reduction, one synchronisation
+            counts = array_module(grads[0]).stack([kernels.count_nonfinite(g) for g in grads])
+            local = bool(backend.to_scalar(counts.sum()))
+        else:
+            local = any(not bool(array_module(g).isfinite(g).all()) for g in grads)
         if self.comm is None or self.comm.size == 1:
             return local
         from ..comm import all_reduce               # shards: every rank must agree to skip
@@ -118,4 +129,52 @@ class MixedPrecisionOptimizer:
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "loss_scale": self.loss_scale,
-                "masters": [m.data.copy() for m in self.masters]}
+                "masters": [m.data.copy() for m in self.masters], "good_steps": self._good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict):
+        """The inverse of ``state_dict()`` (same parameters, same layout)."""
+        if len(state_dict["masters"]) != len(self.masters):
+            raise ValueError(f"load_state_dict: {len(state_dict['masters'])} master weights for {len(self.masters)} parameters")
+        for master, saved in zip(self.masters, state_dict["masters"]):
+            if tuple(saved.shape) != master.shape:
+                raise ValueError(f"load_state_dict: a master weight of shape {tuple(saved.shape)}, expected {master.shape}")
+            master.data[...] = backend.to_device(saved, "cuda") if backend.is_device_array(master.data) else saved
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.loss_scale = float(state_dict["loss_scale"])
+        self._good_steps = int(state_dict.get("good_steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    # ---- the checkpoint's view (minitrain.sharded): masters and moments cut as the parameters are
+    def _master_placements(self, placements):
+        return {id(m): placements[id(q)] for q, m in zip(self.params, self.masters)}
+
+    def sharded_state_dict(self, placements):
+        """The inner optimizer's state on the masters, plus ``<name>/master`` when the masters are of
+        another dtype than the parameters (fp16/bf16: fp32 masters; an fp32 master equals its
+        parameter, so it is not stored twice), plus the loss scale and its counters."""
+        tensors, scalars = self.optimizer.sharded_state_dict(self._master_placements(placements))
+        for q, master in zip(self.params, self.masters):
+            if master.dtype != q.dtype:
+                for name, piece in placements[id(q)]:
+                    tensors.setdefault(f"{name}/master", []).append((piece, piece.view(master.data)))
+        scalars["mixed_precision"] = {"loss_scale": self.loss_scale, "good_steps": self._good_steps,
+                                      "skipped_steps": self.skipped_steps}
+        return tensors, scalars
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        """Masters (or, when they share the parameters' dtype, copies of the just-loaded parameters),
+        the inner optimizer's state, and the loss scale (a checkpoint without one: unscaled, as fp32)."""
+        for q, master in zip(self.params, self.masters):
+            if master.dtype != q.dtype:
+                for name, piece in placements[id(q)]:
+                    reader.read_into(f"{name}/master", piece, piece.view(master.data))
+            else:
+                master.data[...] = backend.to_host(q.data) if self.offload else q.data
+        self.optimizer.load_sharded_state_dict(reader, self._master_placements(placements), scalars)
+        saved = scalars.get("mixed_precision")
+        if saved is None and self.dtype == np.float16:
+            raise ValueError("the checkpoint has no loss scale: it was not trained in float16 mixed precision")
+        if saved is not None:
+            self.loss_scale = float(saved["loss_scale"])
+            self._good_steps, self.skipped_steps = int(saved["good_steps"]), int(saved["skipped_steps"])

@@ -8,6 +8,7 @@ its shard. State arrays register their bytes with ``minitrain.memory`` as ``opti
 import weakref
 
 from .. import memory
+from ..backend import array_module
 
 
 def _release(tracker, keys):
@@ -85,3 +86,49 @@ class Optimizer:
                     self._new_state(p, name, value.astype(p.dtype, copy=True))
                 else:
                     self.state.setdefault(p, {})[name] = value
+
+    # ---- the checkpoint's view: state arrays cut as their parameters are (minitrain.sharded)
+    def sharded_state_dict(self, placements):
+        """This optimizer's state as logical tensors. ``placements``: id(parameter) -> [(logical name,
+        Slice)], where each piece of a parameter sits in its logical tensor; a state array shaped like
+        its parameter is cut by the same slices. Returns ({"<name>/<state>": [(Slice, view)]}, scalars):
+        the scalars hold the class, the groups' hyper-parameters and per-parameter counters (Adam's step)."""
+        tensors, per_param = {}, {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key, value in self.state.get(p, {}).items():
+                    for name, piece in placements[id(p)]:
+                        if hasattr(value, "shape") and tuple(value.shape) == tuple(p.shape):
+                            tensors.setdefault(f"{name}/{key}", []).append((piece, piece.view(value)))
+                        else:
+                            per_param.setdefault(name, {})[key] = value
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.param_groups]
+        return tensors, {"class": type(self).__name__, "param_groups": groups, "param_state": per_param}
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        """The inverse of ``sharded_state_dict``: ``reader.read_into(key, slice, out)`` fills each piece
+        (``reader.keys(prefix)`` lists what was saved); missing state stays missing, as before a first step."""
+        if scalars["class"] != type(self).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {scalars['class']}, this job's is {type(self).__name__}")
+        if len(scalars["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(scalars['param_groups'])} parameter groups, "
+                             f"this one {len(self.param_groups)}")
+        for saved, group in zip(scalars["param_groups"], self.param_groups):
+            for k, v in saved.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+        for group in self.param_groups:
+            for p in group["params"]:
+                pieces = placements[id(p)]
+                names = sorted({k.rsplit("/", 1)[1] for name, _ in pieces for k in reader.keys(f"{name}/")})
+                for key in names:
+                    array = array_module(p.data).zeros(p.shape, p.dtype)
+                    for name, piece in pieces:
+                        reader.read_into(f"{name}/{key}", piece, piece.view(array))
+                    self._new_state(p, key, array)
+                counters = [scalars["param_state"].get(name, {}) for name, _ in pieces]
+                if any(c != counters[0] for c in counters):
+                    raise ValueError(f"the checkpoint's counters differ between the parameters one shard holds: "
+                                     f"{dict(zip((n for n, _ in pieces), counters))}")
+                if counters and counters[0]:
+                    self.state.setdefault(p, {}).update(counters[0])

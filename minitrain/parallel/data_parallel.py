@@ -249,3 +249,11 @@ class LocalSGD:
             for p in params:
                 p.data[...] = averaged[offset:offset + p.size].reshape(p.shape)
                 offset += p.size
+
+    def state_dict(self):
+        """The averaging phase (steps since the start): a checkpoint taken right after an averaging
+        holds equal replicas; the optimizers' states still differ per rank (each steps on its own)."""
+        return {"steps": self.steps, "sync_every": self.sync_every}
+
+    def load_state_dict(self, state):
+        self.steps = int(state["steps"])

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .. import memory
+from .. import backend, memory
 from ..autograd import Function, Tensor, cat
 
 
@@ -72,10 +72,13 @@ class DataParallel:
         data = x.data if isinstance(x, Tensor) else x
         if len(data) < self.num_replicas:
             raise ValueError(f"a batch of {len(data)} cannot be split over {self.num_replicas} replicas")
-        chunks = np.array_split(np.arange(len(data)), self.num_replicas)
+        bounds = [len(c) for c in np.array_split(np.arange(len(data)), self.num_replicas)]
+        starts = np.cumsum([0] + bounds).tolist()
+        chunks = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]    # contiguous rows: views, no index arrays
         self.stats["scatter_bytes"] += sum(data[c].nbytes for c in chunks[1:])
 
         def run(i):
+            backend.bind_thread()                    # a pool thread computes on this process's GPU
             with memory.use_tracker(self.trackers[i]):
                 if i > 0:
                     self._replicate(i)

@@ -26,6 +26,7 @@ from ..autograd.graph import saved_tensors_hooks
 from ..backend import array_module
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
+from ..sharded import flat_buffer_slices
 
 
 class _UnitRef:
@@ -35,10 +36,6 @@ class _UnitRef:
 
     def __init__(self, unit, offset, shape, strides):
         self.unit, self.offset, self.shape, self.strides = unit, offset, shape, strides
-
-
-def _byte_offset(view, base):
-    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
 
 
 class _Unit:
@@ -105,7 +102,7 @@ class _Unit:
 
     def view(self, ref):
         self.gather()
-        return self.xp.ndarray(ref.shape, self.dtype, buffer=self.full, offset=ref.offset, strides=ref.strides)
+        return backend.view_of(self.full, ref.shape, self.dtype, ref.offset, ref.strides)
 
     # ---- gradients
     def grad_ready(self, q, fsdp):
@@ -220,7 +217,7 @@ class FullyShardedDataParallel:
         unit = self._unit_holding(a)
         if unit is None:
             return a
-        return _UnitRef(unit, _byte_offset(a, unit.full), a.shape, a.strides)
+        return _UnitRef(unit, backend.byte_offset(a, unit.full), a.shape, a.strides)
 
     def _unpack(self, x):
         if not isinstance(x, _UnitRef):
@@ -288,3 +285,37 @@ class FullyShardedDataParallel:
         self.module.train(mode)
         return self
 
+    def state_dict(self):
+        """The full parameters under the unwrapped model's names (PyTorch FSDP's default
+        FULL_STATE_DICT: a collective, every rank gets every array)."""
+        return self.full_state_dict()
+
+    def load_state_dict(self, state):
+        """Full arrays by name -> each rank copies in its shard of every unit (no communication)."""
+        for unit in self.units:
+            lo = self.comm.rank * unit.shard_size
+            shard = unit.shard.data                       # on the host with offload_params
+            for q in unit.params:
+                name = self.names[id(q)]
+                if name not in state:
+                    raise KeyError(f"FullyShardedDataParallel.load_state_dict: missing {name}")
+                value = state[name]
+                if tuple(value.shape) != tuple(q.shape):
+                    raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the model "
+                                     f"expects {tuple(q.shape)}")
+                a, b = unit.offsets[id(q)]
+                s, e = max(a, lo), min(b, lo + unit.shard_size)
+                if s < e:
+                    piece = value.reshape(-1)[s - a:e - a]
+                    shard[s - lo:e - lo] = (backend.to_device(piece, "cuda") if backend.is_device_array(shard)
+                                            else backend.to_host(piece))
+
+    def sharded_parameters(self):
+        """[(unit shard, [(name, Slice)])]: the pieces of the logical parameters this rank's shard of
+        each unit holds (a flat range of the unit cut into boxes; padding excluded)."""
+        out = []
+        for unit in self.units:
+            entries = [(self.names[id(q)], q.shape, unit.offsets[id(q)][0]) for q in unit.params]
+            lo = self.comm.rank * unit.shard_size
+            out.append((unit.shard, flat_buffer_slices(entries, lo, lo + unit.shard_size)))
+        return out

@@ -21,12 +21,15 @@ depend on how the batch is cut into micro-batches, so a run with dropout is corr
 other masks than one process; tied embeddings across the first and last stage would need
 Megatron's extra embedding all-reduce (refused with a clear error).
 """
+import math
+
 import numpy as np
 
 from ..autograd import Tensor
 from ..backend import array_module
 from ..comm import DeviceMesh, all_reduce
 from ..nn import Module, Sequential
+from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .tensor_parallel import positions, tensor_parallelize
 
@@ -109,3 +112,34 @@ class GPT3D:
         by_layer_name = self.pipe.full_state_dict()
         shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
         return self.model.full_state_dict(shards)
+
+    def sharded_parameters(self):
+        """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
+        each as its tensor-parallel slice (c_attn's rows are three blocks, q, k and v, each cut by heads;
+        the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
+        slices; the checkpoint writes those once."""
+        t, r = self.tp, self.mesh.coordinate("tp")
+        vocab = self.model.config.vocab_size
+        local = {id(q) for q in self.pipe.parameters()}
+        placements = []
+        for name, (q, axis) in self.model._shards().items():
+            if id(q) not in local:
+                continue
+            shape = tuple(q.shape)
+            if axis is None:
+                pieces = [whole(shape)]
+            elif axis == "qkv":                      # rows [j·C + r·w, j·C + (r+1)·w) for j = q, k, v
+                w, row = shape[0] // 3, math.prod(shape[1:])
+                full = (3 * w * t,) + shape[1:]
+                pieces = [Slice(full, (j * w * t + r * w,) + (0,) * (len(shape) - 1), (w,) + shape[1:], j * w * row)
+                          for j in range(3)]
+            else:
+                full, offsets, sizes = list(shape), [0] * len(shape), list(shape)
+                full[axis] *= t
+                offsets[axis] = r * shape[axis]
+                if name in ("wte.weight", "lm_head.weight"):      # rows past the vocabulary are padding
+                    full[0] = vocab
+                    sizes[0] = max(0, min(shape[0], vocab - offsets[0]))
+                pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
+            placements.append((q, [(name, s) for s in pieces]))
+        return placements

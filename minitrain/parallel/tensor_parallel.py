@@ -167,7 +167,7 @@ class AllGatherLinear(Function):
         full = _gather_along(comm, x, 1)
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.has_bias = comm, bias is not None
-        out = full @ weight.T
+        out = ops.matmul_rows(full, weight.T)
         if bias is not None:
             out += bias
         return out
@@ -179,7 +179,7 @@ class AllGatherLinear(Function):
         g2 = g.reshape(-1, g.shape[-1])
         gw = g2.T @ full.reshape(-1, full.shape[-1])
         gb = g2.sum(axis=0) if ctx.has_bias else None
-        gx = _reduce_scatter_along(ctx.comm, g @ weight, 1)
+        gx = _reduce_scatter_along(ctx.comm, ops.matmul_rows(g, weight), 1)
         return gx, gw, gb, None
 
 
@@ -302,8 +302,7 @@ class VocabParallelCrossEntropy(Function):
         xp = array_module(logits)
         local_v = logits.shape[-1]
         z = logits.reshape(-1, local_v).astype(logits.dtype, copy=True)
-        ids = start + xp.arange(local_v)
-        z[:, ids >= vocab_size] = -np.inf                       # the padding is not a token
+        z[:, max(0, vocab_size - start):] = -np.inf            # the padding is not a token
         t = targets.reshape(-1)
         local_max = z.max(axis=1)
         m = ring_all_reduce(comm, xp.ascontiguousarray(local_max), op="max")
@@ -311,7 +310,7 @@ class VocabParallelCrossEntropy(Function):
         total = ring_all_reduce(comm, e.sum(axis=1))
         mine = (t >= start) & (t < start + local_v)
         rows = xp.arange(t.shape[0])
-        target_logit = xp.where(mine, z[rows, xp.where(mine, t - start, 0)], 0.0)
+        target_logit = xp.where(mine, z[rows, xp.where(mine, t - start, 0)], 0.0).astype(z.dtype, copy=False)
         target_logit = ring_all_reduce(comm, xp.ascontiguousarray(target_logit))
         loss = xp.log(total) + m - target_logit
         ctx.save_for_backward(e / total[:, None], t)
@@ -324,8 +323,8 @@ class VocabParallelCrossEntropy(Function):
         xp = array_module(softmax)
         n = t.shape[0]
         d = softmax.copy()
-        rows = xp.arange(n)[ctx.mine]
-        d[rows, t[ctx.mine] - ctx.start] -= 1.0
+        # -1 at each target this rank holds (0 elsewhere: no boolean mask, which would synchronise on a GPU)
+        d[xp.arange(n), xp.where(ctx.mine, t - ctx.start, 0)] -= ctx.mine.astype(d.dtype)
         d *= grad / n
         return d.reshape(ctx.shape), None
 
@@ -436,32 +435,47 @@ class TensorParallelGPT(Module):
         stage's parameters only (the others have no gradient): the stages' squares are summed over
         ``pipeline_comm``."""
         replicated = {id(q) for q in self.replicated} | {id(q) for q in self.wpe.parameters()}
-        sharded = local_replicated = 0.0
-        for q in self.parameters():
-            if q.grad is None:
-                continue
-            square = float((q.grad.astype(np.float64) ** 2).sum())
+        grads = [q for q in self.parameters() if q.grad is not None]
+        xp = array_module(grads[0].grad) if grads else np
+        sharded = local_replicated = xp.zeros(1)          # float64 sums of squares (host or device)
+        for q in grads:
+            square = (q.grad.astype(np.float64) ** 2).sum()
             if id(q) in replicated:
-                local_replicated += square
+                local_replicated = local_replicated + square
             else:
-                sharded += square
-        square = float(ring_all_reduce(self.comm, np.array([sharded]))[0]) + local_replicated
+                sharded = sharded + square
+        square = ring_all_reduce(self.comm, sharded) + local_replicated
         if pipeline_comm is not None:
-            square = float(ring_all_reduce(pipeline_comm, np.array([square]))[0])
-        total = math.sqrt(square)
+            square = ring_all_reduce(pipeline_comm, square)
+        if xp is not np:              # on the GPU the norm stays there: no synchronisation (optim/clip.py)
+            total = xp.sqrt(square[0])
+            coef = xp.minimum(max_norm / (total + 1e-6), 1.0)
+            for q in grads:
+                q.grad *= coef
+            return total
+        total = math.sqrt(float(square[0]))
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for q in self.parameters():
-                if q.grad is not None:
-                    q.grad[...] = q.grad * coef
+            for q in grads:
+                q.grad[...] = q.grad * coef
         return total
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
+        """With a KV ``cache`` (generation, the GPT's protocol) each rank's cache holds its own heads'
+        K/V (n_head/t of them): the attention is already split by heads, so nothing else changes."""
         idx = idx.data if isinstance(idx, Tensor) else idx
-        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        if backend.is_device_array(self.wpe.weight.data) and not backend.is_device_array(idx):
+            idx = backend.to_device(idx)                  # tokens from the host: one counted copy
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("generation with a KV cache runs without sequence parallelism (one new token "
+                             "per sequence does not split along the sequence)")
+        pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx)) if cache is None \
+            else cache.positions(idx.shape[1])
         x = self.drop(self.wte(idx) + self.wpe(pos))          # SP: (B, T/t, C)
-        for block in self.h:
-            x = block(x)
+        for i, block in enumerate(self.h):
+            x = block(x) if cache is None else block(x, cache=cache, layer=i)
+        if cache is not None:
+            cache.advance(idx.shape[1])
         logits = self.lm_head(self.ln_f(x))                   # (B, T, V_pad/t)
         if targets is None:
             full = GatherFromTensorParallelRegion.apply(logits, self.comm)
@@ -471,6 +485,8 @@ class TensorParallelGPT(Module):
     def loss(self, logits, targets):
         """Mean cross-entropy of the vocab-split logits (never gathered)."""
         targets = targets.data if isinstance(targets, Tensor) else targets
+        if backend.is_device_array(logits.data) and not backend.is_device_array(targets):
+            targets = backend.to_device(targets)           # targets from the host: one counted copy
         return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
 
     # ---- names and shards

@@ -23,10 +23,11 @@ import numpy as np
 
 from .. import memory, trace
 from ..autograd.engine import queue_callback
-from ..backend import LOW_PRECISION, array_module
+from ..backend import LOW_PRECISION, array_module, is_device_array
 from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
+from ..sharded import flat_buffer_slices
 from .offload import CPUOffloadOptimizer
 
 
@@ -208,9 +209,15 @@ class ZeroRedundancyOptimizer:
             self._reduce_scatter_stage1()
         g = self.shard.grad
         g32 = g.astype(np.float64)
+        scale = getattr(self.optimizer, "loss_scale", 1.0)
+        if is_device_array(g):       # no synchronisation: the norm stays on the device (see optim/clip.py)
+            xp = array_module(g)
+            total = xp.sqrt(all_reduce(self.comm, (g32 * g32).sum().reshape(1), op="sum")[0]) / scale
+            g *= xp.minimum(max_norm / (total + 1e-6), 1.0)
+            return total
         local = np.array([float((g32 * g32).sum())], np.float64)
         # with a loss scale S the gradients are S times too large: the true norm is total / S
-        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / getattr(self.optimizer, "loss_scale", 1.0)
+        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / scale
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             g[...] = g * coef
@@ -226,3 +233,26 @@ class ZeroRedundancyOptimizer:
 
     def state_dict(self):
         return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """The inverse of ``state_dict()``: this rank's shard state, on the same ranks and parameters."""
+        self.optimizer.load_state_dict(state_dict)
+
+    # ---- the checkpoint's view (minitrain.sharded): the shard's state cut back into parameters
+    def _shard_placements(self, placements):
+        """Where this rank's flat shard sits in the parameters' logical tensors (padding excluded);
+        ``placements``: the parameters' own (each whole, as ZeRO-1/2 keep them on every rank)."""
+        entries = []
+        for q in self.flat.params:
+            (name, piece), = placements[id(q)]
+            if piece.sizes != tuple(q.shape):
+                raise ValueError(f"ZeRO-1/2 expect whole parameters; {name} is a slice {piece}")
+            entries.append((name, q.shape, self.flat.offsets[id(q)][0]))
+        return {id(self.shard): flat_buffer_slices(entries, *self.flat.shard_range)}
+
+    def sharded_state_dict(self, placements):
+        """The shard optimizer's state (moments, fp32 masters) as slices of the parameters' logical tensors."""
+        return self.optimizer.sharded_state_dict(self._shard_placements(placements))
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        self.optimizer.load_sharded_state_dict(reader, self._shard_placements(placements), scalars)

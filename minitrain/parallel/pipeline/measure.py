@@ -28,8 +28,8 @@ from .schedules import SPLIT_BACKWARD, formula_bubble_fraction, simulate, virtua
 # A step's record (runtime.py writes one per traced step and rank): the step's start and end, the
 # time waiting at its end (sends, loss all-reduce), the dp all-reduce, then per action of the rank's
 # schedule the start and end of its compute, its receive and its send (NaN where it has none).
-_HEAD = ("start", "end", "end_wait", "dp")
-_SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")
+HEAD = ("start", "end", "end_wait", "dp")
+SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")
 
 
 def senders(schedule):
@@ -50,9 +50,9 @@ def split_idle(rows, schedule, first_rank):
     """Per step and rank: the step's wall time, the bubble, and the idle time by cause (fractions
     of the step). ``rows``: (ranks, steps, fields), the records described above."""
     p, n_steps = rows.shape[:2]
-    start, end, end_wait, dp = (rows[:, :, i] for i in range(len(_HEAD)))
-    slots = rows[:, :, len(_HEAD):].reshape(p, n_steps, -1, len(_SLOT))
-    c0, c1, r0, r1, s0, s1 = (slots[..., i] for i in range(len(_SLOT)))
+    start, end, end_wait, dp = (rows[:, :, i] for i in range(len(HEAD)))
+    slots = rows[:, :, len(HEAD):].reshape(p, n_steps, -1, len(SLOT))
+    c0, c1, r0, r1, s0, s1 = (slots[..., i] for i in range(len(SLOT)))
     w0 = start[first_rank]
     w1 = end.max(axis=0)
     wall = w1 - w0
@@ -80,7 +80,7 @@ def stage_costs(rows, schedule, steps):
     n_virtual = 1 + max(virtual_stage(a, s, p) for s in range(p) for a in schedule[s])
     total, count = np.zeros((n_virtual, 3)), np.zeros((n_virtual, 3))
     for s in range(p):
-        slots = rows[s, steps, len(_HEAD):].reshape(len(steps), -1, len(_SLOT))
+        slots = rows[s, steps, len(HEAD):].reshape(len(steps), -1, len(SLOT))
         for i, a in enumerate(schedule[s]):
             k, op = virtual_stage(a, s, p), "FBW".index(a.kind)
             total[k, op] += np.sum(slots[:, i, 1] - slots[:, i, 0])

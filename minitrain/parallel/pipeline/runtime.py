@@ -30,11 +30,12 @@ import time
 
 import numpy as np
 
-from ... import trace
+from ... import backend, trace
 from ...autograd import Tensor, defer_weight_grads
-from ...backend import array_module, bfloat16
+from ...backend import array_module, bfloat16, is_device_array
 from ...comm import all_reduce, broadcast
 from ...nn import Sequential
+from ...sharded import whole
 from . import measure
 from .partition import balanced_split_points, parameter_costs, stage_table
 from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
@@ -108,6 +109,8 @@ class PipelineParallel:
         self._stash = None                     # pipedream_2bw: the weight version W(t-1)
         self._shapes = {}                      # (batch shape, mb, virtual, direction) -> (dtype code, shape)
         self.step_records = []                 # per traced step: this rank's timestamps (measure.py)
+        self._device_records = []              # GPU: per traced step, the CUDA events of its compute
+        self._device_reference = None          # GPU: (first CUDA event, its host time)
 
     # ---- the model's interface
     def parameters(self):
@@ -177,31 +180,34 @@ class PipelineParallel:
         self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
         inputs, outputs, weight_grads, losses = {}, {}, {}, []
         tracer = trace.tracer()
-        clock = time.perf_counter            # each action's compute, receive and send, timed (measure.py)
-        stamps = [[nan] * 6 for _ in self.actions]
+        clock, event = time.perf_counter, backend.record_event    # event: a CUDA event on the GPU, else None
+        stamps = [[nan] * 6 for _ in self.actions]          # per action: compute, receive, send (measure.py)
+        device_times = []                                   # GPU: (action index, CUDA events around its compute)
         step_start = clock()
         for index, action in enumerate(self.actions):
             mb, chunk, kind = action.microbatch, action.chunk, action.kind
             virtual = virtual_stage(action, self.rank, self.p)
             times = stamps[index]
             if kind == "W":
-                times[0] = clock()
+                times[0], first = clock(), event()
                 weight_grads.pop((mb, chunk)).run()
-                times[1] = clock()
+                times[1], last = clock(), event()
+                if first is not None:
+                    device_times.append((index, first, last))
                 continue
             received = None
             if action.recv_from is not None:         # waiting is bubble, not work: timed apart
                 times[2] = clock()
                 received = self._recv(action.recv_from, mb, virtual, kind == "B", xp)
                 times[3] = clock()
-            times[0] = clock()
+            times[0], first = clock(), event()
             if kind == "F":
                 inp = Tensor(x[mb * size:(mb + 1) * size]) if received is None else Tensor(received, requires_grad=True)
                 out = self.stages[chunk](inp)
                 inputs[mb, chunk] = inp
                 if virtual == len(self.where) - 1:
                     loss = loss_fn(out, y[mb * size:(mb + 1) * size])
-                    losses.append(loss.data)
+                    losses.append(loss.data)               # read once, after the step (no sync per micro-batch)
                     out = loss * (1.0 / self.m)            # mean over micro-batches
                 outputs[mb, chunk] = out
             else:
@@ -212,7 +218,9 @@ class PipelineParallel:
                 else:
                     out.backward(received)
                 inp = inputs.pop((mb, chunk))
-            times[1] = clock()
+            times[1], last = clock(), event()
+            if first is not None:
+                device_times.append((index, first, last))
             if action.send_to is not None:
                 times[4] = clock()
                 data = out.data if kind == "F" else inp.grad
@@ -225,37 +233,65 @@ class PipelineParallel:
         if self.dp_comm is not None and self.dp_comm.size > 1:
             self._all_reduce_gradients()
         end.append(clock())
-        total = np.zeros(1)
-        if losses:                                           # one deliberate device sync per step
-            total[0] = float(sum(losses[1:], losses[0])) / self.m
+        total = np.array([self._mean_loss(losses)])          # the last stage's; 0 elsewhere
         total = all_reduce(self.comm, total, op="sum")       # every rank leaves the step together
         end.append(clock())
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
         if tracer.enabled:
-            self._record(tracer, step_start, stamps, end)
+            self._record(tracer, step_start, stamps, end, device_times)
         return float(total[0])
 
-    def _record(self, tracer, step_start, stamps, end):
+    def _record(self, tracer, step_start, stamps, end, device_times):
         """Keep this step's timestamps for measured_bubble() and write them into the trace (after
-        the step, so that tracing costs the step nothing)."""
+        the step, so that tracing costs the step nothing). On the GPU the compute spans carry their
+        CUDA events: their device times replace the host's when read (``_resolve_device_times``)."""
         sent_wait, dp, loss = end[1] - end[0], end[2] - end[1], end[3] - end[2]
         flat = [t for times in stamps for t in times]
         self.step_records.append(np.array([step_start, end[3], sent_wait + loss, dp] + flat))
+        self._device_records.append(device_times)
+        if device_times and self._device_reference is None:
+            index, first, _ = device_times[0]
+            self._device_reference = (first, stamps[index][0])    # the device clock's zero, in host time
         if len(self.step_records) > MAX_RECORDS:
             del self.step_records[1]                 # keep the first step (reported on its own) and the last ones
+            del self._device_records[1]
+        cuda = {index: (first, last) for index, first, last in device_times}
         tracer.add("pipeline step", "step", step_start, end[3], {})
         for index, (action, times) in enumerate(zip(self.actions, stamps)):
             args = {"microbatch": action.microbatch, "chunk": action.chunk, "index": index}
             if times[2] == times[2]:
                 tracer.add(f"recv {action}", "comm", times[2], times[3], {**args, "wait": "recv"})
-            tracer.add(str(action), "compute", times[0], times[1], {**args, "op": action.kind})
+            tracer.add(str(action), "compute", times[0], times[1], {**args, "op": action.kind}, cuda.get(index))
             if times[4] == times[4]:
                 tracer.add(f"send {action}", "comm", times[4], times[5], {**args, "wait": "send"})
         tracer.add("wait for sends", "comm", end[0], end[1], {"wait": "end"})
         if dp:
             tracer.add("all-reduce gradients (dp)", "comm", end[1], end[2], {"wait": "dp"})
         tracer.add("loss all-reduce", "comm", end[2], end[3], {"wait": "end"})
+
+    def _resolve_device_times(self):
+        """GPU: the recorded steps' compute start and end become the device's (CUDA events, on a
+        clock aligned with the host's at the first traced action; waits for the GPU once)."""
+        pending = [(row, times) for row, times in zip(self.step_records, self._device_records) if times]
+        if not pending:
+            return
+        reference, host_zero = self._device_reference
+        backend.elapsed_ms(reference, pending[-1][1][-1][2])             # the one wait
+        for row, times in pending:
+            slots = row[len(measure.HEAD):].reshape(len(self.actions), len(measure.SLOT))
+            for index, first, last in times:
+                slots[index, 0] = host_zero + backend.elapsed_ms(reference, first, wait=False) / 1e3
+                slots[index, 1] = host_zero + backend.elapsed_ms(reference, last, wait=False) / 1e3
+        self._device_records = [[] for _ in self.step_records]
+
+    def _mean_loss(self, values):
+        """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
+        if not values:
+            return 0.0
+        if is_device_array(values[0]):
+            return backend.to_scalar(array_module(values[0]).stack(values).astype(np.float64).sum()) / self.m
+        return sum(float(v) for v in values) / self.m
 
     def _all_reduce_gradients(self):
         params = [q for q in self.parameters() if q.grad is not None]
@@ -285,13 +321,47 @@ class PipelineParallel:
     def measured_bubble(self, skip_first=True):
         """The measured bubble of the traced steps beside the formula and the residual per cause
         (a collective over the pipeline: every rank's records are gathered). See measure.py."""
+        self._resolve_device_times()
         return measure.summarize(self, skip_first=skip_first)
 
     def measured_bubble_fraction(self):
         """Per rank, the measured bubble of the last traced step (a collective over the pipeline)."""
+        self._resolve_device_times()
         return measure.summarize(self, skip_first=False, last_only=True)["measured_bubble_fraction_per_rank"]
 
     def formula_bubble_fraction(self, forward_cost=1.0, backward_cost=1.0, weight_cost=1.0):
         """(p-1)/(v·m+p-1) (naive: (p-1)/p); zb_h1 / zbv: the simulator's at the given costs."""
         return formula_bubble_fraction(self.schedule_name, self.p, self.m, self.v, forward_cost, backward_cost,
                                        weight_cost)
+
+    # ---- the checkpoint's view (minitrain.sharded)
+    def sharded_parameters(self):
+        """[(parameter, [(name, whole slice)])] for the layers of this rank's stages (names of the
+        unwrapped model): a pipeline cuts the model by layers, never inside a parameter."""
+        return [(q, [(self.names[id(q)], whole(q.shape))]) for q in self.parameters()]
+
+    def extra_sharded_state(self, placements):
+        """PipeDream-2BW's stashed weights W(t-1) (``<name>/stash``), which the next step computes on:
+        without them a resumed run would take another step. Other schedules keep nothing."""
+        if self._stash is None:
+            return {}
+        stash = {}
+        for q, old in zip(self.parameters(), self._stash):
+            for name, piece in placements[id(q)]:
+                stash.setdefault(f"{name}/stash", []).append((piece, piece.view(old)))
+        return stash
+
+    def load_extra_sharded_state(self, reader, placements):
+        names = [placements[id(q)][0][0] for q in self.parameters()]
+        saved = [reader.has(f"{name}/stash") for name in names]
+        if not any(saved):
+            self._stash = None                  # as at the start: the first step computes on W(t)
+            return
+        if self.schedule_name != "pipedream_2bw":
+            raise ValueError("the checkpoint holds PipeDream-2BW's stashed weights W(t-1); only the pipedream_2bw "
+                             "schedule computes on them (resume with --schedule pipedream_2bw)")
+        self._stash = []
+        for q, name in zip(self.parameters(), names):
+            old = array_module(q.data).zeros(q.shape, q.dtype)
+            reader.read_into(f"{name}/stash", placements[id(q)][0][1], old)
+            self._stash.append(old)

@@ -1,0 +1,58 @@
+"""``python -m minitrain.checkpoint inspect DIR``: the manifest as a table (tensors, shapes, dtypes,
+pieces, bytes; layout, step, files). ``verify DIR`` reads every piece and checks its CRC-32.
+``list DIR``: every complete checkpoint in DIR, oldest first. DIR may be a save directory (its
+newest checkpoint is shown) or one checkpoint."""
+import argparse
+import os
+import sys
+
+from .core import Reader
+from .manifest import describe, latest, list_checkpoints, read_manifest
+from .storage import CheckpointError
+
+
+def verify(path):
+    """Read every piece of the checkpoint in ``path`` and check it; returns (pieces, bytes)."""
+    manifest = read_manifest(path)
+    reader = Reader(path, manifest)
+    pieces = nbytes = 0
+    try:
+        for spec in manifest["tensors"].values():
+            for piece in spec["pieces"]:
+                reader._piece(spec, piece)
+                pieces += 1
+                nbytes += piece["data_offsets"][1] - piece["data_offsets"][0]
+    finally:
+        reader.close()
+    return pieces, nbytes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m minitrain.checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["inspect", "verify", "list"])
+    parser.add_argument("directory", metavar="DIR")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            for step, _, path in list_checkpoints(args.directory):
+                print(f"step {step:>8}  {path}")
+            return 0
+        path = latest(args.directory)
+        if path is None:
+            print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
+            return 1
+        if args.command == "inspect":
+            if os.path.abspath(path) != os.path.abspath(args.directory):
+                print(f"(the newest of {len(list_checkpoints(args.directory))} checkpoint(s) in {args.directory})")
+            print(describe(path))
+        else:
+            pieces, nbytes = verify(path)
+            print(f"{path}: {pieces} pieces, {nbytes:,} bytes: every checksum matches")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

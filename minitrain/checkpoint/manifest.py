@@ -1,0 +1,146 @@
+"""The manifest: what a checkpoint holds and where (PyTorch DCP's ``.metadata``, as readable JSON).
+
+``DIR/step-00000040/manifest.json`` lists every logical tensor (global shape, dtype) and, for each
+piece, the rank file that holds it, the box it covers (offsets, sizes), its bytes in that file and
+their CRC-32; the layout that saved it (world size, dp x pp x tp, ZeRO stage, precision, ...); the
+step (optimizer steps completed); the JSON scalars (optimizer hyper-parameters and step counts,
+loss scale, LR scheduler, the job's data position) and each rank's random generator. Its own
+CRC-32 covers everything else in it. It is written last, by rank 0, once every rank's file is on
+disk: a directory with a valid manifest is a complete checkpoint, whatever its name.
+"""
+import json
+import math
+import os
+import time
+import zlib
+
+from .storage import CheckpointError, crc_hex, fsync_directory
+
+FORMAT = "minitrain.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def _body_crc(manifest):
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return crc_hex(zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()))
+
+
+def write_manifest(directory, manifest):
+    """Write ``manifest.json`` atomically (a temporary name, fsync, rename)."""
+    manifest = dict(manifest, format=FORMAT, version=VERSION, created=time.time())
+    manifest["checksum"] = _body_crc(manifest)
+    path = os.path.join(directory, MANIFEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fsync_directory(directory)
+    return manifest
+
+
+def read_manifest(directory):
+    """The manifest of the checkpoint in ``directory``, checked (format, version, its own checksum)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{directory} is not a complete checkpoint: it has no {MANIFEST}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {path} is not valid JSON ({e}): the file is corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a minitrain checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {manifest.get('version')}; this code reads {VERSION}")
+    if manifest.get("checksum") != _body_crc(manifest):
+        raise CheckpointError(f"checkpoint manifest {path} fails its checksum (CRC-32 {_body_crc(manifest)}, "
+                              f"recorded {manifest.get('checksum')}): the file is corrupt")
+    return manifest
+
+
+def list_checkpoints(directory):
+    """Every complete checkpoint under ``directory`` as (step, created, path), oldest first. A
+    checkpoint is complete when its manifest exists; temporary directories of an interrupted save
+    have none and are skipped. The order comes from the manifests, never from directory names."""
+    found = []
+    if not os.path.isdir(directory):
+        return found
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+            manifest = read_manifest(path)
+            found.append((int(manifest["step"]), float(manifest["created"]), path))
+    return sorted(found)
+
+
+def latest(directory):
+    """The path of the newest complete checkpoint under ``directory`` (most steps), or None.
+    ``directory`` may also be a checkpoint itself."""
+    if os.path.exists(os.path.join(directory, MANIFEST)):
+        read_manifest(directory)
+        return directory
+    found = list_checkpoints(directory)
+    return found[-1][2] if found else None
+
+
+def describe_layout(layout):
+    if not layout:
+        return "unknown layout"
+    parts = [f"{layout.get('job', '?')} job", f"strategy {layout.get('strategy', '?')}",
+             f"{layout.get('world_size', '?')} rank(s) = dp {layout.get('dp', 1)} x pp {layout.get('pp', 1)} "
+             f"x tp {layout.get('tp', 1)}"]
+    if layout.get("zero_stage"):
+        parts.append(f"ZeRO stage {layout['zero_stage']}")
+    parts.append(f"precision {layout.get('precision', '?')}")
+    return ", ".join(parts)
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def describe(directory, manifest=None):
+    """The manifest as a table: tensors (shape, dtype, pieces, files, bytes), layout, step, files."""
+    manifest = manifest or read_manifest(directory)
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest["created"]))
+    lines = [f"checkpoint {directory}", f"step {manifest['step']} (optimizer steps completed), saved {created}",
+             f"layout: {describe_layout(manifest.get('layout'))}",
+             "  " + ", ".join(f"{k}={v}" for k, v in sorted(manifest.get("layout", {}).items()) if v is not None)]
+    width = max([len(k) for k in manifest["tensors"]] + [6])
+    lines.append(f"\n{'tensor':<{width}}  {'shape':<16} {'dtype':<9} {'pieces':>6} {'files':>5} {'bytes':>10}")
+    total = 0
+    for key, spec in manifest["tensors"].items():
+        nbytes = sum(p["data_offsets"][1] - p["data_offsets"][0] for p in spec["pieces"])
+        total += nbytes
+        shape = "(" + ", ".join(map(str, spec["shape"])) + ("," if len(spec["shape"]) == 1 else "") + ")"
+        files = len({p["file"] for p in spec["pieces"]})
+        lines.append(f"{key:<{width}}  {shape:<16} {spec['dtype']:<9} {len(spec['pieces']):>6} {files:>5} "
+                     f"{_fmt_bytes(nbytes):>10}")
+    elements = sum(math.prod(s["shape"]) for s in manifest["tensors"].values())
+    lines.append(f"\n{len(manifest['tensors'])} tensors, {elements:,} elements, {_fmt_bytes(total)} of data in "
+                 f"{len(manifest['files'])} file(s):")
+    for name, info in sorted(manifest["files"].items()):
+        lines.append(f"  {name}  rank {info['rank']}  {_fmt_bytes(info['bytes'])}  "
+                     f"{info['pieces']} piece(s)")
+    for key, value in sorted(manifest.get("scalars", {}).items()):
+        lines.append(f"scalars {key}: {_summary(value)}")
+    return "\n".join(lines)
+
+
+def _summary(value, width=110):
+    """A scalar section in one line: the first levels of it, long lists and dicts shortened."""
+    def short(v, depth):
+        if isinstance(v, dict):
+            if depth > 1 or len(v) > 6:
+                return "{" + f"{len(v)} entries" + "}"
+            return "{" + ", ".join(f"{k}: {short(x, depth + 1)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return f"[{len(v)} items]" if len(v) > 3 or depth > 1 else "[" + ", ".join(short(x, depth + 1) for x in v) + "]"
+        return f"{v:.6g}" if isinstance(v, float) else repr(v)
+    text = short(value, 0)
+    return text if len(text) <= width else text[:width - 3] + "..."

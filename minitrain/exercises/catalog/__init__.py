@@ -1,0 +1,1 @@
+"""One module per exercise (see minitrain/exercises/registry.py for what each defines)."""

@@ -1,0 +1,154 @@
+"""The library's own oracles, wrapped so that a failure reads as an explanation.
+
+Collectives: minitrain.testing's inputs (integer-valued, so every order of additions is exact),
+lengths (0, 1, fewer than p, not divisible by p, a few thousand) and dtypes, compared bit for bit;
+bytes and messages from comm.stats against the algorithm's formula. Gradients: central
+differences (minitrain.testing.numerical_grad), minitrain's own ops, and PyTorch where installed.
+"""
+import importlib.util
+
+import numpy as np
+
+from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
+
+from .grading import Check, Mismatch, Skipped, as_array, compare
+from .harness import run_ranks
+
+WORLD_SIZES = (1, 2, 3, 4)
+OPS = ("sum", "mean", "max", "min")
+
+
+def has_torch():
+    return importlib.util.find_spec("torch") is not None
+
+
+def need_torch():
+    if not has_torch():
+        raise Skipped("PyTorch is not installed (pip install torch): this oracle was skipped")
+    import torch
+    return torch
+
+
+def _inputs_at(p, n, dtype, index):
+    return ", ".join(f"{rank_input(r, n, dtype)[index]:g}" for r in range(p))
+
+
+def cases(p, ops=OPS, dtypes=COLLECTIVE_DTYPES):
+    """(n, dtype, op): every length and dtype for "sum", two dtypes for the other ops; lengths with
+    several chunks first (their errors say the most), then 0, 1, fewer than p."""
+    lengths = collective_lengths(p)
+    lengths = [13 * p + 1] + [n for n in lengths if n != 13 * p + 1]
+    for op in ops:
+        for n in lengths:
+            for dtype in (dtypes if op == "sum" else [d for d in ("float64", "int32") if d in dtypes]):
+                if op == "mean" and np.dtype(dtype).kind != "f":
+                    continue
+                yield n, dtype, op
+
+
+def check_reduction(comm, got, x, before, n, dtype, op, name, keep=None):
+    """``got`` must be the reduction over the ranks (or, with ``keep(full) -> part``, this rank's part)."""
+    p, r = comm.size, comm.rank
+    case = f"rank {r} of {p}, {name}(n={n}, {dtype}, op={op!r})"
+    if not np.array_equal(x, before):
+        raise Mismatch(f"{case}: your function modified its input x; return a new array instead")
+    got = as_array(got, case)
+    full = expected_reduction(p, n, dtype, op)
+    want = full if keep is None else keep(full)
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{case}: returned dtype {got.dtype}, expected {want.dtype} (the input's)")
+    problem = compare(got, want, case, exact=True, chunks=p if keep is None else None,
+                      ranks=p if op == "mean" else None)
+    if problem:
+        if keep is None and got.shape == want.shape:
+            wrong = np.flatnonzero(~(got.astype(np.float64) == want.astype(np.float64)))
+            if wrong.size:
+                i = wrong[0]
+                problem += f". The ranks' inputs at element {i}: {_inputs_at(p, n, dtype, i)}"
+                if p > 1 and got[i] == x[i]:
+                    problem += " (your value there is this rank's own input: nothing was combined into it)"
+        raise Mismatch(problem)
+
+
+def traffic(comm, fn):
+    """(bytes, messages) this rank sends while ``fn()`` runs."""
+    b0, m0 = comm.stats.bytes_sent, comm.stats.messages_sent
+    fn()
+    return comm.stats.bytes_sent - b0, comm.stats.messages_sent - m0
+
+
+def world_checks(steps, sizes=WORLD_SIZES):
+    """Checks on ThreadWorld(p) for every p in ``sizes``, p by p: ``steps`` is a list of
+    (label, body, hint, smallest p); ``body(comm, impl)`` runs on every rank."""
+    def make(p, body):
+        return lambda impl: run_ranks(p, body, impl)
+    return [Check(f"p={p}: {label}", make(p, body), hint)
+            for p in sizes for label, body, hint, smallest in steps if p >= smallest]
+
+
+# ---------------------------------------------------------------- gradients
+def numerical(f, array):
+    """Central differences of the scalar f() with respect to every entry of ``array``."""
+    from minitrain.testing import numerical_grad
+    return numerical_grad(f, array)
+
+
+def expect_grad(got, want, what, atol=1e-6, rtol=1e-5):
+    """The learner's gradient against an oracle (central differences: 1e-6; exact ops: tighter)."""
+    problem = compare(got, want, what, rtol=rtol, atol=atol)
+    if problem:
+        raise Mismatch(problem)
+
+
+def unpack(value, count, what):
+    """The learner's return value as ``count`` arrays (a tuple or list of them)."""
+    if count == 1:
+        return (as_array(value, what),)
+    if not isinstance(value, (tuple, list)) or len(value) != count:
+        got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+        raise Mismatch(f"{what}: returned {got}, expected a tuple of {count} arrays")
+    return tuple(as_array(v, f"{what}[{i}]") for i, v in enumerate(value))
+
+
+# ---------------------------------------------------------------- pipeline schedules
+def as_schedule(value, p, m, what):
+    """The learner's schedule (p lists of ("F", i) / ("B", i), or minitrain Actions) as Actions with
+    their communication filled in, or a Mismatch saying what is malformed."""
+    from minitrain.parallel.pipeline import Action
+    if not isinstance(value, (list, tuple)) or len(value) != p:
+        got = f"{len(value)} rows" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise Mismatch(f"{what}: expected a list of p = {p} stages (one list of actions each), got {got}")
+    schedule = []
+    for s, row in enumerate(value):
+        actions = []
+        for k, item in enumerate(row):
+            try:
+                kind, mb = (item.kind, item.microbatch) if isinstance(item, Action) else (tuple(item) + (None, None))[:2]
+            except TypeError:
+                kind, mb = None, None
+            if kind not in ("F", "B") or not isinstance(mb, (int, np.integer)) or not 0 <= mb < m:
+                raise Mismatch(f"{what}: stage {s}, action #{k} is {item!r}; expected ('F', i) or ('B', i) "
+                               f"with 0 <= i < m = {m}")
+            before, after = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
+            actions.append(Action("F", int(mb), 0, before, after) if kind == "F"
+                           else Action("B", int(mb), 0, after, before))
+        units = sorted((a.kind, a.microbatch) for a in actions)
+        if units != sorted((kind, i) for kind in "FB" for i in range(m)):
+            missing = sorted(set((kind, i) for kind in "FB" for i in range(m)) - set(units))
+            twice = sorted({u for u in units if units.count(u) > 1})
+            raise Mismatch(f"{what}: stage {s} must run ('F', i) and ('B', i) once each for i = 0..{m - 1}; "
+                           + (f"missing {missing[:4]}" if missing else "") + (f" twice: {twice[:4]}" if twice else ""))
+        schedule.append(actions)
+    return schedule
+
+
+def simulate_schedule(impl, p, m):
+    """(schedule, simulation) of the learner's impl(p, m), forward cost 1 and backward cost 2.
+    The library's checker and simulator: a deadlock or a broken happens-before is a Mismatch."""
+    from minitrain.parallel.pipeline import ScheduleError, simulate
+    what = f"{impl.__name__}(p={p}, m={m})" if hasattr(impl, "__name__") else f"schedule(p={p}, m={m})"
+    schedule = as_schedule(impl(p, m), p, m, what)
+    try:
+        return schedule, simulate(schedule, 1.0, 2.0)
+    except ScheduleError as e:
+        raise Mismatch(f"{what}: {e}") from None

@@ -1,0 +1,216 @@
+"""The serving loop: prompts in, tokens out, with no cache, a contiguous one or a paged one
+(vLLM's LLMEngine in miniature): the scheduler picks each step's sequences, every running sequence
+decodes one token in one batched forward, then new prompts are prefilled one at a time.
+
+Cost per decoded token: no cache recomputes the whole prefix (a forward over L tokens, O(L²)
+attention); with a cache one token's forward plus attention over L cached keys. Memory (per rank):
+kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; contiguous reserves the context per
+running sequence, paged ceil(length / block_size) blocks. The accounting (``GenerationResult``) is
+taken after every step's forwards, and kept from the last step at the peak reservation (a sequence
+of n tokens then holds n - 1 tokens' K/V: its last token is sampled, never fed); the ledger
+(memory.py, ``kv_cache``) counts the same bytes.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import backend, memory
+from ..autograd import no_grad
+from ..nn.generation import ContiguousKVCache, sample
+from .kv_cache import BlockPool, PagedKVCache
+from .scheduler import Scheduler, Sequence
+
+CACHES = ("none", "contiguous", "paged")
+
+
+class DoesNotFit(ValueError):
+    """The device cannot hold even one sequence's K/V (the message says what fits)."""
+
+
+@dataclass
+class GenerationResult:
+    tokens: list                      # generated token ids, one list per prompt, in prompt order
+    logits: list                      # per prompt: (new tokens, vocab) float64 host logits, if recorded
+    elapsed: float                    # seconds, serving only
+    tokens_per_second: float          # generated tokens (all prompts) / elapsed
+    kv_bytes_per_token: int           # 2 · n_layer · n_head_local · head_dim · itemsize
+    kv_bytes_reserved: int            # the largest reservation after any step
+    kv_bytes_used: int                # bytes holding K/V after the last step with that reservation
+    num_sequences: int                # sequences holding device memory (running) at that step
+    kv_ledger_bytes: int              # the memory ledger's kv_cache bytes at that step (== reserved)
+    blocks_swapped: int = 0           # blocks copied device -> host by preemption (and back: blocks_swapped_in)
+    blocks_swapped_in: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0        # cached tokens dropped by recompute preemption and computed again
+    shared_tokens: int = 0            # prompt tokens taken from another sequence's blocks (prefix sharing)
+    cow_copies: int = 0               # blocks copied on write
+    steps: int = 0                    # scheduler steps (each: prefills, then one batched decode)
+    num_blocks: int = 0               # the pool's blocks (paged)
+    block_bytes: int = 0
+
+
+class LLMEngine:
+    """``LLMEngine(model, cache="paged", block_size=16, max_batch=8, preempt="swap")`` then
+    ``generate(prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0)``. ``model`` is a GPT or
+    its tensor-parallel form (each rank runs the same engine on its heads). Sequence i samples from
+    its own generator, seeded (seed, i), so tokens do not depend on the cache, the batch or preemption.
+    The device memory is the memory ledger's capacity (``memory.set_device_capacity``), if set."""
+
+    def __init__(self, model, cache="paged", block_size=16, max_batch=8, preempt="swap", share_prefix=False,
+                 num_blocks=None):
+        if cache not in CACHES:
+            raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+        if block_size < 1:
+            raise ValueError(f"block size must be a positive number of tokens, got {block_size}")
+        if max_batch < 1:
+            raise ValueError(f"max batch must be >= 1 sequence, got {max_batch}")
+        if preempt not in ("swap", "recompute"):
+            raise ValueError(f"preempt must be 'swap' or 'recompute', got {preempt!r}")
+        self.model, self.cache_kind, self.block_size, self.max_batch = model, cache, block_size, max_batch
+        self.preempt, self.share_prefix, self.num_blocks = preempt, share_prefix, num_blocks
+        self.context = model.config.block_size
+        attn, w = model.h[0].attn, model.wpe.weight.data
+        self.n_layer, self.n_head, self.head_dim, self.dtype = len(model.h), attn.n_head, attn.head_dim, w.dtype
+        self.xp = backend.array_module(w)
+        self.kv_bytes_per_token = 2 * self.n_layer * self.n_head * self.head_dim * np.dtype(self.dtype).itemsize
+
+    # ---- inputs and memory
+    def check_prompts(self, prompts, max_new_tokens):
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            if len(p) > self.context:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the model's context of "
+                                 f"{self.context} tokens: prompts of up to {self.context - max_new_tokens} tokens "
+                                 f"fit with {max_new_tokens} new tokens")
+            if len(p) + max_new_tokens > self.context:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) + {max_new_tokens} new tokens = "
+                                 f"{len(p) + max_new_tokens} exceed the model's context of {self.context} tokens: "
+                                 f"at most {self.context - len(p)} new tokens fit after it")
+
+    def make_cache(self, longest):
+        """The cache for this run, sized from what the device has left (refusing if not one sequence fits)."""
+        tracker = memory.tracker()
+        free, held = tracker.free_bytes(), tracker.live_total
+        if self.cache_kind == "none":
+            return None
+        if self.cache_kind == "contiguous":
+            need = self.context * self.kv_bytes_per_token
+            if free is not None and free < need:
+                paged = -(-longest // self.block_size) * self.block_size * self.kv_bytes_per_token
+                raise DoesNotFit(
+                    f"the device ({tracker.capacity:,} bytes) has {free:,} bytes left after the {held:,} bytes "
+                    f"already on it (the parameters): the contiguous cache reserves the context, {self.context} "
+                    f"tokens = {need:,} bytes, per sequence; {free // self.kv_bytes_per_token} tokens fit. "
+                    f"Give a device memory of at least {held + need:,} bytes, or use the paged cache "
+                    f"(the longest sequence, {longest} tokens, needs {paged:,} bytes of blocks)")
+            return ContiguousKVCache(self.n_layer, self.n_head, self.head_dim, self.max_batch, self.context,
+                                     self.dtype, self.xp)
+        block_bytes = self.block_size * self.kv_bytes_per_token
+        need = -(-longest // self.block_size)
+        enough = self.max_batch * -(-self.context // self.block_size)   # every sequence at the full context
+        num_blocks = self.num_blocks or (enough if free is None else min(enough, max(free, 0) // block_bytes))
+        if num_blocks < need:
+            where = (f"the device ({tracker.capacity:,} bytes) has {free:,} bytes left after the {held:,} bytes "
+                     f"already on it (the parameters)" if free is not None and not self.num_blocks
+                     else f"the pool has {num_blocks} blocks")
+            raise DoesNotFit(
+                f"{where}: {num_blocks} blocks of {self.block_size} tokens ({block_bytes:,} bytes each), so sequences "
+                f"of up to {num_blocks * self.block_size} tokens fit; the longest sequence here ({longest} tokens: "
+                f"prompt + new tokens) needs {need} blocks = {need * block_bytes:,} bytes. Give a device memory of "
+                f"at least {held + need * block_bytes:,} bytes, or shorter prompts / fewer new tokens")
+        pool = BlockPool(num_blocks, self.block_size, self.n_layer, self.n_head, self.head_dim, self.dtype, self.xp)
+        return PagedKVCache(pool, self.context, self.n_layer, self.n_head, self.head_dim)
+
+    # ---- the loop
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0, record_logits=False):
+        prompts = [[int(t) for t in p] for p in prompts]
+        self.check_prompts(prompts, max_new_tokens)
+        if temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and top_k >= 1, got {temperature}, {top_k}")
+        cache = self.make_cache(max(len(p) for p in prompts) + max_new_tokens)
+        tracker = memory.tracker()
+        ledger_before = tracker.live["kv_cache"]
+        scheduler = Scheduler(cache, self.max_batch, self.preempt, self.share_prefix and cache is not None)
+        seqs = [Sequence(i, p, max_new_tokens, np.random.default_rng([seed, i])) for i, p in enumerate(prompts)]
+        for s in seqs:
+            scheduler.add(s)
+        peak = (-1, 0, 0, 0)                                   # reserved, used, sequences, ledger
+        steps = 0
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        try:
+            with no_grad():
+                while scheduler.has_work():
+                    prefills, decodes = scheduler.schedule()
+                    if not (prefills or decodes):           # never a hang: make_cache's check prevents it
+                        raise RuntimeError(f"the scheduler cannot run any of the {len(scheduler.waiting)} waiting and "
+                                           f"{len(scheduler.swapped)} swapped sequences: their blocks do not fit")
+                    if cache is None:
+                        self._forward_full(prefills + decodes, temperature, top_k, record_logits)
+                    else:
+                        if decodes:                           # every running sequence: (B, 1)
+                            self._forward_cached(cache, decodes, temperature, top_k, record_logits)
+                        for s in prefills:                    # then each prompt alone: (1, T)
+                            scheduler.share_prefix(s)
+                            self._forward_cached(cache, [s], temperature, top_k, record_logits)
+                    steps += 1
+                    if cache is not None and cache.reserved_bytes() >= peak[0]:     # the last step at the peak
+                        peak = (cache.reserved_bytes(), cache.used_bytes(), len(scheduler.running),
+                                tracker.live["kv_cache"] - ledger_before)
+                    for s in [s for s in scheduler.running if s.done]:
+                        scheduler.finish(s)
+            backend.synchronize()
+            elapsed = time.perf_counter() - start
+        finally:
+            self.model.train(was_training)
+            if cache is not None:
+                cache.release()
+        if cache is None:
+            peak = (0, 0, min(len(seqs), self.max_batch), 0)
+        paged = isinstance(cache, PagedKVCache)
+        generated = sum(len(s.generated) for s in seqs)
+        return GenerationResult(
+            tokens=[s.generated for s in seqs],
+            logits=[np.array(s.logits) for s in seqs] if record_logits else None,
+            elapsed=elapsed, tokens_per_second=generated / elapsed if elapsed > 0 else float("inf"),
+            kv_bytes_per_token=self.kv_bytes_per_token if cache is not None else 0,
+            kv_bytes_reserved=peak[0], kv_bytes_used=peak[1], num_sequences=peak[2], kv_ledger_bytes=peak[3],
+            blocks_swapped=cache.blocks_swapped_out if paged else 0,
+            blocks_swapped_in=cache.blocks_swapped_in if paged else 0,
+            preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed_tokens,
+            shared_tokens=scheduler.shared_tokens, cow_copies=cache.pool.copies if paged else 0, steps=steps,
+            num_blocks=cache.pool.num_blocks if paged else 0, block_bytes=cache.pool.block_bytes if paged else 0)
+
+    def _device(self, a):
+        return a if self.xp is np else backend.to_device(a, "cuda")
+
+    def _take(self, seqs, rows, temperature, top_k, record):
+        """Sample each sequence's next token from its row of logits (host, float64)."""
+        for s, row in zip(seqs, rows):
+            s.num_cached = len(s.tokens)
+            if record:
+                s.logits.append(row)
+            s.tokens.append(sample(row, temperature, top_k, s.rng))
+
+    def _forward_cached(self, cache, seqs, temperature, top_k, record):
+        idx = np.array([s.new_tokens() for s in seqs], dtype=np.int64)        # (B, T): T equal by construction
+        cache.select([s.id for s in seqs])
+        logits = self.model(self._device(idx), cache=cache)
+        rows = backend.to_host(logits.data[:, -1, :]).astype(np.float64)     # one copy per forward
+        self._take(seqs, rows, temperature, top_k, record)
+
+    def _forward_full(self, seqs, temperature, top_k, record):
+        """No cache: every sequence's whole prefix again, right-padded to the longest (the causal mask
+        keeps the padding out of the real positions); logits at each one's last token."""
+        lengths = np.array([len(s.tokens) for s in seqs])
+        idx = np.zeros((len(seqs), lengths.max()), dtype=np.int64)
+        for b, s in enumerate(seqs):
+            idx[b, :lengths[b]] = s.tokens
+        logits = self.model(self._device(idx)).data
+        last = logits[self._device(np.arange(len(seqs))), self._device(lengths - 1)]
+        self._take(seqs, backend.to_host(last).astype(np.float64), temperature, top_k, record)

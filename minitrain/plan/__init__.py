@@ -1,0 +1,83 @@
+"""The planner: will it fit, how fast, which layout — predicted from sizes, calibrated on the machine.
+
+    python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
+        --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100 --search
+
+Memory per rank by category (``plan/memory.py``: the papers' accounting and minitrain's own, the bytes
+the jobs' ledger counts), step time from FLOPs, alpha-beta communication and the pipeline schedule's
+simulated bubble (``plan/time.py``), machine constants measured by ``python -m minitrain.plan calibrate``
+(``plan/calibrate.py``). ``predict(model, layout)`` is the whole model; ``from_job_args`` turns a job's
+parsed options (examples.mlp / examples.gpt) into a model and a layout, so a job can print the
+prediction beside what it measured.
+"""
+from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
+from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
+from .time import flops_per_iteration, predict_time
+from .calibrate import load_machine
+
+DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes
+
+
+def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True):
+    """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (per category, of
+    the rank that holds the most), step_time_s, bubble_fraction, fits, flops_per_iteration, the layout."""
+    check(model, layout)
+    machine = machine if isinstance(machine, dict) else load_machine(machine)
+    memory = predict_memory(model, layout, accounting)
+    heaviest = memory["stages"][memory["heaviest"]]
+    time = predict_time(model, layout, machine)
+    capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
+    if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory
+        capacity = machine["memory_bytes"] // layout.world
+    result = {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
+              "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
+              "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
+              "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
+              "bubble_fraction": time["bubble_fraction"],
+              "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
+              "flops_per_iteration": flops_per_iteration(model, layout)}
+    if per_stage:
+        result["memory_bytes_per_stage"] = memory["stages"]
+    return result
+
+
+def mlp_from_args(args, world):
+    """(model, layout) of ``python -m minitrain.examples.mlp`` with these options on ``world`` ranks."""
+    model = MLP(tuple([DIGITS_FEATURES] + [args.hidden] * args.layers + [DIGITS_CLASSES]))
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
+    common = dict(world=world, batch_size=args.batch_size, precision=args.precision, optimizer=args.optimizer,
+                  bucket_cap_mb=args.bucket_cap_mb)
+    if args.strategy == "pipeline":        # the pipeline job: fp32/fp64, no offload, no recompute
+        return model, Layout(dp=args.dp, pp=max(1, world // args.dp), microbatches=args.microbatches,
+                             chunks=args.chunks, schedule=args.schedule, **common)
+    return model, Layout(dp=world, zero=stage, offload=args.offload, recompute=args.recompute,
+                         offload_activations=args.offload_activations,
+                         local_sgd_every=args.sync_every if args.strategy == "local_sgd" else 0, **common)
+
+
+def gpt_from_args(args, world, vocab_size):
+    """(model, layout) of ``python -m minitrain.examples.gpt`` with these options on ``world`` ranks
+    (zero / precision / optimizer: the planner's own options, with the job's defaults)."""
+    model = GPT(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                n_embd=args.n_embd, dropout=args.dropout)
+    tp, pp = args.tp, args.pp
+    dp = args.dp if args.dp is not None else max(1, world // (tp * pp))
+    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1
+    layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp,
+                    zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
+                    recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,
+                    chunks=args.chunks, precision=getattr(args, "precision", "fp32") or "fp32",
+                    optimizer="adamw", offload_activations=args.offload_activations,
+                    extras={"parallel_job": parallel})
+    return model, layout
+
+
+def corpus_vocab_size():
+    """The gpt job's vocabulary: the characters of its corpus (Python's standard library sources)."""
+    from ..data import load_text
+    return load_text().vocab_size
+
+
+__all__ = ["GPT", "MLP", "Params", "Layout", "LayoutError", "check", "layouts", "predict", "predict_memory",
+           "predict_time", "flops_per_iteration", "korthikanti_layer_bytes", "load_machine", "mlp_from_args",
+           "gpt_from_args", "corpus_vocab_size", "CATEGORIES"]

@@ -1,0 +1,221 @@
+"""``python -m minitrain.plan mlp|gpt|params|calibrate ...``: will it fit, how fast, which layout.
+
+    python -m minitrain.plan mlp --strategy zero3 --hidden 1024 --world 4        # a job's own options
+    python -m minitrain.plan gpt --tp 2 --pp 2 --microbatches 4 --world 8 --json
+    python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
+        --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search
+    python -m minitrain.plan params --num-params 7.5e9 --world 64 --zero 3 --accounting paper
+    python -m minitrain.plan calibrate
+
+The mlp and gpt sub-commands take every option of ``examples.mlp`` / ``examples.gpt`` (the ones that do
+not change a step, such as --epochs or --lr, are accepted and ignored), so a job's command line can be
+copied; ``--json`` prints one JSON object (``--json PATH`` writes it there, as the jobs' --json does).
+"""
+import argparse
+import json
+import sys
+import time
+
+from . import (Layout, LayoutError, Params, check, corpus_vocab_size, gpt_from_args, layouts, load_machine,
+               mlp_from_args, predict)
+from .layout import PRECISIONS, SCHEDULES
+
+STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
+IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored"
+
+
+def _positive(text):
+    value = int(float(text))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def add_common(p, precision="fp32"):
+    p.add_argument("--world", type=_positive, default=1, help="ranks (mpirun -n N)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=precision,
+                   help="fp16/bf16: mixed precision with fp32 master weights")
+    p.add_argument("--accounting", choices=["minitrain", "paper"], default="minitrain",
+                   help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
+    p.add_argument("--device-memory", type=float, default=None, metavar="BYTES",
+                   help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH)")
+    p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
+    p.add_argument("--top", type=_positive, default=10, help="--search: how many to print (JSON: all)")
+    p.add_argument("--machine", help="machine constants: a JSON path, or cpu-2core / a100-80gb "
+                                     "(default: ~/.cache/minitrain/machine.json if calibrated, else cpu-2core)")
+
+
+def add_mlp(p):
+    """examples/mlp.py's options (tests/test_plan.py checks that every one of them is accepted here)."""
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p.add_argument("--sync-every", type=_positive, default=4)
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--microbatches", type=_positive, default=4)
+    p.add_argument("--chunks", type=_positive, default=1)
+    p.add_argument("--dp", type=_positive, default=1)
+    p.add_argument("--batch-size", type=_positive, default=64, help="global")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    p.add_argument("--hidden", type=_positive, default=128)
+    p.add_argument("--layers", type=_positive, default=2)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--recompute", choices=["none", "full"], default="none")
+    p.add_argument("--offload-activations", action="store_true")
+    for name in ("--epochs", "--lr", "--seed", "--trace", "--plot", "--comm-timeout", "--save-dir", "--save-every"):
+        p.add_argument(name, help=IGNORED)
+    for name in ("--no-progress", "--resume"):
+        p.add_argument(name, action="store_true", help=IGNORED)
+
+
+def add_gpt(p):
+    """examples/gpt.py's options, plus the vocabulary, ZeRO over dp and the planner's precision."""
+    p.add_argument("--batch-size", type=_positive, default=16, help="global")
+    p.add_argument("--block-size", type=_positive, default=32)
+    p.add_argument("--n-layer", type=_positive, default=2)
+    p.add_argument("--n-head", type=_positive, default=4)
+    p.add_argument("--n-embd", type=_positive, default=64)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--tp", type=_positive, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--pp", type=_positive, default=1)
+    p.add_argument("--dp", type=_positive, default=None, help="default: world / (pp·tp)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b")
+    p.add_argument("--microbatches", type=_positive, default=1)
+    p.add_argument("--chunks", type=_positive, default=1)
+    p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
+    for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
+                 "--lr-schedule", "--warmup-steps"):
+        p.add_argument(name, help=IGNORED)
+    for name in ("--no-progress", "--resume"):
+        p.add_argument(name, action="store_true", help=IGNORED)
+
+
+def parser():
+    top = argparse.ArgumentParser(prog="python -m minitrain.plan", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", required=True)
+    add_mlp(m := sub.add_parser("mlp", help="the mlp job (examples.mlp)"))
+    add_common(m)
+    add_gpt(g := sub.add_parser("gpt", help="the gpt job (examples.gpt), or any GPT by its sizes"))
+    add_common(g)
+    p = sub.add_parser("params", help="model states only, from a parameter count")
+    p.add_argument("--num-params", type=float, required=True, help="e.g. 7.5e9")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    p.add_argument("--offload", action="store_true", help="optimizer state on the host (ZeRO-Offload)")
+    add_common(p, precision="fp16")
+    sub.add_parser("calibrate", help="measure this machine (see minitrain/plan/calibrate.py)", add_help=False)
+    sub.add_parser("validate", help="run the jobs, compare with the planner (minitrain/plan/validate.py)",
+                   add_help=False)
+    return top
+
+
+def model_and_layout(args):
+    if args.command == "mlp":
+        return mlp_from_args(args, args.world)
+    if args.command == "gpt":
+        return gpt_from_args(args, args.world, args.vocab_size or corpus_vocab_size())
+    layout = Layout(world=args.world, dp=args.world, zero=args.zero, precision=args.precision,
+                    optimizer=args.optimizer, offload=args.offload, batch_size=args.world)
+    return Params(int(args.num_params)), layout
+
+
+def search(model, base, machine, accounting, device_memory):
+    """Every valid layout of ``model`` on base.world ranks that fits, fastest first (params: smallest)."""
+    if model.kind == "gpt":
+        candidates = layouts(model, base.world, base.batch_size, precision=base.precision, optimizer=base.optimizer)
+    elif model.kind == "params":
+        candidates = [Layout(world=base.world, dp=base.world, zero=z, precision=base.precision, optimizer=base.optimizer,
+                             offload=o, batch_size=base.world) for z in range(4) for o in (False, True)]
+    else:
+        candidates = []
+        for strategy in ("ddp", "zero1", "zero2", "zero3"):
+            candidates.append(Layout(**{**base.fields(), "dp": base.world, "pp": 1, "zero": int(strategy[-1])
+                                        if strategy != "ddp" else 0, "microbatches": 1}))
+        for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
+            for m in (1, 2, 4, 8, 16):
+                for schedule in ("gpipe", "1f1b"):
+                    candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
+                                                "microbatches": m, "schedule": schedule, "chunks": 1,
+                                                "recompute": "none", "offload": False, "offload_activations": False}))
+    results = []
+    for layout in candidates:
+        try:
+            check(model, layout)
+        except LayoutError:
+            continue
+        result = predict(model, layout, machine, accounting, device_memory, per_stage=False)
+        if result["fits"]:
+            results.append(result)
+    key = (lambda r: r["memory_bytes"]["total"]) if model.kind == "params" else (lambda r: r["step_time_s"]["total"])
+    return sorted(results, key=key)
+
+
+def fmt(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def show(result):
+    mem, t = result["memory_bytes"], result["step_time_s"]
+    lines = [f"{result['model']} ({result['num_params']:,} parameters) on {result['layout']['world']} rank(s): "
+             f"{result['describe']}; {result['accounting']} accounting, machine {result['machine']}",
+             "memory per rank (the heaviest): " + ", ".join(f"{c} {fmt(mem[c])}" for c in mem)
+             + f"  -> {'fits' if result['fits'] else 'does NOT fit'}"
+             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else ""),
+             f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm {t['comm'] * 1e3:.3f} + "
+             f"bubble {t['bubble'] * 1e3:.3f} (bubble fraction {result['bubble_fraction']:.3f}); "
+             f"{result['flops_per_iteration']:.3e} FLOPs per iteration"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        from .calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from .validate import main as validate_main
+        return validate_main(argv[1:])
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        machine = load_machine(args.machine)
+        model, layout = model_and_layout(args)
+        if args.search:
+            started = time.perf_counter()
+            out = search(model, layout, machine, args.accounting, args.device_memory)
+            elapsed = time.perf_counter() - started
+        else:
+            check(model, layout)
+            out = predict(model, layout, machine, args.accounting, args.device_memory)
+    except LayoutError as e:
+        p.exit(2, f"{p.prog} {args.command}: error: impossible layout: {e}\n")
+    except FileNotFoundError as e:
+        p.exit(2, f"{p.prog} {args.command}: error: {e}\n")
+    if args.json:
+        text = json.dumps(out, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+        return 0
+    if not args.search:
+        print(show(out))
+        return 0
+    print(f"{len(out)} layouts fit ({elapsed:.2f} s); the {min(args.top, len(out))} fastest:")
+    for rank, result in enumerate(out[:args.top], 1):
+        mem, t = result["memory_bytes"], result["step_time_s"]
+        print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}  {t['total']:.4g} s/step "
+              f"(bubble {result['bubble_fraction']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

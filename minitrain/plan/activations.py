@@ -1,0 +1,135 @@
+"""What each layer keeps for backward, in bytes: the activation side of minitrain's accounting.
+
+A ``Piece`` is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
+[embedding, blocks, head] as GPT3D lays them out), with its parameters. Counted as the ledger counts: each
+array once, by the buffer that owns it (a Linear after a ReLU saves the ReLU's own output; micro-batches that
+are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + 2as²b/t + 2sb
+values, with SP 20sbh/t + 2as²b/t + 2sb/t (derived in parallel/tensor_parallel.py); selective recomputation
+drops the 2as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
+SP) and holds the whole block again in its backward.
+"""
+from functools import lru_cache
+
+from ..parallel.recompute import default_segments
+from .layout import PRECISIONS, Layout
+
+INT64 = 8
+
+
+class Piece:
+    """One layer of the Sequential a pipeline cuts: its parameters as ``units`` (FSDP's units, each a list
+    of tensors' element counts, tp shards), what it keeps for backward per micro-batch (``kept``), its own
+    bytes at the worst moment of its backward (``peak``: more than kept when it is recomputed), and
+    ``shared``: bytes held once per step whatever the micro-batch count (an array that every
+    micro-batch's slice is a view of)."""
+
+    def __init__(self, name, units, kept, peak=None, shared=0):
+        self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
+        self.peak = kept if peak is None else peak
+        self.sizes = [q for u in self.units for q in u]
+        self.params = sum(self.sizes)
+        self.unhooked = False      # run outside FSDP's wrapper: its saved weights are views, not re-gathered
+        self.parts = [self]        # a recomputed segment: the layers its backward goes through
+
+
+def mlp_pieces(model, layout, rows, in_pipeline=False):
+    """The MLP's modules (Linear saves its input, ReLU its output), or with ``--recompute full``
+    checkpoint_sequential's round(sqrt(n)) segments (each keeps only its input)."""
+    e = PRECISIONS[layout.precision]
+    loss_e = 4 if layout.mixed else e               # logits go back to fp32 for the loss
+    modules = model.modules()
+    width = [modules[0][1]] + [m[2] for m in modules]       # width of the tensor entering module j
+    pieces = []
+    for j, (kind, i, o) in enumerate(modules):
+        if kind == "linear":
+            first = j == 0 or modules[j - 1][0] != "relu"   # after a ReLU its input is the ReLU's output
+            kept = rows * i * e if first else 0
+            shared = 0
+            if j == 0 and in_pipeline:                      # micro-batches are views of the local batch
+                kept, shared = 0, layout.batch_size // layout.dp * i * e
+            pieces.append(Piece(f"linear{j // 2}", [[i * o, o]], kept, shared=shared))
+        else:
+            pieces.append(Piece(f"relu{j // 2}", [], rows * o * e))
+    loss = rows * model.sizes[-1] * loss_e + (0 if in_pipeline else rows * INT64)
+    pieces[-1].kept += loss + (e if in_pipeline else 0)     # log-softmax (+ targets; pipeline: loss / m)
+    pieces[-1].peak = pieces[-1].kept
+    if in_pipeline:
+        pieces[-1].shared += layout.batch_size // layout.dp * INT64      # targets: views of the local batch
+    if layout.recompute != "full" or in_pipeline:
+        if layout.offload_activations:
+            for p in pieces:
+                p.kept = p.peak = p.shared = 0
+        return pieces
+    n = len(modules)
+    k = default_segments(n)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    segments = []
+    for i in range(k):
+        lo, hi = bounds[i], bounds[i + 1]
+        part = pieces[lo:hi]
+        units = [u for p in part for u in p.units]
+        entering = rows * width[lo] * e
+        inner = sum(p.kept for p in part) - (entering if lo == 0 else 0)   # without the segment's input
+        if i == k - 1:         # the last segment runs plain (as in PyTorch): a Linear first saves its input
+            first = entering if modules[lo][0] == "linear" else 0
+            segments.append(Piece(f"segment{i}", units, 0 if layout.offload_activations else inner + first))
+            continue
+        # checkpointed: keeps its input; backward recomputes it outside any offload context
+        if layout.offload_activations:       # only the recomputed Linear's re-saved input is on the device
+            peak = inner + (entering if modules[lo][0] == "linear" else 0)
+            segments.append(Piece(f"segment{i}", units, 0, peak=peak))
+        else:
+            segments.append(Piece(f"segment{i}", units, entering, peak=entering + inner))
+    for i, segment in enumerate(segments):
+        segment.parts = pieces[bounds[i]:bounds[i + 1]]
+        segment.unhooked = True    # the job calls checkpoint_sequential on the bare model: FSDP's hooks bypassed
+    return segments
+
+
+def gpt_block_bytes(model, layout, b):
+    """(kept, peak) bytes of one transformer block for a micro-batch of b rows (see module docstring)."""
+    e = PRECISIONS[layout.precision]
+    s, h, a, t = model.block_size, model.n_embd, model.n_head, layout.tp
+    r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP
+    core = 2 * a * s * s * b / t * (2 if model.dropout else 1)
+    ln = s * b * h / r + s * b / r                      # x̂ and 1/σ
+    attn_in = ln + s * b * h / r + 3 * s * b * h / t    # ln_1, c_attn's input, the qkv buffer
+    full = (2 * ln + 2 * s * b * h / r + 16 * s * b * h / t + core
+            + (2 * s * b * h / r if model.dropout else 0))
+    if layout.recompute == "full":
+        kept = s * b * h / r
+        return e * kept, e * (kept + full)
+    if layout.recompute == "selective":
+        return e * (full - core), e * max(full - core, attn_in + core)
+    return e * full, e * full
+
+
+def gpt_pieces(model, layout, rows, single_process=False):
+    """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
+    return list(_gpt_pieces(model, rows, single_process, layout.tp, layout.sequence_parallel, layout.recompute,
+                            layout.precision, layout.batch_size, layout.offload_activations))
+
+
+@lru_cache(maxsize=256)
+def _gpt_pieces(model, rows, single_process, *key):
+    layout = Layout(**dict(zip(("tp", "sequence_parallel", "recompute", "precision", "batch_size",
+                                "offload_activations"), key)))
+    e = PRECISIONS[layout.precision]
+    s, h, t, V = model.block_size, model.n_embd, layout.tp, model.vocab_size
+    r = t if layout.sequence_parallel else 1
+    v_pad = -(-V // t) * t
+    kept, peak = gpt_block_bytes(model, layout, rows)
+    emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
+    head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
+    targets = (rows if single_process else layout.batch_size) * s * INT64      # y: the global batch's array
+    if single_process:                                  # nn.GPT saves idx itself (the batch's own array)
+        emb_kept = s * INT64 + (e * rows * s * h if model.dropout else 0)
+        emb_shared = rows * s * INT64
+    else:
+        emb_shared = 0
+    block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    if layout.offload_activations:
+        kept = peak = emb_kept = emb_shared = head_kept = targets = 0
+    one_block = Piece("block", [block], kept, peak)            # every block alike: one object, L times
+    return tuple([Piece("embedding", [[v_pad * h // t, s * h]], emb_kept, shared=emb_shared)]
+                 + [one_block] * model.n_layer + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])

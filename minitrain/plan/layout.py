@@ -1,0 +1,232 @@
+"""What the planner plans: a model (its sizes), a batch and a layout (how ranks share the work).
+
+A layout is dp x pp x tp ranks (Narayanan et al. 2021's PTD-P: tp innermost, then dp, then pp, as
+``DeviceMesh`` lays them out), a ZeRO stage over dp, recomputation, micro-batches and a pipeline
+schedule. ``check`` refuses an impossible one with the constraint it breaks and the nearest valid
+choices; ``layouts`` enumerates every valid one for a world size (what ``--search`` ranks).
+
+The MLP's strategies map onto layouts: ddp = dp N (ZeRO 0), zero1/2/3 = ZeRO stage s over dp N,
+pipeline = pp N/D x dp D; local_sgd is DDP whose all-reduce of Ψ parameters happens every k steps.
+"""
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
+
+PRECISIONS = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}     # bytes per parameter / activation value
+MIXED = ("fp16", "bf16")                                        # low precision + fp32 master weights
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "pipedream_2bw")
+
+
+class LayoutError(ValueError):
+    """An impossible layout; the message names the constraint and the nearest valid choices."""
+
+
+@dataclass(frozen=True)
+class MLP:
+    """``nn.MLP(sizes)``: Linear layers with ReLU between them (the digits job: 64 in, 10 out)."""
+    sizes: tuple
+    kind = "mlp"
+
+    def linears(self):
+        return list(zip(self.sizes[:-1], self.sizes[1:]))
+
+    def num_parameters(self):
+        return sum(i * o + o for i, o in self.linears())
+
+    def modules(self):
+        """The Sequential's modules as (kind, in, out): what a pipeline cuts into stages."""
+        out = []
+        for j, (i, o) in enumerate(self.linears()):
+            out.append(("linear", i, o))
+            if j < len(self.sizes) - 2:
+                out.append(("relu", o, o))
+        return out
+
+
+@dataclass(frozen=True)
+class GPT:
+    """nanoGPT's layout (minitrain.nn.GPT): V vocabulary, s = block_size, L layers, a heads, h width."""
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    kind = "gpt"
+
+    def num_parameters(self):
+        """12Lh² + 13Lh (blocks) + (V + s)h (embeddings) + 2h (ln_f) + Vh (untied LM head)."""
+        h, L, V, s = self.n_embd, self.n_layer, self.vocab_size, self.block_size
+        return 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h + V * h
+
+
+@dataclass(frozen=True)
+class Params:
+    """A model known only by its parameter count (``plan params``): model states, no activations."""
+    num_params: int
+    kind = "params"
+
+    def num_parameters(self):
+        return self.num_params
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int = 1
+    batch_size: int = 1                 # global, all replicas together
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0                       # ZeRO stage over dp (0: DDP)
+    sequence_parallel: bool = False
+    recompute: str = "none"             # none | selective | full
+    schedule: str = "1f1b"
+    microbatches: int = 1               # per replica and step
+    chunks: int = 1                     # virtual stages per rank (interleaved_1f1b)
+    precision: str = "fp32"
+    optimizer: str = "adam"             # adam | adamw | sgd (momentum)
+    offload: bool = False               # optimizer state (and under ZeRO-3 the shards) on the host
+    offload_activations: bool = False
+    local_sgd_every: int = 0            # mlp --strategy local_sgd: average parameters every k steps
+    bucket_cap_mb: float = 25.0
+    extras: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def micro_batch_size(self):
+        return self.batch_size // (self.dp * self.microbatches)
+
+    @property
+    def mixed(self):
+        return self.precision in MIXED
+
+    def describe(self):
+        parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+        if self.zero:
+            parts.append(f"zero{self.zero}" + ("+offload" if self.offload else ""))
+        if self.recompute != "none":
+            parts.append(f"recompute {self.recompute}")
+        if self.pp > 1:
+            parts.append(f"{self.schedule}" + (f" v={self.chunks}" if self.chunks > 1 else ""))
+        parts.append(f"m={self.microbatches} x b={self.micro_batch_size}")
+        return " ".join(parts)
+
+    def fields(self):
+        """The constructor's arguments (to build a variant: ``Layout(**{**l.fields(), "dp": 2})``)."""
+        return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
+
+    def as_dict(self):
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "zero": self.zero, "sequence_parallel":
+                self.sequence_parallel, "recompute": self.recompute, "microbatches": self.microbatches,
+                "micro_batch_size": self.micro_batch_size, "schedule": self.schedule, "chunks": self.chunks,
+                "offload": self.offload, "offload_activations": self.offload_activations,
+                "precision": self.precision, "batch_size": self.batch_size, "world": self.world}
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(value, valid, count=2):
+    """The ``count`` valid choices closest to ``value`` (ties: the smaller), in increasing order."""
+    return sorted(sorted(set(valid), key=lambda v: (abs(v - value), v))[:count])
+
+
+def _choices(values):
+    return " or ".join(str(v) for v in values)
+
+
+def check(model, layout):
+    """Raise LayoutError naming the first constraint the layout breaks and the nearest valid choices."""
+    d, p, t, n = layout.dp, layout.pp, layout.tp, layout.world
+    if min(d, p, t, n, layout.microbatches, layout.chunks, layout.batch_size) < 1:
+        raise LayoutError("dp, pp, tp, world, micro-batches, chunks and the batch size must all be >= 1")
+    if d * p * t != n:
+        fits = [(dd, n // (dd * t)) for dd in divisors(n // t)] if n % t == 0 else []
+        hint = (f"with --tp {t} and --world {n}: (dp, pp) in {fits}" if fits else
+                f"--tp {t} does not divide --world {n}; nearest valid --tp: {_choices(_nearest(t, divisors(n)))}")
+        raise LayoutError(f"dp x pp x tp must equal the world size: {d} x {p} x {t} = {d * p * t} != --world {n} "
+                          f"({hint}; or --world {d * p * t})")
+    if layout.precision not in PRECISIONS:
+        raise LayoutError(f"unknown precision {layout.precision!r}: expected one of {sorted(PRECISIONS)}")
+    if layout.zero not in (0, 1, 2, 3):
+        raise LayoutError(f"--zero must be 0, 1, 2 or 3, got {layout.zero}")
+    if layout.zero >= 2 and p > 1:
+        raise LayoutError(f"ZeRO-{layout.zero} with pp = {p}: sharded gradients (and parameters) cannot accumulate "
+                          f"over a pipeline's micro-batches (DeepSpeed refuses it too); nearest valid: --zero 1, "
+                          f"or --pp 1")
+    if layout.schedule not in SCHEDULES:
+        raise LayoutError(f"unknown schedule {layout.schedule!r}: expected one of {SCHEDULES}")
+    if layout.chunks > 1 and layout.schedule != "interleaved_1f1b":
+        raise LayoutError(f"--chunks {layout.chunks} needs --schedule interleaved_1f1b (nearest valid: --chunks 1)")
+    if layout.schedule == "interleaved_1f1b" and p > 1 and layout.microbatches % p:
+        raise LayoutError(f"interleaved_1f1b needs the micro-batches to be a multiple of pp = {p}: "
+                          f"--microbatches {layout.microbatches} -> nearest valid "
+                          f"{_choices(_nearest(layout.microbatches, [p * k for k in range(1, layout.microbatches // p + 3)]))}")
+    if layout.batch_size % (d * layout.microbatches):
+        per_replica = layout.batch_size // d if layout.batch_size % d == 0 else None
+        hint = (f"nearest valid --microbatches: {_choices(_nearest(layout.microbatches, divisors(per_replica)))}"
+                if per_replica else f"nearest valid --batch-size: {_choices(_nearest(layout.batch_size, [d * layout.microbatches * k for k in range(1, layout.batch_size // (d * layout.microbatches) + 3)]))}")
+        raise LayoutError(f"the micro-batches must divide the batch: --batch-size {layout.batch_size} does not split "
+                          f"into dp {d} x {layout.microbatches} micro-batches ({hint})")
+    if model.kind == "gpt":
+        _check_gpt(model, layout)
+    elif model.kind == "mlp":
+        if t > 1 or layout.sequence_parallel:
+            raise LayoutError("the MLP job has no tensor parallelism: --tp 1 (nearest valid)")
+        linears = len(model.linears())
+        if linears < p * layout.chunks:
+            raise LayoutError(f"{linears} Linear layers cannot fill pp x chunks = {p * layout.chunks} pipeline stages "
+                              f"(each needs one): --layers {p * layout.chunks - 1} or more, or --pp "
+                              f"{_choices(_nearest(p, [q for q in divisors(n) if q * layout.chunks <= linears]))}")
+    elif model.kind == "params" and (p > 1 or t > 1):
+        raise LayoutError("plan params predicts model states over data parallelism only: --pp 1 --tp 1")
+    return layout
+
+
+def _check_gpt(model, layout):
+    t, p, v = layout.tp, layout.pp, layout.chunks
+    if model.n_embd % model.n_head:
+        raise LayoutError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}: nearest valid "
+                          f"--n-head {_choices(_nearest(model.n_head, divisors(model.n_embd)))}")
+    if model.n_head % t:
+        raise LayoutError(f"heads not divisible by tp: --n-head {model.n_head} over --tp {t} (each rank takes whole "
+                          f"heads); nearest valid --tp: {_choices(_nearest(t, divisors(model.n_head)))} (the divisors of {model.n_head})")
+    if model.n_layer % (p * v):
+        raise LayoutError(f"layers not divisible by pp x chunks: --n-layer {model.n_layer} over {p} x {v} = {p * v} "
+                          f"virtual stages; nearest valid --pp: {_choices(_nearest(p, [d for d in divisors(model.n_layer) if d * v <= model.n_layer and (model.n_layer // d) % v == 0]))}, "
+                          f"or --n-layer {_choices(_nearest(model.n_layer, [p * v * k for k in range(1, model.n_layer // (p * v) + 3)]))}")
+    if layout.sequence_parallel and t == 1:
+        raise LayoutError("--sequence-parallel needs --tp > 1")
+    if layout.sequence_parallel and model.block_size % t:
+        raise LayoutError(f"--block-size {model.block_size} is not divisible by --tp {t} (sequence parallelism); "
+                          f"nearest valid --block-size: {_choices(_nearest(model.block_size, [t * k for k in range(1, model.block_size // t + 3)]))}")
+    if layout.recompute not in ("none", "selective", "full"):
+        raise LayoutError(f"--recompute must be none, selective or full, got {layout.recompute!r}")
+
+
+def layouts(model, world, batch_size, precision="bf16", optimizer="adam", zeros=(0, 1, 2, 3),
+            recomputes=("none", "selective", "full"), max_micro_batch=None):
+    """Every valid layout of ``model`` on ``world`` ranks: dp x pp x tp factorings x ZeRO x recompute x
+    micro-batch sizes (powers of two dividing the replica's batch) x sequence parallelism (tp > 1)."""
+    out = []
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if batch_size % dp:
+                continue
+            per_replica = batch_size // dp
+            sizes = [b for b in divisors(per_replica) if b & (b - 1) == 0 and (max_micro_batch is None or b <= max_micro_batch)]
+            for b in sizes:
+                for sp in ((False, True) if tp > 1 and model.kind == "gpt" else (False,)):
+                    for zero in zeros:
+                        for recompute in (recomputes if model.kind == "gpt" else ("none",)):
+                            layout = Layout(world=world, batch_size=batch_size, dp=dp, pp=pp, tp=tp, zero=zero,
+                                            sequence_parallel=sp, recompute=recompute, microbatches=per_replica // b,
+                                            precision=precision, optimizer=optimizer)
+                            try:
+                                out.append(check(model, layout))
+                            except LayoutError:
+                                pass
+    return out
+
+
+def with_layout(layout, **changes):
+    return replace(layout, **changes)

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# Validate minitrain on an NVIDIA machine, as is (no package installs; run from anywhere):
+#
+#     scripts/gpu_validate.sh OUT_DIR [STEP ...]
+#
+# STEPs, in this order by default: env tests suite mlp mlp2 gpt bench transport
+#   env        versions, GPUs, the MPI library and whether it is CUDA-aware, optional packages
+#   tests      tests/test_gpu.py (real-CuPy checks of what the CuPy stand-in checks)
+#   suite      every job on the GPU and on the CPU at 1, 2, 4 ranks, compared (tests/programs/device_suite.py)
+#   mlp        the main job at 1, 2, 4 ranks for each data-parallel strategy, and the full run (30 epochs, 4 ranks)
+#   mlp2       offload, fp16, bf16, recompute, activation offload, every pipeline schedule, at 2 and 4 ranks
+#   gpt        the GPT: one GPU, --tp, --sequence-parallel, --pp, --dp, pp x tp, recompute, offload, dropout
+#   bench      scripts/bench_gpu.py: training step vs PyTorch CUDA at the three GPT sizes and two MLPs
+#   transport  (issue 16, part 2: the transport bandwidth benchmark; a marked place below)
+# Every step and every job inside it has a time limit (STEP_TIMEOUT, default 420 s; RUN_TIMEOUT per
+# job, default 150 s), writes its log to OUT_DIR/<step>.log, and a failure is reported and the next
+# one runs. OUT_DIR/figures.json collects every step's status and every job's figures.
+# Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
+# to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
+# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+set -u
+OUT=${1:?usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]}
+shift
+STEPS=${*:-env tests suite mlp mlp2 gpt bench transport}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-$(command -v python3)}   # absolute: a launcher may search another PATH (seen: mpirun found no mpi4py)
+STEP_TIMEOUT=${STEP_TIMEOUT:-420}
+RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+BENCH_ARGS=${BENCH_ARGS:-}
+EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run: the job's default, 30)
+GPT_STEPS=${GPT_STEPS:-100}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+       MKL_NUM_THREADS=1 MINITRAIN_TIMEOUT=120 PYTHONDONTWRITEBYTECODE=1
+
+LAUNCHER=${MPIRUN:-$(command -v mpirun || command -v mpiexec)}
+if "$LAUNCHER" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+  LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS
+          -x MINITRAIN_TIMEOUT)
+  [ "$(id -u)" = 0 ] && LAUNCH+=(--allow-run-as-root)
+else
+  LAUNCH=("$LAUNCHER")
+fi
+mpi() { local n=$1; shift; "${LAUNCH[@]}" -n "$n" "$PY" "$@"; }
+GPUS=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
+: > "$OUT/steps.tsv"
+: > "$OUT/runs.tsv"
+
+# run NAME CMD...: one job with its time limit; its output goes to the step's log and OUT_DIR/runs/NAME.log
+run() {
+  local name=$1; shift
+  if [ "$1" = mpi ]; then                  # `run NAME mpi N ARGS...`: the launcher's command line
+    local n=$2; shift 2
+    set -- "${LAUNCH[@]}" -n "$n" "$PY" "$@"
+  fi
+  mkdir -p "$OUT/runs"
+  local start=$SECONDS rc
+  echo "=== $name: $*"
+  timeout -k 10 "$RUN_TIMEOUT" "$@" > "$OUT/runs/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/runs/$name.log"
+  [ $rc = 124 ] || [ $rc = 137 ] && echo "*** $name: TIMED OUT after $RUN_TIMEOUT s"
+  [ $rc != 0 ] && echo "*** $name: FAILED (exit $rc)"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT/runs.tsv"
+  return $rc
+}
+
+step_env() {
+  nvidia-smi -L || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  "$LAUNCHER" --version 2>&1 | head -2
+  "$PY" - <<'EOF'
+import importlib, platform, sys
+print("python", platform.python_version())
+for name in ("numpy", "cupy", "torch", "mpi4py", "ml_dtypes", "sklearn", "pytest", "tqdm", "threadpoolctl", "matplotlib"):
+    try:
+        print(f"{name:<14}", getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as e:
+        print(f"{name:<14} missing ({type(e).__name__})")
+import cupy
+print("GPUs", cupy.cuda.runtime.getDeviceCount(), [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode()
+                                                for i in range(cupy.cuda.runtime.getDeviceCount())])
+try:
+    import torch
+    print("torch cuda", torch.version.cuda, torch.cuda.is_available())
+except Exception:
+    pass
+EOF
+  mpi 2 -c "from mpi4py import MPI; from minitrain import comm, backend; c = comm.init(); from minitrain.comm.mpi import cuda_aware; \
+print(f'rank {c.rank}: local rank {backend.local_rank()}, GPU {backend.describe_device()}, MPI CUDA-aware: {cuda_aware()}, ' \
+      + MPI.Get_library_version().splitlines()[0])"
+}
+
+step_tests() {
+  if "$PY" -c "import pytest" 2>/dev/null; then
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
+    local rc=$?
+    [ $rc = 5 ] && echo "(no test ran: no real GPU here)" && return 0
+    return $rc
+  else
+    echo "(pytest is not installed: tests/test_gpu.py runs its tests itself)"
+    "$PY" tests/test_gpu.py
+  fi
+}
+
+step_suite() {
+  local status=0
+  for n in 1 2 4; do
+    mkdir -p "$OUT/suite"
+    run "suite_$n" mpi "$n" tests/programs/device_suite.py "$OUT/suite" || status=1
+  done
+  "$PY" tests/programs/device_suite.py --compare "$OUT/suite" "$GPUS" || status=1
+  return $status
+}
+
+step_mlp() {
+  local status=0 flags
+  run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --json "$OUT/mlp_full_4.json" || status=1
+  for n in 1 2 4; do
+    for strategy in ddp local_sgd zero1 zero2 zero3; do
+      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy "$strategy" \
+          --json "$OUT/mlp_${strategy}_$n.json" || status=1
+    done
+  done
+  return $status
+}
+
+step_mlp2() {
+  local status=0 flags
+  for n in 2 4; do
+    for flags in "zero2 --offload" "zero3 --offload" "ddp --precision fp16" "ddp --precision bf16" \
+                 "zero3 --precision bf16" "ddp --recompute full --layers 4" "ddp --offload-activations" \
+                 "pipeline --schedule gpipe --layers 3" "pipeline --schedule 1f1b --layers 3" \
+                 "pipeline --schedule interleaved_1f1b --chunks 2 --layers 7" \
+                 "pipeline --schedule pipedream_2bw --layers 3"; do
+      local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
+      # shellcheck disable=SC2086
+      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy $flags \
+          --json "$OUT/$name.json" || status=1
+    done
+  done
+  return $status
+}
+
+step_gpt() {
+  local status=0 spec n flags name
+  run "gpt_1" "$PY" -m minitrain.examples.gpt --no-progress --steps 300 --json "$OUT/gpt_1.json" || status=1
+  for spec in "1|--recompute full" "1|--offload-activations" "1|--dropout 0.1" "2|--dp 2" "2|--tp 2" \
+              "2|--tp 2 --sequence-parallel --dropout 0.1" "2|--pp 2 --microbatches 2" "2|--tp 2 --recompute selective" \
+              "4|--tp 2 --pp 2 --microbatches 2" "4|--tp 4" "4|--tp 2 --dp 2 --sequence-parallel" \
+              "4|--pp 2 --schedule interleaved_1f1b --chunks 2 --microbatches 2 --n-layer 4"; do
+    n=${spec%%|*}
+    flags=${spec#*|}
+    name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
+    # shellcheck disable=SC2086
+    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
+  done
+  return $status
+}
+
+step_bench() {
+  # shellcheck disable=SC2086
+  RUN_TIMEOUT=$STEP_TIMEOUT run "bench_gpu" "$PY" scripts/bench_gpu.py --unfused-timing ${BENCH_ARGS:-} \
+      --json "$OUT/bench_gpu.json"
+}
+
+step_transport() {
+  # >>> TRANSPORT BENCHMARK (issue 16, part 2: CUDA-aware MPI, CUDA IPC, pinned staging, NCCL) <<<
+  # Ring all-reduce bus bandwidth, 2(n-1)/n (nccl-tests' definition), per transport, 1 KiB to 256 MiB,
+  # at 2 and 4 ranks, beside MPI's own. To be written by the colleague who adds the transports, e.g.:
+  #   run "transport_2" mpi 2 scripts/bench_transport.py --json "$OUT/transport_2.json"
+  #   run "transport_4" mpi 4 scripts/bench_transport.py --json "$OUT/transport_4.json"
+  if [ -f scripts/bench_transport.py ]; then
+    local status=0
+    run "transport_2" mpi 2 scripts/bench_transport.py --json "$OUT/transport_2.json" || status=1
+    run "transport_4" mpi 4 scripts/bench_transport.py --json "$OUT/transport_4.json" || status=1
+    return $status
+  fi
+  echo "transport benchmark: not there yet (scripts/bench_transport.py, issue 16 part 2)"
+}
+
+failed=0
+for step in $STEPS; do
+  if ! declare -f "step_$step" > /dev/null; then
+    echo "unknown step $step (steps: env tests suite mlp mlp2 gpt bench transport)"
+    failed=1
+    continue
+  fi
+  echo "##### $step (limit $STEP_TIMEOUT s)"
+  start=$SECONDS
+  export -f run mpi "step_$step"
+  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS EPOCHS GPT_STEPS
+  LAUNCH_STR=$(printf '%q ' "${LAUNCH[@]}")
+  timeout -k 10 "$STEP_TIMEOUT" bash -c "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
+  rc=${PIPESTATUS[0]}
+  status=ok
+  [ "$rc" != 0 ] && status=failed
+  { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && status=timeout
+  [ "$status" != ok ] && failed=1
+  printf '%s\t%s\t%s\t%s\n' "$step" "$status" "$rc" "$((SECONDS - start))" >> "$OUT/steps.tsv"
+  echo "##### $step: $status in $((SECONDS - start)) s"
+done
+
+"$PY" - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+figures = {"steps": {}, "runs": {}, "bench_gpu": None, "transport": {}}
+for line in open(os.path.join(out, "steps.tsv")):
+    step, status, rc, seconds = line.rstrip("\n").split("\t")
+    figures["steps"][step] = {"status": status, "exit_code": int(rc), "seconds": int(seconds)}
+for line in open(os.path.join(out, "runs.tsv")):
+    name, rc, seconds = line.rstrip("\n").split("\t")
+    run = {"exit_code": int(rc), "seconds": int(seconds)}
+    path = os.path.join(out, name + ".json")
+    if os.path.exists(path):
+        report = json.load(open(path))
+        for key in ("final_loss", "test_accuracy", "final_val_loss", "initial_val_loss", "samples_per_second",
+                    "steps_per_second", "tokens_per_second", "bytes_per_step"):
+            if key in report:
+                run[key] = report[key]
+        run["devices"] = [r.get("device") for r in report.get("ranks", [])]
+    figures["runs"][name] = run
+if os.path.exists(os.path.join(out, "bench_gpu.json")):
+    figures["bench_gpu"] = json.load(open(os.path.join(out, "bench_gpu.json")))
+for path in glob.glob(os.path.join(out, "transport_*.json")):
+    figures["transport"][os.path.basename(path)[:-5]] = json.load(open(path))
+with open(os.path.join(out, "figures.json"), "w") as f:
+    json.dump(figures, f, indent=1)
+print(f"figures: {os.path.join(out, 'figures.json')}")
+for step, s in figures["steps"].items():
+    print(f"  {step:<10} {s['status']:<8} {s['seconds']:>5} s")
+EOF
+exit $failed

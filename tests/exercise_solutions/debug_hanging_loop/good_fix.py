@@ -1,0 +1,46 @@
+"""Debugging exercise debug_hanging_loop: a data-parallel training loop that hangs.
+
+train(comm) fits a linear model data-parallel: every rank takes its share of each batch, the
+gradients are averaged with an all-reduce, and rank 0 logs how many samples each rank saw. It
+should return (losses, w): the loss of every step averaged over the ranks, and the final weights,
+equal to one process training on the whole batch. On one rank it works. On two it never finishes.
+
+Run it and read what minitrain reports (which rank waits, in which collective, at which line):
+
+    python -m minitrain.exercises run debug_hanging_loop
+    python mine.py                       (the same, on your copy)
+    mpiexec -n 2 python mine.py          (under MPI: minitrain's timeout ends the job)
+
+Then fix your copy and check it:
+
+    python -m minitrain.exercises check debug_hanging_loop mine.py
+"""
+import numpy as np
+
+from minitrain.comm import all_reduce, ring_all_gather
+
+
+def train(comm, steps=4, batch=12, lr=0.1):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(3)                              # the same start on every rank
+    X = rng.standard_normal((steps, batch, 3))
+    Y = X @ np.array([1.0, -2.0, 0.5]) + 0.1 * rng.standard_normal((steps, batch))
+    share = batch // comm.size
+    mine = slice(comm.rank * share, (comm.rank + 1) * share)
+    losses = []
+    for step in range(steps):
+        x, y = X[step, mine], Y[step, mine]
+        err = x @ w - y
+        grad = all_reduce(comm, 2 * x.T @ err / len(y), op="mean")
+        losses.append(float(all_reduce(comm, np.array([np.mean(err ** 2)]), op="mean")[0]))
+        if step % 2 == 1:                                   # log the samples each rank saw
+            counts = ring_all_gather(comm, np.array([len(y)]), total=comm.size)     # every rank takes part
+            if comm.rank == 0:
+                print(f"step {step}: loss {losses[-1]:.4f}, samples per rank {counts.tolist()}")
+        w = w - lr * grad
+    return losses, w
+
+
+if __name__ == "__main__":
+    from minitrain.exercises.debugging import main
+    main(train, "debug_hanging_loop")

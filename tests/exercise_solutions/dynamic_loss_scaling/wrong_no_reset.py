@@ -1,0 +1,26 @@
+"""An overflow lowers the scale but does not restart the count of clean steps."""
+import numpy as np
+
+
+class DynamicLossScaler:
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.clean = 0
+
+    def unscale_(self, grads):
+        for g in grads:
+            g /= self.scale
+        return any(not np.isfinite(g).all() for g in grads)
+
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+        else:
+            self.clean += 1
+            if self.clean == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.clean = 0
+
+EXPECT = ['after step', 'expected']

@@ -1,0 +1,27 @@
+"""f and g swapped: f all-reduces in forward (so t copies of X are summed), g in backward."""
+from minitrain.autograd import Function
+from minitrain.comm import ring_all_reduce
+
+
+class CopyToTensorParallelRegion(Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return ring_all_reduce(comm, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReduceFromTensorParallelRegion(Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ring_all_reduce(ctx.comm, grad), None
+
+
+EXPECT = ["output", "expected"]

@@ -1,5 +1,0 @@
-"""GPipe handed in as 1F1B: correct and deadlock-free, same bubble, but too many micro-batches in flight."""
-
-
-def one_f_one_b(p, m):
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]

@@ -1,0 +1,32 @@
+"""Partner r + 2^k instead of r XOR 2^k: each rank waits for a rank that talks to someone else."""
+import numpy as np
+
+
+def recursive_doubling_all_reduce(comm, x, op="sum"):
+    p, r = comm.size, comm.rank
+    combine = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = np.ascontiguousarray(x).reshape(-1).copy()
+    incoming = np.empty_like(acc)
+    q = 1
+    while q * 2 <= p:
+        q *= 2
+    extra = p - q
+    if r >= q:
+        comm.send(acc, r - q)
+        comm.recv(acc, r - q)
+        return acc.reshape(x.shape)
+    if r < extra:
+        comm.recv(incoming, r + q)
+        combine(acc, incoming, out=acc)
+    mask = 1
+    while mask < q:
+        comm.sendrecv(acc, (r + mask) % q, incoming, (r + mask) % q)
+        combine(acc, incoming, out=acc)
+        mask *= 2
+    if op == "mean":
+        acc /= p
+    if r < extra:
+        comm.send(acc, r + q)
+    return acc.reshape(x.shape)
+
+EXPECT = ['hung', 'line']

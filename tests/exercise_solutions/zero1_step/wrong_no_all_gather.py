@@ -1,0 +1,22 @@
+"""Updates its own shard but never all-gathers: every rank keeps stale copies of the other shards."""
+import numpy as np
+
+from minitrain.comm import ring_all_gather, ring_reduce_scatter
+
+
+def zero1_step(comm, params, grad, state, lr=0.1, momentum=0.9):
+    p, r, n = comm.size, comm.rank, params.size
+    shard = -(-n // p)
+    padded = np.zeros(shard * p)
+    padded[:n] = grad
+    mine = ring_reduce_scatter(comm, padded, op="mean")
+    if "momentum" in state:
+        state["momentum"] = momentum * state["momentum"] + mine
+    else:
+        state["momentum"] = mine.copy()
+    full = np.zeros(shard * p)
+    full[:n] = params
+    full[r * shard:(r + 1) * shard] -= lr * state["momentum"]
+    params[...] = full[:n]
+
+EXPECT = ['shard(s) of rank(s)']

@@ -1,0 +1,120 @@
+"""The serving job, run as a user runs it: each cache scheme gives the same tokens, and the memory it
+reports equals the formulas (kv_bytes_per_token, the contiguous reservation, under one block of waste
+per sequence for paged) and the memory ledger; preemption keeps the tokens; bad input is refused."""
+import gc
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import minitrain
+from minitrain import nn
+from minitrain.data import load_text
+from minitrain.examples import generate
+from minitrain.testing import run_mpi
+
+SMALL = ["--train-steps", "2", "--n-embd", "32", "--n-head", "4", "--context", "40", "--num-prompts", "5",
+         "--max-prompt-len", "17", "--max-new-tokens", "9"]
+
+
+def run(tmp_path, *args):
+    out = tmp_path / f"gen{len(list(tmp_path.iterdir()))}.json"
+    assert generate.main([*SMALL, *args, "--json", str(out)]) == 0
+    gc.collect()                                   # the job's model leaves the memory ledger
+    return json.loads(out.read_text())
+
+
+def test_every_scheme_gives_the_same_tokens_and_reports_memory_by_the_formulas(tmp_path, capsys):
+    reports = {c: run(tmp_path, "--cache", c, "--block-size", "5") for c in ("none", "contiguous", "paged")}
+    tokens = reports["none"]["tokens"]
+    assert len(tokens) == 5 and all(len(t) == 9 for t in tokens)
+    per_token = 2 * 2 * 32 * 8                                       # 2 · n_layer · n_embd · itemsize (fp64)
+    for name, r in reports.items():
+        assert r["tokens"] == tokens, name
+        assert {"tokens_per_second", "param_bytes", "num_sequences", "blocks_swapped", "preemptions",
+                "kv_bytes_reserved", "kv_bytes_used", "kv_bytes_per_token"} <= set(r)
+        assert (r["n_layer"], r["n_embd"], r["blocks_swapped"], r["preemptions"]) == (2, 32, 0, 0)
+        assert r["param_bytes"] == r["num_params"] * 8 and r["tokens_per_second"] > 0
+    assert reports["none"]["kv_bytes_reserved"] == reports["none"]["kv_bytes_per_token"] == 0
+    lengths = reports["paged"]["prompt_lengths"]
+    contiguous = reports["contiguous"]
+    assert contiguous["kv_bytes_per_token"] == per_token and contiguous["num_sequences"] == 5
+    assert contiguous["kv_bytes_reserved"] == 5 * 40 * per_token == contiguous["kv_ledger_peak"]
+    assert contiguous["kv_bytes_used"] == sum(n + 9 - 1 for n in lengths) * per_token   # at the last step
+    paged = reports["paged"]
+    assert paged["kv_bytes_used"] == sum(n + 9 - 1 for n in lengths) * per_token   # at the last step
+    assert paged["kv_bytes_reserved"] == sum(-(-(n + 8) // 5) for n in lengths) * 5 * per_token
+    assert 0 <= paged["kv_bytes_reserved"] - paged["kv_bytes_used"] < paged["num_sequences"] * 5 * per_token
+    assert paged["kv_bytes_reserved"] == paged["kv_ledger_bytes"] == paged["kv_ledger_peak"]
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "waste" in out and "blocks swapped to host 0" in out
+
+
+def test_the_tokens_are_each_prompts_greedy_continuation_in_prompt_order(tmp_path):
+    report = run(tmp_path, "--train-steps", "0", "--cache", "paged", "--block-size", "3", "--max-batch", "2")
+    minitrain.set_default_dtype(np.float64)
+    minitrain.manual_seed(0)                                         # the job's untrained model, rebuilt
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=40, n_layer=2, n_head=4, n_embd=32))
+    for prompt, tokens in zip(report["prompts"], report["tokens"]):
+        expect = gpt.generate(np.array([prompt]), 9, temperature=0, cache=None)[0, len(prompt):]
+        assert tokens == expect.tolist()
+
+
+@pytest.mark.slow
+def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
+    base = run(tmp_path, "--block-size", "4")
+    # parameters + 8 blocks of 4 tokens: the longest sequence (17 + 9 = 26 tokens) fits, five do not
+    capacity = base["param_bytes"] + 8 * 4 * base["kv_bytes_per_token"]
+    swap = run(tmp_path, "--block-size", "4", "--device-memory", str(capacity), "--preempt", "swap")
+    recompute = run(tmp_path, "--block-size", "4", "--device-memory", str(capacity), "--preempt", "recompute")
+    assert swap["tokens"] == recompute["tokens"] == base["tokens"]
+    assert swap["blocks_swapped"] == swap["blocks_swapped_in"] > 0 and swap["preemptions"] > 0
+    assert recompute["blocks_swapped"] == 0 and recompute["preemptions"] > 0 and recompute["recomputed_tokens"] > 0
+    assert swap["kv_ledger_peak"] <= 8 * 4 * base["kv_bytes_per_token"]
+    shared = [run(tmp_path, "--cache", c, "--block-size", "3", "--shared-prefix", "6") for c in ("none", "paged")]
+    assert shared[0]["tokens"] == shared[1]["tokens"] and shared[1]["shared_tokens"] >= 6 * 4
+    sampled = [run(tmp_path, "--cache", c, "--temperature", "0.8", "--top-k", "10", "--seed", "3")
+               for c in ("none", "paged")]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"] != run(tmp_path, "--cache", "paged", "--seed", "3")["tokens"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "0"], "--block-size must be a positive number of tokens (1 or more), got 0"),
+    (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: prompts of up to 31 tokens fit"),
+    (["--max-prompt-len", "35"], "at most 5 new tokens fit after it"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--cache", "ring"], "invalid choice"),
+])
+def test_bad_options_are_refused_with_what_fits(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        generate.main([*SMALL, *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_device_that_cannot_hold_one_sequence_is_refused_with_what_fits(capsys):
+    assert generate.main([*SMALL, "--train-steps", "0", "--block-size", "4", "--device-memory", "280000"]) == 2
+    err = capsys.readouterr().err
+    assert "blocks of 4 tokens" in err and "sequences of up to" in err and "Give a device memory of at least" in err
+    assert generate.main([*SMALL, "--train-steps", "0", "--device-memory", "1000"]) == 2
+    assert "the parameters alone take" in capsys.readouterr().err
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_job_generates_the_tokens_of_one_process(tmp_path):
+    one = run(tmp_path, "--block-size", "4")
+    out = tmp_path / "tp.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.generate", *SMALL, "--block-size", "4", "--tp", "2",
+             "--json", out], n=2, timeout=120)
+    tp = json.loads(out.read_text())
+    assert tp["tokens"] == one["tokens"]
+    assert tp["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2        # per rank: half the heads
+    assert tp["kv_bytes_reserved"] == one["kv_bytes_reserved"] // 2
+
+
+def test_the_checkpoint_hook_refuses_clearly_when_there_is_nothing_to_load(tmp_path, capsys):
+    assert generate.main([*SMALL, "--checkpoint", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err     # before the checkpoint issue lands / after it, with an empty directory
+    assert "--checkpoint needs minitrain.checkpoint" in err or "no checkpoint in" in err
+    gc.collect()

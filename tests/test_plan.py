@@ -1,0 +1,301 @@
+"""The planner (minitrain/plan): the papers' figures from its CLI, its bad-input rules, its options
+mirroring the jobs', its shortcuts equal to the long way, and the 175B search in under 2 s."""
+import argparse
+import contextlib
+import io
+import json
+import time
+from fractions import Fraction
+
+import pytest
+
+from minitrain import plan
+from minitrain.parallel.pipeline import formula_bubble_fraction, get_schedule, simulate
+from minitrain.plan import memory as pmem
+from minitrain.plan import time as ptime
+from minitrain.plan.__main__ import main, parser
+
+GPT3 = "--n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 --vocab-size 51200"
+
+
+def cli(args):
+    """Run ``python -m minitrain.plan ARGS --json`` in-process; the parsed JSON."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(args.split() + ["--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def refused(args):
+    """The CLI's error for an impossible layout (exit status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(args.split())
+    assert exit_.value.code == 2
+    return err.getvalue()
+
+
+# ---------------------------------------------------------------- the papers
+@pytest.mark.parametrize("stage, gb", [(0, 120e9), (1, 31.40625e9), (2, 16.640625e9), (3, 1.875e9)])
+def test_zero_figure_1_per_device_from_the_cli(stage, gb):
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.88 GB."""
+    result = cli(f"params --num-params 7.5e9 --world 64 --zero {stage} --accounting paper")
+    assert result["memory_bytes"]["total"] == gb
+    assert result["memory_bytes"]["activations"] == 0
+
+
+# Korthikanti et al. 2022, Table 2, GPT-3 175B (a = 96, h = 12288, s = 2048), t = 8, per layer and sequence (b = 1),
+# bytes: sbh = 25,165,824 times 34 + 5as/h = 114; 10 + 24/t + 5as/(ht) = 23; (34 + 80)/8; 10 + 24/8; 34/8; 2
+TABLE_2 = [("none", False, 1, 2_868_903_936), ("none", False, 8, 578_813_952), ("none", True, 8, 358_612_992),
+           ("selective", False, 8, 327_155_712), ("selective", True, 8, 106_954_752), ("full", False, 8, 50_331_648)]
+
+
+@pytest.mark.parametrize("recompute, sp, t, expected", TABLE_2)
+def test_korthikanti_table_2_per_layer_activations_of_gpt3(recompute, sp, t, expected):
+    assert plan.korthikanti_layer_bytes(2048, 1, 12288, 96, t, sp, recompute) == expected
+
+
+def test_paper_accounting_of_a_whole_gpt3_replica_is_96_layers_of_table_2_plus_the_ends():
+    """The CLI's activations under --accounting paper: 96 layers of the Table 2 row, plus the embedding's
+    dropout mask sbh/t and the head's inputs and fp32 logits 4sbh/t + 4sbV/t (pp = 1: one stage)."""
+    result = cli(f"gpt {GPT3} --tp 8 --world 8 --batch-size 1 --accounting paper --precision fp16")
+    sbh = 2048 * 12288
+    ends = sbh / 8 + 4 * sbh / 8 + 4 * 2048 * 51200 / 8
+    assert result["memory_bytes"]["activations"] == pytest.approx(96 * 578_813_952 + ends, abs=1)
+    # model states: 2 + 2 + 12 bytes per parameter of the tp shard (LayerNorms and biases are not split)
+    states = result["memory_bytes"]
+    assert states["params"] * 8 == pytest.approx(2 * result["num_params"], rel=0.01)
+    assert states["params"] == states["grads"] and states["optimizer_state"] == 6 * states["params"]
+
+
+@pytest.mark.parametrize("schedule, chunks, expected", [("gpipe", 1, Fraction(3, 11)), ("1f1b", 1, Fraction(3, 11)),
+                                                       ("interleaved_1f1b", 2, Fraction(3, 19))])
+def test_bubble_is_the_papers_formula(schedule, chunks, expected):
+    """GPipe's (p-1)/(m+p-1) and the interleaved schedule's (p-1)/(v·m+p-1), from the simulator."""
+    result = cli(f"gpt --n-layer 8 --n-head 4 --n-embd 64 --vocab-size 64 --batch-size 16 --pp 4 --world 4 "
+                 f"--microbatches 8 --schedule {schedule} --chunks {chunks}")
+    assert result["bubble_fraction"] == pytest.approx(float(expected), abs=1e-9)
+
+
+def test_narayanan_flops_per_iteration_with_recomputation():
+    """Narayanan et al. 2021, eq. 3: 96·B·s·l·h²(1 + s/(6h) + V/(16·l·h)), exactly, for GPT-3 175B."""
+    B, s, l, h, V = 1536, 2048, 96, 12288, 51200
+    formula = 96 * B * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
+    result = cli(f"gpt {GPT3} --batch-size {B} --tp 8 --pp 8 --world 1024 --microbatches 96 --recompute full "
+                 f"--precision bf16 --machine a100-80gb")
+    assert result["flops_per_iteration"] == formula
+    no_recompute = plan.flops_per_iteration(plan.GPT(V, s, l, 96, h), plan.Layout(batch_size=B))
+    assert formula - no_recompute == 24 * B * s * l * h * h * (1 + Fraction(s, 6 * h))     # one forward less
+
+
+# Narayanan et al. 2021: Table 1 (1T: 128 layers, h 25600, 160 heads, t 8, p 64, 3072 GPUs, batch 3072, 163
+# TFLOP/s per GPU; 145.6B: 80 layers, h 12288, t 8, p 8, 1536 GPUs, batch 2304, 148) and Table 2 (PTD-P, GPT-3
+# 175B on 384 GPUs, t 8 x p 12, batch 1536: 153 TFLOP/s per GPU)
+THROUGHPUT = [("--n-layer 128 --n-embd 25600 --n-head 160 --world 3072 --batch-size 3072 --pp 64 --microbatches 512", 163),
+              ("--n-layer 80 --n-embd 12288 --n-head 96 --world 1536 --batch-size 2304 --pp 8 --microbatches 96", 148),
+              ("--n-layer 96 --n-embd 12288 --n-head 96 --world 384 --batch-size 1536 --pp 12 --microbatches 384", 153)]
+
+
+@pytest.mark.parametrize("sizes, reported", THROUGHPUT)
+def test_predicted_throughput_of_the_papers_runs_on_a100s(sizes, reported):
+    """The datasheet A100 profile's prediction for Megatron's runs, against the TFLOP/s per GPU they report
+    (README: how far off, and why). A bound, not a fit: within 25%."""
+    result = cli(f"gpt {sizes} --block-size 2048 --vocab-size 51200 --tp 8 --recompute full --precision fp16 "
+                 f"--machine a100-80gb")
+    tflops = result["flops_per_iteration"] / result["step_time_s"]["total"] / result["layout"]["world"] / 1e12
+    assert reported / 1.25 < tflops < reported * 1.25
+    assert result["fits"]
+
+
+# ---------------------------------------------------------------- the command line
+def test_json_has_the_issues_keys():
+    result = cli("mlp --world 2")
+    assert set(result["memory_bytes"]) == {"params", "grads", "optimizer_state", "activations", "comm_buffers", "total"}
+    assert set(result["step_time_s"]) == {"compute", "comm", "bubble", "total"}
+    assert {"bubble_fraction", "fits", "flops_per_iteration", "layout"} <= set(result)
+    assert result["step_time_s"]["total"] == pytest.approx(sum(result["step_time_s"][k] for k in ("compute", "comm", "bubble")))
+    # the total is the peak of the sum, at most the sum of the categories' own peaks
+    assert result["memory_bytes"]["total"] <= sum(v for k, v in result["memory_bytes"].items() if k != "total")
+
+
+def test_device_memory_decides_fits():
+    need = cli("mlp --world 2 --strategy zero3")["memory_bytes"]["total"]
+    assert cli(f"mlp --world 2 --strategy zero3 --device-memory {need}")["fits"]
+    assert not cli(f"mlp --world 2 --strategy zero3 --device-memory {need - 1}")["fits"]
+    ranked = cli(f"mlp --world 2 --search --device-memory {need}")
+    assert ranked and all(r["fits"] and r["memory_bytes"]["total"] <= need for r in ranked)
+    assert any(r["layout"]["zero"] == 3 for r in ranked) and not any(r["layout"]["zero"] == 0 and r["layout"]["pp"] == 1
+                                                                     for r in ranked)
+
+
+def _job_parser(kind):
+    """The job's own argparse parser (the planner must accept every option of it)."""
+    from minitrain.examples import gpt, mlp
+    captured = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def grab(self, args=None, namespace=None):
+        captured["parser"] = self
+        return original(self, [], namespace)
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        (mlp if kind == "mlp" else gpt).parse_args([])
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return captured["parser"]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_every_option_of_the_job_is_accepted_by_the_planner(kind):
+    job = _job_parser(kind)
+    planner = parser()
+    for action in job._actions:
+        for option in action.option_strings:
+            if option in ("-h", "--help"):
+                continue
+            if action.nargs == 0:
+                argv = [option]
+            elif action.choices:
+                argv = [option, str(list(action.choices)[-1])]
+            else:
+                argv = [option, str(action.default if action.default not in (None, "") else 2)]
+            planner.parse_args([kind, *argv])          # an unknown option or value exits
+
+
+@pytest.mark.parametrize("args, constraint, nearest", [
+    ("gpt --tp 2 --pp 2 --dp 2 --world 6", "dp x pp x tp must equal the world size", "(dp, pp) in"),
+    ("gpt --n-head 6 --n-embd 96 --tp 4 --world 4", "heads not divisible by tp", "nearest valid --tp: 2 or 3"),
+    ("gpt --n-layer 6 --pp 4 --world 4", "layers not divisible by pp x chunks", "nearest valid --pp: 2 or 3"),
+    ("gpt --batch-size 16 --microbatches 3 --world 1", "the micro-batches must divide the batch",
+     "nearest valid --microbatches: 2 or 4"),
+    ("mlp --strategy pipeline --microbatches 5 --world 2", "the micro-batches must divide the batch",
+     "nearest valid --microbatches: 2 or 4"),
+])
+def test_impossible_layouts_are_refused_naming_the_constraint_and_the_nearest_valid_choices(args, constraint, nearest):
+    message = refused(args)
+    assert constraint in message and nearest in message and "Traceback" not in message
+
+
+# ---------------------------------------------------------------- shortcuts equal the long way
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_in_flight_counts_beyond_4p_are_the_schedules_own(name, p):
+    for m in (4 * p + 1, 5 * p, 7 * p + 3):
+        for s in range(p):
+            assert pmem.in_flight(name, p, m, s) == pmem._in_flight(name, p, m, s)
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_bubble_beyond_2p_equals_the_full_simulation(name, v):
+    for p, m in ((2, 8), (4, 12), (3, 9)):
+        f, b = 1.0, 2.7
+        span, idle = ptime._bubble(name, p, m, v, f, b)
+        full = simulate(get_schedule(name, p, m, chunks=v), forward_cost=f, backward_cost=b)
+        assert span == pytest.approx(full["total_time"], rel=1e-9)
+        assert idle / span == pytest.approx(formula_bubble_fraction(name, p, m, v), rel=1e-9)
+
+
+def test_one_chunk_walk_equals_the_walk_over_the_schedules_actions():
+    model = plan.GPT(vocab_size=65, block_size=32, n_layer=6, n_head=4, n_embd=64)
+    for schedule, m in (("1f1b", 2), ("1f1b", 6), ("gpipe", 3)):
+        layout = plan.Layout(world=3, batch_size=12, pp=3, microbatches=m, schedule=schedule, recompute="selective",
+                             extras={"parallel_job": True})
+        pieces = pmem.gpt_pieces(model, layout, layout.micro_batch_size)
+        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+            local = sum(x.params for ps in chunks.values() for x in ps)
+            fast = pmem.pipeline_walk(pmem.in_flight(schedule, 3, m, s), chunks, layout, local, 5)
+            slow = pmem.pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
+            assert fast == slow
+
+
+def test_one_chunk_walk_with_more_micro_batches_in_flight_after_the_first_backward():
+    """A hand-made order (F0 F1 B0 F2 F3 B1 B2 B3): more in flight after the first backward than before."""
+    from minitrain.parallel.pipeline import Action
+    actions = [Action(k, mb) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("F", 3), ("B", 1), ("B", 2), ("B", 3))]
+    model = plan.GPT(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=64)
+    layout = plan.Layout(batch_size=8, microbatches=4, recompute="full", extras={"parallel_job": True})
+    chunks = {0: pmem.gpt_pieces(model, layout, 2)}
+    local = sum(x.params for x in chunks[0])
+    assert pmem.counts_in_flight(actions) == (2, 3)
+    assert pmem.pipeline_walk(pmem.counts_in_flight(actions), chunks, layout, local, 0) == \
+        pmem.pipeline_walk(actions, chunks, layout, local, 0)
+
+
+def _matmul_flops(work):
+    return sum(2 * batch * m * k * n for m, k, n, batch in work.mm)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
+    """The Work the time model charges holds exactly the matmul FLOPs of flops_per_iteration (per rank,
+    per micro-batch: x dp x tp x m gives the whole step's)."""
+    model = plan.GPT(vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=64)
+    layout = plan.Layout(world=4, batch_size=16, dp=2, tp=2, microbatches=2, recompute=recompute)
+    b = layout.micro_batch_size
+    block_f, block_b = ptime.gpt_block_work(model, layout, b)
+    (emb_f, emb_b), (head_f, head_b) = ptime.gpt_ends_work(model, layout, b)
+    per_rank = (3 * (_matmul_flops(block_f) + _matmul_flops(block_b)) + _matmul_flops(head_f) + _matmul_flops(head_b)
+                + _matmul_flops(emb_f) + _matmul_flops(emb_b))
+    assert per_rank * layout.dp * layout.tp * layout.microbatches == plan.flops_per_iteration(model, layout)
+    mlp = plan.MLP((64, 96, 96, 10))
+    mlp_layout = plan.Layout(world=2, dp=2, batch_size=32)
+    work = ptime.mlp_layer_work(mlp, mlp_layout, 16)
+    assert sum(_matmul_flops(f) + _matmul_flops(w) for f, w in work) * 2 == plan.flops_per_iteration(mlp, mlp_layout)
+
+
+@pytest.mark.slow
+def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
+    """``plan calibrate --quick``: every constant measured and positive, alpha/beta fitted for each collective
+    at p = 2 under mpiexec; predictions from that file; two calibrations merge into their best."""
+    from minitrain.plan import calibrate
+    out = tmp_path / "machine.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out)]) == 0
+    machine = json.loads(out.read_text())
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        assert all(rate > 0 for _, rate in machine["matmul_flops"][dtype]["1"])
+        assert all(v > 0 for v in machine["elementwise_s_per_element"][dtype].values())
+    for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s", "trace_span_s"):
+        assert machine[key] > 0, key
+    for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
+        fit = machine["collectives"][name]["2"]
+        assert fit["alpha_s"] > 0 and fit["beta_s_per_byte"] > 0 and len(fit["points"]) >= 4
+    result = cli(f"mlp --world 2 --machine {out}")
+    assert 0 < result["step_time_s"]["comm"] < result["step_time_s"]["total"]
+    slower = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"]}
+    merged = calibrate.merge([slower, machine])
+    assert merged["numpy_call_s"] == machine["numpy_call_s"]
+
+
+def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():
+    """A layout built in Python (as --search builds them) pays tp's collectives: 8 ranks of one node on
+    NVLink, 32 across four nodes on InfiniBand."""
+    model = plan.GPT(vocab_size=51200, block_size=2048, n_layer=8, n_head=32, n_embd=4096)
+    comm = {t: plan.predict(model, plan.Layout(world=t, tp=t, batch_size=4, precision="bf16"),
+                            "a100-80gb")["step_time_s"]["comm"] for t in (8, 32)}
+    a100 = plan.load_machine("a100-80gb")
+    per_block = 4 * ptime.collective(a100, "ring_all_reduce", 4 * 2048 * 4096 * 2, 8, 8)   # 2 forward, 2 backward
+    assert comm[8] >= 8 * per_block and comm[32] > 4 * comm[8]
+
+
+# ---------------------------------------------------------------- scale
+def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus_takes_under_2_s():
+    """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP): process time, best of 3
+    (CPU seconds, so that other work on a shared machine does not count)."""
+    args = f"gpt {GPT3} --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search".split()
+    best, out = float("inf"), None
+    for _ in range(3):
+        buf = io.StringIO()
+        start = time.process_time()
+        with contextlib.redirect_stdout(buf):
+            main(args)
+        best = min(best, time.process_time() - start)
+        out = buf.getvalue()
+    assert best < 2.0, f"search took {best:.2f} CPU s"
+    lines = out.splitlines()
+    assert "layouts fit" in lines[0] and len(lines) == 11            # the best ten
+    ranked = cli(" ".join(args[:-1]) + " --search")
+    times = [r["step_time_s"]["total"] for r in ranked]
+    assert len(ranked) > 100 and times == sorted(times) and all(r["fits"] for r in ranked)
+    assert all(r["layout"]["dp"] * r["layout"]["pp"] * r["layout"]["tp"] == 1024 for r in ranked)
+    assert {r["layout"]["zero"] for r in ranked} >= {0, 1} and {r["layout"]["recompute"] for r in ranked} >= {"none", "full"}
