@@ -52,12 +52,12 @@ def add_mlp(p):
     p.add_argument("--sync-every", type=_positive, default=4)
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--microbatches", type=_positive, default=4)
-    p.add_argument("--chunks", type=_positive, default=1)
+    p.add_argument("--chunks", type=_positive, default=None, help="default: 1 (zbv: 2), as the job")
     p.add_argument("--dp", type=_positive, default=1)
     p.add_argument("--batch-size", type=_positive, default=64, help="global")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     p.add_argument("--hidden", type=_positive, default=128)
-    p.add_argument("--layers", type=_positive, default=2)
+    p.add_argument("--layers", type=_positive, default=None, help="default: 2 (pipeline: max(2, stages)), as the job")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--offload", action="store_true")
     p.add_argument("--recompute", choices=["none", "full"], default="none")
@@ -137,7 +137,7 @@ def search(model, base, machine, accounting, device_memory):
                                         if strategy != "ddp" else 0, "microbatches": 1}))
         for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
             for m in (1, 2, 4, 8, 16):
-                for schedule in ("gpipe", "1f1b"):
+                for schedule in ("gpipe", "1f1b", "zb_h1"):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
                                                 "microbatches": m, "schedule": schedule, "chunks": 1,
                                                 "recompute": "none", "offload": False, "offload_activations": False}))

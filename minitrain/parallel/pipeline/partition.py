@@ -6,9 +6,13 @@ its multiply-adds per input row, so forward, input-gradient and weight-gradient 
 The cut is the classic linear partition: contiguous groups whose largest cost is as small as
 possible. Layers do not always divide evenly; the pipeline then runs at the pace of its slowest
 stage, and ``implied_bubble`` says what that costs: the schedule simulated with F = B = W = each
-virtual stage's cost (the balanced formula is the special case of equal costs).
+virtual stage's cost (the balanced formula is the special case of equal costs). ``stage_layout``
+is the whole answer (where to cut, which rank and chunk holds each part): the runtime and the
+planner (minitrain/plan) both ask it, so the planner predicts the layout the job runs.
 """
-from .schedules import simulate
+from functools import lru_cache
+
+from .schedules import default_chunks, simulate
 
 
 def parameter_costs(layers):
@@ -47,6 +51,26 @@ def balanced_split_points(sizes, parts):
         i = start[k][i]
         points.append(i)
     return sorted(points)[1:]
+
+
+@lru_cache(maxsize=256)
+def virtual_placement(schedule_name, p, chunks=None):
+    """For each virtual stage, the (rank, chunk) that holds it, as the schedule places it: stage k
+    on rank k % p as chunk k // p (one chunk, or the interleaved loop), or zbv's V (down the ranks
+    as chunk 0, back up as chunk 1). The runtime checks it against its schedule's own ``placement``."""
+    v = default_chunks(schedule_name, chunks)
+    if schedule_name == "zbv":
+        return tuple((k, 0) if k < p else (2 * p - 1 - k, 1) for k in range(2 * p))
+    return tuple((k % p, k // p) for k in range(p * v))
+
+
+def stage_layout(costs, schedule_name, p, chunks=None, split_points=None):
+    """(bounds, where): virtual stage k holds layers ``bounds[k]:bounds[k + 1]`` (balanced by
+    ``costs`` unless ``split_points`` says where) on ``where[k]`` = (rank, chunk)."""
+    where = virtual_placement(schedule_name, p, chunks)
+    if split_points is None:
+        split_points = balanced_split_points(list(costs), len(where)) if len(where) > 1 else []
+    return [0] + list(split_points) + [len(costs)], list(where)
 
 
 def stage_table(layers, bounds, costs, where):

@@ -37,7 +37,7 @@ from ...comm import all_reduce, broadcast
 from ...nn import Sequential
 from ...sharded import whole
 from . import measure
-from .partition import balanced_split_points, parameter_costs, stage_table
+from .partition import balanced_split_points, parameter_costs, stage_layout, stage_table
 from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
                         placement, virtual_stage)
 
@@ -76,14 +76,14 @@ class PipelineParallel:
         self.layer_costs = list(layer_costs) if layer_costs is not None else parameter_costs(layers)
         if len(self.layer_costs) != len(layers):
             raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for {len(layers)} layers")
-        if split_points is None:
-            split_points = balanced_split_points(self.layer_costs, parts)
-        split_points = list(split_points)
+        bounds, where = stage_layout(self.layer_costs, schedule, self.p, self.v, split_points)   # as the planner
+        split_points = bounds[1:-1]
         if len(split_points) != parts - 1 or split_points != sorted(set(split_points)) or \
                 not all(0 < i < len(layers) for i in split_points):
             raise ValueError(f"split_points must be {parts - 1} increasing layer indices in 1..{len(layers) - 1}, "
                              f"got {split_points}")
-        self.bounds = bounds = [0] + split_points + [len(layers)]
+        assert where == self.where, (where, self.where)
+        self.bounds = bounds
         self.stage_rows = stage_table(layers, bounds, self.layer_costs, self.where)
         self.names = names = {id(q): n for n, q in model.named_parameters()}
         self.model = model
