@@ -1,20 +1,27 @@
 """Pipeline bubbles, measured against the formula, for every schedule and number of micro-batches.
 
-    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--width 1024] [--microbatches 4 8 16]
-        [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png] [--json out.json]
+    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--repeat 1] [--width 1024]
+        [--microbatches 4 8 16] [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png]
+        [--json out.json]
 
-Model: a balanced stack of 8 x (Linear(W, W) + ReLU), W = 1024 by default, global batch 512, float32,
-one BLAS thread per rank; every (virtual) stage gets the same number of identical layers, so the
-formula's assumption (equal stages) holds. Measured bubble (minitrain/parallel/pipeline/measure.py):
+Model: 8 x (Linear + ReLU) of width W = 1024 by default, the first Linear taking 3W/2 inputs, global
+batch 512, float32, one BLAS thread per rank. The first layer computes no input gradient (nothing
+before it learns), so the wider input gives it the F + B + W work of any other layer (3W/2·W twice
+= W·W three times): every (virtual) stage at p = 2 and 4, v = 1 and 2, does the same work, as the
+formula assumes, and the counted-cost split (partition.py) cuts them so. Measured bubble (minitrain/parallel/pipeline/measure.py):
 per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
 to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
 formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
 measured F, B, W for zb_h1 and zbv, and the residual per cause. The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
+On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
+``--repeat R`` runs every configuration R times and reports the quietest run (the fastest median
+step) beside the range of the R measured bubbles, with the load average during the run.
 """
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -27,14 +34,14 @@ LAYERS, BATCH = 8, 512
 def build(width):
     from minitrain import nn
     layers = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+    for i in range(LAYERS):
+        layers += [nn.Linear(3 * width // 2 if i == 0 else width, width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
 def data(width, steps):
     rng = np.random.default_rng(0)
-    return [(rng.standard_normal((BATCH, width)).astype(np.float32), rng.integers(0, width, BATCH))
+    return [(rng.standard_normal((BATCH, 3 * width // 2)).astype(np.float32), rng.integers(0, width, BATCH))
             for _ in range(steps)]
 
 
@@ -64,23 +71,31 @@ def worker(args):
         for m in args.microbatches:
             if name == "interleaved_1f1b" and m % p:
                 continue
-            mt.manual_seed(0)
-            pipe = PipelineParallel(build(args.width), comm, name, m, chunks=CHUNKS.get(name))
-            opt = optim.SGD(pipe.parameters(), lr=1e-3)
-            trace.enable(rank=r)
-            comm.barrier()
-            memory.reset_peak()
-            for x, y in batches:
-                trace.tracer().events.clear()
-                opt.zero_grad()
-                pipe.train_step(x, y, nn.functional.cross_entropy)
-                opt.step()
-            summary = pipe.measured_bubble()
+            runs = []
+            for _ in range(args.repeat):
+                mt.manual_seed(0)
+                pipe = PipelineParallel(build(args.width), comm, name, m, chunks=CHUNKS.get(name))
+                opt = optim.SGD(pipe.parameters(), lr=1e-3)
+                trace.enable(rank=r)
+                comm.barrier()
+                memory.reset_peak()
+                load = os.getloadavg()[0]
+                for x, y in batches:
+                    trace.tracer().events.clear()
+                    opt.zero_grad()
+                    pipe.train_step(x, y, nn.functional.cross_entropy)
+                    opt.step()
+                summary = pipe.measured_bubble()
+                runs.append({**summary, "load_average": (load + os.getloadavg()[0]) / 2})
+                trace.disable()
             peak = ring_all_gather(comm, np.array([float(memory.peak()["activations"])]), total=p)
             in_flight = simulate(pipe.schedule)["peak_activations"]        # chunks of 1/v of a stage
+            quiet = min(runs, key=lambda run: run["step_time_s"])
             results[f"{name}/m{m}"] = {"m": m, "chunks": pipe.v, "peak_activation_bytes_per_rank": peak.tolist(),
-                                       "peak_in_flight_microbatches": max(in_flight) / pipe.v, **summary}
-            trace.disable()
+                                       "peak_in_flight_microbatches": max(in_flight) / pipe.v, **quiet,
+                                       "repeats": [{k: run[k] for k in ("measured_bubble_fraction", "step_time_s",
+                                                                        "formula_bubble_fraction", "load_average")}
+                                                   for run in runs]}
     if r == 0:
         with open(args.worker_out, "w") as f:
             json.dump(results, f)
@@ -88,8 +103,8 @@ def worker(args):
 
 def launch(p, args):
     from minitrain.testing import run_worker
-    return run_worker(__file__, p, ["--steps", args.steps, "--width", args.width, "--microbatches",
-                                    *args.microbatches, "--schedules", *args.schedules])
+    return run_worker(__file__, p, ["--steps", args.steps, "--repeat", args.repeat, "--width", args.width,
+                                    "--microbatches", *args.microbatches, "--schedules", *args.schedules])
 
 
 def plot(all_results, path):
@@ -122,6 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first is not measured)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration (the quietest is reported)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
@@ -140,15 +156,17 @@ def main():
             row["single_process_step_s"], row["speed_up"] = single, single / row["step_time_s"]
         print(f"\np = {p}" + (" (4 ranks on 2 cores: oversubscribed)" if p > 2 else "")
               + f"; one process on the whole batch: {single * 1e3:.1f} ms/step")
-        print(f"  {'schedule':<18} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'range':>13} {'formula':>8} "
-              f"{'diff':>7}  residual by cause (fraction of the step)")
+        print(f"  {'schedule':<20} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'per step':>13} "
+              f"{'repeats':>13} {'formula':>8} {'diff':>7} {'load':>5}  residual by cause (fraction of the step)")
         for key, row in results.items():
             name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 and "zbv" not in key else "")
             low, high = row["measured_bubble_fraction_spread"]
+            runs = [run["measured_bubble_fraction"] - run["formula_bubble_fraction"] for run in row["repeats"]]
             causes = ", ".join(f"{k} {v:+.3f}" for k, v in row["residual_by_cause"].items() if abs(v) >= 0.005)
-            print(f"  {name:<18} {row['m']:>3} {row['step_time_s'] * 1e3:>7.1f}ms {single / row['step_time_s']:>8.2f}x "
-                  f"{row['measured_bubble_fraction']:>7.3f} {low:>6.3f}-{high:<6.3f} {row['formula_bubble_fraction']:>8.3f} "
-                  f"{row['measured_bubble_fraction'] - row['formula_bubble_fraction']:>+7.3f}  {causes}")
+            print(f"  {name:<20} {row['m']:>3} {row['step_time_s'] * 1e3:>7.1f}ms {single / row['step_time_s']:>8.2f}x "
+                  f"{row['measured_bubble_fraction']:>7.3f} {low:>6.3f}-{high:<6.3f} {min(runs):>+6.3f}..{max(runs):<+6.3f}"
+                  f"{row['formula_bubble_fraction']:>8.3f} {row['measured_bubble_fraction'] - row['formula_bubble_fraction']:>+7.3f} "
+                  f"{row['load_average']:>5.1f}  {causes}")
     if args.plot:
         plot(all_results, args.plot)
         print(f"plot: {args.plot}")

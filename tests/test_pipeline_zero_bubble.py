@@ -14,7 +14,7 @@ from minitrain.parallel.pipeline import (Action, PipelineParallel, ScheduleError
                                          formula_bubble_fraction, get_schedule, implied_bubble, placement,
                                          simulate)
 from minitrain.parallel.pipeline.measure import split_idle
-from minitrain.parallel.pipeline.partition import stage_table
+from minitrain.parallel.pipeline.partition import counted_costs, stage_table
 from test_pipeline import assert_equal_to_reference, batches, make_model, pipeline_run, reference_run
 
 
@@ -128,6 +128,20 @@ def test_the_stage_table_names_layers_and_cost_shares():
     rows = stage_table(list(model), [0, 3, 9], [112, 0, 272, 0, 204, 0, 156, 0, 39], [(0, 0), (1, 0)])
     assert rows[0]["layers"] == ["0:Linear", "1:ReLU", "2:Linear"] and rows[1]["rank"] == 1
     assert rows[0]["cost_share"] == pytest.approx(384 / 783) and rows[1]["cost"] == 399
+
+
+def test_counted_cost_is_f_plus_b_plus_w_and_the_first_layer_has_no_b():
+    """3n multiply-adds per row for a layer of n parameters, 2n for the first (its input gradient is
+    never computed): a first Linear 3/2 as wide does the work of any other, so the split is even."""
+    assert counted_costs([0, 6, 0, 4, 4]) == [0, 12, 0, 12, 12]
+    widths = [48] + [32] * 8
+    model = mt.nn.Sequential(*[layer for i in range(8) for layer in (mt.nn.Linear(widths[i], 32), mt.nn.ReLU())])
+
+    class Stub:
+        size, rank = 4, 0
+    pipe = PipelineParallel(model, Stub(), "1f1b", 4)
+    assert [sum(name.endswith("Linear") for name in row["layers"]) for row in pipe.stage_rows] == [2, 2, 2, 2]
+    assert [row["cost_share"] for row in pipe.stage_rows] == pytest.approx([0.25] * 4, rel=0.01)
 
 
 def test_split_idle_on_a_hand_made_step():

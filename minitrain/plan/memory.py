@@ -20,7 +20,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ..parallel.pipeline import get_schedule
-from ..parallel.pipeline.partition import stage_layout
+from ..parallel.pipeline.partition import counted_costs, stage_layout
 from ..parallel.zero_memory import model_state_bytes
 from .activations import gpt_pieces, mlp_pieces
 from .layout import PRECISIONS
@@ -212,7 +212,7 @@ def _count(pieces):
 @lru_cache(maxsize=256)
 def stage_bounds(sizes, schedule, p, v):
     """(bounds, where) as the runtime lays out layers of these parameter counts (pipeline/partition.py's
-    ``stage_layout``: the same call): virtual stage k holds layers bounds[k]:bounds[k+1] on rank and chunk
+    ``counted_costs`` and ``stage_layout``: the same calls): virtual stage k holds layers bounds[k]:bounds[k+1] on rank and chunk
     where[k]. Paper-scale models (beyond what the runtime's dynamic programme is for) get Megatron's even
     split of the blocks."""
     parts = p * v
@@ -220,7 +220,7 @@ def stage_bounds(sizes, schedule, p, v):
     if len(sizes) ** 2 * parts > 60_000:                     # Megatron's even split for paper-scale models
         per = (len(sizes) - 2) // parts
         points = [1 + per * k for k in range(1, parts)]
-    bounds, where = stage_layout(sizes, schedule, p, v, split_points=points)
+    bounds, where = stage_layout(counted_costs(sizes), schedule, p, v, split_points=points)
     return tuple(bounds), tuple(where)
 
 
@@ -265,7 +265,7 @@ def counts_in_flight(actions):
 
 def stage_chunks(pieces, layout, paper=False):
     """Per stage, chunk -> its pieces, cut and placed as the runtime does (``stage_bounds``: balanced by
-    parameters, the schedule's placement: the interleaved loop, zbv's V), or for the paper's accounting
+    counted F + B + W cost, the schedule's placement: the interleaved loop, zbv's V), or for the paper's accounting
     L/(p·v) blocks per virtual stage (Megatron's rule)."""
     p, v = layout.pp, layout.chunks
     bounds, where = stage_bounds(tuple(x.params for x in pieces), layout.schedule, p, v)

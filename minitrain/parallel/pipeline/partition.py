@@ -1,9 +1,11 @@
 """Where to cut a Sequential into pipeline stages, and what an uneven cut costs.
 
-Each layer's cost is counted, not timed: by default its parameter count, which for a Linear is
-its multiply-adds per input row, so forward, input-gradient and weight-gradient FLOPs are each
-2·rows·cost (a parameter-free layer such as ReLU counts 0; pass ``layer_costs`` to count otherwise).
-The cut is the classic linear partition: contiguous groups whose largest cost is as small as
+Each layer's cost is counted, not timed: by default the multiply-adds per input row of its
+forward, input-gradient and weight-gradient work, from its parameter count n (a Linear's forward
+is n per row, so are its B and its W): 3n, but 2n for the model's first layer with parameters,
+whose input needs no gradient (no B: the layers before it have nothing to learn). A parameter-free
+layer such as ReLU counts 0; pass ``layer_costs`` to count otherwise (an embedding's n is no FLOP
+count). The cut is the classic linear partition: contiguous groups whose largest cost is as small as
 possible. Layers do not always divide evenly; the pipeline then runs at the pace of its slowest
 stage, and ``implied_bubble`` says what that costs: the schedule simulated with F = B = W = each
 virtual stage's cost (the balanced formula is the special case of equal costs). ``stage_layout``
@@ -16,8 +18,15 @@ from .schedules import default_chunks, simulate
 
 
 def parameter_costs(layers):
-    """Counted cost per layer: its number of parameters."""
+    """Each layer's number of parameters."""
     return [sum(q.size for q in layer.parameters()) for layer in layers]
+
+
+def counted_costs(parameters):
+    """Counted cost per layer from its parameter count n: F + B + W multiply-adds per row, 3n; the
+    first layer with parameters 2n (its input gradient is never computed)."""
+    first = next((i for i, n in enumerate(parameters) if n), None)
+    return [(2 if i == first else 3) * n for i, n in enumerate(parameters)]
 
 
 def balanced_split_points(sizes, parts):

@@ -37,7 +37,7 @@ from ...comm import all_reduce, broadcast
 from ...nn import Sequential
 from ...sharded import whole
 from . import measure
-from .partition import balanced_split_points, parameter_costs, stage_layout, stage_table
+from .partition import balanced_split_points, counted_costs, parameter_costs, stage_layout, stage_table
 from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
                         placement, virtual_stage)
 
@@ -47,6 +47,10 @@ _HEADER = 10                           # dtype code, ndim, up to 8 dimensions
 _TAG_LIMIT = 32768                     # tags at and above belong to the collectives
 MAX_RECORDS = 2_000                    # traced steps kept for measured_bubble()
 nan = float("nan")
+
+
+def _no_event():
+    return None
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
 
@@ -73,7 +77,8 @@ class PipelineParallel:
         self.loss_rank = self.where[-1][0]
         layers = list(model)
         parts = self.p * self.v
-        self.layer_costs = list(layer_costs) if layer_costs is not None else parameter_costs(layers)
+        self.layer_costs = (list(layer_costs) if layer_costs is not None
+                            else counted_costs(parameter_costs(layers)))     # F + B + W multiply-adds per row
         if len(self.layer_costs) != len(layers):
             raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for {len(layers)} layers")
         bounds, where = stage_layout(self.layer_costs, schedule, self.p, self.v, split_points)   # as the planner
@@ -180,7 +185,8 @@ class PipelineParallel:
         self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
         inputs, outputs, weight_grads, losses = {}, {}, {}, []
         tracer = trace.tracer()
-        clock, event = time.perf_counter, backend.record_event    # event: a CUDA event on the GPU, else None
+        clock = time.perf_counter
+        event = backend.record_event if tracer.enabled else _no_event    # traced, on the GPU: a CUDA event
         stamps = [[nan] * 6 for _ in self.actions]          # per action: compute, receive, send (measure.py)
         device_times = []                                   # GPU: (action index, CUDA events around its compute)
         step_start = clock()
