@@ -4,11 +4,13 @@
         [--microbatches 4 8 16] [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png]
         [--json out.json]
 
-Model: 8 x (Linear + ReLU) of width W = 1024 by default, the first Linear taking 3W/2 inputs, global
-batch 512, float32, one BLAS thread per rank. The first layer computes no input gradient (nothing
-before it learns), so the wider input gives it the F + B + W work of any other layer (3W/2·W twice
-= W·W three times): every (virtual) stage at p = 2 and 4, v = 1 and 2, does the same work, as the
-formula assumes, and the counted-cost split (partition.py) cuts them so. Measured bubble (minitrain/parallel/pipeline/measure.py):
+Model: a thin stem Linear(64, W) + ReLU, then 8 x (Linear(W, W) + ReLU), W = 1024 by default, global
+batch 512, float32, one BLAS thread per rank. The stem costs 1/16 of a block, and because it has
+weights, the first block computes its input gradient like every other: each (virtual) stage at
+p = 2 and 4, v = 1 and 2, does the same F, the same B and the same W (to 1.6%), as the formula
+assumes, and the counted-cost split (partition.py) cuts it so. (Without the stem, the first stage's
+B would lack one block's input gradient: 7/8 of the others' at p = 2, a bubble the formula does
+not count.) Measured bubble (minitrain/parallel/pipeline/measure.py):
 per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
 to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
 formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
@@ -28,20 +30,20 @@ import numpy as np
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
 CHUNKS = {"interleaved_1f1b": 2}
-LAYERS, BATCH = 8, 512
+LAYERS, BATCH, STEM = 8, 512, 64
 
 
 def build(width):
     from minitrain import nn
-    layers = []
-    for i in range(LAYERS):
-        layers += [nn.Linear(3 * width // 2 if i == 0 else width, width), nn.ReLU()]
+    layers = [nn.Linear(STEM, width), nn.ReLU()]
+    for _ in range(LAYERS):
+        layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
 def data(width, steps):
     rng = np.random.default_rng(0)
-    return [(rng.standard_normal((BATCH, 3 * width // 2)).astype(np.float32), rng.integers(0, width, BATCH))
+    return [(rng.standard_normal((BATCH, STEM)).astype(np.float32), rng.integers(0, width, BATCH))
             for _ in range(steps)]
 
 
