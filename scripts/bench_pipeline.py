@@ -18,8 +18,9 @@ measured F, B, W for zb_h1 and zbv, and the residual per cause. The anchor is th
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
-``--repeat R`` runs every configuration R times and reports the quietest run (the fastest median
-step) beside the range of the R measured bubbles, with the load average during the run.
+``--repeat R`` runs every configuration R times and reports the quietest run (the one during which
+other processes used the least CPU: the machine's busy time from /proc/stat minus the ranks' own
+CPU time, as a share of all cores) beside the range of the R measured bubbles.
 """
 import argparse
 import json
@@ -45,6 +46,31 @@ def data(width, steps):
     rng = np.random.default_rng(0)
     return [(rng.standard_normal((BATCH, STEM)).astype(np.float32), rng.integers(0, width, BATCH))
             for _ in range(steps)]
+
+
+def busy_seconds():
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)        # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def others_share(comm, work):
+    """The share of the machine's cores that other processes used while ``work()`` ran."""
+    from minitrain.comm import ring_all_gather
+    comm.barrier()
+    busy, own, start = busy_seconds(), time.process_time(), time.perf_counter()
+    work()
+    comm.barrier()
+    wall, mine = time.perf_counter() - start, time.process_time() - own
+    ours = float(ring_all_gather(comm, np.array([mine]), total=comm.size).sum())
+    if busy is None:
+        return float("nan")
+    return max(0.0, (busy_seconds() - busy - ours) / (wall * os.cpu_count()))
 
 
 def worker(args):
@@ -81,22 +107,23 @@ def worker(args):
                 trace.enable(rank=r)
                 comm.barrier()
                 memory.reset_peak()
-                load = os.getloadavg()[0]
-                for x, y in batches:
-                    trace.tracer().events.clear()
-                    opt.zero_grad()
-                    pipe.train_step(x, y, nn.functional.cross_entropy)
-                    opt.step()
-                summary = pipe.measured_bubble()
-                runs.append({**summary, "load_average": (load + os.getloadavg()[0]) / 2})
+
+                def steps():
+                    for x, y in batches:
+                        trace.tracer().events.clear()
+                        opt.zero_grad()
+                        pipe.train_step(x, y, nn.functional.cross_entropy)
+                        opt.step()
+                others = others_share(comm, steps)
+                runs.append({**pipe.measured_bubble(), "others_cpu_share": others})
                 trace.disable()
             peak = ring_all_gather(comm, np.array([float(memory.peak()["activations"])]), total=p)
             in_flight = simulate(pipe.schedule)["peak_activations"]        # chunks of 1/v of a stage
-            quiet = min(runs, key=lambda run: run["step_time_s"])
+            quiet = min(runs, key=lambda run: (run["others_cpu_share"], run["step_time_s"]))
             results[f"{name}/m{m}"] = {"m": m, "chunks": pipe.v, "peak_activation_bytes_per_rank": peak.tolist(),
                                        "peak_in_flight_microbatches": max(in_flight) / pipe.v, **quiet,
                                        "repeats": [{k: run[k] for k in ("measured_bubble_fraction", "step_time_s",
-                                                                        "formula_bubble_fraction", "load_average")}
+                                                                        "formula_bubble_fraction", "others_cpu_share")}
                                                    for run in runs]}
     if r == 0:
         with open(args.worker_out, "w") as f:
@@ -157,9 +184,10 @@ def main():
         for row in results.values():
             row["single_process_step_s"], row["speed_up"] = single, single / row["step_time_s"]
         print(f"\np = {p}" + (" (4 ranks on 2 cores: oversubscribed)" if p > 2 else "")
-              + f"; one process on the whole batch: {single * 1e3:.1f} ms/step")
+              + f"; one process on the whole batch: {single * 1e3:.1f} ms/step; others: the share of the machine's "
+              f"{os.cpu_count()} cores other processes used during the run")
         print(f"  {'schedule':<20} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'per step':>13} "
-              f"{'repeats':>13} {'formula':>8} {'diff':>7} {'load':>5}  residual by cause (fraction of the step)")
+              f"{'repeats':>13} {'formula':>8} {'diff':>7} {'others':>6}  residual by cause (fraction of the step)")
         for key, row in results.items():
             name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 and "zbv" not in key else "")
             low, high = row["measured_bubble_fraction_spread"]
@@ -168,7 +196,7 @@ def main():
             print(f"  {name:<20} {row['m']:>3} {row['step_time_s'] * 1e3:>7.1f}ms {single / row['step_time_s']:>8.2f}x "
                   f"{row['measured_bubble_fraction']:>7.3f} {low:>6.3f}-{high:<6.3f} {min(runs):>+6.3f}..{max(runs):<+6.3f}"
                   f"{row['formula_bubble_fraction']:>8.3f} {row['measured_bubble_fraction'] - row['formula_bubble_fraction']:>+7.3f} "
-                  f"{row['load_average']:>5.1f}  {causes}")
+                  f"{row['others_cpu_share']:>6.0%}  {causes}")
     if args.plot:
         plot(all_results, args.plot)
         print(f"plot: {args.plot}")
