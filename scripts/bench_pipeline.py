@@ -1,6 +1,6 @@
 """Pipeline bubbles, measured against the formula, for every schedule and number of micro-batches.
 
-    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--repeat 1] [--width 1024]
+    python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--repeat 1] [--wait-quiet 0.1] [--width 1024]
         [--microbatches 4 8 16] [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png]
         [--json out.json]
 
@@ -20,7 +20,8 @@ the 2 cores of this machine are oversubscribed: ranks wait for a core as well as
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
 ``--repeat R`` runs every configuration R times and reports the quietest run (the one during which
 other processes used the least CPU: the machine's busy time from /proc/stat minus the ranks' own
-CPU time, as a share of all cores) beside the range of the R measured bubbles.
+CPU time, as a share of all cores) beside the range of the R measured bubbles; ``--wait-quiet S``
+first waits (up to ``--quiet-timeout`` seconds) until other processes use less than S of the cores.
 """
 import argparse
 import json
@@ -73,6 +74,21 @@ def others_share(comm, work):
     return max(0.0, (busy_seconds() - busy - ours) / (wall * os.cpu_count()))
 
 
+def wait_for_quiet(comm, share, timeout):
+    """Rank 0 samples the machine over 2 s windows until other processes use less than ``share`` of
+    its cores (or ``timeout`` seconds pass); the other ranks wait for its word (asleep)."""
+    from minitrain.comm import broadcast
+    if comm.rank == 0 and busy_seconds() is not None:
+        deadline = time.perf_counter() + timeout
+        while True:
+            busy, own, start = busy_seconds(), time.process_time(), time.perf_counter()
+            time.sleep(2.0)
+            others = (busy_seconds() - busy - (time.process_time() - own)) / ((time.perf_counter() - start) * os.cpu_count())
+            if others < share or time.perf_counter() > deadline:
+                break
+    broadcast(comm, np.zeros(1), root=0)
+
+
 def worker(args):
     import minitrain as mt
     from minitrain import memory, nn, optim, trace
@@ -114,6 +130,8 @@ def worker(args):
                         opt.zero_grad()
                         pipe.train_step(x, y, nn.functional.cross_entropy)
                         opt.step()
+                if args.wait_quiet:
+                    wait_for_quiet(comm, args.wait_quiet, args.quiet_timeout)
                 others = others_share(comm, steps)
                 runs.append({**pipe.measured_bubble(), "others_cpu_share": others})
                 trace.disable()
@@ -132,8 +150,11 @@ def worker(args):
 
 def launch(p, args):
     from minitrain.testing import run_worker
-    return run_worker(__file__, p, ["--steps", args.steps, "--repeat", args.repeat, "--width", args.width,
-                                    "--microbatches", *args.microbatches, "--schedules", *args.schedules])
+    waits = len(args.schedules) * len(args.microbatches) * args.repeat * args.quiet_timeout if args.wait_quiet else 0
+    return run_worker(__file__, p, timeout=1800 + waits,
+                      args=["--steps", args.steps, "--repeat", args.repeat, "--width", args.width, "--wait-quiet",
+                            args.wait_quiet, "--quiet-timeout", args.quiet_timeout, "--microbatches",
+                            *args.microbatches, "--schedules", *args.schedules])
 
 
 def plot(all_results, path):
@@ -167,6 +188,9 @@ def main():
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first is not measured)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration (the quietest is reported)")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SHARE",
+                    help="before each run, wait until other processes use less than SHARE of the cores")
+    ap.add_argument("--quiet-timeout", type=float, default=120.0, help="... but no longer than this (seconds)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
