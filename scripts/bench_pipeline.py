@@ -14,7 +14,9 @@ not count.) Measured bubble (minitrain/parallel/pipeline/measure.py):
 per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
 to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
 formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
-measured F, B, W for zb_h1 and zbv, and the residual per cause. The anchor is the same model
+measured mean F, B, W for zb_h1 and zbv, and the residual per cause; "simulated" is the schedule run
+with each stage's own measured F, B, W (what the zero-bubble schedules are held to; its difference
+from the formula is the stages' unequal speed). The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
@@ -210,17 +212,18 @@ def main():
         print(f"\np = {p}" + (" (4 ranks on 2 cores: oversubscribed)" if p > 2 else "")
               + f"; one process on the whole batch: {single * 1e3:.1f} ms/step; others: the share of the machine's "
               f"{os.cpu_count()} cores other processes used during the run")
-        print(f"  {'schedule':<20} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'per step':>13} "
-              f"{'repeats':>13} {'formula':>8} {'diff':>7} {'others':>6}  residual by cause (fraction of the step)")
+        print(f"  {'schedule':<20} {'m':>3} {'step':>9} {'speed-up':>9} {'bubble':>7} {'per step':>13} {'formula':>8} "
+              f"{'diff':>7} {'repeats':>15} {'simulated':>9} {'diff':>7} {'others':>6}  residual by cause (fraction of the step)")
         for key, row in results.items():
             name = key.split("/")[0] + (f" v={row['chunks']}" if row["chunks"] > 1 and "zbv" not in key else "")
             low, high = row["measured_bubble_fraction_spread"]
             runs = [run["measured_bubble_fraction"] - run["formula_bubble_fraction"] for run in row["repeats"]]
             causes = ", ".join(f"{k} {v:+.3f}" for k, v in row["residual_by_cause"].items() if abs(v) >= 0.005)
+            measured, simulated = row["measured_bubble_fraction"], row["simulated_bubble_fraction"]
             print(f"  {name:<20} {row['m']:>3} {row['step_time_s'] * 1e3:>7.1f}ms {single / row['step_time_s']:>8.2f}x "
-                  f"{row['measured_bubble_fraction']:>7.3f} {low:>6.3f}-{high:<6.3f} {min(runs):>+6.3f}..{max(runs):<+6.3f}"
-                  f"{row['formula_bubble_fraction']:>8.3f} {row['measured_bubble_fraction'] - row['formula_bubble_fraction']:>+7.3f} "
-                  f"{row['others_cpu_share']:>6.0%}  {causes}")
+                  f"{measured:>7.3f} {low:>6.3f}-{high:<6.3f} {row['formula_bubble_fraction']:>8.3f} "
+                  f"{measured - row['formula_bubble_fraction']:>+7.3f} {min(runs):>+7.3f}..{max(runs):<+6.3f} "
+                  f"{simulated:>9.3f} {measured - simulated:>+7.3f} {row['others_cpu_share']:>6.0%}  {causes}")
     if args.plot:
         plot(all_results, args.plot)
         print(f"plot: {args.plot}")
