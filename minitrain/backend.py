@@ -1,12 +1,12 @@
 """The array module: NumPy on the CPU, CuPy on a CUDA GPU, behind one switch (as in needle).
 
-Every tensor holds an ``xp`` array. Code never imports cupy outside this file; it asks
-``array_module(a)`` for the module that owns an array, or ``xp()`` for the module of the current
-device. ``MINITRAIN_DEVICE=cuda`` (or ``minitrain.set_device("cuda")``) selects CuPy;
-``use_gpu(i)`` picks the GPU (``minitrain.comm.init()`` gives rank r its local rank's).
-Moves between host and device happen only here, on purpose, and are counted (``transfer_counts``):
+Every tensor holds an xp array. Code never imports cupy outside this file; it asks
+array_module(a) for the module that owns an array, or xp() for the module of the current
+device. MINITRAIN_DEVICE=cuda (or minitrain.set_device("cuda")) selects CuPy;
+use_gpu(i) picks the GPU (minitrain.comm.init() gives rank r its local rank's).
+Moves between host and device happen only here, on purpose, and are counted (transfer_counts):
 host -> device copies, device -> host copies, and synchronisations (the host waiting for the GPU).
-The default floating dtype is float32, as in PyTorch; ``set_default_dtype(np.float64)`` switches it.
+The default floating dtype is float32, as in PyTorch; set_default_dtype(np.float64) switches it.
 """
 import os
 import sys

@@ -1,9 +1,9 @@
 """Test helpers shared by the test suite and the exercise checks.
 
-``gradcheck`` compares backward() with central differences (float64).
-``run_mpi`` runs a command under ``mpiexec -n N`` (MPICH's or Open MPI's) with a hard timeout;
-every output line is prefixed with its rank (``-l`` / ``--tag-output``), and a failure or a hang
-raises ``MPIRunError`` carrying all of it, so a deadlock fails a test within its timeout instead of
+gradcheck compares backward() with central differences (float64).
+run_mpi runs a command under mpiexec -n N (MPICH's or Open MPI's) with a hard timeout;
+every output line is prefixed with its rank (-l / --tag-output), and a failure or a hang
+raises MPIRunError carrying all of it, so a deadlock fails a test within its timeout instead of
 stalling CI.
 """
 import json

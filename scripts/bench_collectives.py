@@ -2,13 +2,13 @@
 
     python scripts/bench_collectives.py [--ranks 2 4] [--max-mib 64] [--plot collectives.png] [--json out.json]
 
-Launches itself under ``mpiexec -n p`` for each p. Sizes from 1 KiB to 64 MiB (float32). For
+Launches itself under mpiexec -n p for each p. Sizes from 1 KiB to 64 MiB (float32). For
 each size: minitrain's ring_all_reduce, all_reduce(auto), recursive_doubling_all_reduce,
 ring_reduce_scatter, ring_all_gather against MPI_Allreduce (in-place and out-of-place),
 MPI_Reduce_scatter_block and MPI_Allgather. Prints the median time, algbw = bytes/time and
 busbw with the nccl-tests definitions (all-reduce: algbw·2(p-1)/p; the other two: algbw·(p-1)/p),
 the ratio MPI time / ours (>1 means ours is faster; for all-reduce against the faster of
-MPI's two). Both sides write into preallocated outputs (``out=`` for ours), as DDP and ZeRO do.
+MPI's two). Both sides write into preallocated outputs (out= for ours), as DDP and ZeRO do.
 Also an alpha-beta fit of the ring (t = 2(p-1)·alpha + 2(p-1)/p·n·beta), and the
 size where recursive doubling stops beating the ring.
 """
@@ -20,6 +20,8 @@ import sys
 import time
 
 import numpy as np
+
+from minitrain import cli
 
 
 def timed(fn, comm, min_time=0.3, min_reps=3, max_reps=200):
@@ -135,11 +137,11 @@ def plot(all_rows, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="one mpiexec launch per p")
+    ap.add_argument("--max-mib", type=int, default=64, help="the largest message, in MiB (sizes from 1 KiB)")
+    ap.add_argument("--plot", metavar="PNG", help="draw time and bus bandwidth per size (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

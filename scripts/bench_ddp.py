@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from minitrain import cli
+
 LR = 0.05
 BUCKET_CAP_MB = 4   # both frameworks; at the default 25 MiB the large model (16.8 MB) is one bucket,
                     # which cannot start before backward ends: nothing to overlap
@@ -110,10 +112,10 @@ def launch(framework, model, p, steps, sync_every=1):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="one mpiexec launch per p")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per model")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--framework", default="minitrain", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="small", help=argparse.SUPPRESS)

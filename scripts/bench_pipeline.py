@@ -20,10 +20,10 @@ from the formula is the stages' unequal speed). The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
-``--repeat R`` runs every configuration R times and reports the quietest run (the one during which
+--repeat R runs every configuration R times and reports the quietest run (the one during which
 other processes used the least CPU: the machine's busy time from /proc/stat minus the ranks' own
-CPU time, as a share of all cores) beside the range of the R measured bubbles; ``--wait-quiet S``
-first waits (up to ``--quiet-timeout`` seconds) until other processes use less than S of the cores.
+CPU time, as a share of all cores) beside the range of the R measured bubbles; --wait-quiet S
+first waits (up to --quiet-timeout seconds) until other processes use less than S of the cores.
 """
 import argparse
 import json
@@ -31,6 +31,8 @@ import os
 import time
 
 import numpy as np
+
+from minitrain import cli
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
 CHUNKS = {"interleaved_1f1b": 2}
@@ -63,7 +65,7 @@ def busy_seconds():
 
 
 def others_share(comm, work):
-    """The share of the machine's cores that other processes used while ``work()`` ran."""
+    """The share of the machine's cores that other processes used while work() ran."""
     from minitrain.comm import ring_all_gather
     comm.barrier()
     busy, own, start = busy_seconds(), time.process_time(), time.perf_counter()
@@ -77,8 +79,8 @@ def others_share(comm, work):
 
 
 def wait_for_quiet(comm, share, timeout):
-    """Rank 0 samples the machine over 2 s windows until other processes use less than ``share`` of
-    its cores (or ``timeout`` seconds pass); the other ranks wait for its word (asleep)."""
+    """Rank 0 samples the machine over 2 s windows until other processes use less than share of
+    its cores (or timeout seconds pass); the other ranks wait for its word (asleep)."""
     from minitrain.comm import broadcast
     if comm.rank == 0 and busy_seconds() is not None:
         deadline = time.perf_counter() + timeout
@@ -186,18 +188,18 @@ def plot(all_results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first is not measured)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration (the quietest is reported)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SHARE",
-                    help="before each run, wait until other processes use less than SHARE of the cores")
-    ap.add_argument("--quiet-timeout", type=float, default=120.0, help="... but no longer than this (seconds)")
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+                    help="before each run, wait until other processes use less than SHARE of the cores (0: do not wait)")
+    ap.add_argument("--quiet-timeout", type=float, default=120.0, help="... but no longer than this, in seconds")
+    ap.add_argument("--width", type=int, default=1024, help="W of the 8 Linear(W, W) blocks")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="values of m")
+    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES, help="the schedules to run")
+    ap.add_argument("--plot", metavar="PNG", help="draw the bubbles beside the formula (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

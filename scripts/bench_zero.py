@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from minitrain import cli
+
 SIZES, BATCH, LR = [1024, 1024, 1024, 1024, 10], 256, 1e-3
 CONFIGS = ["ddp", "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload"]
 ANCHORS = ["torch_ddp", "torch_zero1"]
@@ -151,12 +153,13 @@ def plot(results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="one mpiexec launch per p and configuration")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is kept)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG",
+                    help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them)")
+    ap.add_argument("--plot", metavar="PNG", help="draw model-state memory per rank (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)

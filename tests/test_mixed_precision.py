@@ -8,7 +8,7 @@ from minitrain import memory, nn, optim
 from minitrain.backend import bfloat16
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
-from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer
+from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer, found_inf_on_any_rank
 from minitrain.parallel.zero_memory import MIXED_PRECISION_ADAM, model_state_bytes
 
 LOW = [np.float16, bfloat16]
@@ -126,7 +126,8 @@ def _train_mixed(comm, stage, dtype, init, steps=3):
                                                bucket_cap_mb=0.001, lr=1e-2), model
     elif stage == 3:
         forward = FullyShardedDataParallel(model, comm)
-        opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.Adam, comm=comm, lr=1e-2)
+        opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.Adam,
+                                            all_reduce_found_inf=found_inf_on_any_rank(comm), lr=1e-2)
     else:
         opt, forward = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2), model
     x, y = data()
@@ -168,3 +169,20 @@ def test_the_masters_leave_the_memory_tracker_with_their_optimizer():
     del opt
     gc.collect()
     assert memory.snapshot()["optimizer_state"] == before
+
+
+def test_sharded_ranks_skip_together_when_only_one_shard_overflows():
+    """ZeRO-1 in fp16 on 2 ranks: the gradient overflows in rank 1's shard only (element 7 of
+    [0, 4) / [4, 8)), yet both ranks skip the step and keep equal weights: the optimizer received
+    the reduction (all_reduce_found_inf) and every rank took the same decision."""
+    def body(comm):
+        w = nn.Parameter(np.ones(8, np.float16))
+        zero = ZeroRedundancyOptimizer([w], optim.SGD, comm, stage=1, lr=0.1)
+        x = np.ones(8, np.float32)
+        x[7] = 1e6                               # beyond float16's 65504: its gradient is inf
+        (w.to(np.float32) * mt.Tensor(x)).sum().backward()
+        zero.step()
+        return zero.optimizer.skipped_steps, w.data.copy()
+    results = ThreadWorld(2).run(body)
+    assert [skipped for skipped, _ in results] == [1, 1]
+    assert all(np.array_equal(weights, np.ones(8, np.float16)) for _, weights in results)

@@ -236,9 +236,9 @@ def test_clipping_uses_the_norm_of_the_full_gradient(sequence_parallel):
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
 @pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel, recompute):
-    """The module docstring's count: TP sbh(4 + 16/t) + 2as²b/t + 2sb, SP (sbh·20 + 2as²b + 2sb)/t
+    """The module docstring's count: TP sbh(4 + 16/t) + as²b/t + 2sb, SP (sbh·20 + as²b + 2sb)/t
     elements per layer and rank (the difference between a 2-layer and a 1-layer model's forward).
-    Selective recomputation drops the 2as²b/t of the attention core; full keeps only each block's
+    Selective recomputation drops the as²b/t of the attention core; full keeps only each block's
     input: sbh, with SP sbh/t (Korthikanti et al. sec. 5)."""
     from minitrain import memory
     B, T, C, H = 2, 8, 16, 4
@@ -256,7 +256,7 @@ def test_saved_activations_per_layer_match_the_derivation(t, sequence_parallel, 
             _, loss = model(x, x)                       # keep the graph (and what it saved) alive
             return memory.snapshot()["activations"] - before
         saved.append(ThreadWorld(t).run(fn))
-    sbh, attention = B * T * C, 2 * H * T * T * B / t
+    sbh, attention = B * T * C, H * T * T * B / t
     if recompute == "selective":
         attention = 0
     if recompute == "full":

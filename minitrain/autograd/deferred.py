@@ -9,11 +9,11 @@ stage waits for the input gradient), W is not and can fill the pipeline's idle t
     ...
     w.run()                                               # W: the weights' .grad, later
 
-every graph node with one of the given ``weights`` among its inputs runs its backward with
-``needs_input_grad`` cleared for those weights (Linear computes g @ W but not g^T x), and is
-queued, with its incoming gradient and its saved arrays, for ``run()``, which calls the same
-backward again for the weights alone and accumulates into ``.grad`` (hooks fire then, once per
-weight). Cost: no extra FLOPs for ops that honour ``needs_input_grad``; the saved arrays of the
+every graph node with one of the given weights among its inputs runs its backward with
+needs_input_grad cleared for those weights (Linear computes g @ W but not g^T x), and is
+queued, with its incoming gradient and its saved arrays, for run(), which calls the same
+backward again for the weights alone and accumulates into .grad (hooks fire then, once per
+weight). Cost: no extra FLOPs for ops that honour needs_input_grad; the saved arrays of the
 queued nodes (a layer's input) and their incoming gradients live until W, which is the
 activation memory the ZB papers count until W. Outside the block the engine is unchanged.
 """
@@ -71,7 +71,7 @@ class WeightGradients:
 
     def run(self):
         """W: compute every queued weight gradient, sum the contributions per weight and
-        accumulate each into its ``.grad`` (post-accumulate hooks fire here). Empties the queue."""
+        accumulate each into its .grad (post-accumulate hooks fire here). Empties the queue."""
         from .engine import _accumulate_leaf, _add, _owned
         remaining = {}                             # weight -> contributions still to come
         for node, _, positions in self._queue:
@@ -108,8 +108,8 @@ class WeightGradients:
 
 
 class defer_weight_grads:
-    """``with defer_weight_grads(weights) as w:``: backwards inside compute input gradients only
-    and queue the gradients of ``weights`` into ``w``; ``w.run()`` computes them (see the module
+    """with defer_weight_grads(weights) as w:: backwards inside compute input gradients only
+    and queue the gradients of weights into w; w.run() computes them (see the module
     docstring). Blocks nest; the innermost one collects."""
 
     def __init__(self, weights):

@@ -7,17 +7,17 @@
    which is what lets DDP start communicating early.
 3. Each node's backward turns the gradient of its output into gradients of its inputs; gradients
    that meet at a tensor are summed. When a leaf has received all its contributions it is
-   accumulated into ``leaf.grad`` (in place when a gradient is already there) and its
+   accumulated into leaf.grad (in place when a gradient is already there) and its
    post-accumulate-grad hooks fire: "this parameter's gradient is final".
-4. Unless ``retain_graph=True``, each node frees its saved arrays as soon as it has run.
+4. Unless retain_graph=True, each node frees its saved arrays as soon as it has run.
 
-5. Inside ``defer_weight_grads(weights)`` (deferred.py), a node with one of those weights among
-   its inputs computes only its other inputs' gradients now (B) and is queued, saved arrays kept,
-   for the weights' gradients later (W): zero-bubble pipelines. Otherwise nothing changes.
+5. Inside defer_weight_grads(weights) (deferred.py), a node with one of those weights among its
+   inputs computes only its other inputs' gradients now (B) and is queued, saved arrays kept, for
+   the weights' gradients later (W): zero-bubble pipelines. Otherwise nothing changes.
 
-6. Callbacks queued during this backward (``queue_callback``, as PyTorch's engine has) run at its
+6. Callbacks queued during this backward (queue_callback, as PyTorch's engine has) run at its
    end: DDP uses one to launch the buckets that are still open and to wait for every reduction, so
-   that gradients are synchronised when ``backward()`` returns.
+   that gradients are synchronised when backward() returns.
 
 Ownership: an array that a backward returns freshly (not its incoming gradient, not a view) is
 owned by the engine, which may then add into it in place; anything else is copied before it is

@@ -1,8 +1,8 @@
 """The differentiable operations: each forward next to its backward.
 
-Forwards receive and return raw ``xp`` arrays; backwards return one gradient per positional
+Forwards receive and return raw xp arrays; backwards return one gradient per positional
 input (None where no gradient is needed). Broadcasting is undone by the one helper
-``unbroadcast``. Dtypes never widen: constants are Python floats, which NumPy 2 treats as
+unbroadcast. Dtypes never widen: constants are Python floats, which NumPy 2 treats as
 "weak" (a float32 array times 0.5 stays float32), never NumPy float64 scalars.
 """
 import math
@@ -22,7 +22,7 @@ def unbroadcast(grad, shape):
         return grad
     extra = grad.ndim - len(shape)
     if extra:
-        grad = grad.sum(axis=tuple(range(extra)))
+        grad = kernels.sum_leading(grad, extra)
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     if axes:
         grad = grad.sum(axis=axes, keepdims=True)
@@ -244,7 +244,7 @@ class Linear(Function):
         gx = matmul_rows(g, weight) if need[0] else None
         g2 = g.reshape(-1, g.shape[-1])
         gw = g2.T @ x.reshape(-1, x.shape[-1]) if need[1] else None
-        gb = g2.sum(axis=0) if len(need) > 2 and need[2] else None
+        gb = kernels.sum_leading(g2, 1) if len(need) > 2 and need[2] else None
         return gx, gw, gb
 
 
@@ -429,13 +429,22 @@ class GELU(Function):
 
 
 class Softmax(Function):
+    """softmax(x) along ``axis``; attention's form softmax(where(mask, -inf, x·scale)) in one op, so
+    that the GPU scales and masks in one fused pass and backward (which is 0 where masked) in one."""
+
     @staticmethod
-    def forward(ctx, x, axis=-1):
-        ctx.axis = axis
+    def forward(ctx, x, axis=-1, scale=None, mask=None):
+        ctx.axis, ctx.scale = axis, scale
         if is_device_array(x):
+            if scale is not None or mask is not None:
+                x = kernels.scale_and_mask(x, 1.0 if scale is None else scale, mask)
             out = kernels.softmax(x, axis)
         else:
             xp = array_module(x)
+            if scale is not None:
+                x = x * scale
+            if mask is not None:
+                x = xp.where(mask, -math.inf, x)
             e = xp.exp(x - x.max(axis=axis, keepdims=True))
             out = e / e.sum(axis=axis, keepdims=True)
         ctx.save_for_backward(out)
@@ -445,8 +454,9 @@ class Softmax(Function):
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
         if is_device_array(g):
-            return kernels.softmax_backward(out, g, ctx.axis)
-        return out * (g - (g * out).sum(axis=ctx.axis, keepdims=True))
+            return kernels.softmax_backward(out, g, ctx.axis, 1.0 if ctx.scale is None else ctx.scale)
+        gx = out * (g - (g * out).sum(axis=ctx.axis, keepdims=True))   # 0 where masked (out is 0 there)
+        return gx if ctx.scale is None else gx * ctx.scale
 
 
 def _log_softmax(x, axis):
@@ -565,7 +575,7 @@ class LayerNorm(Function):
         need = ctx.needs_input_grad
         if is_device_array(g):
             gw = kernels.sum_product(lead)(g, xhat) if weight is not None and need[1] else None
-            gb = g.sum(axis=lead) if len(need) > 2 and need[2] else None
+            gb = kernels.sum_leading(g, len(lead)) if len(need) > 2 and need[2] else None
             gx = kernels.layer_norm_backward(g, xhat, rstd, weight, axes) if need[0] else None
             return gx, gw, gb
         gw = (g * xhat).sum(axis=lead) if weight is not None and need[1] else None

@@ -1,6 +1,6 @@
 """Every collective checked exactly on awkward sizes and every dtype, on any communicator:
 run in-process on ThreadWorld by the tests, and under mpiexec against MPI's built-ins
-(``python -m minitrain.comm.checks``)."""
+(python -m minitrain.comm.checks)."""
 import sys
 
 import numpy as np

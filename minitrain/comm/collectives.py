@@ -2,7 +2,7 @@
 Patarasuk & Yuan 2009 for the ring). MPI's built-ins are the oracle and the speed anchor only.
 
 Cost model: sending n bytes costs alpha + n·beta. p ranks, N elements of the input, b bytes
-each. Per rank (what ``comm.stats`` measures):
+each. Per rank (what comm.stats measures):
 
   ring_reduce_scatter   (p-1) messages, (N - |own chunk|)·b         ~ (p-1)/p·N·b
   ring_all_gather       (p-1) messages, (N - |chunk r+1|)·b         ~ (p-1)/p·N·b
@@ -12,11 +12,11 @@ each. Per rank (what ``comm.stats`` measures):
   broadcast / reduce    binomial tree: ceil(log2 p)·(alpha + N·b·beta) on the critical path
   all_to_all            (p-1) messages of N/p·b: (p-1)·alpha + (p-1)/p·N·b·beta
 
-Arrays of any shape are treated as flat; chunks follow ``np.array_split(x.ravel(), p)``, so any
-length works (0, 1, fewer than p, not divisible by p). ``op`` is sum, mean, max or min (mean:
-floating dtypes only, since an integer mean is not an integer). ``ring_all_reduce`` and friends
-return new arrays and leave the input untouched; ``broadcast`` fills the receivers' buffers in
-place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
+Arrays of any shape are treated as flat; chunks follow np.array_split(x.ravel(), p), so any
+length works (0, 1, fewer than p, not divisible by p). op is sum, mean, max or min (mean:
+floating dtypes only, since an integer mean is not an integer). ring_all_reduce and friends
+return new arrays and leave the input untouched; broadcast fills the receivers' buffers in
+place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 """
 import numpy as np
 

@@ -1,24 +1,24 @@
 """Communicator: the only way bytes cross ranks. Point-to-point calls, counted and hang-proof.
 
-Two transports implement the same five primitives (``_isend``, ``_irecv``, ``_split``, ``_idle``,
-``abort``): ``MPICommunicator`` (mpi4py's buffer API) and ``ThreadWorld`` (ranks as threads).
+Two transports implement the same five primitives (_isend, _irecv, _split, _idle,
+abort): MPICommunicator (mpi4py's buffer API) and ThreadWorld (ranks as threads).
 Everything above is shared and written once, here:
 
-* ``send/recv/sendrecv/isend/irecv`` on contiguous numpy (or cupy) arrays, sent as raw bytes;
-* ``stats``: bytes and messages sent/received, in total and per collective name;
-* waiting: requests are polled with ``test()``: yielding the core (``sched_yield``) for the
+* send/recv/sendrecv/isend/irecv on contiguous numpy (or cupy) arrays, sent as raw bytes;
+* stats: bytes and messages sent/received, in total and per collective name;
+* waiting: requests are polled with test(): yielding the core (sched_yield) for the
   first ~2 ms, then sleeping with a growing back-off. Measured here: pure spinning made a 4 MiB
-  ring all-reduce at 4 ranks on 2 cores 5x slower; ``time.sleep(0)`` (a nanosleep, which the
+  ring all-reduce at 4 ranks on 2 cores 5x slower; time.sleep(0) (a nanosleep, which the
   kernel's timer slack stretches to ~50 us) made 1 KiB sendrecv 3x slower than sched_yield.
   A 10 ms yield window keeps MPI progressing through a multi-MiB transfer (2 ms cost p=2 a
-  quarter of its 16 MiB bandwidth) and did not slow a computing rank beside 3 waiting ones. Every wait has a timeout (``MINITRAIN_TIMEOUT`` seconds,
-  default 300) that raises ``CollectiveTimeout`` naming the operation and the silent peers;
+  quarter of its 16 MiB bandwidth) and did not slow a computing rank beside 3 waiting ones. Every wait has a timeout (MINITRAIN_TIMEOUT seconds,
+  default 300) that raises CollectiveTimeout naming the operation and the silent peers;
 * collective bookkeeping: each collective call takes the next sequence number, which (with a
   hash of the collective's name) becomes its message tag, so a blocking collective and an
   asynchronous one in flight never mix up their messages, and two ranks that call different
   collectives wait for each other (and time out naming each other) instead of exchanging
-  mismatched bytes; with ``MINITRAIN_DEBUG=1`` first exchanges a header (name, sequence
-  number, shape, dtype, op) with every rank, raising ``CollectiveMismatchError`` on disagreement.
+  mismatched bytes; with MINITRAIN_DEBUG=1 first exchanges a header (name, sequence
+  number, shape, dtype, op) with every rank, raising CollectiveMismatchError on disagreement.
 """
 import os
 import threading
@@ -99,11 +99,6 @@ class CommStats:
             entry = self.by_name.get(name)
             return dict(entry) if entry else {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                                               "messages_received": 0, "calls": 0}
-
-    def as_dict(self):
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "messages_sent": self.messages_sent, "messages_received": self.messages_received,
-                "by_name": {k: dict(v) for k, v in self.by_name.items()}}
 
 
 class Request:

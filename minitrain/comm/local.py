@@ -1,12 +1,12 @@
 """ThreadWorld: N ranks as threads in one process, for fast tests and notebooks.
 
-``ThreadWorld(4).run(fn)`` calls ``fn(comm)`` on four threads, each with its own
-``ThreadCommunicator`` (and its own memory tracker, tracer and random generator, so per-rank
+ThreadWorld(4).run(fn) calls fn(comm) on four threads, each with its own
+ThreadCommunicator (and its own memory tracker, tracer and random generator, so per-rank
 accounting works and ranks draw the same numbers, as processes with one seed do),
 and returns the four results. Messages go through one shared mailbox keyed by
 (group, source, destination, tag); a send copies its buffer (so the sender may reuse it at
 once, as after MPI_Send returns), a receive copies into the caller's buffer and checks the size.
-If one rank raises, the others stop waiting within milliseconds and ``run`` re-raises the first
+If one rank raises, the others stop waiting within milliseconds and run re-raises the first
 error with a note naming the rank.
 """
 import threading

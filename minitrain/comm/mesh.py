@@ -1,8 +1,8 @@
 """DeviceMesh: the world as a grid of named axes, each axis a sub-communicator (as picotron).
 
-``grid = arange(world).reshape(pp, dp, tp)``: tp is innermost (tensor-parallel neighbours are
+grid = arange(world).reshape(pp, dp, tp): tp is innermost (tensor-parallel neighbours are
 adjacent ranks, which on a real cluster share a node and its fast links), then dp, then pp.
-A rank's coordinates are where it sits in that grid; ``mesh.comm("dp")`` connects the ranks that
+A rank's coordinates are where it sits in that grid; mesh.comm("dp") connects the ranks that
 differ only in their dp coordinate.
 """
 import numpy as np

@@ -1,11 +1,11 @@
 """MPICommunicator: the Communicator over mpi4py's buffer API (never pickle for arrays).
 
-Arrays travel as raw bytes (``[buf, MPI.BYTE]``), so every NumPy dtype works, float16 included,
+Arrays travel as raw bytes ([buf, MPI.BYTE]), so every NumPy dtype works, float16 included,
 and the two sides must agree on sizes (the collectives guarantee it; debug mode checks it).
 CuPy arrays are staged through host memory unless MPI says it is CUDA-aware
-(``MPIX_Query_cuda_support`` via ctypes) or ``MINITRAIN_CUDA_AWARE=1`` forces the direct path:
+(MPIX_Query_cuda_support via ctypes) or MINITRAIN_CUDA_AWARE=1 forces the direct path:
 the PyPI mpich wheel is not CUDA-aware, and a device pointer given to it would crash.
-``init()`` is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
+init() is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
 installs the hook that turns an uncaught exception on any rank into "[rank r] traceback" and an
 MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
 """

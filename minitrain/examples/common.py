@@ -1,6 +1,6 @@
 """What the example jobs share: where this process sits in an mpirun launch, and the report.
 
-Until data parallelism lands (issue 4), a job started as ``mpirun -n N`` trains on rank 0 and the
+Until data parallelism lands (issue 4), a job started as mpirun -n N trains on rank 0 and the
 other ranks exit at once; the launch is read from the MPI launcher's environment (MPICH's
 PMI_RANK/PMI_SIZE, Open MPI's OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job.
 """

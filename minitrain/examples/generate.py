@@ -5,11 +5,11 @@
         [--precision fp64|fp32] [--temperature 0] [--top-k K] [--seed 0] [--json PATH]
     mpirun -n 2 python -m minitrain.examples.generate --tp 2 ...
 
-Prompts of mixed lengths (``--min/--max-prompt-len``, after ``--shared-prefix`` common tokens) are cut
-from the corpus's validation text; each gets ``--max-new-tokens`` tokens (temperature 0: greedy;
+Prompts of mixed lengths (--min/--max-prompt-len, after --shared-prefix common tokens) are cut
+from the corpus's validation text; each gets --max-new-tokens tokens (temperature 0: greedy;
 sequence i samples from its own generator seeded (seed, i), so every scheme gives the same tokens).
-``--device-memory`` is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
-``kv_cache``). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
+--device-memory is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
+kv_cache). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; kv_bytes_reserved = the largest KV
 reservation after any step (contiguous: running sequences x context x kv_bytes_per_token; paged: blocks
 held x block_size x kv_bytes_per_token); kv_bytes_used = bytes holding tokens' K/V after the last step
@@ -26,42 +26,42 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import memory, nn, optim
+from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import fmt_bytes, launch_info, write_json
 from minitrain.inference import CACHES, LLMEngine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--cache", choices=CACHES, default="paged", help="KV cache scheme")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=8, help="requests to serve")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
-                   help="the teaching device's capacity per rank: parameters plus KV blocks")
+                   help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp64",
                    help="fp64 (default): every scheme gives the same logits to 1e-10")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens (default: all of them)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the prompts and sampling")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
-    p.add_argument("--min-prompt-len", type=int, default=4)
-    p.add_argument("--max-prompt-len", type=int, default=24)
+    p.add_argument("--min-prompt-len", type=int, default=4, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=24, help="longest prompt, in tokens")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="every prompt starts with the same N tokens; the paged cache shares their blocks")
     p.add_argument("--context", type=int, default=64, help="the model's context (its block_size)")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
     p.add_argument("--train-steps", type=int, default=100, help="brief training before serving (0: none)")
     p.add_argument("--batch-size", type=int, default=8, help="training batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint instead of training")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate of the brief training")
+    p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     args = p.parse_args(argv)
     for name in ("num_prompts", "max_new_tokens", "max_batch", "tp", "min_prompt_len", "context", "n_layer",
                  "n_head", "n_embd", "batch_size"):
@@ -102,14 +102,10 @@ def make_prompts(corpus, args):
 
 
 def load_checkpoint(model, directory):
-    """HOOK for issue 17 (checkpoints, minitrain/checkpoint/, not on this branch when this job was
-    written): load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
-    --n-layer/--n-head/--n-embd, and --context = the gpt job's --block-size), parameters only."""
-    try:
-        from minitrain import checkpoint
-    except ImportError:
-        raise ValueError("--checkpoint needs minitrain.checkpoint (the checkpoint issue), which this "
-                         "installation does not have yet: train instead (--train-steps)") from None
+    """Load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
+    --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
+    only: any layout the gpt job saved from (dp, tp, pp) is resharded to this one process."""
+    from minitrain import checkpoint
     try:
         path = checkpoint.find_latest(directory)
         if path is None:
@@ -146,7 +142,13 @@ def error(rank, message):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    """Run the job on a memory ledger of its own: --device-memory is what this job may place (parameters
+    plus KV blocks), whatever else the process (a notebook, a test session) still holds."""
+    with memory.use_tracker(memory.MemoryTracker()):
+        return _main(parse_args(argv))
+
+
+def _main(args):
     _, launched = launch_info()
     comm = None
     if launched > 1 or args.tp > 1:

@@ -1,17 +1,17 @@
-"""The GPT job on several ranks: ``mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
+"""The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
 [--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations]``.
+[--recompute full|selective] [--offload-activations].
 
-The N ranks form a ``DeviceMesh`` of dp x pp x tp (tp innermost; ``--dp`` defaults to N / (pp·tp))
-and train ``GPT3D``: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
-takes its rows of the global batch. ``--tp N`` alone is Megatron's tensor parallelism, ``--pp N``
+The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
+and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
+takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
 alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
-``--save-dir``/``--resume``: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
+--save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process).
 """
 import contextlib

@@ -4,12 +4,12 @@
         [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
         [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
-Each rank trains on its DistributedSampler share of every global batch (``--batch-size`` is
+Each rank trains on its DistributedSampler share of every global batch (--batch-size is
 global) and DDP averages the gradients, so N ranks take exactly the steps one process would
 take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
-``--save-dir``/``--save-every``/``--resume``: sharded checkpoints, resumable on any layout
-(minitrain/examples/checkpointing.py); the JSON's ``losses`` are the global loss of every step run.
+--save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
+(minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.
 """
 import argparse
 import sys
@@ -19,7 +19,7 @@ import numpy as np
 
 import minitrain
 from minitrain import comm as mtcomm
-from minitrain import backend, memory, nn, optim, trace
+from minitrain import backend, cli, memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
@@ -28,7 +28,7 @@ from minitrain.examples.common import (device_code, device_name, fmt_bytes, memo
                                        planner_line, tqdm, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
-                                offload_activations)
+                                found_inf_on_any_rank, offload_activations)
 from minitrain.parallel.pipeline import NAMES as PIPELINE_NAMES
 from minitrain.parallel.zero_memory import model_state_bytes
 
@@ -37,24 +37,24 @@ PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="how the ranks share the work")
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
-                   help="teaching device: each rank may hold at most BYTES from the first step on")
+                   help="teaching device: each rank may hold at most BYTES from the first step on (default: no limit)")
     p.add_argument("--schedule", choices=PIPELINE_NAMES, default="1f1b", help="pipeline: the schedule")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
     p.add_argument("--chunks", type=int, default=None,
                    help="pipeline: model chunks per rank (interleaved_1f1b; default 1; zbv is always 2)")
     p.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="sgd: with momentum 0.9")
+    p.add_argument("--hidden", type=int, default=128, help="width of each hidden layer")
     p.add_argument("--layers", type=int, default=None,
-                   help="number of hidden layers (default 2; pipeline: enough for every stage, max(2, stages))")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+                   help="number of hidden layers (default: 2; pipeline: enough for every stage, max(2, stages))")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp16/bf16: mixed precision (fp32 master weights and optimizer state)")
     p.add_argument("--offload", action="store_true",
@@ -62,10 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON")
-    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
-    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps (default: none)")
+    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
     args = p.parse_args(argv)
@@ -118,10 +118,11 @@ def main(argv=None):
 
     def optimizer_for(params, comm_for_overflow=None):
         """fp32 master weights in mixed precision; on the host with --offload."""
+        agree = found_inf_on_any_rank(comm_for_overflow) if comm_for_overflow is not None else None
         if args.offload:
-            return CPUOffloadOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return CPUOffloadOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         if mixed:
-            return optim.MixedPrecisionOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         return opt_class(params, **opt_args)
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)

@@ -1,16 +1,17 @@
-"""The main job's pipeline strategy (``python -m minitrain.examples.mlp --strategy pipeline``):
+"""The main job's pipeline strategy (python -m minitrain.examples.mlp --strategy pipeline):
 
     mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline --schedule 1f1b --microbatches 8
         [--chunks V] [--dp D] [--layers L] [--json out.json] [--plot pipeline.png] [--trace trace.json]
 
 The MLP's layers are cut into ranks/D stages (x chunks), balanced by counted cost (F + B + W
-multiply-adds per row, from the parameters per layer: partition.py); by default the MLP has max(2, stages) hidden layers, so any -n works, and the table at the
-start names each stage's layers and cost share (an uneven cut is reported with the bubble it
-implies). D data-parallel replicas of the pipeline each take 1/D of every global batch. At the end
-rank 0 reports the measured bubble (measure.py: per rank, the step's time outside its own F/B/W
-work over the step's wall time, mean over ranks and over the steps after the first) beside the
-formula, with the residual per cause; ``--plot`` draws the schedule simulated with the measured
-F, B, W times above the measured last step, on one time axis.
+multiply-adds per row, from the parameters per layer: partition.py); by default the MLP has
+max(2, stages) hidden layers, so any -n works, and the table at the start names each stage's
+layers and cost share (an uneven cut is reported with the bubble it implies). D data-parallel
+replicas of the pipeline each take 1/D of every global batch. At the end rank 0 reports the
+measured bubble (measure.py: per rank, the step's time outside its own F/B/W work over the step's
+wall time, mean over ranks and over the steps after the first) beside the formula, with the
+residual per cause; --plot draws the schedule simulated with the measured F, B, W times above the
+measured last step, on one time axis.
 """
 import sys
 import time

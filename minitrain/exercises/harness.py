@@ -14,7 +14,7 @@ import sys
 import threading
 import traceback
 
-from .grading import Mismatch, StopGrading, stop_thread, where
+from .grading import Mismatch, StopGrading, mixes_host_and_device, stop_thread, where
 
 DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before it is declared stuck
 WALL_FACTOR = 10                # a world may run this many wait timeouts in all
@@ -141,6 +141,10 @@ def _failure_report(p, errors, finished, timeout):
         return "returned normally" if finished.get(r) else "was stopped"
 
     lines = _rank_lines(p, describe)
+    if any(mixes_host_and_device(e) for e in errors.values()):
+        lines.append("  On the GPU, NumPy and CuPy arrays do not mix: make new arrays with the input's module, "
+                     "xp = minitrain.backend.array_module(x), never np, and copy between host and GPU only on "
+                     "purpose (minitrain.backend.to_host / to_device)")
     if raised:
         e = errors[raised[0]]
         if isinstance(e, NotImplementedError):

@@ -23,8 +23,11 @@ def gelu(x):
     return ops.GELU.apply(x)
 
 
-def softmax(x, axis=-1):
-    return ops.Softmax.apply(x, axis=axis)
+def softmax(x, axis=-1, scale=None, mask=None):
+    """softmax(x) along ``axis``; with ``scale`` and a boolean ``mask`` (True: masked out),
+    softmax(where(mask, -inf, x·scale)) as one op (attention's scores)."""
+    mask = mask.data if hasattr(mask, "requires_grad") else mask
+    return ops.Softmax.apply(x, axis=axis, scale=scale, mask=mask)
 
 
 def log_softmax(x, axis=-1):

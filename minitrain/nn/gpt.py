@@ -1,10 +1,10 @@
 """A small decoder-only GPT (Radford et al. 2019, GPT-2's layout, after nanoGPT).
 
-Token + position embeddings, ``n_layer`` pre-LayerNorm blocks of causal multi-head
+Token + position embeddings, n_layer pre-LayerNorm blocks of causal multi-head
 self-attention and a 4x GELU MLP (both with residual connections), a final LayerNorm and the
-LM head. Parameter names and shapes match nanoGPT's modules (``h.0.attn.c_attn.weight`` is
+LM head. Parameter names and shapes match nanoGPT's modules (h.0.attn.c_attn.weight is
 (3·n_embd, n_embd)), so weights copy one-to-one into a PyTorch model for the oracle tests.
-Parameters per layer: 12·n_embd² + 13·n_embd (with biases). ``GPTConfig.recompute``: "full"
+Parameters per layer: 12·n_embd² + 13·n_embd (with biases). GPTConfig.recompute: "full"
 recomputes each block in backward, "selective" only the attention core (Korthikanti et al. 2022).
 """
 import math
@@ -83,9 +83,10 @@ class CausalSelfAttention(Module):
         """softmax(Q K^T / sqrt(d) + mask), dropout, times V: (B, H, T, D) in and out (keys and
         values (B, H, L, D); ``mask`` True where a query may not look, causal by default)."""
         T, D = q.shape[2], q.shape[3]
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))  # (B, H, T, L)
-        att = att.masked_fill(self.causal_mask(T, q.data) if mask is None else mask, -math.inf)
-        att = self.attn_dropout(F.softmax(att, axis=-1))
+        att = q @ k.transpose(-2, -1)                          # (B, H, T, L)
+        att = F.softmax(att, axis=-1, scale=1.0 / math.sqrt(D),   # scaled and masked in the same op
+                        mask=self.causal_mask(T, q.data) if mask is None else mask)
+        att = self.attn_dropout(att)
         return att @ v
 
 

@@ -4,17 +4,17 @@ Every rank holds the whole model and runs forward and backward on its share of t
 then the gradients are averaged, so every replica takes the same step (Goyal et al. 2017).
 What makes it fast is *when* the averaging happens:
 
-* gradients are packed into **buckets** in reverse parameter order (roughly the order backward
-  finishes them), each at most ``bucket_cap_mb``;
+* gradients are packed into buckets in reverse parameter order (roughly the order backward
+  finishes them), each at most bucket_cap_mb;
 * a parameter's post-accumulate-grad hook copies its gradient into its bucket; when the last
-  gradient of a bucket arrives, the bucket's all-reduce starts **asynchronously**, while backward
+  gradient of a bucket arrives, the bucket's all-reduce starts asynchronously, while backward
   carries on with earlier layers (communication overlaps computation);
 * a callback at the end of backward launches any bucket still open (parameters that got no
   gradient contribute zeros), waits for every reduction and writes the averages back into
-  ``.grad``: when ``loss.backward()`` returns, gradients are synchronised, as in PyTorch.
+  .grad: when loss.backward() returns, gradients are synchronised, as in PyTorch.
 
 Bytes sent per rank per step: 2(p-1)/p·Ψ·itemsize (ring all-reduce of every bucket). Memory: one
-flat buffer per bucket for the gradients and one for the result (``comm_buffers``).
+flat buffer per bucket for the gradients and one for the result (comm_buffers).
 """
 import contextlib
 import hashlib

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", sec. 5; DeepSpeed's names). Stage 3 is FullyShardedDataParallel (fsdp.py).
 
-Every rank keeps all the parameters, but the optimizer state is **partitioned**: the trainable
+Every rank keeps all the parameters, but the optimizer state is partitioned: the trainable
 parameters live in one flat buffer, padded to a multiple of p, and rank r owns the contiguous
 shard [r·S, (r+1)·S), S = Ψ_pad / p. Each rank steps only its shard, with any ordinary optimizer
 built on that shard (the update is elementwise), then the shards are all-gathered back.
@@ -28,7 +28,7 @@ from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
 from ..sharded import flat_buffer_slices
-from .offload import CPUOffloadOptimizer
+from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
 
 
 class FlatParameters:
@@ -92,11 +92,11 @@ class ZeroRedundancyOptimizer:
         if offload:
             # ZeRO-Offload: the shard's fp32 master weights and optimizer state on the host
             self.optimizer = CPUOffloadOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
-                                                 comm=comm, **defaults)
+                                                 all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         elif self.flat.flat.dtype in LOW_PRECISION:
             # mixed precision: the shard's fp32 master weights live in the optimizer (K = 12)
             self.optimizer = MixedPrecisionOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
-                                                     comm=comm, **defaults)
+                                                     all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         else:
             self.optimizer = optimizer_class([self.shard], **defaults)
         self.param_groups = self.optimizer.param_groups

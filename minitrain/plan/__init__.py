@@ -3,10 +3,10 @@
     python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
         --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100 --search
 
-Memory per rank by category (``plan/memory.py``: the papers' accounting and minitrain's own, the bytes
+Memory per rank by category (plan/memory.py: the papers' accounting and minitrain's own, the bytes
 the jobs' ledger counts), step time from FLOPs, alpha-beta communication and the pipeline schedule's
-simulated bubble (``plan/time.py``), machine constants measured by ``python -m minitrain.plan calibrate``
-(``plan/calibrate.py``). ``predict(model, layout)`` is the whole model; ``from_job_args`` turns a job's
+simulated bubble (plan/time.py), machine constants measured by python -m minitrain.plan calibrate
+(plan/calibrate.py). predict(model, layout) is the whole model; from_job_args turns a job's
 parsed options (examples.mlp / examples.gpt) into a model and a layout, so a job can print the
 prediction beside what it measured.
 """

@@ -1,11 +1,11 @@
 """What each layer keeps for backward, in bytes: the activation side of minitrain's accounting.
 
-A ``Piece`` is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
+A Piece is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
 [embedding, blocks, head] as GPT3D lays them out), with its parameters. Counted as the ledger counts: each
 array once, by the buffer that owns it (a Linear after a ReLU saves the ReLU's own output; micro-batches that
-are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + 2as²b/t + 2sb
-values, with SP 20sbh/t + 2as²b/t + 2sb/t (derived in parallel/tensor_parallel.py); selective recomputation
-drops the 2as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
+are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + as²b/t + 2sb
+values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel/gpt.py); selective recomputation
+drops the as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
 SP) and holds the whole block again in its backward.
 """
 from functools import lru_cache
@@ -91,7 +91,7 @@ def gpt_block_bytes(model, layout, b):
     e = PRECISIONS[layout.precision]
     s, h, a, t = model.block_size, model.n_embd, model.n_head, layout.tp
     r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP
-    core = 2 * a * s * s * b / t * (2 if model.dropout else 1)
+    core = a * s * s * b / t * (3 if model.dropout else 1)   # softmax output (+ dropout's mask and output)
     ln = s * b * h / r + s * b / r                      # x̂ and 1/σ
     attn_in = ln + s * b * h / r + 3 * s * b * h / t    # ln_1, c_attn's input, the qkv buffer
     full = (2 * ln + 2 * s * b * h / r + 16 * s * b * h / t + core

@@ -1,14 +1,14 @@
 """What the planner plans: a model (its sizes), a batch and a layout (how ranks share the work).
 
 A layout is dp x pp x tp ranks (Narayanan et al. 2021's PTD-P: tp innermost, then dp, then pp, as
-``DeviceMesh`` lays them out), a ZeRO stage over dp, recomputation, micro-batches and a pipeline
-schedule. ``check`` refuses an impossible one with the constraint it breaks and the nearest valid
-choices; ``layouts`` enumerates every valid one for a world size (what ``--search`` ranks).
+DeviceMesh lays them out), a ZeRO stage over dp, recomputation, micro-batches and a pipeline
+schedule. check refuses an impossible one with the constraint it breaks and the nearest valid
+choices; layouts enumerates every valid one for a world size (what --search ranks).
 
 The MLP's strategies map onto layouts: ddp = dp N (ZeRO 0), zero1/2/3 = ZeRO stage s over dp N,
 pipeline = pp N/D x dp D; local_sgd is DDP whose all-reduce of Ψ parameters happens every k steps.
 """
-from dataclasses import dataclass, field, fields as dataclass_fields, replace
+from dataclasses import dataclass, field, fields as dataclass_fields
 
 PRECISIONS = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}     # bytes per parameter / activation value
 MIXED = ("fp16", "bf16")                                        # low precision + fp32 master weights
@@ -231,7 +231,3 @@ def layouts(model, world, batch_size, precision="bf16", optimizer="adam", zeros=
                             except LayoutError:
                                 pass
     return out
-
-
-def with_layout(layout, **changes):
-    return replace(layout, **changes)

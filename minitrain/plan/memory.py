@@ -1,8 +1,8 @@
 """Bytes per rank by category (params, grads, optimizer_state, activations, comm_buffers), two accountings.
 
-**paper**: the papers' assumptions, to reproduce their tables. Model states are ZeRO's (Rajbhandari et al.
+paper: the papers' assumptions, to reproduce their tables. Model states are ZeRO's (Rajbhandari et al.
 2020, Figure 1): (2 + 2 + K)Ψ with K = 12 (mixed-precision Adam), sharded by stage over N_d
-(``minitrain.parallel.zero_memory``, the same code the ZeRO tests use). Activations per transformer layer
+(minitrain.parallel.zero_memory, the same code the ZeRO tests use). Activations per transformer layer
 are Korthikanti et al. (2022) Table 2 (16-bit values, 1-byte dropout masks): sbh(34 + 5as/h) alone;
 TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t·(34 + 5as/h); selective recompute sbh(10 + 24/t), with SP
 34sbh/t; full recompute 2sbh (2sbh/t with SP). A pipeline stage keeps its layers' activations for
@@ -10,8 +10,8 @@ every micro-batch in flight (the schedule's own action list says how many). Extr
 it): the embedding's dropout mask sbh/t per micro-batch on the first stage; the last LayerNorm's and the
 LM head's inputs (2sbh/t each) and the fp32 logits 4sbV/t on the last.
 
-**minitrain**: the bytes minitrain.memory's ledger counts, its peak per category: ``step_walk`` replays
-one step as the ledger sees it, ``pipeline_walk`` a stage along its schedule; what each layer keeps for
+minitrain: the bytes minitrain.memory's ledger counts, its peak per category: step_walk replays
+one step as the ledger sees it, pipeline_walk a stage along its schedule; what each layer keeps for
 backward is plan/activations.py's. DDP holds two bucket copies of the gradients (2Ψ·b), ZeRO-1 a flat
 gradient and a shard scratch, ZeRO-2 a staging buffer of Ψ, ZeRO-3 one gathered unit and two staging
 buffers at a time; mixed precision counts the fp32 gradients while the optimizer steps.

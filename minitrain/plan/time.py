@@ -1,10 +1,10 @@
 """Step time: FLOPs at the calibrated matmul rate, elementwise passes at the calibrated bandwidth,
 Python overhead per autograd node and NumPy call, alpha-beta communication, and the pipeline schedule's
-own simulator (``parallel.pipeline.simulate``) for the bubble.
+own simulator (parallel.pipeline.simulate) for the bubble.
 
 Per micro-batch and stage, forward F and backward B = compute + communication (tensor-parallel
 collectives: 2 all-reduces of b·s·h per layer each way, or their RS/AG pairs with SP; point-to-point
-activations between stages). ``simulate(schedule, F, B)`` on the slowest stage's costs gives the
+activations between stages). simulate(schedule, F, B) on the slowest stage's costs gives the
 pipeline's span; bubble = span - the stage's own work. Then the step's tail: data-parallel gradient
 reduction (DDP overlaps its buckets with backward), the optimizer (~13 passes over Ψ for Adam).
 Collective cost: t = steps·alpha + bytes·beta (ring all-reduce: 2(p-1) steps, 2(p-1)/p·N bytes;

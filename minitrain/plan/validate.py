@@ -1,6 +1,6 @@
-"""The planner against measurement: ``python -m minitrain.plan validate [--runs NAME ...] [--markdown]``.
+"""The planner against measurement: python -m minitrain.plan validate [--runs NAME ...] [--markdown].
 
-Each run launches a job (``mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json``) at a small
+Each run launches a job (mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json) at a small
 size, reads what it measured (every rank's ledger peak per category, the median and fastest step) and
 puts the planner's prediction for the same options beside it: memory per rank and category (the ledger
 is exact, so within 5%), step time (compared where ranks <= cores: oversubscribed ranks take turns on the
@@ -104,10 +104,13 @@ def table(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minitrain.plan validate", description=__doc__.splitlines()[0])
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    from .. import cli
+    p = argparse.ArgumentParser(prog="python -m minitrain.plan validate", description=__doc__.splitlines()[0],
+                                formatter_class=cli.HelpFormatter)
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
+                   help=f"the jobs to run and compare, any of {', '.join(RUNS)} (default: all of them)")
     p.add_argument("--machine", help="machine constants (default as for plan)")
-    p.add_argument("--json", metavar="PATH", help="write every run's figures")
+    p.add_argument("--json", metavar="PATH", help="write every run's figures (default: none written)")
     args = p.parse_args(argv)
     machine = load_machine(args.machine)
     results = []

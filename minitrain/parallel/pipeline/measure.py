@@ -11,14 +11,14 @@ it is reported on its own).
 Every rank's idle time is split, exactly, into causes, from the runtime's timestamps of each
 action's compute, receive and send, matching each receive with the neighbour's send (one clock
 for all processes of a host):
-``waiting`` (for a message not yet sent, for the others at the end of the step, after its last
-work: the schedule's own bubble lives here), ``message_transfer`` (from the send being posted to
-the receive returning: the copy into the receive buffer and the waiter's wake-up), ``send``
-(posting sends), ``python_overhead`` (between the spans: slicing micro-batches, wrapping tensors,
-bookkeeping), ``dp_all_reduce`` (2D only) and ``late_start`` (the rank entered the step after the
-first stage: still in the previous step's optimizer). ``residual_by_cause`` is measured minus
-formula, split: ``stage_imbalance`` (the schedule simulated with each stage's measured F, B, W,
-minus the formula), ``waiting_beyond_schedule`` (waiting minus that simulated bubble: neighbours
+waiting (for a message not yet sent, for the others at the end of the step, after its last
+work: the schedule's own bubble lives here), message_transfer (from the send being posted to
+the receive returning: the copy into the receive buffer and the waiter's wake-up), send
+(posting sends), python_overhead (between the spans: slicing micro-batches, wrapping tensors,
+bookkeeping), dp_all_reduce (2D only) and late_start (the rank entered the step after the
+first stage: still in the previous step's optimizer). residual_by_cause is measured minus
+formula, split: stage_imbalance (the schedule simulated with each stage's measured F, B, W,
+minus the formula), waiting_beyond_schedule (waiting minus that simulated bubble: neighbours
 delayed by their own overheads) and every overhead above. The causes add up to measured - formula.
 """
 import numpy as np
@@ -48,7 +48,7 @@ def senders(schedule):
 
 def split_idle(rows, schedule, first_rank):
     """Per step and rank: the step's wall time, the bubble, and the idle time by cause (fractions
-    of the step). ``rows``: (ranks, steps, fields), the records described above."""
+    of the step). rows: (ranks, steps, fields), the records described above."""
     p, n_steps = rows.shape[:2]
     start, end, end_wait, dp = (rows[:, :, i] for i in range(len(HEAD)))
     slots = rows[:, :, len(HEAD):].reshape(p, n_steps, -1, len(SLOT))
@@ -75,7 +75,7 @@ def split_idle(rows, schedule, first_rank):
 
 
 def stage_costs(rows, schedule, steps):
-    """Mean F, B, W seconds per virtual stage over ``steps`` (arrays of length p·v)."""
+    """Mean F, B, W seconds per virtual stage over steps (arrays of length p·v)."""
     p = len(schedule)
     n_virtual = 1 + max(virtual_stage(a, s, p) for s in range(p) for a in schedule[s])
     total, count = np.zeros((n_virtual, 3)), np.zeros((n_virtual, 3))
@@ -101,7 +101,7 @@ def _gather(pipe, records):
 
 
 def summarize(pipe, skip_first=True, last_only=False):
-    """The job's ``"pipeline"`` figures from every traced step (a collective over ``pipe.comm``)."""
+    """The job's "pipeline" figures from every traced step (a collective over pipe.comm)."""
     if not pipe.step_records:
         raise RuntimeError(f"[rank {pipe.rank}] no traced pipeline step: call trace.enable() before train_step")
     rows = _gather(pipe, pipe.step_records)

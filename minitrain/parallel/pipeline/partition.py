@@ -4,11 +4,11 @@ Each layer's cost is counted, not timed: by default the multiply-adds per input 
 forward, input-gradient and weight-gradient work, from its parameter count n (a Linear's forward
 is n per row, so are its B and its W): 3n, but 2n for the model's first layer with parameters,
 whose input needs no gradient (no B: the layers before it have nothing to learn). A parameter-free
-layer such as ReLU counts 0; pass ``layer_costs`` to count otherwise (an embedding's n is no FLOP
+layer such as ReLU counts 0; pass layer_costs to count otherwise (an embedding's n is no FLOP
 count). The cut is the classic linear partition: contiguous groups whose largest cost is as small as
 possible. Layers do not always divide evenly; the pipeline then runs at the pace of its slowest
-stage, and ``implied_bubble`` says what that costs: the schedule simulated with F = B = W = each
-virtual stage's cost (the balanced formula is the special case of equal costs). ``stage_layout``
+stage, and implied_bubble says what that costs: the schedule simulated with F = B = W = each
+virtual stage's cost (the balanced formula is the special case of equal costs). stage_layout
 is the whole answer (where to cut, which rank and chunk holds each part): the runtime and the
 planner (minitrain/plan) both ask it, so the planner predicts the layout the job runs.
 """
@@ -30,7 +30,7 @@ def counted_costs(parameters):
 
 
 def balanced_split_points(sizes, parts):
-    """Where each of ``parts`` contiguous groups of layers starts (after the first), chosen so that
+    """Where each of parts contiguous groups of layers starts (after the first), chosen so that
     the largest group's cost is as small as possible (dynamic programme over the prefix sums); a
     group of free layers alone is avoided whenever enough layers cost something."""
     n = len(sizes)
@@ -66,7 +66,7 @@ def balanced_split_points(sizes, parts):
 def virtual_placement(schedule_name, p, chunks=None):
     """For each virtual stage, the (rank, chunk) that holds it, as the schedule places it: stage k
     on rank k % p as chunk k // p (one chunk, or the interleaved loop), or zbv's V (down the ranks
-    as chunk 0, back up as chunk 1). The runtime checks it against its schedule's own ``placement``."""
+    as chunk 0, back up as chunk 1). The runtime checks it against its schedule's own placement."""
     v = default_chunks(schedule_name, chunks)
     if schedule_name == "zbv":
         return tuple((k, 0) if k < p else (2 * p - 1 - k, 1) for k in range(2 * p))
@@ -74,8 +74,8 @@ def virtual_placement(schedule_name, p, chunks=None):
 
 
 def stage_layout(costs, schedule_name, p, chunks=None, split_points=None):
-    """(bounds, where): virtual stage k holds layers ``bounds[k]:bounds[k + 1]`` (balanced by
-    ``costs`` unless ``split_points`` says where) on ``where[k]`` = (rank, chunk)."""
+    """(bounds, where): virtual stage k holds layers bounds[k]:bounds[k + 1] (balanced by
+    costs unless split_points says where) on where[k] = (rank, chunk)."""
     where = virtual_placement(schedule_name, p, chunks)
     if split_points is None:
         split_points = balanced_split_points(list(costs), len(where)) if len(where) > 1 else []
@@ -95,7 +95,7 @@ def stage_table(layers, bounds, costs, where):
 
 
 def implied_bubble(schedule, stage_costs):
-    """The bubble of ``schedule`` when virtual stage k costs ``stage_costs[k]`` in each of F, B and
+    """The bubble of schedule when virtual stage k costs stage_costs[k] in each of F, B and
     W: unequal stages make the light ones wait for the heavy one."""
     mean = sum(stage_costs) / len(stage_costs) or 1.0
     costs = [c / mean for c in stage_costs]

@@ -1,29 +1,29 @@
 """The pipeline runtime: executes a schedule (schedules.py) on real ranks.
 
-``PipelineParallel(model, comm, "1f1b", num_microbatches=8)`` cuts an ``nn.Sequential`` into
-p·v contiguous virtual stages (balanced by counted cost, partition.py, unless ``split_points``
+PipelineParallel(model, comm, "1f1b", num_microbatches=8) cuts an nn.Sequential into
+p·v contiguous virtual stages (balanced by counted cost, partition.py, unless split_points
 says where), keeps the ones this rank owns (as the schedule places them: the interleaved loop or
-zbv's V; the other layers' weights are freed) and runs ``train_step(x, y, loss_fn)``: the global
+zbv's V; the other layers' weights are freed) and runs train_step(x, y, loss_fn): the global
 batch is cut into m micro-batches, this rank's actions run in the schedule's order, and each
 parameter ends with the gradient of the mean loss over the whole batch, as one process computes.
 The step ends with an all-reduce of the loss: every rank leaves it together.
 
-Why it cannot deadlock: every send is non-blocking (``isend``; the buffers are kept until the end
+Why it cannot deadlock: every send is non-blocking (isend; the buffers are kept until the end
 of the step) and every receive blocks until its message is there. A rank therefore only ever waits
 for a message that a dependency of its current action produces; the checker proved that the
 actions' dependency graph, in each stage's order, has no cycle. Tags name (micro-batch, receiving
 virtual stage, direction), so the order in which messages arrive does not matter. Two virtual
 stages on one rank (the bottom of zbv's V) hand the array over without a message.
 
-Zero-bubble schedules (W actions): B runs ``out.backward(grad)`` inside
-``autograd.defer_weight_grads(stage weights)``, which computes the input gradient only and queues
+Zero-bubble schedules (W actions): B runs out.backward(grad) inside
+autograd.defer_weight_grads(stage weights), which computes the input gradient only and queues
 the weight gradients; W runs the queue. Messages: a small header (dtype, shape) then the array;
 the header is skipped once the shapes of a batch shape are known (both ends see the same batch).
-With ``dp_comm`` the gradients are averaged over it once per step (2D: dp x pp).
+With dp_comm the gradients are averaged over it once per step (2D: dp x pp).
 
 PipeDream-2BW: double-buffered weights; batch t runs forward and backward on the stashed W(t-1)
 while the optimizer updates W(t): W(t+1) = W(t) - lr·∇L(W(t-1)) (Narayanan et al. 2021, sec. 3).
-One batch per ``train_step`` (it flushes, so that the step returns); the schedule and the
+One batch per train_step (it flushes, so that the step returns); the schedule and the
 simulator show the no-flush timing of several batches chained.
 """
 import time
@@ -171,7 +171,7 @@ class PipelineParallel:
     # ---- one training step
     def train_step(self, x, y, loss_fn):
         """Forward and backward of the global batch (x, y) as m micro-batches in the schedule's
-        order; parameters' ``.grad`` hold the gradient of the mean loss. Returns the mean loss,
+        order; parameters' .grad hold the gradient of the mean loss. Returns the mean loss,
         on every rank. Only the first stage reads x and only the last reads y (every rank gets
         both: their shapes key the cache of message shapes)."""
         n = len(y)
@@ -251,7 +251,7 @@ class PipelineParallel:
     def _record(self, tracer, step_start, stamps, end, device_times):
         """Keep this step's timestamps for measured_bubble() and write them into the trace (after
         the step, so that tracing costs the step nothing). On the GPU the compute spans carry their
-        CUDA events: their device times replace the host's when read (``_resolve_device_times``)."""
+        CUDA events: their device times replace the host's when read (_resolve_device_times)."""
         sent_wait, dp, loss = end[1] - end[0], end[2] - end[1], end[3] - end[2]
         flat = [t for times in stamps for t in times]
         self.step_records.append(np.array([step_start, end[3], sent_wait + loss, dp] + flat))
@@ -347,7 +347,7 @@ class PipelineParallel:
         return [(q, [(self.names[id(q)], whole(q.shape))]) for q in self.parameters()]
 
     def extra_sharded_state(self, placements):
-        """PipeDream-2BW's stashed weights W(t-1) (``<name>/stash``), which the next step computes on:
+        """PipeDream-2BW's stashed weights W(t-1) (<name>/stash), which the next step computes on:
         without them a resumed run would take another step. Other schedules keep nothing."""
         if self._stash is None:
             return {}

@@ -1,25 +1,25 @@
 """Pipeline schedules as pure data, a checker, and a simulator.
 
 A schedule is, for each stage (rank) s of a pipeline of p stages, the ordered list of what that
-stage computes: ``Action("F", microbatch, chunk)`` (forward), ``Action("B", ...)`` (backward) and,
-in zero-bubble schedules, ``Action("W", ...)``: there B computes only the input gradient and W the
+stage computes: Action("F", microbatch, chunk) (forward), Action("B", ...) (backward) and,
+in zero-bubble schedules, Action("W", ...): there B computes only the input gradient and W the
 weight gradient (Qi et al. 2024); elsewhere B is the whole backward. The model is cut into p·v
 *virtual stages*; chunk c of stage s is virtual stage c·p + s (Narayanan et al. 2021's loop), or,
-in the V-shaped ``zbv``, s for chunk 0 and 2p-1-s for chunk 1 (``Action.virtual`` says so). The
-communication is spelled out on each action: ``recv_from`` / ``send_to`` (stage indices, None at
+in the V-shaped zbv, s for chunk 0 and 2p-1-s for chunk 1 (Action.virtual says so). The
+communication is spelled out on each action: recv_from / send_to (stage indices, None at
 the ends or for W, which neither receives nor sends).
 
-* ``naive``: one micro-batch at a time through the whole pipeline; bubble (p-1)/p.
-* ``gpipe`` (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
-* ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
+* naive: one micro-batch at a time through the whole pipeline; bubble (p-1)/p.
+* gpipe (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
+* 1f1b (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
   one backward alternating, then the remaining backwards; GPipe's bubble, min(p-s, m) in flight.
-* ``interleaved_1f1b`` (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
-* ``zb_h1`` (Qi et al. 2024, sec. 2.1): 1F1B with B split from W; stage s runs W(i) after B(i+s),
+* interleaved_1f1b (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
+* zb_h1 (Qi et al. 2024, sec. 2.1): 1F1B with B split from W; stage s runs W(i) after B(i+s),
   so every stage keeps p micro-batches in flight (1F1B's peak, on stage 0) and the late Ws fill the
   drain: idle (p-1)(F+B-W) per stage instead of 1F1B's (p-1)(F+B+W), a third when F = B = W.
-* ``zbv`` (Qi et al. 2024, sec. 6): two chunks per stage in a V (rank 0 holds the first and the
+* zbv (Qi et al. 2024, sec. 6): two chunks per stage in a V (rank 0 holds the first and the
   last virtual stage); 1F1B's peak memory, less idle still.
-* ``pipedream_2bw`` (Narayanan et al. 2021): 1F1B with no flush between ``steps`` batches.
+* pipedream_2bw (Narayanan et al. 2021): 1F1B with no flush between steps batches.
 
 With costs f, b per chunk GPipe, 1F1B and interleaved take (v·m + p - 1)(f + b): the bubble
 fraction is (p-1)/(v·m + p - 1).
@@ -47,7 +47,7 @@ class ScheduleError(ValueError):
 
 
 def virtual_stage(action, stage, p):
-    """The virtual stage (model part) an action of ``stage`` computes."""
+    """The virtual stage (model part) an action of stage computes."""
     return action.chunk * p + stage if action.virtual is None else action.virtual
 
 
@@ -82,7 +82,7 @@ def gpipe(p, m):
 
 
 def _warmup_steady_cooldown(fwd, bwd, warmup):
-    """``warmup`` forwards, then one forward / one backward alternating, then the last backwards."""
+    """warmup forwards, then one forward / one backward alternating, then the last backwards."""
     actions = fwd[:warmup]
     for i in range(len(fwd) - warmup):
         actions += [fwd[warmup + i], bwd[i]]
@@ -90,7 +90,7 @@ def _warmup_steady_cooldown(fwd, bwd, warmup):
 
 
 def one_f_one_b(p, m, steps=1):
-    """PipeDream-Flush: warm up with p-s-1 forwards, alternate, drain. ``steps`` > 1 chains
+    """PipeDream-Flush: warm up with p-s-1 forwards, alternate, drain. steps > 1 chains
     batches without a flush (that is PipeDream-2BW's timing)."""
     total = m * steps
     schedule = []
@@ -193,7 +193,7 @@ SPLIT_BACKWARD = ("zb_h1", "zbv")             # schedules with W actions
 
 
 def default_chunks(name, chunks=None):
-    """Model chunks per stage: ``chunks`` for interleaved_1f1b (default 1), 2 for zbv, else 1."""
+    """Model chunks per stage: chunks for interleaved_1f1b (default 1), 2 for zbv, else 1."""
     if name == "zbv":
         if chunks not in (None, 2):
             raise ValueError(f"zbv is a V of exactly 2 chunks per stage, got chunks={chunks}")
@@ -204,8 +204,8 @@ def default_chunks(name, chunks=None):
 
 
 def get_schedule(name, num_stages, num_microbatches, chunks=None, steps=1):
-    """Per stage, the ordered list of Actions. ``chunks`` only for interleaved_1f1b (zbv has 2);
-    ``steps`` (batches chained without a flush) only for pipedream_2bw."""
+    """Per stage, the ordered list of Actions. chunks only for interleaved_1f1b (zbv has 2);
+    steps (batches chained without a flush) only for pipedream_2bw."""
     p, m = num_stages, num_microbatches
     if p < 1 or m < 1:
         raise ValueError(f"a pipeline needs >= 1 stage and >= 1 micro-batch, got {p} and {m}")
@@ -257,15 +257,15 @@ def _cost(cost, virtual):
 def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0):
     """Run the schedule on an idealised machine: free communication, each stage runs its actions
     in order, each as soon as its inputs exist. Costs are per action of one chunk: a number, or a
-    sequence indexed by virtual stage (unequal stages). ``backward_cost`` is B, the input-gradient
-    part; ``weight_cost`` is W; a schedule that does not split them runs B + W as one backward
-    (with the default W = 0, ``backward_cost`` is the whole backward). Pure: returns a dict
+    sequence indexed by virtual stage (unequal stages). backward_cost is B, the input-gradient
+    part; weight_cost is W; a schedule that does not split them runs B + W as one backward
+    (with the default W = 0, backward_cost is the whole backward). Pure: returns a dict
 
-    * ``timeline``: per stage, a list of (action, start, end);
-    * ``total_time``: when the last action ends (every stage starts at 0);
-    * ``bubble_fraction``: idle share of p x total time; ``bubble_per_stage``: 1 - busy / total;
-    * ``idle_per_stage``: total - busy, in the costs' unit;
-    * ``peak_activations``: per stage, the most micro-batch chunks whose forward has run and whose
+    * timeline: per stage, a list of (action, start, end);
+    * total_time: when the last action ends (every stage starts at 0);
+    * bubble_fraction: idle share of p x total time; bubble_per_stage: 1 - busy / total;
+    * idle_per_stage: total - busy, in the costs' unit;
+    * peak_activations: per stage, the most micro-batch chunks whose forward has run and whose
       last backward piece (W where it is split off, else B) has not: what is held in memory.
 
     Raises ScheduleError if the schedule deadlocks or breaks happens-before."""
@@ -370,5 +370,5 @@ def formula_bubble_fraction(name, p, m, v=1, forward_cost=1.0, backward_cost=1.0
 
 
 def format_schedule(schedule):
-    """The schedule as text, one row per stage (what ``print`` of a schedule should look like)."""
+    """The schedule as text, one row per stage (what print of a schedule should look like)."""
     return "\n".join(f"stage {s}: " + " ".join(str(a) for a in actions) for s, actions in enumerate(schedule))

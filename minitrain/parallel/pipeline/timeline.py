@@ -13,14 +13,14 @@ LABELS = {"F": "F: forward", "B": "B: backward (input gradient if W is split off
 
 
 def simulated_bars(sim, p):
-    """(row, kind, start, end, microbatch, chunk) for every action of a ``simulate`` result."""
+    """(row, kind, start, end, microbatch, chunk) for every action of a simulate result."""
     return [(s, a.kind, start, end, a.microbatch, a.chunk)
             for s in range(p) for a, start, end in sim["timeline"][s]]
 
 
 def measured_bars(events, row_of_rank):
     """The same bars from one step's trace events (all ranks), times from the first stage's start
-    of the step (``row_of_rank``: trace rank -> row; other ranks are left out)."""
+    of the step (row_of_rank: trace rank -> row; other ranks are left out)."""
     steps = [e for e in events if e["name"] == "pipeline step" and e["rank"] in row_of_rank]
     if not steps:
         return [], 0.0
@@ -58,8 +58,8 @@ def draw(ax, bars, rows, total, title, row_labels=None, unit=1e3):
 
 
 def plot_pipeline(schedule, sim, events, row_of_rank, path=None, title_sim=None, title_measured=None):
-    """Two panels sharing the time axis (ms): ``sim`` (a ``simulate`` result, in seconds) above the
-    measured step ``events``; ``row_of_rank`` maps trace ranks to pipeline stages. Returns the figure."""
+    """Two panels sharing the time axis (ms): sim (a simulate result, in seconds) above the
+    measured step events; row_of_rank maps trace ranks to pipeline stages. Returns the figure."""
     import matplotlib
     if path is not None:
         matplotlib.use("Agg")
