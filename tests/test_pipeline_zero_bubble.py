@@ -144,6 +144,25 @@ def test_counted_cost_is_f_plus_b_plus_w_and_the_first_layer_has_no_b():
     assert [row["cost_share"] for row in pipe.stage_rows] == pytest.approx([0.25] * 4, rel=0.01)
 
 
+def test_the_step_ends_with_an_all_reduce_every_rank_takes_part_in():
+    """The measured step ends when the last rank leaves: an all-reduce of the loss, which no rank
+    leaves before every rank has entered (a broadcast from the last stage would let it go early)."""
+    x, y = batches(1)[0]
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        pipe = PipelineParallel(make_model(4), comm, "1f1b", 4)
+        comm.stats.reset()
+        loss = pipe.train_step(x, y, F.cross_entropy)
+        return loss, {name: e for name, e in comm.stats.by_name.items() if name != "p2p"}
+    results = ThreadWorld(3).run(fn)
+    assert len({loss for loss, _ in results}) == 1
+    for _, collectives in results:
+        assert list(collectives) and all("all_reduce" in name for name in collectives), collectives
+        assert sum(e["calls"] for e in collectives.values()) == 1
+        assert all(e["messages_sent"] >= 1 and e["messages_received"] >= 1 for e in collectives.values())
+
+
 def test_split_idle_on_a_hand_made_step():
     """GPipe, p = 2, m = 1. Rank 0 starts the step at 0: F0 [1, 3], sends [3, 3.5], waits for B0's
     gradient [4, 8], B0 [8, 9.5], 0.3 s at the end, leaves at 10. Rank 1 entered early (-1): waits
