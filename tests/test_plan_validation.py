@@ -1,5 +1,5 @@
 """The planner against the jobs (minitrain/plan/validate.py): 14 runs of examples.mlp / examples.gpt under
-mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D,
+mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, ZB-V, interleaved, TP, TP+SP, 3D,
 recomputation). Memory: every rank's ledger peak, every category, within 5% of the prediction. Step time:
 on a shared 2-core machine the wall clock of a step scatters by 10x (other jobs hold the cores), so each
 run is compared by the median CPU time of its steps' own thread, which they inflate far less, and the
@@ -20,7 +20,7 @@ def results():
 @pytest.mark.slow
 def test_the_runs_cover_every_strategy_at_1_to_8_ranks(results):
     described = " | ".join(f"{r['options']} {r['describe']}" for r in results)
-    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "interleaved", "tp2",
+    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "zbv", "interleaved", "tp2",
                     "sequence-parallel", "recompute full", "recompute selective", "dp2 pp2 tp2"):
         assert feature in described, feature
     assert {r["world"] for r in results} == {1, 2, 4, 8}

@@ -43,15 +43,23 @@ def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path)
 def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
     out = tmp_path / "pipe.json"
     monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--ranks", "2", "--steps", "2", "--width", "32",
-                                      "--json", str(out), "--plot", str(tmp_path / "b.png")])
+                                      "--microbatches", "4", "--json", str(out), "--plot", str(tmp_path / "b.png")])
     runpy.run_path(str(SCRIPTS / "bench_pipeline.py"), run_name="__main__")
     printed = capsys.readouterr().out
     from minitrain.testing import mpi_library_name
-    assert "interleaved_1f1b v=2" in printed and f"MPI: {mpi_library_name()}" in printed
+    assert "interleaved_1f1b v=2" in printed and "zb_h1" in printed and "zbv" in printed
+    assert f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())["2"]
-    assert results["gpipe/m4"]["formula"] == pytest.approx(1 / 5)
-    assert all(0 <= r["bubble"] < 1 for r in results.values())
+    assert results["gpipe/m4"]["formula_bubble_fraction"] == pytest.approx(1 / 5)
+    assert set(results) == {"gpipe/m4", "1f1b/m4", "interleaved_1f1b/m4", "zb_h1/m4", "zbv/m4"}
+    for r in results.values():
+        assert 0 <= r["measured_bubble_fraction"] < 1 and r["steps_measured"] == 1
+        assert sum(r["residual_by_cause"].values()) == pytest.approx(
+            r["measured_bubble_fraction"] - r["formula_bubble_fraction"], abs=1e-9)
+    gpipe, one = results["gpipe/m4"]["peak_activation_bytes_per_rank"], results["1f1b/m4"]["peak_activation_bytes_per_rank"]
+    assert gpipe[0] > one[0] and gpipe[1] > 3 * one[1]          # GPipe holds all 4; 1F1B 2 on stage 0, 1 on the last
+    assert [results[k]["peak_in_flight_microbatches"] for k in ("gpipe/m4", "1f1b/m4", "zb_h1/m4")] == [4, 2, 2]
 
 
 def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp_path):

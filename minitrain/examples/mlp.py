@@ -44,14 +44,16 @@ def parse_args(argv=None):
                    help="teaching device: each rank may hold at most BYTES from the first step on (default: no limit)")
     p.add_argument("--schedule", choices=PIPELINE_NAMES, default="1f1b", help="pipeline: the schedule")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
-    p.add_argument("--chunks", type=int, default=1, help="pipeline: model chunks per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="pipeline: model chunks per rank (interleaved_1f1b; default 1; zbv is always 2)")
     p.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
     p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="sgd: with momentum 0.9")
     p.add_argument("--hidden", type=int, default=128, help="width of each hidden layer")
-    p.add_argument("--layers", type=int, default=2, help="number of hidden layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of hidden layers (default: 2; pipeline: enough for every stage, max(2, stages))")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp16/bf16: mixed precision (fp32 master weights and optimizer state)")
@@ -72,7 +74,7 @@ def parse_args(argv=None):
         p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
                 f"replicas agree only right after an averaging, and a checkpoint holds one model")
     for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args, p
 
@@ -96,6 +98,7 @@ def main(argv=None):
     if args.strategy == "pipeline":
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
+    args.layers = 2 if args.layers is None else args.layers
     if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
         parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
                      f"each rank takes an equal share of the global batch")

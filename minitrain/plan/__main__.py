@@ -53,12 +53,14 @@ def add_mlp(p):
     p.add_argument("--sync-every", type=_positive, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline: the schedule")
     p.add_argument("--microbatches", type=_positive, default=4, help="pipeline: micro-batches per step")
-    p.add_argument("--chunks", type=_positive, default=1, help="pipeline: model chunks per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=_positive, default=None,
+                   help="pipeline: model chunks per rank (interleaved_1f1b; default: 1; zbv is always 2), as the job")
     p.add_argument("--dp", type=_positive, default=1, help="pipeline: data-parallel replicas")
     p.add_argument("--batch-size", type=_positive, default=64, help="global batch size (all ranks together)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
     p.add_argument("--hidden", type=_positive, default=128, help="width of each hidden layer")
-    p.add_argument("--layers", type=_positive, default=2, help="number of hidden layers")
+    p.add_argument("--layers", type=_positive, default=None,
+                   help="number of hidden layers (default: 2; pipeline: max(2, stages)), as the job")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
     p.add_argument("--recompute", choices=["none", "full"], default="none", help="full: sqrt(layers) segments")
@@ -142,7 +144,7 @@ def search(model, base, machine, accounting, device_memory):
                                         if strategy != "ddp" else 0, "microbatches": 1}))
         for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
             for m in (1, 2, 4, 8, 16):
-                for schedule in ("gpipe", "1f1b"):
+                for schedule in ("gpipe", "1f1b", "zb_h1"):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
                                                 "microbatches": m, "schedule": schedule, "chunks": 1,
                                                 "recompute": "none", "offload": False, "offload_activations": False}))

@@ -19,7 +19,8 @@ buffers at a time; mixed precision counts the fp32 gradients while the optimizer
 from dataclasses import replace
 from functools import lru_cache
 
-from ..parallel.pipeline import balanced_split_points, get_schedule
+from ..parallel.pipeline import get_schedule
+from ..parallel.pipeline.partition import counted_costs, stage_layout
 from ..parallel.zero_memory import model_state_bytes
 from .activations import gpt_pieces, mlp_pieces
 from .layout import PRECISIONS
@@ -163,10 +164,13 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
             shared += sh
         act = act_peak = dyn = 0
         seen = set()
+        split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
         for a in actions:
             if a.kind == "F":
                 act += kept[a.chunk]
                 act_peak, dyn = max(act_peak, act), max(dyn, act + g)
+                continue
+            if split and a.kind == "B":
                 continue
             others_act = act - kept[a.chunk]
             fresh = a.chunk not in seen
@@ -206,14 +210,18 @@ def _count(pieces):
 
 
 @lru_cache(maxsize=256)
-def split_points(sizes, parts):
-    """Where the runtime cuts layers of these parameter counts into ``parts`` virtual stages (its
-    balanced_split_points), or, for paper-scale models, Megatron's even split of the blocks."""
+def stage_bounds(sizes, schedule, p, v):
+    """(bounds, where) as the runtime lays out layers of these parameter counts (pipeline/partition.py's
+    ``counted_costs`` and ``stage_layout``: the same calls): virtual stage k holds layers bounds[k]:bounds[k+1] on rank and chunk
+    where[k]. Paper-scale models (beyond what the runtime's dynamic programme is for) get Megatron's even
+    split of the blocks."""
+    parts = p * v
+    points = None
     if len(sizes) ** 2 * parts > 60_000:                     # Megatron's even split for paper-scale models
-        n_inner = len(sizes) - 2
-        per = n_inner // parts
-        return tuple(1 + per * k for k in range(1, parts))
-    return tuple(balanced_split_points(list(sizes), parts))
+        per = (len(sizes) - 2) // parts
+        points = [1 + per * k for k in range(1, parts)]
+    bounds, where = stage_layout(counted_costs(sizes), schedule, p, v, split_points=points)
+    return tuple(bounds), tuple(where)
 
 
 @lru_cache(maxsize=512)
@@ -239,11 +247,16 @@ def _in_flight(name, p, m, stage):
 
 
 def counts_in_flight(actions):
-    """(in flight at the first backward, the most at a later one): see ``in_flight``."""
+    """(in flight at the first backward, the most at a later one): see ``in_flight``. Zero-bubble
+    schedules keep a micro-batch's activations until its W (the deferred weight gradients need the
+    layers' inputs), so there W is the backward that frees them and B frees nothing."""
     n = b_first = b_later = 0
+    split = any(a.kind == "W" for a in actions)
     for a in actions:
         if a.kind == "F":
             n += 1
+            continue
+        if split and a.kind == "B":
             continue
         b_first, b_later = (b_first, max(b_later, n)) if b_first else (n, b_later)
         n -= 1
@@ -251,17 +264,17 @@ def counts_in_flight(actions):
 
 
 def stage_chunks(pieces, layout, paper=False):
-    """Per stage, chunk -> its pieces (virtual stage c·p + s), cut as the runtime cuts them (balanced by
-    parameters), or for the paper's accounting L/(p·v) blocks per virtual stage (Megatron's rule)."""
+    """Per stage, chunk -> its pieces, cut and placed as the runtime does (``stage_bounds``: balanced by
+    counted F + B + W cost, the schedule's placement: the interleaved loop, zbv's V), or for the paper's accounting
+    L/(p·v) blocks per virtual stage (Megatron's rule)."""
     p, v = layout.pp, layout.chunks
+    bounds, where = stage_bounds(tuple(x.params for x in pieces), layout.schedule, p, v)
     if paper:
         per = (len(pieces) - 2) // (p * v)
         bounds = [0] + [1 + per * k for k in range(1, p * v)] + [len(pieces)]
-    else:
-        bounds = [0] + list(split_points(tuple(x.params for x in pieces), p * v)) + [len(pieces)]
     stages = [dict() for _ in range(p)]
-    for virtual in range(p * v):
-        stages[virtual % p][virtual // p] = pieces[bounds[virtual]:bounds[virtual + 1]]
+    for virtual, (rank, chunk) in enumerate(where):
+        stages[rank][chunk] = pieces[bounds[virtual]:bounds[virtual + 1]]
     return stages
 
 

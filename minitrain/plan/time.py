@@ -20,7 +20,7 @@ import numpy as np
 
 from ..parallel.pipeline import get_schedule, simulate
 from .layout import PRECISIONS
-from .memory import split_points
+from .memory import stage_bounds
 
 DTYPE_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -286,11 +286,13 @@ def predict_time(model, layout, machine):
         act = rows * model.block_size * h * e
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes))
-    bounds = np.array([0] + (list(split_points(counts, p * v)) if p * v > 1 else []) + [len(layers)])
+    bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
+    bounds, owner = np.array(bounds), np.array([rank for rank, _ in where])
     p2p = (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2)
            if p > 1 else 0.0)                                # a header, then the activation (or its gradient)
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, params, tensors)
-    work = (prefix[bounds[1:]] - prefix[bounds[:-1]]).reshape(v, p, 6).sum(axis=0)
+    work = np.zeros((p, 6))
+    np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     fc, fm, bc, bm, n_local, n_tensors = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
     fm, bm, n_local, n_tensors = fm + v * p2p, bm + v * p2p, int(n_local), int(n_tensors)
     if p > 1:                                                # the schedule's own simulator, per chunk

@@ -31,6 +31,7 @@ RUNS = {
     "zero3-offload-4": ("mlp", 4, f"{MLP} --strategy zero3 --offload --hidden 256 --batch-size 128"),
     "gpipe": ("mlp", 2, f"{MLP} --strategy pipeline --schedule gpipe --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
     "1f1b": ("mlp", 2, f"{MLP} --strategy pipeline --schedule 1f1b --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
+    "zbv": ("mlp", 2, f"{MLP} --strategy pipeline --schedule zbv --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
     "interleaved-4": ("mlp", 4, f"{MLP} --strategy pipeline --schedule interleaved_1f1b --chunks 2 --microbatches 4 --layers 7"),
     "gpt-1": ("gpt", 1, f"{GPT}"),
     "gpt-tp2": ("gpt", 2, f"{GPT} --tp 2 --n-embd 128"),
