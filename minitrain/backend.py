@@ -1,12 +1,12 @@
 """The array module: NumPy on the CPU, CuPy on a CUDA GPU, behind one switch (as in needle).
 
-Every tensor holds an ``xp`` array. Code never imports cupy outside this file; it asks
-``array_module(a)`` for the module that owns an array, or ``xp()`` for the module of the current
-device. ``MINITRAIN_DEVICE=cuda`` (or ``minitrain.set_device("cuda")``) selects CuPy;
-``use_gpu(i)`` picks the GPU (``minitrain.comm.init()`` gives rank r its local rank's).
-Moves between host and device happen only here, on purpose, and are counted (``transfer_counts``):
+Every tensor holds an xp array. Code never imports cupy outside this file; it asks
+array_module(a) for the module that owns an array, or xp() for the module of the current
+device. MINITRAIN_DEVICE=cuda (or minitrain.set_device("cuda")) selects CuPy;
+use_gpu(i) picks the GPU (minitrain.comm.init() gives rank r its local rank's).
+Moves between host and device happen only here, on purpose, and are counted (transfer_counts):
 host -> device copies, device -> host copies, and synchronisations (the host waiting for the GPU).
-The default floating dtype is float32, as in PyTorch; ``set_default_dtype(np.float64)`` switches it.
+The default floating dtype is float32, as in PyTorch; set_default_dtype(np.float64) switches it.
 """
 import os
 import sys
@@ -150,6 +150,24 @@ def to_device(a, device=None):
     return to_host(a)
 
 
+def to_host_into(a, out, blocking=True):
+    """Copy device array ``a`` into the host array ``out`` of the same shape and dtype (counted). Into
+    pinned memory with ``blocking=False`` the copy is queued on the stream: synchronize() before reading."""
+    _counts.d2h += 1
+    _counts.d2h_bytes += a.nbytes
+    _counts.sync += bool(blocking)
+    a.get(out=out, blocking=blocking)
+    return out
+
+
+def to_device_into(out, host):
+    """Copy the host array ``host`` into device array ``out`` (counted; queued on the stream)."""
+    _counts.h2d += 1
+    _counts.h2d_bytes += host.nbytes
+    out.set(host)
+    return out
+
+
 def to_scalar(a):
     """A Python number from a one-element array (on the device: a counted copy and synchronisation)."""
     if is_device_array(a):
@@ -291,12 +309,15 @@ def elapsed_ms(start, end, wait=True):
 
 
 # ---------------------------------------------------------------- memory views
+def address(a):
+    """The address of ``a``'s first element (device pointers only through CuPy's MemoryPointer,
+    never by converting the array)."""
+    return a.data.ptr if is_device_array(a) else a.__array_interface__["data"][0]
+
+
 def byte_offset(view, base):
-    """Where ``view``'s first element lies in ``base``'s memory, in bytes (device pointers only
-    through CuPy's MemoryPointer, never by converting the array)."""
-    if is_device_array(view):
-        return view.data.ptr - base.data.ptr
-    return view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    """Where ``view``'s first element lies in ``base``'s memory, in bytes."""
+    return address(view) - address(base)
 
 
 def view_of(base, shape, dtype, offset, strides):

@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for the GPU: each function here is one ``cupy.fuse`` kernel (or a
+"""Fused elementwise kernels for the GPU: each function here is one cupy.fuse kernel (or a
 reduction fused with the elementwise work before and after it), where the NumPy code of the same
 op launches one kernel per operation. The CPU keeps its own NumPy code (ops.py, adam.py): the
 numbers there stay exactly what they were.
@@ -53,7 +53,6 @@ _sum_exp = _per_axis(lambda xp, axis: lambda x, m: xp.sum(xp.exp(x - m), axis=ax
 _log_sum_exp = _per_axis(lambda xp, axis: lambda x, m: xp.log(xp.sum(xp.exp(x - m), axis=axis)),
                          "minitrain_log_sum_exp")
 _sum_product = _per_axis(lambda xp, axis: lambda a, b: xp.sum(a * b, axis=axis), "minitrain_sum_product")
-sum_product = _sum_product                  # sum_product(axes)(a, b) = sum(a * b, axis=axes)
 _normalize_exp = fuse(lambda xp: lambda x, m, s: xp.exp(x - m) / s, "minitrain_softmax_normalize")
 _shift = fuse(lambda xp: lambda x, m, lse: x - m - lse, "minitrain_log_softmax_shift")
 _softmax_grad = fuse(lambda xp: lambda out, g, s, scale: out * (g - s) * scale, "minitrain_softmax_backward")

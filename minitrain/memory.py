@@ -1,18 +1,18 @@
 """Memory you can see: live and peak bytes per category, per rank.
 
 Categories follow the ZeRO paper's split of training memory (Rajbhandari et al. 2020, sec. 3):
-model states (``params``, ``grads``, ``optimizer_state``) and residual states (``activations`` =
-arrays saved for backward, ``comm_buffers``); inference adds ``kv_cache`` (the keys and values a
+model states (params, grads, optimizer_state) and residual states (activations =
+arrays saved for backward, comm_buffers); inference adds kv_cache (the keys and values a
 generating model keeps, minitrain/inference/). Each array is counted once, by the buffer that
-owns its memory, however many tensors or graph nodes refer to it. ``set_device_capacity(bytes)``
-turns the tracker into a teaching device that raises ``DeviceOutOfMemory`` when the live total
+owns its memory, however many tensors or graph nodes refer to it. set_device_capacity(bytes)
+turns the tracker into a teaching device that raises DeviceOutOfMemory when the live total
 would exceed it, so "does not fit on one rank" can be shown on a laptop.
 
-Each thread may have its own tracker (``use_tracker``), so ranks simulated as threads keep
+Each thread may have its own tracker (use_tracker), so ranks simulated as threads keep
 separate accounts.
 
-Host memory (offload, ZeRO-Offload) is accounted beside the device: inside ``with on_host():``
-new entries are host entries (``host_snapshot()``/``host_peak()``), which the device capacity
+Host memory (offload, ZeRO-Offload) is accounted beside the device: inside with on_host():
+new entries are host entries (host_snapshot()/host_peak()), which the device capacity
 does not limit. A Parameter made inside the block keeps its data and gradient on the host.
 """
 import contextlib

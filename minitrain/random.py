@@ -1,14 +1,14 @@
 """Explicit, replayable randomness: one seeded generator for parameter init and dropout.
 
-``manual_seed(s)`` makes a run reproducible; ``get_state()`` / ``set_state()`` let activation
+manual_seed(s) makes a run reproducible; get_state() / set_state() let activation
 recomputation replay dropout masks exactly. Numbers are drawn on the host with NumPy's PCG64
 and moved to the device, so a CPU and a GPU run with the same seed see the same numbers (parameter
-initialisation); dropout masks on the GPU are drawn there (``device_uniform``), from one host seed
+initialisation); dropout masks on the GPU are drawn there (device_uniform), from one host seed
 per mask, so they replay and agree across ranks as well, but differ from the CPU's masks.
 
 Each MPI process has its own generator, all starting from the same seed, so ranks that run the
 same code draw the same numbers (tensor-parallel ranks rely on it for dropout masks). ThreadWorld's
-ranks are threads of one process: ``use_generator`` gives each thread its own generator, started
+ranks are threads of one process: use_generator gives each thread its own generator, started
 from a copy of the caller's state, so that threads behave as processes do.
 """
 import contextlib

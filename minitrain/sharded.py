@@ -1,12 +1,12 @@
 """Logical tensors and the slices a rank holds of them: the one vocabulary every strategy shares
-with ``minitrain.checkpoint`` (PyTorch's DTensor / distributed-checkpoint idea, reduced to a box).
+with minitrain.checkpoint (PyTorch's DTensor / distributed-checkpoint idea, reduced to a box).
 
-A *logical* tensor is what one process would hold (``h.0.mlp.c_fc.weight``, shape (4C, C)). A
-rank holds pieces of it; each piece is a ``Slice``: the box ``offsets .. offsets + sizes`` of the
-logical tensor, stored as the elements ``start .. start + prod(sizes)`` of one of this rank's flat
+A *logical* tensor is what one process would hold (h.0.mlp.c_fc.weight, shape (4C, C)). A
+rank holds pieces of it; each piece is a Slice: the box offsets .. offsets + sizes of the
+logical tensor, stored as the elements start .. start + prod(sizes) of one of this rank's flat
 arrays (a tensor-parallel shard is one box; a ZeRO flat shard cut across parameters is up to
-2·ndim - 1 boxes per parameter, ``flat_range``). Strategies answer ``sharded_parameters()`` with
-``[(local parameter, [(logical name, Slice), ...])]``; an optimizer's state arrays are shaped like
+2·ndim - 1 boxes per parameter, flat_range). Strategies answer sharded_parameters() with
+[(local parameter, [(logical name, Slice), ...])]; an optimizer's state arrays are shaped like
 the parameter they belong to, so the same slices cut them too. Padding is never part of a slice.
 """
 import math

@@ -1,13 +1,15 @@
 """Test helpers shared by the test suite and the exercise checks.
 
-``gradcheck`` compares backward() with central differences (float64).
-``run_mpi`` runs a command under ``mpiexec -n N`` (MPICH's or Open MPI's) with a hard timeout;
-every output line is prefixed with its rank (``-l`` / ``--tag-output``), and a failure or a hang
-raises ``MPIRunError`` carrying all of it, so a deadlock fails a test within its timeout instead of
-stalling CI.
+gradcheck compares backward() with central differences (float64).
+run_mpi runs a command under mpiexec -n N with a hard timeout; every output line is
+prefixed with its rank ([r] : MPICH's -l, Open MPI's --tag-output rewritten to the same
+form), and a failure or a hang raises MPIRunError carrying all of it, so a deadlock fails a test
+within its timeout instead of stalling CI. The launcher is the one that belongs to the MPI library
+mpi4py loads (mpi_launcher): the mpich wheel's mpiexec (hydra) or Open MPI's mpirun.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -83,19 +85,84 @@ class MPIRunError(AssertionError):
     """An mpiexec run failed or timed out; the message holds every rank's output."""
 
 
+_PROBE = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+          "print(MPI.Get_library_version().splitlines()[0]); "
+          "print(next((l.split()[-1] for l in open('/proc/self/maps') if 'libmpi' in l and '.so' in l), ''))")
+_LAUNCHER = None
+_LIBRARY = None
+
+
+def mpi_launcher():
+    """(path, flavor) of the launcher that matches the MPI library mpi4py loads: flavor "mpich"
+    (hydra's mpiexec: the mpich wheel's beside this Python first) or "openmpi" (mpirun). Asked
+    once, in a subprocess (importing mpi4py here would initialise MPI in the test process)."""
+    global _LAUNCHER, _LIBRARY
+    if _LAUNCHER is None:
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+        library, _, lib_path = (probe.stdout.strip() + "\n\n").partition("\n")
+        _LIBRARY = " ".join(library.split()) or "unknown (mpi4py did not load)"
+        lib_path = lib_path.strip()
+        root = os.path.dirname(os.path.dirname(lib_path)) if lib_path else ""
+        if "open mpi" in library.lower():
+            names = [os.path.join(root, "bin", "mpirun"), shutil.which("mpirun.openmpi"), shutil.which("mpirun")]
+            flavor = "openmpi"
+        else:
+            names = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), os.path.join(root, "bin", "mpiexec"),
+                     shutil.which("mpiexec.hydra"), shutil.which("mpiexec")]
+            flavor = "mpich"
+        path = next((c for c in names if c and os.path.exists(c)), None)
+        _LAUNCHER = (path, flavor)
+    return _LAUNCHER
+
+
+def mpi_library_name():
+    """The MPI library the benchmarks' workers run on: MPI_Get_library_version's first line, asked
+    of the same mpi4py in a subprocess (for the tables; never a fixed string)."""
+    mpi_launcher()
+    return _LIBRARY
+
+
 def mpiexec_path():
-    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else shutil.which("mpiexec")
+    """The launcher that matches mpi4py's MPI (see mpi_launcher)."""
+    return mpi_launcher()[0]
+
+
+def mpiexec_command(n=None, label=False):
+    """``[launcher, -n, N, flags...]`` for this machine's MPI (no ``-n`` when ``n`` is None: the
+    notebooks write ``{mpiexec} -n 4 ...``). ``label``: prefix output lines with the rank (MPICH
+    ``-l``, Open MPI ``--tag-output``). Open MPI also gets ``--oversubscribe`` (more ranks than
+    cores, as in the tests) and, as root, ``--allow-run-as-root``."""
+    path, flavor = mpi_launcher()
+    if path is None:
+        raise MPIRunError("mpiexec not found: pip install mpich (or pip install -e '.[dev]'), or install the "
+                          "launcher of the MPI mpi4py was built for")
+    return [path] + _flags(flavor, n, label)
+
+
+_OMPI_TAG = re.compile(r"^\[\d+,(\d+)\]<(?:stdout|stderr)>:\s?", re.M)
+
+
+def _normalise_labels(text):
+    """Open MPI's ``[1,3]<stdout>:line`` becomes MPICH's ``[3] line``."""
+    return _OMPI_TAG.sub(lambda m: f"[{m.group(1)}] ", text)
+
+
+def _flags(flavor, n, label):
+    """``-n n`` (none when n is None) plus what the launcher needs: Open MPI's mpirun refuses root
+    without --allow-run-as-root and more ranks than cores without --oversubscribe, and labels output
+    with --tag-output where MPICH's hydra takes -l."""
+    args = [] if n is None else ["-n", str(n)]
+    if flavor == "openmpi":
+        args += ["--oversubscribe"] + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+        return args + (["--tag-output"] if label else [])
+    return args + (["-l"] if label else [])
 
 
 _FLAVOR = {}
 
 
 def launcher_args(mpiexec, n, label=False):
-    """``-n n`` plus what the launcher needs: Open MPI's mpirun refuses root without
-    --allow-run-as-root and more ranks than cores without --oversubscribe, and labels output with
-    --tag-output where MPICH's hydra takes -l."""
+    """``_flags`` for a given launcher path, its flavor asked of ``mpiexec --version``."""
     if mpiexec not in _FLAVOR:
         try:
             version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
@@ -103,10 +170,7 @@ def launcher_args(mpiexec, n, label=False):
         except (OSError, subprocess.TimeoutExpired):
             text = ""
         _FLAVOR[mpiexec] = "openmpi" if ("Open MPI" in text or "OpenRTE" in text) else "mpich"
-    if _FLAVOR[mpiexec] == "openmpi":
-        extra = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-        return ["-n", str(n)] + extra + (["--tag-output"] if label else [])
-    return ["-n", str(n)] + (["-l"] if label else [])
+    return _flags(_FLAVOR[mpiexec], n, label)
 
 
 def run_worker(script, n, args=(), timeout=1800):
@@ -114,8 +178,7 @@ def run_worker(script, n, args=(), timeout=1800):
     per rank (its stdout discarded) and return the JSON that rank 0 wrote to PATH."""
     out = os.path.join(tempfile.gettempdir(), f"minitrain_worker_{os.getpid()}_{time.monotonic_ns()}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    mpiexec = mpiexec_path()
-    cmd = [mpiexec, *launcher_args(mpiexec, n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
+    cmd = [*mpiexec_command(n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
     subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
     try:
         with open(out) as f:
@@ -132,17 +195,18 @@ def free_port():
 
 
 def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):
-    """Run ``mpiexec -n n -l args...``; returns the CompletedProcess (stdout and stderr merged).
-    Ranks get OMP_NUM_THREADS=1 / OPENBLAS_NUM_THREADS=1 so they do not fight over the cores."""
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        raise MPIRunError("mpiexec not found: pip install mpich (or pip install -e '.[dev]')")
+    """Run ``mpiexec -n n -l args...`` (Open MPI: ``mpirun -n n --tag-output``); returns the
+    CompletedProcess (stdout and stderr merged, every line labelled ``[rank] ``). Ranks get
+    OMP_NUM_THREADS=1 / OPENBLAS_NUM_THREADS=1 so they do not fight over the cores."""
+    launcher = mpiexec_command(n, label=True)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": str(int(timeout)), **(env or {})}
     # not PYTHONUNBUFFERED: unbuffered print() writes a line in pieces and -l labels every piece;
     # code that must show output before a hang prints with flush=True (one write per line)
     full_env.pop("PYTHONUNBUFFERED", None)
-    cmd = [mpiexec, *launcher_args(mpiexec, n, label=True), *[str(a) for a in args]]
+    if mpi_launcher()[1] == "openmpi" and os.geteuid() == 0:
+        full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [*launcher, *[str(a) for a in args]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:
@@ -150,7 +214,9 @@ def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        out = _normalise_labels(out)
         raise MPIRunError(f"timed out after {timeout} s: {' '.join(cmd)}\n--- output of every rank ---\n{out}")
+    out = _normalise_labels(out)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
         raise MPIRunError(f"exit code {proc.returncode}: {' '.join(cmd)}\n"

@@ -1,16 +1,16 @@
 """Spans per rank -> one Chrome-trace / Perfetto JSON, and matplotlib timelines.
 
-``with trace.span("ring_all_reduce", kind="comm", bytes=n):`` records (rank, name, kind, start,
-end, args) into the calling thread's tracer when tracing is on (``trace.enable(rank)``); off, a
-span costs one attribute lookup. Times are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
-for every process on a Linux machine), so ranks line up; exports shift them to start at 0. ``save_chrome(path, comm)`` gathers every rank's spans to rank 0
+with trace.span("ring_all_reduce", kind="comm", bytes=n): records (rank, name, kind, start,
+end, args) into the calling thread's tracer when tracing is on (trace.enable(rank)); off, a
+span costs one attribute lookup. Times are time.perf_counter() (CLOCK_MONOTONIC, one clock
+for every process on a Linux machine), so ranks line up; exports shift them to start at 0. save_chrome(path, comm) gathers every rank's spans to rank 0
 through the communicator (duck-typed: this module imports nothing of comm/) and writes one file
 that chrome://tracing or ui.perfetto.dev opens, one process row per rank.
 
 On the GPU a span also records a CUDA event at its start and end, so it measures what the device
 did, not when the host queued it (kernels run asynchronously): reading the events back
-(``events()``, ``save_chrome``) waits for the GPU once and replaces the span's times by the
-device's, on a clock aligned with the host's at the first span (host times kept in ``args``).
+(events(), save_chrome) waits for the GPU once and replaces the span's times by the
+device's, on a clock aligned with the host's at the first span (host times kept in args).
 Recording an event never makes the host wait, so tracing adds no synchronisation to a step.
 """
 import json
@@ -158,28 +158,30 @@ def _row(e):
     return e["rank"], kind
 
 
-def plot_timeline(all_events, ax=None, title=None, colors=None):
-    """Gantt chart: one row per (rank, kind), a bar per span."""
+def plot_timeline(all_events, ax=None, title=None, colors=None, legend=True):
+    """Gantt chart: one row per (rank, kind), a bar per span; the legend (one entry per span name)
+    sits right of the axes, where it hides no bar."""
     import matplotlib.pyplot as plt
     rows = sorted({_row(e) for e in all_events})
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(rows)))
     colors = colors or {}
-    palette = plt.get_cmap("tab10")
     names = sorted({e["name"] for e in all_events})
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")     # no two names share a colour up to 20
     t0 = _origin(all_events)
     for i, row in enumerate(rows):
         for e in all_events:
             if _row(e) != row:
                 continue
-            color = colors.get(e["name"], palette(names.index(e["name"]) % 10))
+            color = colors.get(e["name"], palette(names.index(e["name"]) % palette.N))
             ax.barh(i, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, color=color,
                     edgecolor="k", lw=0.3)
     ax.set_yticks(range(len(rows)), [f"rank {r} {k}" for r, k in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms")
+    ax.set_xlabel("time (ms)")
     if title:
         ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors.get(n, palette(i % 10))) for i, n in enumerate(names)]
-    ax.legend(handles, names, fontsize=7, loc="upper right")
+    if legend:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors.get(n, palette(i % palette.N))) for i, n in enumerate(names)]
+        ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     return ax

@@ -15,7 +15,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import minitrain as mt
-from minitrain import nn, optim
+from minitrain import cli, nn, optim
 from minitrain.nn import functional as F
 from minitrain.testing import median_time
 
@@ -62,11 +62,11 @@ def torch_step(cfg, rng):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--threads", type=int, default=1, help="BLAS / torch threads for both")
-    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=50, help="timed steps per model and round")
     p.add_argument("--rounds", type=int, default=3, help="alternate the two libraries this many times")
-    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--plot", metavar="PNG", help="draw the step times (default: no plot)")
     args = p.parse_args(argv)
     try:
         import torch

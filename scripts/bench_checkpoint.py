@@ -1,14 +1,14 @@
-"""Checkpoint save and load throughput (MB/s) and per-rank peak extra memory, against ``np.save`` /
-``np.load`` of the same bytes by the same ranks in the same run.
+"""Checkpoint save and load throughput (MB/s) and per-rank peak extra memory, against np.save /
+np.load of the same bytes by the same ranks in the same run.
 
     python scripts/bench_checkpoint.py [--ranks 2] [--hidden 2048] [--layers 4] [--repeats 3] [--json out.json]
 
-Each rank holds its ZeRO-3 (FullyShardedDataParallel) shard of an MLP of ``layers`` x (hidden x hidden)
-with fp32 Adam after one step: parameters and two moments, 12 bytes per parameter / p. ``save`` writes
+Each rank holds its ZeRO-3 (FullyShardedDataParallel) shard of an MLP of layers x (hidden x hidden)
+with fp32 Adam after one step: parameters and two moments, 12 bytes per parameter / p. save writes
 the rank's pieces into its safetensors-layout file, fsyncs it, and rank 0 commits the manifest;
-the anchor writes the same arrays with ``np.save`` one after the other into one file per rank and
-fsyncs it (and both again without fsync). ``load`` reads the checkpoint back into the same layout,
-and into DDP on the same ranks (a reshard: every rank reads the whole model); the anchor ``np.load``s
+the anchor writes the same arrays with np.save one after the other into one file per rank and
+fsyncs it (and both again without fsync). load reads the checkpoint back into the same layout,
+and into DDP on the same ranks (a reshard: every rank reads the whole model); the anchor np.loads
 the rank's file. Rates are the rank's bytes over the slowest rank's time (median of the repeats;
 reads come from the page cache on both sides). Peak extra memory: tracemalloc's peak during the call
 minus what was live before (for load, minus the optimizer state it creates), against one shard
@@ -24,6 +24,8 @@ import time
 import tracemalloc
 
 import numpy as np
+
+from minitrain import cli
 
 
 def worker(args):
@@ -128,13 +130,13 @@ def fmt(n):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, help="ranks saving and loading (mpiexec -n)")
+    ap.add_argument("--hidden", type=int, default=2048, help="width of each layer")
+    ap.add_argument("--layers", type=int, default=4, help="hidden x hidden layers")
+    ap.add_argument("--repeats", type=int, default=3, help="saves and loads timed (the median is kept)")
     ap.add_argument("--dir", help="where to write (default: a temporary directory)")
-    ap.add_argument("--json", help="write the results as JSON")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
@@ -162,6 +164,8 @@ def main():
           f"{max(res['load_extra']) / shard:.3f} shard (one shard: {fmt(shard)}; largest piece "
           f"{fmt(max(res['largest_piece']))}; load's count leaves out the optimizer state it creates)")
     print(f"goals: save >= 0.5x np.save ({s['np_save'] / s['save']:.2f}x with fsync), extra memory <= 1 shard")
+    from minitrain.testing import mpi_library_name
+    print(f"MPI: {mpi_library_name()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

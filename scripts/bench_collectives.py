@@ -1,14 +1,15 @@
 """Hand-written collectives vs MPI's built-ins, measured in the same run.
 
     python scripts/bench_collectives.py [--ranks 2 4] [--max-mib 64] [--plot collectives.png] [--json out.json]
+        [--check-collectives] [--min-time 0.3]
 
-Launches itself under ``mpiexec -n p`` for each p. Sizes from 1 KiB to 64 MiB (float32). For
+Launches itself under mpiexec -n p for each p. Sizes from 1 KiB to 64 MiB (float32). For
 each size: minitrain's ring_all_reduce, all_reduce(auto), recursive_doubling_all_reduce,
 ring_reduce_scatter, ring_all_gather against MPI_Allreduce (in-place and out-of-place),
 MPI_Reduce_scatter_block and MPI_Allgather. Prints the median time, algbw = bytes/time and
 busbw with the nccl-tests definitions (all-reduce: algbw·2(p-1)/p; the other two: algbw·(p-1)/p),
 the ratio MPI time / ours (>1 means ours is faster; for all-reduce against the faster of
-MPI's two). Both sides write into preallocated outputs (``out=`` for ours), as DDP and ZeRO do.
+MPI's two). Both sides write into preallocated outputs (out= for ours), as DDP and ZeRO do.
 Also an alpha-beta fit of the ring (t = 2(p-1)·alpha + 2(p-1)/p·n·beta), and the
 size where recursive doubling stops beating the ring.
 """
@@ -21,8 +22,10 @@ import time
 
 import numpy as np
 
+from minitrain import cli
 
-def timed(fn, comm, min_time=0.3, min_reps=3, max_reps=200):
+
+def timed(fn, comm, min_time, min_reps=3, max_reps=200):
     comm.barrier()
     t0 = time.perf_counter()
     fn()
@@ -43,8 +46,9 @@ def worker(args):
     from mpi4py import MPI
     from minitrain.comm import all_reduce, init, recursive_doubling_all_reduce, ring_all_gather, \
         ring_all_reduce, ring_reduce_scatter
-    comm = init()
+    comm = init(check_collectives=args.check_collectives)
     mpi = comm.mpi_comm
+    t = args.min_time
     p = comm.size
     rows = []
     size = 1024
@@ -58,17 +62,17 @@ def worker(args):
         rs_out = np.empty(n // p, np.float32)
         row = {"bytes": size, "p": p}
         mine = np.empty_like(x)   # preallocated outputs on both sides, as DDP and ZeRO use them
-        row["ring_all_reduce"] = timed(lambda: ring_all_reduce(comm, x, out=mine), comm)
-        row["all_reduce_auto"] = timed(lambda: all_reduce(comm, x, out=mine), comm)
-        row["recursive_doubling"] = timed(lambda: recursive_doubling_all_reduce(comm, x), comm)
-        row["mpi_allreduce_out_of_place"] = timed(lambda: mpi.Allreduce(x, out), comm)
-        row["mpi_allreduce_in_place"] = timed(lambda: mpi.Allreduce(MPI.IN_PLACE, inplace), comm)
+        row["ring_all_reduce"] = timed(lambda: ring_all_reduce(comm, x, out=mine), comm, t)
+        row["all_reduce_auto"] = timed(lambda: all_reduce(comm, x, out=mine), comm, t)
+        row["recursive_doubling"] = timed(lambda: recursive_doubling_all_reduce(comm, x), comm, t)
+        row["mpi_allreduce_out_of_place"] = timed(lambda: mpi.Allreduce(x, out), comm, t)
+        row["mpi_allreduce_in_place"] = timed(lambda: mpi.Allreduce(MPI.IN_PLACE, inplace), comm, t)
         rs_mine = np.empty(n // p, np.float32)
-        row["ring_reduce_scatter"] = timed(lambda: ring_reduce_scatter(comm, x[:n // p * p], out=rs_mine), comm)
-        row["mpi_reduce_scatter"] = timed(lambda: mpi.Reduce_scatter_block(x[:n // p * p], rs_out), comm)
+        row["ring_reduce_scatter"] = timed(lambda: ring_reduce_scatter(comm, x[:n // p * p], out=rs_mine), comm, t)
+        row["mpi_reduce_scatter"] = timed(lambda: mpi.Reduce_scatter_block(x[:n // p * p], rs_out), comm, t)
         ag_mine = np.empty(n // p * p, np.float32)
-        row["ring_all_gather"] = timed(lambda: ring_all_gather(comm, shard, total=n // p * p, out=ag_mine), comm)
-        row["mpi_allgather"] = timed(lambda: mpi.Allgather(shard, gathered), comm)
+        row["ring_all_gather"] = timed(lambda: ring_all_gather(comm, shard, total=n // p * p, out=ag_mine), comm, t)
+        row["mpi_allgather"] = timed(lambda: mpi.Allgather(shard, gathered), comm, t)
         rows.append(row)
         size *= 4
     if comm.rank == 0:
@@ -102,7 +106,8 @@ def report(rows):
     print(f"alpha-beta fit of the ring: alpha = {alpha * 1e6:.1f} us per message, "
           f"1/beta = {1 / beta / 1e9:.2f} GB/s per link")
     big = [r for r in rows if r["bytes"] >= 1 << 20]
-    worst = min(min(r["mpi_allreduce_out_of_place"], r["mpi_allreduce_in_place"]) / r["ring_all_reduce"] for r in big)
+    worst = min((min(r["mpi_allreduce_out_of_place"], r["mpi_allreduce_in_place"]) / r["ring_all_reduce"] for r in big),
+                default=float("nan"))
     auto_worst = min(min(r["mpi_allreduce_out_of_place"], r["mpi_allreduce_in_place"]) / r["all_reduce_auto"] for r in rows)
     crossover = next((r["bytes"] for r in rows if r["recursive_doubling"] > r["ring_all_reduce"]), None)
     print(f"ring all-reduce vs the faster MPI_Allreduce from 1 MiB up: worst {worst:.2f}x (goal >= 0.95x); "
@@ -135,20 +140,25 @@ def plot(all_rows, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="one mpiexec launch per p")
+    ap.add_argument("--max-mib", type=float, default=64, help="the largest message, in MiB (sizes from 1 KiB)")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds of repetitions per measurement")
+    ap.add_argument("--check-collectives", action="store_true",
+                    help="compare every collective's arguments across ranks first (the jobs' default; off here: "
+                         "the table measures the algorithms)")
+    ap.add_argument("--plot", metavar="PNG", help="draw time and bus bandwidth per size (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
-    from minitrain.testing import mpiexec_path
+    from minitrain.testing import mpi_library_name, mpiexec_command
     all_rows, summaries = [], []
     for p in args.ranks:
         out = f"/tmp/bench_collectives_{os.getpid()}_{p}.json"
-        cmd = [mpiexec_path(), "-n", str(p), sys.executable, __file__, "--max-mib", str(args.max_mib), "--worker-out", out]
+        cmd = [*mpiexec_command(p), sys.executable, __file__, "--max-mib", str(args.max_mib), "--worker-out", out,
+               "--min-time", str(args.min_time)] + (["--check-collectives"] if args.check_collectives else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         with open(out) as f:
@@ -157,12 +167,12 @@ def main():
         all_rows.append(rows)
         summaries.append(report(rows))
     print(f"\nmachine: {os.cpu_count()} cores, {' '.join(os.uname()[2:3])}, "
-          f"MPI: mpich wheel via mpi4py (shared memory)")
+          f"MPI: {mpi_library_name()} (via mpi4py)")
     if args.plot:
         plot(all_rows, args.plot)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": all_rows, "summary": summaries}, f, indent=1)
+            json.dump({"rows": all_rows, "summary": summaries, "mpi_library": mpi_library_name()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ speed / staleness trade-off: step time and the training loss reached after the s
 """
 import argparse
 import json
-import os
 import time
 
 import numpy as np
+
+from minitrain import cli
 
 LR = 0.05
 BUCKET_CAP_MB = 4   # both frameworks; at the default 25 MiB the large model (16.8 MB) is one bucket,
@@ -66,7 +67,8 @@ def minitrain_worker(args, sizes, batch):
 def torch_worker(args, sizes, batch):
     import torch
     import torch.distributed as dist
-    rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    from minitrain.examples.common import launch_info
+    rank, world = launch_info()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -110,10 +112,14 @@ def launch(framework, model, p, steps, sync_every=1):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="one mpiexec launch per p")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per model")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="which models (local SGD runs on the last one)")
+    ap.add_argument("--local-sgd", type=int, nargs="*", default=[1, 4, 8], metavar="K",
+                    help="local SGD: average every K steps (none: skip)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--framework", default="minitrain", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="small", help=argparse.SUPPRESS)
@@ -123,8 +129,10 @@ def main():
     if args.worker_out:
         return worker(args)
     results = {}
+    from minitrain.testing import mpi_library_name
+    print(f"MPI: {mpi_library_name()}; PyTorch: gloo")
     print(f"{'model':<6} {'p':>2} {'minitrain':>11} {'pytorch':>11} {'ratio':>6} {'hidden comm':>12}")
-    for model in MODELS:
+    for model in args.models:
         for p in args.ranks:
             ours, theirs = launch("minitrain", model, p, args.steps), launch("torch", model, p, args.steps)
             hidden = 1 - ours["waited"] / ours["reducing"] if ours["reducing"] else float("nan")
@@ -137,11 +145,11 @@ def main():
                 print(f"       scaling 1 -> 2 ranks ({fw}): step of the same global batch {one * 1e3:.2f} -> "
                       f"{two * 1e3:.2f} ms, speed-up x{one / two:.2f} (2 ranks share 2 cores)")
     p = max(args.ranks)
-    if p > 1:
-        steps = 2 * args.steps
-        print(f"\nlocal SGD on 'large', p={p}: speed vs staleness after {steps} steps (loss: mean of the last 5)")
-        for every in (1, 4, 8):
-            r = launch("minitrain", "large", p, steps, every)
+    if p > 1 and args.local_sgd:
+        steps, model = 2 * args.steps, args.models[-1]
+        print(f"\nlocal SGD on '{model}', p={p}: speed vs staleness after {steps} steps (loss: mean of the last 5)")
+        for every in args.local_sgd:
+            r = launch("minitrain", model, p, steps, every)
             results[f"local_sgd/{every}"] = r
             print(f"  sync every {every}: step {r['step'] * 1e3:7.2f} ms, training loss {r['final_loss']:.4f}"
                   + ("  (= DDP)" if every == 1 else ""))

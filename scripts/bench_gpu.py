@@ -7,7 +7,7 @@ GPT sizes (issue 16): big = 16 x 256 tokens, 8 layers, width 768; mid = 64 x 256
 384; small = 32 x 64, 4 layers, width 128 (heads of 64, 64 and 32; vocabulary 96). MLP: 4 layers
 of 1024 at batch 4096, and the digits MLP 64-128-128-10 at batch 64. A step is zero_grad, forward,
 cross-entropy, backward, AdamW (lr 1e-3, weight decay 0.01); the batch is on the GPU already.
-Timing: blocks of ``--steps`` steps between two synchronisations (the GPU runs ahead of Python, as
+Timing: blocks of --steps steps between two synchronisations (the GPU runs ahead of Python, as
 in training), median block / steps; the same for PyTorch. Both in fp32 without TF32. PyTorch's
 attention is the same computation as minitrain's (matmul, mask, softmax, matmul); its fused
 flash attention (scaled_dot_product_attention) is printed beside it for information.
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import minitrain as mt
-from minitrain import backend, nn, optim
+from minitrain import backend, cli, nn, optim
 from minitrain.nn import functional as F
 
 GPT_SIZES = {"big": (16, 256, 8, 768), "mid": (64, 256, 6, 384), "small": (32, 64, 4, 128),
@@ -218,14 +218,14 @@ def fmt_ms(s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", nargs="*", default=["big", "mid", "small"], choices=list(GPT_SIZES))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p.add_argument("--sizes", nargs="*", default=["big", "mid", "small"], choices=list(GPT_SIZES), help="GPT sizes")
     p.add_argument("--mlp", nargs="*", default=["mlp big", "mlp digits"], help="MLP sizes (names with spaces)")
     p.add_argument("--tiny", action="store_true", help="CI: the tiny GPT and MLP, 2 steps")
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    p.add_argument("--blocks", type=int, default=5)
+    p.add_argument("--blocks", type=int, default=5, help="timed blocks (the median is kept)")
     p.add_argument("--unfused-timing", action="store_true", help="also time minitrain with MINITRAIN_FUSE=0")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes, args.mlp, args.steps, args.blocks = ["tiny"], ["mlp tiny"], 2, 2

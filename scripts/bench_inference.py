@@ -20,29 +20,30 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import memory, nn
+from minitrain import cli, memory, nn
 from minitrain.inference import BlockPool, ContiguousKVCache, LLMEngine, PagedKVCache
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=96)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--min-prompt-len", type=int, default=8)
-    p.add_argument("--max-prompt-len", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    p.add_argument("--context", type=int, default=256, help="the model's context, in tokens")
+    p.add_argument("--vocab", type=int, default=96, help="vocabulary size")
+    p.add_argument("--num-prompts", type=int, default=16, help="requests served")
+    p.add_argument("--min-prompt-len", type=int, default=8, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=64, help="longest prompt, in tokens")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="the --max-batch values of the throughput runs")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="paged block sizes of the waste runs")
     p.add_argument("--block-size", type=int, default=16, help="paged block size in the throughput runs")
-    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="the model's dtype")
+    p.add_argument("--repeats", type=int, default=2, help="throughput runs per point (the median is kept)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
     p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: cores / ranks)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     return p.parse_args()
 
 

@@ -4,7 +4,7 @@
 
 An MLP of n layers (Linear 256x256 + ReLU, batch 256, float32) for n = 4..64, trained one step
 plain and with checkpoint_sequential at k = 2, round(sqrt(n)) and n/2 segments. Prints the peak of
-the ``activations`` category (minitrain.memory) and the median step time, the ratio to the plain
+the activations category (minitrain.memory) and the median step time, the ratio to the plain
 run (the anchor, measured in the same run), and the Chen et al. model: peak ~ k + n/k layers'
 worth, smallest at k = sqrt(n), for one extra forward (forward ~ 1/3 of a step: ~ +33% time).
 Then the GPT with recompute = none / selective / full.
@@ -17,7 +17,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import minitrain as mt
-from minitrain import memory, nn
+from minitrain import cli, memory, nn
 from minitrain.parallel import checkpoint_sequential
 from minitrain.testing import median_time
 
@@ -71,12 +71,12 @@ def gpt_rows(repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="MLP depths n")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps (the median is kept)")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads")
+    ap.add_argument("--plot", metavar="PNG", help="draw peak memory and time vs segments (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     args = ap.parse_args()
     with threadpool_limits(limits=args.threads):
         rows = mlp_rows(args.layers, args.repeats)

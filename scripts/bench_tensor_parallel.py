@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from minitrain import cli
+
 
 def worker(args):
     import minitrain as mt
@@ -60,13 +62,13 @@ def launch(t, sp, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--block", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes: one mpiexec launch each")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (the median is kept)")
+    ap.add_argument("--n-embd", type=int, default=256, help="embedding width")
+    ap.add_argument("--block", type=int, default=128, help="sequence length")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--sp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -74,6 +76,8 @@ def main():
         return worker(args)
     results = {}
     base = None
+    from minitrain.testing import mpi_library_name
+    print(f"MPI: {mpi_library_name()}")
     print(f"{'config':<10} {'step':>9} {'speed-up':>9} {'fwd bytes/layer':>16} {'formula':>10} {'peak activations':>17}")
     for t in args.tp:
         for sp in ((False, True) if t > 1 else (False,)):

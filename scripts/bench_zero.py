@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from minitrain import cli
+
 SIZES, BATCH, LR = [1024, 1024, 1024, 1024, 10], 256, 1e-3
 CONFIGS = ["ddp", "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload"]
 ANCHORS = ["torch_ddp", "torch_zero1"]
@@ -80,7 +82,8 @@ def minitrain_worker(args):
 def torch_worker(args):
     import torch
     import torch.distributed as dist
-    rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    from minitrain.examples.common import launch_info
+    rank, world = launch_info()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -151,12 +154,13 @@ def plot(results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS)
-    ap.add_argument("--plot", metavar="PNG")
-    ap.add_argument("--json", metavar="PATH")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="one mpiexec launch per p and configuration")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is kept)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG",
+                    help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them)")
+    ap.add_argument("--plot", metavar="PNG", help="draw model-state memory per rank (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -184,6 +188,8 @@ def main():
                 line += (f"{r['bytes'][0] / 2**20:>8.2f}Mi {traffic / 2**20:>8.2f}Mi {device / 2**20:>12.2f}Mi "
                          f"{formula_device / 2**20:>8.2f}Mi {r['host'][0] / 2**20:>7.2f}Mi {r['peak'][0] / 2**20:>7.2f}Mi")
             print(line)
+    from minitrain.testing import mpi_library_name
+    print(f"\nMPI: {mpi_library_name()}; PyTorch anchors: gloo")
     print("\n(step: slowest rank's median; device states: params + grads + optimizer state on rank 0 at the first "
           "step;\n formula: the ZeRO paper's (4 + 4 + 8)Ψ split by stage, minus what --offload moves to the host; "
           "peak: everything, gathered units and buffers included)")

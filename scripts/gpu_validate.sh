@@ -11,13 +11,16 @@
 #   mlp2       offload, fp16, bf16, recompute, activation offload, every pipeline schedule, at 2 and 4 ranks
 #   gpt        the GPT: one GPU, --tp, --sequence-parallel, --pp, --dp, pp x tp, recompute, offload, dropout
 #   bench      scripts/bench_gpu.py: training step vs PyTorch CUDA at the three GPT sizes and two MLPs
-#   transport  (issue 16, part 2: the transport bandwidth benchmark; a marked place below)
+#   transport  the device transports: tests/programs/transport_check.py, then scripts/bench_gpu_collectives.py
+#              (ring all-reduce bus bandwidth per transport vs MPI's and NCCL's all-reduce), at 2 and 4 ranks
 # Every step and every job inside it has a time limit (STEP_TIMEOUT, default 420 s; RUN_TIMEOUT per
 # job, default 150 s), writes its log to OUT_DIR/<step>.log, and a failure is reported and the next
 # one runs. OUT_DIR/figures.json collects every step's status and every job's figures.
 # Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
 # to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
-# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+# TRANSPORT_ARGS extra bench_gpu_collectives.py options, EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+# MINITRAIN_TRANSPORT (auto | cuda-ipc | pinned-staging | cuda-aware-mpi), MINITRAIN_IPC_SYNC (event | host) and
+# MINITRAIN_BACKEND (mpi | nccl) reach every rank (under Open MPI through -x).
 set -u
 OUT=${1:?usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]}
 shift
@@ -29,16 +32,20 @@ PY=${PYTHON:-$(command -v python3)}   # absolute: a launcher may search another 
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 BENCH_ARGS=${BENCH_ARGS:-}
+TRANSPORT_ARGS=${TRANSPORT_ARGS:-}
 EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run: the job's default, 30)
 GPT_STEPS=${GPT_STEPS:-100}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
-       MKL_NUM_THREADS=1 MINITRAIN_TIMEOUT=120 PYTHONDONTWRITEBYTECODE=1
+       MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+COMM_TIMEOUT=${COMM_TIMEOUT:-40}            # the jobs' stall threshold (hard timeout 3x: first-use kernel compiles)
 
 LAUNCHER=${MPIRUN:-$(command -v mpirun || command -v mpiexec)}
 if "$LAUNCHER" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
-  LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS
-          -x MINITRAIN_TIMEOUT)
+  LAUNCH=("$LAUNCHER" --oversubscribe --bind-to none -x PYTHONPATH -x MINITRAIN_DEVICE -x OMP_NUM_THREADS)
   [ "$(id -u)" = 0 ] && LAUNCH+=(--allow-run-as-root)
+  for var in MINITRAIN_TRANSPORT MINITRAIN_IPC_SYNC MINITRAIN_BACKEND MINITRAIN_CUDA_AWARE; do   # the transport knobs
+    [ -n "${!var:-}" ] && LAUNCH+=(-x "$var")
+  done
 else
   LAUNCH=("$LAUNCHER")
 fi
@@ -88,8 +95,9 @@ except Exception:
     pass
 EOF
   mpi 2 -c "from mpi4py import MPI; from minitrain import comm, backend; c = comm.init(); from minitrain.comm.mpi import cuda_aware; \
+from minitrain.comm.transport import describe; \
 print(f'rank {c.rank}: local rank {backend.local_rank()}, GPU {backend.describe_device()}, MPI CUDA-aware: {cuda_aware()}, ' \
-      + MPI.Get_library_version().splitlines()[0])"
+      + f'transport {describe(c)} ({c.transport_note}), ' + MPI.Get_library_version().splitlines()[0])"
 }
 
 step_tests() {
@@ -116,10 +124,10 @@ step_suite() {
 
 step_mlp() {
   local status=0 flags
-  run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --json "$OUT/mlp_full_4.json" || status=1
+  run "mlp_full_4" mpi 4 -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --json "$OUT/mlp_full_4.json" || status=1
   for n in 1 2 4; do
     for strategy in ddp local_sgd zero1 zero2 zero3; do
-      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy "$strategy" \
+      run "mlp_${strategy}_$n" mpi "$n" -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --epochs "$EPOCHS" --strategy "$strategy" \
           --json "$OUT/mlp_${strategy}_$n.json" || status=1
     done
   done
@@ -136,7 +144,7 @@ step_mlp2() {
                  "pipeline --schedule pipedream_2bw --layers 3"; do
       local name="mlp_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
       # shellcheck disable=SC2086
-      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --epochs "$EPOCHS" --strategy $flags \
+      run "$name" mpi "$n" -m minitrain.examples.mlp --no-progress --comm-timeout "$COMM_TIMEOUT" --epochs "$EPOCHS" --strategy $flags \
           --json "$OUT/$name.json" || status=1
     done
   done
@@ -145,7 +153,7 @@ step_mlp2() {
 
 step_gpt() {
   local status=0 spec n flags name
-  run "gpt_1" "$PY" -m minitrain.examples.gpt --no-progress --steps 300 --json "$OUT/gpt_1.json" || status=1
+  run "gpt_1" "$PY" -m minitrain.examples.gpt --no-progress --comm-timeout "$COMM_TIMEOUT" --steps 300 --json "$OUT/gpt_1.json" || status=1
   for spec in "1|--recompute full" "1|--offload-activations" "1|--dropout 0.1" "2|--dp 2" "2|--tp 2" \
               "2|--tp 2 --sequence-parallel --dropout 0.1" "2|--pp 2 --microbatches 2" "2|--tp 2 --recompute selective" \
               "4|--tp 2 --pp 2 --microbatches 2" "4|--tp 4" "4|--tp 2 --dp 2 --sequence-parallel" \
@@ -154,7 +162,7 @@ step_gpt() {
     flags=${spec#*|}
     name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"
     # shellcheck disable=SC2086
-    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
+    run "$name" mpi "$n" -m minitrain.examples.gpt --no-progress --comm-timeout "$COMM_TIMEOUT" --steps "$GPT_STEPS" $flags --json "$OUT/$name.json" || status=1
   done
   return $status
 }
@@ -166,18 +174,17 @@ step_bench() {
 }
 
 step_transport() {
-  # >>> TRANSPORT BENCHMARK (issue 16, part 2: CUDA-aware MPI, CUDA IPC, pinned staging, NCCL) <<<
-  # Ring all-reduce bus bandwidth, 2(n-1)/n (nccl-tests' definition), per transport, 1 KiB to 256 MiB,
-  # at 2 and 4 ranks, beside MPI's own. To be written by the colleague who adds the transports, e.g.:
-  #   run "transport_2" mpi 2 scripts/bench_transport.py --json "$OUT/transport_2.json"
-  #   run "transport_4" mpi 4 scripts/bench_transport.py --json "$OUT/transport_4.json"
-  if [ -f scripts/bench_transport.py ]; then
-    local status=0
-    run "transport_2" mpi 2 scripts/bench_transport.py --json "$OUT/transport_2.json" || status=1
-    run "transport_4" mpi 4 scripts/bench_transport.py --json "$OUT/transport_4.json" || status=1
-    return $status
-  fi
-  echo "transport benchmark: not there yet (scripts/bench_transport.py, issue 16 part 2)"
+  # The device transports (issue 16 part 2): first every transport's bytes on device arrays (awkward sizes,
+  # dtypes, split communicators, a size mismatch on both ranks), then the ring all-reduce bus bandwidth per
+  # transport, 1 KiB to 256 MiB, beside MPI's all-reduce staged alike and NCCL's where it runs; at 2 and 4 ranks.
+  local status=0 n
+  for n in 2 4; do
+    run "transport_check_$n" mpi "$n" tests/programs/transport_check.py "$OUT/transport_check_$n.json" --mismatch || status=1
+    # shellcheck disable=SC2086
+    RUN_TIMEOUT=$((STEP_TIMEOUT / 2 - 30)) run "transport_$n" mpi "$n" scripts/bench_gpu_collectives.py ${TRANSPORT_ARGS:-} \
+        --json "$OUT/transport_$n.json" || status=1
+  done
+  return $status
 }
 
 failed=0
@@ -190,7 +197,7 @@ for step in $STEPS; do
   echo "##### $step (limit $STEP_TIMEOUT s)"
   start=$SECONDS
   export -f run mpi "step_$step"
-  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS EPOCHS GPT_STEPS
+  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS TRANSPORT_ARGS EPOCHS GPT_STEPS
   LAUNCH_STR=$(printf '%q ' "${LAUNCH[@]}")
   timeout -k 10 "$STEP_TIMEOUT" bash -c "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
   rc=${PIPESTATUS[0]}

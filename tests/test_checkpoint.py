@@ -16,7 +16,7 @@ from minitrain.checkpoint.storage import RankFile, write_rank_file
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
-                                ZeroRedundancyOptimizer)
+                                ZeroRedundancyOptimizer, found_inf_on_any_rank)
 from minitrain.parallel.pipeline import PipelineParallel
 from minitrain.sharded import flat_range, whole
 
@@ -96,10 +96,11 @@ class Job:
         if strategy in ("zero1", "zero2", "zero2_sgd"):
             self.opt = ZeroRedundancyOptimizer(params, opt_class, comm, stage=int(strategy[4]), **opt_args)
         elif strategy == "fsdp_offload":
-            self.opt = CPUOffloadOptimizer(params, opt_class, comm=comm, **opt_args)
+            self.opt = CPUOffloadOptimizer(params, opt_class, all_reduce_found_inf=found_inf_on_any_rank(comm), **opt_args)
         elif self.mixed:       # fp16 starts at a loss scale that overflows: it halves before any save
             scale = dict(init_scale=2.0 ** 18) if kind.startswith("fp16") else {}   # skips steps 0 and 2
-            self.opt = optim.MixedPrecisionOptimizer(params, opt_class, comm=comm, **scale, **opt_args)
+            self.opt = optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=found_inf_on_any_rank(comm),
+                                                    **scale, **opt_args)
         else:
             self.opt = opt_class(params, **opt_args)
 

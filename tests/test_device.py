@@ -130,6 +130,38 @@ def test_a_pipeline_step_reads_its_loss_once_on_the_last_stage(standin_gpu):
     assert_budget(last, syncs=1, h2d=4)        # the last stage: 4 micro-batches' targets, the mean loss
 
 
+def test_a_traced_pipeline_step_times_its_work_by_cuda_events_without_a_sync(standin_gpu):
+    """Tracing adds no synchronisation to a step (events are recorded, not waited for); the measured
+    bubble then reads the device's times: here each compute made to last 0.25 s on the 'device'."""
+    from minitrain import trace
+    x, y = batch()
+
+    def run(comm):
+        mt.manual_seed(0)
+        pipe = PipelineParallel(nn.MLP([12, 16, 16, 5]), comm, "zb_h1", num_microbatches=4)
+        opt = optim.Adam(pipe.parameters(), lr=1e-2)
+        trace.enable(rank=comm.rank)
+
+        def step():
+            opt.zero_grad()
+            loss = pipe.train_step(x, y, F.cross_entropy)
+            opt.step()
+            return loss
+        delta = counted_step(standin_gpu, step)
+        for times in pipe._device_records:
+            for _, first, last in times:
+                last._time = first._time + 0.25
+        summary = pipe.measured_bubble()
+        return delta, summary, len(pipe._device_records[-1])
+    (first, s0, n0), (last, s1, n1) = ThreadWorld(2).run(run)
+    assert_budget(first, syncs=0, h2d=4)
+    assert_budget(last, syncs=1, h2d=4)
+    assert n0 == n1 == 0                                    # resolved once, then dropped
+    for summary in (s0, s1):
+        for op in "FBW":
+            assert summary["stage_seconds"][op] == pytest.approx([0.25, 0.25], abs=1e-9)
+
+
 def test_adam_is_one_fused_kernel_per_parameter(standin_gpu):
     model = nn.MLP([12, 16, 5])
     opt = optim.AdamW(model.parameters(), lr=1e-2)

@@ -139,16 +139,41 @@ def test_a_model_too_big_for_the_device_under_ddp_fits_under_zero3(tmp_path):
 @pytest.mark.parametrize("n, flags", [(2, ["--schedule", "1f1b", "--microbatches", "4"]),
                                       (2, ["--schedule", "interleaved_1f1b", "--microbatches", "4", "--chunks", "2",
                                            "--layers", "3"]),
-                                      (4, ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2"])])
+                                      (4, ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2"]),
+                                      (2, ["--schedule", "zb_h1", "--microbatches", "4"]),
+                                      (4, ["--schedule", "zbv", "--microbatches", "8", "--lr", "3e-3"])])
 def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, flags):
     out, plot = tmp_path / "pipe.json", tmp_path / "pipe.png"
-    run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "pipeline",
-             "--epochs", "10", "--json", out, "--plot", plot, *flags], n=n, timeout=120)
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "pipeline",
+                      "--epochs", "10", "--json", out, "--plot", plot, *flags], n=n, timeout=120)
     report = json.loads(out.read_text())
     assert report["test_accuracy"] >= 0.9
     pipe = report["pipeline"]
     assert pipe["schedule"] == flags[1] and 0 <= pipe["measured_bubble_fraction"] < 1
     assert pipe["formula_bubble_fraction"] > 0 and plot.stat().st_size > 0
+    assert sum(pipe["residual_by_cause"].values()) == pytest.approx(
+        pipe["measured_bubble_fraction"] - pipe["formula_bubble_fraction"], abs=1e-9)
+    assert pipe["steps_measured"] == report["steps"] - 1
+    stages = pipe["stages"]                          # the table: every virtual stage's layers and share
+    assert len(stages) == pipe["num_stages"] * pipe["chunks"] and sum(s["cost_share"] for s in stages) == \
+        pytest.approx(1.0)
+    assert "cost share" in result.stdout
+    if flags[1] == "zbv":
+        assert pipe["chunks"] == 2 and stages[-1]["rank"] == 0          # the V comes back to rank 0
+        assert sum(pipe["stage_seconds"]["W"]) > 0
+
+
+@pytest.mark.slow
+def test_four_ranks_run_the_pipeline_with_the_defaults(tmp_path):
+    """`mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline`: the default MLP has enough
+    layers for 4 stages; the uneven cut is reported with the bubble it implies."""
+    out = tmp_path / "pipe.json"
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "pipeline",
+                      "--epochs", "2", "--json", out], n=4, timeout=120)
+    pipe = json.loads(out.read_text())["pipeline"]
+    assert pipe["num_stages"] == 4 and pipe["layers"] == 4
+    assert "stages are unequal" in result.stdout and "implied bubble" in result.stdout
+    assert pipe["implied_bubble_fraction"] > 3 / 7 + 0.01                # 1F1B, m = 4, equal stages: 3/7
 
 
 def test_the_pipeline_strategy_rejects_bad_shapes_clearly():
@@ -210,3 +235,25 @@ def test_gpt_parallel_job_rejects_a_mesh_that_does_not_fit():
 def test_gpt_tp_rejects_heads_that_do_not_split():
     with pytest.raises(SystemExit):
         gpt.main(["--tp", "3", "--n-head", "4"])
+
+
+@pytest.mark.parametrize("module, args", [
+    ("mlp", ["--epochs", "0"]), ("mlp", ["--comm-timeout", "-1"]), ("mlp", ["--strategy", "pipeline", "--bogus"]),
+    ("mlp", ["--batch-size", "64", "--epochs", "1"]),          # found after MPI starts: 64 over 3 ranks
+    ("gpt", ["--steps", "0"]), ("gpt", ["--n-head", "3"]),
+    ("generate", ["--tp", "3", "--bogus"]), ("generate", ["--tp", "2", "--train-steps", "0"])])  # 2 of 3 ranks
+def test_a_bad_option_is_reported_once_and_every_rank_exits_2(module, args):
+    result = run_mpi([sys.executable, "-m", f"minitrain.examples.{module}", *args], n=3, timeout=60, check=False)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.count("error:") == 1, result.stdout            # rank 0 alone, not once per rank
+    assert "Traceback" not in result.stdout
+
+
+def test_a_job_names_the_mpi_it_ran_on_and_its_comm_timeout(tmp_path):
+    from minitrain.testing import mpi_library_name
+    out = tmp_path / "mlp.json"
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--epochs", "1",
+                      "--comm-timeout", "7", "--json", out], n=2, timeout=120)
+    assert f"MPI: {mpi_library_name()}; check_collectives on, stall threshold 7 s" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["mpi_library"] == mpi_library_name() and report["comm_timeout"] == 7

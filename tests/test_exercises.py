@@ -253,3 +253,29 @@ def test_run_shows_what_minitrain_reports_for_a_broken_program(tmp_path):
     fixed = subprocess.run([sys.executable, str(mine)], capture_output=True, text=True, timeout=120)
     assert fixed.returncode == 0 and "equals one process at p = 2" in fixed.stdout, fixed.stdout + fixed.stderr
     assert cli("run", "ring_all_reduce").returncode == 2
+
+
+# ---------------------------------------------------------------- on the GPU (the strict CuPy stand-in)
+def test_on_the_gpu_the_grader_hands_device_arrays_and_explains_numpy_code(tmp_path):
+    """MINITRAIN_DEVICE=cuda under the stand-in: a device-agnostic hand-in passes; one written with
+    np.zeros fails with the explanation that NumPy and CuPy do not mix; one that copies its result
+    to the host is told to stay on the GPU (the device suite grades every reference there)."""
+    standin = pathlib.Path(__file__).parent / "standin"
+    env = dict(os.environ, MINITRAIN_DEVICE="cuda", CUPY_STANDIN_IMPLICIT="error",
+               PYTHONPATH=os.pathsep.join([str(standin), os.environ.get("PYTHONPATH", "")]),
+               MINITRAIN_EXERCISES_PROGRESS=str(tmp_path / "p.json"))
+    on_host = tmp_path / "on_host.py"
+    on_host.write_text("def matmul_backward(a, b, grad):\n    a, b, grad = a.get(), b.get(), grad.get()\n"
+                       "    return grad @ b.T, a.reshape(-1, a.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])\n")
+    runs = {}
+    for label, name, path in (("agnostic", "matmul_backward", SOLUTIONS / "matmul_backward" / "good_learner.py"),
+                              ("numpy", "zero1_step", SOLUTIONS / "zero1_step" / "good_learner.py"),
+                              ("host", "matmul_backward", on_host)):
+        runs[label] = subprocess.run([sys.executable, "-m", "minitrain.exercises", "check", name, str(path), "--fail-fast"],
+                                     capture_output=True, text=True, timeout=120, env=env)
+    assert runs["agnostic"].returncode == 0, runs["agnostic"].stdout + runs["agnostic"].stderr
+    numpy_only = " ".join(runs["numpy"].stdout.split())
+    assert runs["numpy"].returncode == 1 and "NumPy and CuPy arrays do not mix" in numpy_only, numpy_only
+    assert "good_learner.py line" in numpy_only             # the learner's line, not the stand-in's
+    host_copy = " ".join(runs["host"].stdout.split())
+    assert runs["host"].returncode == 1 and "returned a NumPy array (host memory)" in host_copy, host_copy

@@ -159,6 +159,42 @@ def test_cupy_streams_events_pinned_memory_and_ipc():
             assert "cudaErrorNotSupported" in str(e) or e.status == 801, e
 
 
+def test_what_the_transports_assume_of_cupy_and_the_driver():
+    """The calls minitrain/comm/transport.py and ipc.py make, on the GPU, in one process (the MPI runs of
+    scripts/gpu_validate.sh's transport step use them across processes): the driver's allocation range of a
+    pool array's interior pointer, 64-byte memory and event handles, a stream waiting on an interprocess
+    event, a device array wrapped around a raw pointer, and the pinned staging round trip."""
+    from minitrain.comm import ipc, transport
+    with on_gpu() as cp:
+        big = cp.arange(1 << 20, dtype=cp.float32)
+        view = big[1000:]
+        base, size, alloc_id = ipc.allocation_range(view.data.ptr)
+        assert base <= big.data.ptr < view.data.ptr < base + size and size >= big.nbytes
+        assert ipc.allocation_range(big.data.ptr) == (base, size, alloc_id)
+        mem = cp.cuda.UnownedMemory(base, size, big, device_id=cp.cuda.runtime.getDevice())
+        alias = cp.ndarray(view.shape, view.dtype, memptr=cp.cuda.MemoryPointer(mem, view.data.ptr - base))
+        assert bool((alias == view).all())
+        try:                                             # works, or fails as the stand-in fails by default
+            handle = cp.cuda.runtime.ipcGetMemHandle(base)
+            assert isinstance(handle, bytes) and len(handle) == 64
+            event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            event_handle = cp.cuda.runtime.ipcGetEventHandle(event.ptr)
+            assert isinstance(event_handle, bytes) and len(event_handle) == 64
+            event.record()
+            cp.cuda.runtime.streamWaitEvent(cp.cuda.get_current_stream().ptr, event.ptr, 0)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            assert "cudaErrorNotSupported" in str(e) or e.status == 801, e
+        pool = transport.PinnedPool()
+        host = transport._view(pool.take(view.nbytes), view)
+        backend.to_host_into(view, host, blocking=False)
+        backend.synchronize()
+        assert np.array_equal(host, cp.asnumpy(view))
+        back = cp.empty_like(view)
+        backend.to_device_into(back, host)
+        assert bool((back == view).all())
+        pool.close()
+
+
 # ---------------------------------------------------------------- minitrain's fused kernels on CuPy
 def test_every_fused_kernel_compiles_and_equals_the_cpu_op():
     rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ from minitrain import memory, nn, optim
 from minitrain.backend import bfloat16
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
-from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer
+from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer, found_inf_on_any_rank
 from minitrain.parallel.zero_memory import MIXED_PRECISION_ADAM, model_state_bytes
 
 LOW = [np.float16, bfloat16]
@@ -111,29 +111,40 @@ def test_parameters_of_the_wrong_dtype_are_refused():
 
 
 def _initial_state():
-    mt.manual_seed(0)
-    return nn.MLP([30, 24, 17, 10]).state_dict()      # 1,181 parameters: not divisible by 2 or 4
+    rng = np.random.default_rng(0)                    # dyadic weights: exact in fp16 and bf16
+    return {"weight": rng.integers(-8, 9, (10, 30)) / 8.0, "bias": rng.integers(-8, 9, 10) / 8.0}   # 310 parameters
+
+
+def _exact_data(n=32, seed=0):
+    """Inputs in {-1, 0, 1} and integer output weights: every gradient of the loss below is a small
+    multiple of 1/n, exact in fp16 and bf16 and in any order of summation."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(-1, 2, (n, 30)).astype(np.float64), rng.integers(-2, 3, (n, 10)).astype(np.float32)
 
 
 def _train_mixed(comm, stage, dtype, init, steps=3):
-    """Every rank sees the same batch, so that the mean of the gradients is exact in low precision
-    (p a power of two) and ZeRO must equal one process bit for bit."""
-    model = nn.MLP([30, 24, 17, 10])
+    """Rank r takes rows r::p of one global batch (different data on every rank, so that a wrong
+    reduction, a max instead of a mean, shows), and the loss makes every gradient exact: ZeRO must
+    then equal one process on the whole batch bit for bit."""
+    model = nn.Linear(30, 10)
     model.load_state_dict(init)
     model.to(dtype)
+    scale = 256.0 if dtype == np.float16 else None     # fixed: a rank's local sum must not overflow where the mean would not
     if stage in (1, 2):
         opt, forward = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, comm, stage=stage,
-                                               bucket_cap_mb=0.001, lr=1e-2), model
+                                               bucket_cap_mb=0.001, loss_scale=scale, lr=1e-2), model
     elif stage == 3:
         forward = FullyShardedDataParallel(model, comm)
-        opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.Adam, comm=comm, lr=1e-2)
+        opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.Adam,
+                                            all_reduce_found_inf=found_inf_on_any_rank(comm), loss_scale=scale, lr=1e-2)
     else:
-        opt, forward = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-2), model
-    x, y = data()
+        opt, forward = optim.MixedPrecisionOptimizer(model.parameters(), optim.Adam, loss_scale=scale, lr=1e-2), model
+    x, c = _exact_data()
+    x, c = x[comm.rank::comm.size], c[comm.rank::comm.size]
     persistent = None
     for _ in range(steps):
         opt.zero_grad()
-        loss = F.cross_entropy(forward(mt.Tensor(x).to(dtype)).float(), y)
+        loss = (F.relu(forward(mt.Tensor(x).to(dtype))).float() * mt.Tensor(c)).sum() * (1.0 / len(x))
         opt.scale(loss).backward()
         opt.step()
         if persistent is None:
@@ -168,3 +179,20 @@ def test_the_masters_leave_the_memory_tracker_with_their_optimizer():
     del opt
     gc.collect()
     assert memory.snapshot()["optimizer_state"] == before
+
+
+def test_sharded_ranks_skip_together_when_only_one_shard_overflows():
+    """ZeRO-1 in fp16 on 2 ranks: the gradient overflows in rank 1's shard only (element 7 of
+    [0, 4) / [4, 8)), yet both ranks skip the step and keep equal weights: the optimizer received
+    the reduction (all_reduce_found_inf) and every rank took the same decision."""
+    def body(comm):
+        w = nn.Parameter(np.ones(8, np.float16))
+        zero = ZeroRedundancyOptimizer([w], optim.SGD, comm, stage=1, lr=0.1)
+        x = np.ones(8, np.float32)
+        x[7] = 1e6                               # beyond float16's 65504: its gradient is inf
+        (w.to(np.float32) * mt.Tensor(x)).sum().backward()
+        zero.step()
+        return zero.optimizer.skipped_steps, w.data.copy()
+    results = ThreadWorld(2).run(body)
+    assert [skipped for skipped, _ in results] == [1, 1]
+    assert all(np.array_equal(weights, np.ones(8, np.float16)) for _, weights in results)

@@ -1,34 +1,48 @@
 """run_mpi, the harness every later MPI test uses: rank-labelled output, failures and hangs
 reported with every rank's output, within the timeout."""
+import os
 import sys
 import time
 
 import pytest
 
-from minitrain.testing import MPIRunError, run_mpi
+from minitrain.testing import MPIRunError, _normalise_labels, mpiexec_command, run_mpi
+
+RANK = "int(os.environ.get('PMI_RANK') or os.environ['OMPI_COMM_WORLD_RANK'])"   # MPICH or Open MPI
 
 
 def test_every_rank_runs_and_is_labelled():
-    result = run_mpi([sys.executable, "-c", "import os; print('hello from', os.environ['PMI_RANK'])"], n=3, timeout=30)
+    result = run_mpi([sys.executable, "-c", f"import os; print('hello from', {RANK})"], n=3, timeout=30)
     for r in range(3):
         assert f"[{r}] hello from {r}" in result.stdout
 
 
 def test_a_failing_rank_fails_the_run_with_all_output():
-    code = "import os, sys; r = int(os.environ['PMI_RANK']); print('rank', r, 'ok'); sys.exit(3 if r == 1 else 0)"
+    code = f"import os, sys; r = {RANK}; print('rank', r, 'ok'); sys.exit(3 if r == 1 else 0)"
     with pytest.raises(MPIRunError) as err:
         run_mpi([sys.executable, "-c", code], n=2, timeout=30)
     assert "rank 0 ok" in str(err.value) and "rank 1 ok" in str(err.value)
 
 
 def test_a_hanging_rank_is_killed_at_the_timeout():
-    code = ("import os, time; r = int(os.environ['PMI_RANK']); print('rank', r, 'started', flush=True);"
+    code = (f"import os, time; r = {RANK}; print('rank', r, 'started', flush=True);"
             "time.sleep(600 if r == 1 else 0)")
     start = time.monotonic()
     with pytest.raises(MPIRunError) as err:
         run_mpi([sys.executable, "-c", code], n=2, timeout=5)
     assert time.monotonic() - start < 30
     assert "rank 1 started" in str(err.value)
+
+
+def test_open_mpi_output_is_labelled_like_mpich_and_its_launch_has_the_flags_it_needs(monkeypatch):
+    import minitrain.testing as testing
+    assert _normalise_labels("[1,0]<stdout>:hello\n[1,3]<stderr>: oops\n") == "[0] hello\n[3] oops\n"
+    monkeypatch.setattr(testing, "_LAUNCHER", ("/usr/bin/mpirun", "openmpi"))
+    cmd = mpiexec_command(4, label=True)
+    assert cmd[:3] == ["/usr/bin/mpirun", "-n", "4"] and "--oversubscribe" in cmd and "--tag-output" in cmd
+    assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+    monkeypatch.setattr(testing, "_LAUNCHER", ("/venv/bin/mpiexec", "mpich"))
+    assert mpiexec_command(2, label=True) == ["/venv/bin/mpiexec", "-n", "2", "-l"]
 
 
 def test_open_mpis_launcher_gets_its_own_flags(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ import pytest
 
 import minitrain as mt
 from minitrain import nn
+from minitrain.nn import functional as F
 
 
 def test_named_parameters_in_registration_order_with_dotted_names():
@@ -109,3 +110,30 @@ def test_module_without_super_init_gets_a_clear_error():
             self.layer = nn.Linear(2, 2)
     with pytest.raises(AttributeError, match="super"):
         Bad()
+
+
+@pytest.mark.parametrize("shapes", [((3, 1), (3,)), ((3,), (3, 1)), ((2, 3), (3,)), ((4,), (1,))])
+def test_mse_loss_refuses_shapes_that_would_broadcast(shapes):
+    # PyTorch warns and broadcasts (3, 1) against (3,) to (3, 3): the mean of the wrong pairs
+    a, b = mt.Tensor(np.ones(shapes[0])), mt.Tensor(np.zeros(shapes[1]))
+    with pytest.raises(ValueError, match=r"mse_loss: input of shape .* and target of shape .* differ"):
+        F.mse_loss(a, b)
+    assert F.mse_loss(mt.Tensor(np.full((3, 1), 2.0)), mt.Tensor(np.zeros((3, 1)))).item() == 4.0
+
+
+def test_cross_entropy_refuses_targets_of_another_shape():
+    with pytest.raises(ValueError, match=r"need targets of shape \(4,\), got \(4, 1\)"):
+        F.cross_entropy(mt.Tensor(np.zeros((4, 3))), np.zeros((4, 1), np.int64))
+
+
+def test_the_vocab_parallel_loss_refuses_targets_of_another_shape():
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.tensor_parallel import tensor_parallelize
+
+    def fn(comm):
+        mt.manual_seed(0)
+        model = tensor_parallelize(nn.GPT(nn.GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8)), comm)
+        logits = model(np.zeros((2, 4), np.int64))
+        with pytest.raises(ValueError, match=r"need integer targets of shape \(2, 4\), got int64 \(8,\)"):
+            model.loss(logits, np.zeros(8, np.int64))
+    ThreadWorld(2).run(fn)

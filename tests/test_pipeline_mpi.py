@@ -15,5 +15,6 @@ def test_pipeline_equals_single_process_under_mpi(p):
     for r in range(p):
         assert f"rank {r}: interleaved_1f1b: equal" in result.stdout
         assert f"rank {r}: 1f1b m={2 * p}: equal" in result.stdout
+        assert f"rank {r}: zb_h1 m={2 * p}: equal" in result.stdout and f"rank {r}: zbv: equal" in result.stdout
         if p % 2 == 0:
             assert f"rank {r}: dp=2 x pp={p // 2}: equal" in result.stdout

@@ -177,7 +177,7 @@ def test_impossible_layouts_are_refused_naming_the_constraint_and_the_nearest_va
 
 
 # ---------------------------------------------------------------- shortcuts equal the long way
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_in_flight_counts_beyond_4p_are_the_schedules_own(name, p):
     for m in (4 * p + 1, 5 * p, 7 * p + 3):
@@ -206,6 +206,68 @@ def test_one_chunk_walk_equals_the_walk_over_the_schedules_actions():
             fast = pmem.pipeline_walk(pmem.in_flight(schedule, 3, m, s), chunks, layout, local, 5)
             slow = pmem.pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
             assert fast == slow
+
+
+def test_zero_bubble_walks_keep_activations_until_w():
+    """ZB-H1: the one-chunk shortcut equals the walk over the actions, and both free a micro-batch's
+    activations at its W (the deferred weight gradients hold the layers' inputs), not at its B."""
+    model = plan.MLP((64, 256, 256, 256, 10))
+    for m in (2, 4, 7):
+        layout = plan.Layout(world=2, batch_size=56 if m == 7 else 64, pp=2, microbatches=m, schedule="zb_h1")
+        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+            actions = get_schedule("zb_h1", 2, m)[s]
+            local = sum(x.params for ps in chunks.values() for x in ps)
+            fast = pmem.pipeline_walk(pmem.in_flight("zb_h1", 2, m, s), chunks, layout, local, 5)
+            assert fast == pmem.pipeline_walk(actions, chunks, layout, local, 5)
+            as_1f1b = pmem.pipeline_walk([a for a in actions if a.kind != "B"], chunks, layout, local, 5)
+            assert fast == as_1f1b                    # W frees, B does not: the same as a backward at W
+    from minitrain.parallel.pipeline import Action
+    order = [Action(k, mb) for k, mb in (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1))]
+    assert pmem.counts_in_flight(order) == (2, 1)     # at W0 both micro-batches still hold their inputs
+
+
+@pytest.mark.parametrize("name, v", [("zb_h1", 1), ("zbv", 2)])
+def test_zero_bubble_time_model_is_the_simulator_with_w(name, v):
+    """B and W each half the backward, as the runtime splits a Linear's; beyond 2p micro-batches the
+    idle time is constant (interpolated between ratios 1.5^k: within 0.5%)."""
+    for p, m in ((2, 8), (4, 12), (3, 9), (4, 17)):
+        span, idle = ptime._bubble(name, p, m, v, 1.0, 2.7)
+        full = simulate(get_schedule(name, p, m), forward_cost=1.0, backward_cost=1.35, weight_cost=1.35)
+        assert span == pytest.approx(full["total_time"], rel=5e-3)
+        assert idle / span == pytest.approx(full["bubble_fraction"], rel=5e-3)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "pipedream_2bw"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_planner_lays_out_the_stages_the_job_runs(schedule, world):
+    """The job's options through the planner's mirror of its parser: the same default MLP (enough layers
+    for every stage), and the same cut and placement as PipelineParallel (partition.stage_layout)."""
+    from types import SimpleNamespace
+    from minitrain import nn
+    from minitrain.examples.mlp import parse_args
+    from minitrain.parallel.pipeline import PipelineParallel
+    from minitrain.parallel.pipeline.schedules import default_chunks
+    if schedule == "interleaved_1f1b" and world == 3:
+        return
+    v = default_chunks(schedule, 2 if schedule == "interleaved_1f1b" else None)
+    for layers in (None, 2 * world * v + 1):
+        options = ["--strategy", "pipeline", "--schedule", schedule, "--microbatches", str(2 * world),
+                   "--batch-size", str(8 * world)] + (["--chunks", "2"] if v == 2 and schedule != "zbv" else []) + \
+            ([] if layers is None else ["--layers", str(layers)])
+        model, layout = plan.mlp_from_args(parse_args(options)[0], world)
+        hidden = max(2, world * v) if layers is None else layers
+        assert model.sizes == tuple([64] + [128] * hidden + [10]) and layout.chunks == v
+        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        planned = {(rank, chunk): len(ps) for rank, stage in enumerate(pmem.stage_chunks(pieces, layout))
+                   for chunk, ps in stage.items()}
+        for rank in range(world):
+            pipe = PipelineParallel(nn.MLP(list(model.sizes)), SimpleNamespace(size=world, rank=rank), schedule,
+                                    2 * world, chunks=v)
+            ran = {(row["rank"], row["chunk"]): len(row["layers"]) for row in pipe.stage_rows}
+            assert ran == planned, (rank, ran, planned)
+            assert {c: len(stage) for c, stage in pipe.stages.items()} == \
+                {c: n for (r, c), n in planned.items() if r == rank}
 
 
 def test_one_chunk_walk_with_more_micro_batches_in_flight_after_the_first_backward():

@@ -20,7 +20,7 @@ def results():
 @pytest.mark.slow
 def test_the_runs_cover_every_strategy_at_1_to_8_ranks(results):
     described = " | ".join(f"{r['options']} {r['describe']}" for r in results)
-    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "interleaved", "tp2",
+    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "zbv", "interleaved", "tp2",
                     "sequence-parallel", "recompute full", "recompute selective", "dp2 pp2 tp2"):
         assert feature in described, feature
     assert {r["world"] for r in results} == {1, 2, 4, 8}

@@ -63,16 +63,21 @@ def test_16_layers_4_segments_keep_at_most_60_percent_of_the_activations(float64
 
 
 @pytest.mark.parametrize("n", [4, 16, 64])
-def test_peak_memory_follows_sqrt_n(n, float64, x):
+def test_peak_memory_follows_sqrt_n(n, float64):
+    """Exactly Chen et al.'s count. One activation a = batch x width x 8 bytes; a layer (Linear +
+    ReLU) saves 2a (the Linear's input, the ReLU's output) and the loss's backward one more a.
+    Plain: 2a·n + a. k segments: the k-1 checkpointed segment inputs (a each) + the last segment,
+    live when backward starts, 2a·n/k + the loss's a: 2a·n/k + a·k, smallest near k = sqrt(2n);
+    at k = sqrt(n), 3a·sqrt(n)."""
     model = deep_mlp(n, width=32)
     xs = mt.Tensor(np.random.default_rng(0).standard_normal((32, 32)))
+    a = 32 * 32 * 8
     plain, _, _, _ = run(model, xs)
-    k = round(n ** 0.5)
-    peak, _, _, _ = run(model, xs, segments=k)
-    per_layer = plain / n
-    # k segment inputs + the n/k layers of the segment being recomputed (+ the last segment's)
-    assert peak <= (k + 2 * n / k + 2) * per_layer
-    assert peak < plain or n <= 4
+    assert plain == 2 * a * n + a
+    for k in sorted({round(n ** 0.5), 2, n}):
+        peak, _, _, _ = run(model, xs, segments=k)
+        assert peak == 2 * a * (n // k) + a * k, (n, k, peak / a)
+    assert run(model, xs, segments=round(n ** 0.5))[0] == 3 * a * round(n ** 0.5)
 
 
 def test_parameters_get_gradients_when_the_input_needs_none(float64):

@@ -27,7 +27,10 @@ def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path)
     monkeypatch.setattr(sys, "argv", ["bench_zero.py", "--ranks", "2", "--steps", "4", "--configs", "zero2", "zero3+offload",
                                       "--json", str(out), "--plot", str(tmp_path / "m.png")])
     runpy.run_path(str(SCRIPTS / "bench_zero.py"), run_name="__main__")
-    assert "zero3+offload" in capsys.readouterr().out and (tmp_path / "m.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "zero3+offload" in printed and (tmp_path / "m.png").stat().st_size > 0
+    from minitrain.testing import mpi_library_name
+    assert f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())
     zero2, offload = results["zero2/p2"], results["zero3+offload/p2"]
@@ -40,13 +43,23 @@ def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path)
 def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
     out = tmp_path / "pipe.json"
     monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--ranks", "2", "--steps", "2", "--width", "32",
-                                      "--json", str(out), "--plot", str(tmp_path / "b.png")])
+                                      "--microbatches", "4", "--json", str(out), "--plot", str(tmp_path / "b.png")])
     runpy.run_path(str(SCRIPTS / "bench_pipeline.py"), run_name="__main__")
-    assert "interleaved_1f1b v=2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    from minitrain.testing import mpi_library_name
+    assert "interleaved_1f1b v=2" in printed and "zb_h1" in printed and "zbv" in printed
+    assert f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())["2"]
-    assert results["gpipe/m4"]["formula"] == pytest.approx(1 / 5)
-    assert all(0 <= r["bubble"] < 1 for r in results.values())
+    assert results["gpipe/m4"]["formula_bubble_fraction"] == pytest.approx(1 / 5)
+    assert set(results) == {"gpipe/m4", "1f1b/m4", "interleaved_1f1b/m4", "zb_h1/m4", "zbv/m4"}
+    for r in results.values():
+        assert 0 <= r["measured_bubble_fraction"] < 1 and r["steps_measured"] == 1
+        assert sum(r["residual_by_cause"].values()) == pytest.approx(
+            r["measured_bubble_fraction"] - r["formula_bubble_fraction"], abs=1e-9)
+    gpipe, one = results["gpipe/m4"]["peak_activation_bytes_per_rank"], results["1f1b/m4"]["peak_activation_bytes_per_rank"]
+    assert gpipe[0] > one[0] and gpipe[1] > 3 * one[1]          # GPipe holds all 4; 1F1B 2 on stage 0, 1 on the last
+    assert [results[k]["peak_in_flight_microbatches"] for k in ("gpipe/m4", "1f1b/m4", "zb_h1/m4")] == [4, 2, 2]
 
 
 def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp_path):
@@ -54,11 +67,73 @@ def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp
     monkeypatch.setattr(sys, "argv", ["bench_tensor_parallel.py", "--tp", "1", "2", "--steps", "2", "--n-embd", "32",
                                       "--block", "16", "--batch", "2", "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_tensor_parallel.py"), run_name="__main__")
-    assert "tp=2+sp" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    from minitrain.testing import mpi_library_name
+    assert "tp=2+sp" in printed and f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())
     for name in ("tp=2", "tp=2+sp"):
         assert results[name]["layer_bytes"] == results[name]["formula"] == 2 * 2 * (1 / 2) * 2 * 16 * 32 * 4
+
+
+def test_bench_collectives_runs_and_names_the_mpi_it_ran_on(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "coll.json"
+    monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--ranks", "2", "--max-mib", "0.004",
+                                      "--min-time", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_collectives.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert [r["bytes"] for r in results["rows"][0]] == [1024, 4096]
+    assert all(r[k] > 0 for r in results["rows"][0] for k in ("ring_all_reduce", "mpi_allgather"))
+    assert f"MPI: {mpi_library_name()}" in text and results["mpi_library"] == mpi_library_name()
+
+
+def test_bench_ddp_runs_against_pytorch_and_names_the_mpi(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "ddp.json"
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--ranks", "2", "--steps", "3", "--models", "small",
+                                      "--local-sgd", "2", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_ddp.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert results["small/p2"]["minitrain"]["step"] > 0 and results["small/p2"]["torch"]["step"] > 0
+    assert results["local_sgd/2"]["step"] > 0 and f"MPI: {mpi_library_name()}" in text
+
+
+def test_every_script_is_run_by_some_test():
+    """A script nobody runs rots: each file under scripts/ must be named by a test, or run by a
+    notebook's code (the notebooks are executed by tests/test_notebooks.py)."""
+    import json
+    tests = pathlib.Path(__file__).parent
+    sources = "".join(p.read_text() for p in tests.glob("test_*.py"))
+    notebooks = "".join("".join(c["source"]) for nb in sorted((tests.parent / "notebooks").glob("*.ipynb"))
+                        for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+    missing = [p.name for p in sorted(SCRIPTS.iterdir())
+               if p.is_file() and f'"{p.name}"' not in sources and f"scripts/{p.name}" not in notebooks]
+    assert not missing, f"scripts without a smoke test: {missing}"
+
+
+def test_bench_checks_runs_and_each_configuration_switches_what_it_names(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "checks.json"
+    monkeypatch.setattr(sys, "argv", ["bench_checks.py", "--ranks", "2", "--steps", "2", "--big-reps", "1",
+                                      "--rounds", "1", "--mib", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_checks.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())
+    assert f"MPI: {mpi_library_name()}" in text and results["mpi_library"] == mpi_library_name()
+    for workload, seconds in results["seconds"].items():
+        assert set(seconds) == {"all", "-check", "-sizes", "none"} and all(s > 0 for s in seconds.values())
+        did = results["did"][workload]
+        assert did["all"]["header_messages"] > 0 and did["-check"]["header_messages"] == 0, did
+        assert did["-sizes"]["recorded_calls"] > 0 and did["none"]["recorded_calls"] == 0, did
+    assert results["check_share_estimate"]["collectives_per_step"] == 1       # DDP: one bucket, one all-reduce
+    assert "check_collectives on the mlp step, estimated: 1 collective(s) per step" in text
 
 
 def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, capsys, tmp_path):
@@ -68,6 +143,8 @@ def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, ca
     runpy.run_path(str(SCRIPTS / "bench_checkpoint.py"), run_name="__main__")
     printed = capsys.readouterr().out
     assert "save + fsync" in printed and "load, resharded to DDP" in printed
+    from minitrain.testing import mpi_library_name
+    assert f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())
     psi = 2 * (64 * 64 + 64)
@@ -105,13 +182,25 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
     from minitrain.testing import mpiexec_path
     result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "env", "nosuchstep", "tests",
                              "transport"], capture_output=True, text=True, timeout=600,
-                            env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path()))
+                            env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path(), TRANSPORT_ARGS="--tiny",
+                                             CUPY_STANDIN_IPC="1"))
     assert result.returncode == 1, result.stdout + result.stderr          # the unknown step fails the run...
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert {s: v["status"] for s, v in figures["steps"].items()} == {"env": "ok", "tests": "ok", "transport": "ok"}
     env_log = (tmp_path / "env.log").read_text()                         # ...and the others ran
     assert "rank 1: local rank 1, GPU cuda:1" in env_log and "MPI CUDA-aware: False" in env_log
+    assert "transport cuda-ipc (MPI is not CUDA-aware)" in env_log
     assert "no test ran: no real GPU here" in (tmp_path / "tests.log").read_text()
+    # the transport step: every transport's bytes checked, then the bandwidth benchmark at 2 and 4 ranks
+    for n in (2, 4):
+        assert figures["transport"][f"transport_check_{n}"]["negotiated"] == "cuda-ipc"
+        bench = figures["transport"][f"transport_{n}"]
+        assert bench["world_size"] == n and bench["sizes"] == [1024, 16384]
+        assert set(bench["results"]) == {"ring/cuda-ipc", "ring/cuda-ipc/host", "ring/pinned-staging", "mpi/staged"}
+        assert all(row["verified"] and row["busbw_GBps"] > 0 for rows in bench["results"].values() for row in rows)
+        assert bench["ipc_sync"] == {"ring/cuda-ipc": "event", "ring/cuda-ipc/host": "host"}
+        assert "not CUDA-aware" in bench["unavailable"]["mpi/device"] and "no NCCL" in bench["unavailable"]["nccl"]
+        assert len(bench["goals"]["ring_staged_over_mpi_staged"]["by_size"]) == 2
 
 
 def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypatch, capsys, tmp_path):

@@ -1,6 +1,7 @@
 """The CuPy stand-in keeps CuPy 14's rules (each checked against cupy/cupy v14.2.0's source), so that
 what would fail on a GPU fails here: implicit conversions, NumPy arrays mixed into device work,
 arrays used on another device, code that cupy.fuse cannot compile; and it counts what moves."""
+import pathlib
 import threading
 
 import numpy as np
@@ -147,6 +148,41 @@ def test_cuda_ipc_is_not_supported_here(cp):
     with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="cudaErrorNotSupported") as err:
         cp.cuda.runtime.ipcGetMemHandle(cp.arange(4.0).data.ptr)
     assert err.value.status == 801
+
+
+def test_cuda_ipc_emulation_lets_another_process_map_device_memory(cp, monkeypatch, tmp_path):
+    """CUPY_STANDIN_IPC=1: device memory lives in shared memory; a handle names the allocation (its base,
+    as cudaIpcGetMemHandle wants), the exporting process may not open it, another one maps the same bytes."""
+    import os
+    import subprocess
+    import sys
+    monkeypatch.setattr(cp._standin, "IPC", True)
+    rt = cp.cuda.runtime
+    x = cp.arange(10.0)
+    base, size, alloc_id = cp._standin.allocation_range(x.data.ptr)
+    assert base <= x.data.ptr < base + size and alloc_id > 0 and rt.deviceCanAccessPeer(0, 1) == 1
+    handle = rt.ipcGetMemHandle(base)
+    assert isinstance(handle, bytes) and len(handle) == 64
+    with pytest.raises(rt.CUDARuntimeError, match="cudaErrorInvalidValue"):
+        rt.ipcGetMemHandle(base + 8)                                   # not an allocation's base
+    with pytest.raises(rt.CUDARuntimeError, match="cudaErrorInvalidContext"):
+        rt.ipcOpenMemHandle(handle)                                    # not in the exporting process
+    child = ("import sys, numpy as np, cupy; ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(sys.argv[1])); "
+             "mem = cupy.cuda.UnownedMemory(ptr, int(sys.argv[2]), None, device_id=0); "
+             "a = cupy.ndarray((10,), np.float64, memptr=cupy.cuda.MemoryPointer(mem, int(sys.argv[3]))); "
+             "print(cupy.asnumpy(a).tolist()); a *= 2")
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parent / "standin"), "CUPY_STANDIN_IPC": "1"}
+    out = subprocess.run([sys.executable, "-c", child, handle.hex(), str(size), str(x.data.ptr - base)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(np.arange(10.0).tolist())        # the child read this process's bytes
+    assert cp.asnumpy(x).tolist() == (np.arange(10.0) * 2).tolist()    # and its writes are seen here
+    with pytest.raises(ValueError, match="Timing must be disabled"):
+        cp.cuda.Event(interprocess=True)
+    event = cp.cuda.Event(disable_timing=True, interprocess=True)
+    assert len(rt.ipcGetEventHandle(event.ptr)) == 64
+    with pytest.raises(rt.CUDARuntimeError, match="cudaErrorInvalidResourceHandle"):
+        rt.ipcGetEventHandle(cp.cuda.Event(disable_timing=True).ptr)  # not made interprocess
 
 
 def test_streams_events_and_pinned_memory(cp):

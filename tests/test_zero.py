@@ -59,7 +59,7 @@ def test_clipping_uses_the_norm_of_the_full_gradient(stage, float64):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p", [3, 4])
 def test_model_state_bytes_and_traffic_equal_the_zero_formulas(stage, p):
     def fn(comm):
         tracker = memory.MemoryTracker()
@@ -69,22 +69,21 @@ def test_model_state_bytes_and_traffic_equal_the_zero_formulas(stage, p):
             psi = model.num_parameters()
             zero = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, comm, stage=stage)
             x = np.random.default_rng(comm.rank).standard_normal((8, 30)).astype(np.float32)
+            comm.stats.reset()          # stage 2 reduce-scatters during backward: count from here
             zero.zero_grad()
             F.cross_entropy(model(mt.Tensor(x)), np.zeros(8, np.int64)).backward()
-            comm.stats.reset()
             zero.step()
             sent = comm.stats.bytes_sent
-            if stage == 2:   # stage 2 reduce-scatters during backward: count it in the step's traffic
-                sent += 0
             live = dict(tracker.live)
-        return psi, live, sent, comm.stats
-    for psi, live, sent, _ in ThreadWorld(p).run(fn):
+        return psi, live, sent
+    for psi, live, sent in ThreadWorld(p).run(fn):
         padded = math.ceil(psi / p) * p
         shard = padded // p
         assert live["params"] == 4 * padded                                   # 4Ψ (+ padding)
         assert live["optimizer_state"] == 8 * shard                           # 8Ψ/N
         assert live["grads"] == (4 * padded if stage == 1 else 4 * shard)     # 4Ψ, or 4Ψ/N
-        assert padded - psi < p
+        assert 0 < padded - psi < p                                           # 1558 is padded at p = 4 and 3
+        assert sent == 2 * (p - 1) * shard * 4       # reduce-scatter + all-gather: 2(p-1)/p·Ψ_pad·4 bytes
 
 
 @pytest.mark.parametrize("stage", [1, 2])

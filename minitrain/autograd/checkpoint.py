@@ -1,14 +1,14 @@
 """Activation recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost").
 
-``checkpoint(fn, *args)`` runs ``fn`` without recording its graph, so none of its intermediate
-activations are kept: only its inputs are saved. In backward, ``fn`` runs again, this time
+checkpoint(fn, *args) runs fn without recording its graph, so none of its intermediate
+activations are kept: only its inputs are saved. In backward, fn runs again, this time
 recording, from the saved inputs and with the random state it had the first time (a dropout
 inside draws the same mask), and the gradient flows back through that fresh graph. Memory: the
-inputs instead of every intermediate. Cost: one more forward of ``fn``. Gradients are
+inputs instead of every intermediate. Cost: one more forward of fn. Gradients are
 bit-identical to the plain run. (Lives in autograd, as torch.utils.checkpoint does, so that
 models in nn/ can use it; parallel/recompute.py adds checkpoint_sequential.)
 
-A parameter used inside ``fn`` gets its gradient from the inner backward; its
+A parameter used inside fn gets its gradient from the inner backward; its
 post-accumulate-grad hook fires there, as in PyTorch's reentrant checkpoint.
 """
 from .. import random

@@ -7,13 +7,17 @@
    which is what lets DDP start communicating early.
 3. Each node's backward turns the gradient of its output into gradients of its inputs; gradients
    that meet at a tensor are summed. When a leaf has received all its contributions it is
-   accumulated into ``leaf.grad`` (in place when a gradient is already there) and its
+   accumulated into leaf.grad (in place when a gradient is already there) and its
    post-accumulate-grad hooks fire: "this parameter's gradient is final".
-4. Unless ``retain_graph=True``, each node frees its saved arrays as soon as it has run.
+4. Unless retain_graph=True, each node frees its saved arrays as soon as it has run.
 
-5. Callbacks queued during this backward (``queue_callback``, as PyTorch's engine has) run at its
+5. Inside defer_weight_grads(weights) (deferred.py), a node with one of those weights among its
+   inputs computes only its other inputs' gradients now (B) and is queued, saved arrays kept, for
+   the weights' gradients later (W): zero-bubble pipelines. Otherwise nothing changes.
+
+6. Callbacks queued during this backward (queue_callback, as PyTorch's engine has) run at its
    end: DDP uses one to launch the buckets that are still open and to wait for every reduction, so
-   that gradients are synchronised when ``backward()`` returns.
+   that gradients are synchronised when backward() returns.
 
 Ownership: an array that a backward returns freshly (not its incoming gradient, not a view) is
 owned by the engine, which may then add into it in place; anything else is copied before it is
@@ -43,6 +47,7 @@ def _add(entry, g, owned):
 import threading
 
 from ..backend import array_module, is_device_array, to_device
+from . import deferred as _deferred
 from .function import Function
 
 
@@ -118,12 +123,14 @@ def _backward(root, grad, retain_graph):
                 stack.append(parent)
     nodes.sort(key=_seq, reverse=True)
 
-    # 2-4. newest first
+    # 2-5. newest first
+    weights = _deferred.active()          # None: an ordinary backward
     grads = {id(root._ctx): [xp_grad, False]}
     leaf_grads = {}
     for node in nodes:
         entry = grads.pop(id(node), None)
         in_grads = ()
+        deferred = None
         if entry is not None:
             g = entry[0]
             if node._tensor_hooks:
@@ -132,10 +139,13 @@ def _backward(root, grad, retain_graph):
                     if result is not None:
                         g = result._data if isinstance(result, Tensor) else result
                         entry[1] = False
-            in_grads = node.backward(node, g)
+            if weights is not None:       # B now; W (and freeing the saved arrays) in weights.run()
+                deferred = in_grads = weights.input_grads(node, g, retain_graph)
+            if deferred is None:
+                in_grads = node.backward(node, g)
             if type(in_grads) is not tuple:
                 in_grads = (in_grads,)
-        if not retain_graph:
+        if not retain_graph and deferred is None:
             node.release_saved()
         for i, parent in enumerate(node.parents):
             if parent is None:

@@ -1,6 +1,6 @@
-"""``Function``: one differentiable operation, its forward beside its backward (as in micrograd).
+"""Function: one differentiable operation, its forward beside its backward (as in micrograd).
 
-A subclass writes two static methods, as in ``torch.autograd.Function``:
+A subclass writes two static methods, as in torch.autograd.Function:
 
     class Exp(Function):
         @staticmethod
@@ -14,11 +14,11 @@ A subclass writes two static methods, as in ``torch.autograd.Function``:
             (y,) = ctx.saved_tensors
             return grad * y               # one gradient per positional input (None: no gradient)
 
-and is called as ``Exp.apply(tensor)``. ``forward`` receives raw arrays (Tensors are unwrapped)
-and returns one array; keyword arguments are non-differentiable options. ``ctx`` is the graph
-node itself: ``parents`` holds, per input, the node that produced it, the leaf tensor itself, or
-None (no gradient needed), and ``saved_tensors`` what forward saved.
-Contract for ``backward``: return new arrays or ``grad`` itself, never an array that something
+and is called as Exp.apply(tensor). forward receives raw arrays (Tensors are unwrapped)
+and returns one array; keyword arguments are non-differentiable options. ctx is the graph
+node itself: parents holds, per input, the node that produced it, the leaf tensor itself, or
+None (no gradient needed), and saved_tensors what forward saved.
+Contract for backward: return new arrays or grad itself, never an array that something
 else keeps (the engine may accumulate in place into arrays it receives).
 Custom Functions are how communication enters the graph (Megatron's f and g, later).
 """

@@ -1,9 +1,9 @@
-"""Saved-tensor hooks, as ``torch.autograd.graph.saved_tensors_hooks``.
+"""Saved-tensor hooks, as torch.autograd.graph.saved_tensors_hooks.
 
-Inside ``with saved_tensors_hooks(pack, unpack):`` every array an operation saves for backward
-is replaced by ``pack(array)``; backward calls ``unpack(packed)`` to get it back. Activation
+Inside with saved_tensors_hooks(pack, unpack): every array an operation saves for backward
+is replaced by pack(array); backward calls unpack(packed) to get it back. Activation
 offload (pack = copy to host), memory accounting and recomputation are built on this.
-Unlike PyTorch, pack and unpack see raw ``xp`` arrays, not tensors: minitrain's Functions save arrays.
+Unlike PyTorch, pack and unpack see raw xp arrays, not tensors: minitrain's Functions save arrays.
 """
 import threading
 

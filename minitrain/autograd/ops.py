@@ -1,8 +1,8 @@
 """The differentiable operations: each forward next to its backward.
 
-Forwards receive and return raw ``xp`` arrays; backwards return one gradient per positional
+Forwards receive and return raw xp arrays; backwards return one gradient per positional
 input (None where no gradient is needed). Broadcasting is undone by the one helper
-``unbroadcast``. Dtypes never widen: constants are Python floats, which NumPy 2 treats as
+unbroadcast. Dtypes never widen: constants are Python floats, which NumPy 2 treats as
 "weak" (a float32 array times 0.5 stays float32), never NumPy float64 scalars.
 """
 import math

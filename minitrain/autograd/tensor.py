@@ -1,9 +1,9 @@
-"""Tensor: an ``xp`` array, an optional gradient, and the graph node that produced it.
+"""Tensor: an xp array, an optional gradient, and the graph node that produced it.
 
 A tensor made by the user is a *leaf*; a tensor made by an operation on tensors that require
-grad points at that operation's node (``_ctx``), and ``backward()`` walks those nodes back to
+grad points at that operation's node (_ctx), and backward() walks those nodes back to
 the leaves. Operators follow NumPy broadcasting; method names follow PyTorch where the two
-differ (``transpose(dim0, dim1)`` swaps two axes, ``permute(*dims)`` reorders all of them).
+differ (transpose(dim0, dim1) swaps two axes, permute(*dims) reorders all of them).
 """
 import numpy as np
 

@@ -4,13 +4,13 @@
     loaded = checkpoint.load(checkpoint.find_latest("ckpt", comm), comm, model, optimizer, scheduler)
 
 A checkpoint is a set of *logical* tensors (what one process would hold) and a map of which rank
-file holds which slice of each (``manifest.json``, one ``rank-NNNNN.safetensors`` per rank). Every
+file holds which slice of each (manifest.json, one rank-NNNNN.safetensors per rank). Every
 rank writes only its own pieces, a replicated piece once; loading reads, on every rank, only the
 saved pieces that intersect the slices its own layout holds: ZeRO-3 on 4 ranks -> DDP on 2 -> one
-process, or GPT dp=4 -> tp=2 x pp=2 -> one process. ``python -m minitrain.checkpoint inspect DIR``.
+process, or GPT dp=4 -> tp=2 x pp=2 -> one process. python -m minitrain.checkpoint inspect DIR.
 Cost: bytes written = the model states once (no replica twice); extra memory per rank <= one piece.
 (This is torch.distributed.checkpoint's job; activation recomputation, torch.utils.checkpoint's, is
-``minitrain.parallel.checkpoint``.)
+minitrain.parallel.checkpoint.)
 """
 from .core import Reader, all_gather_json
 from .manifest import describe, describe_layout, latest, list_checkpoints, read_manifest

@@ -1,11 +1,12 @@
-"""``python -m minitrain.checkpoint inspect DIR``: the manifest as a table (tensors, shapes, dtypes,
-pieces, bytes; layout, step, files). ``verify DIR`` reads every piece and checks its CRC-32.
-``list DIR``: every complete checkpoint in DIR, oldest first. DIR may be a save directory (its
+"""python -m minitrain.checkpoint inspect DIR: the manifest as a table (tensors, shapes, dtypes,
+pieces, bytes; layout, step, files). verify DIR reads every piece and checks its CRC-32.
+list DIR: every complete checkpoint in DIR, oldest first. DIR may be a save directory (its
 newest checkpoint is shown) or one checkpoint."""
 import argparse
 import os
 import sys
 
+from .. import cli
 from .core import Reader
 from .manifest import describe, latest, list_checkpoints, read_manifest
 from .storage import CheckpointError
@@ -28,9 +29,12 @@ def verify(path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minitrain.checkpoint", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["inspect", "verify", "list"])
-    parser.add_argument("directory", metavar="DIR")
+    parser = argparse.ArgumentParser(prog="python -m minitrain.checkpoint", description=__doc__.splitlines()[0],
+                                     formatter_class=cli.HelpFormatter)
+    parser.add_argument("command", choices=["inspect", "verify", "list"],
+                        help="inspect: the manifest as a table; verify: read every piece and check its CRC-32; "
+                             "list: every complete checkpoint, oldest first")
+    parser.add_argument("directory", metavar="DIR", help="a save directory (its newest checkpoint) or one checkpoint")
     args = parser.parse_args(argv)
     try:
         if args.command == "list":

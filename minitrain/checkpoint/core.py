@@ -1,18 +1,18 @@
 """Writing a sharded checkpoint from every rank at once, and reading any slice of it back.
 
-Save (``write_checkpoint``), the steps of PyTorch's distributed checkpoint, on one shared directory:
+Save (write_checkpoint), the steps of PyTorch's distributed checkpoint, on one shared directory:
 1. plan: every rank lists the pieces it holds (tensor, global shape, dtype, box) and its scalars;
    one all-gather of that JSON gives every rank the same table;
 2. deduplicate: a box several ranks hold (DDP replicas, tensor-parallel LayerNorms) is written
    once, by the holder with the fewest bytes assigned so far (biggest pieces first), so the replicas
    share the writing; each tensor's boxes must cover it exactly once (else a strategy lied);
-3. write: each rank streams its pieces into ``rank-NNNNN.safetensors`` inside a temporary directory
+3. write: each rank streams its pieces into rank-NNNNN.safetensors inside a temporary directory
    (no rank gathers anything but the table: a rank's extra memory is at most one piece);
 4. commit: a second all-gather brings every file's CRC-32s to rank 0, which writes the manifest,
-   renames the directory to ``step-NNNNNNNN`` and tells everyone. A kill before the rename leaves
-   a directory with no manifest, which ``latest`` ignores: the previous checkpoint stays the newest.
+   renames the directory to step-NNNNNNNN and tells everyone. A kill before the rename leaves
+   a directory with no manifest, which latest ignores: the previous checkpoint stays the newest.
 
-Load (``Reader.read_into``): a rank asks for the box its new layout holds; every saved piece that
+Load (Reader.read_into): a rank asks for the box its new layout holds; every saved piece that
 intersects it is read (its bytes only, checked against their CRC-32, one piece in memory at a
 time) and the intersection copied in. Any layout reads any other's checkpoint.
 """

@@ -1,6 +1,6 @@
-"""The manifest: what a checkpoint holds and where (PyTorch DCP's ``.metadata``, as readable JSON).
+"""The manifest: what a checkpoint holds and where (PyTorch DCP's .metadata, as readable JSON).
 
-``DIR/step-00000040/manifest.json`` lists every logical tensor (global shape, dtype) and, for each
+DIR/step-00000040/manifest.json lists every logical tensor (global shape, dtype) and, for each
 piece, the rank file that holds it, the box it covers (offsets, sizes), its bytes in that file and
 their CRC-32; the layout that saved it (world size, dp x pp x tp, ZeRO stage, precision, ...); the
 step (optimizer steps completed); the JSON scalars (optimizer hyper-parameters and step counts,

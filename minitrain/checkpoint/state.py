@@ -1,12 +1,12 @@
-"""A training state as logical tensors and scalars: what ``save`` writes and ``load`` reads back.
+"""A training state as logical tensors and scalars: what save writes and load reads back.
 
 The checkpoint knows no strategy. It asks the model's wrapper where its parameters sit in the
-logical tensors (``sharded_parameters()``: FSDP's flat shards, a pipeline stage's layers, GPT3D's
+logical tensors (sharded_parameters(): FSDP's flat shards, a pipeline stage's layers, GPT3D's
 tensor-parallel slices; an object without it is a module whose parameters are whole, as under
 DDP), and hands those placements to the optimizer, whose state arrays are cut the same way
-(``sharded_state_dict(placements)``). Keys: ``model/<name>``, ``optimizer/<name>/<state>``
-(``exp_avg``, ``momentum_buffer``, fp32 ``master``, ...); scalars: ``optimizer`` (hyper-parameters,
-step counts, loss scale), ``scheduler``, ``job`` (data position); each rank's random generator.
+(sharded_state_dict(placements)). Keys: model/<name>, optimizer/<name>/<state>
+(exp_avg, momentum_buffer, fp32 master, ...); scalars: optimizer (hyper-parameters,
+step counts, loss scale), scheduler, job (data position); each rank's random generator.
 """
 import json
 

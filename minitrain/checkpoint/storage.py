@@ -1,6 +1,6 @@
 """One file per rank, in the safetensors layout (written and read by this code; no pickle, so
 opening a checkpoint cannot execute anything): 8 bytes little-endian header length N, N bytes
-of JSON header ``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}}`` padded
+of JSON header {key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}} padded
 with spaces to a multiple of 8, then the raw bytes of every piece back to back.
 
 Cost: writing streams each piece from its live array (a device piece is copied to the host first,

@@ -1,19 +1,40 @@
-"""Communication: the Communicator (MPI or threads), hand-written collectives, async Work, mesh.
-Every byte that crosses ranks goes through here, where it is counted, traced and checked."""
+"""Communication: the Communicator (MPI or threads), hand-written collectives, async Work, mesh,
+and the flight recorder that turns a hang into a report. Every byte that crosses ranks goes
+through here, where it is counted, traced and checked."""
 from .communicator import (Communicator, CommStats, CommError, CollectiveTimeout,
-                           CollectiveMismatchError, RankFailedError)
+                           CollectiveMismatchError, RankFailedError, DEFAULT_COMM_TIMEOUT)
+from .flight_recorder import FlightRecorder
 from .local import ThreadWorld, ThreadCommunicator
 from .work import Work
 from .mesh import DeviceMesh, MeshError
 from .collectives import (ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast, reduce,
                           naive_all_reduce, recursive_doubling_all_reduce, all_to_all, all_reduce,
-                          chunk_bounds)
+                          chunk_bounds, ALL_REDUCE_ALGORITHMS)
 
 
-def init(timeout=None, limit_threads=True):
-    """MPI entry point (see mpi.py): COMM_WORLD, BLAS threads capped, abort-on-error hook."""
+def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
+         backend=None, transport=None):
+    """MPI entry point (see mpi.py): checks the launcher against the MPI library, COMM_WORLD as a
+    Communicator, BLAS threads capped, this rank's GPU, the death watch and the abort-on-error hook.
+    comm_timeout: seconds a wait may last before the ranks compare flight records (the stall
+    threshold); timeout: the hard limit of any wait (default 3 x comm_timeout); check_collectives:
+    compare each collective's name, sequence number, shape, dtype and op across ranks before it moves
+    data. backend: "mpi" (the hand-written collectives over MPI point-to-point) or "nccl" (over
+    NCCL's send/recv: nccl.py); default MINITRAIN_BACKEND, else mpi. transport: how device buffers
+    move under mpi (transport.py: auto, cuda-aware-mpi, cuda-ipc, pinned-staging); default
+    MINITRAIN_TRANSPORT, else auto. Both are named in the job's table (transport.describe(comm))."""
+    import os
     from .mpi import init as mpi_init
-    return mpi_init(timeout=timeout, limit_threads=limit_threads)
+    from .transport import setup
+    comm = mpi_init(timeout=timeout, limit_threads=limit_threads, comm_timeout=comm_timeout,
+                    check_collectives=check_collectives)
+    backend = backend or os.environ.get("MINITRAIN_BACKEND") or "mpi"
+    if backend == "nccl":
+        from .nccl import NCCLCommunicator
+        return NCCLCommunicator(comm)
+    if backend != "mpi":
+        raise ValueError(f"unknown backend {backend!r}: expected 'mpi' or 'nccl'")
+    return setup(comm, transport)
 
 
 def MPICommunicator(*args, **kwargs):  # noqa: N802  (imported lazily: mpi4py initialises MPI)
@@ -21,8 +42,14 @@ def MPICommunicator(*args, **kwargs):  # noqa: N802  (imported lazily: mpi4py in
     return cls(*args, **kwargs)
 
 
+def mpi_library():
+    """The MPI library this process runs on (first line of MPI_Get_library_version)."""
+    from .mpi import mpi_library as name
+    return name()
+
+
 __all__ = ["Communicator", "CommStats", "CommError", "CollectiveTimeout", "CollectiveMismatchError",
-           "RankFailedError", "ThreadWorld", "ThreadCommunicator", "Work", "DeviceMesh", "MeshError",
-           "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
-           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_reduce",
-           "chunk_bounds", "init", "MPICommunicator"]
+           "RankFailedError", "FlightRecorder", "ThreadWorld", "ThreadCommunicator", "Work", "DeviceMesh",
+           "MeshError", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
+           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_reduce", "chunk_bounds",
+           "ALL_REDUCE_ALGORITHMS", "DEFAULT_COMM_TIMEOUT", "init", "MPICommunicator", "mpi_library"]

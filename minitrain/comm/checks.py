@@ -1,6 +1,6 @@
 """Every collective checked exactly on awkward sizes and every dtype, on any communicator:
 run in-process on ThreadWorld by the tests, and under mpiexec against MPI's built-ins
-(``python -m minitrain.comm.checks``)."""
+(python -m minitrain.comm.checks)."""
 import sys
 
 import numpy as np
@@ -103,17 +103,27 @@ def run_all(comm, mpi_comm=None):
 
 def main():
     from .mpi import init
-    comm = init(timeout=60)
+    comm = init(comm_timeout=60)
     big = "--big" in sys.argv
     counts = run_all(comm, mpi_comm=comm.mpi_comm)
-    if big:   # ~2^27 elements (512 MiB of float32 per rank)
-        n = 1 << 27
-        x = np.full(n, comm.rank + 1, np.float32)
+    if big:   # 2^27 + 3 elements (512 MiB of float32 per rank), not divisible by p
+        n = (1 << 27) + 3
+        # a different small integer at every position and rank (exact in float32 in any order), so
+        # that a chunk sent to the wrong place, or summed twice, changes the result
+        x = np.arange(n, dtype=np.int32)
+        x %= 251
+        x = x.astype(np.float32)
+        x += 7 * comm.rank
         got = C.ring_all_reduce(comm, x)
         ref = np.empty_like(x)
         comm.mpi_comm.Allreduce(x, ref)
-        assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 elements differ from MPI"
-        counts["ring_all_reduce 2^27"] = 1
+        assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 + 3 elements differ from MPI"
+        del x, ref
+        step = 1 << 24
+        for lo in range(0, n, step):       # against the formula, a slice at a time (memory)
+            want = (np.arange(lo, min(lo + step, n)) % 251 * comm.size + 7 * sum(range(comm.size))).astype(np.float32)
+            assert np.array_equal(got[lo:lo + step], want), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at {lo}+"
+        counts["ring_all_reduce 2^27+3"] = 1
     print(f"rank {comm.rank} of {comm.size}: {sum(counts.values())} checks passed {counts}", flush=True)
 
 

@@ -2,7 +2,7 @@
 Patarasuk & Yuan 2009 for the ring). MPI's built-ins are the oracle and the speed anchor only.
 
 Cost model: sending n bytes costs alpha + n·beta. p ranks, N elements of the input, b bytes
-each. Per rank (what ``comm.stats`` measures):
+each. Per rank (what comm.stats measures):
 
   ring_reduce_scatter   (p-1) messages, (N - |own chunk|)·b         ~ (p-1)/p·N·b
   ring_all_gather       (p-1) messages, (N - |chunk r+1|)·b         ~ (p-1)/p·N·b
@@ -12,16 +12,16 @@ each. Per rank (what ``comm.stats`` measures):
   broadcast / reduce    binomial tree: ceil(log2 p)·(alpha + N·b·beta) on the critical path
   all_to_all            (p-1) messages of N/p·b: (p-1)·alpha + (p-1)/p·N·b·beta
 
-Arrays of any shape are treated as flat; chunks follow ``np.array_split(x.ravel(), p)``, so any
-length works (0, 1, fewer than p, not divisible by p). ``op`` is sum, mean, max or min (mean:
-floating dtypes only, since an integer mean is not an integer). ``ring_all_reduce`` and friends
-return new arrays and leave the input untouched; ``broadcast`` fills the receivers' buffers in
-place, like MPI_Bcast. ``async_op=True`` returns a ``Work`` (see work.py).
+Arrays of any shape are treated as flat; chunks follow np.array_split(x.ravel(), p), so any
+length works (0, 1, fewer than p, not divisible by p). op is sum, mean, max or min (mean:
+floating dtypes only, since an integer mean is not an integer). ring_all_reduce and friends
+return new arrays and leave the input untouched; broadcast fills the receivers' buffers in
+place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 """
 import numpy as np
 
-from ..backend import LOW_PRECISION, array_module
-from .communicator import register_names
+from ..backend import LOW_PRECISION, address, array_module
+from .headers import register_names
 
 OPS = ("sum", "mean", "max", "min")
 # all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
@@ -70,11 +70,37 @@ def _flat(x):
 
 def _launch(comm, name, body, args, async_op, header, nbytes):
     """Take the next sequence number now (program order, identical on every rank), then run
-    the body here or on the progress thread."""
-    seq_tag = comm.next_tag(name)
-    if async_op:
-        return comm.submit(name, comm.run_collective, name, seq_tag, header, nbytes, body, args)
-    return comm.run_collective(name, seq_tag, header, nbytes, body, args)
+    the body here or on the progress thread (Communicator.launch)."""
+    return comm.launch(name, body, args, async_op, header, nbytes)
+
+
+def _check_out(comm, name, out, shape, like):
+    """``out`` must be a contiguous array of ``shape``, of ``like``'s dtype, on ``like``'s device,
+    not overlapping it: checked on the calling thread, before a sequence number or a byte is spent."""
+    if out is None:
+        return
+    xp = array_module(like)
+    problems = []
+    if not hasattr(out, "shape") or array_module(out) is not xp:
+        problems.append(f"it is a {type(out).__module__}.{type(out).__name__}, the input a {type(like).__module__}."
+                        f"{type(like).__name__} (the same device, please)")
+    else:
+        if tuple(out.shape) != tuple(shape):
+            problems.append(f"shape {tuple(out.shape)} instead of {tuple(shape)}")
+        if out.dtype != like.dtype:
+            problems.append(f"dtype {out.dtype} instead of {like.dtype}")
+        if not out.flags.c_contiguous:
+            problems.append("it is not contiguous")
+        elif out.size and like.size and _overlap(out, like):
+            problems.append("it overlaps the input (the result would read its own partial sums)")
+    if problems:
+        raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous {like.dtype} array of shape "
+                         f"{tuple(shape)} on the input's device, apart from the input: " + "; ".join(problems))
+
+
+def _overlap(a, b):
+    """Whether two contiguous arrays share bytes (their address ranges meet; either device)."""
+    return address(a) < address(b) + b.nbytes and address(b) < address(a) + a.nbytes
 
 
 # ---------------------------------------------------------------- ring algorithms
@@ -90,10 +116,20 @@ def _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place):
         send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
         outgoing = flat[bounds[send_i]:bounds[send_i + 1]] if step == 0 else reduced
         incoming = place(step, recv_i)
-        comm.sendrecv(outgoing, right, incoming, left, tag)
-        _combine(incoming, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
+        _sendrecv_reduce(comm, outgoing, right, incoming, left, tag, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
         reduced = incoming
     return reduced
+
+
+def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
+    """One reduce-scatter step: send ``sendbuf``, and make ``recvbuf`` = what arrives (op) ``own``.
+    A transport that reads the peer's memory (CUDA IPC) reduces as it reads: one kernel, no copy."""
+    recv = comm.irecv(recvbuf, source, tag)
+    fused = recv.reduce_on_arrival(own, op)
+    send = comm.isend(sendbuf, dest, tag)
+    comm.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
+    if not fused:
+        _combine(recvbuf, own, op)
 
 
 def _ring_all_gather_into(comm, tag, out, bounds):
@@ -106,20 +142,16 @@ def _ring_all_gather_into(comm, tag, out, bounds):
                       out[bounds[recv_i]:bounds[recv_i + 1]], left, tag)
 
 
-def _output(out, like, n, what):
-    """The caller's output buffer (checked), or a new one."""
-    xp = array_module(like)
+def _output(out, like, n):
+    """The caller's output buffer (already checked by _check_out), flat, or a new one."""
     if out is None:
-        return xp.empty(n, dtype=like.dtype)
-    if out.size != n or out.dtype != like.dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{what}: out must be a contiguous {like.dtype} array of {n} elements, "
-                         f"got {out.dtype} of {out.size}")
+        return array_module(like).empty(n, dtype=like.dtype)
     return out.reshape(-1)
 
 
 def _ring_all_reduce_body(comm, tag, x, op, out):
     flat = _flat(x)
-    result = _output(out, flat, flat.size, "ring_all_reduce")
+    result = _output(out, flat, flat.size)
     bounds = chunk_bounds(flat.size, comm.size)
     if comm.size == 1:
         result[...] = flat
@@ -134,6 +166,7 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank.
     Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
     _check_op(op, x.dtype)
+    _check_out(comm, "ring_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
     return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op, out), async_op, header, x.nbytes)
 
@@ -143,7 +176,7 @@ def _ring_reduce_scatter_body(comm, tag, x, op, out, bounds):
     xp = array_module(flat)
     p, r = comm.size, comm.rank
     bounds = chunk_bounds(flat.size, p) if bounds is None else list(bounds)
-    mine = _output(out, flat, bounds[r + 1] - bounds[r], "ring_reduce_scatter")
+    mine = _output(out, flat, bounds[r + 1] - bounds[r])
     if p == 1:
         mine[...] = flat
     else:
@@ -169,6 +202,8 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
                                or any(b < a for a, b in zip(bounds[:-1], bounds[1:]))):
         raise ValueError(f"ring_reduce_scatter: bounds must be {comm.size + 1} non-decreasing offsets "
                          f"from 0 to {x.size}, got {list(bounds)}")
+    b = chunk_bounds(x.size, comm.size) if bounds is None else bounds
+    _check_out(comm, "ring_reduce_scatter", out, (b[comm.rank + 1] - b[comm.rank],), x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
     return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op, out, bounds), async_op,
                    header, x.nbytes)
@@ -183,11 +218,7 @@ def _ring_all_gather_body(comm, tag, shard, total, out):
         bounds = [0] + np.cumsum(lengths).tolist()
     else:
         bounds = chunk_bounds(total, comm.size)
-        if bounds[comm.rank + 1] - bounds[comm.rank] != shard.size:
-            raise ValueError(f"[rank {comm.rank}] ring_all_gather: shard of {shard.size} elements, but "
-                             f"np.array_split of {total} over {comm.size} gives this rank "
-                             f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
-    result = _output(out, shard, bounds[-1], "ring_all_gather")
+    result = _output(out, shard, bounds[-1])
     result[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
     _ring_all_gather_into(comm, tag, result, bounds)
     return out if out is not None else result
@@ -196,7 +227,17 @@ def _ring_all_gather_body(comm, tag, shard, total, out):
 def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
     """Concatenation of every rank's (flat) shard, in rank order. Shards may differ in length
     (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
-    lengths are exchanged first. (p-1) steps; (N - |chunk r+1|)·b bytes sent per rank."""
+    lengths are exchanged first (``out`` then needs ``total``). (p-1) steps; (N - |chunk r+1|)·b
+    bytes sent per rank."""
+    if out is not None and total is None:
+        raise ValueError(f"[rank {comm.rank}] ring_all_gather: out= needs total= (the length of the result)")
+    if total is not None:
+        bounds = chunk_bounds(total, comm.size)
+        if bounds[comm.rank + 1] - bounds[comm.rank] != shard.size:
+            raise ValueError(f"[rank {comm.rank}] ring_all_gather: shard of {shard.size} elements, but "
+                             f"np.array_split of {total} over {comm.size} gives this rank "
+                             f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
+    _check_out(comm, "ring_all_gather", out, (total,) if total is not None else (), shard)
     header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
     return _launch(comm, "ring_all_gather", _ring_all_gather_body, (shard, total, out), async_op, header,
                    shard.nbytes)
@@ -259,9 +300,10 @@ def reduce(comm, x, root=0, op="sum", async_op=False):
 
 
 # ---------------------------------------------------------------- the contrast and the latency-bound case
-def _naive_body(comm, tag, x, op, root):
+def _naive_body(comm, tag, x, op, root, result):
     flat = _flat(x)
-    out = flat.copy()
+    out = _output(result, flat, flat.size)
+    out[...] = flat
     if comm.rank == root:
         incoming = array_module(flat).empty_like(flat)
         for peer in range(comm.size):
@@ -275,20 +317,25 @@ def _naive_body(comm, tag, x, op, root):
     else:
         comm.send(flat, root, tag)
         comm.recv(out, root, tag)
-    return out.reshape(x.shape)
+    return result if result is not None else out.reshape(x.shape)
 
 
-def naive_all_reduce(comm, x, op="sum", root=0, async_op=False):
+def naive_all_reduce(comm, x, op="sum", root=0, out=None, async_op=False):
     """Everyone sends everything to the root, which reduces and sends the result back to each:
     the root moves 2(p-1)·N·b bytes, serially. The contrast that motivates the ring."""
     _check_op(op, x.dtype)
+    if not 0 <= root < comm.size:
+        raise ValueError(f"naive_all_reduce: root {root} is not in a world of size {comm.size}")
+    _check_out(comm, "naive_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
-    return _launch(comm, "naive_all_reduce", _naive_body, (x, op, root), async_op, header, x.nbytes)
+    return _launch(comm, "naive_all_reduce", _naive_body, (x, op, root, out), async_op, header, x.nbytes)
 
 
-def _recursive_doubling_body(comm, tag, x, op):
+def _recursive_doubling_body(comm, tag, x, op, out):
     p, r = comm.size, comm.rank
-    acc = _flat(x).copy()
+    flat = _flat(x)
+    acc = _output(out, flat, flat.size)
+    acc[...] = flat
     incoming = array_module(acc).empty_like(acc)
     pow2 = 1
     while pow2 * 2 <= p:
@@ -298,7 +345,7 @@ def _recursive_doubling_body(comm, tag, x, op):
     if r >= pow2:
         comm.send(acc, r - pow2, tag)
         comm.recv(acc, r - pow2, tag)
-        return acc.reshape(x.shape)
+        return out if out is not None else acc.reshape(x.shape)
     if r < extra:
         comm.recv(incoming, r + pow2, tag)
         _combine(acc, incoming, op)
@@ -311,16 +358,17 @@ def _recursive_doubling_body(comm, tag, x, op):
     _finish_mean(acc, op, p)
     if r < extra:
         comm.send(acc, r + pow2, tag)
-    return acc.reshape(x.shape)
+    return out if out is not None else acc.reshape(x.shape)
 
 
-def recursive_doubling_all_reduce(comm, x, op="sum", async_op=False):
+def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
     """log2(p) rounds, each exchanging the whole vector with the partner rank r XOR 2^k; ranks
     beyond the largest power of two fold in first and get the result last. Few messages, many
     bytes: the right choice for small messages, where latency (alpha) dominates."""
     _check_op(op, x.dtype)
+    _check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "recursive_doubling_all_reduce", _recursive_doubling_body, (x, op), async_op,
+    return _launch(comm, "recursive_doubling_all_reduce", _recursive_doubling_body, (x, op, out), async_op,
                    header, x.nbytes)
 
 
@@ -349,21 +397,21 @@ register_names(["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "br
                 "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all"])
 ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
               "naive": naive_all_reduce}
+ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "naive", "auto")
+
+
+def check_algorithm(algorithm, who="all_reduce"):
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"{who}: unknown all-reduce algorithm {algorithm!r}: expected one of {ALL_REDUCE_ALGORITHMS}")
+    return algorithm
 
 
 def all_reduce(comm, x, op="sum", algorithm="auto", out=None, async_op=False):
     """All-reduce choosing the algorithm: ``auto`` takes recursive doubling for small messages
     (latency-bound: below AUTO_CROSSOVER_BYTES·p/2) and the ring above (bandwidth-bound).
-    ``out`` (ring only) receives the result in a buffer the caller reuses."""
+    ``out`` receives the result in a buffer the caller reuses (every algorithm, async too)."""
+    check_algorithm(algorithm)
     if algorithm == "auto":
         small = x.nbytes < AUTO_CROSSOVER_BYTES * max(1, comm.size // 2)
         algorithm = "recursive_doubling" if small else "ring"
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all_reduce algorithm {algorithm!r}: expected auto or one of {sorted(ALGORITHMS)}")
-    if algorithm == "ring":
-        return ring_all_reduce(comm, x, op=op, out=out, async_op=async_op)
-    result = ALGORITHMS[algorithm](comm, x, op=op, async_op=async_op)
-    if out is not None and not async_op:
-        out.reshape(-1)[...] = result.reshape(-1)
-        return out
-    return result
+    return ALGORITHMS[algorithm](comm, x, op=op, out=out, async_op=async_op)

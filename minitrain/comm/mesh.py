@@ -1,9 +1,11 @@
 """DeviceMesh: the world as a grid of named axes, each axis a sub-communicator (as picotron).
 
-``grid = arange(world).reshape(pp, dp, tp)``: tp is innermost (tensor-parallel neighbours are
+grid = arange(world).reshape(pp, dp, tp): tp is innermost (tensor-parallel neighbours are
 adjacent ranks, which on a real cluster share a node and its fast links), then dp, then pp.
-A rank's coordinates are where it sits in that grid; ``mesh.comm("dp")`` connects the ranks that
-differ only in their dp coordinate.
+A rank's coordinates are where it sits in that grid; mesh.comm("dp") connects the ranks that
+differ only in their dp coordinate. The splits are timed like any collective (a rank that never
+builds the mesh is named, not waited for), and each axis's communicator is called tp[4, 5] (axis
+and world ranks) in flight recorder reports.
 """
 import numpy as np
 
@@ -33,6 +35,8 @@ class DeviceMesh:
             others = tuple(self.coords[a] for a in AXES if a != axis)
             color = int(np.ravel_multi_index(others, tuple(sizes[a] for a in AXES if a != axis)))
             self._comms[axis] = comm.split(color, key=self.coords[axis])
+        for axis in AXES:              # flight records and reports name the axis: "tp[4, 5]"
+            self._comms[axis].uid = f"{axis}{self.ranks_along(axis)}"
 
     def comm(self, axis):
         if axis not in self._comms:

@@ -1,29 +1,53 @@
 """MPICommunicator: the Communicator over mpi4py's buffer API (never pickle for arrays).
 
-Arrays travel as raw bytes (``[buf, MPI.BYTE]``), so every NumPy dtype works, float16 included,
-and the two sides must agree on sizes (the collectives guarantee it; debug mode checks it).
-CuPy arrays are staged through host memory unless MPI says it is CUDA-aware
-(``MPIX_Query_cuda_support`` via ctypes) or ``MINITRAIN_CUDA_AWARE=1`` forces the direct path:
-the PyPI mpich wheel is not CUDA-aware, and a device pointer given to it would crash.
-``init()`` is the entry point for jobs: it wraps COMM_WORLD, caps BLAS threads per rank, and
-installs the hook that turns an uncaught exception on any rank into "[rank r] traceback" and an
-MPI Abort of the whole job, instead of leaving the other ranks waiting forever.
+The transport seam is _isend(buf, dest, tag) / _irecv(buf, source, tag): raw bytes under a
+wire tag, returning a request whose test() sets received (the byte count MPI's status reports) and
+raises MessageTruncated when the message is longer than the buffer; the counting, the receive
+contract, the flight recorder and the timeouts sit above it (communicator.py). Host arrays travel
+as [buf, MPI.BYTE], so every NumPy dtype works. CuPy arrays go through the communicator's device
+transport (transport.py: CUDA-aware MPI when MPIX_Query_cuda_support says so or
+MINITRAIN_CUDA_AWARE=1 forces it, CUDA IPC on one node, else pinned staging).
+init() is the entry point for jobs: it checks that the launcher and the MPI library belong
+together, wraps COMM_WORLD, caps BLAS threads per rank, starts the death watch, and installs the
+hook that turns an uncaught exception on any rank into "[rank r] traceback" and an MPI Abort.
 """
+import atexit
 import ctypes
 import os
+import random as _random
+import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
+import zlib
 
 import numpy as np
 
 from .. import backend
-from .communicator import Communicator, Request
+from .communicator import DEFAULT_COMM_TIMEOUT, CollectiveTimeout, CommError, Communicator, MessageTruncated, Request
+from .flight_recorder import FlightRecorder
+from .reports import prefixed
+from .transport import default_transport, mpi_buffer
+
+ABORT_GRACE_S = 0.5
+
+
+_MPI = None
 
 
 def _mpi():
-    from mpi4py import MPI     # initialises MPI (MPI_THREAD_MULTIPLE, mpi4py's default)
-    return MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI     # initialises MPI (MPI_THREAD_MULTIPLE, mpi4py's default)
+        _MPI = MPI
+    return _MPI
+
+
+def mpi_library():
+    """The MPI this process runs on: the first line of MPI_Get_library_version."""
+    return " ".join(_mpi().Get_library_version().strip().splitlines()[0].split())
 
 
 def cuda_aware():
@@ -41,98 +65,324 @@ def cuda_aware():
 
 
 class MPIRequest(Request):
-    def __init__(self, request, peer, kind, on_complete=None):
+    def __init__(self, request, peer, kind, status=None, on_complete=None):
         super().__init__(peer, kind)
-        self._request = request
+        self._request, self._status = request, status
         self._on_complete = on_complete
         self._done = False
 
     def test(self):
-        if not self._done and self._request.Test():
-            self._done = True
-            if self._on_complete is not None:
-                self._on_complete()
+        if not self._done:
+            try:
+                flag = self._request.Test(self._status)
+            except Exception as e:
+                if getattr(e, "Get_error_class", None) and e.Get_error_class() == _mpi().ERR_TRUNCATE:
+                    raise MessageTruncated() from None
+                raise
+            if flag:
+                self._done = True
+                if self._status is not None:
+                    self.received = self._status.Get_count(_MPI.BYTE)
+                if self._on_complete is not None:
+                    self._on_complete()
         return self._done
+
+    def cancel(self):
+        """A receive nobody waits for any more is withdrawn (MPI_Cancel), so that it cannot take a
+        later message meant for another receive."""
+        if self._done or self.kind != "recv from":
+            return
+        try:
+            self._request.Cancel()
+            self._request.Wait()
+        except Exception:           # already failed or matched: nothing left to withdraw
+            pass
+        self._done = True
+
+
+class _Session:
+    """One per process, like COMM_WORLD itself: the flight recorder, the watchdog on a duplicate
+    of the world (the out-of-band channel) and the exit handshake."""
+
+    def __init__(self, world, timeout):
+        self.world, self.rank, self.size = world, world.Get_rank(), world.Get_size()
+        self.recorder = FlightRecorder(self.rank)
+        self.watchdog = None
+        if self.size > 1:
+            from .watchdog import Watchdog
+            self.watchdog = Watchdog(timed_dup(world, timeout), self.recorder)
+        self.timeout = timeout
+        atexit.register(self.close)
+
+    def close(self):
+        """At exit (before mpi4py's MPI_Finalize): this rank has left the script."""
+        if _mpi().Is_finalized():
+            return
+        detail = ""
+        if getattr(sys, "last_value", None) is not None:
+            detail = f"after an uncaught {type(sys.last_value).__name__}: {sys.last_value}"
+        if self.recorder.status == "running":
+            self.recorder.set_status("finished", detail)
+        if self.watchdog is not None:
+            self.watchdog.close(self.timeout)
+
+
+_SESSION = None
+
+
+def timed_dup(mpi_comm, timeout):
+    """MPI_Comm_idup, waited for with a bound: a rank that never calls init is named, not waited for."""
+    dup, request = mpi_comm.Idup()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"[rank {mpi_comm.Get_rank()}] not every rank created the world communicator "
+                                    f"(minitrain.comm.init / MPICommunicator()) within {timeout:g} s")
+        time.sleep(1e-3)
+    return dup
+
+
+def session(timeout=3 * DEFAULT_COMM_TIMEOUT):
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = _Session(_mpi().COMM_WORLD, timeout)
+    return _SESSION
+
+
+_TRANSPORT_LOCK = threading.Lock()
 
 
 class MPICommunicator(Communicator):
-    def __init__(self, mpi_comm=None, timeout=None):
-        MPI = _mpi()
-        self.mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), timeout)
-        self._byte = MPI.BYTE
-        self._cuda_aware = None
+    """MPICommunicator(mpi_comm=None, timeout=None, *, comm_timeout=10.0, check_collectives=True):
+    COMM_WORLD by default (the keywords are Communicator's)."""
 
-    def _host_view(self, buf):
-        """(host buffer to hand to MPI, whether it is a staging copy)."""
-        if backend.is_device_array(buf):
-            if self._cuda_aware is None:
-                self._cuda_aware = cuda_aware()
-            backend.synchronize()
-            if not self._cuda_aware:
-                return backend.to_host(buf), True
-        return buf, False
+    #: False only to measure what the receive-size check costs (scripts/bench_checks.py)
+    verify_sizes = True
+
+    def __init__(self, mpi_comm=None, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
+                 recorder=None, uid=None, members=None):
+        MPI = _mpi()
+        world = MPI.COMM_WORLD
+        self.mpi_comm = world if mpi_comm is None else mpi_comm
+        is_world = self.mpi_comm == world or MPI.Comm.Compare(self.mpi_comm, world) == MPI.IDENT
+        hard = 3 * comm_timeout if timeout is None else timeout
+        self.session = session(hard) if (is_world or _SESSION is not None) else None
+        if members is None:
+            members = (list(range(self.mpi_comm.Get_size())) if is_world else
+                       MPI.Group.Translate_ranks(self.mpi_comm.Get_group(), list(range(self.mpi_comm.Get_size())),
+                                                 world.Get_group()))
+        if recorder is None:
+            recorder = self.session.recorder if self.session else FlightRecorder(world.Get_rank())
+        super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), timeout, comm_timeout=comm_timeout,
+                         check_collectives=check_collectives, recorder=recorder,
+                         uid=uid or ("world" if is_world else f"mpi{members}"), members=members)
+        self.world_size = world.Get_size()
+        self._byte = MPI.BYTE
+
+    backend_name = "mpi"
+    #: how device arrays move (transport.py): comm.init() negotiates it; otherwise the default
+    transport = None
+    transport_note = ""
+
+    def device_transport(self):
+        if self.transport is None:
+            with _TRANSPORT_LOCK:                      # the progress thread may ask at the same time
+                if self.transport is None:
+                    self.transport = default_transport(self)
+        return self.transport
 
     def _isend(self, buf, dest, tag):
-        host, _ = self._host_view(buf)
-        # the staging copy (if any) is kept alive by the closure until the send completes
-        request = self.mpi_comm.Isend([host, self._byte], dest, tag)
-        return MPIRequest(request, dest, "send to", on_complete=lambda: host)
+        if backend.is_device_array(buf):
+            return self.device_transport().isend(buf, dest, tag)
+        return self._mpi_isend(buf, dest, tag)
 
     def _irecv(self, buf, source, tag):
         if backend.is_device_array(buf):
-            host, staged = self._host_view(buf)
-            if staged:
-                host = np.empty(buf.shape, buf.dtype)
-                request = self.mpi_comm.Irecv([host, self._byte], source, tag)
-                return MPIRequest(request, source, "recv from",
-                                  on_complete=lambda: buf.set(host))
-        request = self.mpi_comm.Irecv([buf, self._byte], source, tag)
-        return MPIRequest(request, source, "recv from")
+            return self.device_transport().irecv(buf, source, tag)
+        return self._mpi_irecv(buf, source, tag)
+
+    def _mpi_isend(self, buf, dest, tag):
+        """buf to MPI as it is: a host array (a device array only if MPI is CUDA-aware: mpi_buffer)."""
+        return MPIRequest(self.mpi_comm.Isend(mpi_buffer(buf), dest, tag), dest, "send to")
+
+    def _mpi_irecv(self, buf, source, tag):
+        """With a status: the byte count that arrived is checked against buf (the receive contract)."""
+        status = _MPI.Status() if self.verify_sizes else None
+        return MPIRequest(self.mpi_comm.Irecv(mpi_buffer(buf), source, tag), source, "recv from", status)
 
     def _split(self, color, key):
-        return MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout)
+        # a timed all-gather first: every rank has arrived, so MPI's blocking Split cannot hang
+        members, _, uid = self._split_table(color, key)
+        child = MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout, uid=uid, members=members,
+                                **self._options())
+        if self.transport is not None:                 # the same transport (collective over the child)
+            child.transport, child.transport_note = self.transport.split(child), self.transport_note
+        return child
+
+    def _snapshots(self, world_ranks, timeout):
+        if self.session is None or self.session.watchdog is None:
+            return {self.world_rank: self.recorder.snapshot()}
+        return self.session.watchdog.query(list(world_ranks), timeout)
+
+    def _wait_for_reporter(self, reporter, seconds):
+        if self.session is None or self.session.watchdog is None:
+            return
+        recorder = self.recorder
+        self.session.watchdog.wait_for(lambda: recorder.abort_notice is not None or reporter in recorder.finished_peers,
+                                       seconds)
+        if recorder.abort_notice is not None:          # the job is ending: let the launcher do it
+            self.session.watchdog.wait_for(lambda: False, 2 * ABORT_GRACE_S + 2.0)
 
     def abort(self, code=1):
         """Stop every rank of the job. What this rank wrote gets ABORT_GRACE_S to reach the launcher
         first (without it, under load, the job died and its message was lost: seen in CI)."""
+        announce_abort(self, f"abort({code})")
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(ABORT_GRACE_S)
         _mpi().COMM_WORLD.Abort(code)
 
 
-ABORT_GRACE_S = 0.5
+def announce_abort(comm, reason):
+    """Mark this rank as reporting its own error (the death watch and the others stay quiet)."""
+    comm.recorder.set_status("aborting", reason)
+    if comm.session is not None and comm.session.watchdog is not None:
+        comm.session.watchdog.announce_abort(reason)
 
 
-def install_excepthook(rank):
-    """An uncaught exception prints ``[rank r]`` and its traceback, then aborts every rank.
-    The text goes out in one unbuffered write, and the launcher gets ABORT_GRACE_S to forward it
-    before MPI_Abort tears the job down (seen once under load: the abort won the race and the
-    traceback never reached the terminal)."""
+def install_excepthook(comm):
+    """An uncaught exception prints ``[rank r]``, its traceback and this rank's last calls, then
+    aborts every rank. The text goes out in one unbuffered write, and the launcher gets
+    ABORT_GRACE_S to forward it before MPI_Abort tears the job down (seen once under load: the
+    abort won the race and the traceback never reached the terminal)."""
+    rank = comm.world_rank
+
     def hook(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        labelled = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines())
+        text = format_exception(exc_type, exc, tb)
+        if "flight recorder report" not in text:
+            text += "\nflight recorder (this rank's last calls, newest last):\n" + comm.recorder.format(last=4)
         try:
+            announce_abort(comm, f"{exc_type.__name__}: {exc}".splitlines()[0][:300])
             sys.stdout.flush()
-            os.write(2, labelled.encode(errors="replace"))
+            os.write(2, (prefixed(rank, text) + "\n").encode(errors="replace"))
         finally:
             time.sleep(ABORT_GRACE_S)
             _mpi().COMM_WORLD.Abort(1)
     sys.excepthook = hook
 
 
-def init(timeout=None, limit_threads=True):
-    """Entry point of an MPI job: COMM_WORLD as a Communicator, BLAS threads capped to the
-    rank's share of the cores and freed host memory held for the next step (``limit_threads``),
-    the abort-on-error hook installed, and, on the GPU, this rank's device chosen: GPU
-    ``local_rank % device_count`` (the launcher's local rank, so ranks on one node spread over
-    its GPUs, and share them round-robin when there are more ranks than GPUs)."""
-    comm = MPICommunicator(timeout=timeout)
+def format_exception(exc_type, exc, tb):
+    """The traceback; for communication errors without the frames inside minitrain.comm (the
+    report says where: the user's frames say which line called)."""
+    te = traceback.TracebackException(exc_type, exc, tb)
+    if isinstance(exc, CommError):
+        here = os.path.dirname(os.path.abspath(__file__))
+        te.stack = traceback.StackSummary.from_list(
+            [f for f in te.stack if not os.path.abspath(f.filename).startswith(here + os.sep)])
+    return "".join(te.format()).rstrip()
+
+
+# ---------------------------------------------------------------- the launcher and the library
+LAUNCHER_SIZE_VARS = (("PMI_SIZE", "PMI_RANK", "an MPICH-style launcher (hydra's mpiexec, or a PMI launcher)"),
+                      ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI's mpirun"))
+
+
+def launcher_size():
+    """(processes the launcher started, this process's rank among them, variable, launcher) or None."""
+    for size_var, rank_var, who in LAUNCHER_SIZE_VARS:
+        if size_var in os.environ:
+            try:
+                return int(os.environ[size_var]), int(os.environ.get(rank_var, "0")), size_var, who
+            except ValueError:
+                continue
+    return None
+
+
+def matching_launcher():
+    """The mpiexec that belongs to the MPI library this process loaded (best effort)."""
+    lib = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libmpi" in line and ".so" in line:
+                    lib = line.split()[-1]
+                    break
+    except OSError:
+        pass
+    candidates = []
+    if lib:
+        root = os.path.dirname(os.path.dirname(lib))
+        candidates += [os.path.join(root, "bin", n) for n in ("mpiexec", "mpirun")]
+    here = os.path.dirname(sys.executable)
+    if "open mpi" in mpi_library().lower():
+        candidates += ["/usr/bin/mpirun.openmpi", "/usr/bin/mpirun"]
+    else:
+        candidates += [os.path.join(here, "mpiexec"), "/usr/bin/mpiexec.hydra", "/usr/bin/mpiexec.mpich"]
+    for c in candidates:
+        if os.path.exists(c):
+            return c, lib
+    return None, lib
+
+
+def check_launch():
+    """A launcher of one MPI with the library of another makes every rank a world of one: stop."""
+    launch = launcher_size()
+    if launch is None or launch[0] <= 1 or _mpi().COMM_WORLD.Get_size() > 1:
+        return
+    size, rank, var, who = launch
+    if rank != 0:
+        raise SystemExit(1)
+    exe, lib = matching_launcher()
+    raise SystemExit(
+        f"minitrain: this process is one of {size} started by {who} ({var}={size}), but MPI's COMM_WORLD has "
+        f"1 rank: mpi4py runs on {mpi_library()}{' (' + lib + ')' if lib else ''}, which cannot join that "
+        f"launcher's job, so every process would train alone. Launch with the mpiexec of that MPI"
+        + (f": {exe} -n {size} ..." if exe else "") + " (or install mpi4py for the MPI whose mpiexec you use).")
+
+
+# ---------------------------------------------------------------- the job's entry point
+def _start_death_watch(world):
+    """Shared-memory slots for the ranks on this node and one watcher process (death_watch.py).
+    Its few collectives run on a duplicate of the world ("init"): the job's own calls start at #0."""
+    from . import death_watch
+    from .collectives import ring_all_gather
+    if world.size == 1 or not hasattr(os, "pidfd_open") or world.recorder.mirror is not None:
+        return                                       # (a second init() in this process: already watched)
+    comm = MPICommunicator(timed_dup(world.mpi_comm, world.timeout), world.timeout, uid="init",
+                           comm_timeout=world.comm_timeout, check_collectives=world.check_collectives,
+                           recorder=world.recorder, members=world.members)
+    host = zlib.crc32(socket.gethostname().encode())
+    token = _random.getrandbits(48)
+    table = ring_all_gather(comm, np.array([host, os.getpid(), token], np.int64),
+                            total=3 * comm.size).reshape(comm.size, 3)
+    local = [r for r in range(comm.size) if table[r, 0] == host]
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(shm, f"minitrain-{int(table[0, 2]):012x}-{host:08x}")
+    slot = death_watch.Slot(path, local.index(comm.rank), len(local))
+    world.recorder.mirror = slot
+    comm.barrier()                                   # every local rank has the file mapped
+    if comm.rank == local[0]:
+        death_watch.start(path, local, [int(table[r, 1]) for r in local], list(range(len(local))))
+        slot.wait_for_watcher(10.0)
+    comm.barrier()                                   # from here on, deaths are seen in order
+
+
+def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True):
+    """Entry point of an MPI job: checks the launcher against the MPI library, COMM_WORLD as a
+    Communicator, BLAS threads capped to the rank's share of the cores and freed host memory held
+    for the next step (``limit_threads``), the death watch, and the
+    abort-on-error hook installed, and, on the GPU, this rank's device chosen: GPU
+    ``local_rank % device_count`` (the launcher's local rank, so ranks on one node spread over its
+    GPUs, and share them round-robin when there are more ranks than GPUs). ``comm_timeout``: the
+    stall threshold (s); ``timeout``: the hard limit of any wait (default 3 x comm_timeout);
+    ``check_collectives``: compare every collective's arguments across ranks before it moves data."""
+    check_launch()
+    comm = MPICommunicator(timeout=timeout, comm_timeout=comm_timeout, check_collectives=check_collectives)
     if backend.get_device() == "cuda":
         backend.use_gpu(backend.local_rank() % backend.gpu_count())
     if limit_threads:
         backend.limit_blas_threads()
         backend.hold_host_memory()
-    install_excepthook(comm.rank)
+    install_excepthook(comm)
+    _start_death_watch(comm)
     return comm

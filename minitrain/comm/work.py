@@ -1,8 +1,8 @@
 """Asynchronous collectives: a Work handle, and one progress thread per communicator.
 
-``all_reduce(comm, x, async_op=True)`` queues the collective on the communicator's progress
-thread and returns a ``Work`` at once; the caller keeps computing (NumPy and the MPI waits
-release the GIL in their heavy parts) and calls ``work.wait()`` when it needs the result.
+all_reduce(comm, x, async_op=True) queues the collective on the communicator's progress
+thread and returns a Work at once; the caller keeps computing (NumPy and the MPI waits
+release the GIL in their heavy parts) and calls work.wait() when it needs the result.
 Queued collectives run one at a time in submission order, which is the same order on every
 rank, so their messages can never cross. Do not modify an input array until its Work is done.
 """

@@ -1,5 +1,5 @@
 """A minimal batch loader over in-memory arrays: yields (x, y) batches in the order of a sampler
-(DistributedSampler, or a seeded shuffle of everything). ``state_dict()`` is its position (epoch,
+(DistributedSampler, or a seeded shuffle of everything). state_dict() is its position (epoch,
 batches yielded in it), so a resumed job continues mid-epoch (as torchdata's StatefulDataLoader)."""
 import numpy as np
 

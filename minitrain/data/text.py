@@ -1,8 +1,8 @@
 """A character-level text corpus present on every machine: Python's own standard library sources.
 
-``load_text`` reads a fixed list of pure-Python stdlib modules (same text on every rank), builds
-the character vocabulary (printable ASCII and newline), and returns a ``CharCorpus`` with train/validation token arrays and
-``get_batch`` for (B, T) next-character prediction.
+load_text reads a fixed list of pure-Python stdlib modules (same text on every rank), builds
+the character vocabulary (printable ASCII and newline), and returns a CharCorpus with train/validation token arrays and
+get_batch for (B, T) next-character prediction.
 """
 import os
 import sysconfig

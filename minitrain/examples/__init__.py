@@ -1,1 +1,1 @@
-"""Runnable jobs: ``python -m minitrain.examples.mlp`` (digits MLP) and ``python -m minitrain.examples.gpt``."""
+"""Runnable jobs: python -m minitrain.examples.mlp (digits MLP) and python -m minitrain.examples.gpt."""

@@ -1,11 +1,11 @@
-"""The jobs' checkpoint options: ``--save-dir DIR``, ``--save-every N``, ``--resume``.
+"""The jobs' checkpoint options: --save-dir DIR, --save-every N, --resume.
 
 What the jobs decide (README, "Checkpoints"):
-* A save happens after ``optimizer.step()`` (and the LR scheduler's step) of a step; the checkpoint's
-  ``step`` is the number of completed steps, so a resumed job runs step ``step`` next. ``--save-every
-  N`` saves after every N-th step counted from the start of training, and the last step is always saved.
-* ``--resume`` takes the newest complete checkpoint in DIR (by the manifests' steps). An empty or
-  missing DIR starts from step 0, saying so. ``--epochs`` / ``--steps`` count from the start of
+* A save happens after optimizer.step() (and the LR scheduler's step) of a step; the checkpoint's
+  step is the number of completed steps, so a resumed job runs step step next. --save-every
+  N saves after every N-th step counted from the start of training, and the last step is always saved.
+* --resume takes the newest complete checkpoint in DIR (by the manifests' steps). An empty or
+  missing DIR starts from step 0, saying so. --epochs / --steps count from the start of
   training: a resumed job runs only what remains.
 * The layout may change (world size, dp x pp x tp, ZeRO stage, schedule). What cannot carry over is
   refused before anything is loaded: another job or precision, another optimizer, another global
@@ -20,8 +20,8 @@ from ..checkpoint import CheckpointError
 
 def add_arguments(parser):
     group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN)")
-    group.add_argument("--save-every", type=int, metavar="N", help="save after every N steps (and after the last)")
+    group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
+    group.add_argument("--save-every", type=int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --save-dir, on any layout "
                             "(none there: start from step 0)")

@@ -1,9 +1,11 @@
-"""What the example jobs share: where this process sits in an mpirun launch, and the report.
+"""What the example jobs share: where this process sits in an mpirun launch, the options every job
+takes (--comm-timeout), argument parsing that speaks once for N ranks, and the report.
 
-Until data parallelism lands (issue 4), a job started as ``mpirun -n N`` trains on rank 0 and the
-other ranks exit at once; the launch is read from the MPI launcher's environment (MPICH's
-PMI_RANK/PMI_SIZE, Open MPI's OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job.
+The launch is read from the MPI launcher's environment (MPICH's PMI_RANK/PMI_SIZE, Open MPI's
+OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job and a bad option is reported by
+rank 0 alone before MPI starts.
 """
+import argparse
 import json
 import os
 import resource
@@ -11,9 +13,9 @@ import time
 
 import numpy as np
 
-from .. import backend, memory
+from .. import backend, cli, memory
 from ..autograd.function import nodes_recorded
-from ..comm.communicator import waiting_cpu_seconds
+from ..comm.communicator import DEFAULT_COMM_TIMEOUT, waiting_cpu_seconds
 
 try:                                   # the progress bar is optional: without tqdm, no bar
     from tqdm import tqdm
@@ -48,6 +50,12 @@ def launch_info():
 def device_code():
     """This rank's device as a number for the per-rank tables: the GPU index, or -1 for the CPU."""
     return backend.gpu_index() if backend.get_device() == "cuda" else -1
+
+
+def transport_name(comm):
+    """How this job's device buffers cross ranks (minitrain/comm/transport.py), for its table and JSON."""
+    from ..comm.transport import describe
+    return describe(comm)
 
 
 def device_name(code):
@@ -187,3 +195,48 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
             f"{predicted['step_time_s']['total'] * 1e3:.2f} ms predicted, {steps['step_time_s'] * 1e3:.2f} ms measured "
             f"(median, slowest rank); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
             f"{fmt_bytes(peak_total)} measured")
+
+
+# ---------------------------------------------------------------- what every job takes and how it starts
+class JobArgumentParser(argparse.ArgumentParser):
+    """argparse for a job started as N processes: usage, help and errors are printed once (by the
+    launcher's rank 0), and every rank exits with argparse's status (2 for a bad option)."""
+
+    def _print_message(self, message, file=None):
+        if launch_info()[0] == 0:
+            super()._print_message(message, file)
+
+
+def add_job_options(parser):
+    """The options every example takes (colleagues: add yours beside these)."""
+    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
+                        help="stall threshold: a wait this long makes the ranks compare their flight records "
+                             "(a rank at another call ends the job at once); any wait ends the job at 3x this")
+    return parser
+
+
+def job_parser(description):
+    return add_job_options(JobArgumentParser(description=description, formatter_class=cli.HelpFormatter))
+
+
+def parse_job_args(parser, argv=None):
+    """``parser.parse_args`` (printed once, exit status 2 on every rank), plus the common checks."""
+    if not isinstance(parser, JobArgumentParser):
+        parser.__class__ = type("Job" + type(parser).__name__, (JobArgumentParser, type(parser)), {})
+    args = parser.parse_args(argv)
+    if not args.comm_timeout > 0:
+        parser.error(f"--comm-timeout must be a positive number of seconds, got {args.comm_timeout:g}")
+    return args
+
+
+def init_comm(args):
+    """``minitrain.comm.init`` with the job's options: check_collectives on, stall threshold
+    ``--comm-timeout``, hard timeout 3x that."""
+    from .. import comm
+    return comm.init(comm_timeout=args.comm_timeout, check_collectives=True)
+
+
+def mpi_line():
+    """The MPI the job ran on, for its table (MPI_Get_library_version, never a fixed string)."""
+    from ..comm import mpi_library
+    return mpi_library()

@@ -5,11 +5,11 @@
         [--precision fp64|fp32] [--temperature 0] [--top-k K] [--seed 0] [--json PATH]
     mpirun -n 2 python -m minitrain.examples.generate --tp 2 ...
 
-Prompts of mixed lengths (``--min/--max-prompt-len``, after ``--shared-prefix`` common tokens) are cut
-from the corpus's validation text; each gets ``--max-new-tokens`` tokens (temperature 0: greedy;
+Prompts of mixed lengths (--min/--max-prompt-len, after --shared-prefix common tokens) are cut
+from the corpus's validation text; each gets --max-new-tokens tokens (temperature 0: greedy;
 sequence i samples from its own generator seeded (seed, i), so every scheme gives the same tokens).
-``--device-memory`` is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
-``kv_cache``). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
+--device-memory is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
+kv_cache). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; kv_bytes_reserved = the largest KV
 reservation after any step (contiguous: running sequences x context x kv_bytes_per_token; paged: blocks
 held x block_size x kv_bytes_per_token); kv_bytes_used = bytes holding tokens' K/V after the last step
@@ -18,7 +18,6 @@ last token is sampled, as that token is never fed back); num_sequences = sequenc
 blocks_swapped = blocks copied to host memory by preemption (each comes back once); preemptions =
 sequences preempted (swap or recompute); param_bytes = the parameters on one rank.
 """
-import argparse
 import gc
 import sys
 import time
@@ -28,41 +27,41 @@ import numpy as np
 import minitrain
 from minitrain import memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, launch_info, write_json
+from minitrain.examples.common import fmt_bytes, init_comm, job_parser, launch_info, mpi_line, parse_job_args, write_json
 from minitrain.inference import CACHES, LLMEngine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--cache", choices=CACHES, default="paged", help="KV cache scheme")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=8, help="requests to serve")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
-                   help="the teaching device's capacity per rank: parameters plus KV blocks")
+                   help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp64",
                    help="fp64 (default): every scheme gives the same logits to 1e-10")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens (default: all of them)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the prompts and sampling")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
-    p.add_argument("--min-prompt-len", type=int, default=4)
-    p.add_argument("--max-prompt-len", type=int, default=24)
+    p.add_argument("--min-prompt-len", type=int, default=4, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=24, help="longest prompt, in tokens")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="every prompt starts with the same N tokens; the paged cache shares their blocks")
     p.add_argument("--context", type=int, default=64, help="the model's context (its block_size)")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
     p.add_argument("--train-steps", type=int, default=100, help="brief training before serving (0: none)")
     p.add_argument("--batch-size", type=int, default=8, help="training batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint instead of training")
-    p.add_argument("--json", metavar="PATH")
-    args = p.parse_args(argv)
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate of the brief training")
+    p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    args = parse_job_args(p, argv)
     for name in ("num_prompts", "max_new_tokens", "max_batch", "tp", "min_prompt_len", "context", "n_layer",
                  "n_head", "n_embd", "batch_size"):
         if getattr(args, name) < 1:
@@ -152,8 +151,7 @@ def _main(args):
     _, launched = launch_info()
     comm = None
     if launched > 1 or args.tp > 1:
-        from minitrain import comm as mtcomm
-        comm = mtcomm.init()
+        comm = init_comm(args)
         if comm.size != args.tp:
             return error(comm.rank, f"--tp {args.tp} needs exactly {args.tp} ranks (mpirun -n {args.tp}); this job "
                                     f"has {comm.size}")
@@ -169,17 +167,16 @@ def _main(args):
     num_params = gpt.num_parameters()
     losses, source = [], "untrained"
     train_start = time.perf_counter()
-    if rank == 0:                     # under tp, rank 0 trains and tensor_parallelize broadcasts its weights
-        try:
-            if args.checkpoint:
-                source = f"checkpoint {load_checkpoint(gpt, args.checkpoint)}"
-            elif args.train_steps:
-                losses = train(gpt, corpus, args)
-                source = f"trained {args.train_steps} steps, loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f}"
-        except ValueError as e:
-            if comm is None:
-                return error(rank, e)
-            raise
+    # every rank trains the same replica (same seed, same batches): no rank waits past the stall
+    # threshold for another's training; tensor_parallelize then broadcasts rank 0's weights
+    try:
+        if args.checkpoint:
+            source = f"checkpoint {load_checkpoint(gpt, args.checkpoint)}"
+        elif args.train_steps:
+            losses = train(gpt, corpus, args)
+            source = f"trained {args.train_steps} steps, loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f}"
+    except ValueError as e:           # the same on every rank: rank 0 says it, every rank exits 2
+        return error(rank, e)
     train_seconds = time.perf_counter() - train_start
     model = gpt
     if comm is not None:
@@ -210,6 +207,8 @@ def _main(args):
     if rank != 0:
         return 0
     report(args, config, num_params, source, train_seconds, prompts, result, param_bytes, peak, corpus)
+    if comm is not None:
+        print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if args.json:
         write_json(args.json, {
             "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
@@ -228,7 +227,8 @@ def _main(args):
             "kv_ledger_bytes": result.kv_ledger_bytes, "kv_ledger_peak": peak["kv_cache"],
             "blocks_swapped_in": result.blocks_swapped_in, "recomputed_tokens": result.recomputed_tokens,
             "shared_tokens": result.shared_tokens, "cow_copies": result.cow_copies, "num_blocks": result.num_blocks,
-            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses})
+            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses,
+            "mpi_library": mpi_line() if comm is not None else None, "comm_timeout": args.comm_timeout})
     return 0
 
 

@@ -6,13 +6,12 @@
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
-``mpirun -n N`` the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
-``--tp`` splits every weight matrix (Megatron-LM), ``--pp`` cuts the layers into pipeline stages,
-and the rest is data parallelism (``--dp`` defaults to N / (pp·tp)). The learning rate warms up
-linearly for ``--warmup-steps`` and then decays by a cosine to a tenth (``--lr-schedule``). Checkpoints
-(``--save-dir``) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
+mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
+--tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
+and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
+linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
+(--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 """
-import argparse
 import sys
 import time
 
@@ -23,28 +22,28 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, fmt_bytes, launch_info, memory_table, persistent_memory,
-                                       planner_line, tqdm, write_json)
+from minitrain.examples.common import (StepTimer, fmt_bytes, job_parser, launch_info, memory_table, parse_job_args,
+                                       persistent_memory, planner_line, tqdm, write_json)
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p = job_parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch: sequences per step, all replicas together")
+    p.add_argument("--block-size", type=int, default=32, help="context length in characters")
+    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine))")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: steps // 10, at most 100")
-    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="parameters' and activations' dtype")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--sample-chars", type=int, default=200, help="characters sampled from the trained model")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
                    help="activation recomputation: each block (full) or the attention core (selective)")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
@@ -57,10 +56,10 @@ def parse_args(argv=None):
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10)

@@ -1,17 +1,17 @@
-"""The GPT job on several ranks: ``mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
+"""The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
 [--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations]``.
+[--recompute full|selective] [--offload-activations].
 
-The N ranks form a ``DeviceMesh`` of dp x pp x tp (tp innermost; ``--dp`` defaults to N / (pp·tp))
-and train ``GPT3D``: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
-takes its rows of the global batch. ``--tp N`` alone is Megatron's tensor parallelism, ``--pp N``
+The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
+and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
+takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
 alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
-``--save-dir``/``--resume``: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
+--save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process).
 """
 import contextlib
@@ -26,16 +26,15 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, persistent_memory,
-                                       planner_line,
-                                       tqdm, write_json)
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, init_comm,
+                                       mpi_line, persistent_memory, planner_line, transport_name, tqdm, write_json)
 from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
 
 def main_parallel(args):
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     tp, pp = args.tp, args.pp
     if args.dp is None and world % (tp * pp):
@@ -154,8 +153,10 @@ def main_parallel(args):
     formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
-    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0]"
+    print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
+          f"transport {transport_name(comm)}]"
           + (", sequence parallel" if args.sequence_parallel else ""))
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "")
@@ -180,7 +181,8 @@ def main_parallel(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": strategy, "dp": dp, "pp": pp, "tp": tp,
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
+            "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),

@@ -4,14 +4,13 @@
         [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
         [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
-Each rank trains on its DistributedSampler share of every global batch (``--batch-size`` is
+Each rank trains on its DistributedSampler share of every global batch (--batch-size is
 global) and DDP averages the gradients, so N ranks take exactly the steps one process would
 take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
-``--save-dir``/``--save-every``/``--resume``: sharded checkpoints, resumable on any layout
-(minitrain/examples/checkpointing.py); the JSON's ``losses`` are the global loss of every step run.
+--save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
+(minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.
 """
-import argparse
 import sys
 import time
 
@@ -24,11 +23,12 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, memory_table,
-                                       persistent_memory, planner_line, tqdm, write_json)
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, init_comm,
+                                       job_parser, memory_table, mpi_line, parse_job_args, persistent_memory,
+                                       planner_line, tqdm, transport_name, write_json)
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
-                                offload_activations)
+                                found_inf_on_any_rank, offload_activations)
 from minitrain.parallel.pipeline import NAMES as PIPELINE_NAMES
 from minitrain.parallel.zero_memory import model_state_bytes
 
@@ -37,22 +37,24 @@ PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p = job_parser(__doc__.splitlines()[0])
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="how the ranks share the work")
     p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
     p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
-                   help="teaching device: each rank may hold at most BYTES from the first step on")
+                   help="teaching device: each rank may hold at most BYTES from the first step on (default: no limit)")
     p.add_argument("--schedule", choices=PIPELINE_NAMES, default="1f1b", help="pipeline: the schedule")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
-    p.add_argument("--chunks", type=int, default=1, help="pipeline: model chunks per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="pipeline: model chunks per rank (interleaved_1f1b; default 1; zbv is always 2)")
     p.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2, help="number of hidden layers")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="sgd: with momentum 0.9")
+    p.add_argument("--hidden", type=int, default=128, help="width of each hidden layer")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of hidden layers (default: 2; pipeline: enough for every stage, max(2, stages))")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp16/bf16: mixed precision (fp32 master weights and optimizer state)")
     p.add_argument("--offload", action="store_true",
@@ -60,19 +62,19 @@ def parse_args(argv=None):
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON")
-    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps")
-    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps (default: none)")
+    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
         p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
                 f"replicas agree only right after an averaging, and a checkpoint holds one model")
     for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args, p
 
@@ -91,16 +93,15 @@ def gather_rows(comm, values):
 
 def main(argv=None):
     args, parser = parse_args(argv)
-    comm = mtcomm.init()
+    comm = init_comm(args)
     world, rank = comm.size, comm.rank
     if args.strategy == "pipeline":
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
+    args.layers = 2 if args.layers is None else args.layers
     if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
-        if rank == 0:
-            parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
-                         f"each rank takes an equal share of the global batch")
-        sys.exit(2)
+        parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
+                     f"each rank takes an equal share of the global batch")
     local_batch = args.batch_size // world
 
     dtype = np.dtype(PRECISIONS[args.precision])
@@ -115,17 +116,18 @@ def main(argv=None):
 
     def optimizer_for(params, comm_for_overflow=None):
         """fp32 master weights in mixed precision; on the host with --offload."""
+        agree = found_inf_on_any_rank(comm_for_overflow) if comm_for_overflow is not None else None
         if args.offload:
-            return CPUOffloadOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return CPUOffloadOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         if mixed:
-            return optim.MixedPrecisionOptimizer(params, opt_class, comm=comm_for_overflow, **opt_args)
+            return optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         return opt_class(params, **opt_args)
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
         opt = optimizer_for(model.parameters())
-    elif args.strategy == "local_sgd":
-        wrapped = LocalSGD(model, comm, sync_every=args.sync_every)
+    elif args.strategy == "local_sgd":            # with fp32 masters, LocalSGD averages the masters
         opt = optimizer_for(model.parameters(), comm)
+        wrapped = LocalSGD(model, comm, sync_every=args.sync_every, optimizer=opt)
     elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
         wrapped = model
         opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
@@ -300,10 +302,11 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
     k = {"adam": 2, "sgd": 1}[args.optimizer] * state_item + (state_item if args.dtype in LOW_PRECISION or args.offload else 0)
     state_formula = model_state_bytes(psi, world, stage, param_bytes=itemsize, grad_bytes=itemsize, k=k)
     print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
-          f"[{minitrain.backend.describe_device()} on rank 0], {args.optimizer}, "
+          f"[{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}], {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   "
           f"{seen * world / elapsed:,.0f} samples/s in all   {elapsed:.1f} s")
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'compute/step':>13} {'comm exposed':>13} {'comm total':>11} "
           f"{'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
@@ -337,7 +340,8 @@ def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, 
                       "step": step_by_rank[r]})
     if args.json:
         write_json(args.json, {
-            "world_size": world, "strategy": args.strategy, "num_params": psi, "final_loss": final_loss,
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": args.strategy,
+            "num_params": psi, "final_loss": final_loss, "transport": transport_name(comm),
             "test_accuracy": accuracy, "samples_per_second": seen * world / elapsed, "steps": steps,
             "bytes_per_step": float(np.mean(table[:, 4])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,

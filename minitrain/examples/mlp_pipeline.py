@@ -1,13 +1,17 @@
-"""The main job's pipeline strategy (``python -m minitrain.examples.mlp --strategy pipeline``):
+"""The main job's pipeline strategy (python -m minitrain.examples.mlp --strategy pipeline):
 
     mpirun -n 4 python -m minitrain.examples.mlp --strategy pipeline --schedule 1f1b --microbatches 8
-        [--chunks V] [--dp D] [--json out.json] [--plot pipeline.png]
+        [--chunks V] [--dp D] [--layers L] [--json out.json] [--plot pipeline.png] [--trace trace.json]
 
-The MLP's layers are cut into ranks/D stages (x chunks); D data-parallel replicas of the pipeline
-each take 1/D of every global batch and average their gradients once per step. Rank 0 reports the
-measured bubble (from the trace of the last step: 1 - time in forward/backward / step time) beside
-the formula, and ``--plot`` draws the simulated timeline (the schedule run with the measured mean
-forward and backward times) above the measured one.
+The MLP's layers are cut into ranks/D stages (x chunks), balanced by counted cost (F + B + W
+multiply-adds per row, from the parameters per layer: partition.py); by default the MLP has
+max(2, stages) hidden layers, so any -n works, and the table at the start names each stage's
+layers and cost share (an uneven cut is reported with the bubble it implies). D data-parallel
+replicas of the pipeline each take 1/D of every global batch. At the end rank 0 reports the
+measured bubble (measure.py: per rank, the step's time outside its own F/B/W work over the step's
+wall time, mean over ranks and over the steps after the first) beside the formula, with the
+residual per cause; --plot draws the schedule simulated with the measured F, B, W times above the
+measured last step, on one time axis.
 """
 import sys
 import time
@@ -21,10 +25,12 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, planner_line, tqdm,
-                                       write_json)
+from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, mpi_line,
+                                       planner_line, tqdm, transport_name, write_json)
 from minitrain.examples.mlp import layout, nothing_left
-from minitrain.parallel.pipeline import PipelineParallel, simulate
+from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
+from minitrain.parallel.pipeline.partition import format_stage_table
+from minitrain.parallel.pipeline.schedules import default_chunks
 
 
 def _fail(parser, comm, message):
@@ -40,12 +46,18 @@ def main_pipeline(args, parser, comm):
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp
+    try:
+        chunks = default_chunks(args.schedule, args.chunks)
+    except ValueError as e:
+        _fail(parser, comm, str(e))
+    layers = max(2, pp * chunks) if args.layers is None else args.layers
+    args.chunks, args.layers = chunks, layers        # resolved: the checkpoint's layout and the planner see them
     if args.batch_size % (args.dp * args.microbatches):
         _fail(parser, comm, f"--batch-size {args.batch_size} is not divisible into {args.dp} replica(s) x "
                             f"{args.microbatches} micro-batches")
-    if args.layers + 1 < pp * args.chunks:
-        _fail(parser, comm, f"--layers {args.layers} gives {args.layers + 1} Linear layers, fewer than the "
-                            f"{pp * args.chunks} pipeline stages (ranks/dp x chunks)")
+    if layers + 1 < pp * chunks:
+        _fail(parser, comm, f"--layers {layers} gives {layers + 1} Linear layers, fewer than the "
+                            f"{pp * chunks} pipeline stages (ranks/dp x chunks)")
     try:
         mesh = DeviceMesh(comm, dp=args.dp, pp=pp)
     except MeshError as e:
@@ -54,14 +66,20 @@ def main_pipeline(args, parser, comm):
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)                 # every rank builds the same model, keeps its stages
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
-    sizes = [x_train.shape[1]] + [args.hidden] * args.layers + [10]
+    sizes = [x_train.shape[1]] + [args.hidden] * layers + [10]
     model = nn.MLP(sizes)
     psi = model.num_parameters()
     try:
-        pipe = PipelineParallel(model, pp_comm, args.schedule, args.microbatches, chunks=args.chunks,
-                                dp_comm=dp_comm)
+        pipe = PipelineParallel(model, pp_comm, args.schedule, args.microbatches, chunks=chunks, dp_comm=dp_comm)
     except ValueError as e:
         _fail(parser, comm, str(e))
+    counted = [row["cost"] for row in pipe.stage_rows]
+    implied = implied_bubble(pipe.schedule, counted)
+    equal = implied_bubble(pipe.schedule, [1.0] * len(counted))
+    if rank == 0:
+        print(f"MLP {sizes} ({psi:,} parameters), {args.schedule} over {pp} stages x {chunks} chunk(s)"
+              + (f", {args.dp} data-parallel replicas" if args.dp > 1 else "") + f", {args.microbatches} micro-batches")
+        print(format_stage_table(pipe.stage_rows, formula=equal, implied=implied))
     opt = (optim.Adam(pipe.parameters(), lr=args.lr or 1e-3) if args.optimizer == "adam"
            else optim.SGD(pipe.parameters(), lr=args.lr or 0.1, momentum=0.9))
     local_batch = args.batch_size // args.dp
@@ -90,7 +108,7 @@ def main_pipeline(args, parser, comm):
         for xb, yb in loader:
             if len(yb) != local_batch:
                 continue                             # a short last batch would not split into micro-batches
-            trace.tracer().events.clear()            # keep the last step's trace only
+            trace.tracer().events.clear()            # keep the last step's trace (the runtime keeps a summary)
             with timer:
                 opt.zero_grad()
                 loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
@@ -110,39 +128,48 @@ def main_pipeline(args, parser, comm):
     # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
     losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)
               .reshape(world, steps).mean(axis=0)]
-    events = list(trace.events())
-    bubbles = np.asarray(pipe.measured_bubble_fraction(events))        # over this pipeline's ranks
+    summary = pipe.measured_bubble()                 # over this pipeline's ranks and steps
+    if args.trace:
+        trace.save_chrome(args.trace, comm)
     all_events = trace.gather_events(comm)
-    sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent) / max(steps, 1)]), total=world)[0])
+    sent = float(mtcomm.ring_all_gather(comm, np.array([(pp_comm.stats.bytes_sent + dp_comm.stats.bytes_sent)
+                                                        / max(steps, 1)]), total=world)[0])
     devices = [device_name(c) for c in mtcomm.ring_all_gather(comm, np.array([float(device_code())]), total=world)]
     peak = memory.peak()                             # per rank: every category
     mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"]], np.float64)
     table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, timer)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
+    row_of_rank = {r: s for s, r in enumerate(mesh.ranks_along("pp"))}   # rank 0's pipeline
     if rank != 0:
         return 0
     full = nn.MLP(sizes)
     full.load_state_dict(state)
     with minitrain.no_grad():
         accuracy = float((full(minitrain.Tensor(x_test)).numpy().argmax(1) == y_test).mean())
-    formula = pipe.formula_bubble_fraction()
-    print(f"\nMLP {sizes} ({psi:,} parameters), {args.schedule} over {pp} stages x {args.chunks} chunk(s)"
-          + (f", {args.dp} data-parallel replicas" if args.dp > 1 else "") + f", {args.microbatches} micro-batches")
-    print(f"final loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
+    formula = summary["formula_bubble_fraction"]
+    print(f"\nfinal loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
-    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0)")
-    print(f"bubble, last step: measured {', '.join(f'{b:.3f}' for b in bubbles)} (per rank), formula "
-          f"(p-1)/(v·m+p-1) = {formula:.3f}")
+    print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
+          f"transport {transport_name(comm)})")
+    low, high = summary["measured_bubble_fraction_spread"]
+    print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first; per step {low:.3f}..{high:.3f}): "
+          f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with the measured "
+          f"stage times {summary['simulated_bubble_fraction']:.3f}   first step {summary['first_step_bubble_fraction']:.3f}")
+    print("  per rank: " + ", ".join(f"{b:.3f}" for b in summary["measured_bubble_fraction_per_rank"])
+          + f"; step {summary['step_time_s'] * 1e3:.2f} ms measured (median), "
+            f"{summary['simulated_step_time_s'] * 1e3:.2f} ms simulated")
+    print("  measured - formula, by cause (fraction of the step): " + ", ".join(
+        f"{k} {v:+.3f}" for k, v in summary["residual_by_cause"].items()))
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(planner_line(args, world, slowest, table[:, -1].max()))
-    report = {"world_size": world, "strategy": "pipeline", "num_params": psi, "final_loss": loss,
+    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
+              "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
-                           "chunks": args.chunks, "dp": args.dp,
-                           "measured_bubble_fraction": float(np.mean(bubbles)),
-                           "measured_bubble_fraction_per_rank": bubbles.tolist(),
-                           "formula_bubble_fraction": formula},
+                           "chunks": chunks, "dp": args.dp, "layers": layers,
+                           "stages": pipe.stage_rows, "implied_bubble_fraction": implied, **summary},
               **slowest, "blas_threads": minitrain.backend.blas_threads(),
               "ranks": [{"rank": r, "device": devices[r],
                          "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v)))},
@@ -150,35 +177,12 @@ def main_pipeline(args, parser, comm):
     if args.json:
         write_json(args.json, report)
     if args.plot:
-        plot_pipeline(pipe, all_events, args.plot, pp)
+        from minitrain.parallel.pipeline.timeline import plot_pipeline
+        costs = summary["stage_seconds"]
+        sim = simulate(pipe.schedule, costs["F"], costs["B"], costs["W"])
+        plot_pipeline(pipe.schedule, sim, all_events, row_of_rank, args.plot,
+                      title_sim=f"simulated {args.schedule} (measured F, B, W per stage): bubble "
+                                f"{sim['bubble_fraction']:.3f}, formula {formula:.3f}",
+                      title_measured=f"measured, last step: bubble {summary['measured_bubble_fraction_per_step'][-1]:.3f} "
+                                     f"(mean over steps {summary['measured_bubble_fraction']:.3f})")
     return 0
-
-
-def plot_pipeline(pipe, all_events, path, pp):
-    """The schedule simulated with the measured mean forward / backward times, above the measured
-    timeline of the last step (ranks of the first pipeline)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    ops = [e for e in all_events if e["rank"] < pp and e.get("args", {}).get("op")]
-    mean = {k: float(np.mean([e["end"] - e["start"] for e in ops if e["args"]["op"] == k]) or 1e-3) for k in "FB"}
-    sim = simulate(pipe.schedule, mean["F"], mean["B"])
-    simulated = [{"rank": s, "name": str(a), "kind": "compute", "start": start, "end": end}
-                 for s, row in enumerate(sim["timeline"]) for a, start, end in row]
-    colors = {}
-    palette = plt.get_cmap("tab20")
-    for e in simulated + ops:
-        op, mb = e["name"][0], int(e["name"][1:].split(".")[0])
-        colors[e["name"]] = palette((2 * mb + (op == "B")) % 20)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.5 + 1.0 * pp), sharex=True)
-    from minitrain import trace as tr
-    tr.plot_timeline(simulated, ax=top, colors=colors,
-                     title=f"simulated {pipe.schedule_name}: bubble {sim['bubble_fraction']:.3f} "
-                           f"(formula {pipe.formula_bubble_fraction():.3f})")
-    tr.plot_timeline(ops, ax=bottom, colors=colors, title="measured (last step)")
-    for ax in (top, bottom):
-        legend = ax.get_legend()
-        if legend is not None:
-            legend.remove()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

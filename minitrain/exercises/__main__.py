@@ -3,6 +3,7 @@ import argparse
 import sys
 import textwrap
 
+from .. import cli
 from . import harness
 from .grading import LoadError
 from .progress import Progress, default_path
@@ -17,7 +18,7 @@ stub with stub, write the code, then check it; hint shows one hint at a time.
   python -m minitrain.exercises stub ring_all_reduce mine.py
   python -m minitrain.exercises check ring_all_reduce mine.py
   python -m minitrain.exercises hint ring_all_reduce          (the next unread hint)
-  python -m minitrain.exercises run debug_rank_dependent_hang (debugging exercises: see the bug)
+  python -m minitrain.exercises run debug_hanging_loop        (debugging exercises: see the bug)
 
 Progress (what passed, hints read) is kept in a JSON file: $MINITRAIN_EXERCISES_PROGRESS, else
 $XDG_CACHE_HOME/minitrain/exercises.json, else ~/.cache/minitrain/exercises.json."""
@@ -177,33 +178,39 @@ def cmd_run(args, progress):
     return e.run(impl, args.p)
 
 
+NAME_HELP = "an exercise's name (python -m minitrain.exercises list shows them)"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minitrain.exercises", description=DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=cli.RawDescriptionHelpFormatter)
     ap.add_argument("--progress", metavar="PATH", default=None,
                     help=f"the progress file (default: {default_path()})")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="every exercise, in learning-path order, with what passed")
-    p = sub.add_parser("show", help="the exercise's text: contract, signature, the grader's checks")
-    p.add_argument("name", metavar="NAME")
-    p = sub.add_parser("hint", help="the next unread hint (or --level K, or --all)")
-    p.add_argument("name", metavar="NAME")
+    plain = {"formatter_class": cli.HelpFormatter}
+    sub.add_parser("list", help="every exercise, in learning-path order, with what passed", **plain)
+    p = sub.add_parser("show", help="the exercise's text: contract, signature, the grader's checks", **plain)
+    p.add_argument("name", metavar="NAME", help=NAME_HELP)
+    p = sub.add_parser("hint", help="the next unread hint (or --level K, or --all)", **plain)
+    p.add_argument("name", metavar="NAME", help=NAME_HELP)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--level", type=int, metavar="K", help="show hint K (1 = the gentlest)")
+    group.add_argument("--level", type=int, metavar="K",
+                       help="show hint K, 1 the gentlest (default: the next unread one)")
     group.add_argument("--all", action="store_true", help="show every hint")
-    p = sub.add_parser("stub", help="write the exercise's starting file to DEST")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("dest", metavar="DEST")
+    p = sub.add_parser("stub", help="write the exercise's starting file to DEST", **plain)
+    p.add_argument("name", metavar="NAME", help=NAME_HELP)
+    p.add_argument("dest", metavar="DEST", help="where to write it, e.g. mine.py")
     p.add_argument("--force", action="store_true", help="overwrite DEST if it exists (default: refuse)")
-    for command, text in (("check", "grade your file with the library's own tests"),
-                          ("run", "debugging exercises: run the program (the broken one by default) "
-                                  "and show what minitrain reports")):
-        p = sub.add_parser(command, help=text)
-        p.add_argument("name", metavar="NAME")
-        p.add_argument("path", metavar="PATH", nargs="?", help="your file")
+    for command, text, path_help in (("check", "grade your file with the library's own tests",
+                                      "your file (no default: required unless --reference)"),
+                                     ("run", "debugging exercises: run the program (the broken one by default) "
+                                             "and show what minitrain reports",
+                                      "your fixed copy (default: the broken program)")):
+        p = sub.add_parser(command, help=text, **plain)
+        p.add_argument("name", metavar="NAME", help=NAME_HELP)
+        p.add_argument("path", metavar="PATH", nargs="?", help=path_help)
         p.add_argument("--timeout", type=float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
-                       help="seconds a rank may wait for a message before it counts as stuck "
-                            f"(default: {harness.DEFAULT_WAIT_TIMEOUT:g})")
+                       help="seconds a rank may wait for a message before it counts as stuck")
         if command == "check":
             p.add_argument("--reference", action="store_true",
                            help="grade minitrain's own implementation instead of a file")

@@ -14,7 +14,7 @@ import linecache
 import os
 import types
 
-from .grading import Check, Mismatch, StopGrading
+from .grading import Check, Mismatch, StopGrading, host_all
 from .harness import RanksFailed, mpi_world, run_ranks, wait_timeout
 
 
@@ -41,7 +41,7 @@ def program_checks(compare, sizes=(1, 2, 3, 4), hint=1, label="runs to the end a
     ``call(comm, train)`` runs the program on one rank (default: train(comm))."""
     def make(p):
         def check(train):
-            problems = compare(p, run_ranks(p, call, train))
+            problems = compare(p, host_all(run_ranks(p, call, train)))
             if problems:
                 raise Mismatch("\n".join(problems))
         return check
@@ -54,7 +54,7 @@ def run_report(name, train, p, compare, describe=None, call=_call):
     print(f"{name}: running train(comm) on ThreadWorld({p}); a rank waiting more than {wait_timeout():g} s "
           "for a message counts as stuck\n")
     try:
-        results = run_ranks(p, call, train)
+        results = host_all(run_ranks(p, call, train))
     except (RanksFailed, StopGrading) as e:
         print("minitrain reports:\n")
         print("\n".join("  " + line for line in str(e).splitlines()))

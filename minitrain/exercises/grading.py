@@ -8,6 +8,7 @@ explanation for two arrays (first wrong element, how many, which chunk, "p times
 """
 import ctypes
 import dataclasses
+import gc
 import importlib.util
 import os
 import pathlib
@@ -16,6 +17,8 @@ import threading
 import traceback
 
 import numpy as np
+
+from minitrain import backend
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent      # minitrain/
 
@@ -60,6 +63,19 @@ def stop_thread(ident):
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
 
 
+def current_frames():
+    """``sys._current_frames()`` with the garbage collector paused: on CPython 3.11 a collection
+    inside it, while another thread exits, deadlocks the process (python/cpython#106883; seen here
+    when a grader stopped an endless loop)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def call_with_limit(fn, impl, limit):
     """``fn(impl)`` on a daemon thread; a call still running after ``limit`` seconds is stopped and
     reported (StopGrading, with the line it was running), so no hand-in can hang the grader."""
@@ -75,7 +91,7 @@ def call_with_limit(fn, impl, limit):
     thread.start()
     thread.join(limit)
     if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident)
+        frame = current_frames().get(thread.ident)
         at = where(traceback.extract_stack(frame)) if frame is not None else "an unknown line"
         stop_thread(thread.ident)
         thread.join(2.0)
@@ -122,6 +138,8 @@ def _is_learner_frame(filename):
         return False                     # minitrain's own code
     except ValueError:
         pass
+    if {"site-packages", "dist-packages", "cupy", "cupyx"} & set(path.parts):
+        return False                     # NumPy, CuPy (or its stand-in), mpi4py, torch
     stdlib = pathlib.Path(os.__file__).resolve().parent
     try:
         path.resolve().relative_to(stdlib)
@@ -167,7 +185,20 @@ def explain(e):
     at = where(e.__traceback__)
     if at:
         text += f"\n  at {at}"
+    if mixes_host_and_device(e):
+        text += ("\n  On the GPU, NumPy and CuPy arrays do not mix: make new arrays with the input's module, "
+                 "xp = minitrain.backend.array_module(x) (xp.zeros, xp.concatenate), never np, and copy "
+                 "between host and GPU only on purpose (minitrain.backend.to_host / to_device)")
     return text
+
+
+MIXING = ("Unsupported type <class 'numpy.ndarray'>", "Implicit conversion to a NumPy array",
+          "non-scalar numpy.ndarray cannot be used")
+
+
+def mixes_host_and_device(e):
+    """True when ``e`` is CuPy refusing a NumPy array (or NumPy refusing a CuPy one)."""
+    return isinstance(e, (TypeError, ValueError)) and any(m in str(e) for m in MIXING)
 
 
 # ---------------------------------------------------------------- comparing arrays
@@ -177,22 +208,75 @@ def _fmt(x):
     return repr(x.item() if hasattr(x, "item") else x)
 
 
+def on_gpu():
+    """True when the learner's code runs on the GPU (MINITRAIN_DEVICE=cuda, or backend.set_device)."""
+    return backend.get_device() == "cuda"
+
+
+def to_learner(a):
+    """A fresh copy of the host array ``a`` where the learner's code runs: on the GPU when the device
+    is cuda (an explicit, counted host -> device copy), else on the host."""
+    a = np.array(a)
+    return backend.to_device(a) if on_gpu() else a
+
+
+def host(a):
+    """``a`` as a NumPy array, copied from the GPU on purpose (backend.to_host) when it lives there:
+    graders compare on the host. A minitrain Tensor gives its array; None stays None."""
+    if a is None:
+        return None
+    if hasattr(a, "data") and hasattr(a, "requires_grad"):          # a minitrain Tensor
+        a = a.data
+    return backend.to_host(a) if backend.is_device_array(a) else np.asarray(a)
+
+
+def host_all(value):
+    """``value`` with every array in it (in tuples, lists and dicts, at any depth) copied to the host
+    by host(): what a program returned, ready to compare with NumPy."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(host_all(v) for v in value)
+    if isinstance(value, dict):
+        return {k: host_all(v) for k, v in value.items()}
+    if backend.is_device_array(value) or (hasattr(value, "data") and hasattr(value, "requires_grad")):
+        return host(value)
+    return value
+
+
 def as_array(value, what):
-    """The learner's return value as an ndarray, or a Mismatch saying what came back instead."""
+    """The learner's return value as a host ndarray (copied from the GPU on purpose), or a Mismatch
+    saying what came back instead: on the GPU, a NumPy array means the code left the device."""
+    if backend.is_device_array(value):
+        return backend.to_host(value)
     if isinstance(value, np.ndarray):
+        if on_gpu():
+            raise Mismatch(f"{what}: returned a NumPy array (host memory), but your inputs were on the GPU "
+                           "(MINITRAIN_DEVICE=cuda): compute with the inputs' own array module, "
+                           "xp = minitrain.backend.array_module(x), not np, and return the GPU's array")
         return value
     if hasattr(value, "numpy") and hasattr(value, "shape"):     # a minitrain or torch Tensor
-        raise Mismatch(f"{what}: returned a {type(value).__name__}, expected a NumPy array "
-                       "(use .data for a minitrain Tensor's array)")
-    raise Mismatch(f"{what}: returned {type(value).__name__} {value!r:.60}, expected a NumPy array")
+        raise Mismatch(f"{what}: returned a {type(value).__name__}, expected " + kind_of_array()
+                       + " (use .data for a minitrain Tensor's array)")
+    raise Mismatch(f"{what}: returned {type(value).__name__} {value!r:.60}, expected {kind_of_array()}")
+
+
+def kind_of_array():
+    """What the contract's arrays are here: NumPy's on the CPU, CuPy's on the GPU."""
+    return "a CuPy array (the inputs' module)" if on_gpu() else "a NumPy array"
+
+
+def is_array(x):
+    """True for an array of the kind the learner's code works with here (kind_of_array())."""
+    return backend.is_device_array(x) if on_gpu() else isinstance(x, np.ndarray)
 
 
 def compare(got, want, what, rtol=1e-10, atol=1e-12, exact=False, chunks=None, ranks=None):
     """None if ``got`` equals ``want`` (exactly, or to rtol/atol); else a teacher's explanation:
     shape or dtype, the first wrong element, how many are wrong, whether they sit in one chunk
     (``chunks`` = np.array_split count), and whether ``got`` is ``ranks`` times too large or small."""
-    got = as_array(got, what)
-    want = np.asarray(want)
+    # a learner's raw return value is checked by as_array (on the GPU it must stay there); one already
+    # copied to the host by as_array / unpack is compared as it is
+    got = np.asarray(got) if isinstance(got, np.ndarray) else as_array(got, what)
+    want = host(want)
     if got.shape != want.shape:
         return f"{what}: shape {got.shape}, expected {want.shape}"
     if exact and got.dtype != want.dtype:
@@ -236,12 +320,6 @@ def compare(got, want, what, rtol=1e-10, atol=1e-12, exact=False, chunks=None, r
 def require(condition, message):
     if not condition:
         raise Mismatch(message)
-
-
-def expect_equal(got, want, what, **kwargs):
-    problem = compare(got, want, what, **kwargs)
-    if problem:
-        raise Mismatch(problem)
 
 
 # ---------------------------------------------------------------- loading the learner's file

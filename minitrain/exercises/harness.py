@@ -10,11 +10,10 @@ This module is the one place that knows how minitrain reports a hang (the wait t
 ThreadWorld / minitrain.comm.init, and the exception it raises): exercises only see RanksFailed.
 """
 import inspect
-import sys
 import threading
 import traceback
 
-from .grading import Mismatch, StopGrading, stop_thread, where
+from .grading import Mismatch, StopGrading, current_frames, mixes_host_and_device, stop_thread, where
 
 DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before it is declared stuck
 WALL_FACTOR = 10                # a world may run this many wait timeouts in all
@@ -55,6 +54,13 @@ def _is_timeout(e):
     """minitrain's report of a wait that never ended (today CollectiveTimeout)."""
     from minitrain.comm import CollectiveTimeout
     return isinstance(e, CollectiveTimeout) or "Timeout" in type(e).__name__ or "Stall" in type(e).__name__
+
+
+def _is_mismatch(e):
+    """minitrain's check_collectives (issue 15): the ranks called different collectives, caught
+    before any of them waited (without it, they would have hung)."""
+    from minitrain.comm import CollectiveMismatchError
+    return isinstance(e, CollectiveMismatchError)
 
 
 def _is_rank_failed(e):
@@ -141,12 +147,20 @@ def _failure_report(p, errors, finished, timeout):
         return "returned normally" if finished.get(r) else "was stopped"
 
     lines = _rank_lines(p, describe)
+    if any(mixes_host_and_device(e) for e in errors.values()):
+        lines.append("  On the GPU, NumPy and CuPy arrays do not mix: make new arrays with the input's module, "
+                     "xp = minitrain.backend.array_module(x), never np, and copy between host and GPU only on "
+                     "purpose (minitrain.backend.to_host / to_device)")
     if raised:
         e = errors[raised[0]]
         if isinstance(e, NotImplementedError):
             return f"not written yet: {e}" if str(e) else "not written yet (NotImplementedError)"
         head = f"rank {raised[0]} raised {type(e).__name__}"
-        if len(errors) > len(raised):
+        if _is_mismatch(e):
+            head = (f"ThreadWorld({p}) would have hung: the ranks called different collectives (caught by "
+                    "minitrain's check before any rank waited forever); every rank must make the same "
+                    "collective calls, in the same order")
+        elif len(errors) > len(raised):
             head += " (the ranks waiting for it then stopped)"
     elif timed_out:
         gone = [r for r in range(p) if finished.get(r)]
@@ -166,7 +180,7 @@ def _failure_report(p, errors, finished, timeout):
 
 
 def _stuck_report(p, limit, idents, errors, finished, world_thread):
-    frames = sys._current_frames()
+    frames = current_frames()
     lines = []
     running = []
     for r in range(p):

@@ -11,7 +11,7 @@ import numpy as np
 
 from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
-from .grading import Check, Mismatch, Skipped, as_array, compare
+from .grading import Check, Mismatch, Skipped, as_array, compare, host
 from .harness import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -50,6 +50,7 @@ def check_reduction(comm, got, x, before, n, dtype, op, name, keep=None):
     """``got`` must be the reduction over the ranks (or, with ``keep(full) -> part``, this rank's part)."""
     p, r = comm.size, comm.rank
     case = f"rank {r} of {p}, {name}(n={n}, {dtype}, op={op!r})"
+    x, before = host(x), host(before)
     if not np.array_equal(x, before):
         raise Mismatch(f"{case}: your function modified its input x; return a new array instead")
     got = as_array(got, case)

@@ -5,10 +5,10 @@ decodes one token in one batched forward, then new prompts are prefilled one at 
 Cost per decoded token: no cache recomputes the whole prefix (a forward over L tokens, O(L²)
 attention); with a cache one token's forward plus attention over L cached keys. Memory (per rank):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; contiguous reserves the context per
-running sequence, paged ceil(length / block_size) blocks. The accounting (``GenerationResult``) is
+running sequence, paged ceil(length / block_size) blocks. The accounting (GenerationResult) is
 taken after every step's forwards, and kept from the last step at the peak reservation (a sequence
 of n tokens then holds n - 1 tokens' K/V: its last token is sampled, never fed); the ledger
-(memory.py, ``kv_cache``) counts the same bytes.
+(memory.py, kv_cache) counts the same bytes.
 """
 import time
 from dataclasses import dataclass

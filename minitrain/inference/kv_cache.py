@@ -1,5 +1,5 @@
 """The paged KV cache (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
-Serving with PagedAttention", sec. 4, Figs. 5-8): K/V live in fixed-size blocks of ``block_size``
+Serving with PagedAttention", sec. 4, Figs. 5-8): K/V live in fixed-size blocks of block_size
 tokens from one shared pool; each sequence has a block table (logical block i -> physical block),
 blocks are taken on demand and returned when the sequence ends, so a sequence wastes less than one
 block (block_size - 1 slots) where the contiguous cache wastes (max_len - length). Sequences that

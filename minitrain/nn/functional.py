@@ -68,6 +68,12 @@ def cross_entropy(logits, targets):
 
 
 def mse_loss(input, target):
+    """Mean squared error of two tensors of the same shape. PyTorch only warns when the shapes
+    differ and then broadcasts ((3, 1) against (3,) becomes (3, 3)): a silent wrong loss; refused."""
+    shape_in, shape_t = tuple(input.shape), tuple(getattr(target, "shape", ()))
+    if shape_in != shape_t:
+        raise ValueError(f"mse_loss: input of shape {shape_in} and target of shape {shape_t} differ; they would "
+                         f"broadcast to another shape and average the wrong pairs (reshape one of them)")
     diff = input - target
     return (diff * diff).mean()
 

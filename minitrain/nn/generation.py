@@ -1,10 +1,10 @@
 """Autoregressive generation: the KV-cache protocol attention reads through, the contiguous cache,
-sampling, and the loop behind ``GPT.generate``.
+sampling, and the loop behind GPT.generate.
 
 Token t's keys and values never change once computed, so a KV cache keeps them and each new token
 costs one row of attention against the cache instead of a forward over the whole prefix again.
 Memory: 2 · n_layer · n_embd · itemsize bytes per token (K and V in every layer; per rank under
-tensor parallelism, n_embd / tp). ``ContiguousKVCache`` reserves ``max_len`` tokens per sequence when
+tensor parallelism, n_embd / tp). ContiguousKVCache reserves max_len tokens per sequence when
 the sequence starts (the static reservation of Kwon et al. 2023, sec. 3, Fig. 2): (max_len - length)
 tokens of it are waste until the sequence ends. vLLM's paged cache (minitrain/inference/) plugs into
 the same protocol; nn never imports it (the layering rule: inference/ sits beside nn/, above it).

@@ -1,10 +1,10 @@
 """A small decoder-only GPT (Radford et al. 2019, GPT-2's layout, after nanoGPT).
 
-Token + position embeddings, ``n_layer`` pre-LayerNorm blocks of causal multi-head
+Token + position embeddings, n_layer pre-LayerNorm blocks of causal multi-head
 self-attention and a 4x GELU MLP (both with residual connections), a final LayerNorm and the
-LM head. Parameter names and shapes match nanoGPT's modules (``h.0.attn.c_attn.weight`` is
+LM head. Parameter names and shapes match nanoGPT's modules (h.0.attn.c_attn.weight is
 (3·n_embd, n_embd)), so weights copy one-to-one into a PyTorch model for the oracle tests.
-Parameters per layer: 12·n_embd² + 13·n_embd (with biases). ``GPTConfig.recompute``: "full"
+Parameters per layer: 12·n_embd² + 13·n_embd (with biases). GPTConfig.recompute: "full"
 recomputes each block in backward, "selective" only the attention core (Korthikanti et al. 2022).
 """
 import math

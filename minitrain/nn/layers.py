@@ -1,5 +1,5 @@
 """Layers with PyTorch's parameter layouts and default initialisations, so weights copy one-to-one
-between minitrain and torch (``Linear.weight`` is (out_features, in_features))."""
+between minitrain and torch (Linear.weight is (out_features, in_features))."""
 import math
 
 from .. import backend, random

@@ -1,10 +1,10 @@
 """Module and Parameter, with PyTorch's names and call shapes.
 
 A Module registers the Parameters and sub-Modules assigned to its attributes, in assignment
-order; ``named_parameters()`` walks them depth-first with dotted names (``h.0.attn.c_attn.weight``),
+order; named_parameters() walks them depth-first with dotted names (h.0.attn.c_attn.weight),
 listing a shared (tied) Parameter once. Strategies wrap modules from outside through hooks
-(``register_forward_pre_hook`` / ``register_forward_hook``); a model never knows how it is run.
-Parameters register their bytes (and their gradients') with ``minitrain.memory``.
+(register_forward_pre_hook / register_forward_hook); a model never knows how it is run.
+Parameters register their bytes (and their gradients') with minitrain.memory.
 """
 import weakref
 from collections import OrderedDict

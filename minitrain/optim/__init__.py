@@ -1,5 +1,5 @@
 """Optimizers with PyTorch's update rules, global-norm gradient clipping, fp32 master weights
-for mixed precision, and learning-rate schedulers (``optim.lr_scheduler``)."""
+for mixed precision, and learning-rate schedulers (optim.lr_scheduler)."""
 from .optimizer import Optimizer
 from .sgd import SGD
 from .adam import Adam, AdamW

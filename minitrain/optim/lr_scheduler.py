@@ -4,12 +4,12 @@
     for step in range(100):
         ...; optimizer.step(); scheduler.step()      # after the optimizer, as PyTorch >= 1.1
 
-Construction sets ``group["initial_lr"]`` and takes the first step (``last_epoch`` 0: the lr of the
-first optimizer step); each ``step()`` advances ``last_epoch`` and writes the new lr into every
+Construction sets group["initial_lr"] and takes the first step (last_epoch 0: the lr of the
+first optimizer step); each step() advances last_epoch and writes the new lr into every
 group. StepLR and CosineAnnealingLR use PyTorch's recursive ("chainable") forms, so their floats
-are PyTorch's bit for bit; ``warmup_cosine`` is the GPT's default (linear warm-up, then cosine decay
-to ``min_ratio`` x lr: nanoGPT's schedule), a callable object for ``LambdaLR``, so its settings
-travel with ``state_dict()`` as in PyTorch. ``state_dict()`` is JSON-able: checkpoints store it.
+are PyTorch's bit for bit; warmup_cosine is the GPT's default (linear warm-up, then cosine decay
+to min_ratio x lr: nanoGPT's schedule), a callable object for LambdaLR, so its settings
+travel with state_dict() as in PyTorch. state_dict() is JSON-able: checkpoints store it.
 """
 import math
 import types

@@ -1,5 +1,5 @@
 """Mixed-precision training (Micikevicius et al. 2018, "Mixed Precision Training"): the model
-computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and its state in fp32.
+computes in float16 or bfloat16, the optimizer keeps fp32 master weights and its state in fp32.
 
     model.to(np.float16)                                     # parameters and gradients: 2 bytes
     opt = MixedPrecisionOptimizer(model.parameters(), optim.Adam, lr=1e-3)   # fp16: dynamic loss scale
@@ -8,17 +8,19 @@ computes in float16 or bfloat16, the optimizer keeps **fp32 master weights** and
     opt.step()                    # unscale, skip on inf/NaN, step the fp32 masters, copy them back
 
 Bytes per parameter: 2 (param) + 2 (grad) + K with K = 4 (master) + 4 + 4 (Adam's moments) = 12,
-the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as ``optimizer_state``.
+the (2 + 2 + K)Ψ of the ZeRO paper. The masters count as optimizer_state.
 
 On the GPU the inf/NaN check is one device reduction over all gradients and one synchronisation
 per step (skipping a step is a decision the host makes, as in PyTorch's GradScaler).
 
 Loss scaling (fp16 only; bfloat16 has fp32's exponent range): small gradients underflow in fp16,
 so the loss is multiplied by S before backward and the gradients divided by S in fp32 after. With
-``loss_scale="dynamic"`` (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
-step when any gradient is inf/NaN, and doubles after ``growth_interval`` clean steps. When the
-parameters are shards (ZeRO, FSDP) pass ``comm``: the overflow flag is all-reduced so that every
-rank skips the same steps.
+loss_scale="dynamic" (PyTorch's GradScaler defaults) S starts at 2**16, halves and skips the
+step when any gradient is inf/NaN, and doubles after growth_interval clean steps. When the
+parameters are shards (ZeRO, FSDP) every rank must skip the same steps: pass
+all_reduce_found_inf, a function that takes this rank's flag (a one-element float array, 1.0 for
+inf/NaN) and returns its maximum over the ranks, e.g. lambda flag: all_reduce(comm, flag, op="max").
+The optimizer receives the reduction and imports no communication (optim sits below comm's users).
 """
 import contextlib
 import weakref
@@ -35,7 +37,7 @@ class MixedPrecisionOptimizer:
     #: where the masters and the optimizer state live (CPUOffloadOptimizer: the host)
     offload = False
 
-    def __init__(self, params, optimizer_class, loss_scale="auto", comm=None, init_scale=2.0 ** 16,
+    def __init__(self, params, optimizer_class, loss_scale="auto", all_reduce_found_inf=None, init_scale=2.0 ** 16,
                  growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, **defaults):
         self.params = [q for q in params if q.requires_grad]
         if not self.params:
@@ -51,7 +53,7 @@ class MixedPrecisionOptimizer:
         self.loss_scale = float(init_scale if self.dynamic else (loss_scale or 1.0))
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-        self.comm = comm
+        self.all_reduce_found_inf = all_reduce_found_inf
         self._good_steps = 0
         self.skipped_steps = 0
         self._tracker = memory.tracker()
@@ -83,10 +85,10 @@ class MixedPrecisionOptimizer:
             local = bool(backend.to_scalar(counts.sum()))
         else:
             local = any(not bool(array_module(g).isfinite(g).all()) for g in grads)
-        if self.comm is None or self.comm.size == 1:
+        if self.all_reduce_found_inf is None:
             return local
-        from ..comm import all_reduce               # shards: every rank must agree to skip
-        return bool(all_reduce(self.comm, np.array([float(local)]), op="max")[0])
+        # shards: every rank must agree to skip (the maximum of the ranks' flags)
+        return bool(self.all_reduce_found_inf(np.array([float(local)]))[0])
 
     def step(self):
         """Unscale the gradients into fp32, step the masters, copy them into the parameters.

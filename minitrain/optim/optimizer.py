@@ -1,9 +1,9 @@
 """Optimizer base: parameter groups, per-parameter state, zero_grad, state_dict.
 
-State is kept per parameter as a dict of arrays shaped like the parameter (``exp_avg``,
-``momentum_buffer``, ...), and every update is elementwise. That is what lets ZeRO shard it
+State is kept per parameter as a dict of arrays shaped like the parameter (exp_avg,
+momentum_buffer, ...), and every update is elementwise. That is what lets ZeRO shard it
 later: build the same optimizer on flat shards of the parameters and each rank updates only
-its shard. State arrays register their bytes with ``minitrain.memory`` as ``optimizer_state``.
+its shard. State arrays register their bytes with minitrain.memory as optimizer_state.
 """
 import weakref
 

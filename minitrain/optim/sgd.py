@@ -1,6 +1,6 @@
 """SGD with momentum and weight decay, PyTorch's update rule exactly:
     d = g + wd·p;  buf = d (first step) or momentum·buf + (1 - dampening)·d;  p -= lr·buf
-(``nesterov=True``: p -= lr·(d + momentum·buf))."""
+(nesterov=True: p -= lr·(d + momentum·buf))."""
 from .optimizer import Optimizer
 
 

@@ -4,17 +4,17 @@ Every rank holds the whole model and runs forward and backward on its share of t
 then the gradients are averaged, so every replica takes the same step (Goyal et al. 2017).
 What makes it fast is *when* the averaging happens:
 
-* gradients are packed into **buckets** in reverse parameter order (roughly the order backward
-  finishes them), each at most ``bucket_cap_mb``;
+* gradients are packed into buckets in reverse parameter order (roughly the order backward
+  finishes them), each at most bucket_cap_mb;
 * a parameter's post-accumulate-grad hook copies its gradient into its bucket; when the last
-  gradient of a bucket arrives, the bucket's all-reduce starts **asynchronously**, while backward
+  gradient of a bucket arrives, the bucket's all-reduce starts asynchronously, while backward
   carries on with earlier layers (communication overlaps computation);
 * a callback at the end of backward launches any bucket still open (parameters that got no
   gradient contribute zeros), waits for every reduction and writes the averages back into
-  ``.grad``: when ``loss.backward()`` returns, gradients are synchronised, as in PyTorch.
+  .grad: when loss.backward() returns, gradients are synchronised, as in PyTorch.
 
 Bytes sent per rank per step: 2(p-1)/p·Ψ·itemsize (ring all-reduce of every bucket). Memory: one
-flat buffer per bucket for the gradients and one for the result (``comm_buffers``).
+flat buffer per bucket for the gradients and one for the result (comm_buffers).
 """
 import contextlib
 import hashlib
@@ -22,10 +22,11 @@ import weakref
 
 import numpy as np
 
-from .. import memory, trace
+from .. import backend, memory, trace
 from ..autograd.engine import queue_callback
 from ..backend import array_module
 from ..comm import all_reduce, broadcast, ring_all_gather
+from ..comm.collectives import check_algorithm
 
 
 def _release(tracker, keys):
@@ -62,13 +63,16 @@ class DistributedDataParallel:
     a step contributes zeros (so no rank ever waits for a bucket that cannot complete), and with
     ``find_unused_parameters=True`` a parameter that no rank used keeps ``grad = None``, exactly
     as in single-process training. A Parameter shared by two modules (tied weights) appears
-    once in ``parameters()``, so it is reduced once, with the sum of both uses.
+    once in ``parameters()``, so it is reduced once, with the sum of both uses. ``algorithm``: the
+    all-reduce of each bucket, ``ring`` (bandwidth-optimal, the default), ``recursive_doubling``,
+    ``naive`` or ``auto`` (by size). Gradient accumulation follows PyTorch: gradients add up over
+    backward calls until ``zero_grad``; inside ``no_sync()`` they add up locally, unreduced.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25.0, broadcast_from=0, find_unused_parameters=False,
                  algorithm="ring"):
         self.module, self.comm = module, comm
-        self.algorithm = algorithm      # the ring: bandwidth-optimal, 2(p-1)/p·Ψ bytes per rank
+        self.algorithm = check_algorithm(algorithm, "DistributedDataParallel")
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.find_unused_parameters = find_unused_parameters
         self._sync = True
@@ -215,15 +219,28 @@ class LocalSGD:
     use local SGD"): each rank steps on its own gradients, and every ``sync_every`` optimizer steps
     the parameters are averaged across ranks. One all-reduce of Ψ parameters per ``sync_every``
     steps instead of one of Ψ gradients per step: less communication, staler replicas.
-    Call ``step()`` after each ``optimizer.step()``; it returns True when it averaged."""
+    Call ``step()`` after each ``optimizer.step()``; it returns True when it averaged. With an
+    optimizer that keeps fp32 master weights (MixedPrecisionOptimizer, CPUOffloadOptimizer), pass it
+    as ``optimizer=``: the masters are what is averaged (averaging the fp16 copies alone would be
+    undone by the next step). ``algorithm``: ring, recursive_doubling, naive or auto. With plain
+    or momentum SGD and ``sync_every=1`` this equals one process on the global batch exactly (the
+    update is linear in the gradient)."""
 
-    def __init__(self, module, comm, sync_every=4, broadcast_from=0):
+    def __init__(self, module, comm, sync_every=4, broadcast_from=0, algorithm="ring", optimizer=None):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.module, self.comm, self.sync_every = module, comm, sync_every
+        self.algorithm = check_algorithm(algorithm, "LocalSGD")
+        self.optimizer = optimizer
         self.steps = 0
         for p in module.parameters():
             broadcast(comm, p.data, root=broadcast_from)
+        for q, master in self._masters():              # masters made before the broadcast: refresh
+            master.data[...] = backend.to_host(q.data) if getattr(self.optimizer, "offload", False) else q.data
+
+    def _masters(self):
+        opt = self.optimizer
+        return list(zip(opt.params, opt.masters)) if opt is not None and hasattr(opt, "masters") else []
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -239,16 +256,23 @@ class LocalSGD:
         return True
 
     def synchronize(self):
-        """Average the parameters across ranks now (also at the end of training, so that the
-        replicas agree whatever the last step was)."""
+        """Average the parameters (or the optimizer's masters) across ranks now (also at the end of
+        training, so that the replicas agree whatever the last step was)."""
         with trace.span("average parameters", kind="comm"):
-            params = list(self.module.parameters())
-            flat = array_module(params[0].data).concatenate([p.data.reshape(-1) for p in params])
-            averaged = all_reduce(self.comm, flat, op="mean", algorithm="ring")
+            pairs = self._masters()
+            if pairs:
+                arrays = [m.data for _, m in pairs]
+            else:
+                arrays = [p.data for p in self.module.parameters()]
+            xp = array_module(arrays[0])
+            flat = xp.concatenate([a.reshape(-1) for a in arrays])
+            averaged = all_reduce(self.comm, flat, op="mean", algorithm=self.algorithm)
             offset = 0
-            for p in params:
-                p.data[...] = averaged[offset:offset + p.size].reshape(p.shape)
-                offset += p.size
+            for a in arrays:
+                a[...] = averaged[offset:offset + a.size].reshape(a.shape)
+                offset += a.size
+            for q, master in pairs:                       # the parameters: the averaged masters, rounded
+                q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
 
     def state_dict(self):
         """The averaging phase (steps since the start): a checkpoint taken right after an averaging

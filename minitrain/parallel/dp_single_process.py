@@ -1,11 +1,11 @@
 """DataParallel: the single-process, multi-threaded design that DDP replaced (Li et al. 2020, sec. 2).
 
-Every step: **scatter** the batch into one chunk per replica, **replicate** the module (copy
-every parameter to every replica), run the replicas' forwards in threads, **gather** the outputs
-onto replica 0, and in backward **reduce** every replica's gradients onto replica 0's parameters.
+Every step: scatter the batch into one chunk per replica, replicate the module (copy
+every parameter to every replica), run the replicas' forwards in threads, gather the outputs
+onto replica 0, and in backward reduce every replica's gradients onto replica 0's parameters.
 That is 2(n-1)·Ψ parameter/gradient bytes through one place per step, plus the activations, and
 one Python process whose GIL serialises whatever does not release it. DDP instead keeps a
-replica per process for good and moves only 2(n-1)/n·Ψ per rank. ``stats`` counts each exchange.
+replica per process for good and moves only 2(n-1)/n·Ψ per rank. stats counts each exchange.
 
 Here the replicas share one machine, so "copying to a device" is copying an array; the engine's
 ordinary accumulation of gradients into a leaf *is* the reduce onto replica 0.
@@ -89,6 +89,3 @@ class DataParallel:
 
     def parameters(self):
         return self.module.parameters()
-
-    def reset_stats(self):
-        self.stats = self._zero_stats()

@@ -129,8 +129,13 @@ class _Unit:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            # the shard's gradient (offload: copied device -> host)
-            self.shard.grad = backend.to_host(self.grad_out) if self.offload_params else self.grad_out
+            # the shard's gradient (offload: copied device -> host); a second backward before
+            # zero_grad adds to it (gradient accumulation, as in PyTorch)
+            grad = backend.to_host(self.grad_out) if self.offload_params else self.grad_out
+            if self.shard.grad is None:
+                self.shard.grad = grad
+            else:
+                self.shard.grad += grad
             self.grad_out = None
         if self.staging is not None:
             memory.tracker().remove(("fsdp_staging", id(self)))
@@ -156,7 +161,9 @@ class FullyShardedDataParallel:
     (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList).
     ``prefetch``: start the next unit's all-gather while this one computes (forward and backward).
     ``offload_params``: the shards and their gradients live on the host (pair it with
-    CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only."""
+    CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only.
+    Several backward calls before the optimizer step add their gradients up, until ``zero_grad``
+    (PyTorch's semantics)."""
 
     def __init__(self, module, comm, auto_wrap=None, prefetch=True, offload_params=False):
         if not isinstance(module, Module):

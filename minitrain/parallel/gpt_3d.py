@@ -4,16 +4,16 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 2.3 and Figure 
 
 Nothing new is computed here: the pieces already exist and only meet.
 
-* ``DeviceMesh(comm, dp, pp, tp)`` gives each rank three communicators (tp innermost: a stage's
+* DeviceMesh(comm, dp, pp, tp) gives each rank three communicators (tp innermost: a stage's
   tensor-parallel ranks are neighbours, as they share the most traffic).
-* ``tensor_parallelize`` shards the GPT over the ``tp`` communicator.
+* tensor_parallelize shards the GPT over the tp communicator.
 * The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
-  and ``PipelineParallel`` cuts it into stages over the ``pp`` communicator and runs a schedule
+  and PipelineParallel cuts it into stages over the pp communicator and runs a schedule
   (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
   their collectives line up; activations go to the next stage's rank with the same tp coordinate.
-* Gradients are averaged over the ``dp`` communicator once per step (the pipeline does it after
+* Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
-  are summed over ``tp`` once per step too (not once per micro-batch's backward).
+  are summed over tp once per step too (not once per micro-batch's backward).
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks

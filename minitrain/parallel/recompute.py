@@ -1,5 +1,5 @@
-"""Activation recomputation: ``checkpoint`` (see minitrain/autograd/checkpoint.py) and
-``checkpoint_sequential``, Chen et al. (2016)'s scheme for a chain of n layers: cut it into k
+"""Activation recomputation: checkpoint (see minitrain/autograd/checkpoint.py) and
+checkpoint_sequential, Chen et al. (2016)'s scheme for a chain of n layers: cut it into k
 segments and keep only each segment's input; in backward, recompute one segment at a time.
 Peak saved activations ~ k inputs + one segment's n/k layers of intermediates, smallest at
 k ~ sqrt(n): O(sqrt(n)) memory for one extra forward pass (of all segments but the last)."""

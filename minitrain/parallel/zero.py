@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", sec. 5; DeepSpeed's names). Stage 3 is FullyShardedDataParallel (fsdp.py).
 
-Every rank keeps all the parameters, but the optimizer state is **partitioned**: the trainable
+Every rank keeps all the parameters, but the optimizer state is partitioned: the trainable
 parameters live in one flat buffer, padded to a multiple of p, and rank r owns the contiguous
 shard [r·S, (r+1)·S), S = Ψ_pad / p. Each rank steps only its shard, with any ordinary optimizer
 built on that shard (the update is elementwise), then the shards are all-gathered back.
@@ -28,7 +28,7 @@ from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
 from ..sharded import flat_buffer_slices
-from .offload import CPUOffloadOptimizer
+from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
 
 
 class FlatParameters:
@@ -73,7 +73,9 @@ class ZeroRedundancyOptimizer:
     ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
     whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
-    single-process optimizer would skip it; DeepSpeed does the same)."""
+    single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
+    PyTorch: several backward calls before ``step()`` add up until ``zero_grad()`` (stage 2 adds each
+    backward's reduce-scattered shard to the shard's gradient)."""
 
     def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, loss_scale="auto",
                  offload=False, **defaults):
@@ -92,22 +94,23 @@ class ZeroRedundancyOptimizer:
         if offload:
             # ZeRO-Offload: the shard's fp32 master weights and optimizer state on the host
             self.optimizer = CPUOffloadOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
-                                                 comm=comm, **defaults)
+                                                 all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         elif self.flat.flat.dtype in LOW_PRECISION:
             # mixed precision: the shard's fp32 master weights live in the optimizer (K = 12)
             self.optimizer = MixedPrecisionOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
-                                                     comm=comm, **defaults)
+                                                     all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         else:
             self.optimizer = optimizer_class([self.shard], **defaults)
         self.param_groups = self.optimizer.param_groups
         self._tracker = memory.tracker()
         if stage == 1:
-            # .grad of every parameter is a view of one flat gradient buffer (4Ψ, kept whole); the
-            # reduce-scatter lands in a shard-sized communication buffer and is copied into the
-            # shard's own slice, which is what the shard's optimizer reads
+            # .grad of every parameter is a view of one flat gradient buffer (4Ψ, this rank's sum
+            # over the backward calls since zero_grad, kept whole); the reduce-scatter lands in a
+            # shard-sized communication buffer, which the shard's optimizer reads as its gradient.
+            # Counted as a communication buffer, under the key the shard's .grad setter uses: once
             self.flat_grad = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)
             self._point_grads_at_flat()
-            self._tracker.add("comm_buffers", ("zero1_scratch", id(self)), self.shard_grad.nbytes)
+            self._tracker.add("comm_buffers", ("grads", id(memory.owner(self.shard_grad))), self.shard_grad.nbytes)
         else:
             self._build_buckets(int(bucket_cap_mb * 1024 * 1024), xp)
 
@@ -141,10 +144,18 @@ class ZeroRedundancyOptimizer:
         self.staging = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)     # the buckets' buffer
         self._tracker.add("comm_buffers", ("zero2_staging", id(self)), self.staging.nbytes)
         self._pending = False
+        self._accumulating = False
+        self._scratch = None
 
     def _grad_ready(self, q):
         if not self._pending:
             self._pending = True
+            # gradients add up over backward calls until zero_grad (PyTorch): a second backward
+            # reduce-scatters into a scratch shard, added to the shard's gradient at the end
+            self._accumulating = self.shard.grad is not None
+            if self._accumulating and self._scratch is None:
+                self._scratch = array_module(self.shard_grad).zeros_like(self.shard_grad)
+                self._tracker.add("comm_buffers", ("zero2_scratch", id(self)), self._scratch.nbytes)
             queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(q)]
         lo, hi = self.flat.offsets[id(q)]
@@ -160,7 +171,8 @@ class ZeroRedundancyOptimizer:
         size = self.flat.shard_size
         # the slice of this bucket that each rank owns
         bounds = [min(max(j * size, a), b) - a for j in range(self.comm.size)] + [b - a]
-        out = self.shard_grad[max(a, s0) - s0:max(min(b, s1), s0) - s0]
+        target = self._scratch if self._accumulating else self.shard_grad
+        out = target[max(a, s0) - s0:max(min(b, s1), s0) - s0]
         bucket["work"] = ring_reduce_scatter(self.comm, self.staging[a:b], op="mean", out=out,
                                              bounds=bounds, async_op=True)
 
@@ -177,6 +189,8 @@ class ZeroRedundancyOptimizer:
                 bucket["work"].wait()
                 bucket["work"] = None
                 bucket["ready"].clear()
+        if self._accumulating:
+            self.shard_grad += self._scratch
         self.shard.grad = self.shard_grad
         self._pending = False
 
@@ -192,12 +206,12 @@ class ZeroRedundancyOptimizer:
                 q.grad = None
 
     def _reduce_scatter_stage1(self):
+        """The flat gradient (this rank's sum over every backward since zero_grad) is left as it
+        is: the averaged shard lands in its own buffer, which the shard's optimizer reads."""
         self._point_grads_at_flat()
         with trace.span("reduce-scatter gradients", kind="comm"):
             ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=self.shard_grad)
-        lo, hi = self.flat.shard_range
-        self.flat_grad[lo:hi] = self.shard_grad
-        self.shard.grad = self.flat_grad[lo:hi]
+        self.shard.grad = self.shard_grad
 
     def scale(self, loss):
         """Mixed precision: the loss times the loss scale (call backward on it); else the loss."""

@@ -1,6 +1,6 @@
 """The ZeRO paper's model-state memory formulas (Rajbhandari et al. 2020, sec. 5, Figure 1).
 
-Ψ parameters, N data-parallel ranks; per parameter: ``param_bytes`` for the parameters, ``grad_bytes``
+Ψ parameters, N data-parallel ranks; per parameter: param_bytes for the parameters, grad_bytes
 for the gradients and K bytes of optimizer state (mixed-precision Adam: 2, 2 and K = 12 for the fp32
 master weights, momentum and variance; fp32 Adam: 4, 4 and K = 8). Per rank:
 

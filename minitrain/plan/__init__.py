@@ -3,16 +3,17 @@
     python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
         --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100 --search
 
-Memory per rank by category (``plan/memory.py``: the papers' accounting and minitrain's own, the bytes
-the jobs' ledger counts), step time from the work a step does counted from the code (``plan/work.py``:
-matmuls, the library's ops, graph nodes), priced on the machine (``plan/ops.py``, ``plan/time.py``:
+Memory per rank by category (plan/memory.py: the papers' accounting and minitrain's own, the bytes
+the jobs' ledger counts), step time from the work a step does counted from the code (plan/work.py:
+matmuls, the library's ops, graph nodes), priced on the machine (plan/ops.py, plan/time.py:
 calibrated matmul rates and op costs, alpha-beta communication, the pipeline schedule's simulated bubble),
-machine constants measured by ``python -m minitrain.plan calibrate`` (``plan/calibrate.py``,
-``plan/overheads.py``) and checked against the jobs by ``python -m minitrain.plan validate``.
-``predict(model, layout)`` is the whole model; ``mlp_from_args`` / ``gpt_from_args`` turn a job's parsed
+machine constants measured by python -m minitrain.plan calibrate (plan/calibrate.py,
+plan/overheads.py) and checked against the jobs by python -m minitrain.plan validate.
+predict(model, layout) is the whole model; mlp_from_args / gpt_from_args turn a job's parsed
 options (examples.mlp / examples.gpt) into a model and a layout, so a job can print the prediction beside
 what it measured.
 """
+from ..parallel.pipeline.schedules import default_chunks
 from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
 from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
 from .time import flops_per_iteration, predict_time
@@ -46,13 +47,20 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
 
 def mlp_from_args(args, world):
     """(model, layout) of ``python -m minitrain.examples.mlp`` with these options on ``world`` ranks."""
-    model = MLP(tuple([DIGITS_FEATURES] + [args.hidden] * args.layers + [DIGITS_CLASSES]))
+    pipeline = args.strategy == "pipeline"
+    pp = max(1, world // args.dp) if pipeline else 1
+    try:                                   # the job's defaults: zbv's 2 chunks, enough layers for every stage
+        chunks = default_chunks(args.schedule, args.chunks) if pipeline else 1
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    layers = args.layers if args.layers is not None else (max(2, pp * chunks) if pipeline else 2)
+    model = MLP(tuple([DIGITS_FEATURES] + [args.hidden] * layers + [DIGITS_CLASSES]))
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
     common = dict(world=world, batch_size=args.batch_size, precision=args.precision, optimizer=args.optimizer,
                   bucket_cap_mb=args.bucket_cap_mb, threads=getattr(args, "threads", 0) or 0)
-    if args.strategy == "pipeline":        # the pipeline job: fp32/fp64, no offload, no recompute
-        return model, Layout(dp=args.dp, pp=max(1, world // args.dp), microbatches=args.microbatches,
-                             chunks=args.chunks, schedule=args.schedule, **common)
+    if pipeline:                           # the pipeline job: fp32/fp64, no offload, no recompute
+        return model, Layout(dp=args.dp, pp=pp, microbatches=args.microbatches,
+                             chunks=chunks, schedule=args.schedule, **common)
     return model, Layout(dp=world, zero=stage, offload=args.offload, recompute=args.recompute,
                          offload_activations=args.offload_activations,
                          local_sgd_every=args.sync_every if args.strategy == "local_sgd" else 0, **common)

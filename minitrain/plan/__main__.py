@@ -1,4 +1,4 @@
-"""``python -m minitrain.plan mlp|gpt|params|calibrate ...``: will it fit, how fast, which layout.
+"""python -m minitrain.plan mlp|gpt|params|calibrate ...: will it fit, how fast, which layout.
 
     python -m minitrain.plan mlp --strategy zero3 --hidden 1024 --world 4        # a job's own options
     python -m minitrain.plan gpt --tp 2 --pp 2 --microbatches 4 --world 8 --json
@@ -7,21 +7,22 @@
     python -m minitrain.plan params --num-params 7.5e9 --world 64 --zero 3 --accounting paper
     python -m minitrain.plan calibrate
 
-The mlp and gpt sub-commands take every option of ``examples.mlp`` / ``examples.gpt`` (the ones that do
+The mlp and gpt sub-commands take every option of examples.mlp / examples.gpt (the ones that do
 not change a step, such as --epochs or --lr, are accepted and ignored), so a job's command line can be
-copied; ``--json`` prints one JSON object (``--json PATH`` writes it there, as the jobs' --json does).
+copied; --json prints one JSON object (--json PATH writes it there, as the jobs' --json does).
 """
 import argparse
 import json
 import sys
 import time
 
+from .. import cli
 from . import (Layout, LayoutError, Params, check, corpus_vocab_size, gpt_from_args, layouts, load_machine,
                mlp_from_args, predict)
 from .layout import PRECISIONS, SCHEDULES
 
 STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
-IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored"
+IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored (default: none)"
 
 
 def _positive(text):
@@ -39,32 +40,34 @@ def add_common(p, precision="fp32"):
                    help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
     p.add_argument("--device-memory", type=float, default=None, metavar="BYTES",
                    help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH)")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH; default: a table)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
     p.add_argument("--top", type=_positive, default=10, help="--search: how many to print (JSON: all)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="BLAS threads per rank on a CPU (default: as the jobs take them: cores / ranks, at most "
                         "OMP_NUM_THREADS)")
-    p.add_argument("--machine", help="machine constants: a JSON path, or cpu-2core / a100-80gb "
+    p.add_argument("--machine", metavar="NAME", help="machine constants: a JSON path, or cpu-2core / a100-80gb "
                                      "(default: ~/.cache/minitrain/machine.json if calibrated, else cpu-2core)")
 
 
 def add_mlp(p):
     """examples/mlp.py's options (tests/test_plan.py checks that every one of them is accepted here)."""
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    p.add_argument("--sync-every", type=_positive, default=4)
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--microbatches", type=_positive, default=4)
-    p.add_argument("--chunks", type=_positive, default=1)
-    p.add_argument("--dp", type=_positive, default=1)
-    p.add_argument("--batch-size", type=_positive, default=64, help="global")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
-    p.add_argument("--hidden", type=_positive, default=128)
-    p.add_argument("--layers", type=_positive, default=2)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--offload", action="store_true")
-    p.add_argument("--recompute", choices=["none", "full"], default="none")
-    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="how the ranks share the work")
+    p.add_argument("--sync-every", type=_positive, default=4, help="local_sgd: average parameters every N steps")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline: the schedule")
+    p.add_argument("--microbatches", type=_positive, default=4, help="pipeline: micro-batches per step")
+    p.add_argument("--chunks", type=_positive, default=None,
+                   help="pipeline: model chunks per rank (interleaved_1f1b; default: 1; zbv is always 2), as the job")
+    p.add_argument("--dp", type=_positive, default=1, help="pipeline: data-parallel replicas")
+    p.add_argument("--batch-size", type=_positive, default=64, help="global batch size (all ranks together)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
+    p.add_argument("--hidden", type=_positive, default=128, help="width of each hidden layer")
+    p.add_argument("--layers", type=_positive, default=None,
+                   help="number of hidden layers (default: 2; pipeline: max(2, stages)), as the job")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
+    p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
+    p.add_argument("--recompute", choices=["none", "full"], default="none", help="full: sqrt(layers) segments")
+    p.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
     for name in ("--epochs", "--lr", "--seed", "--trace", "--plot", "--comm-timeout", "--save-dir", "--save-every"):
         p.add_argument(name, help=IGNORED)
     for name in ("--no-progress", "--resume"):
@@ -73,21 +76,23 @@ def add_mlp(p):
 
 def add_gpt(p):
     """examples/gpt.py's options, plus the vocabulary, ZeRO over dp and the planner's precision."""
-    p.add_argument("--batch-size", type=_positive, default=16, help="global")
-    p.add_argument("--block-size", type=_positive, default=32)
-    p.add_argument("--n-layer", type=_positive, default=2)
-    p.add_argument("--n-head", type=_positive, default=4)
-    p.add_argument("--n-embd", type=_positive, default=64)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
-    p.add_argument("--offload-activations", action="store_true")
-    p.add_argument("--tp", type=_positive, default=1)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--pp", type=_positive, default=1)
+    p.add_argument("--batch-size", type=_positive, default=16, help="global batch: sequences per step")
+    p.add_argument("--block-size", type=_positive, default=32, help="context length")
+    p.add_argument("--n-layer", type=_positive, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=_positive, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=_positive, default=64, help="embedding width")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (its masks' bytes)")
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
+                   help="each block (full) or the attention core (selective)")
+    p.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: split LayerNorm regions by sequence")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline stages")
     p.add_argument("--dp", type=_positive, default=None, help="default: world / (pp·tp)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b")
-    p.add_argument("--microbatches", type=_positive, default=1)
-    p.add_argument("--chunks", type=_positive, default=1)
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule (with --pp)")
+    p.add_argument("--microbatches", type=_positive, default=1, help="micro-batches per replica and step")
+    p.add_argument("--chunks", type=_positive, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
@@ -98,16 +103,18 @@ def add_gpt(p):
 
 
 def parser():
-    top = argparse.ArgumentParser(prog="python -m minitrain.plan", description=__doc__.splitlines()[0])
+    top = argparse.ArgumentParser(prog="python -m minitrain.plan", description=__doc__.splitlines()[0],
+                                  formatter_class=cli.HelpFormatter)
     sub = top.add_subparsers(dest="command", required=True)
-    add_mlp(m := sub.add_parser("mlp", help="the mlp job (examples.mlp)"))
+    add_mlp(m := sub.add_parser("mlp", help="the mlp job (examples.mlp)", formatter_class=cli.HelpFormatter))
     add_common(m)
-    add_gpt(g := sub.add_parser("gpt", help="the gpt job (examples.gpt), or any GPT by its sizes"))
+    add_gpt(g := sub.add_parser("gpt", help="the gpt job (examples.gpt), or any GPT by its sizes",
+                                formatter_class=cli.HelpFormatter))
     add_common(g)
-    p = sub.add_parser("params", help="model states only, from a parameter count")
-    p.add_argument("--num-params", type=float, required=True, help="e.g. 7.5e9")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
+    p.add_argument("--num-params", type=float, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
     p.add_argument("--offload", action="store_true", help="optimizer state on the host (ZeRO-Offload)")
     add_common(p, precision="fp16")
     sub.add_parser("calibrate", help="measure this machine (see minitrain/plan/calibrate.py)", add_help=False)
@@ -140,7 +147,7 @@ def search(model, base, machine, accounting, device_memory):
                                         if strategy != "ddp" else 0, "microbatches": 1}))
         for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
             for m in (1, 2, 4, 8, 16):
-                for schedule in ("gpipe", "1f1b"):
+                for schedule in ("gpipe", "1f1b", "zb_h1"):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
                                                 "microbatches": m, "schedule": schedule, "chunks": 1,
                                                 "recompute": "none", "offload": False, "offload_activations": False}))

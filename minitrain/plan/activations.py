@@ -1,10 +1,10 @@
 """What each layer keeps for backward, in bytes: the activation side of minitrain's accounting.
 
-A ``Piece`` is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
+A Piece is one layer of the Sequential a pipeline cuts (the MLP's Linear / ReLU modules, or the GPT's
 [embedding, blocks, head] as GPT3D lays them out), with its parameters. Counted as the ledger counts: each
 array once, by the buffer that owns it (a Linear after a ReLU saves the ReLU's own output; micro-batches that
 are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + as²b/t + 2sb
-values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel.py); selective recomputation
+values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel/gpt.py); selective recomputation
 drops the as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
 SP) and holds the whole block again in its backward.
 """

@@ -1,4 +1,4 @@
-"""Machine constants, measured: ``python -m minitrain.plan calibrate [--out PATH] [--ranks 2 4] [--merge ...]``.
+"""Machine constants, measured: python -m minitrain.plan calibrate [--out PATH] [--ranks 2 4] [--merge ...].
 
 What the time model needs, each measured the way the jobs run it (their BLAS threads, their held heap:
 backend.hold_host_memory; on the CPU by the CPU time of the measuring thread where one thread does the
@@ -13,13 +13,13 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
 * the Python a step pays beyond its arithmetic (plan/overheads.py): per NumPy call, graph node, parameter,
   traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job; the anchor;
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
-  (minitrain's own, under ``mpiexec -n p``), fitted to t = steps·alpha + bytes·beta with the algorithm's
+  (minitrain's own, under mpiexec -n p), fitted to t = steps·alpha + bytes·beta with the algorithm's
   own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
   thread's CPU time outside its waits.
-With ``MINITRAIN_DEVICE=cuda`` the matmuls, elementwise ops and collectives run on CuPy arrays.
-The result is JSON at ``~/.cache/minitrain/machine.json`` (what ``plan`` uses by default); the
-committed ``machines/cpu-2core.json`` is the least loaded of three calibrations of the 2-core CI machine
-(``--merge``), ``machines/a100-80gb.json`` NVIDIA's datasheet (not measured).
+With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
+The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
+committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine
+(--merge), machines/a100-80gb.json NVIDIA's datasheet (not measured).
 """
 import argparse
 import json
@@ -369,12 +369,15 @@ def _blas_threads(n):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minitrain.plan calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DEFAULT_PATH), help=f"where to write the JSON (default {DEFAULT_PATH})")
+    from .. import cli
+    p = argparse.ArgumentParser(prog="python -m minitrain.plan calibrate", description=__doc__.splitlines()[0],
+                                formatter_class=cli.HelpFormatter)
+    p.add_argument("--out", default=str(DEFAULT_PATH), help="where to write the JSON")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
-    p.add_argument("--name", help="the machine's name in the JSON")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="write the best of these calibrations instead")
+    p.add_argument("--name", help="the machine's name in the JSON (default: this host's)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="write the best of these calibrations instead (default: measure this machine)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -1,18 +1,18 @@
 """What the planner plans: a model (its sizes), a batch and a layout (how ranks share the work).
 
 A layout is dp x pp x tp ranks (Narayanan et al. 2021's PTD-P: tp innermost, then dp, then pp, as
-``DeviceMesh`` lays them out), a ZeRO stage over dp, recomputation, micro-batches and a pipeline
-schedule. ``check`` refuses an impossible one with the constraint it breaks and the nearest valid
-choices; ``layouts`` enumerates every valid one for a world size (what ``--search`` ranks).
+DeviceMesh lays them out), a ZeRO stage over dp, recomputation, micro-batches and a pipeline
+schedule. check refuses an impossible one with the constraint it breaks and the nearest valid
+choices; layouts enumerates every valid one for a world size (what --search ranks).
 
 The MLP's strategies map onto layouts: ddp = dp N (ZeRO 0), zero1/2/3 = ZeRO stage s over dp N,
 pipeline = pp N/D x dp D; local_sgd is DDP whose all-reduce of Ψ parameters happens every k steps.
 """
-from dataclasses import dataclass, field, fields as dataclass_fields, replace
+from dataclasses import dataclass, field, fields as dataclass_fields
 
 PRECISIONS = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}     # bytes per parameter / activation value
 MIXED = ("fp16", "bf16")                                        # low precision + fp32 master weights
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "pipedream_2bw")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "pipedream_2bw")
 
 
 class LayoutError(ValueError):
@@ -155,7 +155,9 @@ def check(model, layout):
                           f"or --pp 1")
     if layout.schedule not in SCHEDULES:
         raise LayoutError(f"unknown schedule {layout.schedule!r}: expected one of {SCHEDULES}")
-    if layout.chunks > 1 and layout.schedule != "interleaved_1f1b":
+    if layout.schedule == "zbv" and layout.chunks != 2:
+        raise LayoutError(f"zbv is a V of 2 chunks per rank: --chunks 2 (or leave it out), not {layout.chunks}")
+    if layout.chunks > 1 and layout.schedule not in ("interleaved_1f1b", "zbv"):
         raise LayoutError(f"--chunks {layout.chunks} needs --schedule interleaved_1f1b (nearest valid: --chunks 1)")
     if layout.schedule == "interleaved_1f1b" and p > 1 and layout.microbatches % p:
         raise LayoutError(f"interleaved_1f1b needs the micro-batches to be a multiple of pp = {p}: "
@@ -184,6 +186,9 @@ def check(model, layout):
 
 def _check_gpt(model, layout):
     t, p, v = layout.tp, layout.pp, layout.chunks
+    if p > 1 and layout.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise LayoutError(f"the GPT job's pipeline (GPT3D) runs gpipe, 1f1b or interleaved_1f1b, not "
+                          f"{layout.schedule} (the MLP job runs every schedule)")
     if model.n_embd % model.n_head:
         raise LayoutError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}: nearest valid "
                           f"--n-head {_choices(_nearest(model.n_head, divisors(model.n_embd)))}")
@@ -227,7 +232,3 @@ def layouts(model, world, batch_size, precision="bf16", optimizer="adam", zeros=
                             except LayoutError:
                                 pass
     return out
-
-
-def with_layout(layout, **changes):
-    return replace(layout, **changes)

@@ -1,8 +1,8 @@
 """Bytes per rank by category (params, grads, optimizer_state, activations, comm_buffers), two accountings.
 
-**paper**: the papers' assumptions, to reproduce their tables. Model states are ZeRO's (Rajbhandari et al.
+paper: the papers' assumptions, to reproduce their tables. Model states are ZeRO's (Rajbhandari et al.
 2020, Figure 1): (2 + 2 + K)Ψ with K = 12 (mixed-precision Adam), sharded by stage over N_d
-(``minitrain.parallel.zero_memory``, the same code the ZeRO tests use). Activations per transformer layer
+(minitrain.parallel.zero_memory, the same code the ZeRO tests use). Activations per transformer layer
 are Korthikanti et al. (2022) Table 2 (16-bit values, 1-byte dropout masks): sbh(34 + 5as/h) alone;
 TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t·(34 + 5as/h); selective recompute sbh(10 + 24/t), with SP
 34sbh/t; full recompute 2sbh (2sbh/t with SP). A pipeline stage keeps its layers' activations for
@@ -10,8 +10,8 @@ every micro-batch in flight (the schedule's own action list says how many). Extr
 it): the embedding's dropout mask sbh/t per micro-batch on the first stage; the last LayerNorm's and the
 LM head's inputs (2sbh/t each) and the fp32 logits 4sbV/t on the last.
 
-**minitrain**: the bytes minitrain.memory's ledger counts, its peak per category: ``step_walk`` replays
-one step as the ledger sees it, ``pipeline_walk`` a stage along its schedule; what each layer keeps for
+minitrain: the bytes minitrain.memory's ledger counts, its peak per category: step_walk replays
+one step as the ledger sees it, pipeline_walk a stage along its schedule; what each layer keeps for
 backward is plan/activations.py's. DDP holds two bucket copies of the gradients (2Ψ·b), ZeRO-1 a flat
 gradient and a shard scratch, ZeRO-2 a staging buffer of Ψ, ZeRO-3 one gathered unit and two staging
 buffers at a time; mixed precision counts the fp32 gradients while the optimizer steps.
@@ -19,7 +19,8 @@ buffers at a time; mixed precision counts the fp32 gradients while the optimizer
 from dataclasses import replace
 from functools import lru_cache
 
-from ..parallel.pipeline import balanced_split_points, get_schedule
+from ..parallel.pipeline import get_schedule
+from ..parallel.pipeline.partition import counted_costs, stage_layout
 from ..parallel.zero_memory import model_state_bytes
 from .activations import gpt_pieces, mlp_pieces
 from .layout import PRECISIONS
@@ -163,10 +164,13 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
             shared += sh
         act = act_peak = dyn = 0
         seen = set()
+        split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
         for a in actions:
             if a.kind == "F":
                 act += kept[a.chunk]
                 act_peak, dyn = max(act_peak, act), max(dyn, act + g)
+                continue
+            if split and a.kind == "B":
                 continue
             others_act = act - kept[a.chunk]
             fresh = a.chunk not in seen
@@ -206,14 +210,18 @@ def _count(pieces):
 
 
 @lru_cache(maxsize=256)
-def split_points(sizes, parts):
-    """Where the runtime cuts layers of these parameter counts into ``parts`` virtual stages (its
-    balanced_split_points), or, for paper-scale models, Megatron's even split of the blocks."""
+def stage_bounds(sizes, schedule, p, v):
+    """(bounds, where) as the runtime lays out layers of these parameter counts (pipeline/partition.py's
+    ``counted_costs`` and ``stage_layout``: the same calls): virtual stage k holds layers bounds[k]:bounds[k+1] on rank and chunk
+    where[k]. Paper-scale models (beyond what the runtime's dynamic programme is for) get Megatron's even
+    split of the blocks."""
+    parts = p * v
+    points = None
     if len(sizes) ** 2 * parts > 60_000:                     # Megatron's even split for paper-scale models
-        n_inner = len(sizes) - 2
-        per = n_inner // parts
-        return tuple(1 + per * k for k in range(1, parts))
-    return tuple(balanced_split_points(list(sizes), parts))
+        per = (len(sizes) - 2) // parts
+        points = [1 + per * k for k in range(1, parts)]
+    bounds, where = stage_layout(counted_costs(sizes), schedule, p, v, split_points=points)
+    return tuple(bounds), tuple(where)
 
 
 @lru_cache(maxsize=512)
@@ -239,11 +247,16 @@ def _in_flight(name, p, m, stage):
 
 
 def counts_in_flight(actions):
-    """(in flight at the first backward, the most at a later one): see ``in_flight``."""
+    """(in flight at the first backward, the most at a later one): see ``in_flight``. Zero-bubble
+    schedules keep a micro-batch's activations until its W (the deferred weight gradients need the
+    layers' inputs), so there W is the backward that frees them and B frees nothing."""
     n = b_first = b_later = 0
+    split = any(a.kind == "W" for a in actions)
     for a in actions:
         if a.kind == "F":
             n += 1
+            continue
+        if split and a.kind == "B":
             continue
         b_first, b_later = (b_first, max(b_later, n)) if b_first else (n, b_later)
         n -= 1
@@ -251,17 +264,17 @@ def counts_in_flight(actions):
 
 
 def stage_chunks(pieces, layout, paper=False):
-    """Per stage, chunk -> its pieces (virtual stage c·p + s), cut as the runtime cuts them (balanced by
-    parameters), or for the paper's accounting L/(p·v) blocks per virtual stage (Megatron's rule)."""
+    """Per stage, chunk -> its pieces, cut and placed as the runtime does (``stage_bounds``: balanced by
+    counted F + B + W cost, the schedule's placement: the interleaved loop, zbv's V), or for the paper's accounting
+    L/(p·v) blocks per virtual stage (Megatron's rule)."""
     p, v = layout.pp, layout.chunks
+    bounds, where = stage_bounds(tuple(x.params for x in pieces), layout.schedule, p, v)
     if paper:
         per = (len(pieces) - 2) // (p * v)
         bounds = [0] + [1 + per * k for k in range(1, p * v)] + [len(pieces)]
-    else:
-        bounds = [0] + list(split_points(tuple(x.params for x in pieces), p * v)) + [len(pieces)]
     stages = [dict() for _ in range(p)]
-    for virtual in range(p * v):
-        stages[virtual % p][virtual // p] = pieces[bounds[virtual]:bounds[virtual + 1]]
+    for virtual, (rank, chunk) in enumerate(where):
+        stages[rank][chunk] = pieces[bounds[virtual]:bounds[virtual + 1]]
     return stages
 
 

@@ -2,11 +2,11 @@
 the code) in seconds on the machine (matmuls at the calibrated FLOP rate of their size, one product or a
 batch of them; each op at its calibrated cost per call and per element, plan/ops.py; the engine's Python
 per node and per parameter given a gradient), alpha-beta communication, and the pipeline schedule's own
-simulator (``parallel.pipeline.simulate``) for the bubble.
+simulator (parallel.pipeline.simulate) for the bubble.
 
 Per micro-batch and stage, forward F and backward B = compute + communication (tensor-parallel
 collectives: 2 all-reduces of b·s·h per layer each way, or their RS/AG pairs with SP; point-to-point
-activations between stages). ``simulate(schedule, F, B)`` on the slowest stage's costs gives the
+activations between stages). simulate(schedule, F, B) on the slowest stage's costs gives the
 pipeline's span; bubble = span - the stage's own work. Then the step's tail: data-parallel gradient
 reduction (DDP overlaps its buckets with backward), the optimizer.
 Collective cost: t = steps·alpha + bytes·beta (ring all-reduce: 2(p-1) steps, 2(p-1)/p·N bytes;
@@ -22,7 +22,7 @@ import numpy as np
 from ..backend import default_blas_threads
 from ..parallel.pipeline import get_schedule, simulate
 from .layout import PRECISIONS
-from .memory import split_points
+from .memory import stage_bounds
 from .ops import op_fit
 from .work import (Work, gpt_block_work, gpt_ends_work, mlp_layer_work, mlp_recompute, optimizer_work,  # noqa: F401
                    recorded_nodes)
@@ -224,10 +224,12 @@ def predict_time(model, layout, machine):
     sizes = _layer_sizes(model, layout)
     p, v, m = layout.pp, layout.chunks, layout.microbatches
     counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes))
-    bounds = np.array([0] + (list(split_points(counts, p * v)) if p * v > 1 else []) + [len(layers)])
+    bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
+    bounds, owner = np.array(bounds), np.array([rank for rank, _ in where])
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, the comms' busy
     # parts, params, tensors)
-    work = (prefix[bounds[1:]] - prefix[bounds[:-1]]).reshape(v, p, 8).sum(axis=0)
+    work = np.zeros((p, 8))
+    np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     fc, fm, bc, bm, fo, bo, n_local, n_tensors = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
     n_local, n_tensors = int(n_local), int(n_tensors)
     if p > 1:                                                # a header, then the activation (or its gradient)
@@ -336,10 +338,10 @@ def predict_nodes(model, layout, machine=None):
         works = [emb] + [block] * model.n_layer + [head]
     counts = tuple(sum(x) for x in _layer_sizes(model, layout))
     p, v = layout.pp, layout.chunks
-    bounds = [0] + (list(split_points(tuple(counts), p * v)) if p * v > 1 else []) + [len(works)]
+    bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
     per_stage = [0] * p
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        per_stage[i % p] += recorded_nodes(works[lo:hi], layout.microbatches)
+    for (lo, hi), (rank, _) in zip(zip(bounds, bounds[1:]), where):
+        per_stage[rank] += recorded_nodes(works[lo:hi], layout.microbatches)
     return max(per_stage)
 
 

@@ -1,11 +1,11 @@
-"""The planner against measurement: ``python -m minitrain.plan validate [--runs NAME ...] [--json PATH]``.
+"""The planner against measurement: python -m minitrain.plan validate [--runs NAME ...] [--json PATH].
 
-Each run launches a job (``mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json``) at a small
+Each run launches a job (mpiexec -n N python -m minitrain.examples.mlp|gpt ... --json) at a small
 size, reads what it measured and puts the planner's prediction for the same options beside it: memory
 per rank and category (the ledger is exact, so within 5%); the graph nodes a step records (counted by the
 engine: exactly); step time. A shared machine distorts a step's wall clock by whole factors (other jobs
 hold the cores), so time is compared on what they distort least: the CPU time of the step's own thread
-outside its waits for peers (``busy``: its arithmetic, Python and its own collectives' copies and
+outside its waits for peers (busy: its arithmetic, Python and its own collectives' copies and
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
 run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the lower quartile over the
@@ -37,6 +37,7 @@ RUNS = {
     "zero3-offload-4": ("mlp", 4, f"{MLP} --strategy zero3 --offload --hidden 256 --batch-size 128"),
     "gpipe": ("mlp", 2, f"{MLP} --strategy pipeline --schedule gpipe --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
     "1f1b": ("mlp", 2, f"{MLP} --strategy pipeline --schedule 1f1b --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
+    "zbv": ("mlp", 2, f"{MLP} --strategy pipeline --schedule zbv --microbatches 4 --layers 3 --hidden 256 --batch-size 128"),
     "interleaved-4": ("mlp", 4, f"{MLP} --strategy pipeline --schedule interleaved_1f1b --chunks 2 --microbatches 4 --layers 7"),
     "gpt-1": ("gpt", 1, f"{GPT}"),
     "gpt-tp2": ("gpt", 2, f"{GPT} --tp 2 --n-embd 128"),
@@ -136,10 +137,13 @@ def table(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minitrain.plan validate", description=__doc__.splitlines()[0])
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    from .. import cli
+    p = argparse.ArgumentParser(prog="python -m minitrain.plan validate", description=__doc__.splitlines()[0],
+                                formatter_class=cli.HelpFormatter)
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
+                   help=f"the jobs to run and compare, any of {', '.join(RUNS)} (default: all of them)")
     p.add_argument("--machine", help="machine constants (default as for plan)")
-    p.add_argument("--json", metavar="PATH", help="write every run's figures")
+    p.add_argument("--json", metavar="PATH", help="write every run's figures (default: none written)")
     args = p.parse_args(argv)
     machine = load_machine(args.machine)
     results = []

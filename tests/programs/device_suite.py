@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from minitrain.exercises import all_exercises
+
 MLP = ["--epochs", "1"]
 GPT = ["--steps", "3", "--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--batch-size", "8",
        "--sample-chars", "1"]
@@ -28,6 +30,9 @@ def mlp(name, args, ranks, tol=1e-4):
 def gpt(name, args, ranks, tol=1e-4):
     return {"name": name, "module": "gpt", "args": GPT + args, "ranks": ranks, "tol": tol}
 
+
+# every exercise's grader runs minitrain's own solution on the device (the learner's code would run there)
+EXERCISES = [e.name for e in all_exercises()]
 
 CONFIGS = [
     mlp("ddp", [], [1, 2, 4]),
@@ -67,9 +72,7 @@ CONFIGS = [
     gpt("gpt dp x tp sp", ["--tp", "2", "--sequence-parallel"], [4]),
     gpt("gpt pp interleaved", ["--pp", "2", "--schedule", "interleaved_1f1b", "--chunks", "2",
                                "--microbatches", "2"], [4]),
-    {"name": "exercise ring", "module": "exercise", "args": ["ring_all_reduce"], "ranks": [1]},
-    {"name": "exercise 1f1b", "module": "exercise", "args": ["one_f_one_b"], "ranks": [1]},
-]
+] + [{"name": f"exercise {name}", "module": "exercise", "args": [name], "ranks": [1]} for name in EXERCISES]
 
 
 

@@ -43,6 +43,9 @@ block; bit-identical gradients of the input and of every parameter; only the inp
 backward (minitrain's memory tracker); fn run exactly twice; the random stream unchanged; and
 equal to minitrain's own checkpoint.
 
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check activation_checkpointing mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
+
 Check it:  python -m minitrain.exercises check activation_checkpointing mine.py
 Stuck?     python -m minitrain.exercises hint activation_checkpointing
 """

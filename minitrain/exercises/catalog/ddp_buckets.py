@@ -6,7 +6,7 @@ before backward reaches the first layer (observed at the moment the first layer'
 every one asynchronous (a blocking all-reduce in the hook stalls backward)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..grading import Check, Mismatch, compare, to_learner
 from ..harness import count_launches, run_ranks
 
 TITLE = "DDP's gradient buckets and the hook that overlaps all-reduce with backward"
@@ -44,6 +44,9 @@ What minitrain gives you:
 The test to pass: buckets for caps that give one and several buckets; at p = 1, 2, 3, 4 every
 gradient equal to one process on the global batch (float64, 1e-12) twice in a row; one all-reduce
 per bucket, the first launched before backward reaches the model's first layer.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check ddp_buckets mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check ddp_buckets mine.py
 Stuck?     python -m minitrain.exercises hint ddp_buckets
@@ -90,9 +93,11 @@ def _model(freeze=True):
     return model
 
 
-def _batch(step):
+def _batch(step, rows=slice(None)):
+    """Rows ``rows`` of step ``step``'s global batch (x, y), where the code under test runs."""
     rng = np.random.default_rng(step)
-    return rng.standard_normal((BATCH, 4)), rng.standard_normal((BATCH, 3))
+    x, y = rng.standard_normal((BATCH, 4)), rng.standard_normal((BATCH, 3))
+    return to_learner(x[rows]), to_learner(y[rows])
 
 
 def _expected_buckets(model, cap):
@@ -153,8 +158,8 @@ def _train(comm, impl, cap, steps):
     for step in range(steps):
         model.zero_grad()
         before = len(launched)
-        x, y = _batch(step)
-        F.mse_loss(ddp(x[rows]), y[rows]).backward()
+        x, y = _batch(step, rows)
+        F.mse_loss(ddp(x), y).backward()
         grads.append({n: None if q.grad is None else q.grad.copy() for n, q in model.named_parameters()})
         asynchronous = sum(1 for _, is_async in launched[before:] if is_async)
         launches.append((len(launched) - before, (seen[-1] - before) if seen else None, asynchronous))

@@ -4,6 +4,7 @@ global batch at p = 1..4 (float64, 1e-10); the library's DistributedDataParallel
 import numpy as np
 
 from ..debugging import load_program, program_checks, run_report
+from ..grading import host_all
 
 TITLE = "debug: data parallelism that trains differently on more ranks"
 ORDER = 240
@@ -106,7 +107,7 @@ def _one_process(steps=STEPS):
         loss.backward()
         opt.step()
         history.append((float(loss.data), {n: q.data.copy() for n, q in model.named_parameters()}))
-    return start, history
+    return host_all((start, history))
 
 
 def _both(comm, train):

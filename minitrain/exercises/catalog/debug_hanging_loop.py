@@ -31,6 +31,7 @@ Then fix your copy and check it:
 """
 import numpy as np
 
+from minitrain import backend
 from minitrain.comm import all_reduce, ring_all_gather
 
 
@@ -39,6 +40,7 @@ def train(comm, steps=4, batch=12, lr=0.1):
     w = rng.standard_normal(3)                              # the same start on every rank
     X = rng.standard_normal((steps, batch, 3))
     Y = X @ np.array([1.0, -2.0, 0.5]) + 0.1 * rng.standard_normal((steps, batch))
+    w, X, Y = (backend.to_device(a) for a in (w, X, Y))     # on the GPU with MINITRAIN_DEVICE=cuda
     share = batch // comm.size
     mine = slice(comm.rank * share, (comm.rank + 1) * share)
     losses = []
@@ -46,9 +48,9 @@ def train(comm, steps=4, batch=12, lr=0.1):
         x, y = X[step, mine], Y[step, mine]
         err = x @ w - y
         grad = all_reduce(comm, 2 * x.T @ err / len(y), op="mean")
-        losses.append(float(all_reduce(comm, np.array([np.mean(err ** 2)]), op="mean")[0]))
+        losses.append(float(all_reduce(comm, (err ** 2).mean().reshape(1), op="mean")[0]))
         if comm.rank == 0 and step % 2 == 1:                # log the samples each rank saw
-            counts = ring_all_gather(comm, np.array([len(y)]), total=comm.size)
+            counts = ring_all_gather(comm, backend.to_device(np.array([len(y)])), total=comm.size)
             print(f"step {step}: loss {losses[-1]:.4f}, samples per rank {counts.tolist()}")
         w = w - lr * grad
     return losses, w
@@ -60,9 +62,9 @@ if __name__ == "__main__":
 '''
 
 FIX = (('''        if comm.rank == 0 and step % 2 == 1:                # log the samples each rank saw
-            counts = ring_all_gather(comm, np.array([len(y)]), total=comm.size)
+            counts = ring_all_gather(comm, backend.to_device(np.array([len(y)])), total=comm.size)
             print(''', '''        if step % 2 == 1:                                   # log the samples each rank saw
-            counts = ring_all_gather(comm, np.array([len(y)]), total=comm.size)     # every rank takes part
+            counts = ring_all_gather(comm, backend.to_device(np.array([len(y)])), total=comm.size)     # every rank takes part
             if comm.rank == 0:
                 print('''),)
 

@@ -5,7 +5,7 @@ skips the same steps, ends with the same scale and bit-identical weights as mini
 MixedPrecisionOptimizer."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..grading import Check, Mismatch, compare, to_learner
 from ..oracles import has_torch
 
 TITLE = "dynamic loss scaling for float16 training"
@@ -37,6 +37,9 @@ The test to pass: unscale_ on finite, inf, -inf and NaN gradients; the scale alo
 of clean and overflowing steps equals PyTorch's GradScaler rule (torch._amp_update_scale_ when
 torch is installed); a float16 training run with it skips the same steps and ends with the same
 scale and the same weights, bit for bit, as minitrain's MixedPrecisionOptimizer.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check dynamic_loss_scaling mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check dynamic_loss_scaling mine.py
 Stuck?     python -m minitrain.exercises hint dynamic_loss_scaling
@@ -73,8 +76,8 @@ def _unscale(impl):
              ("an inf", [np.array([8.0, np.inf], np.float32)], True),
              ("a -inf", [np.array([1.0], np.float32), np.array([-np.inf, 0.0], np.float32)], True),
              ("a NaN", [np.array([np.nan, 1.0], np.float32)], True))
-    for label, grads, overflow in cases:
-        originals = [g.copy() for g in grads]
+    for label, originals, overflow in cases:
+        grads = [to_learner(g) for g in originals]        # on the GPU when the device is cuda
         found = scaler.unscale_(grads)
         if bool(found) != overflow:
             raise Mismatch(f"unscale_ on gradients with {label}: returned {found!r}, expected {overflow}")
@@ -133,7 +136,7 @@ def _train(make_optimizer, steps=12):
     model = Linear(4, 3)
     model.to(np.float16)
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((8, 4)).astype(np.float16), rng.integers(0, 3, 8)
+    x, y = rng.standard_normal((8, 4)).astype(np.float16), to_learner(rng.integers(0, 3, 8))
     step, scale_of = make_optimizer(model)
     scales, skipped = [], []
     for _ in range(steps):
@@ -199,6 +202,8 @@ def checks():
 
 
 def reference():
+    from minitrain.backend import array_module
+
     class DynamicLossScaler:
         """torch.amp.GradScaler's rule, as minitrain's MixedPrecisionOptimizer applies it (its unscale
         multiplies by 1/S, exact for a power of two)."""
@@ -210,7 +215,8 @@ def reference():
         def unscale_(self, grads):
             for g in grads:
                 g *= 1.0 / self.scale
-            return any(not np.isfinite(g).all() for g in grads)
+            # one deliberate read of a flag per array (a GPU-to-host copy on the GPU)
+            return any(not array_module(g).isfinite(g).all() for g in grads)
 
         def update(self, found_inf):
             if found_inf:

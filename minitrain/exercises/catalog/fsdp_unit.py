@@ -6,7 +6,7 @@ one SGD step through the unit equals minitrain's FullyShardedDataParallel's shar
 traffic of one all-gather / one reduce-scatter, (p-1)·S elements each."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..grading import Check, Mismatch, compare, host, is_array, kind_of_array, to_learner
 from ..harness import run_ranks
 
 TITLE = "FSDP's unit: shard at rest, gather for compute, free, reduce-scatter the gradients"
@@ -41,6 +41,9 @@ The test to pass: at p = 1, 2, 3, 4 (N = 22: padding at p = 3 and 4) the shard a
 exact and made of views, free then gather again, reduce_scatter equal to the average (1e-12), and
 the traffic of one all-gather / one reduce-scatter, (p-1)·S elements each; then one SGD step of a
 Linear layer through your unit equals minitrain's FullyShardedDataParallel.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check fsdp_unit mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check fsdp_unit mine.py
 Stuck?     python -m minitrain.exercises hint fsdp_unit
@@ -84,8 +87,16 @@ def _arrays():
 
 
 def _grads(rank):
+    """Rank ``rank``'s gradients, where the code under test runs."""
     rng = np.random.default_rng([1, rank])
-    return [rng.standard_normal(s) for s in SHAPES]
+    return [to_learner(rng.standard_normal(s)) for s in SHAPES]
+
+
+def _owner(a):
+    """The array that owns ``a``'s memory (a view's base, followed to the end; NumPy and CuPy alike)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
 
 
 def _rank(comm, impl, part):
@@ -94,20 +105,18 @@ def _rank(comm, impl, part):
     s = -(-n // p)
     where = f"p={p}, rank {r}"
     originals = _arrays()
-    unit = impl(comm, [a.copy() for a in originals])
+    unit = impl(comm, [to_learner(a) for a in originals])
     if part == "rest":
         shard = getattr(unit, "shard", None)
-        if not isinstance(shard, np.ndarray):
-            raise Mismatch(f"{where}: self.shard is {type(shard).__name__}, expected a NumPy array")
+        if not is_array(shard):
+            raise Mismatch(f"{where}: self.shard is {type(shard).__name__}, expected {kind_of_array()}")
         padded = np.zeros(s * p)
         padded[:n] = np.concatenate([a.reshape(-1) for a in originals])
         problem = compare(shard, padded[r * s:(r + 1) * s], f"{where}: self.shard (S = ceil({n}/{p}) = {s})")
         if problem:
             raise Mismatch(problem + " (rank r's shard is [r·S, (r+1)·S) of the zero-padded flat buffer)")
-        base = shard.base
-        while base is not None and getattr(base, "base", None) is not None:
-            base = base.base
-        if base is not None and getattr(base, "size", 0) > s:
+        base = _owner(shard)
+        if base is not shard and getattr(base, "size", 0) > s:
             raise Mismatch(f"{where}: self.shard is a view into an array of {base.size} elements: that whole "
                            "array stays in memory. Keep a copy of the shard (.copy())")
         if getattr(unit, "full", "missing") is not None:
@@ -136,7 +145,7 @@ def _rank(comm, impl, part):
         got = unit.reduce_scatter(_grads(r))
         flat = np.zeros((p, s * p))
         for q in range(p):
-            flat[q, :n] = np.concatenate([g.reshape(-1) for g in _grads(q)])
+            flat[q, :n] = np.concatenate([host(g).reshape(-1) for g in _grads(q)])
         problem = compare(got, flat.mean(axis=0)[r * s:(r + 1) * s], f"{where}: reduce_scatter's result", ranks=p)
         if problem:
             raise Mismatch(problem + " (expected: this rank's S elements of the average over the ranks)")
@@ -153,24 +162,26 @@ def _fsdp_step(comm, impl):
     x, y = rng.standard_normal((8, 4)), rng.standard_normal((8, 3))
     share = 8 // comm.size
     rows = slice(comm.rank * share, (comm.rank + 1) * share)
+    x, y = to_learner(x[rows]), to_learner(y[rows])
     mt.manual_seed(0)
     model = Sequential(Linear(4, 3))
     model.to(np.float64)
     start = [q.data.copy() for q in model.parameters()]
     fsdp = FullyShardedDataParallel(model, comm)
     opt = SGD(fsdp.parameters(), lr=0.1)
-    F.mse_loss(fsdp(x[rows]), y[rows]).backward()
+    F.mse_loss(fsdp(x), y).backward()
     opt.step()
     library_shard = fsdp.parameters()[0].data.copy()
 
     unit = impl(comm, [a.copy() for a in start])
     weight, bias = (mt.Tensor(a, requires_grad=True) for a in unit.gather())
-    F.mse_loss(F.linear(mt.Tensor(x[rows]), weight, bias), mt.Tensor(y[rows])).backward()
-    shard_grad = np.asarray(unit.reduce_scatter([weight.grad, bias.grad]))
+    F.mse_loss(F.linear(mt.Tensor(x), weight, bias), mt.Tensor(y)).backward()
+    shard_grad = unit.reduce_scatter([weight.grad, bias.grad])
     s = -(-15 // comm.size)
-    if shard_grad.shape != (s,) or np.shape(unit.shard) != (s,):
+    got_shapes = getattr(unit.shard, "shape", None), getattr(shard_grad, "shape", None)
+    if got_shapes != ((s,), (s,)):
         raise Mismatch(f"p={comm.size}, rank {comm.rank}, a Linear(4, 3) unit (N = 15): self.shard has shape "
-                       f"{np.shape(unit.shard)} and reduce_scatter returned {shard_grad.shape}; both must be this "
+                       f"{got_shapes[0]} and reduce_scatter returned {got_shapes[1]}; both must be this "
                        f"rank's S = ceil(N/p) = {s} elements of the zero-padded flat buffer")
     unit.shard -= 0.1 * shard_grad
     unit.free()
@@ -186,14 +197,14 @@ def _check_gathered(unit, params, originals, where, padded):
                        + (f" of {len(params)}" if isinstance(params, (list, tuple)) else "")
                        + f", expected a list of {len(originals)} arrays")
     full = getattr(unit, "full", None)
-    if not isinstance(full, np.ndarray) or full.size != padded:
+    if not is_array(full) or full.size != padded:
         raise Mismatch(f"{where}: after gather(), self.full is {type(full).__name__}"
                        + (f" of {full.size} elements" if hasattr(full, "size") else "") + f", expected S·p = {padded}")
     for i, (got, want) in enumerate(zip(params, originals)):
         problem = compare(got, want, f"{where}: gathered parameter {i} {want.shape}")
         if problem:
             raise Mismatch(problem)
-        if not np.shares_memory(got, full):
+        if not is_array(got) or _owner(got) is not _owner(full):
             raise Mismatch(f"{where}: gathered parameter {i} is a copy, not a view into self.full (a copy doubles "
                            "the unit's memory while it computes)")
 
@@ -215,6 +226,7 @@ def checks():
 
 
 def reference():
+    from minitrain.backend import array_module
     from minitrain.comm import ring_all_gather, ring_reduce_scatter
 
     class ShardedUnit:
@@ -222,10 +234,11 @@ def reference():
 
         def __init__(self, comm, arrays):
             self.comm, self.shapes = comm, [a.shape for a in arrays]
+            self.xp = array_module(arrays[0])            # NumPy on the CPU, CuPy on the GPU
             self.numel = sum(a.size for a in arrays)
             self.shard_size = -(-self.numel // comm.size)
-            flat = np.zeros(self.shard_size * comm.size, arrays[0].dtype)
-            flat[:self.numel] = np.concatenate([a.reshape(-1) for a in arrays])
+            flat = self.xp.zeros(self.shard_size * comm.size, arrays[0].dtype)
+            flat[:self.numel] = self.xp.concatenate([a.reshape(-1) for a in arrays])
             lo = comm.rank * self.shard_size
             self.shard = flat[lo:lo + self.shard_size].copy()
             self.full = None
@@ -243,7 +256,7 @@ def reference():
             self.full = None
 
         def reduce_scatter(self, grads):
-            flat = np.zeros(self.shard_size * self.comm.size, grads[0].dtype)
-            flat[:self.numel] = np.concatenate([g.reshape(-1) for g in grads])
+            flat = self.xp.zeros(self.shard_size * self.comm.size, grads[0].dtype)
+            flat[:self.numel] = self.xp.concatenate([g.reshape(-1) for g in grads])
             return ring_reduce_scatter(self.comm, flat, op="mean")
     return ShardedUnit

@@ -2,7 +2,7 @@
 differences, minitrain's fused LayerNorm and PyTorch's layer_norm, on 2-D and 3-D inputs."""
 import numpy as np
 
-from ..grading import Check, Mismatch
+from ..grading import Check, Mismatch, to_learner
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of LayerNorm (input, weight and bias)"
@@ -25,6 +25,9 @@ Write layer_norm_backward(xhat, rstd, weight, grad): grad is dL/dy, of shape (..
 The test to pass: central differences in float64 for all three gradients (minitrain.testing.
 numerical_grad), minitrain's own fused LayerNorm, and PyTorch's layer_norm when torch is
 installed, on (rows, C) and (batch, time, C) inputs.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check layer_norm_backward mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check layer_norm_backward mine.py
 Stuck?     python -m minitrain.exercises hint layer_norm_backward
@@ -68,7 +71,7 @@ def _case(shape, seed=0):
 
 def _learner(impl, x, w, b, grad, case):
     _, xhat, rstd = _forward(x, w, b)
-    gx, gw, gb = unpack(impl(xhat.copy(), rstd.copy(), w.copy(), grad.copy()), 3, f"layer_norm_backward ({case})")
+    gx, gw, gb = unpack(impl(*(to_learner(a) for a in (xhat, rstd, w, grad))), 3, f"layer_norm_backward ({case})")
     for name, got, want in (("grad_x", gx, x), ("grad_weight", gw, w), ("grad_bias", gb, b)):
         if got.shape != want.shape:
             extra = " (sum over every leading axis)" if name != "grad_x" and got.ndim > 1 else ""
@@ -122,13 +125,14 @@ def checks():
 
 def reference():
     import minitrain as mt
+    from minitrain.backend import array_module
     from minitrain.nn import functional as F
 
     def layer_norm_backward(xhat, rstd, weight, grad):
         # xhat has mean 0 and variance 1 - eps·rstd²: x = xhat / rstd gives back the same xhat and rstd
         x = mt.Tensor(xhat / rstd, requires_grad=True)
         w = mt.Tensor(weight, requires_grad=True)
-        b = mt.Tensor(np.zeros_like(weight), requires_grad=True)
+        b = mt.Tensor(array_module(weight).zeros_like(weight), requires_grad=True)
         F.layer_norm(x, weight.shape[-1], w, b, eps=EPS).backward(grad)
         return x.grad, w.grad, b.grad
     return layer_norm_backward

@@ -3,7 +3,7 @@ minitrain's own MatMul backward and PyTorch's autograd, on non-square, square (w
 transpose still has the right shape) and batched shapes."""
 import numpy as np
 
-from ..grading import Check, Mismatch
+from ..grading import Check, Mismatch, to_learner
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of the matrix product y = a @ b (plain and batched)"
@@ -24,6 +24,9 @@ Return (grad_a, grad_b): dL/da with a's shape and dL/db with b's shape, new NumP
 The test to pass: central differences in float64 (minitrain.testing.numerical_grad), minitrain's own
 MatMul, and PyTorch's autograd when torch is installed; non-square shapes, square ones (where a
 forgotten transpose keeps the right shape) and a batch.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check matmul_backward mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check matmul_backward mine.py
 Stuck?     python -m minitrain.exercises hint matmul_backward
@@ -57,7 +60,7 @@ def _data(shape_a, shape_b, seed=0):
 
 
 def _learner(impl, a, b, grad, case):
-    ga, gb = unpack(impl(a.copy(), b.copy(), grad.copy()), 2, f"matmul_backward {case}")
+    ga, gb = unpack(impl(to_learner(a), to_learner(b), to_learner(grad)), 2, f"matmul_backward {case}")
     if ga.shape != a.shape:
         raise Mismatch(f"{case}: grad_a has shape {ga.shape}, but a has shape {a.shape} (a gradient has "
                        "the shape of what it is the gradient of)")

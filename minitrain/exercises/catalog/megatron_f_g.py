@@ -34,6 +34,9 @@ minitrain.comm.ring_all_reduce(comm, array), which returns the sum over the rank
 The test to pass: that MLP at t = 1, 2, 3, 4 against the unsplit MLP in float64 (output, dL/dX,
 dL/dA_r and dL/dB_r, to 1e-12), and Megatron's traffic: one all-reduce in forward, one in backward.
 
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check megatron_f_g mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
+
 Check it:  python -m minitrain.exercises check megatron_f_g mine.py
 Stuck?     python -m minitrain.exercises hint megatron_f_g
 """

@@ -7,7 +7,7 @@ import numpy as np
 
 from minitrain.testing import rank_input
 
-from ..grading import Mismatch
+from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "recursive doubling: an all-reduce in log2(p) rounds, for small messages"
@@ -36,6 +36,9 @@ Contract:
 The test to pass: the library's all-reduce checks at p = 1, 2, 3, 4 (every length, five dtypes,
 four ops, bit for bit), then the message count.
 
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check recursive_doubling mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
+
 Check it:  python -m minitrain.exercises check recursive_doubling mine.py
 Stuck?     python -m minitrain.exercises hint recursive_doubling
 """
@@ -62,14 +65,14 @@ HINTS = (
 
 def _exact(comm, impl):
     for n, dtype, op in cases(comm.size):
-        x = rank_input(comm.rank, n, dtype)
+        x = to_learner(rank_input(comm.rank, n, dtype))
         before = x.copy()
         check_reduction(comm, impl(comm, x, op=op), x, before, n, dtype, op, "recursive_doubling_all_reduce")
 
 
 def _traffic(comm, impl):
     p, n = comm.size, 301
-    x = np.ones(n, np.float64)
+    x = to_learner(np.ones(n, np.float64))
     sent, messages = traffic(comm, lambda: impl(comm, x, op="sum"))
     most = int(math.log2(p)) + 1
     if messages > most or sent > messages * n * 8:

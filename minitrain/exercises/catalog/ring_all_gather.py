@@ -5,7 +5,7 @@ import numpy as np
 
 from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, rank_input
 
-from ..grading import Mismatch, as_array, compare
+from ..grading import Mismatch, as_array, compare, to_learner
 from ..oracles import traffic, world_checks
 
 TITLE = "ring all-gather: every rank ends with every rank's shard"
@@ -33,6 +33,9 @@ Contract:
 The test to pass: at p = 1, 2, 3, 4 every length (0, 1, fewer than p, not divisible by p, a few
 thousand) and five dtypes, bit for bit; then the traffic: p-1 messages, at most (p-1)·ceil(N/p)
 elements sent per rank.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check ring_all_gather mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check ring_all_gather mine.py
 Stuck?     python -m minitrain.exercises hint ring_all_gather
@@ -63,19 +66,19 @@ def _exact(comm, impl):
     for n in [13 * p + 1] + [n for n in lengths if n != 13 * p + 1]:
         for dtype in COLLECTIVE_DTYPES:
             full = rank_input(99, n, dtype)
-            shard = np.array_split(full, p)[r].copy()
+            shard = to_learner(np.array_split(full, p)[r])
             case = f"rank {r} of {p}, ring_all_gather(shard of {shard.size}, total={n}, {dtype})"
             got = as_array(impl(comm, shard, n), case)
             if got.dtype != full.dtype:
                 raise Mismatch(f"{case}: returned dtype {got.dtype}, expected {full.dtype} (the shard's)")
             problem = compare(got, full, case, exact=True, chunks=p)
             if problem:
-                raise Mismatch(problem + f" (rank j's shard is chunk j: the result must be in rank order)")
+                raise Mismatch(problem + " (rank j's shard is chunk j: the result must be in rank order)")
 
 
 def _traffic(comm, impl):
     p, n = comm.size, 1201
-    shard = np.array_split(np.ones(n, np.float32), p)[comm.rank].copy()
+    shard = to_learner(np.array_split(np.ones(n, np.float32), p)[comm.rank])
     sent, messages = traffic(comm, lambda: impl(comm, shard, n))
     chunk = -(-n // p)
     bound = (p - 1) * chunk * 4

@@ -5,7 +5,7 @@ import numpy as np
 
 from minitrain.testing import rank_input
 
-from ..grading import Mismatch
+from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "the ring all-reduce on point-to-point calls (reduce-scatter, then all-gather)"
@@ -35,6 +35,9 @@ Contract:
 The test to pass: the library's collective checks at p = 1, 2, 3, 4 (every length above, five
 dtypes, four ops, compared bit for bit with the NumPy reduction), then the traffic: 2(p-1)
 messages and at most 2(p-1) chunks of ceil(N/p) elements sent per rank.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check ring_all_reduce mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check ring_all_reduce mine.py
 Stuck?     python -m minitrain.exercises hint ring_all_reduce
@@ -67,14 +70,14 @@ HINTS = (
 
 def _exact(comm, impl):
     for n, dtype, op in cases(comm.size):
-        x = rank_input(comm.rank, n, dtype)
+        x = to_learner(rank_input(comm.rank, n, dtype))
         before = x.copy()
         check_reduction(comm, impl(comm, x, op=op), x, before, n, dtype, op, "ring_all_reduce")
 
 
 def _traffic(comm, impl):
     p, n = comm.size, 1201
-    x = np.ones(n, np.float32)
+    x = to_learner(np.ones(n, np.float32))
     sent, messages = traffic(comm, lambda: impl(comm, x, op="sum"))
     chunk = -(-n // p)
     bound = 2 * (p - 1) * chunk * 4

@@ -5,7 +5,7 @@ import numpy as np
 
 from minitrain.testing import rank_input
 
-from ..grading import Mismatch
+from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "ring reduce-scatter: each rank ends with its chunk of the sum"
@@ -34,6 +34,9 @@ Contract:
 
 The test to pass: the library's collective checks at p = 1, 2, 3, 4 (every length above, five
 dtypes, four ops, bit for bit), then the traffic: p-1 messages, at most (p-1)·ceil(N/p) elements.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check ring_reduce_scatter mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check ring_reduce_scatter mine.py
 Stuck?     python -m minitrain.exercises hint ring_reduce_scatter
@@ -65,7 +68,7 @@ HINTS = (
 def _exact(comm, impl):
     p, r = comm.size, comm.rank
     for n, dtype, op in cases(p):
-        x = rank_input(r, n, dtype)
+        x = to_learner(rank_input(r, n, dtype))
         before = x.copy()
         check_reduction(comm, impl(comm, x, op=op), x, before, n, dtype, op, "ring_reduce_scatter",
                         keep=lambda full: np.array_split(full.reshape(-1), p)[r])
@@ -73,7 +76,7 @@ def _exact(comm, impl):
 
 def _traffic(comm, impl):
     p, n = comm.size, 1201
-    x = np.ones(n, np.float32)
+    x = to_learner(np.ones(n, np.float32))
     sent, messages = traffic(comm, lambda: impl(comm, x, op="sum"))
     chunk = -(-n // p)
     bound = (p - 1) * chunk * 4

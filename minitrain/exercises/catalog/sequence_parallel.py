@@ -42,6 +42,9 @@ The test to pass: that MLP at t = 1, 2, 3, 4 against the unsplit MLP in float64 
 the output and of dL/dX, and dL/dA_r, dL/dB_r, to 1e-12), and the traffic of one all-gather plus
 one reduce-scatter each way (the bytes of the all-reduce they replace, not more).
 
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check sequence_parallel mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
+
 Check it:  python -m minitrain.exercises check sequence_parallel mine.py
 Stuck?     python -m minitrain.exercises hint sequence_parallel
 """

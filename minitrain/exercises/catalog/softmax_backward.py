@@ -2,7 +2,7 @@
 PyTorch, along the last axis, along axis 0 and along the middle axis of a 3-D input."""
 import numpy as np
 
-from ..grading import Check, Mismatch
+from ..grading import Check, Mismatch, to_learner
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of softmax, from its output"
@@ -23,6 +23,9 @@ Write softmax_backward(out, grad, axis=-1): grad is dL/dout for some scalar loss
 The test to pass: central differences in float64 (minitrain.testing.numerical_grad), minitrain's
 own Softmax and PyTorch's when torch is installed; along the last axis, along axis 0, and along
 the middle axis of a 3-D input.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check softmax_backward mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check softmax_backward mine.py
 Stuck?     python -m minitrain.exercises hint softmax_backward
@@ -58,7 +61,7 @@ def _case(shape, axis, seed=0):
 
 
 def _learner(impl, out, grad, axis, case):
-    (gx,) = unpack(impl(out.copy(), grad.copy(), axis=axis), 1, f"softmax_backward ({case})")
+    (gx,) = unpack(impl(to_learner(out), to_learner(grad), axis=axis), 1, f"softmax_backward ({case})")
     if gx.shape != out.shape:
         raise Mismatch(f"{case}: dL/dx has shape {gx.shape}, expected {out.shape}")
     return gx
@@ -102,11 +105,12 @@ def checks():
 
 def reference():
     import minitrain as mt
+    from minitrain.backend import array_module
     from minitrain.nn import functional as F
 
     def softmax_backward(out, grad, axis=-1):
         # minitrain's Softmax saves its output; rebuilding x = log(out) gives the same softmax
-        t = mt.Tensor(np.log(out), requires_grad=True)
+        t = mt.Tensor(array_module(out).log(out), requires_grad=True)
         F.softmax(t, axis=axis).backward(grad)
         return t.grad
     return softmax_backward

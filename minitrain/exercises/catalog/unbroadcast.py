@@ -3,7 +3,7 @@ mixed broadcast axes and a scalar, and the gradient of a broadcasting a + b * c 
 differences through it."""
 import numpy as np
 
-from ..grading import Check, Mismatch, as_array
+from ..grading import Check, Mismatch, as_array, host, to_learner
 from ..oracles import expect_grad, numerical
 
 TITLE = "gradient reduction over broadcast axes (unbroadcast)"
@@ -26,6 +26,9 @@ The test to pass: minitrain's own unbroadcast, exactly, on
     axes stretched from size 1           (4, 3) -> (4, 1)    (4, 3) -> (1, 3)
     both at once, and a scalar           (5, 2, 4, 3) -> (2, 1, 3)    (2, 3) -> ()
 then the gradient of a + b * c with broadcasting operands by central differences.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check unbroadcast mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check unbroadcast mine.py
 Stuck?     python -m minitrain.exercises hint unbroadcast
@@ -59,9 +62,9 @@ def _cases(impl, cases):
     for big, small in cases:
         grad = rng.integers(-9, 10, big).astype(np.float64)
         case = f"unbroadcast(grad of shape {big}, {small})"
-        value = impl(grad.copy(), small)
-        got = as_array(np.asarray(value) if isinstance(value, (float, int, np.generic)) else value, case)
-        want = np.asarray(library(grad, small))
+        value = impl(to_learner(grad), small)
+        got = np.asarray(value) if isinstance(value, (float, int, np.generic)) else as_array(value, case)
+        want = host(library(grad, small))
         if got.shape != want.shape:
             note = " (keep the size-1 axes: keepdims=True)" if got.ndim < want.ndim and 1 in small else ""
             raise Mismatch(f"{case}: shape {got.shape}, expected {want.shape}{note}")
@@ -76,8 +79,8 @@ def _central(impl):
     def loss():
         return float((g * (a + b * c)).sum())
     for name, array, local in (("a (2, 3, 4)", a, g), ("b (3, 1)", b, g * c), ("c (4,)", c, g * b)):
-        got = impl(local.copy(), array.shape)
-        expect_grad(np.asarray(got), numerical(loss, array),
+        got = impl(to_learner(local), array.shape)
+        expect_grad(got, numerical(loss, array),
                     f"gradient of a + b * c with respect to {name}, through unbroadcast, vs central differences")
 
 

@@ -4,7 +4,7 @@ of the full logits (minitrain's F.cross_entropy, float64, 1e-12) at t = 1..4, wi
 per row, never the logits (gathering them fails)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..grading import Check, Mismatch, compare, to_learner
 from ..harness import run_ranks
 
 TITLE = "vocabulary-parallel cross-entropy (never gather the logits)"
@@ -35,6 +35,9 @@ Communicate with minitrain.comm.ring_all_reduce(comm, array, op="sum" or "max").
 The test to pass: at t = 1, 2, 3, 4 the loss and the gradient equal minitrain's cross-entropy of
 the full logits (float64, 1e-12), also with logits of size 1000, and minitrain's own
 VocabParallelCrossEntropy; and the traffic stays below one rank's logits.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check vocab_parallel_cross_entropy mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check vocab_parallel_cross_entropy mine.py
 Stuck?     python -m minitrain.exercises hint vocab_parallel_cross_entropy
@@ -74,7 +77,7 @@ def _full(logits, targets):
     import minitrain as mt
     from minitrain.nn import functional as F
     z = mt.Tensor(logits, requires_grad=True)
-    loss = F.cross_entropy(z, targets)
+    loss = F.cross_entropy(z, to_learner(targets))
     loss.backward()
     return float(loss.data), z.grad
 
@@ -83,9 +86,9 @@ def _rank(comm, impl, scale):
     logits, targets = _data(scale)
     w = V // comm.size
     start = comm.rank * w
-    mine = logits[:, start:start + w].copy()
+    mine = to_learner(logits[:, start:start + w])
     sent0 = comm.stats.bytes_sent
-    value = impl(comm, mine, targets.copy(), start)
+    value = impl(comm, mine, to_learner(targets), start)
     sent = comm.stats.bytes_sent - sent0
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise Mismatch(f"rank {comm.rank}: returned {type(value).__name__}, expected (loss, grad_logits)")

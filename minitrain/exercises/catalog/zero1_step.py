@@ -5,7 +5,7 @@ the optimizer state must be this rank's padded shard only, and the traffic one r
 one all-gather (an all-reduce of the gradient on top fails)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..grading import Check, Mismatch, compare, host, to_learner
 from ..harness import run_ranks
 
 TITLE = "ZeRO-1's sharded optimizer step (reduce-scatter, step a shard, all-gather)"
@@ -42,6 +42,9 @@ The test to pass: three steps at p = 1, 2, 3, 4 for N = 1, 3, 13, 50: the parame
 equal one process stepping SGD on the averaged gradient, and minitrain's ZeroRedundancyOptimizer
 (stage 1), to 1e-12; state["momentum"] is this rank's shard; the traffic is one reduce-scatter
 and one all-gather, (p-1)·S elements each.
+
+On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check zero1_step mine.py
+hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
 
 Check it:  python -m minitrain.exercises check zero1_step mine.py
 Stuck?     python -m minitrain.exercises hint zero1_step
@@ -84,17 +87,17 @@ def _one_process(n, p):
     q = mt.nn.Parameter(_start(n).copy())
     opt = SGD([q], lr=LR, momentum=MOMENTUM)
     for g in _grads(n, p):
-        q.grad = g.mean(axis=0)
+        q.grad = to_learner(g.mean(axis=0))
         opt.step()
     return q.data.copy()
 
 
 def _rank(comm, impl, n):
-    params, state = _start(n).copy(), {}
+    params, state = to_learner(_start(n)), {}
     grads = _grads(n, comm.size)
     sent0 = comm.stats.bytes_sent
     for step in range(STEPS):
-        out = impl(comm, params, grads[step, comm.rank].copy(), state, lr=LR, momentum=MOMENTUM)
+        out = impl(comm, params, to_learner(grads[step, comm.rank]), state, lr=LR, momentum=MOMENTUM)
         if out is not None and out is not params:
             raise Mismatch(f"rank {comm.rank}: zero1_step returned {type(out).__name__}: update params in place "
                            "(the caller keeps using the same array)")
@@ -109,7 +112,7 @@ def _library_rank(comm, n):
     zero = ZeroRedundancyOptimizer([q], SGD, comm, stage=1, lr=LR, momentum=MOMENTUM)
     for g in _grads(n, comm.size):
         zero.zero_grad()
-        q.grad[...] = g[comm.rank]
+        q.grad[...] = to_learner(g[comm.rank])
         zero.step()
     return q.data.copy()
 
@@ -128,7 +131,7 @@ def _check(impl, p, part):
                                   chunks=p if n >= p else None)
                 if problem:
                     owner = ""
-                    wrong = np.flatnonzero(~np.isclose(params, want, rtol=1e-10, atol=1e-12))
+                    wrong = np.flatnonzero(~np.isclose(host(params), host(want), rtol=1e-10, atol=1e-12))
                     if wrong.size:
                         owners = sorted({int(i // s) for i in wrong})
                         owner = f". Wrong elements lie in the shard(s) of rank(s) {owners} (S = {s})"
@@ -137,11 +140,11 @@ def _check(impl, p, part):
                 m = state.get("momentum") if isinstance(state, dict) else None
                 if m is None:
                     raise Mismatch(f"{where}: state has no 'momentum' (keys: {sorted(state)})")
-                m = np.asarray(m)
+                m = host(m)
                 if m.shape != (s,):
                     raise Mismatch(f"{where}: state['momentum'] has shape {m.shape}; ZeRO-1 keeps only this rank's "
                                    f"shard, S = ceil(N/p) = {s} elements (padding included)")
-                sizes = {k: np.asarray(v).size for k, v in state.items() if hasattr(v, "size")}
+                sizes = {k: v.size for k, v in state.items() if hasattr(v, "size")}
                 big = {k: v for k, v in sizes.items() if v > s}
                 if big:
                     raise Mismatch(f"{where}: state keeps {big}: more than this rank's shard of {s} elements")
@@ -167,12 +170,14 @@ def checks():
 
 
 def reference():
+    from minitrain.backend import array_module
     from minitrain.comm import ring_all_gather, ring_reduce_scatter
 
     def zero1_step(comm, params, grad, state, lr=0.1, momentum=0.9):
+        xp = array_module(params)           # NumPy on the CPU, CuPy on the GPU
         p, r, n = comm.size, comm.rank, params.size
         s = -(-n // p)
-        padded_grad = np.zeros(s * p, grad.dtype)
+        padded_grad = xp.zeros(s * p, grad.dtype)
         padded_grad[:n] = grad
         shard_grad = ring_reduce_scatter(comm, padded_grad, op="mean")
         if "momentum" not in state:
@@ -180,7 +185,7 @@ def reference():
         else:
             state["momentum"] *= momentum
             state["momentum"] += shard_grad
-        padded = np.zeros(s * p, params.dtype)
+        padded = xp.zeros(s * p, params.dtype)
         padded[:n] = params
         padded[r * s:(r + 1) * s] -= lr * state["momentum"]
         params[...] = ring_all_gather(comm, padded[r * s:(r + 1) * s].copy(), total=s * p)[:n]

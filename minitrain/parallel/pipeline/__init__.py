@@ -1,7 +1,10 @@
-"""Pipeline parallelism: schedules as data (schedules.py), executed by the runtime (runtime.py)."""
-from .schedules import (Action, NAMES, ScheduleError, check_schedule, format_schedule, formula_bubble_fraction,
-                        get_schedule, simulate)
-from .runtime import PipelineParallel, balanced_split_points
+"""Pipeline parallelism: schedules as data (schedules.py), executed by the runtime (runtime.py),
+cut by counted cost (partition.py), measured against the formula (measure.py), drawn (timeline.py)."""
+from .schedules import (Action, NAMES, SPLIT_BACKWARD, ScheduleError, check_schedule, format_schedule,
+                        formula_bubble_fraction, get_schedule, placement, simulate, splits_backward)
+from .partition import balanced_split_points, implied_bubble
+from .runtime import PipelineParallel
 
-__all__ = ["Action", "NAMES", "ScheduleError", "check_schedule", "format_schedule", "formula_bubble_fraction",
-           "get_schedule", "simulate", "PipelineParallel", "balanced_split_points"]
+__all__ = ["Action", "NAMES", "SPLIT_BACKWARD", "ScheduleError", "check_schedule", "format_schedule",
+           "formula_bubble_fraction", "get_schedule", "placement", "simulate", "splits_backward",
+           "PipelineParallel", "balanced_split_points", "implied_bubble"]

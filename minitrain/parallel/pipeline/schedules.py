@@ -1,37 +1,42 @@
 """Pipeline schedules as pure data, a checker, and a simulator.
 
 A schedule is, for each stage (rank) s of a pipeline of p stages, the ordered list of what that
-stage computes: ``Action("F", microbatch, chunk)`` (forward) and ``Action("B", microbatch, chunk)``
-(backward). The model is cut into p·v *virtual stages*; chunk c on stage s is virtual stage
-c·p + s (Narayanan et al. 2021's interleaving; v = 1 otherwise). The communication is implied and
-spelled out on each action: a forward receives its input from virtual stage k-1 and sends its
-output to k+1; a backward receives the output's gradient from k+1 and sends the input's gradient
-to k-1 (``recv_from`` / ``send_to``, as stage indices, None at the ends).
+stage computes: Action("F", microbatch, chunk) (forward), Action("B", ...) (backward) and,
+in zero-bubble schedules, Action("W", ...): there B computes only the input gradient and W the
+weight gradient (Qi et al. 2024); elsewhere B is the whole backward. The model is cut into p·v
+*virtual stages*; chunk c of stage s is virtual stage c·p + s (Narayanan et al. 2021's loop), or,
+in the V-shaped zbv, s for chunk 0 and 2p-1-s for chunk 1 (Action.virtual says so). The
+communication is spelled out on each action: recv_from / send_to (stage indices, None at
+the ends or for W, which neither receives nor sends).
 
-* ``naive``: one micro-batch at a time through the whole pipeline (model parallelism without
-  pipelining); bubble (p-1)/p.
-* ``gpipe`` (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
-* ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
-  one backward alternating, then the remaining backwards; same bubble as GPipe, min(p-s, m) in flight.
-* ``interleaved_1f1b`` (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
-* ``pipedream_2bw`` (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"):
-  1F1B with no flush between batches, ``steps`` batches back to back; each action carries the batch
-  (``step``) its micro-batch belongs to. Its weights are double-buffered (see runtime.py).
+* naive: one micro-batch at a time through the whole pipeline; bubble (p-1)/p.
+* gpipe (Huang et al. 2019): all m forwards, then all m backwards; m micro-batches in flight.
+* 1f1b (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward /
+  one backward alternating, then the remaining backwards; GPipe's bubble, min(p-s, m) in flight.
+* interleaved_1f1b (Narayanan et al. 2021, Megatron-LM): v chunks per stage, bubble cut by v.
+* zb_h1 (Qi et al. 2024, sec. 2.1): 1F1B with B split from W; stage s runs W(i) after B(i+s),
+  so every stage keeps p micro-batches in flight (1F1B's peak, on stage 0) and the late Ws fill the
+  drain: idle (p-1)(F+B-W) per stage instead of 1F1B's (p-1)(F+B+W), a third when F = B = W.
+* zbv (Qi et al. 2024, sec. 6): two chunks per stage in a V (rank 0 holds the first and the
+  last virtual stage); 1F1B's peak memory, less idle still.
+* pipedream_2bw (Narayanan et al. 2021): 1F1B with no flush between steps batches.
 
-With unit costs (forward f, backward b per chunk) GPipe, 1F1B and interleaved take
-(v·m + p - 1)(f + b): the bubble fraction is (p-1)/(v·m + p - 1).
+With costs f, b per chunk GPipe, 1F1B and interleaved take (v·m + p - 1)(f + b): the bubble
+fraction is (p-1)/(v·m + p - 1).
 """
 from dataclasses import dataclass
+from numbers import Number
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str                 # "F" forward, "B" backward
+    kind: str                 # "F" forward, "B" backward (input gradient when W is split off), "W"
     microbatch: int
     chunk: int = 0
     recv_from: int = None     # stage index the input (F) or the gradient (B) comes from
     send_to: int = None       # stage index the output (F) or the input gradient (B) goes to
     step: int = 0             # pipedream_2bw: the batch this micro-batch belongs to
+    virtual: int = None       # the virtual stage; None: chunk·p + stage (the interleaved loop)
 
     def __str__(self):
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
@@ -41,13 +46,27 @@ class ScheduleError(ValueError):
     """A schedule that would deadlock, or breaks happens-before."""
 
 
-def _with_comm(kind, mb, chunk, stage, p, v, step=0):
-    virtual = chunk * p + stage
-    prev_stage = (virtual - 1) % p if virtual > 0 else None
-    next_stage = (virtual + 1) % p if virtual < p * v - 1 else None
+def virtual_stage(action, stage, p):
+    """The virtual stage (model part) an action of stage computes."""
+    return action.chunk * p + stage if action.virtual is None else action.virtual
+
+
+def _rank_of(virtual, p, v_shape):
+    if v_shape:
+        return virtual if virtual < p else 2 * p - 1 - virtual
+    return virtual % p
+
+
+def _with_comm(kind, mb, chunk, stage, p, v, step=0, v_shape=False):
+    virtual = (stage if chunk == 0 else 2 * p - 1 - stage) if v_shape else chunk * p + stage
+    prev_stage = _rank_of(virtual - 1, p, v_shape) if virtual > 0 else None
+    next_stage = _rank_of(virtual + 1, p, v_shape) if virtual < p * v - 1 else None
+    tag = virtual if v_shape else None
     if kind == "F":
-        return Action("F", mb, chunk, prev_stage, next_stage, step)
-    return Action("B", mb, chunk, next_stage, prev_stage, step)
+        return Action("F", mb, chunk, prev_stage, next_stage, step, tag)
+    if kind == "B":
+        return Action("B", mb, chunk, next_stage, prev_stage, step, tag)
+    return Action("W", mb, chunk, None, None, step, tag)
 
 
 def naive(p, m):
@@ -63,7 +82,7 @@ def gpipe(p, m):
 
 
 def _warmup_steady_cooldown(fwd, bwd, warmup):
-    """``warmup`` forwards, then one forward / one backward alternating, then the last backwards."""
+    """warmup forwards, then one forward / one backward alternating, then the last backwards."""
     actions = fwd[:warmup]
     for i in range(len(fwd) - warmup):
         actions += [fwd[warmup + i], bwd[i]]
@@ -71,7 +90,7 @@ def _warmup_steady_cooldown(fwd, bwd, warmup):
 
 
 def one_f_one_b(p, m, steps=1):
-    """PipeDream-Flush: warm up with p-s-1 forwards, alternate, drain. ``steps`` > 1 chains
+    """PipeDream-Flush: warm up with p-s-1 forwards, alternate, drain. steps > 1 chains
     batches without a flush (that is PipeDream-2BW's timing)."""
     total = m * steps
     schedule = []
@@ -108,56 +127,152 @@ def interleaved_1f1b(p, m, v):
     return schedule
 
 
-NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "pipedream_2bw")
+def zb_h1(p, m):
+    """ZB-H1: 1F1B's forwards and (input-gradient) backwards; stage s computes W(i) right after
+    B(i + s), and the Ws still owed at the end fill the drain."""
+    schedule = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        actions = [_with_comm("F", i, 0, s, p, 1) for i in range(warmup)]
+        weights_done = 0
+        for i in range(m):
+            if warmup + i < m:
+                actions.append(_with_comm("F", warmup + i, 0, s, p, 1))
+            actions.append(_with_comm("B", i, 0, s, p, 1))
+            if i >= s:
+                actions.append(_with_comm("W", weights_done, 0, s, p, 1))
+                weights_done += 1
+        schedule.append(actions + [_with_comm("W", i, 0, s, p, 1) for i in range(weights_done, m)])
+    return schedule
 
 
-def get_schedule(name, num_stages, num_microbatches, chunks=1, steps=1):
-    """Per stage, the ordered list of Actions. ``chunks`` only for interleaved_1f1b; ``steps``
-    (batches chained without a flush) only for pipedream_2bw."""
+def zbv(p, m):
+    """ZB-V (the paper's Figure 8 pattern, as torch.distributed.pipelining's ScheduleZBVZeroBubble
+    writes it): chunk 0 goes down the ranks, chunk 1 back up. Built for max(m, 2p-1) micro-batches,
+    then the ones beyond m are dropped (the order of the rest stays valid)."""
+    n = max(m, 2 * p - 1)
+    return [_zbv_stage(s, p, m, n) for s in range(p)]
+
+
+def _zbv_stage(s, p, m, n):
+    actions, count = [], {}
+
+    def add(kinds, chunk):
+        for kind in kinds:
+            i = count.get((kind, chunk), 0)
+            count[kind, chunk] = i + 1
+            if i < m:
+                actions.append(_with_comm(kind, i, chunk, s, p, 2, v_shape=True))
+
+    def counted(kind, chunk):
+        return count.get((kind, chunk), 0)
+
+    add("F" * (2 * (p - s) - 1), 0)                # warm-up: chunk 0 fills the V's left arm
+    for _ in range(s):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(p - s):                         # the V's bottom: chunk 1 turns back at once
+        add("FBW", 1)
+    while counted("F", 1) < counted("F", 0) or counted("F", 0) < n:    # steady: F B W on both chunks
+        if counted("F", 0) < n:
+            add("F", 0)
+        add("BW", 0)
+        add("FBW", 1)
+    for _ in range(s):                             # drain: Bs first, the Ws fill what is left
+        add("B", 0)
+        add("B", 1)
+    for _ in range(p - s):
+        add("BW", 0)
+    add("W" * (counted("B", 1) - counted("W", 1)), 1)
+    add("W" * (counted("B", 0) - counted("W", 0)), 0)
+    return actions
+
+
+NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "pipedream_2bw")
+SPLIT_BACKWARD = ("zb_h1", "zbv")             # schedules with W actions
+
+
+def default_chunks(name, chunks=None):
+    """Model chunks per stage: chunks for interleaved_1f1b (default 1), 2 for zbv, else 1."""
+    if name == "zbv":
+        if chunks not in (None, 2):
+            raise ValueError(f"zbv is a V of exactly 2 chunks per stage, got chunks={chunks}")
+        return 2
+    if chunks not in (None, 1) and name != "interleaved_1f1b":
+        raise ValueError(f"chunks={chunks} needs the interleaved_1f1b schedule, not {name!r}")
+    return 1 if chunks is None else chunks
+
+
+def get_schedule(name, num_stages, num_microbatches, chunks=None, steps=1):
+    """Per stage, the ordered list of Actions. chunks only for interleaved_1f1b (zbv has 2);
+    steps (batches chained without a flush) only for pipedream_2bw."""
     p, m = num_stages, num_microbatches
     if p < 1 or m < 1:
         raise ValueError(f"a pipeline needs >= 1 stage and >= 1 micro-batch, got {p} and {m}")
-    if chunks != 1 and name != "interleaved_1f1b":
-        raise ValueError(f"chunks={chunks} needs the interleaved_1f1b schedule, not {name!r}")
-    if name == "naive":
-        return naive(p, m)
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved_1f1b":
-        return interleaved_1f1b(p, m, chunks)
-    if name == "pipedream_2bw":
-        return one_f_one_b(p, m, steps)
-    raise ValueError(f"unknown schedule {name!r}: expected one of {NAMES}")
+    v = default_chunks(name, chunks)
+    makers = {"naive": lambda: naive(p, m), "gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
+              "interleaved_1f1b": lambda: interleaved_1f1b(p, m, v), "zb_h1": lambda: zb_h1(p, m),
+              "zbv": lambda: zbv(p, m), "pipedream_2bw": lambda: one_f_one_b(p, m, steps)}
+    if name not in makers:
+        raise ValueError(f"unknown schedule {name!r}: expected one of {NAMES}")
+    return makers[name]()
 
 
 def num_chunks(schedule):
     return 1 + max(a.chunk for actions in schedule for a in actions)
 
 
-def _dependencies(action, stage, p, v):
+def splits_backward(schedule):
+    """True when backward is split into B (input gradient) and W (weight gradient) actions."""
+    return any(a.kind == "W" for actions in schedule for a in actions)
+
+
+def placement(schedule):
+    """For each virtual stage, the (stage, chunk) that computes it, read off the actions."""
+    p = len(schedule)
+    where = {}
+    for s, actions in enumerate(schedule):
+        for a in actions:
+            where[virtual_stage(a, s, p)] = (s, a.chunk)
+    return [where[k] for k in sorted(where)]
+
+
+def _dependencies(action, virtual, last):
     """(kind, step, microbatch, virtual stage) units this action waits for."""
-    virtual = action.chunk * p + stage
     key = (action.step, action.microbatch)
     if action.kind == "F":
         return [("F", *key, virtual - 1)] if virtual > 0 else []
+    if action.kind == "W":
+        return [("B", *key, virtual)]
     deps = [("F", *key, virtual)]
-    if virtual < p * v - 1:
+    if virtual < last:
         deps.append(("B", *key, virtual + 1))
     return deps
 
 
-def simulate(schedule, forward_cost=1.0, backward_cost=2.0):
-    """Run the schedule on an idealised machine (free communication; each stage runs its actions
-    in order, each as soon as its inputs exist). Returns a dict: ``timeline`` (per stage, a list of
-    (action, start, end)), ``total_time``, ``bubble_fraction`` (idle share of p x total time),
-    ``bubble_per_stage`` and ``peak_activations`` (per stage, micro-batch chunks whose forward is
-    done and backward is not). Raises ScheduleError if the schedule deadlocks or breaks
-    happens-before (a backward before its forward, a unit computed twice or never)."""
+def _cost(cost, virtual):
+    return cost if isinstance(cost, Number) else cost[virtual]
+
+
+def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0):
+    """Run the schedule on an idealised machine: free communication, each stage runs its actions
+    in order, each as soon as its inputs exist. Costs are per action of one chunk: a number, or a
+    sequence indexed by virtual stage (unequal stages). backward_cost is B, the input-gradient
+    part; weight_cost is W; a schedule that does not split them runs B + W as one backward
+    (with the default W = 0, backward_cost is the whole backward). Pure: returns a dict
+
+    * timeline: per stage, a list of (action, start, end);
+    * total_time: when the last action ends (every stage starts at 0);
+    * bubble_fraction: idle share of p x total time; bubble_per_stage: 1 - busy / total;
+    * idle_per_stage: total - busy, in the costs' unit;
+    * peak_activations: per stage, the most micro-batch chunks whose forward has run and whose
+      last backward piece (W where it is split off, else B) has not: what is held in memory.
+
+    Raises ScheduleError if the schedule deadlocks or breaks happens-before."""
     p = len(schedule)
-    v = num_chunks(schedule)
     check_complete(schedule)
+    last = len(placement(schedule)) - 1
+    split = splits_backward(schedule)
     done = {}                       # (kind, step, mb, virtual) -> end time
     position = [0] * p
     clock = [0.0] * p
@@ -169,16 +284,25 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0):
         for s in range(p):
             while position[s] < len(schedule[s]):
                 action = schedule[s][position[s]]
-                deps = _dependencies(action, s, p, v)
+                virtual = virtual_stage(action, s, p)
+                deps = _dependencies(action, virtual, last)
                 if any(d not in done for d in deps):
                     break
-                cost = forward_cost if action.kind == "F" else backward_cost
+                if action.kind == "F":
+                    cost = _cost(forward_cost, virtual)
+                elif action.kind == "W":
+                    cost = _cost(weight_cost, virtual)
+                else:
+                    cost = _cost(backward_cost, virtual) + (0.0 if split else _cost(weight_cost, virtual))
                 start = max([clock[s]] + [done[d] for d in deps])
                 end = start + cost
-                done[(action.kind, action.step, action.microbatch, action.chunk * p + s)] = end
+                done[(action.kind, action.step, action.microbatch, virtual)] = end
                 timeline[s].append((action, start, end))
                 clock[s] = end
-                in_flight[s] += 1 if action.kind == "F" else -1
+                if action.kind == "F":
+                    in_flight[s] += 1
+                elif action.kind == ("W" if split else "B"):
+                    in_flight[s] -= 1
                 peak[s] = max(peak[s], in_flight[s])
                 position[s] += 1
                 remaining -= 1
@@ -191,28 +315,35 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0):
     busy = [sum(e - b for _, b, e in timeline[s]) for s in range(p)]
     return {"timeline": timeline, "total_time": total,
             "bubble_fraction": 1 - sum(busy) / (p * total) if total else 0.0,
-            "bubble_per_stage": [1 - b / total for b in busy], "peak_activations": peak}
+            "bubble_per_stage": [1 - b / total if total else 0.0 for b in busy],
+            "idle_per_stage": [total - b for b in busy], "peak_activations": peak}
 
 
 def check_complete(schedule):
-    """Every (micro-batch, chunk) is computed forward and backward exactly once on its stage, and
-    each backward comes after its forward in that stage's list."""
+    """Every (micro-batch, chunk) is computed forward and backward exactly once on its stage (and
+    W too, on every stage, if any stage splits it off), B after its F and W after its B."""
     v = num_chunks(schedule)
+    kinds = "FBW" if splits_backward(schedule) else "FB"
+    before = {"B": "F", "W": "B"}
     for s, actions in enumerate(schedule):
         seen = {}
         for i, a in enumerate(actions):
             key = (a.kind, a.step, a.microbatch, a.chunk)
+            if a.kind not in "FBW":
+                raise ScheduleError(f"stage {s}: unknown action kind {a.kind!r} (action #{i})")
             if key in seen:
                 raise ScheduleError(f"stage {s} computes {a} twice (actions #{seen[key]} and #{i})")
             seen[key] = i
-            if a.kind == "B" and ("F", a.step, a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"stage {s}: {a} (action #{i}) comes before its forward")
+            if a.kind in before and (before[a.kind], a.step, a.microbatch, a.chunk) not in seen:
+                raise ScheduleError(f"stage {s}: {a} (action #{i}) comes before its "
+                                    f"{'forward' if a.kind == 'B' else 'input-gradient backward B'}")
         units = {(step, mb) for (_, step, mb, _) in seen}
         for step, mb in units:
             for c in range(v):
-                for kind in "FB":
+                for kind in kinds:
                     if (kind, step, mb, c) not in seen:
-                        raise ScheduleError(f"stage {s} never computes {kind}{mb}.{c} (step {step})")
+                        raise ScheduleError(f"stage {s} never computes {kind}{mb}.{c} (step {step})"
+                                            + (" (the schedule splits W from B elsewhere)" if kind == "W" else ""))
     counts = {len({(a.step, a.microbatch) for a in actions}) for actions in schedule}
     if len(counts) > 1:
         raise ScheduleError(f"stages disagree on the number of micro-batches: {sorted(counts)}")
@@ -221,17 +352,23 @@ def check_complete(schedule):
 
 def check_schedule(schedule):
     """Prove the schedule deadlock-free and causally sound by running it (raises ScheduleError)."""
-    simulate(schedule)
+    simulate(schedule, 1.0, 1.0, 1.0)
     return True
 
 
-def formula_bubble_fraction(name, p, m, v=1):
-    """The literature's bubble: (p-1)/p for naive, (p-1)/(v·m + p - 1) for the pipelined ones."""
+def formula_bubble_fraction(name, p, m, v=1, forward_cost=1.0, backward_cost=1.0, weight_cost=1.0):
+    """The literature's bubble: (p-1)/p for naive, (p-1)/(v·m + p - 1) for GPipe, 1F1B and
+    interleaved (any costs); for zb_h1 and zbv, which have no closed form at every m and cost, the
+    simulator's bubble at the given F, B, W (unit costs by default: ZB-H1 is then
+    (p-1)/(3m + p - 1) for m >= p, idle (p-1)(F+B-W) per stage)."""
     if name == "naive":
         return (p - 1) / p
+    if name in SPLIT_BACKWARD:
+        schedule = get_schedule(name, p, m)
+        return simulate(schedule, forward_cost, backward_cost, weight_cost)["bubble_fraction"]
     return (p - 1) / (v * m + p - 1)
 
 
 def format_schedule(schedule):
-    """The schedule as text, one row per stage (what ``print`` of a schedule should look like)."""
+    """The schedule as text, one row per stage (what print of a schedule should look like)."""
     return "\n".join(f"stage {s}: " + " ".join(str(a) for a in actions) for s, actions in enumerate(schedule))

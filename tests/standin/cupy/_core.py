@@ -8,6 +8,7 @@ _routines_indexing.pyx at v14.2.0); what CuPy copies or synchronises silently is
 import numpy as np
 
 from . import _standin as S
+from ._ipc import shared_array, shared_empty
 from ._ufunc import _MISSING, SCALAR_TYPES, UFUNCS, _binary, _inplace
 
 
@@ -37,7 +38,7 @@ def np_owner(a):
 def new(a, device=None, owner=None):
     """Wrap the NumPy array ``a`` (fresh memory unless ``owner``, the array whose memory it views)."""
     obj = ndarray.__new__(ndarray)
-    obj._a = a
+    obj._a = a if owner is not None else shared_array(a)
     obj._dev = S.current_device() if device is None else device
     obj._owner = owner
     if owner is None:
@@ -152,7 +153,7 @@ class ndarray:
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         if memptr is None:
-            a = np.empty(shape, dtype, order=order)
+            a = shared_empty(shape, dtype, order=order)
             self._a, self._dev, self._owner = a, S.current_device(), None
             S.allocated(self._dev)
         else:                                   # a view of existing device memory (CuPy: base is None)

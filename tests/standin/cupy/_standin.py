@@ -12,6 +12,10 @@ Configuration (environment, read at import):
                                            anyone (mpi4py reads it; a non-CUDA-aware MPI crashes)
   CUPY_STANDIN_REPORT=PREFIX               at exit each process writes PREFIX.<pid>.json: its
                                            launcher rank, the devices it used, its counters
+  CUPY_STANDIN_IPC=1                       CUDA IPC works (_ipc.py): device memory lives in shared
+                                           memory that other processes on the machine map through
+                                           ipcGetMemHandle / ipcOpenMemHandle (peer access on);
+                                           otherwise every IPC call fails with cudaErrorNotSupported
 """
 import atexit
 import collections
@@ -23,14 +27,16 @@ DEVICE_COUNT = int(os.environ.get("CUPY_STANDIN_DEVICES", "4"))
 IMPLICIT = os.environ.get("CUPY_STANDIN_IMPLICIT", "count")
 FORBID_DEVICE_POINTERS = os.environ.get("CUPY_STANDIN_FORBID_DEVICE_POINTERS", "0") == "1"
 REPORT = os.environ.get("CUPY_STANDIN_REPORT")
+IPC = os.environ.get("CUPY_STANDIN_IPC", "0") == "1"
 
 #: h2d / d2h: explicit copies (asarray of host data, set, get, asnumpy, item, float(), repr...);
 #: h2d_implicit: conversions CuPy makes without being asked; sync: the host waited for the device
 #: (synchronize() of a stream, event or device, and every blocking device-to-host copy);
 #: kernels: kernel launches (a fused function is one); fused: calls of cupy.fuse functions;
-#: device_pointers: reads of __cuda_array_interface__; pinned_bytes: pinned host memory allocated
+#: device_pointers: reads of __cuda_array_interface__; pinned_bytes: pinned host memory allocated;
+#: ipc_opens: ipcOpenMemHandle calls that succeeded (a transport should open a peer's buffer once)
 COUNTERS = ("h2d", "h2d_bytes", "h2d_implicit", "d2h", "d2h_bytes", "sync", "kernels", "fused",
-            "device_pointers", "pinned_bytes")
+            "device_pointers", "pinned_bytes", "ipc_opens")
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -78,6 +84,15 @@ def kernel(name):
 def allocated(device):
     with _lock:
         _devices_used.add(device)
+
+
+def allocation_range(ptr):
+    """(base, size, id) of the device allocation holding ``ptr``: what the CUDA driver's
+    cuPointerGetAttributes answers, which CuPy does not wrap (code that needs it asks the driver
+    through ctypes on a GPU, and this function under the stand-in). None: not an exportable
+    allocation (without CUPY_STANDIN_IPC=1, none is)."""
+    from . import _ipc
+    return _ipc.allocation_range(int(ptr))
 
 
 def implicit(what, nbytes):

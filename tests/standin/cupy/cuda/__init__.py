@@ -2,13 +2,15 @@
 device memory pointers and pinned host memory. Work runs eagerly on the host, so a stream is
 bookkeeping, ``synchronize()`` is counted, and an event records the host clock (so
 ``get_elapsed_time`` measures the work between two records, as it would on a device).
-There is no ``cupy.cuda.nccl`` here: importing it fails, as on a machine without NCCL.
+``cupy.cuda.nccl`` (nccl.py) is what CuPy has on a machine without NCCL (``available`` False) unless
+CUPY_STANDIN_NCCL=1 makes it NCCL for ranks that are threads of this process.
 """
 import contextlib
 import ctypes
 import threading
 import time
 
+import numpy as np
 
 from .. import _standin as S
 from . import curand, runtime  # noqa: F401  (cupy.cuda.runtime, cupy.cuda.curand)
@@ -133,9 +135,13 @@ def get_current_stream(device_id=None):
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.disable_timing = disable_timing
+        if interprocess and not disable_timing:          # CuPy 14.2, cupy/cuda/stream.pyx
+            raise ValueError("Timing must be disabled for interprocess events")
+        self.disable_timing, self.interprocess = disable_timing, interprocess
         self.ptr = id(self)
         self._time = None
+        from .. import _ipc
+        _ipc.register_event(self)
 
     def record(self, stream=None):
         self._time = time.perf_counter()
@@ -164,6 +170,18 @@ class Memory:
         self.buffer, self.device_id = buffer, device_id
         self.ptr = buffer.__array_interface__["data"][0]
         self.size = buffer.nbytes
+
+
+class UnownedMemory(Memory):
+    """Device memory CuPy does not own, e.g. a peer's buffer opened with ipcOpenMemHandle:
+    ``size`` bytes at ``ptr``, kept alive by ``owner``; ``device_id`` -1 asks the pointer's device."""
+
+    def __init__(self, ptr, size, owner, device_id=-1):
+        if ptr == 0 and device_id < 0:
+            raise RuntimeError("UnownedMemory requires explicit device ID for a null pointer.")
+        buffer = np.ctypeslib.as_array((ctypes.c_uint8 * max(int(size), 1)).from_address(int(ptr)))[:int(size)]
+        super().__init__(buffer, S.current_device() if device_id < 0 else int(device_id))
+        self.ptr, self._owner = int(ptr), owner
 
 
 class MemoryPointer:

@@ -1,23 +1,7 @@
-"""Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", sec. 3, Figures 3-4) and sequence
-parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", sec. 4.2), on minitrain's GPT.
-
-The MLP Y = GeLU(X A) B: split A by **columns** (each of t ranks computes GeLU(X A_r), no
-communication: GeLU is elementwise) and B by **rows** (each computes GeLU(X A_r) B_r, a partial sum;
-one all-reduce adds them). Attention splits the same way by heads: Q, K, V columns per head group,
-the output projection by rows. Two conjugate operators carry the communication:
-
-* ``f``: identity in forward, all-reduce in backward (before a column-parallel layer: each rank's
-  input gradient is partial);
-* ``g``: all-reduce in forward, identity in backward (after a row-parallel layer).
-
-So a transformer layer costs 2 all-reduces in forward and 2 in backward (Megatron's count).
-
-Sequence parallelism: between the tensor-parallel regions, LayerNorm and dropout work on a 1/t
-slice of the sequence instead of the whole replicated activation. ``f`` becomes an all-gather along
-the sequence (backward: reduce-scatter) and ``g`` a reduce-scatter (backward: all-gather): the same
-bytes as the all-reduce it replaces (an all-reduce *is* a reduce-scatter plus an all-gather), and
-the replicated activations shrink by t.
+"""The GPT, tensor-parallel (Shoeybi et al. 2019, sec. 3, Figures 3-4; with sequence parallelism,
+Korthikanti et al. 2022, sec. 4.2): every weight matrix sharded over the tp ranks, the GPT's own
+attention, MLP and block with the parallel layers put in. A layer costs 2 all-reduces forward and
+2 backward (Megatron's count), or with SP 2 reduce-scatters and 2 all-gathers of the same bytes.
 
 Saved activations per transformer layer and rank, for this implementation (s = sequence, b = batch,
 h = hidden, a = heads, t = tp; in elements; Korthikanti et al.'s Table 2 counts the same way for
@@ -40,18 +24,18 @@ by t. tests/test_tensor_parallel.py measures both at t = 1, 2, 4.
 Dropout keeps the sharded model the same function as the unsharded one: where an activation is
 replicated (between the regions, without SP) every rank draws the same mask, as one process would;
 where it is split (attention probabilities by heads; with SP, the residual stream by sequence) each
-rank draws the mask of the *whole* tensor from the shared generator and keeps its slice
-(``ParallelDropout``, through autograd's Dropout op). Megatron instead forks a per-rank random
+rank draws the mask of the whole tensor from the shared generator and keeps its slice
+(ParallelDropout, through autograd's Dropout op). Megatron instead forks a per-rank random
 stream for the split regions (its RNG tracker): no extra random numbers, but masks no single
 process would draw, so it cannot be checked against one. Here the split regions cost t times the random numbers and stay exact.
-Recomputation (``GPTConfig.recompute``: "selective" the attention core, "full" each block) replays
+Recomputation (GPTConfig.recompute: "selective" the attention core, "full" each block) replays
 those draws, and in "full" the forward's collectives too.
 
-The attention, the MLP and the block are the GPT's own modules (their ``forward`` inherited) with
+The attention, the MLP and the block are the GPT's own modules (their forward inherited) with
 the parallel linears and dropouts put in, so what differs from one process is only the layers.
 
 The embedding is vocab-parallel (each rank a slice of the rows; out-of-slice tokens give zeros,
-then ``g``), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
+then g), and the LM head's logits stay split by vocabulary: the vocab-parallel cross-entropy
 all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and never gathers the
 (B, T, V) logits. The vocabulary is padded to a multiple of t (padded logits are -inf).
 """
@@ -59,278 +43,18 @@ import math
 
 import numpy as np
 
-from .. import backend
-from .. import random
-from ..autograd import Function, Tensor, ops
-from ..autograd.engine import queue_callback
-from ..backend import array_module
-from ..comm import broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from ..nn import Embedding, LayerNorm, Module, ModuleList, Parameter
-from ..nn import functional as F
-from ..nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
+from ... import backend
+from ...autograd import Tensor
+from ...autograd.engine import queue_callback
+from ...backend import array_module
+from ...comm import broadcast, ring_all_gather, ring_all_reduce
+from ...nn import Embedding, LayerNorm, Module, ModuleList
+from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
+from .comms import GatherFromTensorParallelRegion
+from .layers import (ColumnParallelLinear, ParallelDropout, RowParallelLinear, VocabParallelCrossEntropy,
+                     VocabParallelEmbedding, divide, positions)
 
 
-# ---------------------------------------------------------------- the conjugate operators
-class CopyToTensorParallelRegion(Function):
-    """Megatron's f: identity forward, all-reduce (sum) of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return ring_all_reduce(ctx.comm, g), None
-
-
-class ReduceFromTensorParallelRegion(Function):
-    """Megatron's g: all-reduce (sum) forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        return ring_all_reduce(comm, x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _gather_along(comm, x, axis):
-    """Concatenate every rank's x along ``axis`` (equal shards)."""
-    xp = array_module(x)
-    front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-    full = ring_all_gather(comm, front.reshape(-1), total=front.size * comm.size)
-    full = full.reshape((front.shape[0] * comm.size,) + front.shape[1:])
-    return xp.ascontiguousarray(xp.moveaxis(full, 0, axis))
-
-
-def _reduce_scatter_along(comm, x, axis):
-    """Sum over ranks, each rank keeping its 1/t slice along ``axis``."""
-    xp = array_module(x)
-    if x.shape[axis] % comm.size:
-        raise ValueError(f"[rank {comm.rank}] sequence parallelism: length {x.shape[axis]} along axis {axis} "
-                         f"is not divisible by the {comm.size} tensor-parallel ranks")
-    front = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-    mine = ring_reduce_scatter(comm, front.reshape(-1))
-    mine = mine.reshape((front.shape[0] // comm.size,) + front.shape[1:])
-    return xp.ascontiguousarray(xp.moveaxis(mine, 0, axis))
-
-
-class GatherFromSequenceParallelRegion(Function):
-    """Sequence parallelism's f: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm, axis=1):
-        ctx.comm, ctx.axis = comm, axis
-        return _gather_along(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_along(ctx.comm, g, ctx.axis), None
-
-
-class ReduceScatterToSequenceParallelRegion(Function):
-    """Sequence parallelism's g: reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm, axis=1):
-        ctx.comm, ctx.axis = comm, axis
-        return _reduce_scatter_along(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_along(ctx.comm, g, ctx.axis), None
-
-
-class GatherFromTensorParallelRegion(Function):
-    """All-gather along the last axis forward, keep this rank's slice backward (gather_output)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm, ctx.width = comm, x.shape[-1]
-        return _gather_along(comm, x, x.ndim - 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        r, w = ctx.comm.rank, ctx.width
-        return array_module(g).ascontiguousarray(g[..., r * w:(r + 1) * w]), None
-
-
-class AllGatherLinear(Function):
-    """Sequence parallelism's f fused with the column-parallel matmul: all-gather the sequence
-    shards, multiply, and keep only the **shard** for backward; backward all-gathers it again
-    (Korthikanti et al. 2022 sec. 4.2.2: one extra all-gather instead of t times the memory)
-    and reduce-scatters the input gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        full = _gather_along(comm, x, 1)
-        ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        out = ops.matmul_rows(full, weight.T)
-        if bias is not None:
-            out += bias
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        full = _gather_along(ctx.comm, x, 1)                  # the re-gather
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.T @ full.reshape(-1, full.shape[-1])
-        gb = g2.sum(axis=0) if ctx.has_bias else None
-        gx = _reduce_scatter_along(ctx.comm, ops.matmul_rows(g, weight), 1)
-        return gx, gw, gb, None
-
-
-def f(x, comm, sequence_parallel=False):
-    return GatherFromSequenceParallelRegion.apply(x, comm) if sequence_parallel \
-        else CopyToTensorParallelRegion.apply(x, comm)
-
-
-def g(x, comm, sequence_parallel=False):
-    return ReduceScatterToSequenceParallelRegion.apply(x, comm) if sequence_parallel \
-        else ReduceFromTensorParallelRegion.apply(x, comm)
-
-
-class ParallelDropout(Module):
-    """nn.Dropout for an activation split across ``comm`` along ``axis`` (rank r holding the r-th of
-    t equal blocks), or replicated on every rank (``axis=None``: plain dropout, same mask on all)."""
-
-    def __init__(self, p, comm, axis=None):
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p, self.comm, self.axis = p, comm, axis
-
-    def forward(self, x):
-        if not self.training or self.p == 0.0 or self.axis is None or self.comm.size == 1:
-            return F.dropout(x, self.p, self.training)
-        full_shape = list(x.shape)
-        full_shape[self.axis] *= self.comm.size
-        n = x.shape[self.axis]
-        index = [slice(None)] * x.ndim
-        index[self.axis] = slice(self.comm.rank * n, (self.comm.rank + 1) * n)
-        return ops.Dropout.apply(x, self.p, full_shape=tuple(full_shape), index=tuple(index))
-
-
-def positions(T, comm, sequence_parallel, xp):
-    """The positions of this rank's tokens: all T, or with sequence parallelism its T/t slice."""
-    if not sequence_parallel:
-        return xp.arange(T)
-    local = _divide(T, comm.size, "the sequence length (sequence parallelism)")
-    return xp.arange(comm.rank * local, (comm.rank + 1) * local)
-
-
-def _divide(n, t, what):
-    if n % t:
-        raise ValueError(f"tensor parallelism: {what} = {n} is not divisible by tp = {t}")
-    return n // t
-
-
-# ---------------------------------------------------------------- layers
-class ColumnParallelLinear(Module):
-    """Y = X A with A (in, out) split by columns: rank r holds weight rows [r·out/t, (r+1)·out/t)
-    (weights are (out, in), as nn.Linear). Input replicated (f before it), output split along the
-    last axis unless ``gather_output``."""
-
-    def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, sequence_parallel=False):
-        super().__init__()
-        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local = _divide(out_features, comm.size, "out_features")
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = Parameter(random.uniform(-bound, bound, (local, in_features)))
-        self.bias = Parameter(random.uniform(-bound, bound, (local,))) if bias else None
-
-    def forward(self, x):
-        if self.sequence_parallel:            # x is a sequence shard: gather, multiply, save the shard only
-            y = AllGatherLinear.apply(x, self.weight, self.bias, self.comm)
-        else:
-            y = F.linear(f(x, self.comm), self.weight, self.bias)
-        return GatherFromTensorParallelRegion.apply(y, self.comm) if self.gather_output else y
-
-
-class RowParallelLinear(Module):
-    """Y = X B with B (in, out) split by rows: rank r holds weight columns [r·in/t, (r+1)·in/t).
-    Input split along its last axis (``input_is_parallel``), partial products summed by g, then the
-    (replicated) bias added once."""
-
-    def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, sequence_parallel=False):
-        super().__init__()
-        if not input_is_parallel:
-            raise ValueError("RowParallelLinear here takes its input already split (input_is_parallel=True), "
-                             "as it always is after a ColumnParallelLinear")
-        self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local = _divide(in_features, comm.size, "in_features")
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = Parameter(random.uniform(-bound, bound, (out_features, local)))
-        self.bias = Parameter(random.uniform(-bound, bound, (out_features,))) if bias else None
-
-    def forward(self, x):
-        y = g(F.linear(x, self.weight), self.comm, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
-
-
-class VocabParallelEmbedding(Module):
-    """Rank r holds rows [r·V/t, (r+1)·V/t); tokens outside give zero rows; g sums the ranks."""
-
-    def __init__(self, num_embeddings, embedding_dim, comm, sequence_parallel=False):
-        super().__init__()
-        self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.num_embeddings = num_embeddings
-        local = _divide(num_embeddings, comm.size, "the (padded) vocabulary")
-        self.start = comm.rank * local
-        self.weight = Parameter(random.randn(local, embedding_dim))
-
-    def forward(self, idx):
-        xp = array_module(idx)
-        local = idx - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(xp.where(outside, 0, local), self.weight)
-        rows = rows.masked_fill(outside[..., None], 0.0)
-        return g(rows, self.comm, self.sequence_parallel)
-
-
-class VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy from logits split by vocabulary (B, T, V/t), without gathering them:
-    loss = log Σ_v exp(z_v - M) + M - z_target, with M, the sum and z_target each all-reduced."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, comm, start, vocab_size):
-        xp = array_module(logits)
-        local_v = logits.shape[-1]
-        z = logits.reshape(-1, local_v).astype(logits.dtype, copy=True)
-        z[:, max(0, vocab_size - start):] = -np.inf            # the padding is not a token
-        t = targets.reshape(-1)
-        local_max = z.max(axis=1)
-        m = ring_all_reduce(comm, xp.ascontiguousarray(local_max), op="max")
-        e = xp.exp(z - m[:, None])
-        total = ring_all_reduce(comm, e.sum(axis=1))
-        mine = (t >= start) & (t < start + local_v)
-        rows = xp.arange(t.shape[0])
-        target_logit = xp.where(mine, z[rows, xp.where(mine, t - start, 0)], 0.0).astype(z.dtype, copy=False)
-        target_logit = ring_all_reduce(comm, xp.ascontiguousarray(target_logit))
-        loss = xp.log(total) + m - target_logit
-        ctx.save_for_backward(e / total[:, None], t)
-        ctx.start, ctx.shape, ctx.mine = start, logits.shape, mine
-        return xp.asarray(loss.mean(), dtype=logits.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, t = ctx.saved_tensors
-        xp = array_module(softmax)
-        n = t.shape[0]
-        d = softmax.copy()
-        # -1 at each target this rank holds (0 elsewhere: no boolean mask, which would synchronise on a GPU)
-        d[xp.arange(n), xp.where(ctx.mine, t - ctx.start, 0)] -= ctx.mine.astype(d.dtype)
-        d *= grad / n
-        return d.reshape(ctx.shape), None
-
-
-# ---------------------------------------------------------------- the GPT, tensor-parallel
 class ParallelAttention(CausalSelfAttention):
     """The GPT's causal self-attention on this rank's n_head/t heads: c_attn column-parallel (its Q,
     K and V columns of those heads), c_proj row-parallel. ``forward`` and ``core`` are the GPT's own
@@ -339,7 +63,7 @@ class ParallelAttention(CausalSelfAttention):
 
     def __init__(self, config, comm, sequence_parallel):
         Module.__init__(self)
-        self.n_head = _divide(config.n_head, comm.size, "n_head")
+        self.n_head = divide(config.n_head, comm.size, "n_head")
         self.head_dim = config.n_embd // config.n_head
         self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, comm, config.bias,
                                            sequence_parallel=sequence_parallel)
@@ -486,6 +210,9 @@ class TensorParallelGPT(Module):
     def loss(self, logits, targets):
         """Mean cross-entropy of the vocab-split logits (never gathered)."""
         targets = targets.data if isinstance(targets, Tensor) else targets
+        if tuple(targets.shape) != tuple(logits.shape[:-1]) or targets.dtype.kind not in "iu":
+            raise ValueError(f"vocab-parallel cross_entropy: logits {tuple(logits.shape)} need integer targets of "
+                             f"shape {tuple(logits.shape[:-1])}, got {targets.dtype} {tuple(targets.shape)}")
         if backend.is_device_array(logits.data) and not backend.is_device_array(targets):
             targets = backend.to_device(targets)           # targets from the host: one counted copy
         return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)

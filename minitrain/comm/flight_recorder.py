@@ -1,0 +1,391 @@
+"""The flight recorder: each rank keeps its last collectives, and a stalled wait compares them.
+
+As PyTorch's NCCL flight recorder: every collective (and every point-to-point call made outside a
+collective) leaves a record: communicator, sequence number, name, shape, dtype, bytes, start time,
+state (queued / running / done / failed) and, once a wait lasts, the ranks it waits for. Each rank
+keeps the last capacity records in a ring (a deque: O(1) per call, ~2 us). When a wait passes
+the stall threshold (comm_timeout), the waiting rank collects every member's records out of band
+(ThreadWorld: directly; MPI: the watchdog thread of each rank answers on a duplicated communicator)
+and analyze names the verdict: a rank at another call or sequence number, or one that has left,
+ends the job at once; a rank still computing is named in a warning and the wait goes on to the hard
+timeout. format_report writes the *flight recorder report* a user sees.
+"""
+import os
+import socket
+import threading
+import time
+from collections import deque
+
+STATES = ("queued", "running", "done", "failed")
+
+
+class Record:
+    """One call: a collective (``seq`` >= 0) or a point-to-point send / recv (``tag``, ``peer``)."""
+
+    __slots__ = ("comm", "seq", "name", "shape", "dtype", "nbytes", "op", "extra", "peer", "tag",
+                 "start", "end", "state", "waiting_for", "wait_since")
+
+    def __init__(self, comm, seq, name, shape, dtype, nbytes, op, extra, peer, tag, state):
+        self.comm, self.seq, self.name = comm, seq, name
+        self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+        self.op, self.extra, self.peer, self.tag = op, extra, peer, tag
+        self.start, self.end, self.state = time.monotonic(), None, state
+        self.waiting_for, self.wait_since = None, None
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class FlightRecorder:
+    """One per rank (shared by every communicator of that rank). ``mirror``: the death watch's
+    shared-memory slot, told about each call so that a rank killed by SIGKILL can still be named."""
+
+    #: False only to measure what recording costs (scripts/bench_checks.py): the record is made (the
+    #: header check reads it) but not kept, mirrored or tracked
+    recording = True
+
+    def __init__(self, rank, capacity=64):
+        self.rank, self.capacity = rank, capacity
+        self.records = deque(maxlen=capacity)
+        self.active = {}                     # id(record) -> record, until it is done
+        self.next_seq = {}                   # communicator uid -> collectives started on it
+        self.status, self.detail = "running", ""
+        self.mirror = None
+        self.finished_peers = {}             # world rank -> its snapshot at exit (MPI: sent at exit)
+        self.abort_notice = None             # (rank, reason) once some rank announced it aborts
+        self.pid, self.host = os.getpid(), socket.gethostname()
+        self._lock = threading.Lock()
+
+    # ---- the hot path: two calls per collective
+    def open(self, comm, seq, name, shape=None, dtype=None, nbytes=0, op=None, extra=None, peer=None,
+             tag=None, state="running"):
+        record = Record(comm, seq, name, shape, dtype, nbytes, op, extra, peer, tag, state)
+        if not self.recording:
+            return record
+        self.records.append(record)
+        self.active[id(record)] = record
+        if seq >= 0 and (self.next_seq.get(comm, 0) <= seq):
+            self.next_seq[comm] = seq + 1
+        if self.mirror is not None and state == "running":
+            self.mirror.begin(comm, seq, name)
+        return record
+
+    def run(self, record):
+        """A queued (asynchronous) collective starts on the progress thread."""
+        if not self.recording:
+            return
+        record.state, record.start = "running", time.monotonic()
+        if self.mirror is not None:
+            self.mirror.begin(record.comm, record.seq, record.name)
+
+    def close(self, record, state="done"):
+        if not self.recording:
+            return
+        record.state, record.end = state, time.monotonic()
+        self.active.pop(id(record), None)
+        if self.mirror is not None:
+            self.mirror.end(state == "done")
+
+    def set_status(self, status, detail=""):
+        """running | finished (left the script) | aborting (reported its own error) | failed."""
+        self.status, self.detail = status, detail
+        if self.mirror is not None:
+            self.mirror.set_status(status)
+
+    # ---- reading
+    def snapshot(self):
+        """A plain, picklable copy: what another rank (or the report) gets."""
+        with self._lock:
+            records = self.records.copy()        # deque.copy holds the GIL: consistent
+            active = list(self.active.values())
+        seen = {id(r) for r in records}
+        older = [r for r in active if id(r) not in seen]      # still running, pushed out of the ring
+        return {"rank": self.rank, "pid": self.pid, "host": self.host, "status": self.status,
+                "detail": self.detail, "now": time.monotonic(), "next_seq": dict(self.next_seq),
+                "records": [r.as_dict() for r in older + list(records)]}
+
+    def format(self, last=8):
+        """This rank's last calls, one line each (newest last)."""
+        snap = self.snapshot()
+        return "\n".join(describe_record(r, snap["now"]) for r in snap["records"][-last:]) or "(no calls yet)"
+
+
+# ---------------------------------------------------------------- describing records
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def call_name(r):
+    if r["seq"] >= 0:
+        return f"{r['name']} #{r['seq']}"
+    return f"{r['name']} {'to' if r['name'] == 'send' else 'from'} rank {r['peer']} (tag {r['tag']})"
+
+
+def signature(r):
+    parts = []
+    if r["shape"] is not None:
+        parts.append(f"shape={tuple(r['shape'])}")
+    if r["dtype"] is not None:
+        parts.append(str(r["dtype"]))
+    if r["nbytes"] is not None:
+        parts.append(fmt_bytes(r["nbytes"]))
+    if r["op"] is not None:
+        parts.append(f"op={r['op']}")
+    if r["extra"] is not None:
+        parts.append(f"{'root' if r['name'] in ('broadcast', 'reduce', 'naive_all_reduce') else 'total'}={r['extra']}")
+    return " ".join(parts)
+
+
+def describe_record(r, now):
+    where = f"{call_name(r)} on {r['comm']}" if r["comm"] != "world" else call_name(r)
+    if r["state"] in ("done", "failed"):
+        return f"{where} {signature(r)}: {r['state']} {now - r['end']:.2f} s ago (took {r['end'] - r['start']:.3f} s)"
+    if r["state"] == "queued":
+        return f"{where} {signature(r)}: queued {now - r['start']:.2f} s ago (asynchronous, not started)"
+    text = f"{where} {signature(r)}: running for {now - r['start']:.2f} s"
+    if r["waiting_for"]:
+        text += f", waiting {now - r['wait_since']:.2f} s for rank(s) {list(r['waiting_for'])}"
+    return text
+
+
+def _describe_rank(snap, comm, now_note=""):
+    """What one rank is doing, in one line."""
+    if snap is None:
+        return "no answer from its flight recorder (dead, or stuck outside Python holding the GIL)"
+    now = snap["now"]
+    active = [r for r in snap["records"] if r["state"] in ("running", "queued")]
+    if snap["status"] == "finished":
+        last = [r for r in snap["records"] if r["comm"] == comm]
+        return (f"has left the script{' (' + snap['detail'] + ')' if snap['detail'] else ''}; "
+                f"last call on {comm}: {call_name(last[-1]) if last else 'none'}")
+    if snap["status"] in ("aborting", "failed"):
+        return f"has failed: {snap['detail']}"
+    if active:
+        return "in " + "; and in ".join(describe_record(r, now) for r in active)
+    done = [r for r in snap["records"] if r["end"] is not None]
+    if not done:
+        return "computing (no call recorded yet)"
+    last = max(done, key=lambda r: r["end"])
+    return f"computing: no call in progress; its last call, {call_name(last)} on {last['comm']}, ended {now - last['end']:.2f} s ago"
+
+
+# ---------------------------------------------------------------- the verdict
+class Verdict:
+    """``kind``: mismatch | finished | deadlock (end the job now) or slow | arrived | unknown
+    (warn, wait to the hard timeout); ``culprits``: the ranks to blame; ``text``: one sentence."""
+
+    FATAL = ("mismatch", "finished", "deadlock")
+
+    def __init__(self, kind, culprits, text):
+        self.kind, self.culprits, self.text = kind, sorted(culprits), text
+
+    @property
+    def fatal(self):
+        return self.kind in self.FATAL
+
+
+def record_at(snap, comm, seq):
+    """The record of collective #seq on ``comm`` in a snapshot, or None."""
+    for r in reversed(snap["records"]):
+        if r["comm"] == comm and r["seq"] == seq:
+            return r
+    return None
+
+
+def analyze(asker, call, members, snapshots):
+    """``asker``: the waiting rank (world); ``call``: its stalled record (dict); ``members``: world
+    ranks of its communicator (a p2p call: the two ranks); ``snapshots``: world rank -> snapshot or None."""
+    comm = call["comm"]
+    if call["seq"] < 0:
+        return _analyze_p2p(asker, call, snapshots)
+    at_seq, behind, gone, silent = {}, [], [], []
+    for m in members:
+        snap = snapshots.get(m)
+        if snap is None:
+            silent.append(m)
+            continue
+        if snap["status"] in ("finished", "aborting", "failed"):
+            gone.append(m)
+            continue
+        r = record_at(snap, comm, call["seq"])
+        if r is not None:
+            at_seq[m] = r
+        elif snap["next_seq"].get(comm, 0) > call["seq"]:
+            at_seq[m] = None                      # past this call, its record pushed out of the ring
+        else:
+            behind.append(m)
+    where = f"{call['name']} #{call['seq']}" + ("" if comm == "world" else f" on {comm}")
+    if gone:
+        what = {m: snapshots[m]["status"] for m in gone}
+        left = [m for m in gone if what[m] == "finished"]
+        return Verdict("finished", gone, f"rank(s) {gone} {'have left the script' if left else 'have failed'} and "
+                       f"will never call {where}, which rank(s) {sorted(set(members) - set(gone))} wait in")
+    verdict = group_calls(comm, call["seq"], at_seq)
+    if verdict is not None:
+        return verdict
+    cycle = _wait_cycle(call, snapshots)
+    if cycle:
+        return _deadlock(cycle, snapshots)
+    if behind or silent:
+        ends = _chain_ends(behind, snapshots)
+        text = (f"rank(s) {behind} have not reached {where}" if behind else "")
+        if ends and ends != behind:
+            text += f" (they wait, in turn, for rank(s) {ends})"
+        if silent:
+            text += ("; " if text else "") + f"rank(s) {silent} did not answer"
+        return Verdict("slow", sorted(set(ends or behind) | set(silent)), text)
+    return Verdict("arrived", [], f"every rank is in {where} with the same arguments: the transfer itself is slow or stuck")
+
+
+def group_calls(comm, seq, at_seq):
+    """``at_seq``: world rank -> its record of collective #seq (None: it is past it). A Verdict
+    naming the ranks in the minority when they differ (both sides when tied), else None."""
+    groups = {}
+    for m, r in at_seq.items():
+        key = None if r is None else (r["name"], r["shape"], r["dtype"], r["op"], r["extra"])
+        groups.setdefault(key, []).append(m)
+    if len(groups) < 2:
+        return None
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    tied = sizes[0] == sizes[1]
+    majority = max(groups.values(), key=lambda g: (len(g), -min(g)))
+    culprits = [m for g in groups.values() if tied or g is not majority for m in g]
+    parts = []
+    for ranks in sorted(groups.values()):
+        r = at_seq[ranks[0]]
+        parts.append(f"rank(s) {sorted(ranks)} called " + (f"{r['name']} #{seq} {signature(r)}" if r else f"past #{seq}"))
+    return Verdict("mismatch", culprits, f"collective #{seq} on {comm} differs across ranks: " + "; ".join(parts))
+
+
+def _waits(snap):
+    """World ranks this rank waits for, with the calls it waits in."""
+    out = []
+    if snap is None:
+        return out
+    for r in snap["records"]:
+        if r["state"] == "running" and r["waiting_for"]:
+            out.append((r, list(r["waiting_for"])))
+    return out
+
+
+def _wait_cycle(call, snapshots):
+    """A cycle of ranks each waiting for the next, through at least two different calls."""
+    start = next((m for m, s in snapshots.items() if s is not None and any(r["comm"] == call["comm"] and r["seq"] == call["seq"]
+                                                                         for r, _ in _waits(s))), None)
+    if start is None:
+        return None
+    path, calls, seen = [start], [], {start}
+    node = start
+    while True:
+        waits = _waits(snapshots.get(node))
+        if not waits:
+            return None
+        record, peers = waits[0]
+        calls.append(record)
+        nxt = peers[0]
+        if nxt in seen:
+            loop = path[path.index(nxt):]
+            loop_calls = calls[path.index(nxt):]
+            kinds = {(r["comm"], r["seq"], r["name"], r["tag"]) for r in loop_calls}
+            return sorted(loop) if len(kinds) > 1 else None
+        if nxt not in snapshots:
+            return None
+        path.append(nxt)
+        seen.add(nxt)
+        node = nxt
+
+
+def _deadlock(cycle, snapshots):
+    """A wait cycle; if one of its receives waits for a message its peer sent with another dtype or
+    size (the tags keep them apart: neither ever completes), that is the cause to name."""
+    for m in cycle:
+        for r, _ in _waits(snapshots.get(m)):
+            if r["seq"] < 0 and r["name"] == "recv":
+                verdict = _p2p_mismatch(m, r, snapshots.get(r["peer"]))
+                if verdict is not None:
+                    return verdict
+    return Verdict("deadlock", cycle, f"rank(s) {cycle} wait for each other in different calls (a deadlock)")
+
+
+def _chain_ends(ranks, snapshots):
+    """Follow who waits for whom from ``ranks``; return the ranks at the ends (computing / silent)."""
+    ends, frontier, seen = set(), list(ranks), set(ranks)
+    while frontier:
+        m = frontier.pop()
+        waits = _waits(snapshots.get(m))
+        if not waits:
+            ends.add(m)
+            continue
+        for _, peers in waits:
+            for q in peers:
+                if q not in seen and q in snapshots:
+                    seen.add(q)
+                    frontier.append(q)
+    return sorted(ends)
+
+
+def _analyze_p2p(me_rank, call, snapshots):
+    peer = call["peer"]
+    snap = snapshots.get(peer)
+    if snap is None:
+        return Verdict("slow", [peer], f"rank {peer} did not answer")
+    if snap["status"] in ("finished", "aborting", "failed"):
+        return Verdict("finished", [peer], f"rank {peer} has {'left the script' if snap['status'] == 'finished' else 'failed'}"
+                       f" and will never answer {call_name(call)}")
+    want = "recv" if call["name"] == "send" else "send"
+    verdict = _p2p_mismatch(me_rank, call, snap)
+    if verdict is not None:
+        return verdict
+    for r in reversed(snap["records"]):
+        if r["seq"] < 0 and r["name"] == want and r["tag"] == call["tag"] and r["peer"] == me_rank:
+            if r["state"] == "running":
+                return Verdict("arrived", [], f"rank {peer} has posted the matching {want}: the transfer is slow")
+    cycle = _wait_cycle(call, snapshots)
+    if cycle:
+        return _deadlock(cycle, snapshots)
+    ends = _chain_ends([peer], snapshots)
+    return Verdict("slow", ends, f"rank {peer} has not posted the matching {want}" +
+                   (f" (it waits, in turn, for rank(s) {ends})" if ends != [peer] else ""))
+
+
+def _p2p_mismatch(me_rank, call, peer_snap):
+    """A Verdict if the peer's latest matching call (its send for our recv, or the reverse) with
+    this tag has another dtype or size, else None."""
+    if peer_snap is None:
+        return None
+    want = "recv" if call["name"] == "send" else "send"
+    for r in reversed(peer_snap["records"]):
+        if r["seq"] < 0 and r["name"] == want and r["tag"] == call["tag"] and r["peer"] == me_rank:
+            if r["dtype"] == call["dtype"] and r["nbytes"] == call["nbytes"]:
+                return None
+            return Verdict("mismatch", [call["peer"], me_rank],
+                           f"rank {me_rank} {call['name']}s {call['dtype']} {fmt_bytes(call['nbytes'])} ({call['nbytes']} "
+                           f"bytes) with tag {call['tag']}, rank {call['peer']} {want}s {r['dtype']} "
+                           f"{fmt_bytes(r['nbytes'])} ({r['nbytes']} bytes) with that tag")
+    return None
+
+
+def format_report(asker, call, members, snapshots, verdict, waited, hard_timeout=None):
+    """The flight recorder report: who waits where, what every rank is doing, and the verdict."""
+    head = (f"flight recorder report (rank {asker}): {call_name(call)}"
+            + (f" on {call['comm']}" if call["comm"] != "world" else "") + f" has waited {waited:.1f} s")
+    lines = [head]
+    for m in sorted(set(members) | set(verdict.culprits)):
+        mark = "   <-- " + ("differs" if verdict.kind == "mismatch" else "here") if m in verdict.culprits else ""
+        lines.append(f"  rank {m}: {_describe_rank(snapshots.get(m), call['comm'])}{mark}")
+    if verdict.fatal:
+        lines.append(f"verdict: {verdict.text}. Ending the job.")
+    elif hard_timeout is None:
+        lines.append(f"verdict: {verdict.text}. Ending the job (hard timeout).")
+    else:
+        lines.append(f"verdict: {verdict.text}. Still waiting, up to the hard timeout ({hard_timeout:g} s).")
+    culprit_history = [m for m in verdict.culprits if snapshots.get(m)]
+    for m in culprit_history[:2]:
+        recent = [r for r in snapshots[m]["records"] if r["comm"] == call["comm"]][-4:]
+        if recent:
+            lines.append(f"  rank {m}'s last calls on {call['comm']}: " + ", ".join(
+                f"{call_name(r)} {r['state']}" for r in recent))
+    return "\n".join(lines)

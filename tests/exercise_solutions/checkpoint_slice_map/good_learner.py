@@ -1,0 +1,16 @@
+"""A learner's slice map: one overlap per axis, counted from the piece's origin and from the box's."""
+
+
+def slice_map(pieces, offsets, sizes):
+    reads = []
+    for piece in pieces:
+        src, dst = [], []
+        for po, ps, o, s in zip(piece["offsets"], piece["sizes"], offsets, sizes):
+            lo, hi = max(po, o), min(po + ps, o + s)
+            if lo >= hi:
+                break
+            src.append(slice(lo - po, hi - po))
+            dst.append(slice(lo - o, hi - o))
+        else:
+            reads.append((piece["file"], piece["key"], tuple(src), tuple(dst)))
+    return reads
