@@ -1,12 +1,12 @@
 """What one op of a step costs, beyond its matmuls: seconds per call plus seconds per element.
 
-``plan calibrate`` measures each op on the library's own code (``Function.forward`` / ``backward`` of
+plan calibrate measures each op on the library's own code (Function.forward / backward of
 autograd/ops.py, the optimizers, the engine's gradient sums), at two sizes, and fits t = a + b·n: every
 temporary array, broadcast operand and short row an op makes is in its figure, which counting passes over
 memory missed by 2x (a LayerNorm's forward makes 7 passes, 4 of them against a broadcast operand at 2.5x
-the cost of a plain one). A machine known only from its datasheet (``machines/a100-80gb.json``) has no
-such table: each op is then its ``PASSES`` over memory at the datasheet's bandwidth, one kernel launch each.
-An op is charged by the elements named beside it in ``PASSES`` (its output's, unless said otherwise).
+the cost of a plain one). A machine known only from its datasheet (machines/a100-80gb.json) has no
+such table: each op is then its PASSES over memory at the datasheet's bandwidth, one kernel launch each.
+An op is charged by the elements named beside it in PASSES (its output's, unless said otherwise).
 """
 import math
 import time

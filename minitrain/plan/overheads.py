@@ -1,4 +1,4 @@
-"""The Python a step pays beyond its arithmetic, measured as the library's own code runs (``plan calibrate``
+"""The Python a step pays beyond its arithmetic, measured as the library's own code runs (plan calibrate
 stores it; time.py charges it): per graph node and per parameter given its first gradient (a tiny GPT and a
 tiny MLP, their ops' costs subtracted); in a real 2-rank job, what DDP adds per step and per gradient byte,
 FSDP per unit and a pipeline runtime per action (their collectives on the progress thread beside the step,

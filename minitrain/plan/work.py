@@ -1,7 +1,7 @@
 """What a step does on one rank, counted: the matmuls, the ops (plan/ops.py), the graph nodes and the
 parameters whose gradient is set, layer by layer, as the library's code runs them (time.py turns it into
 seconds). The counts follow the code line by line; the jobs report the nodes they record per step and
-``plan validate`` compares them with ``recorded_nodes`` here.
+plan validate compares them with recorded_nodes here.
 
 A transformer block on b rows of s tokens, width h, a heads, t tensor-parallel ranks: E = b·s·h values,
 E/t in the tensor-parallel regions, E/r in the replicated ones (r = t with sequence parallelism, else 1),
