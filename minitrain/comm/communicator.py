@@ -17,7 +17,8 @@ many bytes arrived (MPI: the status's count); everything above is shared and wri
   A wait longer than comm_timeout (the stall threshold, default 10 s) asks every rank's flight
   recorder what it is doing (flight_recorder.py, reports.py): a rank at another call ends the job at
   once, a slow one is named in a warning; a wait longer than timeout (default 3 x comm_timeout)
-  raises CollectiveTimeout with the same report;
+  raises CollectiveTimeout with the same report. The CPU time a thread spends polling is counted
+  (waiting_cpu_seconds): the jobs' step timer leaves it out of a step's own work;
 * collective bookkeeping: each collective takes the next sequence number, which (with a few bits of
   its name) becomes its message tag, so asynchronous and blocking collectives never exchange each
   other's messages; with check_collectives (on by default) every collective first compares its

@@ -1,9 +1,12 @@
 """What the example jobs share: where this process sits in an mpirun launch, the options every job
-takes (--comm-timeout), argument parsing that speaks once for N ranks, and the report.
+takes (--comm-timeout), argument parsing that speaks once for N ranks, the step timer, and the
+report (memory table, the planner's prediction beside what was measured, JSON).
 
 The launch is read from the MPI launcher's environment (MPICH's PMI_RANK/PMI_SIZE, Open MPI's
 OMPI_COMM_WORLD_*), so no MPI is initialised for a 1-process job and a bad option is reported by
-rank 0 alone before MPI starts.
+rank 0 alone before MPI starts. StepTimer times each step by the wall clock and by its own thread's
+CPU time outside its waits for peers, in units of a fixed anchor workload (plan/overheads.py), which
+is what plan/validate.py compares with the planner on a shared machine.
 """
 import argparse
 import json
@@ -208,7 +211,7 @@ class JobArgumentParser(argparse.ArgumentParser):
 
 
 def add_job_options(parser):
-    """The options every example takes (colleagues: add yours beside these)."""
+    """The options every example takes (each job adds its own after these)."""
     parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
                         help="stall threshold: a wait this long makes the ranks compare their flight records "
                              "(a rank at another call ends the job at once); any wait ends the job at 3x this")
