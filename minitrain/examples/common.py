@@ -85,9 +85,10 @@ class StepTimer:
     the rest of the thread's CPU time, the step's own work ("busy"), they only slow through the caches and the
     memory bus. So on the CPU the timer also runs the planner's anchor (a fixed workload: plan.overheads.anchor)
     after each of the first 20 steps and every 10th after, and reports each such step's busy time over its
-    anchor's: the step in anchors, which the load moves little (both slow down together). Their lower quartile
-    (``step_busy_per_anchor``) is compared with the planner, whose constants are each the best of several
-    measurements: the steps at their least disturbed too, without trusting one lucky pair. ``summary()``:
+    anchor's: the step in anchors, which the load moves little (both slow down together). Their median
+    (``step_busy_per_anchor``) is compared with the planner (not a lower quantile: the pairing already takes
+    the load out, and the lowest ratios are the steps that happened to be less disturbed than their anchor,
+    which would flatter the prediction). ``summary()``:
     medians and fastest steps (the first step, which allocates the optimizer's state, is never the fastest),
     the anchor's fastest run, the counts' medians."""
 
@@ -137,7 +138,7 @@ class StepTimer:
         return [float(f(x)) for x, f in ((wall, np.median), (wall, np.min), (cpu, np.median), (cpu, np.min),
                                          (busy, np.median), (busy, np.min), (waiting, np.median),
                                          (faults, np.median), (nodes, np.median))] + \
-            [min((t for _, t in self.anchors), default=0.0), float(np.percentile(paired, 25))]
+            [min((t for _, t in self.anchors), default=0.0), float(np.percentile(paired, 50))]
 
     def summary(self):
         return dict(zip(self.KEYS, self.values()))

@@ -8,7 +8,7 @@ hold the cores), so time is compared on what they distort least: the CPU time of
 outside its waits for peers (busy: its arithmetic, Python and its own collectives' copies and
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
-run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the lower quartile over the
+run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the median over the
 run, times the anchor's calibrated time, for the slowest stage, its ranks averaged. Where ranks outnumber
 cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the planner's
 compute without its ranks / cores factor), and the wall clock against the whole prediction.
