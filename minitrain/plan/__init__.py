@@ -22,17 +22,21 @@ from .calibrate import load_machine
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes
 
 
-def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True):
+def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True,
+            time_if_unfit=True):
     """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (per category, of
-    the rank that holds the most), step_time_s, bubble_fraction, fits, flops_per_iteration, the layout."""
+    the rank that holds the most), step_time_s, bubble_fraction, fits, flops_per_iteration, the layout.
+    time_if_unfit=False (--search): a layout that does not fit is answered {'fits': False} alone."""
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     memory = predict_memory(model, layout, accounting)
     heaviest = memory["stages"][memory["heaviest"]]
-    time = predict_time(model, layout, machine)
     capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
     if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory
         capacity = machine["memory_bytes"] // layout.world
+    if not time_if_unfit and capacity is not None and heaviest["total"] > capacity:
+        return {"fits": False}
+    time = predict_time(model, layout, machine)
     result = {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
               "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
               "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},

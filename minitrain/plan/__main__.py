@@ -157,7 +157,7 @@ def search(model, base, machine, accounting, device_memory):
             check(model, layout)
         except LayoutError:
             continue
-        result = predict(model, layout, machine, accounting, device_memory, per_stage=False)
+        result = predict(model, layout, machine, accounting, device_memory, per_stage=False, time_if_unfit=False)
         if result["fits"]:
             results.append(result)
     key = (lambda r: r["memory_bytes"]["total"]) if model.kind == "params" else (lambda r: r["step_time_s"]["total"])

@@ -95,10 +95,14 @@ def step_walk(pieces, layout, dp):
 
     def moment(**extra):
         nonlocal peak_total
-        now = {c: live[c] + extra.get(c, 0) for c in CATEGORIES}
+        total = 0
         for c in CATEGORIES:
-            peak[c] = max(peak[c], now[c])
-        peak_total = max(peak_total, sum(now.values()))
+            now = live[c] + extra.get(c, 0)
+            if now > peak[c]:
+                peak[c] = now
+            total += now
+        if total > peak_total:
+            peak_total = total
 
     # what the previous step left: parameters, optimizer state, gradients (set to None after forward)
     live["params"] = e * {0: n, 1: pad, 2: pad, 3: (0 if host else shards) + len(units)}[z]  # + 0-d placeholders

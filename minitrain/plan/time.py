@@ -194,7 +194,11 @@ def _bubble(name, p, m, v, f, b):
 
 @lru_cache(maxsize=4096)
 def _idle(name, p, m, v, k):
-    """Idle time per stage, in units of (f + b), when backward costs 1.5^k times the forward."""
+    """Idle time per stage, in units of (f + b), when backward costs 1.5^k times the forward. GPipe and
+    1F1B (and interleaving when p divides m) idle p - 1 chunk-times at any ratio (Huang et al.; Narayanan et
+    al.): the simulator gives exactly that (tests/test_plan.py), so --search does not run it for them."""
+    if name in ("gpipe", "1f1b") or (name == "interleaved_1f1b" and m % p == 0):
+        return float(p - 1)
     ratio = 1.5 ** k
     f, b = 1 / (1 + ratio), ratio / (1 + ratio)
     kwargs = {"forward_cost": f, "backward_cost": b}
