@@ -1,6 +1,6 @@
 """The library's own oracles, wrapped so that a failure reads as an explanation.
 
-Collectives: minitrain.testing's inputs (integer-valued, so every order of additions is exact),
+Collectives: minitrain.comm.checks' inputs (integer-valued, so every order of additions is exact),
 lengths (0, 1, fewer than p, not divisible by p, a few thousand) and dtypes, compared bit for bit;
 bytes and messages from comm.stats against the algorithm's formula. Gradients: central
 differences (minitrain.testing.numerical_grad), minitrain's own ops, and PyTorch where installed.
@@ -9,7 +9,7 @@ import importlib.util
 
 import numpy as np
 
-from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
+from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
 from .grading import Check, Mismatch, Skipped, as_array, compare, host
 from .harness import run_ranks
