@@ -10,7 +10,7 @@ import pytest
 
 from minitrain import trace
 from minitrain.comm import (DeviceMesh, MeshError,
-                            ThreadWorld, all_reduce, broadcast, chunk_bounds, naive_all_reduce,
+                            ThreadWorld, all_reduce, all_reduce_coalesced, broadcast, chunk_bounds, naive_all_reduce,
                             recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
                             ring_reduce_scatter)
 from minitrain.comm.checks import run_all
@@ -74,6 +74,25 @@ def test_auto_picks_recursive_doubling_small_and_ring_large():
         all_reduce(comm, np.ones(1 << 16, np.float32))
         return comm.stats["recursive_doubling_all_reduce"]["calls"], comm.stats["ring_all_reduce"]["calls"]
     assert ThreadWorld(2).run(fn) == [(1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_all_reduce_coalesced_equals_one_all_reduce_per_array_in_one_message(p):
+    shapes = [(3, 4), (5,), (), (2, 1, 3)]
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        arrays = [rng.standard_normal(s) for s in shapes]
+        separate = [all_reduce(comm, a, op="mean", algorithm="ring") for a in arrays]
+        before = comm.stats["ring_all_reduce"]["calls"]
+        all_reduce_coalesced(comm, arrays, op="mean", algorithm="ring")
+        with pytest.raises(TypeError, match="one dtype"):
+            all_reduce_coalesced(comm, [np.ones(2), np.ones(2, np.float32)])
+        return arrays, separate, comm.stats["ring_all_reduce"]["calls"] - before
+    for arrays, separate, calls in ThreadWorld(p).run(fn):
+        assert calls == 1                                    # one message for all the arrays
+        for a, s, shape in zip(arrays, separate, shapes):    # in place, each in its own shape
+            assert a.shape == shape and np.allclose(a, s, rtol=0, atol=1e-15)
 
 
 def test_async_collectives_overlap_with_work_and_finish_in_order():

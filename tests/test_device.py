@@ -212,18 +212,22 @@ def test_cross_entropy_on_the_gpu_equals_the_cpu_and_copies_host_targets_on_purp
     assert backend.transfer_counts()["h2d"] - before == 3      # logits, upstream grad, targets (device run)
 
 
-def test_bad_targets_on_the_gpu_give_nan_without_a_sync_and_an_index_error_in_debug_mode(standin_gpu, monkeypatch):
+def test_bad_targets_on_the_gpu_give_nan_without_a_sync_and_an_index_error_when_validated(standin_gpu):
     logits = mt.Tensor(np.zeros((3, 4)), requires_grad=True)
     bad = backend.to_device(np.array([0, 4, 1]))
     with standin_gpu._standin.counting() as c:
         loss = F.cross_entropy(logits, bad)
     assert c.delta["sync"] == 0
     assert np.isnan(loss.item())
-    monkeypatch.setenv("MINITRAIN_DEBUG", "1")
     with pytest.raises(IndexError, match=r"\[0, 4\), found 0\.\.4"):
-        F.cross_entropy(logits, bad)
-    with pytest.raises(IndexError, match="found -1..2"):            # host targets: checked before the copy
-        F.cross_entropy(logits, np.array([0, -1, 2]))
+        F.cross_entropy(logits, bad, validate_targets=True)
+    good = backend.to_device(np.array([0, 3, 1]))
+    with standin_gpu._standin.counting() as c:                      # validating costs one synchronisation
+        loss = F.cross_entropy(logits, good, validate_targets=True)
+    assert c.delta["sync"] == 1 and np.isfinite(loss.item())
+    for validate in (False, True):                                  # host targets: always checked, before the copy
+        with pytest.raises(IndexError, match="found -1..2"):
+            F.cross_entropy(logits, np.array([0, -1, 2]), validate_targets=validate)
 
 
 def test_device_integers_with_host_weights_are_refused_naming_the_argument():

@@ -8,9 +8,10 @@ import pytest
 
 import minitrain as mt
 from minitrain import memory, nn, optim
-from minitrain.comm import ThreadWorld
+from minitrain.comm import DeviceMesh, ThreadWorld
 from minitrain.nn import functional as F
 from minitrain.parallel import ZeroRedundancyOptimizer
+from minitrain.parallel.clip import clip_sharded_grad_norm_, sum_of_squares
 from test_ddp import Toy, assert_same, batches
 
 
@@ -56,6 +57,27 @@ def test_zero_equals_single_process(p, stage, opt, float64):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_clipping_uses_the_norm_of_the_full_gradient(stage, float64):
     ThreadWorld(3).run(run_zero, stage, *ADAM, 2, 0.05)
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 1024.0])
+def test_sharded_clipping_equals_clipping_the_whole_gradient_in_one_process(loss_scale, float64):
+    """parallel/clip.py, the one sharded clipping ZeRO and tensor x pipeline parallelism share: a
+    gradient cut over a 2 x 2 mesh (summed over "tp", then "pp") and scaled by the loss scale S."""
+    whole = np.random.default_rng(0).standard_normal(40) * 0.1
+
+    def fn(comm):
+        mesh = DeviceMesh(comm, pp=2, tp=2)
+        q = nn.Parameter(np.zeros(10))
+        q.grad = whole[comm.rank * 10:(comm.rank + 1) * 10] * loss_scale
+        norm = clip_sharded_grad_norm_([q], 0.05, sum_of_squares([q.grad]), [mesh.comm("tp"), mesh.comm("pp")],
+                                       loss_scale=loss_scale)
+        return norm, q.grad / loss_scale
+    reference = nn.Parameter(np.zeros(40))
+    reference.grad = whole.copy()
+    want = optim.clip_grad_norm_([reference], 0.05)
+    results = ThreadWorld(4).run(fn)
+    assert all(norm == pytest.approx(want, rel=1e-12) for norm, _ in results)
+    np.testing.assert_allclose(np.concatenate([g for _, g in results]), reference.grad, rtol=1e-12)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -174,7 +196,7 @@ def test_fsdp_model_states_are_16_psi_over_n_and_traffic_3_psi(p):
             opt.zero_grad()
             F.cross_entropy(fsdp(mt.Tensor(x)), np.zeros(8, np.int64)).backward()
             opt.step()
-            shards = sum(u.shard_size for u in fsdp.units)
+            shards = sum(u.flat.shard_size for u in fsdp.units)
             gathered = comm.stats["ring_all_gather"]["bytes_sent"]
             scattered = comm.stats["ring_reduce_scatter"]["bytes_sent"]
             return psi, dict(tracker.live), shards, gathered, scattered
@@ -203,7 +225,7 @@ def test_fsdp_frees_gathered_units_between_forward_and_backward():
         with memory.use_tracker(tracker):
             mt.manual_seed(0)
             fsdp = FullyShardedDataParallel(nn.MLP([64, 256, 256, 256, 10]), comm)
-            shards = sum(u.shard_size for u in fsdp.units)
+            shards = sum(u.flat.shard_size for u in fsdp.units)
             x = np.ones((4, 64), np.float32)
             loss = F.cross_entropy(fsdp(mt.Tensor(x)), np.zeros(4, np.int64))
             after_forward = tracker.live["params"]          # saved weights are references, not copies
@@ -244,13 +266,13 @@ def test_fsdp_prefetches_the_next_units_all_gather_during_this_units_forward():
         for i, unit in enumerate(layers[:-1]):
             nxt = layers[i + 1]
             unit.module.register_forward_hook(
-                lambda m, a, o, n=nxt: seen.append(n.gathering is not None or n.full is not None))
+                lambda m, a, o, n=nxt: seen.append(n.gathering is not None or n.flat.data is not None))
         F.cross_entropy(fsdp(mt.Tensor(np.ones((4, 6)))), np.zeros(4, np.int64)).backward()
         off = FullyShardedDataParallel(nn.MLP([6, 13, 11, 9, 3]), comm, prefetch=False)
         late = []
         units = [u for u in off.units if u.module is not off.module]
         for i, unit in enumerate(units[:-1]):
-            unit.module.register_forward_hook(lambda m, a, o, n=units[i + 1]: late.append(n.full is not None))
+            unit.module.register_forward_hook(lambda m, a, o, n=units[i + 1]: late.append(n.flat.data is not None))
         off(mt.Tensor(np.ones((4, 6))))
         return seen, late
     for seen, late in ThreadWorld(2).run(fn):

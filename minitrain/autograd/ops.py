@@ -6,12 +6,11 @@ unbroadcast. Dtypes never widen: constants are Python floats, which NumPy 2 trea
 "weak" (a float32 array times 0.5 stays float32), never NumPy float64 scalars.
 """
 import math
-import os
 
 import numpy as np
 
 from .. import kernels
-from ..backend import array_module, is_device_array, scatter_add
+from ..backend import array_module, is_device_array, scatter_add, to_host
 from .. import random as _random
 from .function import Function
 
@@ -484,15 +483,17 @@ class LogSoftmax(Function):
 
 
 def check_targets(t, classes):
-    """IndexError unless every target lies in [0, classes). On device arrays this reads two numbers
-    back (a synchronisation): the device path does it only with MINITRAIN_DEBUG=1."""
-    if t.size and (int(t.min()) < 0 or int(t.max()) >= classes):
-        raise IndexError(f"cross_entropy: targets must lie in [0, {classes}), "
-                         f"found {int(t.min())}..{int(t.max())}")
-
-
-def _debug():
-    return os.environ.get("MINITRAIN_DEBUG", "0") not in ("", "0", "false", "False")
+    """IndexError unless every target lies in [0, classes). On device arrays this reads the targets'
+    range back (one counted copy, a synchronisation): the device path does it only when asked
+    (cross_entropy's validate_targets=True)."""
+    if not t.size:
+        return
+    if is_device_array(t):
+        lo, hi = (int(v) for v in to_host(array_module(t).stack([t.min(), t.max()])))
+    else:
+        lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= classes:
+        raise IndexError(f"cross_entropy: targets must lie in [0, {classes}), found {lo}..{hi}")
 
 
 _rows = {}     # (n, module, GPU) -> arange(n) on that GPU: the targets' row indices, made once per size
@@ -503,17 +504,17 @@ class CrossEntropy(Function):
     logits (..., C), targets (...) of integers; gradient (softmax - onehot) / N.
     Bad targets: on the host an IndexError; on the GPU, where checking them would make the host wait
     for the device in every step, an out-of-range target makes the loss NaN (no synchronisation),
-    and MINITRAIN_DEBUG=1 checks them with an IndexError (one synchronisation)."""
+    and validate_targets=True checks them with an IndexError (one synchronisation)."""
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx, logits, targets, validate_targets=False):
         xp = array_module(logits)
         classes = logits.shape[-1]
         t = targets.reshape(-1)
         n = t.shape[0]
         ctx.shape = logits.shape
         if xp is not np:
-            if _debug():
+            if validate_targets:
                 check_targets(t, classes)
             logp = kernels.log_softmax(logits.reshape(-1, classes), 1)
             clipped = xp.clip(t, 0, classes - 1)

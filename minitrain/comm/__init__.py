@@ -9,7 +9,7 @@ from .work import Work
 from .mesh import DeviceMesh, MeshError
 from .collectives import (ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast, reduce,
                           naive_all_reduce, recursive_doubling_all_reduce, all_to_all, all_reduce,
-                          chunk_bounds, ALL_REDUCE_ALGORITHMS)
+                          all_reduce_coalesced, chunk_bounds, ALL_REDUCE_ALGORITHMS)
 
 
 def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
@@ -51,5 +51,5 @@ def mpi_library():
 __all__ = ["Communicator", "CommStats", "CommError", "CollectiveTimeout", "CollectiveMismatchError",
            "RankFailedError", "FlightRecorder", "ThreadWorld", "ThreadCommunicator", "Work", "DeviceMesh",
            "MeshError", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
-           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_reduce", "chunk_bounds",
-           "ALL_REDUCE_ALGORITHMS", "DEFAULT_COMM_TIMEOUT", "init", "MPICommunicator", "mpi_library"]
+           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_reduce",
+           "all_reduce_coalesced", "chunk_bounds", "ALL_REDUCE_ALGORITHMS", "DEFAULT_COMM_TIMEOUT", "init", "MPICommunicator", "mpi_library"]

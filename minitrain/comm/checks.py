@@ -1,14 +1,70 @@
 """Every collective checked exactly on awkward sizes and every dtype, on any communicator:
 run in-process on ThreadWorld by the tests, and under mpiexec against MPI's built-ins
-(python -m minitrain.comm.checks)."""
+(python -m minitrain.comm.checks). The inputs and the NumPy oracle (rank_input,
+expected_reduction, collective_lengths) are shared with the exercises' graders; they live here,
+in comm, because comm must not import the layers above it (testing.py reaches autograd)."""
 import sys
 
 import numpy as np
 
-from ..testing import (COLLECTIVE_DTYPES, check_all_reduce, collective_lengths, expected_reduction,
-                       rank_input)
 from . import collectives as C
 from .collectives import chunk_bounds
+
+# Integer-valued floats make every order of additions exact, so results must agree bit for bit.
+COLLECTIVE_DTYPES = ("float32", "float64", "int32", "int64", "float16")
+
+
+def collective_lengths(p):
+    """0, 1, fewer than p, not divisible by p, and a few thousand."""
+    return sorted({0, 1, max(p - 1, 1), 7, 13 * p + 1, 4099})
+
+
+def rank_input(rank, n, dtype, seed=0):
+    """Rank ``rank``'s input: integers in [-50, 50) as ``dtype`` (every rank can rebuild everyone's)."""
+    rng = np.random.default_rng([seed, rank, n])
+    return rng.integers(-50, 50, n).astype(dtype)
+
+
+def expected_reduction(p, n, dtype, op, seed=0):
+    stack = np.stack([rank_input(r, n, dtype, seed) for r in range(p)]).astype(np.float64)
+    result = {"sum": stack.sum(0), "mean": stack.mean(0), "max": stack.max(0), "min": stack.min(0)}[op]
+    return result.astype(dtype)
+
+
+def _mpi_reference(mpi_comm, x, op):
+    """MPI's built-in Allreduce, for the dtypes and ops MPI has."""
+    from mpi4py import MPI
+    if x.dtype == np.float16 or op == "mean":
+        return None
+    out = np.empty_like(x)
+    mpi_comm.Allreduce(x, out, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+    return out
+
+
+def check_all_reduce(comm, impl, ops=("sum", "mean", "max", "min"), dtypes=COLLECTIVE_DTYPES,
+                     lengths=None, mpi_comm=None, name="all_reduce"):
+    """Run ``impl(comm, x, op=op)`` on every (length, dtype, op) and compare exactly with the
+    NumPy oracle (and MPI_Allreduce when ``mpi_comm`` is given). Returns the number of checks."""
+    count = 0
+    for n in lengths or collective_lengths(comm.size):
+        for dtype in dtypes:
+            for op in ops:
+                if op == "mean" and np.dtype(dtype).kind != "f":
+                    continue
+                x = rank_input(comm.rank, n, dtype)
+                before = x.copy()
+                got = impl(comm, x, op=op)
+                want = expected_reduction(comm.size, n, dtype, op)
+                where = f"[rank {comm.rank}] {name} p={comm.size} n={n} {dtype} op={op}"
+                assert np.array_equal(x, before), f"{where}: the input was modified"
+                assert got.dtype == x.dtype and got.shape == x.shape, f"{where}: got {got.dtype}{got.shape}"
+                assert np.array_equal(got, want), f"{where}: wrong result {got[:8]} vs {want[:8]}"
+                if mpi_comm is not None:
+                    ref = _mpi_reference(mpi_comm, x, op)
+                    if ref is not None:
+                        assert np.array_equal(got, ref), f"{where}: differs from MPI_Allreduce"
+                count += 1
+    return count
 
 
 def check_reduce_scatter(comm, mpi_comm=None):

@@ -415,3 +415,22 @@ def all_reduce(comm, x, op="sum", algorithm="auto", out=None, async_op=False):
         small = x.nbytes < AUTO_CROSSOVER_BYTES * max(1, comm.size // 2)
         algorithm = "recursive_doubling" if small else "ring"
     return ALGORITHMS[algorithm](comm, x, op=op, out=out, async_op=async_op)
+
+
+def all_reduce_coalesced(comm, arrays, op="sum", algorithm="auto"):
+    """All-reduce several arrays as one message, in place (torch.distributed.all_reduce_coalesced):
+    flatten them into one buffer, all-reduce it once (one alpha instead of one per array), copy each
+    array's part back. The arrays may differ in shape, not in dtype or device."""
+    arrays = list(arrays)
+    if not arrays:
+        return arrays
+    if len({a.dtype for a in arrays}) != 1:
+        raise TypeError(f"[rank {comm.rank}] all_reduce_coalesced: one dtype per call, got "
+                        f"{sorted({str(a.dtype) for a in arrays})}")
+    xp = array_module(arrays[0])
+    reduced = all_reduce(comm, xp.concatenate([a.reshape(-1) for a in arrays]), op=op, algorithm=algorithm)
+    offset = 0
+    for a in arrays:
+        a[...] = reduced[offset:offset + a.size].reshape(a.shape)
+        offset += a.size
+    return arrays

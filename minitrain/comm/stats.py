@@ -43,8 +43,3 @@ class CommStats:
             entry = self.by_name.get(name)
             return dict(entry) if entry else {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                                               "messages_received": 0, "calls": 0}
-
-    def as_dict(self):
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "messages_sent": self.messages_sent, "messages_received": self.messages_received,
-                "by_name": {k: dict(v) for k, v in self.by_name.items()}}

@@ -1,6 +1,6 @@
 """The library's own oracles, wrapped so that a failure reads as an explanation.
 
-Collectives: minitrain.testing's inputs (integer-valued, so every order of additions is exact),
+Collectives: minitrain.comm.checks' inputs (integer-valued, so every order of additions is exact),
 lengths (0, 1, fewer than p, not divisible by p, a few thousand) and dtypes, compared bit for bit;
 bytes and messages from comm.stats against the algorithm's formula. Gradients: central
 differences (minitrain.testing.numerical_grad), minitrain's own ops, and PyTorch where installed.
@@ -9,7 +9,7 @@ import importlib.util
 
 import numpy as np
 
-from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
+from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
 from .grading import Check, Mismatch, Skipped, as_array, compare, host
 from .harness import run_ranks
@@ -112,13 +112,15 @@ def unpack(value, count, what):
 
 
 # ---------------------------------------------------------------- pipeline schedules
-def as_schedule(value, p, m, what):
-    """The learner's schedule (p lists of ("F", i) / ("B", i), or minitrain Actions) as Actions with
-    their communication filled in, or a Mismatch saying what is malformed."""
+def as_schedule(value, p, m, what, kinds="FB"):
+    """The learner's schedule (p lists of ("F", i) / ("B", i), and ("W", i) when ``kinds`` is "FBW",
+    or minitrain Actions) as Actions with their communication filled in, or a Mismatch saying what
+    is malformed."""
     from minitrain.parallel.pipeline import Action
     if not isinstance(value, (list, tuple)) or len(value) != p:
         got = f"{len(value)} rows" if isinstance(value, (list, tuple)) else type(value).__name__
         raise Mismatch(f"{what}: expected a list of p = {p} stages (one list of actions each), got {got}")
+    spelled = " or ".join(f"('{k}', i)" for k in kinds)
     schedule = []
     for s, row in enumerate(value):
         actions = []
@@ -127,29 +129,32 @@ def as_schedule(value, p, m, what):
                 kind, mb = (item.kind, item.microbatch) if isinstance(item, Action) else (tuple(item) + (None, None))[:2]
             except TypeError:
                 kind, mb = None, None
-            if kind not in ("F", "B") or not isinstance(mb, (int, np.integer)) or not 0 <= mb < m:
-                raise Mismatch(f"{what}: stage {s}, action #{k} is {item!r}; expected ('F', i) or ('B', i) "
+            if kind not in kinds or not isinstance(mb, (int, np.integer)) or not 0 <= mb < m:
+                raise Mismatch(f"{what}: stage {s}, action #{k} is {item!r}; expected {spelled} "
                                f"with 0 <= i < m = {m}")
             before, after = (s - 1 if s > 0 else None), (s + 1 if s < p - 1 else None)
             actions.append(Action("F", int(mb), 0, before, after) if kind == "F"
-                           else Action("B", int(mb), 0, after, before))
+                           else Action("B", int(mb), 0, after, before) if kind == "B"
+                           else Action("W", int(mb), 0, None, None))
         units = sorted((a.kind, a.microbatch) for a in actions)
-        if units != sorted((kind, i) for kind in "FB" for i in range(m)):
-            missing = sorted(set((kind, i) for kind in "FB" for i in range(m)) - set(units))
+        if units != sorted((kind, i) for kind in kinds for i in range(m)):
+            missing = sorted(set((kind, i) for kind in kinds for i in range(m)) - set(units))
             twice = sorted({u for u in units if units.count(u) > 1})
-            raise Mismatch(f"{what}: stage {s} must run ('F', i) and ('B', i) once each for i = 0..{m - 1}; "
-                           + (f"missing {missing[:4]}" if missing else "") + (f" twice: {twice[:4]}" if twice else ""))
+            raise Mismatch(f"{what}: stage {s} must run {', '.join(f'({k!r}, i)' for k in kinds)} once each for "
+                           f"i = 0..{m - 1}; " + (f"missing {missing[:4]}" if missing else "")
+                           + (f" twice: {twice[:4]}" if twice else ""))
         schedule.append(actions)
     return schedule
 
 
-def simulate_schedule(impl, p, m):
-    """(schedule, simulation) of the learner's impl(p, m), forward cost 1 and backward cost 2.
-    The library's checker and simulator: a deadlock or a broken happens-before is a Mismatch."""
+def simulate_schedule(impl, p, m, kinds="FB", costs=(1.0, 2.0, 0.0)):
+    """(schedule, simulation) of the learner's impl(p, m), with (forward, backward, weight) costs
+    (default: forward 1, backward 2, no W). The library's checker and simulator: a deadlock or a
+    broken happens-before is a Mismatch."""
     from minitrain.parallel.pipeline import ScheduleError, simulate
     what = f"{impl.__name__}(p={p}, m={m})" if hasattr(impl, "__name__") else f"schedule(p={p}, m={m})"
-    schedule = as_schedule(impl(p, m), p, m, what)
+    schedule = as_schedule(impl(p, m), p, m, what, kinds)
     try:
-        return schedule, simulate(schedule, 1.0, 2.0)
+        return schedule, simulate(schedule, *costs)
     except ScheduleError as e:
         raise Mismatch(f"{what}: {e}") from None

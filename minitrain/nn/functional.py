@@ -53,8 +53,13 @@ def _integers_beside(values, like, what, call):
     return values
 
 
-def cross_entropy(logits, targets):
-    """Mean cross-entropy of integer class targets (no ignore_index, no label smoothing)."""
+def cross_entropy(logits, targets, validate_targets=False):
+    """Mean cross-entropy of integer class targets (no ignore_index, no label smoothing).
+    A target outside [0, C) is an IndexError on the CPU, where checking is free (always done). On
+    the GPU checking means reading the targets' range back, a synchronisation in every step: by
+    default an out-of-range target makes the loss NaN instead (no wait; PyTorch's CUDA kernel trips a
+    device-side assert, reported at a later synchronisation); validate_targets=True checks them
+    (one synchronisation, IndexError)."""
     targets = _raw(targets)
     if targets.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: targets must be integer class indices, got {targets.dtype}")
@@ -64,7 +69,7 @@ def cross_entropy(logits, targets):
     if backend.is_device_array(_raw(logits)) and not backend.is_device_array(targets):
         ops.check_targets(targets.reshape(-1), logits.shape[-1])      # free here, while on the host
     targets = _integers_beside(targets, _raw(logits), "targets", "cross_entropy")
-    return ops.CrossEntropy.apply(logits, targets)
+    return ops.CrossEntropy.apply(logits, targets, validate_targets=validate_targets)
 
 
 def mse_loss(input, target):

@@ -25,7 +25,7 @@ import numpy as np
 from .. import backend, memory, trace
 from ..autograd.engine import queue_callback
 from ..backend import array_module
-from ..comm import all_reduce, broadcast, ring_all_gather
+from ..comm import all_reduce, all_reduce_coalesced, broadcast, ring_all_gather
 from ..comm.collectives import check_algorithm
 
 
@@ -260,17 +260,8 @@ class LocalSGD:
         training, so that the replicas agree whatever the last step was)."""
         with trace.span("average parameters", kind="comm"):
             pairs = self._masters()
-            if pairs:
-                arrays = [m.data for _, m in pairs]
-            else:
-                arrays = [p.data for p in self.module.parameters()]
-            xp = array_module(arrays[0])
-            flat = xp.concatenate([a.reshape(-1) for a in arrays])
-            averaged = all_reduce(self.comm, flat, op="mean", algorithm=self.algorithm)
-            offset = 0
-            for a in arrays:
-                a[...] = averaged[offset:offset + a.size].reshape(a.shape)
-                offset += a.size
+            arrays = [m.data for _, m in pairs] if pairs else [p.data for p in self.module.parameters()]
+            all_reduce_coalesced(self.comm, arrays, op="mean", algorithm=self.algorithm)
             for q, master in pairs:                       # the parameters: the averaged masters, rounded
                 q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
 

@@ -18,15 +18,13 @@ Model states per rank: (4 + 4 + K)Ψ/N, 16Ψ/N for fp32 Adam, up to padding; the
 largest gathered unit or two and their gradients. Tied weights must live in one unit.
 """
 import contextlib
-import math
 
 from .. import backend, memory, trace
 from ..autograd.engine import queue_callback
 from ..autograd.graph import saved_tensors_hooks
-from ..backend import array_module
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
-from ..sharded import flat_buffer_slices
+from .flat_buffer import FlatParamBuffer
 
 
 class _UnitRef:
@@ -44,27 +42,14 @@ class _Unit:
         self.offload_params = offload_params
         self.params = params
         self.trainable = [q for q in params if q.requires_grad]
-        xp = array_module(params[0].data)
-        self.xp, self.dtype = xp, params[0].dtype
-        self.numel = sum(q.size for q in params)
-        self.shard_size = math.ceil(self.numel / comm.size)
-        self.padded = self.shard_size * comm.size
-        self.offsets = {}
-        flat = xp.zeros(self.padded, self.dtype)
-        offset = 0
-        for q in params:
-            flat[offset:offset + q.size] = q.data.reshape(-1)
-            self.offsets[id(q)] = (offset, offset + q.size)
-            offset += q.size
-        broadcast(comm, flat, root=0)                      # every rank starts from rank 0's weights
-        lo = comm.rank * self.shard_size
+        # the unit's flat padded buffer: whole (flat.data) only while gathered, else None
+        self.flat = FlatParamBuffer(params, comm.size, comm.rank, who=f"FullyShardedDataParallel unit {name}")
+        self.xp, self.dtype = self.flat.xp, self.flat.dtype
+        broadcast(comm, self.flat.data, root=0)            # every rank starts from rank 0's weights
         with memory.on_host() if offload_params else contextlib.nullcontext():   # offload: shards on the host
-            self.shard = Parameter(backend.to_host(flat[lo:lo + self.shard_size]).copy(),
-                                   requires_grad=bool(self.trainable))
-        self.full = None
+            self.shard = Parameter(backend.to_host(self.flat.shard()).copy(), requires_grad=bool(self.trainable))
         self.gathering = self.gather_work = None       # a prefetch in flight
-        self._placeholder = xp.zeros((), self.dtype)
-        del flat
+        self._placeholder = self.xp.zeros((), self.dtype)
         self.release()
         self.ready = set()
         self.reduced = False                            # this backward's reduce-scatter has started
@@ -74,23 +59,21 @@ class _Unit:
     # ---- gather / release
     def prefetch(self):
         """Start the all-gather without waiting for it (``gather()`` later waits)."""
-        if self.full is None and self.gathering is None:
-            self.gathering = self.xp.empty(self.padded, self.dtype)
+        if self.flat.data is None and self.gathering is None:
+            self.gathering = self.xp.empty(self.flat.padded, self.dtype)
             # offload: the shard is copied host -> device first (on CuPy a real transfer)
             source = backend.to_device(self.shard.data) if self.offload_params else self.shard.data
-            self.gather_work = ring_all_gather(self.comm, source, total=self.padded,
+            self.gather_work = ring_all_gather(self.comm, source, total=self.flat.padded,
                                                out=self.gathering, async_op=True)
 
     def gather(self):
-        if self.full is not None:
+        if self.flat.data is not None:
             return
         with trace.span(f"all-gather {self.name}", kind="comm"):
             self.prefetch()
             self.gather_work.wait()
-            self.full, self.gathering, self.gather_work = self.gathering, None, None
-        for q in self.params:
-            lo, hi = self.offsets[id(q)]
-            q.data = self.full[lo:hi].reshape(q.shape)
+            self.flat.data, self.gathering, self.gather_work = self.gathering, None, None
+        self.flat.point_params_at()
 
     def release(self):
         if self.gather_work is not None:              # a prefetch nobody used: finish it first
@@ -98,19 +81,18 @@ class _Unit:
             self.gathering = self.gather_work = None
         for q in self.params:
             q.data = self.xp.broadcast_to(self._placeholder, q.shape)   # the shape, no memory
-        self.full = None
+        self.flat.data = None
 
     def view(self, ref):
         self.gather()
-        return backend.view_of(self.full, ref.shape, self.dtype, ref.offset, ref.strides)
+        return backend.view_of(self.flat.data, ref.shape, self.dtype, ref.offset, ref.strides)
 
     # ---- gradients
     def grad_ready(self, q, fsdp):
         if self.staging is None:
-            self.staging = self.xp.zeros(self.padded, self.dtype)
+            self.staging = self.flat.new()
             memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
-        lo, hi = self.offsets[id(q)]
-        self.staging[lo:hi] = q.grad.reshape(-1)
+        self.flat.view(q, self.staging)[...] = q.grad
         q.grad = None                                  # the full gradient is not kept
         self.ready.add(id(q))
         if len(self.ready) == len(self.trainable):
@@ -118,9 +100,9 @@ class _Unit:
 
     def reduce(self):
         if self.staging is None:                      # no gradient reached this unit: zeros
-            self.staging = self.xp.zeros(self.padded, self.dtype)
+            self.staging = self.flat.new()
             memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
-        self.grad_out = self.xp.zeros(self.shard_size, self.dtype)
+        self.grad_out = self.xp.zeros(self.flat.shard_size, self.dtype)
         self.work = ring_reduce_scatter(self.comm, self.staging, op="mean", out=self.grad_out, async_op=True)
         self.reduced = True
         self.release()
@@ -216,7 +198,7 @@ class FullyShardedDataParallel:
             return None
         base = memory.owner(array)
         for unit in self.units:
-            if unit.full is not None and unit.full is base:
+            if unit.flat.data is not None and unit.flat.data is base:
                 return unit
         return None
 
@@ -224,12 +206,12 @@ class FullyShardedDataParallel:
         unit = self._unit_holding(a)
         if unit is None:
             return a
-        return _UnitRef(unit, backend.byte_offset(a, unit.full), a.shape, a.strides)
+        return _UnitRef(unit, backend.byte_offset(a, unit.flat.data), a.shape, a.strides)
 
     def _unpack(self, x):
         if not isinstance(x, _UnitRef):
             return x
-        if self.prefetch and x.unit.full is None:
+        if self.prefetch and x.unit.flat.data is None:
             # backward runs the units in reverse: fetch the one before while this one computes
             i = self.units.index(x.unit)
             if i > 0 and self.units[i - 1].module is not self.module:
@@ -300,7 +282,7 @@ class FullyShardedDataParallel:
     def load_state_dict(self, state):
         """Full arrays by name -> each rank copies in its shard of every unit (no communication)."""
         for unit in self.units:
-            lo = self.comm.rank * unit.shard_size
+            lo, hi = unit.flat.shard_range
             shard = unit.shard.data                       # on the host with offload_params
             for q in unit.params:
                 name = self.names[id(q)]
@@ -310,8 +292,8 @@ class FullyShardedDataParallel:
                 if tuple(value.shape) != tuple(q.shape):
                     raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the model "
                                      f"expects {tuple(q.shape)}")
-                a, b = unit.offsets[id(q)]
-                s, e = max(a, lo), min(b, lo + unit.shard_size)
+                a, b = unit.flat.offsets[id(q)]
+                s, e = max(a, lo), min(b, hi)
                 if s < e:
                     piece = value.reshape(-1)[s - a:e - a]
                     shard[s - lo:e - lo] = (backend.to_device(piece, "cuda") if backend.is_device_array(shard)
@@ -322,7 +304,5 @@ class FullyShardedDataParallel:
         each unit holds (a flat range of the unit cut into boxes; padding excluded)."""
         out = []
         for unit in self.units:
-            entries = [(self.names[id(q)], q.shape, unit.offsets[id(q)][0]) for q in unit.params]
-            lo = self.comm.rank * unit.shard_size
-            out.append((unit.shard, flat_buffer_slices(entries, lo, lo + unit.shard_size)))
+            out.append((unit.shard, unit.flat.shard_slices(self.names)))
         return out

@@ -17,50 +17,15 @@ stage 2 4Ψ + (4 + 8)Ψ/N, up to padding (DDP: 16Ψ). With float16/bfloat16 para
 optimizer is a MixedPrecisionOptimizer (fp32 master shard + fp32 moments, K = 12): stage 1
 2Ψ + 2Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, the paper's figures.
 """
-import math
-
-import numpy as np
-
 from .. import memory, trace
 from ..autograd.engine import queue_callback
-from ..backend import LOW_PRECISION, array_module, is_device_array
-from ..comm import all_reduce, broadcast, ring_all_gather, ring_reduce_scatter
+from ..backend import LOW_PRECISION, array_module
+from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
-from ..sharded import flat_buffer_slices
+from .clip import clip_sharded_grad_norm_, sum_of_squares
+from .flat_buffer import FlatParamBuffer
 from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
-
-
-class FlatParameters:
-    """The trainable parameters of a model as views into one flat buffer padded to a multiple of
-    ``p``; rank r's shard is the contiguous slice [r·S, (r+1)·S)."""
-
-    def __init__(self, params, p, rank, order="reverse"):
-        self.params = list(reversed(params)) if order == "reverse" else list(params)
-        if not self.params:
-            raise ValueError("ZeRO: no parameter requires grad")
-        dtypes = {q.dtype for q in self.params}
-        if len(dtypes) != 1:
-            raise TypeError(f"ZeRO flattens parameters of one dtype, got {sorted(map(str, dtypes))}")
-        self.numel = sum(q.size for q in self.params)
-        self.shard_size = math.ceil(self.numel / p)
-        self.padded = self.shard_size * p
-        self.rank = rank
-        xp = array_module(self.params[0].data)
-        self.flat = xp.zeros(self.padded, dtype=self.params[0].dtype)
-        self.offsets = {}
-        offset = 0
-        for q in self.params:           # the model's parameters become views of the flat buffer
-            self.flat[offset:offset + q.size] = q.data.reshape(-1)
-            self.offsets[id(q)] = (offset, offset + q.size)
-            q.data = self.flat[offset:offset + q.size].reshape(q.shape)
-            offset += q.size
-        lo = rank * self.shard_size
-        self.shard_range = (lo, lo + self.shard_size)
-
-    def shard_view(self):
-        lo, hi = self.shard_range
-        return self.flat[lo:hi]
 
 
 class ZeroRedundancyOptimizer:
@@ -86,16 +51,19 @@ class ZeroRedundancyOptimizer:
         for q in params:                             # frozen ones too: every rank runs rank 0's model
             if not q.requires_grad:
                 broadcast(comm, q.data, root=0)
-        self.flat = FlatParameters([q for q in params if q.requires_grad], comm.size, comm.rank)
-        broadcast(comm, self.flat.flat, root=0)      # every rank starts from rank 0's parameters
-        self.shard = Parameter(self.flat.shard_view())
-        xp = array_module(self.flat.flat)
-        self.shard_grad = xp.zeros(self.flat.shard_size, dtype=self.flat.flat.dtype)
+        # the trainable parameters become views of one flat buffer, laid out in reverse (backward) order
+        self.flat = FlatParamBuffer(reversed([q for q in params if q.requires_grad]), comm.size, comm.rank,
+                                    who="ZeRO")
+        self.flat.point_params_at()
+        broadcast(comm, self.flat.data, root=0)      # every rank starts from rank 0's parameters
+        self.shard = Parameter(self.flat.shard())
+        xp = self.flat.xp
+        self.shard_grad = xp.zeros(self.flat.shard_size, dtype=self.flat.dtype)
         if offload:
             # ZeRO-Offload: the shard's fp32 master weights and optimizer state on the host
             self.optimizer = CPUOffloadOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
                                                  all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
-        elif self.flat.flat.dtype in LOW_PRECISION:
+        elif self.flat.dtype in LOW_PRECISION:
             # mixed precision: the shard's fp32 master weights live in the optimizer (K = 12)
             self.optimizer = MixedPrecisionOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
                                                      all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
@@ -108,7 +76,7 @@ class ZeroRedundancyOptimizer:
             # over the backward calls since zero_grad, kept whole); the reduce-scatter lands in a
             # shard-sized communication buffer, which the shard's optimizer reads as its gradient.
             # Counted as a communication buffer, under the key the shard's .grad setter uses: once
-            self.flat_grad = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)
+            self.flat_grad = self.flat.new()
             self._point_grads_at_flat()
             self._tracker.add("comm_buffers", ("grads", id(memory.owner(self.shard_grad))), self.shard_grad.nbytes)
         else:
@@ -116,8 +84,7 @@ class ZeroRedundancyOptimizer:
 
     def _point_grads_at_flat(self):
         for q in self.flat.params:
-            lo, hi = self.flat.offsets[id(q)]
-            view = self.flat_grad[lo:hi].reshape(q.shape)
+            view = self.flat.view(q, self.flat_grad)
             if q.grad is not None and q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
                 view[...] = q.grad                  # a gradient made elsewhere (model.zero_grad() set None)
             q.grad = view
@@ -126,7 +93,7 @@ class ZeroRedundancyOptimizer:
     def _build_buckets(self, cap, xp):
         """Contiguous ranges of the flat buffer, in backward order (the buffer is laid out reversed)."""
         self.buckets, start, size = [], 0, 0
-        itemsize = self.flat.flat.itemsize
+        itemsize = self.flat.data.itemsize
         self._bucket_of = {}
         for q in self.flat.params:
             lo, hi = self.flat.offsets[id(q)]
@@ -141,7 +108,7 @@ class ZeroRedundancyOptimizer:
             bucket["params"].append(q)
             self._bucket_of[id(q)] = bucket
             q.register_post_accumulate_grad_hook(self._grad_ready)
-        self.staging = xp.zeros(self.flat.padded, dtype=self.flat.flat.dtype)     # the buckets' buffer
+        self.staging = self.flat.new()                                            # the buckets' buffer
         self._tracker.add("comm_buffers", ("zero2_staging", id(self)), self.staging.nbytes)
         self._pending = False
         self._accumulating = False
@@ -221,28 +188,16 @@ class ZeroRedundancyOptimizer:
         """Clip by the L2 norm of the full gradient: squares summed over each shard, then all-reduced."""
         if self.stage == 1 and self.shard.grad is None:
             self._reduce_scatter_stage1()
-        g = self.shard.grad
-        g32 = g.astype(np.float64)
-        scale = getattr(self.optimizer, "loss_scale", 1.0)
-        if is_device_array(g):       # no synchronisation: the norm stays on the device (see optim/clip.py)
-            xp = array_module(g)
-            total = xp.sqrt(all_reduce(self.comm, (g32 * g32).sum().reshape(1), op="sum")[0]) / scale
-            g *= xp.minimum(max_norm / (total + 1e-6), 1.0)
-            return total
-        local = np.array([float((g32 * g32).sum())], np.float64)
         # with a loss scale S the gradients are S times too large: the true norm is total / S
-        total = math.sqrt(float(all_reduce(self.comm, local, op="sum")[0])) / scale
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            g[...] = g * coef
-        return total
+        return clip_sharded_grad_norm_([self.shard], max_norm, sum_of_squares([self.shard.grad]), [self.comm],
+                                       loss_scale=getattr(self.optimizer, "loss_scale", 1.0))
 
     def step(self):
         if self.stage == 1 and self.shard.grad is None:
             self._reduce_scatter_stage1()
         self.optimizer.step()                       # updates the shard, a view of the flat buffer
         with trace.span("all-gather parameters", kind="comm"):
-            ring_all_gather(self.comm, self.flat.shard_view().copy(), total=self.flat.padded, out=self.flat.flat)
+            ring_all_gather(self.comm, self.flat.shard().copy(), total=self.flat.padded, out=self.flat.data)
         self.shard.grad = None if self.stage == 1 else self.shard.grad
 
     def state_dict(self):
@@ -256,13 +211,13 @@ class ZeroRedundancyOptimizer:
     def _shard_placements(self, placements):
         """Where this rank's flat shard sits in the parameters' logical tensors (padding excluded);
         ``placements``: the parameters' own (each whole, as ZeRO-1/2 keep them on every rank)."""
-        entries = []
+        names = {}
         for q in self.flat.params:
             (name, piece), = placements[id(q)]
             if piece.sizes != tuple(q.shape):
                 raise ValueError(f"ZeRO-1/2 expect whole parameters; {name} is a slice {piece}")
-            entries.append((name, q.shape, self.flat.offsets[id(q)][0]))
-        return {id(self.shard): flat_buffer_slices(entries, *self.flat.shard_range)}
+            names[id(q)] = name
+        return {id(self.shard): self.flat.shard_slices(names)}
 
     def sharded_state_dict(self, placements):
         """The shard optimizer's state (moments, fp32 masters) as slices of the parameters' logical tensors."""

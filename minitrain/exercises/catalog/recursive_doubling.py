@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from minitrain.testing import rank_input
+from minitrain.comm.checks import rank_input
 
 from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks

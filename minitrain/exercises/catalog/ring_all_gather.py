@@ -3,7 +3,7 @@ p = 1..4, shards as np.array_split makes them, uneven included) and the traffic:
 at most (p-1)·ceil(N/p) elements sent per rank."""
 import numpy as np
 
-from minitrain.testing import COLLECTIVE_DTYPES, collective_lengths, rank_input
+from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, rank_input
 
 from ..grading import Mismatch, as_array, compare, to_learner
 from ..oracles import traffic, world_checks

@@ -3,7 +3,7 @@ the input left untouched, and the ring's traffic: 2(p-1) messages and at most 2(
 elements sent per rank (an exchange of whole arrays is exact but fails this)."""
 import numpy as np
 
-from minitrain.testing import rank_input
+from minitrain.comm.checks import rank_input
 
 from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks

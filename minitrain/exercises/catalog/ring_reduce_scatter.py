@@ -3,7 +3,7 @@ for bit, p = 1..4; rank r gets chunk r of np.array_split), the input left untouc
 traffic: p-1 messages, at most (p-1)·ceil(N/p) elements sent per rank."""
 import numpy as np
 
-from minitrain.testing import rank_input
+from minitrain.comm.checks import rank_input
 
 from ..grading import Mismatch, to_learner
 from ..oracles import cases, check_reduction, traffic, world_checks

@@ -33,7 +33,7 @@ import numpy as np
 from ... import backend, trace
 from ...autograd import Tensor, defer_weight_grads
 from ...backend import array_module, bfloat16, is_device_array
-from ...comm import all_reduce, broadcast
+from ...comm import all_reduce, all_reduce_coalesced, broadcast
 from ...nn import Sequential
 from ...sharded import whole
 from . import measure
@@ -300,15 +300,7 @@ class PipelineParallel:
         return sum(float(v) for v in values) / self.m
 
     def _all_reduce_gradients(self):
-        params = [q for q in self.parameters() if q.grad is not None]
-        if not params:
-            return
-        xp = array_module(params[0].grad)
-        flat = all_reduce(self.dp_comm, xp.concatenate([q.grad.reshape(-1) for q in params]), op="mean")
-        offset = 0
-        for q in params:
-            q.grad[...] = flat[offset:offset + q.size].reshape(q.shape)
-            offset += q.size
+        all_reduce_coalesced(self.dp_comm, [q.grad for q in self.parameters() if q.grad is not None], op="mean")
 
     # ---- PipeDream-2BW: compute on W(t-1), let the optimizer update W(t)
     def _swap_in_stash(self):

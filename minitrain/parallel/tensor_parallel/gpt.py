@@ -39,17 +39,16 @@ then g), and the LM head's logits stay split by vocabulary: the vocab-parallel c
 all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and never gathers the
 (B, T, V) logits. The vocabulary is padded to a multiple of t (padded logits are -inf).
 """
-import math
-
 import numpy as np
 
 from ... import backend
 from ...autograd import Tensor
 from ...autograd.engine import queue_callback
 from ...backend import array_module
-from ...comm import broadcast, ring_all_gather, ring_all_reduce
+from ...comm import all_reduce_coalesced, broadcast, ring_all_gather
 from ...nn import Embedding, LayerNorm, Module, ModuleList
 from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
+from ..clip import clip_sharded_grad_norm_, sum_of_squares
 from .comms import GatherFromTensorParallelRegion
 from .layers import (ColumnParallelLinear, ParallelDropout, RowParallelLinear, VocabParallelCrossEntropy,
                      VocabParallelEmbedding, divide, positions)
@@ -144,46 +143,19 @@ class TensorParallelGPT(Module):
         (partial sums over each rank's tokens), flattened together. Without it, nothing to do."""
         if not self.sequence_parallel:
             return
-        params = [q for q in self.replicated if q.grad is not None]
-        if params:
-            xp = array_module(params[0].grad)
-            flat = ring_all_reduce(self.comm, xp.concatenate([q.grad.reshape(-1) for q in params]))
-            offset = 0
-            for q in params:
-                q.grad[...] = flat[offset:offset + q.size].reshape(q.shape)
-                offset += q.size
+        all_reduce_coalesced(self.comm, [q.grad for q in self.replicated if q.grad is not None], algorithm="ring")
         self._pending = False
 
     def clip_grad_norm_(self, max_norm, pipeline_comm=None):
-        """Clip by the norm of the *full* model's gradient: sharded gradients' squares summed over
-        the ranks (one all-reduce), replicated ones counted once. In a pipeline each rank holds its
-        stage's parameters only (the others have no gradient): the stages' squares are summed over
-        ``pipeline_comm``."""
+        """Clip by the norm of the *full* model's gradient: the squares summed over the tp ranks,
+        a replicated parameter's counted on tp rank 0 only (Megatron's "not a tensor-parallel
+        duplicate"). In a pipeline each rank holds its stage's parameters only (the others have no
+        gradient): the stages' squares are summed over ``pipeline_comm`` too."""
         replicated = {id(q) for q in self.replicated} | {id(q) for q in self.wpe.parameters()}
         grads = [q for q in self.parameters() if q.grad is not None]
-        xp = array_module(grads[0].grad) if grads else np
-        sharded = local_replicated = xp.zeros(1)          # float64 sums of squares (host or device)
-        for q in grads:
-            square = (q.grad.astype(np.float64) ** 2).sum()
-            if id(q) in replicated:
-                local_replicated = local_replicated + square
-            else:
-                sharded = sharded + square
-        square = ring_all_reduce(self.comm, sharded) + local_replicated
-        if pipeline_comm is not None:
-            square = ring_all_reduce(pipeline_comm, square)
-        if xp is not np:              # on the GPU the norm stays there: no synchronisation (optim/clip.py)
-            total = xp.sqrt(square[0])
-            coef = xp.minimum(max_norm / (total + 1e-6), 1.0)
-            for q in grads:
-                q.grad *= coef
-            return total
-        total = math.sqrt(float(square[0]))
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for q in grads:
-                q.grad[...] = q.grad * coef
-        return total
+        counted = [q.grad for q in grads if id(q) not in replicated or self.comm.rank == 0]
+        groups = [self.comm] + ([pipeline_comm] if pipeline_comm is not None else [])
+        return clip_sharded_grad_norm_(grads, max_norm, sum_of_squares(counted), groups)
 
     def forward(self, idx, targets=None, cache=None):
         """With a KV ``cache`` (generation, the GPT's protocol) each rank's cache holds its own heads'
