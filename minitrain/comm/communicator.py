@@ -1,9 +1,11 @@
 """Communicator: the only way bytes cross ranks. Point-to-point calls, counted, checked, hang-proof.
 
-Two transports implement the same primitives (_isend, _irecv, _split, _idle,
-_snapshots, abort): MPICommunicator (mpi4py's buffer API) and ThreadWorld (ranks as
-threads). A transport moves raw bytes under a *wire tag* and reports, when a receive completes, how
-many bytes arrived (MPI: the status's count); everything above is shared and written once, here:
+Three backends implement the same primitives (_isend, _irecv, _split, _idle, _snapshots, abort):
+MPICommunicator (mpi4py's buffer API, mpi.py), NCCLCommunicator (NCCL's send/recv, nccl.py) and
+ThreadWorld (ranks as threads, local.py). A backend moves raw bytes under a *wire tag* and reports,
+when a receive completes, how many bytes arrived (MPI: the status's count); everything above is shared
+and written once, here and in the modules beside it (stats.py: the counters; headers.py: the header
+check; reports.py: the mismatch and stall reports; flight_recorder.py):
 
 * send/recv/sendrecv/isend/irecv on contiguous numpy (or cupy) arrays. The contract: a receive
   whose size or dtype differs from the sender's raises CommError naming both ranks, the call
@@ -34,7 +36,7 @@ import numpy as np
 
 from .. import trace
 from .flight_recorder import FlightRecorder, call_name
-from .stats import CommStats  # noqa: F401  (re-exported)
+from .stats import CommStats
 
 USER_TAG_LIMIT = 1 << 15          # p2p tags a user may choose: 0 .. 32767
 COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in flight at once: far fewer)

@@ -15,29 +15,11 @@ import resource
 import time
 
 import numpy as np
+from tqdm import tqdm  # noqa: F401  (the jobs import it from here; a dependency in setup.cfg)
 
 from .. import backend, cli, memory
 from ..autograd.function import nodes_recorded
 from ..comm.communicator import DEFAULT_COMM_TIMEOUT, waiting_cpu_seconds
-
-try:                                   # the progress bar is optional: without tqdm, no bar
-    from tqdm import tqdm
-except ImportError:                    # pragma: no cover - depends on the machine
-    class tqdm:                        # noqa: N801  (tqdm's name and the calls the jobs make)
-        def __init__(self, iterable=None, **kwargs):
-            self.iterable = iterable
-
-        def __iter__(self):
-            return iter(self.iterable)
-
-        def update(self, n=1):
-            pass
-
-        def set_postfix(self, **kwargs):
-            pass
-
-        def close(self):
-            pass
 
 MODEL_STATE = ("params", "grads", "optimizer_state")
 
@@ -235,7 +217,8 @@ def parse_job_args(parser, argv=None):
 
 def init_comm(args):
     """``minitrain.comm.init`` with the job's options: check_collectives on, stall threshold
-    ``--comm-timeout``, hard timeout 3x that."""
+    ``--comm-timeout``, hard timeout 3x that; comm.init also picks the backend and the device transport
+    (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto)."""
     from .. import comm
     return comm.init(comm_timeout=args.comm_timeout, check_collectives=True)
 
