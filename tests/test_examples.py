@@ -24,6 +24,26 @@ def test_mlp_reaches_95_percent_and_writes_the_json_report(tmp_path):
     assert rank0["bytes_sent"] == 0 and report["samples_per_second"] > 0
 
 
+def test_an_in_process_job_counts_its_own_bytes_not_the_processs(tmp_path):
+    """Bytes the process already holds (a notebook's, an earlier test's) are not the job's: the job runs on
+    a ledger of its own, and the process ledger is the same before and after."""
+    from minitrain import memory
+    foreign = memory.tracker()
+    foreign.add("params", ("params", "left by someone else"), 500_000)
+    foreign.add("grads", ("grads", "left by someone else"), 300_000)
+    try:
+        before = memory.snapshot()
+        out = tmp_path / "mlp.json"
+        assert mlp.main(["--no-progress", "--epochs", "1", "--json", str(out)]) == 0
+        psi = json.loads(out.read_text())["num_params"]
+        persistent = json.loads(out.read_text())["ranks"][0]["memory"]["persistent"]
+        assert persistent == {"params": 4 * psi, "grads": 4 * psi, "optimizer_state": 8 * psi}
+        assert memory.snapshot() == before
+    finally:
+        foreign.remove(("params", "left by someone else"))
+        foreign.remove(("grads", "left by someone else"))
+
+
 @pytest.mark.slow
 def test_the_run_line_trains_data_parallel_on_4_ranks(tmp_path):
     out, trace_path, plot = tmp_path / "mlp.json", tmp_path / "trace.json", tmp_path / "step.png"

@@ -111,6 +111,13 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
 
 
 def main(argv=None):
+    """Run the job on a memory ledger of its own (every thread of it): its tables count the bytes this
+    job holds, whatever else the process (a notebook, a test session) still holds or frees meanwhile."""
+    with memory.use_process_tracker(memory.MemoryTracker()):
+        return _main(argv)
+
+
+def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)

@@ -92,6 +92,13 @@ def gather_rows(comm, values):
 
 
 def main(argv=None):
+    """Run the job on a memory ledger of its own (every thread of it): its tables count the bytes this
+    job holds, whatever else the process (a notebook, a test session) still holds or frees meanwhile."""
+    with memory.use_process_tracker(memory.MemoryTracker()):
+        return _main(argv)
+
+
+def _main(argv=None):
     args, parser = parse_args(argv)
     comm = init_comm(args)
     world, rank = comm.size, comm.rank
