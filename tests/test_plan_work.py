@@ -72,6 +72,29 @@ def test_step_timer_counts_the_nodes_and_leaves_short_batches_out():
     assert summary["anchor_cpu_time_s"] > 0 and summary["step_busy_per_anchor"] > 0
 
 
+def _wait_for_a_late_peer(comm):
+    """Rank 1 sends 30 ms late; rank 0's step is one receive: its CPU is polling, not work."""
+    import time
+    timer, buf = StepTimer(), np.zeros(4)
+    timer.anchoring = False
+    for _ in range(2):
+        with timer:
+            if comm.rank == 0:
+                comm.recv(buf, 1)
+            else:
+                time.sleep(0.03)
+                comm.send(np.ones(4), 0)
+    return timer.summary()
+
+
+def test_step_timer_leaves_polling_for_a_peer_out_of_the_steps_busy_cpu():
+    from minitrain.comm import ThreadWorld
+    waiter = ThreadWorld(2).run(_wait_for_a_late_peer)[0]
+    assert waiter["step_time_min_s"] >= 0.025
+    assert waiter["step_waiting_cpu_time_s"] > 0.002                  # it yielded the core ~10 ms, then slept
+    assert waiter["step_busy_cpu_time_min_s"] < 0.25 * waiter["step_cpu_time_min_s"]
+
+
 def test_a_job_keeps_to_the_blas_threads_the_environment_asks_for():
     assert backend.default_blas_threads(ranks=1, cores=2, environ={}) == 2
     assert backend.default_blas_threads(ranks=2, cores=2, environ={}) == 1
