@@ -126,7 +126,6 @@ def measure_in_a_job(comm, repeats=30):
     move nothing, shows."""
     from .. import nn
     from ..autograd import Tensor
-    from ..comm.communicator import waiting_cpu_seconds
     from ..parallel import DistributedDataParallel, FullyShardedDataParallel
 
     def busy(module, x, y):
@@ -135,13 +134,7 @@ def measure_in_a_job(comm, repeats=30):
             for q in module.parameters():
                 q.grad = None
             loss.backward()
-        step()
-        best = math.inf
-        for _ in range(repeats):
-            t = time.thread_time() - waiting_cpu_seconds()
-            step()
-            best = min(best, time.thread_time() - waiting_cpu_seconds() - t)
-        return best
+        return _best_busy(step, repeats)
     rng = np.random.default_rng(comm.rank)
     x, y = Tensor(rng.standard_normal((32, 64)).astype(np.float32)), rng.integers(0, 10, 32)
     points = []
@@ -166,6 +159,19 @@ def measure_in_a_job(comm, repeats=30):
             "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4])}
 
 
+def _best_busy(fn, repeats):
+    """The least busy CPU (this thread's CPU time outside its waits for peers) of ``repeats`` calls of
+    ``fn``, after one call to warm it up."""
+    from ..comm.communicator import waiting_cpu_seconds
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.thread_time() - waiting_cpu_seconds()
+        fn()
+        best = min(best, time.thread_time() - waiting_cpu_seconds() - t)
+    return best
+
+
 def _pipeline_action(comm, repeats, width, m=8, rows=32):
     """Busy CPU per action of a two-stage 1F1B pipeline whose activations are ``rows`` x ``width`` floats,
     traced as the jobs trace it, beyond the stage's own forward and backward run directly: the runtime's
@@ -173,7 +179,6 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
     micro-batch, the spans."""
     from .. import nn, trace
     from ..autograd import Tensor
-    from ..comm.communicator import waiting_cpu_seconds
     from ..parallel.pipeline import PipelineParallel
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 10))
     pipe = PipelineParallel(model, comm, "1f1b", num_microbatches=m)
@@ -181,15 +186,6 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((rows * m, width)).astype(np.float32), rng.integers(0, 10, rows * m)
     received = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(m)]
-
-    def best(fn):
-        fn()
-        out = math.inf
-        for _ in range(repeats):
-            t = time.thread_time() - waiting_cpu_seconds()
-            fn()
-            out = min(out, time.thread_time() - waiting_cpu_seconds() - t)
-        return out
 
     def direct():                                  # this rank's stage alone, the same micro-batches
         for i in range(m):
@@ -199,8 +195,8 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
                 out = stage(Tensor(received[i], requires_grad=True))
                 (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
     trace.enable(rank=comm.rank)
-    piped = best(lambda: pipe.train_step(x, y, nn.functional.cross_entropy))
-    alone = best(direct)
+    piped = _best_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), repeats)
+    alone = _best_busy(direct, repeats)
     trace.disable()
     trace.tracer().events.clear()
     return max(0.0, piped - alone) / (2 * m)
