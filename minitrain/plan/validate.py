@@ -26,8 +26,8 @@ from dataclasses import replace
 from . import CATEGORIES, load_machine, predict
 from .time import predict_nodes, predict_time
 
-MLP = "--epochs 3"
-GPT = "--steps 12 --sample-chars 1"
+MLP = "--epochs 15"
+GPT = "--steps 60 --sample-chars 1"
 # name -> (job, ranks, options); small sizes, one launch each
 RUNS = {
     "ddp-2": ("mlp", 2, f"{MLP} --hidden 256 --batch-size 128"),
