@@ -164,20 +164,6 @@ def use_tracker(t):
 
 
 @contextlib.contextmanager
-def use_process_tracker(t):
-    """Make ``t`` the process-wide tracker inside the block (every thread without its own): a job run
-    in-process (a test, a notebook) counts its own bytes, including its communication threads', not
-    what the process held or freed before."""
-    global _default
-    old = _default
-    _default = t
-    try:
-        yield t
-    finally:
-        _default = old
-
-
-@contextlib.contextmanager
 def on_host():
     """Inside the block, what is allocated is host memory (offload)."""
     t = tracker()

@@ -111,9 +111,10 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
 
 
 def main(argv=None):
-    """Run the job on a memory ledger of its own (every thread of it): its tables count the bytes this
-    job holds, whatever else the process (a notebook, a test session) still holds or frees meanwhile."""
-    with memory.use_process_tracker(memory.MemoryTracker()):
+    """Run the job on a memory ledger of its own (as the serving job does; its collectives' progress thread
+    takes the ledger of the thread that submits to it): its tables count the bytes this job holds, whatever
+    else the process (a notebook, a test session) still holds or frees meanwhile."""
+    with memory.use_tracker(memory.MemoryTracker()):
         return _main(argv)
 
 
