@@ -71,7 +71,7 @@ class StepTimer:
     quartile (``step_busy_per_anchor``) is compared with the planner, whose constants are each the best of
     several measurements, so it predicts a step at its least disturbed: the lower quartile is that without
     trusting one lucky pair. The median (``step_busy_per_anchor_median``) is reported beside it: it also
-    counts the steps disturbed more than their anchor, and runs 5-15% higher here. ``summary()``:
+    counts the steps disturbed more than their anchor, and runs higher (1-18% in the README's table). ``summary()``:
     medians and fastest steps (the first step, which allocates the optimizer's state, is never the fastest),
     the anchor's fastest run, the counts' medians."""
 
@@ -172,14 +172,13 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
         time_ = plan.predict_time(model, layout, machine)
     except plan.LayoutError as e:
         return f"planner: refuses this layout ({e})"
-    turns = max(1.0, world / (machine.get("cores") or 1)) if machine.get("device", "cpu") == "cpu" else 1.0
     busy = steps["step_busy_per_anchor"] * machine.get("anchor_cpu_time_s", 0.0)
     measured = (f"{busy * 1e3:.2f} ms measured (the step's own thread, in anchors)" if busy
                 else f"{steps['step_busy_cpu_time_min_s'] * 1e3:.2f} ms measured (fastest step)")
     if layout.threads > 1:                  # the other BLAS threads' work is not this thread's CPU time
         measured += f" with {layout.threads} BLAS threads (OMP_NUM_THREADS=1 to compare)"
     return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step busy CPU "
-            f"{(time_['compute'] / turns + time_['comm_busy']) * 1e3:.2f} ms predicted, {measured}; wall "
+            f"{time_['busy'] * 1e3:.2f} ms predicted, {measured}; wall "
             f"{predicted['step_time_s']['total'] * 1e3:.2f} ms predicted, {steps['step_time_s'] * 1e3:.2f} ms measured "
             f"(median, slowest rank); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
             f"{fmt_bytes(peak_total)} measured")

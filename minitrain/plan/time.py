@@ -210,15 +210,19 @@ def _idle(name, p, m, v, k):
 
 def predict_time(model, layout, machine):
     """{'compute', 'comm', 'bubble', 'total'} seconds per step and 'bubble_fraction', for the slowest
-    stage. On a CPU a job of N ranks gives each cores/N BLAS threads, and N > cores ranks take turns."""
+    stage; 'busy': the CPU time of the step's own thread (compute without taking turns, plus the busy part of
+    the collectives it runs itself), which the jobs' step timer measures. On a CPU a job of N ranks gives each
+    cores/N BLAS threads, and N > cores ranks take turns."""
     if model.kind == "params":
-        return {"compute": 0.0, "comm": 0.0, "bubble": 0.0, "total": 0.0, "bubble_fraction": 0.0}
+        return {"compute": 0.0, "comm": 0.0, "bubble": 0.0, "total": 0.0, "bubble_fraction": 0.0,
+                "comm_busy": 0.0, "busy": 0.0}
     cpu = machine.get("device", "cpu") == "cpu"
     cores = machine.get("cores") or 1
     threads = (layout.threads or default_blas_threads(layout.world, cores)) if cpu else 1
     rows, e = layout.micro_batch_size, PRECISIONS[layout.precision]
     fresh = _largest_activation(model, layout) * e >= machine.get("held_array_bytes", 0)
-    c = Costs(machine, layout.precision, threads, max(1.0, layout.world / cores) if cpu else 1.0, fresh)
+    turns = max(1.0, layout.world / cores) if cpu else 1.0
+    c = Costs(machine, layout.precision, threads, turns, fresh)
     if model.kind == "mlp":
         layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
@@ -303,7 +307,8 @@ def predict_time(model, layout, machine):
     compute += c.seconds(tail)
     total = compute + comm + idle
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
-            "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy}
+            "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy,
+            "busy": compute / turns + comm_busy}
 
 
 def _largest_activation(model, layout):

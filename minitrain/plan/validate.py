@@ -74,7 +74,6 @@ def run(name, machine=None, timeout=300):
     predicted = predict(model, layout, machine)
     time = predict_time(model, layout, machine)
     cores = machine.get("cores") or 1
-    turns = max(1.0, n / cores) if machine.get("device", "cpu") == "cpu" else 1.0
     slowdown = (report["anchor_cpu_time_s"] / machine["anchor_cpu_time_s"]
                 if report.get("anchor_cpu_time_s") and machine.get("anchor_cpu_time_s") else 1.0)
     per_stage = layout.dp * layout.tp
@@ -96,7 +95,7 @@ def run(name, machine=None, timeout=300):
                             "cpu": report["step_cpu_time_min_s"], "busy_fastest": report["step_busy_cpu_time_min_s"],
                             "busy": busy, "busy_median": busy_median,
                             "waiting": report["step_waiting_cpu_time_s"], "anchor": slowdown,
-                            "predicted_busy": time["compute"] / turns + time["comm_busy"],
+                            "predicted_busy": time["busy"],
                             "predicted": time["total"], "comm": time["comm"], "bubble": time["bubble"]},
             "bubble_fraction": predicted["bubble_fraction"],
             "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
