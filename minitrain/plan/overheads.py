@@ -5,7 +5,6 @@ FSDP per unit and a pipeline runtime per action (their collectives on the progre
 their sends and receives). And the anchor: a fixed workload the jobs run between steps, whose time in a run
 over its calibrated time says how much a shared machine's other jobs slowed that run's own work.
 """
-import math
 import time
 
 import numpy as np
@@ -163,13 +162,7 @@ def _best_busy(fn, repeats):
     """The least busy CPU (this thread's CPU time outside its waits for peers) of ``repeats`` calls of
     ``fn``, after one call to warm it up."""
     from ..comm.communicator import waiting_cpu_seconds
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.thread_time() - waiting_cpu_seconds()
-        fn()
-        best = min(best, time.thread_time() - waiting_cpu_seconds() - t)
-    return best
+    return _best(fn, repeats, lambda: None, lambda: time.thread_time() - waiting_cpu_seconds())
 
 
 def _pipeline_action(comm, repeats, width, m=8, rows=32):
