@@ -35,8 +35,8 @@ def test_an_in_process_job_counts_its_own_bytes_not_the_processs(tmp_path):
         before = memory.snapshot()
         out = tmp_path / "mlp.json"
         assert mlp.main(["--no-progress", "--epochs", "1", "--json", str(out)]) == 0
-        psi = json.loads(out.read_text())["num_params"]
-        persistent = json.loads(out.read_text())["ranks"][0]["memory"]["persistent"]
+        report = json.loads(out.read_text())
+        psi, persistent = report["num_params"], report["ranks"][0]["memory"]["persistent"]
         assert persistent == {"params": 4 * psi, "grads": 4 * psi, "optimizer_state": 8 * psi}
         assert memory.snapshot() == before
     finally:
