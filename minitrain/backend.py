@@ -407,12 +407,18 @@ _host_memory_held = False
 
 
 def blas_threads():
-    """The BLAS threads this process runs with now (threadpoolctl's count; None without it)."""
+    """The threads of the BLAS NumPy's products run on (threadpoolctl's count; None without it). Other BLAS
+    libraries a process loads later (SciPy's, pulled in with scikit-learn's digits loader after the job
+    capped its threads) do none of the job's arithmetic and are not counted; where NumPy's own cannot be
+    told apart (a system BLAS), the most threads of any."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
         return None
-    counts = [p["num_threads"] for p in threadpool_info() if p.get("user_api") == "blas"]
+    blas = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    numpy_dir = os.path.dirname(np.__file__)
+    own = [p for p in blas if os.path.dirname(p["filepath"]) in (numpy_dir + ".libs", os.path.join(numpy_dir, ".libs"))]
+    counts = [p["num_threads"] for p in (own or blas)]
     return max(counts) if counts else None
 
 

@@ -95,6 +95,19 @@ def test_step_timer_leaves_polling_for_a_peer_out_of_the_steps_busy_cpu():
     assert waiter["step_busy_cpu_time_min_s"] < 0.25 * waiter["step_cpu_time_min_s"]
 
 
+def test_the_blas_threads_reported_are_numpys_not_a_library_loaded_later():
+    """The digits loader imports scikit-learn after a job caps its threads, loading SciPy's own BLAS at its
+    default; the job reports (and the planner predicts for) the BLAS NumPy's products run on."""
+    import os
+    import subprocess
+    import sys
+    code = ("from minitrain import backend; backend.limit_blas_threads(1); import sklearn.datasets; "
+            "print(backend.blas_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in backend.BLAS_THREAD_VARS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "1", out.stdout + out.stderr
+
+
 def test_a_job_keeps_to_the_blas_threads_the_environment_asks_for():
     assert backend.default_blas_threads(ranks=1, cores=2, environ={}) == 2
     assert backend.default_blas_threads(ranks=2, cores=2, environ={}) == 1
