@@ -19,7 +19,9 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
 With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
 committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine
-(--merge), machines/a100-80gb.json NVIDIA's datasheet (not measured).
+(--merge), its communication costs the best of three later ones, measured after every collective began
+checking its header with a neighbour (--merge ... --comm-only: +50-100 us a collective at p = 2);
+machines/a100-80gb.json is NVIDIA's datasheet (not measured).
 """
 import argparse
 import json
@@ -183,14 +185,21 @@ def fit_alpha_beta(points, name, p):
 def _worker(out_path, sizes):
     """Under mpiexec: time every collective at every size (best of 8, slowest rank), by the wall clock and by
     the CPU time the calling thread spends outside its waits (its copies, reductions and calls: the part a
-    shared machine distorts least, which the jobs report as busy); rank 0 writes JSON."""
+    shared machine distorts least, which the jobs report as busy); and as a job meets it ("job_*": the median
+    of 9, each called after the anchor's few milliseconds of compute, without a barrier, so the ranks arrive
+    apart and the caches are the compute's: on this 2-core machine 1.5-3x the best case; only where the ranks
+    fit the cores); rank 0 writes JSON."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
     xp, sync = backend.xp(), backend.synchronize
     results = {}
     from ..comm.communicator import waiting_cpu_seconds
+    from .overheads import anchor
+    # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner
+    # already charges to the compute (its ranks / cores factor); there, the best case only
+    fits_the_cores = backend.get_device() != "cpu" or c.size <= (os.cpu_count() or 1)
     for name in COLLECTIVES:
-        points, busy = [], []
+        points, busy, in_job = [], [], []
         for nbytes in sizes:
             x = xp.ones(nbytes // 4, np.float32)
             buf = xp.empty_like(x)
@@ -217,15 +226,27 @@ def _worker(out_path, sizes):
                 sync()
                 times.append(time.perf_counter() - t)
                 own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
-            mine = np.array([min(times[1:]), min(own[1:])])     # best of 8, as the other constants
+            job = []
+            for _ in range(9 if fits_the_cores else 0):         # as a job meets it: after its compute, unaligned
+                anchor()
+                t = time.perf_counter()
+                op()
+                sync()
+                job.append(time.perf_counter() - t)
+            mine = np.array([min(times[1:]), min(own[1:]), np.median(job) if job else 0.0])   # best of 8, as the others
             slowest = mtcomm.all_reduce(c, mine, op="max")
             points.append((nbytes, float(slowest[0])))
             busy.append((nbytes, float(slowest[1])))
+            in_job.append((nbytes, float(slowest[2])))
         if points and c.rank == 0:
             results[name] = fit_alpha_beta(points, name, c.size)
             own_fit = fit_alpha_beta(busy, name, c.size)
             results[name].update(busy_alpha_s=own_fit["alpha_s"], busy_beta_s_per_byte=own_fit["beta_s_per_byte"],
                                  busy_points=own_fit["points"])
+            if fits_the_cores:
+                job_fit = fit_alpha_beta(in_job, name, c.size)
+                results[name].update(job_alpha_s=job_fit["alpha_s"], job_beta_s_per_byte=job_fit["beta_s_per_byte"],
+                                     job_points=job_fit["points"])
     if c.size == 2:
         from .overheads import measure_in_a_job
         results["overheads"] = measure_in_a_job(c)
@@ -315,19 +336,41 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     return machine
 
 
-def merge(machines):
+# what the communication code's cost decides: recalibrated alone (--comm-only) when only that code changed
+COMM_SCALARS = ("collective_call_s", "ddp_step_s", "ddp_byte_s", "fsdp_unit_s", "pipeline_action_s",
+                "pipeline_action_byte_s")
+
+
+def merge(machines, comm_only=None):
     """Several calibrations of one machine as one: the least loaded whole (its anchor ran fastest; every
     constant in it was measured under that same load, which the jobs' own anchor then scales), with the
     collective fits, measured apart under mpiexec, that predict the least time for 1 MiB. How
-    machines/cpu-2core.json was made. (Calibrations without an anchor: the first.)"""
+    machines/cpu-2core.json was made. (Calibrations without an anchor: the first.) ``comm_only``: an earlier
+    calibration keeps everything but the communication's costs, which come from these (the collectives as
+    above, COMM_SCALARS each the least): for a change to the communication code alone (cpu-2core.json's
+    collectives were remeasured so when every collective began checking its header with a neighbour)."""
+    if comm_only is not None:
+        out = {**comm_only, **{k: min(m[k] for m in machines if k in m) for k in COMM_SCALARS
+                               if any(k in m for m in machines)}}
+        out["collectives"] = merge(machines)["collectives"]
+        out["measured"] = (f"{comm_only['measured']}; communication costs: the best of "
+                           + ", ".join(m["measured"] for m in machines))
+        return out
     out = dict(min(machines, key=lambda m: m.get("anchor_cpu_time_s", math.inf)))
 
-    def one_mib(name, p, fit):
+    def one_mib(name, p, fit, kind=""):
         steps, sent = COLLECTIVES[name](int(p), 1 << 20)
-        return fit["alpha_s"] * steps + fit["beta_s_per_byte"] * sent
-    out["collectives"] = {name: {p: min((m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})),
-                                        key=lambda fit: one_mib(name, p, fit))
-                                 for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
+        return fit[kind + "alpha_s"] * steps + fit[kind + "beta_s_per_byte"] * sent
+
+    def best(name, p):
+        fits = [m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})]
+        out = dict(min(fits, key=lambda fit: one_mib(name, p, fit)))
+        in_job = [fit for fit in fits if "job_alpha_s" in fit]      # the least disturbed of the medians, apart
+        if in_job:
+            out.update({k: v for k, v in min(in_job, key=lambda fit: one_mib(name, p, fit, "job_")).items()
+                        if k.startswith("job_")})
+        return out
+    out["collectives"] = {name: {p: best(name, p) for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
                           for name in COLLECTIVES}
     out["measured"] = f"{out['measured']}, the least loaded of: " + ", ".join(m["measured"] for m in machines)
     return out
@@ -378,15 +421,21 @@ def main(argv=None):
     p.add_argument("--name", help="the machine's name in the JSON (default: this host's)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write the best of these calibrations instead (default: measure this machine)")
+    p.add_argument("--comm-only", metavar="JSON",
+                   help="with --merge: keep this calibration but for the communication's costs, taken from the "
+                        "merged ones (default: merge everything)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker, args.sizes)
+    if args.comm_only and not args.merge:
+        p.error("--comm-only: only with --merge")
     if any(r < 2 for r in args.ranks):
         p.error("--ranks: collectives need at least 2 ranks")
     if args.merge:
-        machine = merge([load_machine(path) for path in args.merge])
+        machine = merge([load_machine(path) for path in args.merge],
+                        load_machine(args.comm_only) if args.comm_only else None)
     else:
         machine = calibrate(args.ranks, args.quick)
     if args.name:
