@@ -3,9 +3,9 @@ mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, ZB-V, interle
 recomputation), predicted from the committed machine constants (machines/cpu-2core.json). Memory: every
 rank's ledger peak, every category, within 5%. Graph nodes per step: exactly the engine's count. Step time,
 where ranks fit the cores: the CPU time of the step's own thread outside its waits (busy), in units of the
-anchor run beside it (which the machine's other jobs slow alike): the median run within 20% of the prediction,
-every run within 1.5x (README: every run within 20% on a quiet machine, the wall clock beside them, and what
-oversubscription does)."""
+anchor run beside it (which the machine's other jobs slow alike), and the wall clock in anchors: each the median
+run within 20% of the prediction, every run within 1.5x (README: busy every run within 20% on a quiet machine,
+the wall clock 10 of 11, and what oversubscription does)."""
 import json
 import os
 import statistics
@@ -43,22 +43,34 @@ def test_graph_nodes_of_a_step_are_the_planners_count(results):
         assert res["nodes"]["measured"] == res["nodes"]["predicted"], (res["name"], res["nodes"])
 
 
-@pytest.mark.slow
-def test_step_time_within_20_percent_where_ranks_fit_the_cores(results):
-    """Busy CPU time (the step's own thread, waits left out) in anchors, against the planner's compute plus the
-    busy part of its collectives, over the runs whose ranks fit the cores: their median within 20%, and every
-    run within 1.5x. On a quiet machine every run is within 20% (README: 0.83-1.13x); CI runs this beside
-    its other tests on the same 2 cores, where one run can be disturbed as a whole (a full CI run saw one
-    outside 20%), so the per-run bound here is the one a shared machine holds; a run outside it is measured
-    once more before it is judged. Oversubscribed runs (4 and 8 ranks on 2 cores) are left out: their ranks
-    take turns on the cores and evict each other's caches."""
+def assert_within_20_percent_where_ranks_fit_the_cores(results, ratio):
+    """``ratio`` (predicted / measured) over the runs whose ranks fit the cores: their median within 20%, every
+    run within 1.5x; a run outside that is measured once more before it is judged (printed whole on failure)."""
     cores = os.cpu_count() or 1
-    ratios = {r["name"]: round(validate.busy_ratio(r), 3) for r in results if r["world"] <= cores}
+    ratios = {r["name"]: round(ratio(r), 3) for r in results if r["world"] <= cores}
     assert len(ratios) >= 9 or cores < 2, ratios
     first = dict(ratios)
     for name, x in first.items():
         if not 2 / 3 <= x <= 1.5:
-            ratios[name] = round(validate.busy_ratio(validate.run(name, "cpu-2core", timeout=240)), 3)
-    report = json.dumps({"first": first, "again": ratios})        # printed whole on failure
+            ratios[name] = round(ratio(validate.run(name, "cpu-2core", timeout=240)), 3)
+    report = json.dumps({"first": first, "again": ratios})
     assert 0.8 <= statistics.median(ratios.values()) <= 1.2, report
     assert all(2 / 3 <= x <= 1.5 for x in ratios.values()), report
+
+
+@pytest.mark.slow
+def test_step_time_within_20_percent_where_ranks_fit_the_cores(results):
+    """Busy CPU time (the step's own thread, waits left out) in anchors, against the planner's compute plus the
+    busy part of its collectives. On a quiet machine every run is within 20% (README: 0.91-1.11x); CI runs
+    this beside its other tests on the same 2 cores, where one run can be disturbed as a whole (a full CI run
+    saw one outside 20%), so the per-run bound here is the one a shared machine holds. Oversubscribed runs (4
+    and 8 ranks on 2 cores) are left out: their ranks take turns on the cores and evict each other's caches."""
+    assert_within_20_percent_where_ranks_fit_the_cores(results, validate.busy_ratio)
+
+
+@pytest.mark.slow
+def test_wall_clock_in_anchors_within_20_percent_where_ranks_fit_the_cores(results):
+    """The whole step (compute, the collectives as a job meets them, the pipeline's bubble) against the median
+    step's wall clock in anchors (README: 10 of 11 within 20% on a quiet machine, ZB-V 1.36x). The anchor takes
+    out how fast the machine ran meanwhile, not other jobs' turns on the cores."""
+    assert_within_20_percent_where_ranks_fit_the_cores(results, validate.wall_ratio)

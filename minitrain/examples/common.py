@@ -10,6 +10,7 @@ is what plan/validate.py compares with the planner on a shared machine.
 """
 import argparse
 import json
+import math
 import os
 import resource
 import time
@@ -71,13 +72,16 @@ class StepTimer:
     quartile (``step_busy_per_anchor``) is compared with the planner, whose constants are each the best of
     several measurements, so it predicts a step at its least disturbed: the lower quartile is that without
     trusting one lucky pair. The median (``step_busy_per_anchor_median``) is reported beside it: it also
-    counts the steps disturbed more than their anchor, and runs higher (1-18% in the README's table). ``summary()``:
+    counts the steps disturbed more than their anchor, and runs higher (1-18% in the README's table). The wall
+    clock in anchors (``step_wall_per_anchor``, the median of the same pairs) takes out how fast the machine ran
+    its one-thread work meanwhile (a VM's host or a neighbour's caches: the anchor ran 1.06-1.63x its calibrated
+    time in one hour on this machine), not the turns other jobs take on the cores. ``summary()``:
     medians and fastest steps (the first step, which allocates the optimizer's state, is never the fastest),
     the anchor's fastest run, the counts' medians."""
 
     KEYS = ("step_time_s", "step_time_min_s", "step_cpu_time_s", "step_cpu_time_min_s", "step_busy_cpu_time_s",
             "step_busy_cpu_time_min_s", "step_waiting_cpu_time_s", "step_page_faults", "step_autograd_nodes",
-            "anchor_cpu_time_s", "step_busy_per_anchor", "step_busy_per_anchor_median")
+            "anchor_cpu_time_s", "step_busy_per_anchor", "step_busy_per_anchor_median", "step_wall_per_anchor")
 
     def __init__(self):
         self.steps, self.anchors = [], []
@@ -117,12 +121,13 @@ class StepTimer:
         """The summary as a list in KEYS' order (for the jobs' per-rank tables)."""
         wall, cpu, waiting, faults, nodes = np.array(self.steps, np.float64).T
         busy = cpu - waiting
-        paired = [busy[i] / t for i, t in self.anchors if i > 0 and t > 0] or [0.0]   # not the first step
+        anchored = [(i, t) for i, t in self.anchors if i > 0 and t > 0] or [(0, math.inf)]   # not the first step
+        paired = [busy[i] / t for i, t in anchored]
         return [float(f(x)) for x, f in ((wall, np.median), (wall, np.min), (cpu, np.median), (cpu, np.min),
                                          (busy, np.median), (busy, np.min), (waiting, np.median),
                                          (faults, np.median), (nodes, np.median))] + \
             [min((t for _, t in self.anchors), default=0.0), float(np.percentile(paired, 25)),
-             float(np.median(paired))]
+             float(np.median(paired)), float(np.median([wall[i] / t for i, t in anchored]))]
 
     def summary(self):
         return dict(zip(self.KEYS, self.values()))
@@ -161,7 +166,8 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan): ``steps``
     is the slowest rank's StepTimer summary; the planner is told the BLAS threads this process runs with. Time is
     compared as plan/validate.py compares it: the step's busy CPU time in units of the anchor (which the machine's
-    other jobs slow alike) against the planner's compute and its collectives' own work; the wall clock beside."""
+    other jobs slow alike) against the planner's compute and its collectives' own work; the wall clock beside
+    (also in anchors)."""
     from .. import plan
     try:
         model, layout = (plan.mlp_from_args(args, world) if kind == "mlp"
@@ -175,12 +181,14 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
     busy = steps["step_busy_per_anchor"] * machine.get("anchor_cpu_time_s", 0.0)
     measured = (f"{busy * 1e3:.2f} ms measured (the step's own thread, in anchors)" if busy
                 else f"{steps['step_busy_cpu_time_min_s'] * 1e3:.2f} ms measured (fastest step)")
+    in_anchors = steps.get("step_wall_per_anchor", 0.0) * machine.get("anchor_cpu_time_s", 0.0)
+    wall = f"; {in_anchors * 1e3:.2f} ms in anchors" if in_anchors else ""
     if layout.threads > 1:                  # the other BLAS threads' work is not this thread's CPU time
         measured += f" with {layout.threads} BLAS threads (OMP_NUM_THREADS=1 to compare)"
     return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step busy CPU "
             f"{time_['busy'] * 1e3:.2f} ms predicted, {measured}; wall "
             f"{predicted['step_time_s']['total'] * 1e3:.2f} ms predicted, {steps['step_time_s'] * 1e3:.2f} ms measured "
-            f"(median, slowest rank); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
+            f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
             f"{fmt_bytes(peak_total)} measured")
 
 

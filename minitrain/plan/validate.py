@@ -9,9 +9,11 @@ outside its waits for peers (busy: its arithmetic, Python and its own collective
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
 run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the lower quartile over
-the run (the median beside it), times the anchor's calibrated time, for the slowest stage, its ranks averaged. Where ranks outnumber
-cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the planner's
-compute without its ranks / cores factor), and the wall clock against the whole prediction.
+the run (the median beside it), times the anchor's calibrated time, for the slowest stage, its ranks
+averaged. The wall clock is compared the same way (the median step in anchors: how fast the machine ran
+meanwhile is taken out, not other jobs' turns on the cores), the plain median beside it. Where ranks
+outnumber cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the
+planner's compute without its ranks / cores factor), and the wall clock against the whole prediction.
 The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
 recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
 """
@@ -56,7 +58,8 @@ def planned(kind, n, options):
 
 def run(name, machine=None, timeout=300):
     """Launch one run, return {name, world, ranks: [{measured, predicted} peak bytes per rank and category],
-    nodes: {measured, predicted}, step_time_s: {wall (median), fastest (wall), busy (in anchors, times the
+    nodes: {measured, predicted}, step_time_s: {wall (median), fastest (wall), wall_anchored (the wall clock in
+    anchors, times the anchor's calibrated time, ranks averaged), busy (in anchors, times the
     anchor's calibrated time: the slowest stage's, its ranks averaged), busy_fastest (the fastest step's, the
     slowest rank's), waiting (median), predicted_busy, predicted (the whole step), anchor (this run's fastest
     anchor over its calibrated time: how much the machine's other jobs slowed it)}}."""
@@ -87,11 +90,14 @@ def run(name, machine=None, timeout=300):
     slowest = max(stages.values(), key=lambda v: sum(q for q, _ in v))
     busy = sum(q for q, _ in slowest) / len(slowest) * machine["anchor_cpu_time_s"]
     busy_median = sum(m for _, m in slowest) / len(slowest) * machine["anchor_cpu_time_s"]
+    walls = [r["step"].get("step_wall_per_anchor", 0.0) for r in report["ranks"]]    # a step ends on every rank at once
+    wall_anchored = sum(walls) / len(walls) * machine["anchor_cpu_time_s"]
     return {"name": name, "job": kind, "world": n, "options": options, "cores": cores, "threads": layout.threads,
             "describe": predicted["describe"], "ranks": ranks,
             "nodes": {"measured": report["step_autograd_nodes"], "predicted": predict_nodes(model, layout, machine)},
             "page_faults": report["step_page_faults"],
             "step_time_s": {"wall": report["step_time_s"], "fastest": report["step_time_min_s"],
+                            "wall_anchored": wall_anchored,
                             "cpu": report["step_cpu_time_min_s"], "busy_fastest": report["step_busy_cpu_time_min_s"],
                             "busy": busy, "busy_median": busy_median,
                             "waiting": report["step_waiting_cpu_time_s"], "anchor": slowdown,
@@ -120,11 +126,18 @@ def busy_ratio(result):
     return t["predicted_busy"] / t["busy"]
 
 
+def wall_ratio(result):
+    """Predicted / measured wall clock of a step, the measurement in anchors (1 = exact)."""
+    t = result["step_time_s"]
+    return t["predicted"] / t["wall_anchored"] if t.get("wall_anchored") else 0.0
+
+
 def table(results):
     """The README's table: one row per run."""
     rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | nodes | step busy CPU: "
-            "measured, lower quartile (median) / predicted (ratio; anchor) | waiting CPU | wall: median (fastest) / predicted |",
-            "|---|---|---|---|---|---|---|---|"]
+            "measured, lower quartile (median) / predicted (ratio; anchor) | waiting CPU | wall: median (fastest) / predicted | "
+            "wall in anchors / predicted (ratio) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         heaviest = max(res["ranks"], key=lambda r: r["measured"]["total"])
         t = res["step_time_s"]
@@ -135,7 +148,8 @@ def table(results):
                     f"{t['busy'] * 1e3:.2f} ({t['busy_median'] * 1e3:.2f}) / {t['predicted_busy'] * 1e3:.2f} ms "
                     f"({busy_ratio(res):.2f}x; "
                     f"{t['anchor']:.2f}) | {t['waiting'] * 1e3:.2f} ms | {t['wall'] * 1e3:.2f} ({t['fastest'] * 1e3:.2f}) / "
-                    f"{t['predicted'] * 1e3:.2f} ms{' (ranks take turns)' if over else ''} |")
+                    f"{t['predicted'] * 1e3:.2f} ms{' (ranks take turns)' if over else ''} | "
+                    f"{t['wall_anchored'] * 1e3:.2f} / {t['predicted'] * 1e3:.2f} ms ({wall_ratio(res):.2f}x) |")
     return "\n".join(rows)
 
 
@@ -157,7 +171,8 @@ def main(argv=None):
         print(f"{name:>22}: memory worst error {memory_error(res):.3%}; nodes {res['nodes']['measured']:.0f} measured, "
               f"{res['nodes']['predicted']} predicted; step busy CPU {t['busy'] * 1e3:.2f} ms measured, "
               f"{t['predicted_busy'] * 1e3:.2f} ms predicted ({busy_ratio(res):.2f}x; anchor {t['anchor']:.2f}); "
-              f"wall {t['wall'] * 1e3:.2f} ms (fastest {t['fastest'] * 1e3:.2f}), {t['predicted'] * 1e3:.2f} ms predicted",
+              f"wall {t['wall'] * 1e3:.2f} ms (fastest {t['fastest'] * 1e3:.2f}; in anchors {t['wall_anchored'] * 1e3:.2f}), "
+              f"{t['predicted'] * 1e3:.2f} ms predicted ({wall_ratio(res):.2f}x)",
               flush=True)
     print(table(results))
     if args.json:
