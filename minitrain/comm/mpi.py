@@ -32,6 +32,7 @@ from .reports import prefixed
 from .transport import default_transport, mpi_buffer
 
 ABORT_GRACE_S = 0.5
+ABORT_WAIT_S = 2 * ABORT_GRACE_S + 2.0     # how long a rank waits for another's abort to end it
 
 
 _MPI = None
@@ -130,7 +131,7 @@ class _Session:
                 # MPI_Abort under load, and the launcher then reported 0 for the whole job (2 runs in ~40 of
                 # tests/test_faults.py's skip_last beside two busy processes). Wait for the abort to end
                 # this process too; if it never comes, leave without MPI_Finalize, so the job fails.
-                time.sleep(2 * ABORT_GRACE_S + 2.0)
+                time.sleep(ABORT_WAIT_S)
                 os._exit(1)
 
 
@@ -238,7 +239,7 @@ class MPICommunicator(Communicator):
         self.session.watchdog.wait_for(lambda: recorder.abort_notice is not None or reporter in recorder.finished_peers,
                                        seconds)
         if recorder.abort_notice is not None:          # the job is ending: let the launcher do it
-            self.session.watchdog.wait_for(lambda: False, 2 * ABORT_GRACE_S + 2.0)
+            self.session.watchdog.wait_for(lambda: False, ABORT_WAIT_S)
 
     def abort(self, code=1):
         """Stop every rank of the job. What this rank wrote gets ABORT_GRACE_S to reach the launcher

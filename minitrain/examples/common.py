@@ -175,7 +175,6 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
         layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0})
         machine = plan.load_machine()
         predicted = plan.predict(model, layout, machine)
-        time_ = plan.predict_time(model, layout, machine)
     except plan.LayoutError as e:
         return f"planner: refuses this layout ({e})"
     busy = steps["step_busy_per_anchor"] * machine.get("anchor_cpu_time_s", 0.0)
@@ -186,7 +185,7 @@ def planner_line(args, world, steps, peak_total, kind="mlp", vocab_size=None):
     if layout.threads > 1:                  # the other BLAS threads' work is not this thread's CPU time
         measured += f" with {layout.threads} BLAS threads (OMP_NUM_THREADS=1 to compare)"
     return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step busy CPU "
-            f"{time_['busy'] * 1e3:.2f} ms predicted, {measured}; wall "
+            f"{predicted['step_busy_s'] * 1e3:.2f} ms predicted, {measured}; wall "
             f"{predicted['step_time_s']['total'] * 1e3:.2f} ms predicted, {steps['step_time_s'] * 1e3:.2f} ms measured "
             f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes']['total'])} predicted, "
             f"{fmt_bytes(peak_total)} measured")

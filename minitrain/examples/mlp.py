@@ -198,7 +198,7 @@ def _main(argv=None):
     if steps == 0:
         return nothing_left(args, comm, first_step)
     _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step, state["timer"])
+                    x_test, y_test, local_batch, offload, state["host"], state["losses"], first_step, timer=state["timer"])
     return 0
 
 
@@ -267,7 +267,7 @@ def nothing_left(args, comm, first_step):
 
 
 def _after_training(args, comm, model, wrapped, stage, steps, seen, persistent, step_events, loss, elapsed,
-                    x_test, y_test, local_batch, offload, host, state_losses=(), first_step=0, timer=None):
+                    x_test, y_test, local_batch, offload, host, state_losses=(), first_step=0, *, timer):
     world, rank = comm.size, comm.rank
     # local SGD: the replicas were averaged after the last step (main), so they agree before evaluating
     if stage < 3:                        # under ZeRO-3 each rank holds a different shard, by design

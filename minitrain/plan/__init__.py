@@ -25,7 +25,8 @@ DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digi
 def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True,
             time_if_unfit=True):
     """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (per category, of
-    the rank that holds the most), step_time_s, bubble_fraction, fits, flops_per_iteration, the layout.
+    the rank that holds the most), step_time_s, step_busy_s (the CPU time of the step's own thread, which the
+    jobs' step timer measures: plan/time.py), bubble_fraction, fits, flops_per_iteration, the layout.
     time_if_unfit=False (--search): a layout that does not fit is answered {'fits': False} alone."""
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
@@ -41,6 +42,7 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
               "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
               "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
               "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
+              "step_busy_s": time["busy"],
               "bubble_fraction": time["bubble_fraction"],
               "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
               "flops_per_iteration": flops_per_iteration(model, layout)}

@@ -19,7 +19,7 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
 With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
 committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine
-(--merge), its communication costs the best of three later ones, measured after every collective began
+(--merge), its communication costs the best of six later ones, measured after every collective began
 checking its header with a neighbour (--merge ... --comm-only: +50-100 us a collective at p = 2);
 machines/a100-80gb.json is NVIDIA's datasheet (not measured).
 """
@@ -349,30 +349,30 @@ def merge(machines, comm_only=None):
     calibration keeps everything but the communication's costs, which come from these (the collectives as
     above, COMM_SCALARS each the least): for a change to the communication code alone (cpu-2core.json's
     collectives were remeasured so when every collective began checking its header with a neighbour)."""
+    measured = ", ".join(m["measured"] for m in machines)
     if comm_only is not None:
-        out = {**comm_only, **{k: min(m[k] for m in machines if k in m) for k in COMM_SCALARS
-                               if any(k in m for m in machines)}}
-        out["collectives"] = merge(machines)["collectives"]
-        out["measured"] = (f"{comm_only['measured']}; communication costs: the best of "
-                           + ", ".join(m["measured"] for m in machines))
-        return out
-    out = dict(min(machines, key=lambda m: m.get("anchor_cpu_time_s", math.inf)))
+        out = {**comm_only, **_least([{k: m[k] for k in COMM_SCALARS if k in m} for m in machines])}
+        out["measured"] = f"{comm_only['measured']}; communication costs: the best of {measured}"
+    else:
+        out = dict(min(machines, key=lambda m: m.get("anchor_cpu_time_s", math.inf)))
+        out["measured"] = f"{out['measured']}, the least loaded of: {measured}"
+    out["collectives"] = {name: {p: _best_collective(machines, name, p)
+                                 for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
+                          for name in COLLECTIVES}
+    return out
 
-    def one_mib(name, p, fit, kind=""):
+
+def _best_collective(machines, name, p):
+    """Of several calibrations' fits of one collective at p ranks, the best case's and the in-a-job one's
+    that predict the least time for 1 MiB, chosen apart (the least disturbed of each)."""
+    def one_mib(fit, kind=""):
         steps, sent = COLLECTIVES[name](int(p), 1 << 20)
         return fit[kind + "alpha_s"] * steps + fit[kind + "beta_s_per_byte"] * sent
-
-    def best(name, p):
-        fits = [m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})]
-        out = dict(min(fits, key=lambda fit: one_mib(name, p, fit)))
-        in_job = [fit for fit in fits if "job_alpha_s" in fit]      # the least disturbed of the medians, apart
-        if in_job:
-            out.update({k: v for k, v in min(in_job, key=lambda fit: one_mib(name, p, fit, "job_")).items()
-                        if k.startswith("job_")})
-        return out
-    out["collectives"] = {name: {p: best(name, p) for p in sorted({q for m in machines for q in m["collectives"].get(name, {})})}
-                          for name in COLLECTIVES}
-    out["measured"] = f"{out['measured']}, the least loaded of: " + ", ".join(m["measured"] for m in machines)
+    fits = [m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})]
+    out = dict(min(fits, key=one_mib))
+    in_job = [fit for fit in fits if "job_alpha_s" in fit]
+    if in_job:
+        out.update({k: v for k, v in min(in_job, key=lambda fit: one_mib(fit, "job_")).items() if k.startswith("job_")})
     return out
 
 
@@ -393,9 +393,8 @@ def _least_fits(tables, n=32768):
             for k in set().union(*tables)}
 
 
-def _least(dicts, dtype=None):
-    """Key by key, the smallest of several measurements of the same seconds (of one dtype's table)."""
-    dicts = [d[dtype] for d in dicts] if dtype else dicts
+def _least(dicts):
+    """Key by key, the smallest of several measurements of the same seconds."""
     return {k: min(d[k] for d in dicts if k in d) for k in set().union(*dicts)}
 
 

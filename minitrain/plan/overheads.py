@@ -14,10 +14,10 @@ from .calibrate import _best, _xp
 
 def measure_overheads(repeats=5, clock=time.perf_counter):
     """Python's share of a step, measured on tiny arrays: one NumPy call; per parameter tensor, an Adam step
-    and DDP's hook and write-back (on a one-rank ThreadWorld: what a machine without ``_wrapper_overheads``'
+    and DDP's hook and write-back (on a one-rank ThreadWorld: what a machine without ``measure_in_a_job``'s
     figures is charged); one collective call that moves nothing; one traced span; one action of a pipeline
     (its runtime's bookkeeping and a backward call per micro-batch, beyond the layers' work). Per graph node
-    and per parameter: ``measure_node_overheads``; DDP and FSDP in a real job: ``_wrapper_overheads``."""
+    and per parameter: ``measure_node_overheads``; DDP and FSDP in a real job: ``measure_in_a_job``."""
     xp, sync = _xp()
     from .. import Tensor, nn, optim, trace
     from ..comm import ThreadWorld, ring_all_reduce

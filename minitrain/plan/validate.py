@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import replace
 
 from . import CATEGORIES, load_machine, predict
-from .time import predict_nodes, predict_time
+from .time import predict_nodes
 
 MLP = "--epochs 15"
 GPT = "--steps 60 --sample-chars 1"
@@ -75,7 +75,7 @@ def run(name, machine=None, timeout=300):
     model, layout = planned(kind, n, options)
     layout = replace(layout, threads=report.get("blas_threads") or 0)      # the threads the job ran with
     predicted = predict(model, layout, machine)
-    time = predict_time(model, layout, machine)
+    time = predicted["step_time_s"]
     cores = machine.get("cores") or 1
     slowdown = (report["anchor_cpu_time_s"] / machine["anchor_cpu_time_s"]
                 if report.get("anchor_cpu_time_s") and machine.get("anchor_cpu_time_s") else 1.0)
@@ -101,7 +101,7 @@ def run(name, machine=None, timeout=300):
                             "cpu": report["step_cpu_time_min_s"], "busy_fastest": report["step_busy_cpu_time_min_s"],
                             "busy": busy, "busy_median": busy_median,
                             "waiting": report["step_waiting_cpu_time_s"], "anchor": slowdown,
-                            "predicted_busy": time["busy"],
+                            "predicted_busy": predicted["step_busy_s"],
                             "predicted": time["total"], "comm": time["comm"], "bubble": time["bubble"]},
             "bubble_fraction": predicted["bubble_fraction"],
             "job_printed_the_plan": "planner (python -m minitrain.plan" in printed}
