@@ -102,7 +102,7 @@ THROUGHPUT = [("--n-layer 128 --n-embd 25600 --n-head 160 --world 3072 --batch-s
 @pytest.mark.parametrize("sizes, reported", THROUGHPUT)
 def test_predicted_throughput_of_the_papers_runs_on_a100s(sizes, reported):
     """The datasheet A100 profile's prediction for Megatron's runs, against the TFLOP/s per GPU they report
-    (README: how far off, and why). A bound, not a fit: within 25%."""
+    (docs/measured.md: how far off, and why). A bound, not a fit: within 25%."""
     result = cli(f"gpt {sizes} --block-size 2048 --vocab-size 51200 --tp 8 --recompute full --precision fp16 "
                  f"--machine a100-80gb")
     tflops = result["flops_per_iteration"] / result["step_time_s"]["total"] / result["layout"]["world"] / 1e12
