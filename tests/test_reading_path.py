@@ -155,6 +155,14 @@ def test_the_readme_links_the_documents_it_points_to():
         assert (ROOT / doc).is_file()
     for target in re.findall(r"\]\(((?:minitrain|docs|notebooks|scripts|tests)/[^)#\s]*)", text):
         assert (ROOT / target).exists(), f"the README links {target}, which does not exist"
+    for page, anchor in re.findall(r"\]\(((?:docs/[\w.]+)?)#([\w-]+)\)", text):
+        assert anchor in slugs((ROOT / page).read_text() if page else text), f"the README links {page}#{anchor}: no such heading"
+
+
+def slugs(markdown):
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", markdown, re.M)}
 
 
 def measured_problems(text):
