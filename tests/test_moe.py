@@ -220,3 +220,35 @@ def test_dense_gpt_is_unchanged_without_experts(float64):
 def test_bad_moe_settings_are_one_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_an_moe_gpt_step_on_the_gpu_reads_only_the_split_sizes_and_equals_the_cpu(standin_gpu, float64):
+    """On the strict CuPy stand-in: no implicit copy; one synchronisation per MoE layer (its rows per
+    expert, the split sizes) besides reading the loss; the same numbers as on the CPU."""
+    from minitrain import backend
+    config = gpt_config(moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0, moe_groups=2)
+    idx = np.random.default_rng(0).integers(0, 13, (4, 8))
+
+    def run(device):
+        backend.set_device(device)
+        mt.manual_seed(0)
+        model = nn.GPT(config)
+        opt = optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step():
+            _, loss = model(idx, idx)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+        step()
+        with standin_gpu._standin.counting() as c:
+            loss = step()
+        return loss, c.delta, model.h[1].mlp.statistics()
+    gpu_loss, delta, gpu_stats = run("cuda")
+    cpu_loss, _, cpu_stats = run("cpu")
+    backend.set_device("cuda")
+    assert delta["h2d_implicit"] == 0 and delta["device_pointers"] == 0, delta
+    assert delta["sync"] == 2 + 1 and delta["d2h"] == 2 + 1, delta
+    assert gpu_loss == pytest.approx(cpu_loss, rel=1e-12)
+    assert gpu_stats["load"] == cpu_stats["load"] and gpu_stats["tokens_dropped"] == cpu_stats["tokens_dropped"]

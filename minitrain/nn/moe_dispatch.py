@@ -54,10 +54,14 @@ def plan_dispatch(choices, num_experts, capacity=None, groups=1):
     segment = expert * groups + slots // (S * k)              # (expert, group): non-decreasing
     per_segment = xp.bincount(segment, minlength=E * groups)
     start = xp.cumsum(per_segment) - per_segment
-    if capacity is not None:                                  # the first `capacity` of each segment
+    kept = per_segment if capacity is None else xp.minimum(per_segment, capacity)
+    counts = backend.to_host(kept.reshape(E, groups).sum(axis=1)).tolist()   # the one read: split sizes
+    if capacity is not None:   # keep the first `capacity` of each segment, packed in order
         keep = xp.arange(N * k) - start[segment] < capacity
-        slots, expert = slots[keep], expert[keep]
-    counts = backend.to_host(xp.bincount(expert, minlength=E)).tolist()   # one read: the split sizes
+        # (not slots[keep]: a boolean mask would read its count back from the device a second time)
+        packed = xp.empty(N * k + 1, dtype=slots.dtype)
+        packed[xp.where(keep, xp.cumsum(keep) - 1, N * k)] = slots     # dropped ones to a spare place
+        slots = packed[:sum(counts)]
     return DispatchPlan(token=slots // k, slot=slots, counts=counts,
                         routed=per_segment.reshape(E, groups).T,
                         dropped=N * k - sum(counts), num_tokens=N, top_k=k)
