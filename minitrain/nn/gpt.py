@@ -46,6 +46,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.recompute not in (None, "none", "full", "selective"):
             raise ValueError(f"recompute must be None, 'full' or 'selective', got {self.recompute!r}")
+        if self.moe_experts < 0:
+            raise ValueError(f"moe_experts must be 0 (no MoE layer) or more, got {self.moe_experts}")
         if self.moe_experts:
             if self.moe_every < 1 or self.moe_every > self.n_layer:
                 raise ValueError(f"moe_every={self.moe_every} must be in [1, n_layer={self.n_layer}] "
