@@ -129,10 +129,10 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
         result = _output(out, flat, flat.size)
         bounds = chunk_bounds(flat.size, p)
 
-        def mine(i):                      # chunk i of this rank's input, and of the result
+        def own(i):                       # chunk i of this rank's input, and of the result
             return flat[bounds[i]:bounds[i + 1]]
 
-        def theirs(i):
+        def res(i):
             return result[bounds[i]:bounds[i + 1]]
         if p == 1:
             result[...] = flat
@@ -140,13 +140,13 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
         # receive chunk r-s-2 and add my input's copy to it; after p-1 steps chunk r is fully reduced here
         for step in range(p - 1):
             send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
-            outgoing = mine(send_i) if step == 0 else theirs(send_i)
-            _sendrecv_reduce(comm, outgoing, right, theirs(recv_i), left, tag, mine(recv_i), op)
-        _finish_mean(theirs(r), op, p)
+            outgoing = own(send_i) if step == 0 else res(send_i)
+            _sendrecv_reduce(comm, outgoing, right, res(recv_i), left, tag, own(recv_i), op)
+        _finish_mean(res(r), op, p)
         # all-gather: pass the reduced chunks around the ring; after p-1 steps every rank has all of them
         for step in range(p - 1):
             send_i, recv_i = (r - step) % p, (r - step - 1) % p
-            comm.sendrecv(theirs(send_i), right, theirs(recv_i), left, tag)
+            comm.sendrecv(res(send_i), right, res(recv_i), left, tag)
         return out if out is not None else result.reshape(x.shape)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
     return comm.launch("ring_all_reduce", ring, (), async_op, header, x.nbytes)
@@ -168,7 +168,7 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
         flat = _flat(x)
         result = _output(out, flat, bounds[r + 1] - bounds[r])
 
-        def mine(i):                      # chunk i of this rank's input
+        def own(i):                       # chunk i of this rank's input
             return flat[bounds[i]:bounds[i + 1]]
         if p == 1:
             result[...] = flat
@@ -180,7 +180,7 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
         for step in range(p - 1):     # as in ring_all_reduce: send chunk r-s-1, receive and reduce chunk r-s-2
             send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
             incoming = result if step == p - 2 else scratch[step % 2][:bounds[recv_i + 1] - bounds[recv_i]]
-            _sendrecv_reduce(comm, mine(send_i) if step == 0 else reduced, right, incoming, left, tag, mine(recv_i), op)
+            _sendrecv_reduce(comm, own(send_i) if step == 0 else reduced, right, incoming, left, tag, own(recv_i), op)
             reduced = incoming
         _finish_mean(result, op, p)
         return out if out is not None else result

@@ -1,12 +1,11 @@
 """Communicator: the only way bytes cross ranks. Point-to-point calls and the tag discipline.
 
-A backend (mpi.py, local.py, nccl.py) moves raw bytes under a *wire tag* and reports how many arrived;
-here, once: send / recv / sendrecv / isend / irecv on contiguous arrays (a receive of another size or
-dtype raises: the dtype travels in the wire tag, tag * 16 + dtype code); wait_all (sched_yield for
-10 ms, then sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower; past
-``timeout``: CollectiveTimeout); each collective's sequence number, with a few bits of its name its
-tag, so no two collectives exchange messages; byte counts. The guard (guard.py) wraps this through one
-seam, ``comm.guard`` (seam.py); a collective runs here or on the progress thread (work.py).
+Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag (tag * 16 + dtype
+code: a message of another dtype never matches); here, once for all: send / recv / sendrecv / isend /
+irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield for 10 ms, then
+sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower); each collective's
+sequence number, whose tag no other collective uses. Around it, through one seam (``comm.guard``,
+seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
 """
 import functools
 import os
@@ -30,8 +29,6 @@ DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128")
-
-
 _waiting = threading.local()          # per thread: CPU seconds spent polling
 
 
@@ -46,6 +43,13 @@ def dtype_code(dtype):
     """0..15: the dtype's slot in the wire tag (15: any other dtype)."""
     name = np.dtype(dtype).name
     return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else DTYPE_SLOTS - 1
+
+
+def _check_buffer(a, what):
+    if not hasattr(a, "nbytes"):
+        raise CommError(f"{what}: expected a numpy or cupy array, got {type(a).__name__}")
+    if not (a.flags.c_contiguous or a.size == 0):
+        raise CommError(f"{what}: buffer of shape {a.shape} is not contiguous (use ascontiguousarray)")
 
 
 class Communicator(Launcher):
@@ -67,7 +71,7 @@ class Communicator(Launcher):
         self._seq, self._seq_lock, self._local = 0, threading.Lock(), threading.local()
         self._progress, self._progress_lock, self._splits = None, threading.Lock(), 0
 
-    def _options(self):
+    def _options(self):                               # what a split passes on
         return dict(comm_timeout=self.comm_timeout, **self.guard.options(self))
 
     # ---- the backend's primitives
@@ -85,17 +89,15 @@ class Communicator(Launcher):
         """isend / irecv: check, count (under ``counted``, apart from the totals, if given), hand over."""
         if not 0 <= peer < self.size:
             raise CommError(f"[rank {self.rank}] {kind}: peer {peer} is not in a world of size {self.size}")
-        if not hasattr(buf, "nbytes") or not (buf.flags.c_contiguous or buf.size == 0):
-            raise CommError(f"[rank {self.rank}] {kind} {'to' if kind == 'send' else 'from'} {peer}: " +
-                            (f"buffer of shape {buf.shape} is not contiguous (use ascontiguousarray)"
-                             if hasattr(buf, "nbytes") else f"expected a numpy or cupy array, got {type(buf).__name__}"))
+        _check_buffer(buf, f"[rank {self.rank}] {kind} {'to' if kind == 'send' else 'from'} {peer}")
         call = self._call()
         if call is None and not 0 <= tag < USER_TAG_LIMIT:
             raise CommError(f"[rank {self.rank}] {kind}: tag {tag} is outside 0..{USER_TAG_LIMIT - 1} "
                             "(tags above are the collectives')")
         self.stats.record(counted or ("p2p" if call is None else call.name), buf.nbytes,
                           "sent" if kind == "send" else "received", total=counted is None)
-        request = (self._isend if kind == "send" else self._irecv)(buf, peer, tag * DTYPE_SLOTS + dtype_code(buf.dtype))
+        wire_tag = tag * DTYPE_SLOTS + dtype_code(buf.dtype)
+        request = (self._isend if kind == "send" else self._irecv)(buf, peer, wire_tag)
         request.buf, request.tag, request.record = buf, tag, None
         if call is None:
             self.guard.posted(self, request, kind)
@@ -123,8 +125,7 @@ class Communicator(Launcher):
         return recvbuf
 
     def wait_all(self, requests, what="wait"):
-        """Poll until every request completes: yield the core at first, then sleep with back-off; past
-        ``comm_timeout`` and ``timeout`` the guard looks (a stall), and past ``timeout`` this raises."""
+        """Poll until every request completes; past ``comm_timeout`` the guard looks, past ``timeout`` this raises."""
         pending, marked, failed, cpu, stalled = requests, None, True, None, False
         try:
             pending = [r for r in pending if not self._test(r, what)]
@@ -158,11 +159,11 @@ class Communicator(Launcher):
         try:
             done = request.test()
             if done and request.received is not None and request.received != request.buf.nbytes:
-                raise self._size_error(request, request.received)
+                raise size_error(self, request, request.received)
         except BaseException as e:
             self._close(request, "failed")
             if isinstance(e, MessageTruncated):
-                raise self._size_error(request, None) from None
+                raise size_error(self, request, None) from None
             if isinstance(e, CommError) or not isinstance(e, Exception):
                 raise
             call = self._call()     # the transport's own error
@@ -176,9 +177,6 @@ class Communicator(Launcher):
         if state == "failed":
             request.cancel()                # a pending receive is withdrawn
         self.guard.closed(self, request, state)
-
-    def _size_error(self, request, received, their_dtype=None):
-        return size_error(self, request, received, their_dtype, self.guard.size_note(self, request, self._call()))
 
     def barrier(self):
         from .collectives import barrier
@@ -194,7 +192,8 @@ class Communicator(Launcher):
         """(sequence number, message tag) of the next collective called ``name``."""
         with self._seq_lock:
             seq, self._seq = self._seq, self._seq + 1
-        return seq, USER_TAG_LIMIT + (seq % COLLECTIVE_TAG_SPAN) * NAME_TAG_SLOTS + zlib.crc32(name.encode()) % (NAME_TAG_SLOTS - 1)  # noqa: E501
+        name_slot = zlib.crc32(name.encode()) % (NAME_TAG_SLOTS - 1)
+        return seq, USER_TAG_LIMIT + (seq % COLLECTIVE_TAG_SPAN) * NAME_TAG_SLOTS + name_slot
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

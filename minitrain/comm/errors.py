@@ -21,8 +21,9 @@ class MessageTruncated(Exception):
     """Raised by a transport's ``test()``: the incoming message is longer than the buffer."""
 
 
-def size_error(comm, request, received, their_dtype=None, note=""):
-    """The receive contract's error: both ranks, the call (collective and number, or the p2p tag), both sizes."""
+def size_error(comm, request, received, their_dtype=None):
+    """The receive contract's error: both ranks, the call (collective and number, or the p2p tag), both
+    sizes, and what the guard adds (what the sender called: reports.sender_note)."""
     buf, peer, call = request.buf, request.peer, comm._call()
     where = (f"{call.name} #{call.seq}" + ("" if comm.uid == "world" else f" on {comm.uid}") if call else
              f"recv from rank {peer} (tag {request.tag})")
@@ -30,4 +31,4 @@ def size_error(comm, request, received, their_dtype=None, note=""):
     theirs += "" if their_dtype is None else f" of {their_dtype}"
     return (CommError if call is None else CollectiveMismatchError)(
         f"[rank {comm.rank}] {where}: the message from rank {peer} has {theirs}, but rank {comm.rank} expected "
-        f"{buf.nbytes} bytes ({buf.dtype.name}, shape {tuple(buf.shape)})" + note)
+        f"{buf.nbytes} bytes ({buf.dtype.name}, shape {tuple(buf.shape)})" + comm.guard.size_note(comm, request, call))

@@ -20,7 +20,7 @@ import numpy as np
 from .. import memory, random, trace
 from .collectives import split_table
 from .communicator import DEFAULT_COMM_TIMEOUT, DTYPE_SLOTS, HARD_TIMEOUT_FACTOR, Communicator
-from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError
+from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError, size_error
 from .flight_recorder import FlightRecorder, call_name
 from .guard import wrap
 from .wire import Request
@@ -55,7 +55,7 @@ class _ThreadRecv(Request):
                 return False
             item = box.popleft()
         if item.dtype != self.buf.dtype or item.nbytes != self.buf.nbytes:
-            raise self.comm._size_error(self, item.nbytes, their_dtype=f"{item.dtype.name}, shape {item.shape}")
+            raise size_error(self.comm, self, item.nbytes, their_dtype=f"{item.dtype.name}, shape {item.shape}")
         self.buf.reshape(-1).view(np.uint8)[...] = item.reshape(-1).view(np.uint8)
         self.done = True
         return True
