@@ -5,8 +5,10 @@
         [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
 Each rank trains on its DistributedSampler share of every global batch (--batch-size is
-global) and DDP averages the gradients, so N ranks take exactly the steps one process would
-take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
+global; shares differ by a row where the ranks do not divide it, and the last batch of an epoch
+is partial: nothing is padded or dropped), its mean loss weighted by its rows over the global
+batch's (share_loss), and DDP averages the gradients, so N ranks take exactly the steps one
+process would take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
 --save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
 (minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.

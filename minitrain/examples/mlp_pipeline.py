@@ -7,7 +7,8 @@ The MLP's layers are cut into ranks/D stages (x chunks), balanced by counted cos
 multiply-adds per row, from the parameters per layer: partition.py); by default the MLP has
 max(2, stages) hidden layers, so any -n works, and the table at the start names each stage's
 layers and cost share (an uneven cut is reported with the bubble it implies). D data-parallel
-replicas of the pipeline each take 1/D of every global batch. At the end rank 0 reports the
+replicas of the pipeline each take 1/D of every global batch (uneven where D or the micro-batches
+do not divide it: each micro-batch's loss is weighted by its rows). At the end rank 0 reports the
 measured bubble (measure.py: per rank, the step's time outside its own F/B/W work over the step's
 wall time, mean over ranks and over the steps after the first) beside the formula, with the
 residual per cause; --plot draws the schedule simulated with the measured F, B, W times above the
