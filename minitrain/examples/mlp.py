@@ -5,8 +5,10 @@
         [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
 Each rank trains on its DistributedSampler share of every global batch (--batch-size is
-global) and DDP averages the gradients, so N ranks take exactly the steps one process would
-take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
+global; shares differ by a row where the ranks do not divide it, and the last batch of an epoch
+is partial: nothing is padded or dropped), its mean loss weighted by its rows over the global
+batch's (share_loss), and DDP averages the gradients, so N ranks take exactly the steps one
+process would take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
 samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
 --save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
 (minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.
@@ -21,7 +23,7 @@ from minitrain import comm as mtcomm
 from minitrain import backend, memory, nn, optim, trace
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
-from minitrain.data import DataLoader, DistributedSampler, load_digits
+from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss, split_sizes
 from minitrain.examples import checkpointing
 from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, init_comm,
                                        job_parser, memory_table, mpi_line, parse_job_args, persistent_memory,
@@ -107,10 +109,8 @@ def _main(argv=None):
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
     args.layers = 2 if args.layers is None else args.layers
-    if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
-        parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
-                     f"each rank takes an equal share of the global batch")
-    local_batch = args.batch_size // world
+    shares = sorted(set(split_sizes(args.batch_size, world)))     # rows per rank: uneven where world does not divide
+    local_batch = "-".join(map(str, shares))
 
     dtype = np.dtype(PRECISIONS[args.precision])
     mixed = dtype in LOW_PRECISION
@@ -149,7 +149,7 @@ def _main(argv=None):
         # meta-device initialisation)
         memory.set_device_capacity(args.device_memory)
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
-    loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
+    loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
 
     ckpt = checkpointing.Checkpointer(
         args, comm, wrapped, opt, layout=layout(args, world, stage),
@@ -208,13 +208,15 @@ def train(args, loader, wrapped, opt, forward, offload, bar, state):
         loader.set_epoch(epoch)
         for xb, yb in loader:
             events_before = len(trace.tracer().events)
-            with state["timer"](counted=len(xb) == loader.batch_size), trace.span("step", kind="step"):
-                with trace.span("forward"):
+            with state["timer"](counted=loader.global_rows == loader.batch_size), trace.span("step", kind="step"):
+                with trace.span("forward"):      # this rank's rows' share of the global batch's mean loss
                     if offload is not None:
                         with offload:
-                            loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
+                            loss = share_loss(nn.functional.cross_entropy, forward(minitrain.Tensor(xb)), yb,
+                                              loader.global_rows, loader.sampler.world)
                     else:
-                        loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
+                        loss = share_loss(nn.functional.cross_entropy, forward(minitrain.Tensor(xb)), yb,
+                                          loader.global_rows, loader.sampler.world)
                 opt.zero_grad()
                 with trace.span("backward"):
                     (opt.scale(loss) if hasattr(opt, "scale") else loss).backward()
@@ -249,7 +251,7 @@ def layout(args, world, stage):
 
 def global_losses(comm, local):
     """The global loss of every step: each rank's losses (device scalars, fetched in one copy),
-    averaged over the ranks (equal shares of the global batch)."""
+    averaged over the ranks (each weighted by its share of the global batch: share_loss)."""
     if not local:
         return []
     mine = backend.to_host(backend.array_module(local[0]).stack(local)).astype(np.float64)
