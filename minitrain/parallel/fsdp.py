@@ -40,6 +40,9 @@ class _UnitRef:
 
 @accounting.fsdp_unit            # its staging buffer in the memory ledger, its gathers traced: accounting.py
 class _Unit:
+    """One unit (Zhao et al. 2023, sec. 3.2): its parameters in one flat buffer, sharded at rest;
+    gathered for its forward and its backward, freed after each, its gradients reduce-scattered."""
+
     def __init__(self, name, module, params, comm, offload_params=False):
         self.name, self.module, self.comm = name, module, comm
         self.offload_params = offload_params
