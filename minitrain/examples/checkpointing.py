@@ -14,14 +14,14 @@ What the jobs decide (README, "Checkpoints"):
 """
 import sys
 
-from .. import checkpoint
+from .. import checkpoint, cli
 from ..checkpoint import CheckpointError
 
 
 def add_arguments(parser):
     group = parser.add_argument_group("checkpoints")
     group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
-    group.add_argument("--save-every", type=int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
+    group.add_argument("--save-every", type=cli.positive_int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --save-dir, on any layout "
                             "(none there: start from step 0)")
