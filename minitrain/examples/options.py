@@ -1,9 +1,9 @@
 """Every option a job takes is applied or refused: the combinations a job would silently ignore.
 
-Each job calls ``refuse_unsupported(parser, args, argv, job)`` right after parsing, before MPI starts or
+Each job calls refuse_unsupported(parser, args, argv, job) right after parsing, before MPI starts or
 any model is built, so an option its strategy cannot apply stops it with argparse's one line and exit
 status 2: "error: --recompute is not supported with --strategy pipeline (...)". Values out of range are
-refused earlier still, by the ``type=`` of each option (minitrain/cli.py). An option is refused when the
+refused earlier still, by the type= of each option (minitrain/cli.py). An option is refused when the
 command line gives it (whatever its value, found by cli.given_options) or, for an option whose default
 means "none" (a flag, --recompute none, --device-memory unset), when it asks for something.
 """
