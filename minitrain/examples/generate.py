@@ -28,6 +28,7 @@ import minitrain
 from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import fmt_bytes, init_comm, job_parser, launch_info, mpi_line, parse_job_args, write_json
+from minitrain.examples.checkpointing import check_model
 from minitrain.examples.options import refuse_unsupported
 from minitrain.inference import CACHES, LLMEngine
 
@@ -111,6 +112,10 @@ def load_checkpoint(model, directory):
         path = checkpoint.find_latest(directory)
         if path is None:
             raise ValueError(f"no checkpoint in {directory}")
+        config = model.config
+        check_model(checkpoint.read_manifest(path).get("layout", {}), {
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+            "block_size": config.block_size, "vocab_size": config.vocab_size}, {"block_size": "--context"})
         checkpoint.load(path, None, model, strict=False)
     except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
         raise ValueError(f"--checkpoint {directory}: {e}") from None
