@@ -168,7 +168,7 @@ def test_every_option_of_the_job_is_accepted_by_the_planner(kind):
 @pytest.mark.parametrize("args, constraint, nearest", [
     ("gpt --tp 2 --pp 2 --dp 2 --world 6", "dp x pp x tp must equal the world size", "(dp, pp) in"),
     ("gpt --n-head 6 --n-embd 96 --tp 4 --world 4", "heads not divisible by tp", "nearest valid --tp: 2 or 3"),
-    ("gpt --n-layer 6 --pp 4 --world 4", "layers not divisible by pp x chunks", "nearest valid --pp: 2 or 3"),
+    ("gpt --n-layer 1 --pp 4 --world 4", "3 layers cannot fill pp x chunks", "nearest valid --n-layer: 2 or more"),
     ("gpt --batch-size 16 --microbatches 3 --world 1", "the micro-batches must divide the batch",
      "nearest valid --microbatches: 2 or 4"),
     ("mlp --strategy pipeline --microbatches 5 --world 2", "the micro-batches must divide the batch",
