@@ -112,7 +112,7 @@ def parser():
                                 formatter_class=cli.HelpFormatter))
     add_common(g)
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
-    p.add_argument("--num-params", type=cli.positive_float, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
+    p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
     p.add_argument("--offload", action="store_true", help="optimizer state on the host (ZeRO-Offload)")
