@@ -6,6 +6,11 @@ that says each option's default.
 HelpFormatter is argparse's ArgumentDefaultsHelpFormatter with two habits: a help text that
 already names its default (say what None means: "default: every rank") is left alone, and a flag
 reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks every parser.
+
+Values are checked while parsing: type=cli.positive_int, nonneg_int, positive_float, nonneg_float or
+probability refuses a value out of range with argparse's one line and exit status 2, before any work
+(tests/test_option_validation.py gives every numeric option of every parser such values).
+given_options tells which options a command line set, so a job can refuse one it would ignore.
 """
 import argparse
 import math

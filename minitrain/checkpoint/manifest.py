@@ -103,9 +103,10 @@ def latest(directory):
         return directory
     damaged = damaged_step_folders(directory)
     if damaged:
-        raise CheckpointError(f"{directory}: {', '.join(damaged)} ha{'s' if len(damaged) == 1 else 've'} no "
-                              f"{MANIFEST}: not complete checkpoints, so the newest step is unknown; move "
-                              f"{'it' if len(damaged) == 1 else 'them'} out of {directory} (or resume from another "
+        one = len(damaged) == 1
+        raise CheckpointError(f"{directory}: {', '.join(damaged)} {'has' if one else 'have'} no {MANIFEST} (not "
+                              f"{'a complete checkpoint' if one else 'complete checkpoints'}), so the newest step is "
+                              f"unknown; move {'it' if one else 'them'} out of {directory} (or resume from another "
                               f"directory)")
     found = list_checkpoints(directory)
     return found[-1][2] if found else None
