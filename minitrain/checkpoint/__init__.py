@@ -13,7 +13,8 @@ Cost: bytes written = the model states once (no replica twice); extra memory per
 minitrain.parallel.checkpoint.)
 """
 from .core import Reader, all_gather_json
-from .manifest import damaged_step_folders, describe, describe_layout, latest, list_checkpoints, read_manifest, step_folders
+from .manifest import (damaged_step_folders, describe, describe_layout, latest, list_checkpoints, read_manifest,
+                       step_folders)
 from .state import Loaded, find_latest, load, save, sharded_parameters
 from .storage import CheckpointError
 

@@ -22,9 +22,9 @@ from minitrain import cli, memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.options import refuse_unsupported
 from minitrain.examples.common import (StepTimer, fmt_bytes, job_parser, launch_info, memory_table, parse_job_args,
                                        persistent_memory, planner_line, tqdm, write_json)
+from minitrain.examples.options import refuse_unsupported
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
@@ -110,8 +110,8 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
             "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
-            "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size,
-                      "dropout": args.dropout}}
+            "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
+                      "block_size": args.block_size, "dropout": args.dropout}}
 
 
 def main(argv=None):

@@ -23,10 +23,10 @@ from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.options import refuse_unsupported
 from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, init_comm,
                                        job_parser, memory_table, mpi_line, parse_job_args, persistent_memory,
                                        planner_line, tqdm, transport_name, write_json)
+from minitrain.examples.options import refuse_unsupported
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, check_replicas_equal, checkpoint_sequential,
                                 found_inf_on_any_rank, offload_activations)

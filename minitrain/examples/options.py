@@ -30,8 +30,9 @@ def refuse_mlp(parser, args, given):
     if args.strategy != "pipeline":
         for option in MLP_PIPELINE_ONLY:
             if option in given:
-                cli.refuse(parser, option, strategy, "only --strategy pipeline has a schedule, micro-batches, "
-                                                     "model chunks and pipeline replicas; data parallelism here spans every rank")
+                cli.refuse(parser, option, strategy, "only --strategy pipeline has a schedule, micro-batches, model "
+                                                     "chunks and pipeline replicas; data parallelism here spans every "
+                                                     "rank")
     else:
         for option, asked, why in MLP_NOT_IN_PIPELINE:
             if asked(args):

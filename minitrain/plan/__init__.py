@@ -26,7 +26,8 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
             time_if_unfit=True):
     """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (of the rank that holds
     the most: each category at the moment of its peak, and that peak, their sum, as total), category_peaks
-    (each category's own peak, at its own moment: they may sum to more than the total), step_time_s, step_busy_s (the CPU time of the step's own thread, which the
+    (each category's own peak, at its own moment: they may sum to more than the total),
+    step_time_s, step_busy_s (the CPU time of the step's own thread, which the
     jobs' step timer measures: plan/time.py), bubble_fraction, fits, flops_per_iteration, the layout.
     time_if_unfit=False (--search): a layout that does not fit is answered {'fits': False} alone."""
     check(model, layout)

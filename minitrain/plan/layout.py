@@ -196,8 +196,8 @@ def _check_gpt(model, layout):
         raise LayoutError(f"heads not divisible by tp: --n-head {model.n_head} over --tp {t} (each rank takes whole "
                           f"heads); nearest valid --tp: {_choices(_nearest(t, divisors(model.n_head)))} (the divisors of {model.n_head})")
     if model.n_layer + 2 < p * v:          # as GPT3D: embedding + blocks + head, at least one layer per stage
-        raise LayoutError(f"{model.n_layer} blocks + embedding + head = {model.n_layer + 2} layers cannot fill pp x chunks "
-                          f"= {p} x {v} = {p * v} pipeline stages; nearest valid --n-layer: {p * v - 2} or more")
+        raise LayoutError(f"{model.n_layer} blocks + embedding + head = {model.n_layer + 2} layers cannot fill pp x "
+                          f"chunks = {p} x {v} = {p * v} pipeline stages; nearest valid --n-layer: {p * v - 2} or more")
     if layout.sequence_parallel and t == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1")
     if layout.sequence_parallel and model.block_size % t:
