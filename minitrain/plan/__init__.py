@@ -86,7 +86,7 @@ def gpt_from_args(args, world, vocab_size):
                 n_embd=args.n_embd, dropout=args.dropout)
     tp, pp = args.tp, args.pp
     dp = args.dp if args.dp is not None else max(1, world // (tp * pp))
-    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1
+    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1     # as examples/gpt.py routes it
     layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp,
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,
