@@ -76,7 +76,7 @@ def test_a_batch_not_divisible_by_the_ranks_is_a_clear_error():
     assert "not divisible by the 3 ranks" in str(err.value) and "Traceback" not in str(err.value)
 
 
-@pytest.mark.parametrize("args, message", [(["--batch-size", "0"], "--batch-size must be >= 1"),
+@pytest.mark.parametrize("args, message", [(["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
                                            (["--optimizer", "lbfgs"], "invalid choice")])
 def test_mlp_rejects_bad_options_with_a_clear_message(args, message):
     result = subprocess.run([sys.executable, "-m", "minitrain.examples.mlp", *args],
