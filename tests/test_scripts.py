@@ -219,3 +219,17 @@ def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypa
     swap, recompute = results["preemption"]["swap"], results["preemption"]["recompute"]
     assert swap["preemptions"] > 0 and swap["blocks_swapped"] > 0 and swap["recomputed_tokens"] == 0
     assert recompute["preemptions"] > 0 and recompute["blocks_swapped"] == 0 and recompute["recomputed_tokens"] > 0
+
+
+def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "planner.json"
+    monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "--steps", "3", "--search-repeats", "1",
+                                      "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_planner.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "gpt-1: busy" in printed and "search (GPT-3 175B, 1024 GPUs)" in printed
+    import json
+    results = json.loads(out.read_text())
+    assert [r["name"] for r in results["runs"]] == ["gpt-1"] and "--steps 3 " in results["runs"][0]["options"]
+    assert set(results["criteria"]["busy"]) == {"median", "lowest", "highest", "holds"}
+    assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
