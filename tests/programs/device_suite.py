@@ -18,7 +18,7 @@ import numpy as np
 
 from minitrain.exercises import all_exercises
 
-MLP = ["--epochs", "1"]
+MLP = ["--epochs", "1", "--batch-size", "256"]          # one epoch in 6 steps: every code path, few anchors
 GPT = ["--steps", "3", "--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--batch-size", "8",
        "--sample-chars", "1"]
 
