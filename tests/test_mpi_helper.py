@@ -2,7 +2,6 @@
 reported with every rank's output, within the timeout."""
 import os
 import sys
-import time
 
 import pytest
 

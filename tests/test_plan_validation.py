@@ -16,7 +16,8 @@ SHORT = {"--epochs 15": "--epochs 1", "--steps 60": "--steps 3"}
 def shortened(runs):
     """The runs at one epoch (mlp) / 3 steps (gpt): the peak is reached and the graph recorded in the first."""
     pattern = re.compile("|".join(map(re.escape, SHORT)))
-    return {name: (job, n, pattern.sub(lambda m: SHORT[m.group(0)], options)) for name, (job, n, options) in runs.items()}
+    return {name: (job, n, pattern.sub(lambda m: SHORT[m.group(0)], options))
+            for name, (job, n, options) in runs.items()}
 
 
 @pytest.fixture(scope="module")
