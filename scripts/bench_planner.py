@@ -75,14 +75,17 @@ def main():
     ap.add_argument("--search-repeats", type=int, default=3, help="timed searches, the best kept (0: none)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
-    validate.RUNS = shortened(validate.RUNS, args.epochs, args.steps)
     machine, cores = load_machine(args.machine), os.cpu_count() or 1
-    results = []
-    for name in args.runs:
-        results.append(validate.run(name, machine))
-        res = results[-1]
-        print(f"{name:>22}: busy {validate.busy_ratio(res):.2f}x, wall in anchors {validate.wall_ratio(res):.2f}x "
-              f"(predicted / measured; anchor {res['step_time_s']['anchor']:.2f})", flush=True)
+    results, runs = [], validate.RUNS
+    validate.RUNS = shortened(runs, args.epochs, args.steps)          # validate.run reads its options there
+    try:
+        for name in args.runs:
+            results.append(validate.run(name, machine))
+            res = results[-1]
+            print(f"{name:>22}: busy {validate.busy_ratio(res):.2f}x, wall in anchors {validate.wall_ratio(res):.2f}x "
+                  f"(predicted / measured; anchor {res['step_time_s']['anchor']:.2f})", flush=True)
+    finally:
+        validate.RUNS = runs
     if results:
         print(validate.table(results))
     fit = [r for r in results if r["world"] <= cores]

@@ -233,3 +233,5 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     assert [r["name"] for r in results["runs"]] == ["gpt-1"] and "--steps 3 " in results["runs"][0]["options"]
     assert set(results["criteria"]["busy"]) == {"median", "lowest", "highest", "holds"}
     assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
+    from minitrain.plan import validate
+    assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone
