@@ -1,12 +1,11 @@
 """The planner (minitrain/plan): the papers' figures from its CLI, its bad-input rules, its options
-mirroring the jobs', its shortcuts equal to the long way, and the 175B search in under 2 s."""
+mirroring the jobs', its shortcuts equal to the long way, and the 175B search (its speed: scripts/bench_planner.py)."""
 import argparse
 import contextlib
 import io
 import itertools
 import json
 import os
-import time
 from fractions import Fraction
 
 import pytest
@@ -434,19 +433,14 @@ def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_
 
 
 # ---------------------------------------------------------------- scale
-def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus_takes_under_2_s():
-    """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP): process time, best of 3
-    (CPU seconds, so that other work on a shared machine does not count)."""
+def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus():
+    """All dp x pp x tp factorings x ZeRO 0-3 x recompute x micro-batch sizes (x SP), the best ten printed
+    (how long it takes: scripts/bench_planner.py)."""
     args = f"gpt {GPT3} --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search".split()
-    best, out = float("inf"), None
-    for _ in range(3):
-        buf = io.StringIO()
-        start = time.process_time()
-        with contextlib.redirect_stdout(buf):
-            main(args)
-        best = min(best, time.process_time() - start)
-        out = buf.getvalue()
-    assert best < 2.0, f"search took {best:.2f} CPU s"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(args)
+    out = buf.getvalue()
     lines = out.splitlines()
     assert "layouts fit" in lines[0] and len(lines) == 11            # the best ten
     ranked = cli(" ".join(args[:-1]) + " --search")
