@@ -68,7 +68,7 @@ def run(name, machine=None, timeout=300):
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
+        printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--show-plan", "--json", out,
                            *shlex.split(options)], n=n, timeout=timeout).stdout
         with open(out) as f:
             report = json.load(f)
