@@ -1,6 +1,6 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
-    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json]
+    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4

@@ -2,14 +2,14 @@
 
     mpirun -n 4 python -m minitrain.examples.mlp [--strategy ddp|local_sgd|zero1|zero2|zero3]
         [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
-        [--json out.json] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
+        [--json out.json] [--show-plan] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
-Each rank trains on its DistributedSampler share of every global batch (--batch-size is
-global) and DDP averages the gradients, so N ranks take exactly the steps one process would
-take on the whole batch. Rank 0 shows the progress bar and, at the end, a table per rank:
-samples/s, compute vs communication time, bytes sent (beside the ring formula), memory.
---save-dir/--save-every/--resume: sharded checkpoints, resumable on any layout
-(minitrain/examples/checkpointing.py); the JSON's losses are the global loss of every step run.
+Each rank trains on its DistributedSampler share of every global batch (--batch-size is global) and DDP
+averages the gradients, so N ranks take exactly the steps one process would take on the whole batch. Rank 0
+shows the progress bar and, at the end, the accuracy, a table per rank (the steady-state step: compute +
+exposed communication, bytes sent beside the ring formula; examples/mlp_report.py) and memory. --show-plan:
+the planner's prediction beside it. --save-dir/--save-every/--resume: sharded checkpoints, resumable on any
+layout (examples/checkpointing.py); the JSON's losses are the global loss of every step run.
 """
 import contextlib
 import sys
@@ -188,7 +188,6 @@ def train(args, loader, wrapped, opt, forward, offload, bar, watch, run, ckpt):
                 if args.strategy == "local_sgd":
                     wrapped.step()
             run.steps += 1
-            run.seen += len(xb)
             run.losses.append(loss.data)        # on the device: fetched once, after training
             bar.update(1)
             if run.steps % 10 == 0:

@@ -23,7 +23,6 @@ class Run:
     """What the training loop leaves for the report."""
     first_step: int = 0
     steps: int = 0
-    seen: int = 0
     losses: list = field(default_factory=list)       # every step's loss, on the device until the end
     elapsed: float = 0.0
 
