@@ -1,7 +1,8 @@
 """minitrain: distributed deep-learning training from scratch.
 
 An autograd engine on NumPy (CuPy on GPUs), hand-written collectives, and the parallel
-strategies built on them. See README.md and docs/architecture.md (the layers, the rooms, how a step flows).
+strategies built on them. See README.md, docs/reading.md (which function to read, in what order) and
+docs/architecture.md (the layers, the rooms, how a step flows).
 """
 from .backend import set_device, get_device, set_default_dtype, get_default_dtype
 from .random import manual_seed

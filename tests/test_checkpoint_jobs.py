@@ -70,8 +70,7 @@ def test_mlp_zero3_on_4_ranks_resumes_as_ddp_on_2_then_in_one_process(tmp_path):
     assert [s for s, _, _ in checkpoint.list_checkpoints(d)] == [8, 16, 23]       # every 8, and the last step
     manifest = checkpoint.read_manifest(checkpoint.latest(d))
     assert (manifest["layout"]["zero_stage"], manifest["world_size"], len(manifest["files"])) == (3, 4, 4)
-    first["losses"] = first["losses"][:8]            # the 4-rank last batch differs: the sampler pads 1438 to 1440
-    assert_continues(first, reference, CROSS_LAYOUT_RTOL)
+    assert_continues(first, reference, CROSS_LAYOUT_RTOL)       # the last batch's 30 rows included (8/8/7/7)
     keep_until(d, 8)
     second = run("mlp", MLP + ["--epochs", "1", "--strategy", "ddp", "--save-dir", d, "--save-every", "8", "--resume"],
                  2, tmp_path / "ddp.json")

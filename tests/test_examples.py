@@ -198,10 +198,6 @@ def test_four_ranks_run_the_pipeline_with_the_defaults(tmp_path):
 
 def test_the_pipeline_strategy_rejects_bad_shapes_clearly():
     with pytest.raises(MPIRunError) as err:
-        run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--microbatches", "5"],
-                n=2, timeout=60)
-    assert "not divisible into 1 replica(s) x 5 micro-batches" in str(err.value)
-    with pytest.raises(MPIRunError) as err:
         run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--layers", "1"],
                 n=4, timeout=60)
     assert "fewer than the 4 pipeline stages" in str(err.value)

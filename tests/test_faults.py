@@ -140,3 +140,16 @@ def test_the_receive_contract_holds_under_mpi_too():
     if hasattr(os, "pidfd_open"):
         assert "death watchers of rank 0: 1" in out, out
     assert "[rank 0] left the script 3 s ago; rank(s) [1] have not: not waiting for them any longer" in out, out
+
+
+def test_the_death_watch_names_first_the_rank_the_others_waited_for():
+    # under load the launcher's kill of rank 2 (waiting in call #4) can be seen before the death of
+    # rank 1 (computing after call #3), which the others were waiting for: rank 1 must be named first
+    from minitrain.comm import death_watch
+    slots = {0: {"in_call": True, "seq": 4, "name": "all_reduce", "comm": "world", "t_start": 0.0, "t_end": 0.0},
+             1: {"in_call": False, "seq": 3, "name": "broadcast", "comm": "world", "t_start": 0.0, "t_end": 0.0},
+             2: {"in_call": True, "seq": 4, "name": "all_reduce", "comm": "world", "t_start": 0.0, "t_end": 0.0}}
+    dead = death_watch._first_first([(2, 102, 2), (1, 101, 1)], slots)
+    assert [d[0] for d in dead] == [1, 2]
+    # equal evidence keeps the order the deaths were seen in
+    assert [d[0] for d in death_watch._first_first([(2, 102, 2), (0, 100, 0)], slots)] == [2, 0]

@@ -2,7 +2,8 @@
 level or inside a function, absolute or relative) is parsed with ast, resolved to the layer it
 reaches (a package or module directly under minitrain/), and checked against the table in the
 document, so the map and the code cannot drift apart. The document's known exceptions must still
-exist (a fixed one is taken off the list)."""
+exist (a fixed one is taken off the list). And every module under minitrain/ has its line in the
+document's tables, none of which names a module that is gone."""
 import ast
 import pathlib
 import re
@@ -154,3 +155,62 @@ def test_the_import_parser_resolves_what_python_would(tmp_path, source, layer, e
     path = PACKAGE / layer / "_example.py"
     found = [name for _, name in imported_layers(path, ast.parse(source))]
     assert found == expected
+
+
+# ---- every module has its line in the document
+def _named_in(text):
+    """{path under minitrain/ (a module, or a folder for its __init__.py)} that the document's tables
+    name in their first cell. A bare name is relative to the folder named (`` `comm/` ...``) by the
+    last line outside a table since the section began; a name with a slash is relative to minitrain/."""
+    named, folder = {}, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):
+            folder = ""
+        elif line.startswith("|"):
+            first = line.split("|")[1]
+            for token in re.findall(r"`([\w./]+)`", first):
+                token = token.removeprefix("minitrain/")
+                path = token if "/" in token.rstrip("/") else folder + token
+                named[path.rstrip("/") if path.endswith("/") else path] = number
+        else:
+            lead = re.match(r"`([\w/]+/)`", line)
+            if lead:
+                folder = lead.group(1).removeprefix("minitrain/")
+    return named
+
+
+def unnamed_modules(text, package=PACKAGE):
+    """(modules with no line, lines naming a module that does not exist), as paths under minitrain/."""
+    named = _named_in(text)
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if path.name == "__init__.py":
+            folder = rel.rsplit("/", 1)[0] if "/" in rel else None
+            if (folder or rel) not in named:
+                missing.append(rel if folder is None else f"{folder}/ (its __init__.py)")
+        elif rel not in named:
+            missing.append(rel)
+    stale = [f"{rel} (line {line})" for rel, line in sorted(named.items())
+             if rel.endswith(".py") and not (package / rel).is_file()]
+    return missing, stale
+
+
+def test_the_document_names_every_module():
+    missing, stale = unnamed_modules(DOC.read_text())
+    assert not missing, ("modules docs/architecture.md does not name: add a row `| `name.py` | one idea |` to the "
+                         f"table of their folder (\"Inside the rooms\"): {missing}")
+    assert not stale, f"docs/architecture.md names modules that do not exist (moved or removed?): {stale}"
+
+
+def test_a_new_module_without_its_line_is_found(tmp_path):
+    package = tmp_path / "minitrain"
+    (package / "comm").mkdir(parents=True)
+    for rel in ("__init__.py", "backend.py", "comm/__init__.py", "comm/ring.py", "comm/dummy.py"):
+        (package / rel).write_text("")
+    doc = ("## The rooms\n\n| room | idea |\n|---|---|\n| `__init__.py` | the package |\n| `comm/` | bytes |\n"
+           "| `backend.py` | arrays |\n\n## Inside\n\n`comm/`:\n\n| module | idea |\n|---|---|\n| `ring.py` | the ring |\n"
+           "| `gone.py` | moved away |\n")
+    missing, stale = unnamed_modules(doc, package)
+    assert missing == ["comm/dummy.py"]
+    assert stale == ["comm/gone.py (line 16)"]

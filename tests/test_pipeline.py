@@ -140,7 +140,7 @@ def pipeline_run(comm, init, schedule, m, v=1, opt_class=optim.Adam, lr=1e-2, st
             r, d = dp_comm.rank, dp
             x, y = x[r::d], y[r::d]
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y, F.cross_entropy))
+        losses.append(pipe.train_step(x, y, F.cross_entropy, global_rows=n))
         opt.step()
     return pipe.full_state_dict(), losses
 
@@ -179,13 +179,24 @@ def test_2d_data_and_pipeline_parallel_equal_one_process():
     assert_equal_to_reference(ThreadWorld(4).run(pipeline_run, init, "1f1b", 3, dp=2), reference)
 
 
+@pytest.mark.parametrize("schedule, m, n, dp", [("1f1b", 5, 24, 1), ("gpipe", 30, 24, 1), ("zb_h1", 4, 23, 2),
+                                                ("1f1b", 3, 5, 2), ("1f1b", 2, 1, 2)])
+def test_batches_that_m_or_dp_do_not_divide_equal_one_process(schedule, m, n, dp):
+    """Uneven micro-batches (m > n: empty ones) and replicas (n < dp: one without rows), each
+    micro-batch's loss weighted by its rows over the global batch's."""
+    reference, ref_losses = reference_run(n=n)
+    init = make_model().state_dict()
+    results = ThreadWorld(2 * dp).run(pipeline_run, init, schedule, m, n=n, dp=dp)
+    assert_equal_to_reference(results, reference)
+    # each replica returns its rows' share of the loss: their mean is the global batch's
+    np.testing.assert_allclose(np.mean([losses for _, losses in results], axis=0), ref_losses, rtol=1e-10)
+
+
 def test_pipeline_errors_are_clear():
     init = make_model().state_dict()
 
     def run(comm, **kwargs):
         return pipeline_run(comm, init, **kwargs)
-    with pytest.raises(ValueError, match="not divisible into 5 micro-batches"):
-        ThreadWorld(2).run(run, schedule="1f1b", m=5)
     with pytest.raises(ValueError, match="multiple of the number of stages"):
         ThreadWorld(2).run(run, schedule="interleaved_1f1b", m=3, v=2)
 

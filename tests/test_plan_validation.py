@@ -4,7 +4,7 @@ recomputation), predicted from the committed machine constants (machines/cpu-2co
 rank's ledger peak, every category, within 5%. Graph nodes per step: exactly the engine's count. Step time,
 where ranks fit the cores: the CPU time of the step's own thread outside its waits (busy), in units of the
 anchor run beside it (which the machine's other jobs slow alike), and the wall clock in anchors: each the median
-run within 20% of the prediction, every run within 1.5x (README: busy every run within 20% on a quiet machine,
+run within 20% of the prediction, every run within 1.5x (docs/measured.md: busy every run within 20% on a quiet machine,
 the wall clock 10 of 11, and what oversubscription does)."""
 import json
 import os
@@ -61,7 +61,7 @@ def assert_within_20_percent_where_ranks_fit_the_cores(results, ratio):
 @pytest.mark.slow
 def test_step_time_within_20_percent_where_ranks_fit_the_cores(results):
     """Busy CPU time (the step's own thread, waits left out) in anchors, against the planner's compute plus the
-    busy part of its collectives. On a quiet machine every run is within 20% (README: 0.91-1.11x); CI runs
+    busy part of its collectives. On a quiet machine every run is within 20% (docs/measured.md: 0.91-1.11x); CI runs
     this beside its other tests on the same 2 cores, where one run can be disturbed as a whole (a full CI run
     saw one outside 20%), so the per-run bound here is the one a shared machine holds. Oversubscribed runs (4
     and 8 ranks on 2 cores) are left out: their ranks take turns on the cores and evict each other's caches."""
@@ -71,6 +71,6 @@ def test_step_time_within_20_percent_where_ranks_fit_the_cores(results):
 @pytest.mark.slow
 def test_wall_clock_in_anchors_within_20_percent_where_ranks_fit_the_cores(results):
     """The whole step (compute, the collectives as a job meets them, the pipeline's bubble) against the median
-    step's wall clock in anchors (README: 10 of 11 within 20% on a quiet machine, ZB-V 1.36x). The anchor takes
+    step's wall clock in anchors (docs/measured.md: 10 of 11 within 20% on a quiet machine, ZB-V 1.36x). The anchor takes
     out how fast the machine ran meanwhile, not other jobs' turns on the cores."""
     assert_within_20_percent_where_ranks_fit_the_cores(results, validate.wall_ratio)

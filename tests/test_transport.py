@@ -78,7 +78,8 @@ def test_asking_for_cuda_ipc_where_it_cannot_work_is_a_clear_error(tmp_path):
 
 
 def test_a_device_array_is_refused_before_it_reaches_a_mpi_that_is_not_cuda_aware(standin_gpu, monkeypatch):
-    monkeypatch.setattr(T, "_CUDA_AWARE", False)
+    from minitrain.comm import host
+    monkeypatch.setattr(host, "_CUDA_AWARE", False)
     with pytest.raises(T.DevicePointerRefused, match="not CUDA-aware"):
         T.mpi_buffer(standin_gpu.zeros(3, np.float32))
     with pytest.raises(TypeError):                    # and mpi4py could not read one anyway (stand-in rules)

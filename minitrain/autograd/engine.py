@@ -84,7 +84,8 @@ def backward(root, grad=None, retain_graph=False):
             _callbacks.queue = None
 
 
-def _backward(root, grad, retain_graph):
+def _root_gradient(root, grad):
+    """The gradient backward starts from, as an array: ``grad``, or 1 for a scalar root; checked."""
     from .tensor import Tensor  # local import: tensor.py imports this module
 
     xp_grad = grad._data if isinstance(grad, Tensor) else grad
@@ -100,7 +101,13 @@ def _backward(root, grad, retain_graph):
         raise ValueError(f"backward(): grad has shape {xp_grad.shape}, the tensor has {root.shape}")
     if not root.requires_grad:
         raise RuntimeError("backward() on a tensor that does not require grad (no graph was recorded)")
+    return xp_grad
 
+
+def _backward(root, grad, retain_graph):
+    from .tensor import Tensor  # local import: tensor.py imports this module
+
+    xp_grad = _root_gradient(root, grad)
     if root._ctx is None:  # the root is itself a leaf
         _accumulate_leaf(root, xp_grad, False)
         return

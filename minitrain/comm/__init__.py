@@ -1,8 +1,10 @@
-"""Communication: the Communicator (MPI or threads), hand-written collectives, async Work, mesh,
-and the flight recorder that turns a hang into a report. Every byte that crosses ranks goes
-through here, where it is counted, traced and checked."""
-from .communicator import (Communicator, CommStats, CommError, CollectiveTimeout,
-                           CollectiveMismatchError, RankFailedError, DEFAULT_COMM_TIMEOUT)
+"""Communication in two layers: the core Communicator (point-to-point, tags; MPI, threads or NCCL
+underneath, device buffers by one transport interface) with the hand-written collectives on it, and
+the guard around it (header checks, the flight recorder that turns a hang into a report, stall and
+death watches). Every byte that crosses ranks goes through here, where it is counted and checked."""
+from .communicator import Communicator, DEFAULT_COMM_TIMEOUT
+from .errors import CommError, CollectiveTimeout, CollectiveMismatchError, RankFailedError
+from .stats import CommStats
 from .flight_recorder import FlightRecorder
 from .local import ThreadWorld, ThreadCommunicator
 from .work import Work

@@ -21,7 +21,6 @@ place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 import numpy as np
 
 from ..backend import LOW_PRECISION, address, array_module
-from .headers import register_names
 
 OPS = ("sum", "mean", "max", "min")
 # all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
@@ -68,12 +67,6 @@ def _flat(x):
     return xp.ascontiguousarray(x).reshape(-1)
 
 
-def _launch(comm, name, body, args, async_op, header, nbytes):
-    """Take the next sequence number now (program order, identical on every rank), then run
-    the body here or on the progress thread (Communicator.launch)."""
-    return comm.launch(name, body, args, async_op, header, nbytes)
-
-
 def _check_out(comm, name, out, shape, like):
     """``out`` must be a contiguous array of ``shape``, of ``like``'s dtype, on ``like``'s device,
     not overlapping it: checked on the calling thread, before a sequence number or a byte is spent."""
@@ -104,23 +97,6 @@ def _overlap(a, b):
 
 
 # ---------------------------------------------------------------- ring algorithms
-def _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place):
-    """Phase 1 of the ring. At step s rank r sends chunk (r-s-1) and receives chunk (r-s-2),
-    combining it with its own copy; each chunk arrives at a rank exactly once, so
-    place(step, i) = received (op) own input needs no copy first. Step s+1 forwards what step s
-    reduced. Returns the array holding the full reduction of chunk r (None when p == 1)."""
-    p, r = comm.size, comm.rank
-    right, left = (r + 1) % p, (r - 1) % p
-    reduced = None
-    for step in range(p - 1):
-        send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
-        outgoing = flat[bounds[send_i]:bounds[send_i + 1]] if step == 0 else reduced
-        incoming = place(step, recv_i)
-        _sendrecv_reduce(comm, outgoing, right, incoming, left, tag, flat[bounds[recv_i]:bounds[recv_i + 1]], op)
-        reduced = incoming
-    return reduced
-
-
 def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
     """One reduce-scatter step: send ``sendbuf``, and make ``recvbuf`` = what arrives (op) ``own``.
     A transport that reads the peer's memory (CUDA IPC) reduces as it reads: one kernel, no copy."""
@@ -132,33 +108,11 @@ def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
         _combine(recvbuf, own, op)
 
 
-def _ring_all_gather_into(comm, tag, out, bounds):
-    """Phase 2: pass chunks around the ring; after p-1 steps every rank holds every chunk."""
-    p, r = comm.size, comm.rank
-    right, left = (r + 1) % p, (r - 1) % p
-    for step in range(p - 1):
-        send_i, recv_i = (r - step) % p, (r - step - 1) % p
-        comm.sendrecv(out[bounds[send_i]:bounds[send_i + 1]], right,
-                      out[bounds[recv_i]:bounds[recv_i + 1]], left, tag)
-
-
 def _output(out, like, n):
     """The caller's output buffer (already checked by _check_out), flat, or a new one."""
     if out is None:
         return array_module(like).empty(n, dtype=like.dtype)
     return out.reshape(-1)
-
-
-def _ring_all_reduce_body(comm, tag, x, op, out):
-    flat = _flat(x)
-    result = _output(out, flat, flat.size)
-    bounds = chunk_bounds(flat.size, comm.size)
-    if comm.size == 1:
-        result[...] = flat
-    _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, lambda step, i: result[bounds[i]:bounds[i + 1]])
-    _finish_mean(result[bounds[comm.rank]:bounds[comm.rank + 1]], op, comm.size)
-    _ring_all_gather_into(comm, tag, result, bounds)
-    return out if out is not None else result.reshape(x.shape)
 
 
 def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
@@ -167,29 +121,35 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
     _check_op(op, x.dtype)
     _check_out(comm, "ring_all_reduce", out, x.shape, x)
+
+    def ring(comm, tag):
+        p, r = comm.size, comm.rank
+        right, left = (r + 1) % p, (r - 1) % p
+        flat = _flat(x)
+        result = _output(out, flat, flat.size)
+        bounds = chunk_bounds(flat.size, p)
+
+        def own(i):                       # chunk i of this rank's input, and of the result
+            return flat[bounds[i]:bounds[i + 1]]
+
+        def res(i):
+            return result[bounds[i]:bounds[i + 1]]
+        if p == 1:
+            result[...] = flat
+        # reduce-scatter: at step s send chunk r-s-1 (my input at first, then what I reduced last step),
+        # receive chunk r-s-2 and add my input's copy to it; after p-1 steps chunk r is fully reduced here
+        for step in range(p - 1):
+            send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
+            outgoing = own(send_i) if step == 0 else res(send_i)
+            _sendrecv_reduce(comm, outgoing, right, res(recv_i), left, tag, own(recv_i), op)
+        _finish_mean(res(r), op, p)
+        # all-gather: pass the reduced chunks around the ring; after p-1 steps every rank has all of them
+        for step in range(p - 1):
+            send_i, recv_i = (r - step) % p, (r - step - 1) % p
+            comm.sendrecv(res(send_i), right, res(recv_i), left, tag)
+        return out if out is not None else result.reshape(x.shape)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "ring_all_reduce", _ring_all_reduce_body, (x, op, out), async_op, header, x.nbytes)
-
-
-def _ring_reduce_scatter_body(comm, tag, x, op, out, bounds):
-    flat = _flat(x)
-    xp = array_module(flat)
-    p, r = comm.size, comm.rank
-    bounds = chunk_bounds(flat.size, p) if bounds is None else list(bounds)
-    mine = _output(out, flat, bounds[r + 1] - bounds[r])
-    if p == 1:
-        mine[...] = flat
-    else:
-        # two chunk-sized buffers in turn (receive into one while the other is sent); the last
-        # step, which brings chunk r itself, receives straight into the result
-        largest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        scratch = [xp.empty(largest, flat.dtype), xp.empty(largest, flat.dtype)]
-
-        def place(step, i):
-            return mine if step == p - 2 else scratch[step % 2][:bounds[i + 1] - bounds[i]]
-        _ring_reduce_scatter_steps(comm, tag, flat, bounds, op, place)
-    _finish_mean(mine, op, p)
-    return out if out is not None else mine
+    return comm.launch("ring_all_reduce", ring, (), async_op, header, x.nbytes)
 
 
 def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False):
@@ -198,30 +158,41 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
     ``bounds`` (p+1 offsets) gives another partition: chunk r = [bounds[r], bounds[r+1]) (as
     MPI_Reduce_scatter's counts; ZeRO-2 uses it for the slices of a bucket each rank owns)."""
     _check_op(op, x.dtype)
-    if bounds is not None and (len(bounds) != comm.size + 1 or bounds[0] != 0 or bounds[-1] != x.size
+    _check_bounds(comm, bounds, x.size)
+    bounds = chunk_bounds(x.size, comm.size) if bounds is None else list(bounds)
+    _check_out(comm, "ring_reduce_scatter", out, (bounds[comm.rank + 1] - bounds[comm.rank],), x)
+
+    def ring(comm, tag):
+        p, r = comm.size, comm.rank
+        right, left = (r + 1) % p, (r - 1) % p
+        flat = _flat(x)
+        result = _output(out, flat, bounds[r + 1] - bounds[r])
+
+        def own(i):                       # chunk i of this rank's input
+            return flat[bounds[i]:bounds[i + 1]]
+        if p == 1:
+            result[...] = flat
+        # two chunk-sized buffers in turn (receive into one while the other is sent); the last step,
+        # which brings chunk r itself, receives straight into the result
+        largest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        scratch = [array_module(flat).empty(largest, flat.dtype) for _ in range(2)] if p > 1 else None
+        reduced = None
+        for step in range(p - 1):     # as in ring_all_reduce: send chunk r-s-1, receive and reduce chunk r-s-2
+            send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
+            incoming = result if step == p - 2 else scratch[step % 2][:bounds[recv_i + 1] - bounds[recv_i]]
+            _sendrecv_reduce(comm, own(send_i) if step == 0 else reduced, right, incoming, left, tag, own(recv_i), op)
+            reduced = incoming
+        _finish_mean(result, op, p)
+        return out if out is not None else result
+    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
+    return comm.launch("ring_reduce_scatter", ring, (), async_op, header, x.nbytes)
+
+
+def _check_bounds(comm, bounds, n):
+    if bounds is not None and (len(bounds) != comm.size + 1 or bounds[0] != 0 or bounds[-1] != n
                                or any(b < a for a, b in zip(bounds[:-1], bounds[1:]))):
         raise ValueError(f"ring_reduce_scatter: bounds must be {comm.size + 1} non-decreasing offsets "
-                         f"from 0 to {x.size}, got {list(bounds)}")
-    b = chunk_bounds(x.size, comm.size) if bounds is None else bounds
-    _check_out(comm, "ring_reduce_scatter", out, (b[comm.rank + 1] - b[comm.rank],), x)
-    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "ring_reduce_scatter", _ring_reduce_scatter_body, (x, op, out, bounds), async_op,
-                   header, x.nbytes)
-
-
-def _ring_all_gather_body(comm, tag, shard, total, out):
-    shard = _flat(shard)
-    if total is None:                 # lengths unknown: gather them first (p-1 tiny messages)
-        lengths = np.empty(comm.size, np.int64)
-        lengths[comm.rank] = shard.size
-        _ring_all_gather_into(comm, tag, lengths, list(range(comm.size + 1)))
-        bounds = [0] + np.cumsum(lengths).tolist()
-    else:
-        bounds = chunk_bounds(total, comm.size)
-    result = _output(out, shard, bounds[-1])
-    result[bounds[comm.rank]:bounds[comm.rank + 1]] = shard
-    _ring_all_gather_into(comm, tag, result, bounds)
-    return out if out is not None else result
+                         f"from 0 to {n}, got {list(bounds)}")
 
 
 def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
@@ -229,6 +200,36 @@ def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
     (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
     lengths are exchanged first (``out`` then needs ``total``). (p-1) steps; (N - |chunk r+1|)·b
     bytes sent per rank."""
+    _check_gather(comm, shard, total, out)
+
+    def ring(comm, tag):
+        p, r = comm.size, comm.rank
+        flat = _flat(shard)
+        if total is None:                 # lengths unknown: gather them first (p-1 tiny messages)
+            lengths = np.empty(p, np.int64)
+            lengths[r] = flat.size
+            _pass_around(comm, tag, lengths, list(range(p + 1)))
+            bounds = [0] + np.cumsum(lengths).tolist()
+        else:
+            bounds = chunk_bounds(total, p)
+        result = _output(out, flat, bounds[-1])
+        result[bounds[r]:bounds[r + 1]] = flat
+        _pass_around(comm, tag, result, bounds)
+        return out if out is not None else result
+    header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
+    return comm.launch("ring_all_gather", ring, (), async_op, header, shard.nbytes)
+
+
+def _pass_around(comm, tag, out, bounds):
+    """The all-gather's ring: at step s send chunk r-s, receive chunk r-s-1 from the left."""
+    p, r = comm.size, comm.rank
+    for step in range(p - 1):
+        send_i, recv_i = (r - step) % p, (r - step - 1) % p
+        comm.sendrecv(out[bounds[send_i]:bounds[send_i + 1]], (r + 1) % p,
+                      out[bounds[recv_i]:bounds[recv_i + 1]], (r - 1) % p, tag)
+
+
+def _check_gather(comm, shard, total, out):
     if out is not None and total is None:
         raise ValueError(f"[rank {comm.rank}] ring_all_gather: out= needs total= (the length of the result)")
     if total is not None:
@@ -238,9 +239,6 @@ def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
                              f"np.array_split of {total} over {comm.size} gives this rank "
                              f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
     _check_out(comm, "ring_all_gather", out, (total,) if total is not None else (), shard)
-    header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
-    return _launch(comm, "ring_all_gather", _ring_all_gather_body, (shard, total, out), async_op, header,
-                   shard.nbytes)
 
 
 # ---------------------------------------------------------------- trees
@@ -268,7 +266,7 @@ def broadcast(comm, x, root=0, async_op=False):
     if not x.flags.c_contiguous:
         raise ValueError("broadcast: the buffer must be contiguous (it is filled in place)")
     header = {"shape": x.shape, "dtype": x.dtype, "extra": root}
-    return _launch(comm, "broadcast", _broadcast_body, (x, root), async_op, header, x.nbytes)
+    return comm.launch("broadcast", _broadcast_body, (x, root), async_op, header, x.nbytes)
 
 
 def _reduce_body(comm, tag, x, root, op):
@@ -296,7 +294,7 @@ def reduce(comm, x, root=0, op="sum", async_op=False):
     if not 0 <= root < comm.size:
         raise ValueError(f"reduce: root {root} is not in a world of size {comm.size}")
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
-    return _launch(comm, "reduce", _reduce_body, (x, root, op), async_op, header, x.nbytes)
+    return comm.launch("reduce", _reduce_body, (x, root, op), async_op, header, x.nbytes)
 
 
 # ---------------------------------------------------------------- the contrast and the latency-bound case
@@ -328,7 +326,7 @@ def naive_all_reduce(comm, x, op="sum", root=0, out=None, async_op=False):
         raise ValueError(f"naive_all_reduce: root {root} is not in a world of size {comm.size}")
     _check_out(comm, "naive_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
-    return _launch(comm, "naive_all_reduce", _naive_body, (x, op, root, out), async_op, header, x.nbytes)
+    return comm.launch("naive_all_reduce", _naive_body, (x, op, root, out), async_op, header, x.nbytes)
 
 
 def _recursive_doubling_body(comm, tag, x, op, out):
@@ -368,7 +366,7 @@ def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
     _check_op(op, x.dtype)
     _check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return _launch(comm, "recursive_doubling_all_reduce", _recursive_doubling_body, (x, op, out), async_op,
+    return comm.launch("recursive_doubling_all_reduce", _recursive_doubling_body, (x, op, out), async_op,
                    header, x.nbytes)
 
 
@@ -389,12 +387,36 @@ def all_to_all(comm, x, async_op=False):
     if x.ndim == 0 or x.shape[0] % comm.size:
         raise ValueError(f"all_to_all: the first axis ({x.shape[:1]}) must divide into {comm.size} equal blocks")
     header = {"shape": x.shape, "dtype": x.dtype}
-    return _launch(comm, "all_to_all", _all_to_all_body, (x,), async_op, header, x.nbytes)
+    return comm.launch("all_to_all", _all_to_all_body, (x,), async_op, header, x.nbytes)
+
+
+# ---------------------------------------------------------------- agreement: barrier, split
+def _barrier_body(comm, tag):
+    token, incoming = np.zeros(0, np.uint8), np.zeros(0, np.uint8)
+    distance = 1
+    while distance < comm.size:
+        comm.sendrecv(token, (comm.rank + distance) % comm.size, incoming, (comm.rank - distance) % comm.size, tag)
+        distance *= 2
+
+
+def barrier(comm):
+    """Dissemination barrier (Hensgen et al. 1988): ceil(log2 p) rounds of empty messages."""
+    comm.launch("barrier", _barrier_body, (), False, {}, 0)
+
+
+def split_table(comm, color, key):
+    """Every rank's (color, key) through one timed all-gather, so that no rank can wait for a split
+    another never calls (Communicator.split). Returns (this rank's new members in world ranks, its
+    new rank, the new communicator's uid)."""
+    table = ring_all_gather(comm, np.array([color, key], np.int64), total=2 * comm.size).reshape(comm.size, 2)
+    local = [r for _, r in sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)]
+    world = [comm.members[r] for r in local]
+    return world, local.index(comm.rank), f"{comm.uid}/split{comm._splits}{world}"
 
 
 # ---------------------------------------------------------------- the dispatcher
-register_names(["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
-                "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all"])
+COLLECTIVE_NAMES = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
+                    "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "barrier")
 ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
               "naive": naive_all_reduce}
 ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "naive", "auto")

@@ -26,6 +26,7 @@ _CALL_END = struct.Struct("<qqqqdd")     # in_call .. t_end (offset 16)
 _NAMES_AT = _HEAD.size
 _READY_AT = SLOT_BYTES - 8               # in slot 0: the watcher sets it once it watches every pid
 STATUSES = ("running", "finished", "aborting", "failed")
+GRACE_S = 0.3                            # how long the watcher collects deaths before it names the first
 
 
 class Slot:
@@ -138,21 +139,49 @@ def watch(path, entries):
         slots = {rank: read_slot(mm, slot) for rank, _, slot in fds.values()}
         if any(s["status"] == "aborting" for s in slots.values()):
             return                              # a rank is ending the job with its own report
-        dead = sorted(fds[fd] for fd in ended if slots[fds[fd][0]]["status"] not in ("finished",))
+        dead = [fds[fd] for fd in ended if slots[fds[fd][0]]["status"] not in ("finished",)]
         for fd in ended:
             del fds[fd]
         if dead:
-            report(dead, slots, time.time())
+            dead += _ended_within(fds, mm, GRACE_S)
+            slots = {rank: read_slot(mm, slot) for rank, _, slot in entries}
+            if any(s["status"] == "aborting" for s in slots.values()):
+                return
+            report(_first_first(dead, slots), slots, time.time())
             return
 
 
+def _ended_within(fds, mm, seconds):
+    """The ranks that end in the next ``seconds``: the launcher kills the others the moment one dies,
+    and on a loaded machine the pidfd of the one that died first can become readable after theirs."""
+    deadline, more = time.time() + seconds, []
+    while fds and time.time() < deadline:
+        real = [fd for fd in fds if fd >= 0]
+        ready, _, _ = select.select(real, [], [], max(0.0, min(0.05, deadline - time.time())))
+        for fd in list(ready) + [fd for fd in fds if fd < 0 and not _alive(fds[fd][1])]:
+            rank, pid, slot = fds.pop(fd)
+            if read_slot(mm, slot)["status"] != "finished":
+                more.append((rank, pid, slot))
+    return more
+
+
+def _first_first(dead, slots):
+    """Order ranks that ended together so that the one the others were waiting for comes first: a
+    rank outside any call, or in an earlier call, stopped before those the launcher killed while they
+    waited in a later one (ties keep the order the deaths were seen in)."""
+    seen = {d[0]: i for i, d in enumerate(dead)}
+    return sorted(dead, key=lambda d: (slots[d[0]]["in_call"], slots[d[0]]["seq"], seen[d[0]]))
+
+
 def report(dead, slots, now):
-    together = " (these ranks ended at about the same time: the first is among them)" if len(dead) > 1 else ""
-    lines = [f"[minitrain] flight recorder report (death watch){together}:"]
-    for rank, pid, _ in dead:
-        lines.append(f"[minitrain]   rank {rank} (pid {pid}) ended without leaving Python: killed by a signal "
-                     "(SIGKILL, the out-of-memory killer, a crash in C code) or os._exit; it was "
-                     f"{describe(slots[rank], now)}")
+    (rank, pid, _), later = dead[0], dead[1:]
+    lines = ["[minitrain] flight recorder report (death watch):",
+             f"[minitrain]   rank {rank} (pid {pid}) ended without leaving Python: killed by a signal "
+             "(SIGKILL, the out-of-memory killer, a crash in C code) or os._exit; it was "
+             f"{describe(slots[rank], now)}"]
+    for rank, pid, _ in later:
+        lines.append(f"[minitrain]   rank {rank} (pid {pid}) ended at about the same time (the launcher ends "
+                     f"the other ranks once one dies); it was {describe(slots[rank], now)}")
     for rank in sorted(slots):
         if rank not in {d[0] for d in dead}:
             lines.append(f"[minitrain]   rank {rank}: {describe(slots[rank], now)}")

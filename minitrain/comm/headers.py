@@ -8,28 +8,33 @@ calls). If any two ranks disagree, some pair of neighbours does: the ranks that 
 call (flight_recorder.py) and raises CollectiveMismatchError naming each rank's call, with
 <-- differs at the minority. Headers are fixed-size int64 arrays, compared element by element;
 names, dtypes and ops travel as CRC-32 codes (register_names: every rank can decode a name it
-never called). Counted apart from the data, in comm.stats["check_collectives"].
+never called). Counted apart from the data, in comm.stats["check_collectives"]. Part of the guard (guard.py).
 """
 import time
 import zlib
 
 import numpy as np
 
-from .communicator import _DTYPE_NAMES, SNAPSHOT_TIMEOUT_S, CollectiveMismatchError, range_all
+from .collectives import COLLECTIVE_NAMES
+from .communicator import COLLECTIVE_TAG_SPAN, DTYPE_NAMES, NAME_TAG_SLOTS, USER_TAG_LIMIT
+from .errors import CollectiveMismatchError
 from .flight_recorder import call_name, group_calls, record_at, signature
+from .reports import SNAPSHOT_TIMEOUT_S, raise_once, range_all
+
+
+def header_tag(seq):
+    """The last name slot, which no collective's tag uses: collective #seq's headers meet whatever
+    collective each rank called."""
+    return USER_TAG_LIMIT + (seq % COLLECTIVE_TAG_SPAN) * NAME_TAG_SLOTS + NAME_TAG_SLOTS - 1
 
 
 def check_header(comm, record):
     """Send this call's header right, receive the left neighbour's, compare; raise if they differ."""
     mine = encode_header(record)
     theirs = np.empty_like(mine)
-    tag = comm.header_tag(record.seq)
-    comm._local.count_as = "check_collectives"       # headers are counted apart from the data
-    try:
-        reqs = [comm.irecv(theirs, (comm.rank - 1) % comm.size, tag),
-                comm.isend(mine, (comm.rank + 1) % comm.size, tag)]
-    finally:
-        comm._local.count_as = None
+    tag = header_tag(record.seq)
+    reqs = [comm._post(theirs, (comm.rank - 1) % comm.size, tag, "recv", counted="check_collectives"),
+            comm._post(mine, (comm.rank + 1) % comm.size, tag, "send", counted="check_collectives")]
     comm.wait_all(reqs, "header check")
     if not np.array_equal(theirs, mine):
         _report(comm, record, theirs)
@@ -59,7 +64,7 @@ def _report(comm, record, theirs):
     seen = [comm.members[q] for q in range(comm.size) if calls[comm.members[q]] and
             calls[comm.members[(q - 1) % comm.size]] and
             _header_key(calls[comm.members[q]]) != _header_key(calls[comm.members[(q - 1) % comm.size]])]
-    comm._raise_once(CollectiveMismatchError("\n".join(lines)), min(seen + [comm.world_rank]))
+    raise_once(comm, CollectiveMismatchError("\n".join(lines)), min(seen + [comm.world_rank]))
 
 
 NAMES = {}      # code -> name, for every collective, dtype and op (a rank must decode what it never called)
@@ -74,11 +79,11 @@ def _code(text):
     return zlib.crc32(str(text).encode())
 
 
-for _dt in _DTYPE_NAMES:
+for _dt in DTYPE_NAMES:
     NAMES[_code(_dt)] = _dt
 OPS = (None, "sum", "mean", "max", "min")
 MAX_DIMS = 6
-register_names(["barrier"])
+register_names(COLLECTIVE_NAMES)
 
 
 def encode_header(record):

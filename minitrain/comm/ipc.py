@@ -23,8 +23,9 @@ import threading
 import numpy as np
 
 from .. import backend
-from .communicator import CommError, Request
-from .transport import REDUCE_UFUNCS, DeviceTransport, mpi_buffer
+from .errors import CommError
+from .host import mpi_buffer
+from .wire import REDUCE_UFUNCS, Request, Transport
 
 # What this relies on, as read (CuPy 14.2, cupy_backends/cuda/api/runtime.pyx; CUDA runtime API docs):
 #   ipcGetMemHandle(ptr) -> 64 bytes; CUDA wants the *base* of a cudaMalloc allocation ("Base pointer to previously
@@ -86,7 +87,7 @@ def _reason(e):
     return f"{type(e).__name__}: {e}" if not type(e).__name__.startswith("CUDARuntime") else str(e)
 
 
-class CudaIpcTransport(DeviceTransport):
+class CudaIpcTransport(Transport):
     """Device buffers of one MPICommunicator moved by CUDA IPC (see the module docstring).
     ``sync``: "event" (interprocess events; the host never waits) or "host" (stream syncs)."""
 
@@ -217,7 +218,7 @@ class _IpcSend(Request):
         self.desc[0] = MAGIC
         t.describe(buf, self.desc)
         self.desc[5], self.desc[14:22] = t.mark()
-        self.send = t.comm._mpi_isend(self.desc, dest, tag)
+        self.send = t.comm.host.isend(self.desc, dest, tag)
         self.ack = np.empty(ACK_WORDS, np.int64)
         self.ack_request = t.ack_comm.Irecv(mpi_buffer(self.ack), dest, tag)
 
@@ -239,7 +240,7 @@ class _IpcRecv(Request):
         super().__init__(source, "recv from")
         self.t, self.target, self.tag_ = t, buf, tag
         self.desc = np.empty(DESCRIPTOR_WORDS, np.int64)
-        self.request = t.comm._mpi_irecv(self.desc, source, tag)
+        self.request = t.comm.host.irecv(self.desc, source, tag)
         self.reduction = None
         self.ack_request = None
 

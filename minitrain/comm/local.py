@@ -18,9 +18,12 @@ from collections import defaultdict, deque
 import numpy as np
 
 from .. import memory, random, trace
-from .communicator import (DEFAULT_COMM_TIMEOUT, DTYPE_SLOTS, HARD_TIMEOUT_FACTOR, CollectiveMismatchError,
-                           CollectiveTimeout, Communicator, RankFailedError, Request)
+from .collectives import split_table
+from .communicator import DEFAULT_COMM_TIMEOUT, DTYPE_SLOTS, HARD_TIMEOUT_FACTOR, Communicator
+from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError, size_error
 from .flight_recorder import FlightRecorder, call_name
+from .guard import wrap
+from .wire import Request
 
 
 class _SendDone(Request):
@@ -52,15 +55,17 @@ class _ThreadRecv(Request):
                 return False
             item = box.popleft()
         if item.dtype != self.buf.dtype or item.nbytes != self.buf.nbytes:
-            raise self.comm._size_error(self, item.nbytes, their_dtype=f"{item.dtype.name}, shape {item.shape}")
+            raise size_error(self.comm, self, item.nbytes, their_dtype=f"{item.dtype.name}, shape {item.shape}")
         self.buf.reshape(-1).view(np.uint8)[...] = item.reshape(-1).view(np.uint8)
         self.done = True
         return True
 
 
 class ThreadCommunicator(Communicator):
-    def __init__(self, world, group_id, members, rank, timeout=None, **options):
-        super().__init__(rank, len(members), timeout, members=members, **options)
+    def __init__(self, world, group_id, members, rank, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT,
+                 uid="world", **guard_options):
+        super().__init__(rank, len(members), timeout, comm_timeout=comm_timeout, uid=uid, members=members)
+        wrap(self, **guard_options)
         self.world, self.group_id = world, group_id
         self.global_rank = members[rank]
         self.world_size = world.size
@@ -91,7 +96,7 @@ class ThreadCommunicator(Communicator):
     def _peer_returned(self, request, source):
         """The rank this receive waits for has returned from fn: its message can never come."""
         call = self._call()
-        where = call_name(call.as_dict()) if call else f"recv from rank {request.peer} (tag {request.tag})"
+        where = f"{call.name} #{call.seq}" if call else f"recv from rank {request.peer} (tag {request.tag})"
         snap = self.world.recorders[source].snapshot()
         last = [r for r in snap["records"] if r["comm"] == self.uid]
         return CollectiveMismatchError(
@@ -100,7 +105,7 @@ class ThreadCommunicator(Communicator):
             f"on {self.uid}: {call_name(last[-1]) if last else 'none'})")
 
     def _split(self, color, key):
-        world_members, new_rank, uid = self._split_table(color, key)
+        world_members, new_rank, uid = split_table(self, color, key)
         group_id = self.world.group_id((self.group_id, self._splits, color))
         return ThreadCommunicator(self.world, group_id, world_members, new_rank, self.timeout, uid=uid,
                                   **self._options())
@@ -110,10 +115,10 @@ class ThreadCommunicator(Communicator):
 
 
 class ThreadWorld:
-    """``ThreadWorld(size, timeout=None, *, comm_timeout=10.0, check_collectives=True)``: the same
-    keywords as ``minitrain.comm.init`` (see Communicator)."""
+    """``ThreadWorld(size, timeout=None, *, comm_timeout=10.0, check_collectives=True, guard=True)``: the
+    keywords of ``minitrain.comm.init`` (see Communicator); guard=False: the core alone (guard.py)."""
 
-    def __init__(self, size, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True):
+    def __init__(self, size, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True, guard=True):
         if size < 1:
             raise ValueError(f"ThreadWorld needs at least one rank, got {size}")
         self.size = size
@@ -127,7 +132,7 @@ class ThreadWorld:
         self.tracers = [trace.Tracer(rank=r) for r in range(size)]
         self.recorders = [FlightRecorder(r) for r in range(size)]
         self.comms = [ThreadCommunicator(self, 0, list(range(size)), r, timeout, comm_timeout=comm_timeout,
-                                         check_collectives=check_collectives, recorder=self.recorders[r])
+                                         check_collectives=check_collectives, recorder=self.recorders[r], guard=guard)
                       for r in range(size)]
 
     def group_id(self, key):

@@ -1,18 +1,14 @@
-"""MPICommunicator: the Communicator over mpi4py's buffer API (never pickle for arrays).
+"""MPICommunicator: the Communicator over MPI.
 
-The transport seam is _isend(buf, dest, tag) / _irecv(buf, source, tag): raw bytes under a
-wire tag, returning a request whose test() sets received (the byte count MPI's status reports) and
-raises MessageTruncated when the message is longer than the buffer; the counting, the receive
-contract, the flight recorder and the timeouts sit above it (communicator.py). Host arrays travel
-as [buf, MPI.BYTE], so every NumPy dtype works. CuPy arrays go through the communicator's device
-transport (transport.py: CUDA-aware MPI when MPIX_Query_cuda_support says so or
-MINITRAIN_CUDA_AWARE=1 forces it, CUDA IPC on one node, else pinned staging).
+Host arrays move by the host transport (host.py: mpi4py's buffer API, never pickle), device arrays by
+the communicator's device transport (transport.py chooses: CUDA-aware MPI, CUDA IPC on one node, else
+pinned staging); the counting, the receive contract and the timeouts sit above them (communicator.py),
+the flight records and the reports around (guard.py; the watchdog answers for this rank out of band).
 init() is the entry point for jobs: it checks that the launcher and the MPI library belong
 together, wraps COMM_WORLD, caps BLAS threads per rank, starts the death watch, and installs the
 hook that turns an uncaught exception on any rank into "[rank r] traceback" and an MPI Abort.
 """
 import atexit
-import ctypes
 import os
 import random as _random
 import socket
@@ -26,79 +22,22 @@ import zlib
 import numpy as np
 
 from .. import backend
-from .communicator import DEFAULT_COMM_TIMEOUT, CollectiveTimeout, CommError, Communicator, MessageTruncated, Request
+from .collectives import split_table
+from .communicator import DEFAULT_COMM_TIMEOUT, Communicator
+from .errors import CollectiveTimeout, CommError
 from .flight_recorder import FlightRecorder
+from .guard import wrap
+from .host import HostTransport, _mpi, cuda_aware  # noqa: F401  (cuda_aware: this module's name too)
 from .reports import prefixed
-from .transport import default_transport, mpi_buffer
+from .transport import default_transport
 
 ABORT_GRACE_S = 0.5
 ABORT_WAIT_S = 2 * ABORT_GRACE_S + 2.0     # how long a rank waits for another's abort to end it
 
 
-_MPI = None
-
-
-def _mpi():
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI     # initialises MPI (MPI_THREAD_MULTIPLE, mpi4py's default)
-        _MPI = MPI
-    return _MPI
-
-
 def mpi_library():
     """The MPI this process runs on: the first line of MPI_Get_library_version."""
     return " ".join(_mpi().Get_library_version().strip().splitlines()[0].split())
-
-
-def cuda_aware():
-    """True when the loaded MPI library reports CUDA support, or MINITRAIN_CUDA_AWARE=1."""
-    if os.environ.get("MINITRAIN_CUDA_AWARE") == "1":
-        return True
-    MPI = _mpi()
-    try:
-        lib = ctypes.CDLL(MPI.__file__, mode=ctypes.RTLD_GLOBAL)
-        query = lib.MPIX_Query_cuda_support
-    except (OSError, AttributeError):
-        return False
-    query.restype = ctypes.c_int
-    return bool(query())
-
-
-class MPIRequest(Request):
-    def __init__(self, request, peer, kind, status=None, on_complete=None):
-        super().__init__(peer, kind)
-        self._request, self._status = request, status
-        self._on_complete = on_complete
-        self._done = False
-
-    def test(self):
-        if not self._done:
-            try:
-                flag = self._request.Test(self._status)
-            except Exception as e:
-                if getattr(e, "Get_error_class", None) and e.Get_error_class() == _mpi().ERR_TRUNCATE:
-                    raise MessageTruncated() from None
-                raise
-            if flag:
-                self._done = True
-                if self._status is not None:
-                    self.received = self._status.Get_count(_MPI.BYTE)
-                if self._on_complete is not None:
-                    self._on_complete()
-        return self._done
-
-    def cancel(self):
-        """A receive nobody waits for any more is withdrawn (MPI_Cancel), so that it cannot take a
-        later message meant for another receive."""
-        if self._done or self.kind != "recv from":
-            return
-        try:
-            self._request.Cancel()
-            self._request.Wait()
-        except Exception:           # already failed or matched: nothing left to withdraw
-            pass
-        self._done = True
 
 
 class _Session:
@@ -162,13 +101,13 @@ _TRANSPORT_LOCK = threading.Lock()
 
 class MPICommunicator(Communicator):
     """MPICommunicator(mpi_comm=None, timeout=None, *, comm_timeout=10.0, check_collectives=True):
-    COMM_WORLD by default (the keywords are Communicator's)."""
+    COMM_WORLD by default (timeout, comm_timeout: Communicator's; the others guard.wrap's)."""
 
     #: False only to measure what the receive-size check costs (scripts/bench_checks.py)
     verify_sizes = True
 
     def __init__(self, mpi_comm=None, timeout=None, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
-                 recorder=None, uid=None, members=None):
+                 recorder=None, uid=None, members=None, guard=True):
         MPI = _mpi()
         world = MPI.COMM_WORLD
         self.mpi_comm = world if mpi_comm is None else mpi_comm
@@ -182,10 +121,10 @@ class MPICommunicator(Communicator):
         if recorder is None:
             recorder = self.session.recorder if self.session else FlightRecorder(world.Get_rank())
         super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), timeout, comm_timeout=comm_timeout,
-                         check_collectives=check_collectives, recorder=recorder,
                          uid=uid or ("world" if is_world else f"mpi{members}"), members=members)
+        wrap(self, recorder, check_collectives, guard)
         self.world_size = world.Get_size()
-        self._byte = MPI.BYTE
+        self.host = HostTransport(self)              # host arrays; the device transports send by it too
 
     backend_name = "mpi"
     #: how device arrays move (transport.py): comm.init() negotiates it; otherwise the default
@@ -200,27 +139,14 @@ class MPICommunicator(Communicator):
         return self.transport
 
     def _isend(self, buf, dest, tag):
-        if backend.is_device_array(buf):
-            return self.device_transport().isend(buf, dest, tag)
-        return self._mpi_isend(buf, dest, tag)
+        return (self.device_transport() if backend.is_device_array(buf) else self.host).isend(buf, dest, tag)
 
     def _irecv(self, buf, source, tag):
-        if backend.is_device_array(buf):
-            return self.device_transport().irecv(buf, source, tag)
-        return self._mpi_irecv(buf, source, tag)
-
-    def _mpi_isend(self, buf, dest, tag):
-        """buf to MPI as it is: a host array (a device array only if MPI is CUDA-aware: mpi_buffer)."""
-        return MPIRequest(self.mpi_comm.Isend(mpi_buffer(buf), dest, tag), dest, "send to")
-
-    def _mpi_irecv(self, buf, source, tag):
-        """With a status: the byte count that arrived is checked against buf (the receive contract)."""
-        status = _MPI.Status() if self.verify_sizes else None
-        return MPIRequest(self.mpi_comm.Irecv(mpi_buffer(buf), source, tag), source, "recv from", status)
+        return (self.device_transport() if backend.is_device_array(buf) else self.host).irecv(buf, source, tag)
 
     def _split(self, color, key):
         # a timed all-gather first: every rank has arrived, so MPI's blocking Split cannot hang
-        members, _, uid = self._split_table(color, key)
+        members, _, uid = split_table(self, color, key)
         child = MPICommunicator(self.mpi_comm.Split(color, key), timeout=self.timeout, uid=uid, members=members,
                                 **self._options())
         if self.transport is not None:                 # the same transport (collective over the child)

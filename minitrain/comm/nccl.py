@@ -19,7 +19,11 @@ import zlib
 import numpy as np
 
 from .. import backend
-from .communicator import CommError, Communicator, Request
+from .collectives import broadcast, ring_all_gather
+from .communicator import Communicator
+from .errors import CommError
+from .guard import wrap
+from .wire import Request, Transport
 
 NCCL_UINT8 = 1
 NCCL_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
@@ -44,14 +48,59 @@ def nccl_module():
 
 
 class _NcclRequest(Request):
-    def __init__(self, comm, buf, peer, kind):
+    def __init__(self, transport, buf, peer, kind):
         super().__init__(peer, kind)
-        self.comm, self.target, self.event = comm, buf, None
+        self.transport, self.target, self.event = transport, buf, None
 
     def test(self):
         if self.event is None:
-            self.comm.flush()
+            self.transport.flush()
         return self.event.done
+
+
+class NCCLTransport(Transport):
+    """Device buffers by NCCL's send / recv. Posted calls wait until a request is tested; then every
+    call posted so far goes out as one NCCL group on the current stream (a sendrecv cannot deadlock)."""
+
+    name = "nccl"
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.pending = []
+
+    def isend(self, buf, dest, tag):
+        return self._post(buf, dest, "send to")
+
+    def irecv(self, buf, source, tag):
+        return self._post(buf, source, "recv from")
+
+    def _post(self, buf, peer, kind):
+        request = _NcclRequest(self, buf, peer, kind)
+        with self.comm.lock:
+            self.pending.append(request)
+        return request
+
+    def flush(self):
+        """Issue every posted send and receive as one NCCL group on the current stream."""
+        comm = self.comm
+        with comm.lock:
+            ops, self.pending = self.pending, []
+            if not ops:
+                return
+            stream = comm.cupy.cuda.get_current_stream()
+            comm.nccl_module.groupStart()
+            try:
+                for r in ops:
+                    call = comm.nccl.send if r.kind == "send to" else comm.nccl.recv
+                    call(r.target.data.ptr, r.target.nbytes, NCCL_UINT8, r.peer, stream.ptr)
+            finally:
+                comm.nccl_module.groupEnd()
+            event = comm.cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+            for r in ops:
+                r.event = event
+                if r.kind == "recv from":
+                    r.received = r.target.nbytes      # NCCL has no sizes to report: the bytes asked for
 
 
 class NCCLCommunicator(Communicator):
@@ -65,7 +114,8 @@ class NCCLCommunicator(Communicator):
         options = bootstrap._options() if hasattr(bootstrap, "_options") else {}
         # its own name in the flight records (its sequence numbers are not the bootstrap's)
         super().__init__(bootstrap.rank, bootstrap.size, bootstrap.timeout, uid=f"nccl:{bootstrap.uid}",
-                         members=bootstrap.members, **options)
+                         members=bootstrap.members, **{k: v for k, v in options.items() if k == "comm_timeout"})
+        wrap(self, **{k: v for k, v in options.items() if k != "comm_timeout"})
         self.bootstrap = bootstrap
         self.world_size = getattr(bootstrap, "world_size", bootstrap.size)
         cupy = self.cupy = backend._import_cupy()
@@ -78,16 +128,14 @@ class NCCLCommunicator(Communicator):
         uid = np.zeros(128, np.uint8)
         if self.rank == 0:
             uid[:] = np.frombuffer(_id_bytes(nccl.get_unique_id()), np.uint8)
-        from .collectives import broadcast
         broadcast(bootstrap, uid, root=0)
         self.nccl_module = nccl
         self.nccl = nccl.NcclCommunicator(self.size, uid.tobytes(), self.rank)
-        self.pending = []
         self.lock = threading.Lock()
+        self.transport = NCCLTransport(self)
 
     def _check_ranks(self, problem):
         """Every rank learns whether every rank has NCCL and its own GPU, and all raise alike."""
-        from .collectives import ring_all_gather
         props = self.cupy.cuda.runtime.getDeviceProperties(self.device)
         gpu = (props.get("pciDomainID", 0) << 16) | props.get("pciBusID", self.device) << 8 | props.get("pciDeviceID", 0)
         mine = np.array([problem is None, zlib.crc32(socket.gethostname().encode()), gpu, self.device], np.int64)
@@ -107,43 +155,16 @@ class NCCLCommunicator(Communicator):
                 "node (NCCL refuses two ranks on one GPU). Use backend 'mpi': its cuda-ipc transport moves device "
                 "buffers between ranks that share a GPU")
 
-    # ---- the transport's primitives
+    # ---- the backend's primitives: device arrays by NCCL, host arrays by the bootstrap
     def _isend(self, buf, dest, tag):
         if not backend.is_device_array(buf):
             return self.bootstrap._isend(buf, dest, tag)
-        return self._nccl_post(buf, dest, "send to")
+        return self.transport.isend(buf, dest, tag)
 
     def _irecv(self, buf, source, tag):
         if not backend.is_device_array(buf):
             return self.bootstrap._irecv(buf, source, tag)
-        return self._nccl_post(buf, source, "recv from")
-
-    def _nccl_post(self, buf, peer, kind):
-        request = _NcclRequest(self, buf, peer, kind)
-        with self.lock:
-            self.pending.append(request)
-        return request
-
-    def flush(self):
-        """Issue every posted send and receive as one NCCL group on the current stream."""
-        with self.lock:
-            ops, self.pending = self.pending, []
-            if not ops:
-                return
-            stream = self.cupy.cuda.get_current_stream()
-            self.nccl_module.groupStart()
-            try:
-                for r in ops:
-                    call = self.nccl.send if r.kind == "send to" else self.nccl.recv
-                    call(r.target.data.ptr, r.target.nbytes, NCCL_UINT8, r.peer, stream.ptr)
-            finally:
-                self.nccl_module.groupEnd()
-            event = self.cupy.cuda.Event(disable_timing=True)
-            event.record(stream)
-            for r in ops:
-                r.event = event
-                if r.kind == "recv from":
-                    r.received = r.target.nbytes      # NCCL has no sizes to report: the bytes asked for
+        return self.transport.irecv(buf, source, tag)
 
     def _split(self, color, key):
         return NCCLCommunicator(self.bootstrap.split(color, key))

@@ -1,17 +1,32 @@
-"""What a rank says when a wait stalls or a message does not fit.
+"""What a rank says when a wait stalls or a message does not fit (the guard's reports, guard.py).
 
 stalled: a wait past comm_timeout collects every rank's flight records (out of band) and
 analyzes them: a fatal verdict (another call, a rank gone, a deadlock) raises now, a slow rank is
 named in one warning (by the lowest waiting rank: every rank computes the same reporter from the same
 records) and the wait goes on; past the hard timeout it raises whatever the verdict.
-size_error: the receive contract, one text for both transports: both ranks, the call (collective
-and sequence number, or the p2p tag), both sizes, and the sender's call from its flight record.
+sender_note: what the receive contract's error (errors.size_error) adds: the sender's call, from its
+flight record. raise_once: one rank reports a fault, the others give it time to end the job first.
 """
 import sys
 
-from .communicator import (SNAPSHOT_TIMEOUT_S, CollectiveMismatchError, CollectiveTimeout, CommError,
-                           range_all)
+from .errors import CollectiveMismatchError, CollectiveTimeout
 from .flight_recorder import analyze, call_name, format_report, signature
+
+SNAPSHOT_TIMEOUT_S = 3.0          # how long a stalled rank waits for the others' flight records
+
+
+def range_all(comm):
+    """Every world rank this communicator's process can see (the members, at least)."""
+    world = getattr(comm, "world_size", None)
+    return list(range(world)) if world else list(comm.members)
+
+
+def raise_once(comm, error, reporter):
+    """One rank reports a fault; the others give it time to end the job (or to raise, on
+    ThreadWorld) before they raise too, so a user reads one report, not p of them."""
+    if reporter != comm.world_rank:
+        comm._wait_for_reporter(reporter, comm.comm_timeout + 2.0)
+    raise error
 
 
 def _stall_call(comm, pending):
@@ -28,11 +43,7 @@ def _stall_call(comm, pending):
 def stalled(comm, pending, what, elapsed, hard):
     """Compare flight records; raise now on a mismatch (or at the hard timeout), warn otherwise."""
     call, members = _stall_call(comm, pending)
-    if call is None:
-        if hard:
-            peers = sorted({r.peer for r in pending})
-            raise CollectiveTimeout(f"[rank {comm.rank}] {what} timed out after {comm.timeout:g} s; no answer "
-                                    f"from rank(s) {peers}")
+    if call is None:            # (past the hard timeout, the core raises CollectiveTimeout)
         return
     snaps = comm._snapshots(range_all(comm), SNAPSHOT_TIMEOUT_S)
     snaps[comm.world_rank] = comm.recorder.snapshot()
@@ -48,29 +59,19 @@ def stalled(comm, pending, what, elapsed, hard):
         return
     error = (CollectiveTimeout if hard and not verdict.fatal else CollectiveMismatchError)(
         f"[rank {comm.rank}] {report}")
-    comm._raise_once(error, who)
+    raise_once(comm, error, who)
 
 
-def size_error(comm, request, received, their_dtype=None):
-    """A receive whose size (or dtype) is not the sender's: name both ranks, the call, both sizes."""
-    buf, peer = request.buf, request.peer
-    call = comm._call()
-    where = call_name(call.as_dict()) + ("" if comm.uid == "world" else f" on {comm.uid}") if call else \
-        f"recv from rank {peer} (tag {request.tag})"
-    theirs = (f"{received} bytes" if received is not None else f"more than the {buf.nbytes} bytes that fit")
-    if their_dtype is not None:
-        theirs += f" of {their_dtype}"
-    text = (f"[rank {comm.rank}] {where}: the message from rank {peer} has {theirs}, but rank {comm.rank} "
-            f"expected {buf.nbytes} bytes ({buf.dtype.name}, shape {tuple(buf.shape)})")
+def sender_note(comm, request, call):
+    """The sender's side of a receive that does not fit: what it called (or sent), if it answers."""
+    peer = request.peer
     sender = _peer_call(comm, comm.members[peer], call, request.tag)
-    if sender is not None:
-        mine = call.as_dict() if call else None
-        if call is not None:
-            text += (f"; rank {peer} called {call_name(sender)} with {signature(sender)}, rank {comm.rank} "
-                     f"with {signature(mine)}")
-        else:
-            text += f"; rank {peer} sent {sender['dtype']} of shape {tuple(sender['shape'])} ({sender['nbytes']} bytes)"
-    return (CollectiveMismatchError if call is not None else CommError)(text)
+    if sender is None:
+        return ""
+    if call is not None:
+        return (f"; rank {peer} called {call_name(sender)} with {signature(sender)}, rank {comm.rank} "
+                f"with {signature(call.as_dict())}")
+    return f"; rank {peer} sent {sender['dtype']} of shape {tuple(sender['shape'])} ({sender['nbytes']} bytes)"
 
 
 def _peer_call(comm, peer_world, call, tag):

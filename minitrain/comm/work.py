@@ -1,6 +1,7 @@
-"""Asynchronous collectives: a Work handle, and one progress thread per communicator.
+"""How a collective runs: now, or queued on the communicator's progress thread (a Work handle).
 
-all_reduce(comm, x, async_op=True) queues the collective on the communicator's progress
+Launcher.launch takes the collective's sequence number in program order, then runs its body here or
+queues it. all_reduce(comm, x, async_op=True) queues the collective on the communicator's progress
 thread and returns a Work at once; the caller keeps computing (NumPy and the MPI waits
 release the GIL in their heavy parts) and calls work.wait() when it needs the result.
 Queued collectives run one at a time in submission order, which is the same order on every
@@ -10,7 +11,36 @@ import queue
 import threading
 
 from .. import backend, memory, trace
-from .communicator import CollectiveTimeout
+from .errors import CollectiveTimeout
+
+
+class Launcher:
+    """The part of a Communicator that runs collectives (``self.guard`` wraps each run, seam.py)."""
+
+    def launch(self, name, body, args, async_op, header, nbytes):
+        """Take the next sequence number now (program order, identical on every rank), then run
+        ``body(self, tag, *args)`` here or on the progress thread."""
+        seq_tag = self.next_tag(name)
+        call = self.guard.opened(self, name, seq_tag[0], header, nbytes, async_op)
+        if async_op:
+            return self.submit(name, self.run_collective, name, seq_tag, header, nbytes, body, args, call)
+        return self.run_collective(name, seq_tag, header, nbytes, body, args, call)
+
+    def run_collective(self, name, seq_tag, header, nbytes, body, args, call):
+        """Run ``body(self, tag, *args)`` as collective ``name``: its traffic counted under the name."""
+        previous, self._local.call = self._call(), call
+        self.stats.record_call(name)
+        try:
+            return self.guard.run(self, call, nbytes, lambda: body(self, seq_tag[1], *args))
+        finally:
+            self._local.call = previous
+
+    def submit(self, name, fn, *args):
+        """Queue ``fn(*args)`` on this communicator's progress thread; returns a Work named ``name``."""
+        with self._progress_lock:
+            if self._progress is None:
+                self._progress = ProgressThread(self)
+        return self._progress.submit(name, fn, args)
 
 
 class Work:

@@ -49,11 +49,6 @@ def main_parallel(args):
             sys.stderr.write(f"error: --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} ranks, but this job has "
                              f"{world} (mpirun -n {dp * pp * tp})\n")
         return 2
-    if args.batch_size % (dp * args.microbatches):
-        if rank == 0:
-            sys.stderr.write(f"error: --batch-size {args.batch_size} does not split into dp {dp} x "
-                             f"{args.microbatches} micro-batches\n")
-        return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
@@ -148,7 +143,7 @@ def main_parallel(args):
     full.load_state_dict(state)
     final_val = estimate_loss(full, corpus, args, val_rng)
     B, T, C = args.batch_size, args.block_size, args.n_embd
-    b = B // (dp * args.microbatches)
+    b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
     formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
     measured_layer = table[~np.isnan(table[:, 1]), 1]

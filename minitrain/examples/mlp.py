@@ -4,11 +4,13 @@
         [--precision fp32|fp64|fp16|bf16] [--offload] [--device-memory BYTES] [--batch-size 64]
         [--json out.json] [--show-plan] [--trace trace.json] [--plot step.png] [--save-dir DIR --save-every N --resume]
 
-Each rank trains on its DistributedSampler share of every global batch (--batch-size is global) and DDP
-averages the gradients, so N ranks take exactly the steps one process would take on the whole batch. Rank 0
-shows the progress bar and, at the end, the accuracy, a table per rank (the steady-state step: compute +
-exposed communication, bytes sent beside the ring formula; examples/mlp_report.py) and memory. --show-plan:
-the planner's prediction beside it. --save-dir/--save-every/--resume: sharded checkpoints, resumable on any
+Each rank trains on its DistributedSampler share of every global batch (--batch-size is global; shares
+differ by a row where the ranks do not divide it, and an epoch's last batch is partial: nothing padded or
+dropped), its mean loss weighted by its rows over the global batch's (share_loss), and DDP averages the
+gradients, so N ranks take exactly the steps one process would take on the whole batch. Rank 0 shows the
+progress bar and, at the end, the accuracy, a table per rank (the steady-state step: compute + exposed
+communication; bytes sent beside the ring formula; examples/mlp_report.py) and memory; --show-plan, the
+planner's prediction beside it. --save-dir/--save-every/--resume: sharded checkpoints, resumable on any
 layout (examples/checkpointing.py); the JSON's losses are the global loss of every step run.
 """
 import contextlib
@@ -21,7 +23,7 @@ import minitrain
 from minitrain import memory, nn, optim
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
-from minitrain.data import DataLoader, DistributedSampler, load_digits
+from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqdm
 from minitrain.examples.mlp_common import layout, nothing_left, resume
@@ -96,9 +98,6 @@ def _main(argv=None):
         from minitrain.examples.mlp_pipeline import main_pipeline
         return main_pipeline(args, parser, comm)
     args.layers = 2 if args.layers is None else args.layers
-    if args.batch_size % world:          # every rank sees it and stops; rank 0 says why
-        parser.error(f"--batch-size {args.batch_size} is not divisible by the {world} ranks: "
-                     f"each rank takes an equal share of the global batch")
     dtype = np.dtype(PRECISIONS[args.precision])
     mixed = dtype in LOW_PRECISION
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
@@ -134,7 +133,7 @@ def _main(argv=None):
     if args.device_memory is not None:      # from here on: building the full model before sharding is not
         memory.set_device_capacity(args.device_memory)       # counted (PyTorch's meta-device initialisation)
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
-    loader = DataLoader((x_train, y_train), args.batch_size // world, sampler=sampler)
+    loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
 
     try:
         ckpt, first_step = resume(args, comm, wrapped, opt, loader, layout(args, world, stage))
@@ -179,9 +178,10 @@ def train(args, loader, wrapped, opt, forward, offload, bar, watch, run, ckpt):
     for epoch in range(loader.sampler.epoch, args.epochs):     # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
-            with watch.step(counted=len(xb) == loader.batch_size):
-                with offload:
-                    loss = nn.functional.cross_entropy(forward(minitrain.Tensor(xb)), yb)
+            with watch.step(counted=loader.global_rows == loader.batch_size):
+                with offload:       # this rank's rows' share of the global batch's mean loss
+                    loss = share_loss(nn.functional.cross_entropy, forward(minitrain.Tensor(xb)), yb,
+                                      loader.global_rows, loader.sampler.world)
                 opt.zero_grad()
                 (opt.scale(loss) if hasattr(opt, "scale") else loss).backward()
                 opt.step()

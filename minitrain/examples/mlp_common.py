@@ -35,7 +35,7 @@ def gather_rows(comm, values):
 
 def global_losses(comm, local):
     """The global loss of every step: each rank's losses (device scalars, fetched in one copy),
-    averaged over the ranks (equal shares of the global batch)."""
+    averaged over the ranks (each weighted by its share of the global batch: share_loss)."""
     if not local:
         return []
     mine = backend.to_host(backend.array_module(local[0]).stack(local)).astype(np.float64)

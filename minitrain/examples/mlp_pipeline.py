@@ -7,7 +7,8 @@ The MLP's layers are cut into ranks/D stages (x chunks), balanced by counted cos
 multiply-adds per row, from the parameters per layer: partition.py); by default the MLP has
 max(2, stages) hidden layers, so any -n works, and the table at the start names each stage's
 layers and cost share (an uneven cut is reported with the bubble it implies). D data-parallel
-replicas of the pipeline each take 1/D of every global batch. At the end rank 0 reports the
+replicas of the pipeline each take 1/D of every global batch (uneven where D or the micro-batches
+do not divide it: each micro-batch's loss is weighted by its rows). At the end rank 0 reports the
 measured bubble (measure.py: per rank, the step's time outside its own F/B/W work over the step's
 wall time, mean over ranks and over the steps after the first) beside the formula, with the
 residual per cause; --plot draws the schedule simulated with the measured F, B, W times above the
@@ -53,9 +54,6 @@ def main_pipeline(args, parser, comm):
         _fail(parser, comm, str(e))
     layers = max(2, pp * chunks) if args.layers is None else args.layers
     args.chunks, args.layers = chunks, layers        # resolved: the checkpoint's layout and the planner see them
-    if args.batch_size % (args.dp * args.microbatches):
-        _fail(parser, comm, f"--batch-size {args.batch_size} is not divisible into {args.dp} replica(s) x "
-                            f"{args.microbatches} micro-batches")
     if layers + 1 < pp * chunks:
         _fail(parser, comm, f"--layers {layers} gives {layers + 1} Linear layers, fewer than the "
                             f"{pp * chunks} pipeline stages (ranks/dp x chunks)")
@@ -83,9 +81,8 @@ def main_pipeline(args, parser, comm):
         print(format_stage_table(pipe.stage_rows, formula=equal, implied=implied))
     opt = (optim.Adam(pipe.parameters(), lr=args.lr or 1e-3) if args.optimizer == "adam"
            else optim.SGD(pipe.parameters(), lr=args.lr or 0.1, momentum=0.9))
-    local_batch = args.batch_size // args.dp
     sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
-    loader = DataLoader((x_train, y_train), local_batch, sampler=sampler)
+    loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
     ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
                                       extra=lambda: {"loader": loader.state_dict()})
     try:
@@ -106,11 +103,9 @@ def main_pipeline(args, parser, comm):
     for epoch in range(loader.sampler.epoch, args.epochs):      # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
-            if len(yb) != local_batch:
-                continue                             # a short last batch would not split into micro-batches
-            with watch.step():
+            with watch.step(counted=loader.global_rows == args.batch_size):    # a short last batch: out of the step figures
                 opt.zero_grad()
-                loss = pipe.train_step(xb, yb, nn.functional.cross_entropy)
+                loss = pipe.train_step(xb, yb, nn.functional.cross_entropy, global_rows=loader.global_rows)
                 opt.step()
             steps += 1
             losses.append(loss)

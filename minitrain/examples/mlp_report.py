@@ -10,6 +10,7 @@ import numpy as np
 import minitrain
 from minitrain import backend, memory, trace
 from minitrain.backend import LOW_PRECISION
+from minitrain.data import split_sizes
 from minitrain.examples.common import device_code, mpi_line, transport_name
 from minitrain.examples.mlp_common import evaluate, gather_rows, global_losses
 from minitrain.examples.report import (STEADY, device_name, fmt_bytes, gather_steps, memory_table, plan_comparison,
@@ -32,9 +33,9 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
     world, rank = comm.size, comm.rank
     if stage < 3:                        # under ZeRO-3 each rank holds a different shard, by design
         check_replicas_equal(model, comm)
-    local_batch = args.batch_size // world
+    rows = split_sizes(args.batch_size, world)          # each rank's share of a full batch (uneven by a row at most)
     persistent, host, peak, t = watch.persistent, watch.host, memory.peak(), watch.figures()
-    row = [local_batch / t["step_s"] if t["step_s"] else 0.0, t["step_s"], t["compute_s"], t["comm_exposed_s"],
+    row = [rows[rank] / t["step_s"] if t["step_s"] else 0.0, t["step_s"], t["compute_s"], t["comm_exposed_s"],
            t["comm_total_s"], comm.stats.bytes_sent / run.steps,
            *[persistent[c] for c in ("params", "grads", "optimizer_state")],
            *[peak[c] for c in memory.CATEGORIES], peak["total"],
@@ -63,7 +64,7 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
     samples = args.batch_size / step if step else 0.0
     print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
           f"[{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}], {args.optimizer}, "
-          f"{args.epochs} epochs, global batch {args.batch_size} ({local_batch} per rank), {args.precision}")
+          f"{args.epochs} epochs, global batch {args.batch_size} ({'-'.join(map(str, sorted(set(rows))))} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s in all "
           f"(steady state)   {run.elapsed:.1f} s")
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")

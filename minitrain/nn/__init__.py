@@ -2,9 +2,10 @@
 from .module import Module, Parameter
 from .layers import Linear, Embedding, LayerNorm, ReLU, GELU, Dropout, Sequential, ModuleList, MLP
 from .gpt import GPT, GPTConfig, Block, CausalSelfAttention, FeedForward
+from .moe import MoE
 from .generation import KVCache, ContiguousKVCache
 from . import functional
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",
            "Sequential", "ModuleList", "MLP", "GPT", "GPTConfig", "Block", "CausalSelfAttention",
-           "FeedForward", "KVCache", "ContiguousKVCache", "functional"]
+           "FeedForward", "MoE", "KVCache", "ContiguousKVCache", "functional"]

@@ -6,6 +6,7 @@ LM head. Parameter names and shapes match nanoGPT's modules (h.0.attn.c_attn.wei
 (3·n_embd, n_embd)), so weights copy one-to-one into a PyTorch model for the oracle tests.
 Parameters per layer: 12·n_embd² + 13·n_embd (with biases). GPTConfig.recompute: "full"
 recomputes each block in backward, "selective" only the attention core (Korthikanti et al. 2022).
+GPTConfig.moe_experts > 0 puts a mixture of experts in place of some blocks' MLPs (nn/moe.py).
 """
 import math
 from dataclasses import dataclass
@@ -30,12 +31,34 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = False   # share wte.weight with lm_head.weight (GPT-2 does; off by default)
     recompute: str = None       # None, "full" (each block) or "selective" (the attention core)
+    # mixture of experts (nn/moe.py): with moe_experts > 0, the MLP of every moe_every-th block
+    # (h.{moe_every-1}, h.{2·moe_every-1}, ...) is an MoE layer of that many FeedForward experts
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = None   # None: dropless
+    moe_every: int = 1
+    moe_aux_loss_coef: float = 0.01
+    moe_groups: int = 1                 # GShard's groups: capacity counted per group of tokens
+    moe_normalize_gates: bool = False   # True: gates renormalised over the top-k (Mixtral)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.recompute not in (None, "none", "full", "selective"):
             raise ValueError(f"recompute must be None, 'full' or 'selective', got {self.recompute!r}")
+        if self.moe_experts < 0:
+            raise ValueError(f"moe_experts must be 0 (no MoE layer) or more, got {self.moe_experts}")
+        if self.moe_experts:
+            if self.moe_every < 1 or self.moe_every > self.n_layer:
+                raise ValueError(f"moe_every={self.moe_every} must be in [1, n_layer={self.n_layer}] "
+                                 "(no block would be an MoE layer)")
+            if self.recompute == "full":   # the aux loss of a recomputed block would leave the graph
+                raise ValueError("recompute='full' does not combine with MoE layers (their aux loss "
+                                 "would be computed without a graph); use 'selective'")
+
+    def is_moe_layer(self, layer):
+        """Whether block ``layer`` (0-based) has an MoE layer in place of its MLP."""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
 
 
 class CausalSelfAttention(Module):
@@ -104,14 +127,20 @@ class FeedForward(Module):
 
 
 class Block(Module):
-    """x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); ``mlp`` is an MoE layer where the config says so."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer=0):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = FeedForward(config)
+        if config.is_moe_layer(layer):
+            from .moe import MoE   # moe.py builds its experts from FeedForward, defined above
+            self.mlp = MoE(config.n_embd, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
+                           config.moe_groups, config.moe_aux_loss_coef, config.moe_normalize_gates,
+                           bias=config.bias, dropout=config.dropout)
+        else:
+            self.mlp = FeedForward(config)
         self.recompute = config.recompute == "full"
 
     def forward(self, x, cache=None, layer=0):
@@ -133,7 +162,7 @@ class GPT(Module):
         self.wte = Embedding(config.vocab_size, config.n_embd)
         self.wpe = Embedding(config.block_size, config.n_embd)
         self.drop = Dropout(config.dropout)
-        self.h = ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.h = ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self._init_weights()
@@ -157,7 +186,9 @@ class GPT(Module):
 
     def forward(self, idx, targets=None, cache=None):
         """Logits (B, T, vocab) for integer tokens ``idx`` (B, T); with ``targets``, (logits, loss).
-        With a KV ``cache`` (generation), ``idx`` holds only the tokens new to the cache's sequences."""
+        With a KV ``cache`` (generation), ``idx`` holds only the tokens new to the cache's sequences.
+        With MoE layers, the loss in training mode is the cross-entropy plus every MoE layer's
+        load-balancing loss (in eval mode the cross-entropy alone, comparable with a dense model's)."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
         if T > self.config.block_size:
@@ -173,7 +204,12 @@ class GPT(Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits, targets)
+        loss = F.cross_entropy(logits, targets)
+        if self.config.moe_experts and self.training:
+            for i, block in enumerate(self.h):
+                if self.config.is_moe_layer(i):
+                    loss = loss + block.mlp.aux_loss
+        return logits, loss
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None, cache="contiguous"):
         """Sample ``max_new_tokens`` tokens after the context ``idx`` (B, T) (``temperature`` 0: greedy),

@@ -91,12 +91,12 @@ class GPT3D:
         self.pipe.zero_grad()
 
     def train_step(self, idx, targets):
-        n = len(idx)
-        if n % self.dp:
-            raise ValueError(f"[rank {self.mesh.world.rank}] a global batch of {n} rows does not split over "
-                             f"dp = {self.dp} replicas")
-        rows = slice(self.mesh.coordinate("dp") * (n // self.dp), (self.mesh.coordinate("dp") + 1) * (n // self.dp))
-        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss)
+        n, d = len(idx), self.mesh.coordinate("dp")
+        # contiguous rows per replica; where dp does not divide n the first n % dp take one more
+        # (a replica may take none) and the pipeline weights each by its rows over n
+        start = d * (n // self.dp) + min(d, n % self.dp)
+        rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
+        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss, global_rows=n)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.dp > 1:                                           # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])

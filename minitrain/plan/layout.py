@@ -92,7 +92,8 @@ class Layout:
 
     @property
     def micro_batch_size(self):
-        return self.batch_size // (self.dp * self.microbatches)
+        """The largest micro-batch: the jobs cut a batch that dp x micro-batches do not divide unevenly."""
+        return -(-self.batch_size // (self.dp * self.microbatches))
 
     @property
     def mixed(self):
@@ -163,12 +164,6 @@ def check(model, layout):
         raise LayoutError(f"interleaved_1f1b needs the micro-batches to be a multiple of pp = {p}: "
                           f"--microbatches {layout.microbatches} -> nearest valid "
                           f"{_choices(_nearest(layout.microbatches, [p * k for k in range(1, layout.microbatches // p + 3)]))}")
-    if layout.batch_size % (d * layout.microbatches):
-        per_replica = layout.batch_size // d if layout.batch_size % d == 0 else None
-        hint = (f"nearest valid --microbatches: {_choices(_nearest(layout.microbatches, divisors(per_replica)))}"
-                if per_replica else f"nearest valid --batch-size: {_choices(_nearest(layout.batch_size, [d * layout.microbatches * k for k in range(1, layout.batch_size // (d * layout.microbatches) + 3)]))}")
-        raise LayoutError(f"the micro-batches must divide the batch: --batch-size {layout.batch_size} does not split "
-                          f"into dp {d} x {layout.microbatches} micro-batches ({hint})")
     if model.kind == "gpt":
         _check_gpt(model, layout)
     elif model.kind == "mlp":

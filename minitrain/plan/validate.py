@@ -133,7 +133,7 @@ def wall_ratio(result):
 
 
 def table(results):
-    """The README's table: one row per run."""
+    """docs/measured.md's table: one row per run."""
     rows = ["| run | ranks | layout | peak memory per rank: measured / predicted (worst error) | nodes | step busy CPU: "
             "measured, lower quartile (median) / predicted (ratio; anchor) | waiting CPU | wall: median (fastest) / predicted | "
             "wall in anchors / predicted (ratio) |",

@@ -169,21 +169,27 @@ class PipelineParallel:
         return self.comm.recv(xp.empty(shape, _DTYPES[code]), source, self._tag(mb, virtual, backward, 1))
 
     # ---- one training step
-    def train_step(self, x, y, loss_fn):
+    def train_step(self, x, y, loss_fn, global_rows=None):
         """Forward and backward of the global batch (x, y) as m micro-batches in the schedule's
         order; parameters' .grad hold the gradient of the mean loss. Returns the mean loss,
         on every rank. Only the first stage reads x and only the last reads y (every rank gets
-        both: their shapes key the cache of message shapes)."""
+        both: their shapes key the cache of message shapes). A batch that m does not divide is cut
+        unevenly (the first n % m micro-batches one row more; with n < m some are empty) and each
+        micro-batch's mean loss weighted by its rows. With dp replicas, global_rows is the rows of
+        all replicas' batches together (default: n each): weights rows·dp/global_rows make the
+        replicas' mean, which the dp all-reduce takes, the mean over the global batch."""
         n = len(y)
-        if n % self.m:
-            raise ValueError(f"[rank {self.rank}] a batch of {n} is not divisible into {self.m} micro-batches")
-        size = n // self.m
+        dp = self.dp_comm.size if self.dp_comm is not None else 1
+        global_rows = n * dp if global_rows is None else global_rows
+        sizes = [n // self.m + (1 if i < n % self.m else 0) for i in range(self.m)]
+        starts = np.cumsum([0] + sizes).tolist()
+        weights = [1.0 / self.m if size * self.m * dp == global_rows else size * dp / global_rows for size in sizes]
         params = self.parameters()
         xp = array_module(params[0].data) if params else np
         if self.schedule_name == "pipedream_2bw":
             current = self._swap_in_stash()
         self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
-        inputs, outputs, weight_grads, losses = {}, {}, {}, []
+        inputs, outputs, weight_grads, losses, loss_weights = {}, {}, {}, [], []
         tracer = trace.tracer()
         clock = time.perf_counter
         event = backend.record_event if tracer.enabled else _no_event    # traced, on the GPU: a CUDA event
@@ -208,13 +214,17 @@ class PipelineParallel:
                 times[3] = clock()
             times[0], first = clock(), event()
             if kind == "F":
-                inp = Tensor(x[mb * size:(mb + 1) * size]) if received is None else Tensor(received, requires_grad=True)
+                rows = slice(starts[mb], starts[mb + 1])
+                inp = Tensor(x[rows]) if received is None else Tensor(received, requires_grad=True)
                 out = self.stages[chunk](inp)
                 inputs[mb, chunk] = inp
-                if virtual == len(self.where) - 1:
-                    loss = loss_fn(out, y[mb * size:(mb + 1) * size])
+                if virtual == len(self.where) - 1 and sizes[mb] == 0:
+                    out = out.sum() * 0.0                  # no rows: a zero whose backward still runs
+                elif virtual == len(self.where) - 1:
+                    loss = loss_fn(out, y[rows])
                     losses.append(loss.data)               # read once, after the step (no sync per micro-batch)
-                    out = loss * (1.0 / self.m)            # mean over micro-batches
+                    loss_weights.append(weights[mb])
+                    out = loss * weights[mb]               # mean over micro-batches, by rows
                 outputs[mb, chunk] = out
             else:
                 out = outputs.pop((mb, chunk))
@@ -239,7 +249,7 @@ class PipelineParallel:
         if self.dp_comm is not None and self.dp_comm.size > 1:
             self._all_reduce_gradients()
         end.append(clock())
-        total = np.array([self._mean_loss(losses)])          # the last stage's; 0 elsewhere
+        total = np.array([self._mean_loss(losses, loss_weights)])    # the last stage's; 0 elsewhere
         total = all_reduce(self.comm, total, op="sum")       # every rank leaves the step together
         end.append(clock())
         if self.schedule_name == "pipedream_2bw":
@@ -291,10 +301,13 @@ class PipelineParallel:
                 slots[index, 1] = host_zero + backend.elapsed_ms(reference, last, wait=False) / 1e3
         self._device_records = [[] for _ in self.step_records]
 
-    def _mean_loss(self, values):
+    def _mean_loss(self, values, weights):
         """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
         if not values:
             return 0.0
+        if any(w != 1.0 / self.m for w in weights) or len(values) != self.m:     # uneven micro-batches
+            xp = array_module(values[0])
+            return backend.to_scalar((xp.stack(values).astype(np.float64) * xp.asarray(weights)).sum())
         if is_device_array(values[0]):
             return backend.to_scalar(array_module(values[0]).stack(values).astype(np.float64).sum()) / self.m
         return sum(float(v) for v in values) / self.m

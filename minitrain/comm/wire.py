@@ -1,0 +1,59 @@
+"""The one interface every transport implements: how a backend's bytes cross to another rank.
+
+A transport moves raw bytes under a wire tag (communicator.py builds it) and never counts, checks or
+times anything: the Communicator above it does, once for all of them. ``isend`` / ``irecv`` return
+a Request; its ``test()`` says when the move is complete and, for a receive, sets ``received`` (the
+byte count that arrived: the Communicator checks it against the buffer) or raises MessageTruncated.
+The transports: host arrays by MPI (host.py), device arrays by CUDA-aware MPI or pinned staging
+(staging.py) or CUDA IPC (ipc.py), by NCCL (nccl.py), and between threads (local.py). The collectives
+see none of them: they call the Communicator.
+"""
+from .errors import MessageTruncated  # noqa: F401  (what a transport's test() raises)
+
+#: recvbuf = message (op) own, elementwise: what a ring reduce-scatter step does with what arrives
+REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+
+
+class Request:
+    """A pending send or receive. Transports implement ``test()`` and set ``received`` (bytes that
+    arrived) when a receive completes; the Communicator fills in ``buf``, ``tag`` and ``record``."""
+
+    received = None
+    buf = tag = record = None
+
+    def __init__(self, peer, kind):
+        self.peer, self.kind = peer, kind
+
+    def test(self):
+        raise NotImplementedError
+
+    def cancel(self):
+        """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""
+
+    def reduce_on_arrival(self, own, op):
+        """Ask a pending receive to arrive as ``recvbuf = message (op) own`` (a reduce-scatter step).
+        True if the transport does it (CUDA IPC: in the kernel that reads the peer's memory); False
+        (here): the caller combines after the wait."""
+        return False
+
+
+class Transport:
+    """``isend`` / ``irecv`` for one communicator (``comm``). ``split(child)`` makes the transport of a
+    sub-communicator (collective over the child's ranks); ``close()`` gives back what it holds."""
+
+    name = "?"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def isend(self, buf, dest, tag):
+        raise NotImplementedError
+
+    def irecv(self, buf, source, tag):
+        raise NotImplementedError
+
+    def split(self, child):
+        return type(self)(child)
+
+    def close(self):
+        pass
