@@ -24,7 +24,7 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
 from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
-from minitrain.examples.report import (STEADY, StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
+from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.parallel import offload_activations
 
@@ -179,7 +179,7 @@ def _main(argv=None):
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
             "initial_val_loss": initial_val, "final_val_loss": final_val,
             "final_loss": float(tail), "steps_per_second": 1 / steps["step_time_s"], "elapsed_seconds": elapsed,
-            "steady_state": {**STEADY, "steps_measured": watch.figures()["steps_measured"]}, "planner": compared, "recompute": args.recompute,
+            "steady_state": watch.steady_state(), "planner": compared, "recompute": args.recompute,
             "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],

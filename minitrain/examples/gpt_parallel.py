@@ -28,7 +28,7 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
-from minitrain.examples.report import (STEADY, StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
+from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
@@ -185,7 +185,7 @@ def main_parallel(args):
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],
             "elapsed_seconds": elapsed, "planner": compared,
-            "steady_state": {**STEADY, "steps_measured": watch.figures()["steps_measured"]},
+            "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
             **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),

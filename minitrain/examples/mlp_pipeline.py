@@ -28,7 +28,7 @@ from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, mpi_line, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
-from minitrain.examples.report import (STEADY, StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
+from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
 from minitrain.parallel.pipeline.partition import format_stage_table
@@ -161,7 +161,7 @@ def main_pipeline(args, parser, comm):
     report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
               "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": samples, "steps": steps, "elapsed_seconds": elapsed,
-              "steady_state": {**STEADY, "steps_measured": watch.figures()["steps_measured"]}, "planner": compared,
+              "steady_state": watch.steady_state(), "planner": compared,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": chunks, "dp": args.dp, "layers": layers,

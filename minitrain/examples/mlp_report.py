@@ -13,7 +13,7 @@ from minitrain.backend import LOW_PRECISION
 from minitrain.data import split_sizes
 from minitrain.examples.common import device_code, mpi_line, transport_name
 from minitrain.examples.mlp_common import evaluate, gather_rows, global_losses
-from minitrain.examples.report import (STEADY, device_name, fmt_bytes, gather_steps, memory_table, plan_comparison,
+from minitrain.examples.report import (device_name, fmt_bytes, gather_steps, memory_table, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import check_replicas_equal
 from minitrain.parallel.zero_memory import model_state_bytes
@@ -74,7 +74,8 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
         print(f"{r:>4} {device_name(v[18]):>7} {v[0]:>10,.0f} {v[1] * 1e3:>7.2f}ms {v[2] * 1e3:>7.2f}ms "
               f"{v[3] * 1e3:>11.2f}ms {v[4] * 1e3:>9.2f}ms {fmt_bytes(v[5]):>10} {fmt_bytes(formula):>10} "
               f"{fmt_bytes(v[14]):>12}")
-    print(f"\n(steady state: medians over the steps after the first {STEADY['skipped_first_steps']}, the step timer's "
+    steady = watch.steady_state()
+    print(f"\n(steady state: medians over the steps after the first {steady['skipped_first_steps']}, the step timer's "
           "own work left out.\n step = compute + comm exposed, the time the loop waited for a collective; comm total: "
           "the time a\n collective ran or was waited for, overlapping backward; sent/step averages every message, the "
           "start-up\n broadcast included; formula: " + ("3" if stage == 3 else "2") + "(p-1)/p·Ψ·bytes"
@@ -106,7 +107,7 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": args.strategy,
             "num_params": psi, "final_loss": final_loss, "transport": transport_name(comm),
             "test_accuracy": accuracy, "samples_per_second": samples, "steps": run.steps,
-            "steady_state": {**STEADY, "steps_measured": t["steps_measured"]},
+            "steady_state": steady,
             "elapsed_seconds": run.elapsed,
             "bytes_per_step": float(np.mean(table[:, 5])), "bytes_per_step_formula": formula,
             "memory_formula": state_formula, "precision": args.precision, "offload": args.offload,

@@ -14,14 +14,12 @@ from contextlib import contextmanager
 import numpy as np
 
 from .. import memory, trace
-from .step_timer import WARMUP_STEPS, StepTimer, gather_steps  # noqa: F401  (the jobs import them from here)
+from .step_timer import StepTimer, gather_steps  # noqa: F401  (the jobs import them from here)
 
 MODEL_STATE = ("params", "grads", "optimizer_state")
 # the loop's own thread waiting for communication (DDP's buckets, ZeRO's and FSDP's collectives, LocalSGD)
 WAITS = ("wait for buckets", "average parameters", "wait for reduce-scatter", "reduce-scatter gradients",
          "all-gather parameters")
-STEADY = {"statistic": "median", "skipped_first_steps": WARMUP_STEPS,
-          "excludes": "the first steps, the step timer's anchor runs, an epoch's short last batch"}
 
 
 def fmt_bytes(n):
@@ -107,16 +105,22 @@ class StepWatch:
         if len(events) > 50_000:
             del events[:-5_000]
 
+    def steady_state(self):
+        """How the time figures were taken, for the JSON: the statistic, the steps left out and those measured."""
+        n = len(self.timer.steps)
+        keep = self.timer.steady(n)
+        return {"statistic": "median", "skipped_first_steps": keep.start, "steps_measured": n - keep.start,
+                "excludes": "the first steps, the step timer's anchor runs, an epoch's short last batch"}
+
     def figures(self):
         """This rank's steady-state step: {step_s, compute_s, comm_exposed_s, comm_total_s} (compute = step -
-        exposed), medians over the steps StepTimer.steady() keeps (steps_measured of them)."""
+        exposed), medians over the steps StepTimer.steady() keeps (steady_state())."""
         wall = np.array([s[0] for s in self.timer.steps], np.float64)
         keep = self.timer.steady(len(wall))
         step = float(np.median(wall[keep])) if len(wall) else 0.0
         exposed = float(np.median(np.array(self.exposed)[keep])) if self.exposed else 0.0
         total = float(np.median(np.array(self.total)[keep])) if self.total else 0.0
-        return {"step_s": step, "compute_s": step - exposed, "comm_exposed_s": exposed, "comm_total_s": total,
-                "steps_measured": len(wall[keep])}
+        return {"step_s": step, "compute_s": step - exposed, "comm_exposed_s": exposed, "comm_total_s": total}
 
 
 def memory_table(persistent, peak):
