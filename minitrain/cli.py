@@ -6,8 +6,14 @@ that says each option's default.
 HelpFormatter is argparse's ArgumentDefaultsHelpFormatter with two habits: a help text that
 already names its default (say what None means: "default: every rank") is left alone, and a flag
 reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks every parser.
+
+Values are checked while parsing: type=cli.positive_int, nonneg_int, positive_float, nonneg_float or
+probability refuses a value out of range with argparse's one line and exit status 2, before any work
+(tests/test_option_validation.py gives every numeric option of every parser such values).
+given_options tells which options a command line set, so a job can refuse one it would ignore.
 """
 import argparse
+import math
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -27,3 +33,89 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """HelpFormatter that keeps the description's own line breaks (a description with examples)."""
+
+
+# ---------------------------------------------------------------- values checked while parsing
+# Each is an argparse ``type=``: a value out of range stops the command at parsing, before any work, with
+# argparse's one line ("usage ... error: argument --lr: must be >= 0, got -1") and exit status 2.
+def _integer(text):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not value.is_integer():
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        return int(value)
+
+
+def _real(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text):
+    """An integer >= 1 (a count: steps, ranks, layers, ...); 1e3 is read as 1000."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def nonneg_int(text):
+    """An integer >= 0 (a seed, warm-up steps, a count that may be none)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    """A finite number > 0 (a timeout, a bucket size)."""
+    value = _real(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonneg_float(text):
+    """A finite number >= 0 (a learning rate: 0 trains nothing, and is honoured)."""
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text):
+    """A dropout probability, in [0, 1) (1 would drop everything and divide by zero)."""
+    value = _real(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def given_options(parser, argv):
+    """The options ``argv`` sets explicitly (their first option string, e.g. {"--dp", "--lr"}), whatever their
+    value: ``argv`` parsed again with every default suppressed (abbreviations and --opt=value included)."""
+    saved = [(action, action.default) for action in parser._actions]
+    for action, _ in saved:
+        action.default = argparse.SUPPRESS
+    try:
+        seen = vars(parser.parse_args(argv))
+    finally:
+        for action, default in saved:
+            action.default = default
+    return {action.option_strings[0] for action in parser._actions
+            if action.option_strings and action.dest in seen}
+
+
+def refuse(parser, option, setting, reason):
+    """The one line for an option this setting cannot apply: "--X is not supported with Y (reason)"."""
+    parser.error(f"{option} is not supported with {setting} ({reason})")

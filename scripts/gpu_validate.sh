@@ -18,7 +18,8 @@
 # one runs. OUT_DIR/figures.json collects every step's status and every job's figures.
 # Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
 # to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
-# TRANSPORT_ARGS extra bench_gpu_collectives.py options, EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+# TRANSPORT_ARGS extra bench_gpu_collectives.py options (TRANSPORT_RANKS the transport step's rank counts, "2 4"),
+# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
 # MINITRAIN_TRANSPORT (auto | cuda-ipc | pinned-staging | cuda-aware-mpi), MINITRAIN_IPC_SYNC (event | host) and
 # MINITRAIN_BACKEND (mpi | nccl) reach every rank (under Open MPI through -x).
 set -u
@@ -33,6 +34,7 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-420}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 BENCH_ARGS=${BENCH_ARGS:-}
 TRANSPORT_ARGS=${TRANSPORT_ARGS:-}
+TRANSPORT_RANKS=${TRANSPORT_RANKS:-2 4}
 EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run: the job's default, 30)
 GPT_STEPS=${GPT_STEPS:-100}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
@@ -178,7 +180,7 @@ step_transport() {
   # dtypes, split communicators, a size mismatch on both ranks), then the ring all-reduce bus bandwidth per
   # transport, 1 KiB to 256 MiB, beside MPI's all-reduce staged alike and NCCL's where it runs; at 2 and 4 ranks.
   local status=0 n
-  for n in 2 4; do
+  for n in $TRANSPORT_RANKS; do
     run "transport_check_$n" mpi "$n" tests/programs/transport_check.py "$OUT/transport_check_$n.json" --mismatch || status=1
     # shellcheck disable=SC2086
     RUN_TIMEOUT=$((STEP_TIMEOUT / 2 - 30)) run "transport_$n" mpi "$n" scripts/bench_gpu_collectives.py ${TRANSPORT_ARGS:-} \
@@ -197,7 +199,7 @@ for step in $STEPS; do
   echo "##### $step (limit $STEP_TIMEOUT s)"
   start=$SECONDS
   export -f run mpi "step_$step"
-  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS TRANSPORT_ARGS EPOCHS GPT_STEPS
+  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS TRANSPORT_ARGS TRANSPORT_RANKS EPOCHS GPT_STEPS
   LAUNCH_STR=$(printf '%q ' "${LAUNCH[@]}")
   timeout -k 10 "$STEP_TIMEOUT" bash -c "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
   rc=${PIPESTATUS[0]}

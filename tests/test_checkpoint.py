@@ -468,17 +468,21 @@ def test_the_newest_checkpoint_is_found_by_its_manifest_not_its_name(saved):
     assert checkpoint.find_latest(os.path.join(directory, "nothing")) is None
 
 
-def test_saving_the_same_step_again_replaces_it_and_keep_drops_the_oldest(saved):
+def test_saving_a_step_already_saved_is_refused_and_keep_drops_the_oldest(saved):
     directory = os.path.dirname(saved)
+    before = checkpoint.read_manifest(saved)
 
-    def body(comm):
+    def body(comm, step):
         job = Job(comm, "ddp")
         job.load(saved)
-        return checkpoint.save(directory, comm, 2, job.owner, job.opt, layout={"kind": "ddp"}, keep=1)
-    path = ThreadWorld(2).run(body)[0]
-    assert path == saved and checkpoint.read_manifest(path)["layout"] == {"kind": "ddp"}
-    assert [p for _, _, p in checkpoint.list_checkpoints(directory)] == [saved]
+        return checkpoint.save(directory, comm, step, job.owner, job.opt, layout={"kind": "ddp"}, keep=1)
+    with pytest.raises(checkpoint.CheckpointError, match="step-00000002 already exists"):
+        ThreadWorld(2).run(body, 2)
+    assert checkpoint.read_manifest(saved) == before                  # the folder there is untouched
     assert not [n for n in os.listdir(directory) if n.startswith(".")]
+    path = ThreadWorld(2).run(body, 3)[0]
+    assert checkpoint.read_manifest(path)["layout"] == {"kind": "ddp"}
+    assert [p for _, _, p in checkpoint.list_checkpoints(directory)] == [path]
 
 
 def test_ddp_replicas_share_the_writing_and_each_slice_is_written_once(tmp_path):

@@ -71,3 +71,17 @@ def test_synthetic_data_is_reproducible():
 def test_loader_drop_last():
     loader = DataLoader((np.arange(10),), 4, shuffle=False, drop_last=True)
     assert [len(b[0]) for b in loader] == [4, 4] and len(loader) == 2
+
+
+def test_digits_are_scikit_learns_exactly_and_load_without_importing_it():
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np; from minitrain.data import load_digits; a = load_digits(dtype=np.float64); "
+            "print('sklearn' in sys.modules, 'scipy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["False", "False"]
+    sk = pytest.importorskip("sklearn.datasets").load_digits()
+    x_train, y_train, x_test, y_test = load_digits(dtype=np.float64)
+    order = np.random.default_rng(0).permutation(len(sk.target))
+    assert np.array_equal(np.concatenate([x_test, x_train]), sk.data[order] / 16.0)
+    assert np.array_equal(np.concatenate([y_test, y_train]), sk.target[order]) and y_train.dtype == np.int64

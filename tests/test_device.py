@@ -148,11 +148,11 @@ def test_a_traced_pipeline_step_times_its_work_by_cuda_events_without_a_sync(sta
             opt.step()
             return loss
         delta = counted_step(standin_gpu, step)
-        for times in pipe._device_records:
+        for times in pipe.stamps.device_records:
             for _, first, last in times:
                 last._time = first._time + 0.25
         summary = pipe.measured_bubble()
-        return delta, summary, len(pipe._device_records[-1])
+        return delta, summary, len(pipe.stamps.device_records[-1])
     (first, s0, n0), (last, s1, n1) = ThreadWorld(2).run(run)
     assert_budget(first, syncs=0, h2d=4)
     assert_budget(last, syncs=1, h2d=4)

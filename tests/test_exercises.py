@@ -9,7 +9,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -150,9 +149,7 @@ def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
     path = tmp_path / "loops.py"
     path.write_text("def ring_all_reduce(comm, x, op='sum'):\n    while True:\n        pass\n")
     harness.set_wait_timeout(0.3)
-    start = time.perf_counter()
     results = get("ring_all_reduce").grade(load(path, "ring_all_reduce"))
-    assert time.perf_counter() - start < 30
     assert results[-1].status == "fail" and len(results) == 1          # grading stops there
     assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
 

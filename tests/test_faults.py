@@ -1,102 +1,102 @@
 """The six faults of issue 15 injected under ``mpiexec -n 4`` (tests/programs/comm_faults.py, written
 against the public API), each with default settings unless stated: one rank skips a collective,
 calls a different one, passes a different shape, raises, is killed with SIGKILL, or sleeps past
-``--comm-timeout 5``. Each must end the whole job with a non-zero status within 30 s of the fault,
-with output that names the faulty rank (1) and the call. Also: a launcher of one MPI with the
-library of another stops at once, naming both."""
+``--comm-timeout 2``. Each must end the whole job with a non-zero status, with output that names the faulty
+rank (1) and the call; those a check catches end at once, without waiting for a stall report (none is printed),
+the sleeping rank at the hard timeout (the job's own report says how long it waited). Also: a launcher of one
+MPI with the library of another stops at once, naming both."""
 import os
 import pathlib
 import re
 import subprocess
 import sys
-import time
 
 
 from minitrain.testing import mpi_launcher, run_mpi
 
 FAULTS = str(pathlib.Path(__file__).parent / "programs" / "comm_faults.py")
+STALLED = "has waited"          # the stall report's words: a call waited past --comm-timeout
 
 
 def job(fault, *flags, status=None):
-    """Run the fault job; (output, seconds from the fault to the job's end). ``status``: the exit status
-    the launcher must return (default: any but 0)."""
+    """Run the fault job; its output. ``status``: the exit status the launcher must return (default: any but 0).
+    A job that never ended would fail here at run_mpi's timeout (90 s)."""
     result = run_mpi([sys.executable, FAULTS, fault, *flags], n=4, timeout=90, check=False)
-    end = time.time()
     out = result.stdout
     assert result.returncode != 0, f"{fault}: the job exited 0\n{out}"
     assert status is None or result.returncode == status, f"{fault}: the job exited {result.returncode}\n{out}"
-    injected = re.search(r"rank 1 injects \w+ at ([\d.]+)", out)
-    assert injected, f"{fault}: the fault was never injected\n{out}"
-    took = end - float(injected.group(1))
-    assert took < 30, f"{fault}: the job ended {took:.1f} s after the fault\n{out}"
-    return out, took
+    assert re.search(r"rank 1 injects \w+ at ([\d.]+)", out), f"{fault}: the fault was never injected\n{out}"
+    return out
 
 
 def test_a_rank_that_skips_a_collective_is_named_at_its_next_call():
-    out, _ = job("skip")
+    out = job("skip")
     assert re.search(r"rank 1: broadcast #\d+ shape=\(1,\) int64 8 B root=0   <-- differs", out), out
     assert re.search(r"rank\(s\) \[0, 2, 3\] called recursive_doubling_all_reduce #\d+ shape=\(1000,\)", out), out
+    assert STALLED not in out, out
 
 
 def test_a_rank_that_skips_the_last_collective_and_leaves_is_named():
     """The reporting rank's MPI_Abort(1) ends the job: rank 1, which has left the script, waits for it
     instead of exiting 0 first (that raced the abort: the launcher tore the job down with the reporter
     still in its grace sleep, and under load returned 0 for it)."""
-    out, took = job("skip_last", "--comm-timeout", "3", status=1)      # the default 10 s works alike, slower
+    out = job("skip_last", "--comm-timeout", "3", status=1)      # the default 10 s works alike, slower
     assert "rank 1: has left the script" in out and "rank(s) [1] have left the script and will never call" in out, out
 
 
 def test_a_rank_that_calls_a_different_collective_is_named():
-    out, took = job("other")
+    out = job("other")
     assert re.search(r"rank 1: broadcast #\d+ shape=\(1000,\) float32 3.9 KiB root=0   <-- differs", out), out
-    assert took < 10
+    assert STALLED not in out, out
 
 
 def test_a_rank_that_calls_a_different_collective_is_named_by_the_flight_recorder_without_checks():
-    out, took = job("other", "--no-check", "--comm-timeout", "2")
+    out = job("other", "--no-check", "--comm-timeout", "2")
     assert re.search(r"rank 1: in broadcast #\d+ shape=\(1000,\) float32 .*<-- differs", out), out
     assert "flight recorder report" in out and re.search(r"rank\(s\) \[1\] called broadcast #\d+", out), out
 
 
 def test_a_rank_with_a_different_shape_is_named():
-    out, took = job("shape")
+    out = job("shape")
     assert re.search(r"rank 1: recursive_doubling_all_reduce #\d+ shape=\(1001,\) float32 3.9 KiB op=sum   <-- differs", out), out
-    assert took < 10
+    assert STALLED not in out, out
 
 
 def test_a_different_shape_without_checks_fails_on_the_first_message_naming_both_sizes():
-    out, took = job("shape", "--no-check")
+    out = job("shape", "--no-check")
     assert re.search(r"the message from rank 1 has (more than the 4000 bytes|\d+ bytes)", out) or \
         re.search(r"the message from rank \d has 4000 bytes, but rank 1 expected 4004 bytes", out), out
-    assert "shape=(1001,)" in out and took < 10
+    assert "shape=(1001,)" in out and STALLED not in out, out
 
 
 def test_a_ddp_replica_of_another_shape_is_named():
-    out, took = job("ddp_shape")
+    out = job("ddp_shape")
     assert re.search(r"rank 1: broadcast #\d+ shape=\(3, 5\) float32 60 B root=0   <-- differs", out), out
+    assert STALLED not in out, out
 
 
 def test_a_rank_that_raises_aborts_the_job_with_its_traceback_and_last_calls():
-    out, took = job("raise")
+    out = job("raise")
     assert "[rank 1] ValueError: injected failure in step 2" in out, out
-    assert "[rank 1] flight recorder (this rank's last calls, newest last):" in out and took < 10
+    assert "[rank 1] flight recorder (this rank's last calls, newest last):" in out and STALLED not in out, out
 
 
 def test_a_rank_killed_by_sigkill_is_named_with_the_call_it_was_in():
-    out, took = job("kill")
+    out = job("kill")
     if mpi_launcher()[1] == "mpich":      # Open MPI's mpirun names the rank itself ("exited on signal 9")
         assert re.search(r"rank 1 \(pid \d+\) ended without leaving Python: killed by a signal", out), out
         assert re.search(r"it was (computing: its last call, broadcast #\d+|in \w+ #\d+)", out), out
     else:
         assert re.search(r"rank 1 .*(exited on signal 9|ended without leaving Python)", out), out
-    assert took < 10
+    assert STALLED not in out, out
 
 
 def test_a_rank_that_sleeps_past_the_comm_timeout_is_named_and_the_job_ends_at_the_hard_timeout():
-    out, took = job("sleep", "--comm-timeout", "5")
-    assert "warning: flight recorder report" in out and "Still waiting, up to the hard timeout (15 s)" in out, out
+    out = job("sleep", "--comm-timeout", "2")
+    assert "warning: flight recorder report" in out and "Still waiting, up to the hard timeout (6 s)" in out, out
     assert "rank 1: computing: no call in progress" in out and "Ending the job (hard timeout)" in out, out
-    assert out.count("warning: flight recorder report") == 1 and 14 < took < 30
+    waited = [float(s) for s in re.findall(r"recursive_doubling_all_reduce #\d+ has waited ([\d.]+) s", out)]
+    assert out.count("warning: flight recorder report") == 1 and len(waited) == 2 and waited[1] >= 6, out
 
 
 def test_asynchronous_collectives_in_flight_beside_a_blocking_one_finish():

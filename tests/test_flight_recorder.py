@@ -13,12 +13,14 @@ from minitrain.comm import (ALL_REDUCE_ALGORITHMS, CollectiveMismatchError, Coll
                             ring_reduce_scatter)
 
 
-def run_failing(world, fn, error=CommError, limit=5.0):
-    """Run ``fn`` on ``world``, expect ``error``; returns (message, seconds it took)."""
-    start = time.monotonic()
+STALLED = "has waited"          # the stall report's words: a call waited past comm_timeout
+
+
+def run_failing(world, fn, error=CommError):
+    """Run ``fn`` on ``world``, expect ``error``; returns its message."""
     with pytest.raises(error) as err:
         world.run(fn)
-    return str(err.value), time.monotonic() - start
+    return str(err.value)
 
 
 # ---------------------------------------------------------------- the receive contract
@@ -28,7 +30,7 @@ def test_a_receive_of_another_size_names_both_ranks_the_tag_and_both_sizes():
             comm.send(np.ones(3), 1, tag=5)
         else:
             comm.recv(np.empty(2), 0, tag=5)
-    text, _ = run_failing(ThreadWorld(2), fn)
+    text = run_failing(ThreadWorld(2), fn)
     assert "[rank 1] recv from rank 0 (tag 5)" in text and "24 bytes" in text and "expected 16 bytes" in text, text
 
 
@@ -38,7 +40,7 @@ def test_a_receive_of_another_dtype_with_the_same_bytes_is_refused():
             comm.send(np.ones(4, np.float32), 1, tag=7)
         else:
             comm.recv(np.empty(2, np.float64), 0, tag=7)
-    text, _ = run_failing(ThreadWorld(2), fn)
+    text = run_failing(ThreadWorld(2), fn)
     assert "tag 7" in text and "float32" in text and "float64" in text and "16 bytes" in text, text
 
 
@@ -54,10 +56,10 @@ def test_a_peer_outside_the_world_and_a_tag_outside_the_users_range_are_refused(
 def test_a_collective_with_another_shape_fails_on_the_first_message_without_check_collectives():
     def fn(comm):
         ring_all_reduce(comm, np.ones(10 + (comm.rank == 1)))
-    text, took = run_failing(ThreadWorld(3, check_collectives=False), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3, check_collectives=False), fn, CollectiveMismatchError)
     assert "ring_all_reduce #0" in text and "rank 1" in text, text
     assert "shape=(11,)" in text and "shape=(10,)" in text, text       # both calls, from the flight records
-    assert took < 3
+    assert STALLED not in text, text                                   # at the first message, not the stall threshold
 
 
 # ---------------------------------------------------------------- out= is checked before a byte moves
@@ -113,10 +115,10 @@ def test_a_different_shape_is_named_and_no_rank_returns_a_result():
 
     def fn(comm):
         returned[comm.rank] = ring_all_reduce(comm, np.ones(10 + (comm.rank == 2)))
-    text, took = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
     assert "flight recorder report (check_collectives)" in text, text        # the calls, not just the sizes
     assert "rank 2: ring_all_reduce #0 shape=(11,) float64 88 B op=sum   <-- differs" in text, text
-    assert "rank 0: ring_all_reduce #0 shape=(10,)" in text and took < 3
+    assert "rank 0: ring_all_reduce #0 shape=(10,)" in text and STALLED not in text, text
     assert returned == {}, returned        # the header is compared before the call returns, on every rank
 
 
@@ -126,7 +128,7 @@ def test_ranks_that_agree_on_everything_but_the_op_get_no_result():
 
     def fn(comm):
         returned[comm.rank] = ring_all_reduce(comm, np.ones(8), op="max" if comm.rank == 1 else "sum")
-    text, _ = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
     assert "rank 1: ring_all_reduce #0 shape=(8,) float64 64 B op=max   <-- differs" in text, text
     assert returned == {}, returned
 
@@ -137,7 +139,7 @@ def test_a_different_collective_is_named():
             broadcast(comm, np.ones(4), root=0)
         else:
             ring_all_reduce(comm, np.ones(4))
-    text, _ = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
     assert "rank 1: broadcast #0 shape=(4,) float64 32 B root=0   <-- differs" in text, text
 
 
@@ -146,9 +148,9 @@ def test_a_rank_that_skips_a_collective_and_returns_is_named_at_once():
     def fn(comm):
         if comm.rank != 1:
             ring_all_reduce(comm, np.ones(10))
-    text, took = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3), fn, CollectiveMismatchError)
     assert "waits for rank 1, which has returned from fn" in text and "ring_all_reduce #0" in text, text
-    assert took < 3
+    assert STALLED not in text, text                         # at once, not at the 10 s stall threshold
 
 
 def test_a_rank_at_another_call_is_named_at_the_stall_threshold_without_check_collectives():
@@ -157,9 +159,9 @@ def test_a_rank_at_another_call_is_named_at_the_stall_threshold_without_check_co
             comm.barrier()                               # the others all-reduce: the tags never match
         else:
             ring_all_reduce(comm, np.ones(10))
-    text, took = run_failing(ThreadWorld(3, comm_timeout=0.3, check_collectives=False), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(3, comm_timeout=0.3, check_collectives=False), fn, CollectiveMismatchError)
     assert "flight recorder report" in text and "rank(s) [1] called barrier #0" in text, text
-    assert "rank 1: in barrier #0" in text and "<-- differs" in text and took < 3, text
+    assert "rank 1: in barrier #0" in text and "<-- differs" in text, text
 
 
 def test_a_slow_rank_is_named_in_a_warning_and_waited_for(capsys):
@@ -179,9 +181,8 @@ def test_a_rank_that_never_comes_ends_the_run_at_the_hard_timeout_naming_it():
         if comm.rank == 1:
             time.sleep(3)
         ring_all_reduce(comm, np.ones(4))
-    text, took = run_failing(ThreadWorld(3, comm_timeout=0.2, timeout=0.6), fn, CollectiveTimeout)
-    assert "rank 1: computing" in text and "Ending the job (hard timeout)" in text, text
-    assert took < 2.5
+    text = run_failing(ThreadWorld(3, comm_timeout=0.2, timeout=0.6), fn, CollectiveTimeout)
+    assert "rank 1: computing" in text and "Ending the job (hard timeout)" in text, text    # not after its 3 s
 
 
 def test_two_ranks_waiting_for_each_other_in_different_calls_are_a_deadlock():
@@ -190,25 +191,24 @@ def test_two_ranks_waiting_for_each_other_in_different_calls_are_a_deadlock():
             comm.recv(np.empty(3), 1, tag=1)
         else:
             comm.recv(np.empty(3), 0, tag=2)
-    text, took = run_failing(ThreadWorld(2, comm_timeout=0.3), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(2, comm_timeout=0.3), fn, CollectiveMismatchError)
     assert "wait for each other in different calls (a deadlock)" in text and "rank 0" in text and "rank 1" in text
-    assert took < 3
 
 
 def test_a_split_that_one_rank_never_calls_cannot_hang():
     def fn(comm):
         if comm.rank != 2:
             DeviceMesh(comm, dp=2, tp=2)
-    text, took = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
-    assert "rank 2, which has returned from fn" in text and took < 3
+    text = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
+    assert "rank 2, which has returned from fn" in text and STALLED not in text, text
 
 
 def test_run_does_not_wait_without_bound_for_a_rank_that_never_returns():
     def fn(comm):
         if comm.rank == 1:
             time.sleep(5)                                # no communication: nothing times out inside
-    text, took = run_failing(ThreadWorld(2, timeout=0.5), fn, CollectiveTimeout)
-    assert "rank(s) [1] still running" in text and took < 2
+    text = run_failing(ThreadWorld(2, timeout=0.5), fn, CollectiveTimeout)
+    assert "rank(s) [1] still running" in text, text          # a run that waited its 5 s would return
 
 
 def test_each_rank_records_its_last_calls():
@@ -232,7 +232,7 @@ def test_a_mismatch_on_a_mesh_axis_names_the_axis_and_its_ranks():
         mesh = DeviceMesh(comm, dp=2, tp=2)
         tp = mesh.comm("tp")
         ring_all_reduce(tp, np.ones(3 + (comm.rank == 3)))
-    text, _ = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
+    text = run_failing(ThreadWorld(4), fn, CollectiveMismatchError)
     assert "collective #0 on tp[2, 3] differs" in text and "rank 3: ring_all_reduce #0 shape=(4,)" in text, text
 
 

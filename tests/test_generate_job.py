@@ -16,11 +16,12 @@ from minitrain.testing import run_mpi
 
 SMALL = ["--train-steps", "2", "--n-embd", "32", "--n-head", "4", "--context", "40", "--num-prompts", "5",
          "--max-prompt-len", "17", "--max-new-tokens", "9"]
+SERVE = SMALL[2:]                                  # with --checkpoint: nothing trained (--train-steps is refused)
 
 
 def run(tmp_path, *args):
     out = tmp_path / f"gen{len(list(tmp_path.iterdir()))}.json"
-    assert generate.main([*SMALL, *args, "--json", str(out)]) == 0
+    assert generate.main([*(SERVE if "--checkpoint" in args else SMALL), *args, "--json", str(out)]) == 0
     gc.collect()                                   # the job's model leaves the memory ledger
     return json.loads(out.read_text())
 
@@ -83,10 +84,10 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--block-size", "0"], "--block-size must be a positive number of tokens (1 or more), got 0"),
+    (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
     (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: prompts of up to 31 tokens fit"),
     (["--max-prompt-len", "35"], "at most 5 new tokens fit after it"),
-    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
     (["--cache", "ring"], "invalid choice"),
 ])
 def test_bad_options_are_refused_with_what_fits(args, message, capsys):
@@ -117,7 +118,7 @@ def test_tensor_parallel_job_generates_the_tokens_of_one_process(tmp_path):
 
 
 def test_the_checkpoint_hook_refuses_clearly_when_there_is_nothing_to_load(tmp_path, capsys):
-    assert generate.main([*SMALL, "--checkpoint", str(tmp_path / "none")]) == 2
+    assert generate.main([*SERVE, "--checkpoint", str(tmp_path / "none")]) == 2
     assert "no checkpoint in" in capsys.readouterr().err
     gc.collect()
 
@@ -140,6 +141,6 @@ def test_the_job_serves_what_the_gpt_job_saved(tmp_path, capsys):
         assert tokens == gpt.generate(np.array([prompt]), 9, temperature=0, cache=None)[0, len(prompt):].tolist()
     assert report["tokens"] != untrained["tokens"]
     capsys.readouterr()
-    assert generate.main([*SMALL, "--checkpoint", str(tmp_path / "ck"), "--precision", "fp32"]) == 2
+    assert generate.main([*SERVE, "--checkpoint", str(tmp_path / "ck"), "--precision", "fp32"]) == 2
     assert "float64 in the checkpoint, float32 in this job" in capsys.readouterr().err
     gc.collect()

@@ -2,7 +2,6 @@
 reported with every rank's output, within the timeout."""
 import os
 import sys
-import time
 
 import pytest
 
@@ -27,10 +26,8 @@ def test_a_failing_rank_fails_the_run_with_all_output():
 def test_a_hanging_rank_is_killed_at_the_timeout():
     code = (f"import os, time; r = {RANK}; print('rank', r, 'started', flush=True);"
             "time.sleep(600 if r == 1 else 0)")
-    start = time.monotonic()
-    with pytest.raises(MPIRunError) as err:
+    with pytest.raises(MPIRunError) as err:          # a kill that failed would hang here (pytest's timeout)
         run_mpi([sys.executable, "-c", code], n=2, timeout=5)
-    assert time.monotonic() - start < 30
     assert "rank 1 started" in str(err.value)
 
 

@@ -183,7 +183,7 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
     result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "env", "nosuchstep", "tests",
                              "transport"], capture_output=True, text=True, timeout=600,
                             env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path(), TRANSPORT_ARGS="--tiny",
-                                             CUPY_STANDIN_IPC="1"))
+                                             TRANSPORT_RANKS="2", CUPY_STANDIN_IPC="1"))
     assert result.returncode == 1, result.stdout + result.stderr          # the unknown step fails the run...
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert {s: v["status"] for s, v in figures["steps"].items()} == {"env": "ok", "tests": "ok", "transport": "ok"}
@@ -191,8 +191,8 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
     assert "rank 1: local rank 1, GPU cuda:1" in env_log and "MPI CUDA-aware: False" in env_log
     assert "transport cuda-ipc (MPI is not CUDA-aware)" in env_log
     assert "no test ran: no real GPU here" in (tmp_path / "tests.log").read_text()
-    # the transport step: every transport's bytes checked, then the bandwidth benchmark at 2 and 4 ranks
-    for n in (2, 4):
+    # the transport step at 2 ranks (4: tests/test_transport.py): every transport's bytes, then the bandwidth
+    for n in (2,):
         assert figures["transport"][f"transport_check_{n}"]["negotiated"] == "cuda-ipc"
         bench = figures["transport"][f"transport_{n}"]
         assert bench["world_size"] == n and bench["sizes"] == [1024, 16384]
@@ -219,3 +219,19 @@ def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypa
     swap, recompute = results["preemption"]["swap"], results["preemption"]["recompute"]
     assert swap["preemptions"] > 0 and swap["blocks_swapped"] > 0 and swap["recomputed_tokens"] == 0
     assert recompute["preemptions"] > 0 and recompute["blocks_swapped"] == 0 and recompute["recomputed_tokens"] > 0
+
+
+def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "planner.json"
+    monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "--steps", "3", "--search-repeats", "1",
+                                      "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_planner.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert "gpt-1: busy" in printed and "search (GPT-3 175B, 1024 GPUs)" in printed
+    import json
+    results = json.loads(out.read_text())
+    assert [r["name"] for r in results["runs"]] == ["gpt-1"] and "--steps 3 " in results["runs"][0]["options"]
+    assert set(results["criteria"]["busy"]) == {"median", "lowest", "highest", "holds"}
+    assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
+    from minitrain.plan import validate
+    assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone

@@ -13,9 +13,11 @@ Cost: bytes written = the model states once (no replica twice); extra memory per
 minitrain.parallel.checkpoint.)
 """
 from .core import Reader, all_gather_json
-from .manifest import describe, describe_layout, latest, list_checkpoints, read_manifest
+from .manifest import (damaged_step_folders, describe, describe_layout, latest, list_checkpoints, read_manifest,
+                       step_folders)
 from .state import Loaded, find_latest, load, save, sharded_parameters
 from .storage import CheckpointError
 
 __all__ = ["save", "load", "find_latest", "latest", "list_checkpoints", "read_manifest", "describe",
-           "describe_layout", "Loaded", "Reader", "CheckpointError", "sharded_parameters", "all_gather_json"]
+           "describe_layout", "Loaded", "Reader", "CheckpointError", "sharded_parameters", "all_gather_json",
+           "step_folders", "damaged_step_folders"]

@@ -8,7 +8,7 @@ import sys
 
 from .. import cli
 from .core import Reader
-from .manifest import describe, latest, list_checkpoints, read_manifest
+from .manifest import damaged_step_folders, describe, latest, list_checkpoints, read_manifest
 from .storage import CheckpointError
 
 
@@ -40,6 +40,8 @@ def main(argv=None):
         if args.command == "list":
             for step, _, path in list_checkpoints(args.directory):
                 print(f"step {step:>8}  {path}")
+            for name in damaged_step_folders(args.directory):
+                print(f"damaged: {os.path.join(args.directory, name)} has no manifest.json", file=sys.stderr)
             return 0
         path = latest(args.directory)
         if path is None:

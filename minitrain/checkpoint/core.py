@@ -147,6 +147,8 @@ def write_checkpoint(directory, comm, step, tensors, scalars, rank_scalars, layo
                 path = _commit(directory, tmp, step, specs, owner, results, merged, plans, layout, size, keep)
         except OSError as e:
             error = f"committing {tmp}: {e}"
+        except CheckpointError as e:
+            error = str(e)
     _raise_any(results, f"saving step {step}")
     final = all_gather_json(comm, {"path": path, "error": error})[0]
     _raise_any([final], f"saving step {step}")
@@ -172,14 +174,12 @@ def _commit(directory, tmp, step, specs, owner, results, scalars, plans, layout,
     write_manifest(tmp, {"step": step, "world_size": size, "layout": layout or {}, "files": files, "tensors": tensors,
                          "scalars": scalars, "ranks": [p["rank_scalars"] for p in plans]})
     final = os.path.join(directory, f"step-{step:08d}")
-    old = None
-    if os.path.exists(final):                   # the same step saved again: swap, then drop the old one
-        old = tempfile.mkdtemp(prefix=f".old-step-{step:08d}-", dir=directory)
-        os.replace(final, os.path.join(old, "checkpoint"))
+    if os.path.exists(final):                   # never into (or over) a folder already there: another run's
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final} already exists: a checkpoint is never written over another (resume from "
+                              f"it with --resume, or save into another directory)")
     os.rename(tmp, final)
     fsync_directory(directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     if keep is not None:
         for _, _, path in list_checkpoints(directory)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)

@@ -11,6 +11,7 @@ disk: a directory with a valid manifest is a complete checkpoint, whatever its n
 import json
 import math
 import os
+import re
 import time
 import zlib
 
@@ -75,12 +76,38 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
+STEP_FOLDER = re.compile(r"step-\d+$")
+
+
+def step_folders(directory):
+    """The step-NNNNNNNN folders under ``directory`` (complete or not), by name."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory)
+                  if STEP_FOLDER.match(name) and os.path.isdir(os.path.join(directory, name)))
+
+
+def damaged_step_folders(directory):
+    """The step folders without a manifest: a save renames its directory to step-NNNNNNNN only after the
+    manifest is in it, so such a folder lost its manifest afterwards (never an interrupted save)."""
+    return [name for name in step_folders(directory) if not os.path.exists(os.path.join(directory, name, MANIFEST))]
+
+
 def latest(directory):
     """The path of the newest complete checkpoint under ``directory`` (most steps), or None.
-    ``directory`` may also be a checkpoint itself."""
+    ``directory`` may also be a checkpoint itself. Step folders that lost their manifest are refused
+    (CheckpointError naming them): which step is the newest is then unknown, and guessing could
+    resume from an older state or overwrite the damaged folders."""
     if os.path.exists(os.path.join(directory, MANIFEST)):
         read_manifest(directory)
         return directory
+    damaged = damaged_step_folders(directory)
+    if damaged:
+        one = len(damaged) == 1
+        raise CheckpointError(f"{directory}: {', '.join(damaged)} {'has' if one else 'have'} no {MANIFEST} (not "
+                              f"{'a complete checkpoint' if one else 'complete checkpoints'}), so the newest step is "
+                              f"unknown; move {'it' if one else 'them'} out of {directory} (or resume from another "
+                              f"directory)")
     found = list_checkpoints(directory)
     return found[-1][2] if found else None
 

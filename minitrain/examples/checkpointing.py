@@ -5,8 +5,16 @@ What the jobs decide (README, "Checkpoints"):
   step is the number of completed steps, so a resumed job runs step step next. --save-every
   N saves after every N-th step counted from the start of training, and the last step is always saved.
 * --resume takes the newest complete checkpoint in DIR (by the manifests' steps). An empty or
-  missing DIR starts from step 0, saying so. --epochs / --steps count from the start of
-  training: a resumed job runs only what remains.
+  missing DIR starts from step 0, saying so; step folders that lost their manifest are refused, by
+  name. Without --resume, a DIR that already holds step folders is refused: a save never writes into
+  an existing step folder. --epochs / --steps count from the start of training: a resumed job runs
+  only what remains.
+* The manifest records the model's configuration; another architecture is refused by name. It also
+  records the schedule and optimizer settings (--steps, --lr, --lr-schedule, --warmup-steps, --seed):
+  a resume whose command line differs says which and stops, unless it gives Megatron-LM's
+  --override-opt-param-scheduler (this command line's values: --steps 16 after an 8-step cosine run
+  decays over 16 steps) or --use-checkpoint-opt-param-scheduler (the checkpoint's schedule, learning
+  rate and seed; --steps still says how long to train).
 * The layout may change (world size, dp x pp x tp, ZeRO stage, schedule). What cannot carry over is
   refused before anything is loaded: another job or precision, another optimizer, another global
   batch (the data order is the global batch's), local SGD's per-replica optimizer states on another
@@ -14,17 +22,34 @@ What the jobs decide (README, "Checkpoints"):
 """
 import sys
 
-from .. import checkpoint
+import numpy as np
+
+from .. import checkpoint, cli, random
 from ..checkpoint import CheckpointError
+
+#: the schedule and optimizer settings a resume compares with the checkpoint's, by option
+TRAINING = {"steps": "--steps", "lr": "--lr", "lr_schedule": "--lr-schedule", "warmup_steps": "--warmup-steps",
+            "seed": "--seed"}
+#: the model's shape, by the option that sets it (the manifest's layout: "sizes", "model")
+ARCHITECTURE = {"sizes": "--hidden / --layers", "vocab_size": "the corpus", "block_size": "--block-size",
+                "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"}
+OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"
 
 
 def add_arguments(parser):
     group = parser.add_argument_group("checkpoints")
     group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
-    group.add_argument("--save-every", type=int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
+    group.add_argument("--save-every", type=cli.positive_int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --save-dir, on any layout "
                             "(none there: start from step 0)")
+    which = group.add_mutually_exclusive_group()
+    which.add_argument(OVERRIDE, action="store_true",
+                       help="with --resume: train with this command line's --steps, --lr, --lr-schedule, "
+                            "--warmup-steps and --seed where they differ from the checkpoint's")
+    which.add_argument(USE_CHECKPOINT, action="store_true",
+                       help="with --resume: keep the checkpoint's schedule, learning rate and seed where this "
+                            "command line's differ (--steps still says how long to train)")
 
 
 def check_arguments(parser, args):
@@ -32,8 +57,66 @@ def check_arguments(parser, args):
         parser.error("--resume needs --save-dir DIR (where the checkpoints are)")
     if args.save_every is not None and not args.save_dir:
         parser.error("--save-every needs --save-dir DIR")
-    if args.save_every is not None and args.save_every < 1:
-        parser.error("--save-every must be >= 1")
+    for option in (OVERRIDE, USE_CHECKPOINT):
+        if getattr(args, option[2:].replace("-", "_")) and not args.resume:
+            parser.error(f"{option} needs --resume (it says which settings a resumed run takes)")
+
+
+def training_settings(args):
+    """This run's schedule and optimizer settings, as the manifest records them."""
+    return {key: getattr(args, key) for key in TRAINING if hasattr(args, key)}
+
+
+def _differences(saved, mine):
+    return [key for key in TRAINING if key in saved and key in mine and saved[key] != mine[key]]
+
+
+def check_resume(parser, args):
+    """Before any work (call it once the job's defaults are resolved): refuse a --save-dir that holds step
+    folders without --resume, damaged step folders, and settings that differ from the checkpoint's unless
+    an option says which to take (--use-checkpoint-opt-param-scheduler copies the checkpoint's into args)."""
+    if not args.save_dir:
+        return
+    try:
+        if not args.resume:
+            existing = checkpoint.step_folders(args.save_dir)
+            if existing:
+                parser.error(f"--save-dir {args.save_dir} already holds {', '.join(existing[:3])}"
+                             f"{', ...' if len(existing) > 3 else ''}: give --resume to continue from its newest "
+                             f"checkpoint, or another --save-dir (a save never writes into an existing step folder)")
+            return
+        path = checkpoint.latest(args.save_dir)
+        saved = path and checkpoint.read_manifest(path).get("scalars", {}).get("job", {}).get("training")
+    except CheckpointError as e:
+        parser.error(f"--resume: {e}")
+    if not saved:
+        return
+    differ = _differences(saved, training_settings(args))
+    if not differ or args.override_opt_param_scheduler:
+        return
+    if args.use_checkpoint_opt_param_scheduler:
+        for key in differ:
+            if key != "steps":                   # the loaded scheduler keeps the saved schedule's length
+                setattr(args, key, saved[key])
+        return
+    parser.error(f"--resume: {path} was trained with " + ", ".join(
+        f"{TRAINING[key]} {saved[key]} (this command line: {getattr(args, key)})" for key in differ)
+        + f": give {OVERRIDE} to train with this command line's values, or {USE_CHECKPOINT} to keep the "
+          f"checkpoint's")
+
+
+def _architecture(layout):
+    return {**(layout.get("model") or {}), **({"sizes": layout["sizes"]} if "sizes" in layout else {})}
+
+
+def check_model(saved_layout, mine, options=None):
+    """Raise CheckpointError naming each setting of the model that differs from the checkpoint's."""
+    saved, options = _architecture(saved_layout), {**ARCHITECTURE, **(options or {})}
+    differ = [key for key in ARCHITECTURE if key in saved and key in mine and saved[key] != mine[key]]
+    if differ:
+        raise CheckpointError("the checkpoint's model has " + ", ".join(
+            f"{key} = {saved[key]} ({options[key]}), this one {mine[key]}" for key in differ)
+            + ": another architecture; give the checkpoint's values")
 
 
 #: layout entries a resumed job must share with the checkpoint, and why
@@ -50,6 +133,7 @@ def check_layout(saved, layout):
         if key in saved and key in layout and saved[key] != layout[key]:
             raise CheckpointError(f"the checkpoint was saved with {key} = {saved[key]!r}, this job has {layout[key]!r} "
                                   f"({why}): resume with the same {key}")
+    check_model(saved, _architecture(layout))
     if saved.get("strategy") == "local_sgd" and (layout.get("strategy") != "local_sgd"
                                                  or layout["world_size"] != saved["world_size"]):
         raise CheckpointError(f"the checkpoint was saved by local SGD on {saved['world_size']} ranks: each replica's "
@@ -66,7 +150,8 @@ class Checkpointer:
     def __init__(self, args, comm, model, optimizer, scheduler=None, layout=None, extra=lambda: None,
                  optimizer_key="optimizer"):
         self.args, self.comm, self.model, self.optimizer, self.scheduler = args, comm, model, optimizer, scheduler
-        self.layout, self.extra, self.optimizer_key = layout or {}, extra, optimizer_key
+        self.layout, self.optimizer_key = layout or {}, optimizer_key
+        self.extra = lambda: {**(extra() or {}), "training": training_settings(args)}
         self.last_saved = None
         self.rank = 0 if comm is None else comm.rank
 
@@ -87,11 +172,38 @@ class Checkpointer:
         check_layout(saved, self.layout)
         if optimizer_key is not None:
             self.optimizer_key = optimizer_key(saved)
+        fresh = self.scheduler.state_dict() if self.scheduler is not None else None
         loaded = checkpoint.load(path, self.comm, self.model, self.optimizer, self.scheduler, layout=self.layout,
                                  optimizer_key=self.optimizer_key)
         self.last_saved = loaded.step
+        if getattr(self.args, "override_opt_param_scheduler", False):
+            self.override(loaded, fresh)
         self.say(f"resumed from {path}: step {loaded.step}, saved by {checkpoint.describe_layout(saved)}")
         return loaded
+
+    def override(self, loaded, fresh):
+        """--override-opt-param-scheduler: the loaded state continues under this command line's settings."""
+        differ = _differences(loaded.extra.get("training", {}), training_settings(self.args))
+        if self.scheduler is not None and set(differ) - {"seed"}:
+            # the schedule's settings and base learning rate are this run's; its position (last_epoch) the checkpoint's
+            state = self.scheduler.state_dict()
+            state.update(base_lrs=fresh["base_lrs"], lr_lambdas=fresh["lr_lambdas"])
+            self.scheduler.load_state_dict(state)
+            for group, base, lr in zip(self.optimizer.param_groups, fresh["base_lrs"], self.scheduler.get_lr()):
+                group.update(initial_lr=base, lr=lr)
+            self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        elif "lr" in differ:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.args.lr
+        if "seed" in differ:          # the new seed draws what comes next: dropout masks and the data order
+            seeds = np.random.SeedSequence([self.args.seed, loaded.step])
+            random.manual_seed(int(seeds.generate_state(1)[0]))
+            if "data_rng" in loaded.extra:
+                loaded.extra["data_rng"] = np.random.default_rng(seeds).bit_generator.state
+            if "loader" in loaded.extra:
+                loaded.extra["loader"] = {**loaded.extra["loader"], "seed": self.args.seed}
+        self.say(f"--override-opt-param-scheduler: {', '.join(TRAINING[k] for k in differ) or 'nothing'} "
+                 f"from this command line")
 
     def due(self, step):
         every = self.args.save_every

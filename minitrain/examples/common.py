@@ -46,7 +46,7 @@ class JobArgumentParser(argparse.ArgumentParser):
 
 def add_job_options(parser):
     """The options every example takes (each job adds its own after these)."""
-    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
+    parser.add_argument("--comm-timeout", type=cli.positive_float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
                         help="stall threshold: a wait this long makes the ranks compare their flight records "
                              "(a rank at another call ends the job at once); any wait ends the job at 3x this")
     return parser

@@ -25,44 +25,47 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import memory, nn, optim
+from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import init_comm, job_parser, launch_info, mpi_line, parse_job_args
 from minitrain.examples.report import fmt_bytes, write_json
+from minitrain.examples.checkpointing import check_model
+from minitrain.examples.options import refuse_unsupported
 from minitrain.inference import CACHES, LLMEngine
 
 
 def parse_args(argv=None):
     p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--cache", choices=CACHES, default="paged", help="KV cache scheme")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together at most")
-    p.add_argument("--num-prompts", type=int, default=8, help="requests to serve")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
+    p.add_argument("--block-size", type=cli.positive_int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--max-batch", type=cli.positive_int, default=8, help="sequences decoded together at most")
+    p.add_argument("--num-prompts", type=cli.positive_int, default=8, help="requests to serve")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=32, help="tokens generated per request")
+    p.add_argument("--device-memory", type=cli.positive_int, default=None, metavar="BYTES",
                    help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp64",
                    help="fp64 (default): every scheme gives the same logits to 1e-10")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens (default: all of them)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model, the prompts and sampling")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
-    p.add_argument("--min-prompt-len", type=int, default=4, help="shortest prompt, in tokens")
-    p.add_argument("--max-prompt-len", type=int, default=24, help="longest prompt, in tokens")
-    p.add_argument("--shared-prefix", type=int, default=0,
+    p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
+    p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")
+    p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
+    p.add_argument("--min-prompt-len", type=cli.positive_int, default=4, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=cli.positive_int, default=24, help="longest prompt, in tokens")
+    p.add_argument("--shared-prefix", type=cli.nonneg_int, default=0,
                    help="every prompt starts with the same N tokens; the paged cache shares their blocks")
-    p.add_argument("--context", type=int, default=64, help="the model's context (its block_size)")
-    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
-    p.add_argument("--train-steps", type=int, default=100, help="brief training before serving (0: none)")
-    p.add_argument("--batch-size", type=int, default=8, help="training batch")
-    p.add_argument("--lr", type=float, default=3e-3, help="learning rate of the brief training")
+    p.add_argument("--context", type=cli.positive_int, default=64, help="the model's context (its block_size)")
+    p.add_argument("--n-layer", type=cli.positive_int, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=cli.positive_int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=cli.positive_int, default=64, help="embedding width")
+    p.add_argument("--train-steps", type=cli.nonneg_int, default=100, help="brief training before serving (0: none)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=8, help="training batch")
+    p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="learning rate of the brief training")
     p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     args = parse_job_args(p, argv)
+    refuse_unsupported(p, args, argv, "generate")
     for name in ("num_prompts", "max_new_tokens", "max_batch", "tp", "min_prompt_len", "context", "n_layer",
                  "n_head", "n_embd", "batch_size"):
         if getattr(args, name) < 1:
@@ -110,6 +113,10 @@ def load_checkpoint(model, directory):
         path = checkpoint.find_latest(directory)
         if path is None:
             raise ValueError(f"no checkpoint in {directory}")
+        config = model.config
+        check_model(checkpoint.read_manifest(path).get("layout", {}), {
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+            "block_size": config.block_size, "vocab_size": config.vocab_size}, {"block_size": "--context"})
         checkpoint.load(path, None, model, strict=False)
     except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
         raise ValueError(f"--checkpoint {directory}: {e}") from None

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import memory, nn, optim
+from minitrain import cli, memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
@@ -26,37 +26,38 @@ from minitrain.examples.common import job_parser, launch_info, parse_job_args, t
 from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
+from minitrain.examples.options import refuse_unsupported
 from minitrain.parallel import offload_activations
 
 
 def parse_args(argv=None):
     p = job_parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch: sequences per step, all replicas together")
-    p.add_argument("--block-size", type=int, default=32, help="context length in characters")
-    p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    p.add_argument("--steps", type=cli.positive_int, default=600, help="optimizer steps")
+    p.add_argument("--batch-size", type=cli.positive_int, default=16, help="global batch: sequences per step, all replicas together")
+    p.add_argument("--block-size", type=cli.positive_int, default=32, help="context length in characters")
+    p.add_argument("--n-layer", type=cli.positive_int, default=2, help="transformer blocks")
+    p.add_argument("--n-head", type=cli.positive_int, default=4, help="attention heads")
+    p.add_argument("--n-embd", type=cli.positive_int, default=64, help="embedding width")
+    p.add_argument("--dropout", type=cli.probability, default=0.0, help="dropout probability")
+    p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine))")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: steps // 10, at most 100")
+    p.add_argument("--warmup-steps", type=cli.nonneg_int, default=None, help="default: steps // 10, at most 100")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="parameters' and activations' dtype")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
-    p.add_argument("--sample-chars", type=int, default=200, help="characters sampled from the trained model")
+    p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--sample-chars", type=cli.nonneg_int, default=200, help="characters sampled from the trained model")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
                    help="activation recomputation: each block (full) or the attention core (selective)")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
+    p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorm and dropout regions split along the sequence (Korthikanti et al.)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: ranks / (pp·tp))")
+    p.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=cli.positive_int, default=None, help="data-parallel replicas (default: ranks / (pp·tp))")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
                    help="pipeline schedule (with --pp)")
-    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per replica and step")
-    p.add_argument("--chunks", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
+    p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     checkpointing.add_arguments(p)
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
+    refuse_unsupported(p, args, argv, "gpt")
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10)
     if args.warmup_steps < 0:
@@ -84,6 +86,7 @@ def parse_args(argv=None):
         p.error("--dp must be >= 1")
     if args.chunks > 1 and args.schedule != "interleaved_1f1b":
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
+    checkpointing.check_resume(p, args)
     return args
 
 
@@ -99,7 +102,7 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()

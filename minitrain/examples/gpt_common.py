@@ -32,7 +32,8 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
             "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
-            "lr_schedule": args.lr_schedule}
+            "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
+                      "block_size": args.block_size, "dropout": args.dropout}}
 
 
 def nothing_left(args, first_step, rank=0, world=1):

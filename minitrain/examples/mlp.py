@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import memory, nn, optim
+from minitrain import cli, memory, nn, optim
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
@@ -29,6 +29,7 @@ from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqd
 from minitrain.examples.mlp_common import layout, nothing_left, resume
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
+from minitrain.examples.options import refuse_unsupported
 from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel, LocalSGD,
                                 ZeroRedundancyOptimizer, checkpoint_sequential, found_inf_on_any_rank,
                                 offload_activations)
@@ -41,22 +42,22 @@ PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16"
 def parse_args(argv=None):
     p = job_parser(__doc__.splitlines()[0])
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="how the ranks share the work")
-    p.add_argument("--sync-every", type=int, default=4, help="local_sgd: average parameters every N steps")
-    p.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
+    p.add_argument("--sync-every", type=cli.positive_int, default=4, help="local_sgd: average parameters every N steps")
+    p.add_argument("--device-memory", type=cli.positive_int, default=None, metavar="BYTES",
                    help="teaching device: each rank may hold at most BYTES from the first step on (default: no limit)")
     p.add_argument("--schedule", choices=PIPELINE_NAMES, default="1f1b", help="pipeline: the schedule")
-    p.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("--microbatches", type=cli.positive_int, default=4, help="pipeline: micro-batches per step")
+    p.add_argument("--chunks", type=cli.positive_int, default=None,
                    help="pipeline: model chunks per rank (interleaved_1f1b; default 1; zbv is always 2)")
-    p.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
-    p.add_argument("--epochs", type=int, default=30, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch size (all ranks together)")
-    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
+    p.add_argument("--dp", type=cli.positive_int, default=1, help="pipeline: data-parallel replicas (2D: dp x pp = ranks)")
+    p.add_argument("--epochs", type=cli.positive_int, default=30, help="passes over the training set")
+    p.add_argument("--batch-size", type=cli.positive_int, default=64, help="global batch size (all ranks together)")
+    p.add_argument("--lr", type=cli.nonneg_float, default=None, help="default: 1e-3 for adam, 0.1 for sgd")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="sgd: with momentum 0.9")
-    p.add_argument("--hidden", type=int, default=128, help="width of each hidden layer")
-    p.add_argument("--layers", type=int, default=None,
+    p.add_argument("--hidden", type=cli.positive_int, default=128, help="width of each hidden layer")
+    p.add_argument("--layers", type=cli.positive_int, default=None,
                    help="number of hidden layers (default: 2; pipeline: enough for every stage, max(2, stages))")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp16/bf16: mixed precision (fp32 master weights and optimizer state)")
     p.add_argument("--offload", action="store_true",
@@ -64,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
@@ -74,12 +75,12 @@ def parse_args(argv=None):
     checkpointing.add_arguments(p)
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
+    refuse_unsupported(p, args, argv, "mlp")
     if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
         p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
                 f"replicas agree only right after an averaging, and a checkpoint holds one model")
-    for name in ("epochs", "batch_size", "hidden", "layers", "sync_every", "microbatches", "chunks", "dp"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    args.lr = {"adam": 1e-3, "sgd": 0.1}[args.optimizer] if args.lr is None else args.lr
+    checkpointing.check_resume(p, args)
     return args, p
 
 
@@ -104,8 +105,8 @@ def _main(argv=None):
     minitrain.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
     model = nn.MLP([x_train.shape[1]] + [args.hidden] * args.layers + [10]).to(dtype)
-    opt_class, opt_args = ((optim.Adam, dict(lr=args.lr or 1e-3)) if args.optimizer == "adam"
-                           else (optim.SGD, dict(lr=args.lr or 0.1, momentum=0.9)))
+    opt_class, opt_args = ((optim.Adam, dict(lr=1e-3 if args.lr is None else args.lr)) if args.optimizer == "adam"
+                           else (optim.SGD, dict(lr=0.1 if args.lr is None else args.lr, momentum=0.9)))
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
 
     def optimizer_for(params, comm_for_overflow=None):

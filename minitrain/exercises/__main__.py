@@ -194,7 +194,7 @@ def main(argv=None):
     p = sub.add_parser("hint", help="the next unread hint (or --level K, or --all)", **plain)
     p.add_argument("name", metavar="NAME", help=NAME_HELP)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--level", type=int, metavar="K",
+    group.add_argument("--level", type=cli.positive_int, metavar="K",
                        help="show hint K, 1 the gentlest (default: the next unread one)")
     group.add_argument("--all", action="store_true", help="show every hint")
     p = sub.add_parser("stub", help="write the exercise's starting file to DEST", **plain)
@@ -209,14 +209,14 @@ def main(argv=None):
         p = sub.add_parser(command, help=text, **plain)
         p.add_argument("name", metavar="NAME", help=NAME_HELP)
         p.add_argument("path", metavar="PATH", nargs="?", help=path_help)
-        p.add_argument("--timeout", type=float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
+        p.add_argument("--timeout", type=cli.positive_float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
                        help="seconds a rank may wait for a message before it counts as stuck")
         if command == "check":
             p.add_argument("--reference", action="store_true",
                            help="grade minitrain's own implementation instead of a file")
             p.add_argument("--fail-fast", action="store_true", help="stop at the first failed check")
         else:
-            p.add_argument("-p", type=int, default=None, metavar="N", help="number of ranks (default: the exercise's)")
+            p.add_argument("-p", type=cli.positive_int, default=None, metavar="N", help="number of ranks (default: the exercise's)")
     args = ap.parse_args(argv)
     progress = Progress(args.progress)
     if progress.warning:

@@ -18,20 +18,15 @@ flat buffer per bucket for the gradients and one for the result (comm_buffers).
 """
 import contextlib
 import hashlib
-import weakref
 
 import numpy as np
 
-from .. import backend, memory, trace
+from .. import backend
 from ..autograd.engine import queue_callback
 from ..backend import array_module
 from ..comm import all_reduce, all_reduce_coalesced, broadcast, ring_all_gather
 from ..comm.collectives import check_algorithm
-
-
-def _release(tracker, keys):
-    for key in keys:
-        tracker.remove(key)
+from . import accounting
 
 
 class _Bucket:
@@ -48,12 +43,9 @@ class _Bucket:
         self.reduced = xp.empty(n, self.dtype)    # the averaged result
         self.ready = set()
         self.work = None
-        self.launched_at = None
-
-    def nbytes(self):
-        return self.flat.nbytes + self.reduced.nbytes
 
 
+@accounting.ddp                  # its buffers in the memory ledger, trace spans, bytes sent: see accounting.py
 class DistributedDataParallel:
     """Wrap ``module`` for data-parallel training over ``comm`` (PyTorch's name and call shape).
 
@@ -77,21 +69,18 @@ class DistributedDataParallel:
         self.find_unused_parameters = find_unused_parameters
         self._sync = True
         self._pending = False
-        with trace.span("broadcast parameters", kind="comm"):
-            for p in module.parameters():
-                broadcast(comm, p.data, root=broadcast_from)
+        self._broadcast_parameters(broadcast_from)
         self.buckets = self._build_buckets()
         self._bucket_of = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._bucket_of[id(p)] = (bucket, i)
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-        tracker = memory.tracker()
-        keys = [("ddp_bucket", id(self), b.index) for b in self.buckets]
-        for key, bucket in zip(keys, self.buckets):
-            tracker.add("comm_buffers", key, bucket.nbytes())
-        weakref.finalize(self, _release, tracker, keys)
-        self.step_bytes_sent = 0
+
+    def _broadcast_parameters(self, root):
+        """Every replica starts from rank ``root``'s parameters."""
+        for p in self.module.parameters():
+            broadcast(self.comm, p.data, root=root)
 
     # ---- buckets
     def _build_buckets(self):
@@ -148,8 +137,6 @@ class DistributedDataParallel:
             return
         if not self._pending:                       # first gradient of this backward
             self._pending = True
-            self.step_bytes_sent = 0
-            self._bytes_before = self.comm.stats.bytes_sent
             queue_callback(self._finish)
         bucket, i = self._bucket_of[id(param)]
         start, end = bucket.offsets[i]
@@ -175,24 +162,26 @@ class DistributedDataParallel:
                         start, end = bucket.offsets[i]
                         bucket.flat[start:end] = 0
                 self._launch(bucket)
-        with trace.span("wait for buckets", kind="comm"):
-            for bucket in self.buckets:
-                bucket.work.wait()
-                used = bucket.used_work.wait() if self.find_unused_parameters else None
-                for i, p in enumerate(bucket.params):
-                    start, end = bucket.offsets[i]
-                    if used is not None and used[i] == 0:
-                        p.grad = None                # no rank used it: as in one process
-                        continue
-                    averaged = bucket.reduced[start:end].reshape(p.shape)
-                    if p.grad is None:
-                        p.grad = averaged.copy()
-                    else:
-                        p.grad[...] = averaged
-                bucket.work = None
-                bucket.ready.clear()
-        self.step_bytes_sent = self.comm.stats.bytes_sent - self._bytes_before
+        self._wait_for_buckets()
         self._pending = False
+
+    def _wait_for_buckets(self):
+        """Wait for every bucket's all-reduce and write the averages back into .grad."""
+        for bucket in self.buckets:
+            bucket.work.wait()
+            used = bucket.used_work.wait() if self.find_unused_parameters else None
+            for i, p in enumerate(bucket.params):
+                start, end = bucket.offsets[i]
+                if used is not None and used[i] == 0:
+                    p.grad = None                    # no rank used it: as in one process
+                    continue
+                averaged = bucket.reduced[start:end].reshape(p.shape)
+                if p.grad is None:
+                    p.grad = averaged.copy()
+                else:
+                    p.grad[...] = averaged
+            bucket.work = None
+            bucket.ready.clear()
 
 
 def parameters_digest(module):
@@ -214,6 +203,7 @@ def check_replicas_equal(module, comm):
     return True
 
 
+@accounting.local_sgd             # its averaging is a trace span: see accounting.py
 class LocalSGD:
     """Periodic parameter averaging (local SGD; Lin et al. 2020, "Don't use large mini-batches,
     use local SGD"): each rank steps on its own gradients, and every ``sync_every`` optimizer steps
@@ -258,12 +248,11 @@ class LocalSGD:
     def synchronize(self):
         """Average the parameters (or the optimizer's masters) across ranks now (also at the end of
         training, so that the replicas agree whatever the last step was)."""
-        with trace.span("average parameters", kind="comm"):
-            pairs = self._masters()
-            arrays = [m.data for _, m in pairs] if pairs else [p.data for p in self.module.parameters()]
-            all_reduce_coalesced(self.comm, arrays, op="mean", algorithm=self.algorithm)
-            for q, master in pairs:                       # the parameters: the averaged masters, rounded
-                q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
+        pairs = self._masters()
+        arrays = [m.data for _, m in pairs] if pairs else [p.data for p in self.module.parameters()]
+        all_reduce_coalesced(self.comm, arrays, op="mean", algorithm=self.algorithm)
+        for q, master in pairs:                       # the parameters: the averaged masters, rounded
+            q.data[...] = backend.to_device(master.data) if backend.is_device_array(q.data) else master.data
 
     def state_dict(self):
         """The averaging phase (steps since the start): a checkpoint taken right after an averaging

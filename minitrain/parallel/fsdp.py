@@ -19,12 +19,14 @@ largest gathered unit or two and their gradients. Tied weights must live in one 
 """
 import contextlib
 
-from .. import backend, memory, trace
+from .. import backend, memory
 from ..autograd.engine import queue_callback
 from ..autograd.graph import saved_tensors_hooks
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
+from . import accounting
 from .flat_buffer import FlatParamBuffer
+from .fsdp_state import FSDPStateDicts
 
 
 class _UnitRef:
@@ -36,7 +38,11 @@ class _UnitRef:
         self.unit, self.offset, self.shape, self.strides = unit, offset, shape, strides
 
 
+@accounting.fsdp_unit            # its staging buffer in the memory ledger, its gathers traced: accounting.py
 class _Unit:
+    """One unit (Zhao et al. 2023, sec. 3.2): its parameters in one flat buffer, sharded at rest;
+    gathered for its forward and its backward, freed after each, its gradients reduce-scattered."""
+
     def __init__(self, name, module, params, comm, offload_params=False):
         self.name, self.module, self.comm = name, module, comm
         self.offload_params = offload_params
@@ -67,13 +73,14 @@ class _Unit:
                                                out=self.gathering, async_op=True)
 
     def gather(self):
-        if self.flat.data is not None:
-            return
-        with trace.span(f"all-gather {self.name}", kind="comm"):
-            self.prefetch()
-            self.gather_work.wait()
-            self.flat.data, self.gathering, self.gather_work = self.gathering, None, None
-        self.flat.point_params_at()
+        if self.flat.data is None:
+            self._wait_for_gather()
+            self.flat.point_params_at()
+
+    def _wait_for_gather(self):
+        self.prefetch()
+        self.gather_work.wait()
+        self.flat.data, self.gathering, self.gather_work = self.gathering, None, None
 
     def release(self):
         if self.gather_work is not None:              # a prefetch nobody used: finish it first
@@ -88,22 +95,23 @@ class _Unit:
         return backend.view_of(self.flat.data, ref.shape, self.dtype, ref.offset, ref.strides)
 
     # ---- gradients
-    def grad_ready(self, q, fsdp):
+    def staging_buffer(self):
+        """The full gradient buffer the reduce-scatter reads (made at the unit's first gradient)."""
         if self.staging is None:
             self.staging = self.flat.new()
-            memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
-        self.flat.view(q, self.staging)[...] = q.grad
+        return self.staging
+
+    def grad_ready(self, q):
+        self.flat.view(q, self.staging_buffer())[...] = q.grad
         q.grad = None                                  # the full gradient is not kept
         self.ready.add(id(q))
         if len(self.ready) == len(self.trainable):
             self.reduce()
 
     def reduce(self):
-        if self.staging is None:                      # no gradient reached this unit: zeros
-            self.staging = self.flat.new()
-            memory.tracker().add("comm_buffers", ("fsdp_staging", id(self)), self.staging.nbytes)
+        staging = self.staging_buffer()               # zeros if no gradient reached this unit
         self.grad_out = self.xp.zeros(self.flat.shard_size, self.dtype)
-        self.work = ring_reduce_scatter(self.comm, self.staging, op="mean", out=self.grad_out, async_op=True)
+        self.work = ring_reduce_scatter(self.comm, staging, op="mean", out=self.grad_out, async_op=True)
         self.reduced = True
         self.release()
 
@@ -119,9 +127,7 @@ class _Unit:
             else:
                 self.shard.grad += grad
             self.grad_out = None
-        if self.staging is not None:
-            memory.tracker().remove(("fsdp_staging", id(self)))
-            self.staging = None
+        self.staging = None
         self.ready.clear()
 
 
@@ -136,11 +142,12 @@ def default_units(module):
     return units
 
 
-class FullyShardedDataParallel:
+@accounting.fsdp                 # the wait for its reduce-scatters is a trace span: see accounting.py
+class FullyShardedDataParallel(FSDPStateDicts):
     """``FullyShardedDataParallel(model, comm)``: shard every unit's parameters over ``comm``.
-    ``parameters()`` yields the local shards (give them to any optimizer); ``full_state_dict()``
-    gathers the full parameters under the unwrapped model's names. ``auto_wrap(module) -> list of
-    (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList).
+    ``parameters()`` yields the local shards (give them to any optimizer); the state dicts (the full
+    parameters under the unwrapped model's names) are in fsdp_state.py. ``auto_wrap(module) -> list
+    of (name, submodule)`` chooses the units (default: the layers of every Sequential / ModuleList).
     ``prefetch``: start the next unit's all-gather while this one computes (forward and backward).
     ``offload_params``: the shards and their gradients live on the host (pair it with
     CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only.
@@ -233,7 +240,7 @@ class FullyShardedDataParallel:
         if not self._pending:
             self._pending = True
             queue_callback(self._finish_backward)
-        unit.grad_ready(q, self)
+        unit.grad_ready(q)
         if unit.work is not None:
             # at most two reduce-scatters in flight: an earlier unit's staging buffer is freed
             # as soon as this one starts, so comm buffers stay near two units, not the model
@@ -245,12 +252,14 @@ class FullyShardedDataParallel:
         for unit in self.units:
             if unit.trainable and not unit.reduced:
                 unit.reduce()
-        with trace.span("wait for reduce-scatter", kind="comm"):
-            for unit in self.units:
-                unit.finish()
-                unit.release()
-                unit.reduced = False
+        self._wait_for_reduce_scatters()
         self._pending = False
+
+    def _wait_for_reduce_scatters(self):
+        for unit in self.units:
+            unit.finish()
+            unit.release()
+            unit.reduced = False
 
     # ---- the model's interface
     def parameters(self):
@@ -260,49 +269,6 @@ class FullyShardedDataParallel:
         for u in self.units:
             u.shard.grad = None
 
-    def full_state_dict(self):
-        """name -> full array (copies), gathered unit by unit, under the unwrapped model's names."""
-        state = {}
-        for unit in self.units:
-            unit.gather()
-            for q in unit.params:
-                state[self.names[id(q)]] = q.data.copy()
-            unit.release()
-        return state
-
     def train(self, mode=True):
         self.module.train(mode)
         return self
-
-    def state_dict(self):
-        """The full parameters under the unwrapped model's names (PyTorch FSDP's default
-        FULL_STATE_DICT: a collective, every rank gets every array)."""
-        return self.full_state_dict()
-
-    def load_state_dict(self, state):
-        """Full arrays by name -> each rank copies in its shard of every unit (no communication)."""
-        for unit in self.units:
-            lo, hi = unit.flat.shard_range
-            shard = unit.shard.data                       # on the host with offload_params
-            for q in unit.params:
-                name = self.names[id(q)]
-                if name not in state:
-                    raise KeyError(f"FullyShardedDataParallel.load_state_dict: missing {name}")
-                value = state[name]
-                if tuple(value.shape) != tuple(q.shape):
-                    raise ValueError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the model "
-                                     f"expects {tuple(q.shape)}")
-                a, b = unit.flat.offsets[id(q)]
-                s, e = max(a, lo), min(b, hi)
-                if s < e:
-                    piece = value.reshape(-1)[s - a:e - a]
-                    shard[s - lo:e - lo] = (backend.to_device(piece, "cuda") if backend.is_device_array(shard)
-                                            else backend.to_host(piece))
-
-    def sharded_parameters(self):
-        """[(unit shard, [(name, Slice)])]: the pieces of the logical parameters this rank's shard of
-        each unit holds (a flat range of the unit cut into boxes; padding excluded)."""
-        out = []
-        for unit in self.units:
-            out.append((unit.shard, unit.flat.shard_slices(self.names)))
-        return out

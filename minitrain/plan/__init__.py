@@ -24,8 +24,10 @@ DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digi
 
 def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True,
             time_if_unfit=True):
-    """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (per category, of
-    the rank that holds the most), step_time_s, step_busy_s (the CPU time of the step's own thread, which the
+    """The planner's answer for one layout, as ``plan --json`` prints it: memory_bytes (of the rank that holds
+    the most: each category at the moment of its peak, and that peak, their sum, as total), category_peaks
+    (each category's own peak, at its own moment: they may sum to more than the total),
+    step_time_s, step_busy_s (the CPU time of the step's own thread, which the
     jobs' step timer measures: plan/time.py), bubble_fraction, fits, flops_per_iteration, the layout.
     time_if_unfit=False (--search): a layout that does not fit is answered {'fits': False} alone."""
     check(model, layout)
@@ -41,6 +43,7 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     result = {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
               "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
               "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
+              "category_peaks": heaviest["category_peaks"],
               "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
               "step_busy_s": time["busy"],
               "bubble_fraction": time["bubble_fraction"],
@@ -64,7 +67,11 @@ def mlp_from_args(args, world):
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
     common = dict(world=world, batch_size=args.batch_size, precision=args.precision, optimizer=args.optimizer,
                   bucket_cap_mb=args.bucket_cap_mb, threads=getattr(args, "threads", 0) or 0)
-    if pipeline:                           # the pipeline job: fp32/fp64, no offload, no recompute
+    if pipeline:                           # the pipeline job: fp32/fp64, no offload, no recompute (it refuses them)
+        for option, asked in (("--recompute", args.recompute != "none"), ("--offload", args.offload),
+                              ("--offload-activations", args.offload_activations)):
+            if asked:
+                raise LayoutError(f"{option} is not supported with --strategy pipeline (the job refuses it too)")
         return model, Layout(dp=args.dp, pp=pp, microbatches=args.microbatches,
                              chunks=chunks, schedule=args.schedule, **common)
     return model, Layout(dp=world, zero=stage, offload=args.offload, recompute=args.recompute,
@@ -79,7 +86,7 @@ def gpt_from_args(args, world, vocab_size):
                 n_embd=args.n_embd, dropout=args.dropout)
     tp, pp = args.tp, args.pp
     dp = args.dp if args.dp is not None else max(1, world // (tp * pp))
-    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1
+    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1     # as examples/gpt.py routes it
     layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp,
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,

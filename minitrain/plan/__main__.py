@@ -25,11 +25,11 @@ STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
 IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored (default: none)"
 
 
-def _positive(text):
-    value = int(float(text))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+_positive = cli.positive_int
+#: the jobs' options that do not change a step, checked as the jobs check them
+IGNORED_TYPES = {"--epochs": cli.positive_int, "--steps": cli.positive_int, "--lr": cli.nonneg_float,
+                 "--seed": cli.nonneg_int, "--comm-timeout": cli.positive_float, "--save-every": cli.positive_int,
+                 "--sample-chars": cli.nonneg_int, "--warmup-steps": cli.nonneg_int}
 
 
 def add_common(p, precision="fp32"):
@@ -38,7 +38,7 @@ def add_common(p, precision="fp32"):
                    help="fp16/bf16: mixed precision with fp32 master weights")
     p.add_argument("--accounting", choices=["minitrain", "paper"], default="minitrain",
                    help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
-    p.add_argument("--device-memory", type=float, default=None, metavar="BYTES",
+    p.add_argument("--device-memory", type=cli.positive_float, default=None, metavar="BYTES",
                    help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH; default: a table)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
@@ -64,13 +64,13 @@ def add_mlp(p):
     p.add_argument("--hidden", type=_positive, default=128, help="width of each hidden layer")
     p.add_argument("--layers", type=_positive, default=None,
                    help="number of hidden layers (default: 2; pipeline: max(2, stages)), as the job")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: gradient bucket size in MiB")
+    p.add_argument("--bucket-cap-mb", type=cli.positive_float, default=25.0, help="ddp: gradient bucket size in MiB")
     p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
     p.add_argument("--recompute", choices=["none", "full"], default="none", help="full: sqrt(layers) segments")
     p.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
     for name in ("--epochs", "--lr", "--seed", "--trace", "--plot", "--comm-timeout", "--save-dir", "--save-every"):
-        p.add_argument(name, help=IGNORED)
-    for name in ("--no-progress", "--resume", "--show-plan"):
+        p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
+    for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
 
 
@@ -81,7 +81,7 @@ def add_gpt(p):
     p.add_argument("--n-layer", type=_positive, default=2, help="transformer blocks")
     p.add_argument("--n-head", type=_positive, default=4, help="attention heads")
     p.add_argument("--n-embd", type=_positive, default=64, help="embedding width")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (its masks' bytes)")
+    p.add_argument("--dropout", type=cli.probability, default=0.0, help="dropout probability (its masks' bytes)")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
                    help="each block (full) or the attention core (selective)")
     p.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
@@ -97,8 +97,8 @@ def add_gpt(p):
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
                  "--lr-schedule", "--warmup-steps"):
-        p.add_argument(name, help=IGNORED)
-    for name in ("--no-progress", "--resume", "--show-plan"):
+        p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
+    for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
 
 
@@ -112,7 +112,7 @@ def parser():
                                 formatter_class=cli.HelpFormatter))
     add_common(g)
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
-    p.add_argument("--num-params", type=float, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
+    p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
     p.add_argument("--offload", action="store_true", help="optimizer state on the host (ZeRO-Offload)")

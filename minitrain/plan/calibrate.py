@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from .. import cli
 from .ops import in_sequence, measure_ops
 
 MACHINES = pathlib.Path(__file__).parent / "machines"
@@ -411,11 +412,10 @@ def _blas_threads(n):
 
 
 def main(argv=None):
-    from .. import cli
     p = argparse.ArgumentParser(prog="python -m minitrain.plan calibrate", description=__doc__.splitlines()[0],
                                 formatter_class=cli.HelpFormatter)
     p.add_argument("--out", default=str(DEFAULT_PATH), help="where to write the JSON")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="collectives measured at these p")
+    p.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
     p.add_argument("--name", help="the machine's name in the JSON (default: this host's)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
@@ -424,7 +424,7 @@ def main(argv=None):
                    help="with --merge: keep this calibration but for the communication's costs, taken from the "
                         "merged ones (default: merge everything)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--sizes", type=cli.positive_int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker, args.sizes)

@@ -190,10 +190,9 @@ def _check_gpt(model, layout):
     if model.n_head % t:
         raise LayoutError(f"heads not divisible by tp: --n-head {model.n_head} over --tp {t} (each rank takes whole "
                           f"heads); nearest valid --tp: {_choices(_nearest(t, divisors(model.n_head)))} (the divisors of {model.n_head})")
-    if model.n_layer % (p * v):
-        raise LayoutError(f"layers not divisible by pp x chunks: --n-layer {model.n_layer} over {p} x {v} = {p * v} "
-                          f"virtual stages; nearest valid --pp: {_choices(_nearest(p, [d for d in divisors(model.n_layer) if d * v <= model.n_layer and (model.n_layer // d) % v == 0]))}, "
-                          f"or --n-layer {_choices(_nearest(model.n_layer, [p * v * k for k in range(1, model.n_layer // (p * v) + 3)]))}")
+    if model.n_layer + 2 < p * v:          # as GPT3D: embedding + blocks + head, at least one layer per stage
+        raise LayoutError(f"{model.n_layer} blocks + embedding + head = {model.n_layer + 2} layers cannot fill pp x "
+                          f"chunks = {p} x {v} = {p * v} pipeline stages; nearest valid --n-layer: {p * v - 2} or more")
     if layout.sequence_parallel and t == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1")
     if layout.sequence_parallel and model.block_size % t:

@@ -79,9 +79,10 @@ def model_states_at_rest(n, layout):
 
 # ---------------------------------------------------------------- one step as the ledger sees it
 def step_walk(pieces, layout, dp):
-    """Peak bytes per category and of the total, for a rank that runs every piece on one micro-batch:
-    forward, ``zero_grad`` (the jobs call it after forward: last step's gradients are alive until then),
-    backward in reverse, the optimizer step. ZeRO stage ``layout.zero`` over ``dp`` ranks."""
+    """Peak bytes per category, of the total, and each category at the total's peak, for a rank that runs
+    every piece on one micro-batch: forward, ``zero_grad`` (the jobs call it after forward: last step's
+    gradients are alive until then), backward in reverse, the optimizer step. ZeRO stage ``layout.zero``
+    over ``dp`` ranks."""
     e = PRECISIONS[layout.precision]
     z, n, N, host = layout.zero, sum(p.params for p in pieces), dp, layout.offload
     pad = -(-n // N) * N if z else n                          # ZeRO-1/2: one flat buffer padded to N
@@ -92,17 +93,15 @@ def step_walk(pieces, layout, dp):
     live = dict.fromkeys(CATEGORIES, 0)
     peak = dict.fromkeys(CATEGORIES, 0)
     peak_total = 0
+    at_peak = dict.fromkeys(CATEGORIES, 0)
 
     def moment(**extra):
-        nonlocal peak_total
-        total = 0
+        nonlocal peak_total, at_peak
+        now = {c: live[c] + extra.get(c, 0) for c in CATEGORIES}
         for c in CATEGORIES:
-            now = live[c] + extra.get(c, 0)
-            if now > peak[c]:
-                peak[c] = now
-            total += now
-        if total > peak_total:
-            peak_total = total
+            peak[c] = max(peak[c], now[c])
+        if sum(now.values()) > peak_total:
+            peak_total, at_peak = sum(now.values()), now
 
     # what the previous step left: parameters, optimizer state, gradients (set to None after forward)
     live["params"] = e * {0: n, 1: pad, 2: pad, 3: (0 if host else shards) + len(units)}[z]  # + 0-d placeholders
@@ -141,14 +140,16 @@ def step_walk(pieces, layout, dp):
     live["grads"] = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
     moment()
     moment(grads=fp32_step_grads(state_n, layout))            # the optimizer step (mixed: fp32 gradients)
-    return peak, peak_total
+    return peak, peak_total, at_peak
 
 
 def pipeline_walk(actions, chunks, layout, local_params, others):
-    """Peak bytes for one pipeline stage: its actions in the schedule's order. A forward adds its chunk's
-    kept activations; a backward goes through its pieces in reverse (recomputed ones at their peak),
-    creating their gradients (None before the step) the first time, then frees the chunk. ``chunks``:
-    chunk -> list of Pieces; ``others``: parameter tensors of other stages (0-d placeholders)."""
+    """Peak bytes for one pipeline stage (per category, total, each category at the total's peak): its
+    actions in the schedule's order. A forward adds its chunk's kept activations; a backward goes through
+    its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
+    the first time, then frees the chunk. ``chunks``: chunk -> list of Pieces; ``others``: parameter
+    tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
+    worst by their sum (then by activations, so that both walks pick the same)."""
     e = PRECISIONS[layout.precision]
     zero1 = layout.zero == 1 and layout.dp > 1                # ZeRO-1 on the stage: flat gradients, always there
     pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
@@ -159,27 +160,29 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
         # and a backward holds at least its own micro-batch's kept bytes (A >= K, F >= K)
         b_first, b_later = actions
         act_peak = (max(b_first, b_later) - 1) * K + A
-        dyn = max((b_first - 1) * K + g + F, ((b_later - 1) * K + g + G + A) if b_later else 0)
+        dyn = _worst(((b_first - 1) * K + F[0], g + F[1]), ((b_later - 1) * K + A, g + G) if b_later else (0, 0))
         g += G
     else:
         kept, first, again, grads, shared = {}, {}, {}, {}, 0
         for c, ps in chunks.items():
             kept[c], first[c], again[c], grads[c], sh = _chunk_backward(tuple(ps), 0 if zero1 else e)
             shared += sh
-        act = act_peak = dyn = 0
+        act = act_peak = 0
+        dyn = (0, 0)
         seen = set()
         split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
         for a in actions:
             if a.kind == "F":
                 act += kept[a.chunk]
-                act_peak, dyn = max(act_peak, act), max(dyn, act + g)
+                act_peak, dyn = max(act_peak, act), _worst(dyn, (act, g))
                 continue
             if split and a.kind == "B":
                 continue
             others_act = act - kept[a.chunk]
             fresh = a.chunk not in seen
             act_peak = max(act_peak, others_act + again[a.chunk])
-            dyn = max(dyn, others_act + g + (first[a.chunk] if fresh else again[a.chunk]))
+            dyn = _worst(dyn, (others_act + first[a.chunk][0], g + first[a.chunk][1]) if fresh
+                         else (others_act + again[a.chunk], g))
             act = others_act
             if fresh:
                 seen.add(a.chunk)
@@ -188,13 +191,20 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
     step_grads = fp32_step_grads(stepped, layout)
     peak = {"params": e * (pad + others), "grads": g + step_grads, "activations": act_peak + shared,
             "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if zero1 else 0}
-    states = peak["params"] + peak["optimizer_state"] + peak["comm_buffers"]
-    return peak, states + max(dyn + shared, g + step_grads)
+    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}
+    if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
+        at_peak.update(activations=0, grads=g + step_grads)
+    return peak, sum(at_peak.values()), at_peak
+
+
+def _worst(a, b):
+    """The heavier of two (activations, gradients) moments."""
+    return max(a, b, key=lambda m: (m[0] + m[1], m[0]))
 
 
 @lru_cache(maxsize=4096)
 def _chunk_backward(pieces, grad_bytes):
-    """A chunk's kept activations; its worst (activations + new gradients) inside its first backward and
+    """A chunk's kept activations; its worst (activations, new gradients) inside its first backward and
     its worst activations in a later one; its gradients; its step-long shared bytes."""
     kept = below = sum(p.kept for p in pieces)
     new, moments = 0, []
@@ -203,7 +213,7 @@ def _chunk_backward(pieces, grad_bytes):
         moments.append((below + p.peak, new))
         new += grad_bytes * p.params
     moments.append((0, new))
-    return (kept, max(a + g for a, g in moments), max(a for a, _ in moments), new,
+    return (kept, max(moments, key=lambda m: (m[0] + m[1], m[0])), max(a for a, _ in moments), new,
             sum(p.shared for p in pieces))
 
 
@@ -282,28 +292,36 @@ def stage_chunks(pieces, layout, paper=False):
     return stages
 
 
-def _stage_result(peak, total):
-    return {**{c: int(round(peak[c])) for c in CATEGORIES}, "total": int(round(total))}
+def _stage_result(peak, total, at_peak):
+    """Each category at the peak moment (they sum to the total), and each category's own peak beside."""
+    parts = {c: int(round(at_peak[c])) for c in CATEGORIES}
+    return {**parts, "total": sum(parts.values()), "category_peaks": {c: int(round(peak[c])) for c in CATEGORIES}}
+
+
+def _one_moment(row):
+    """A row whose categories are held all at once (model states at rest, the papers' sums)."""
+    parts = {c: int(round(row.get(c, 0))) for c in CATEGORIES}
+    return {**parts, "total": sum(parts.values()), "category_peaks": dict(parts)}
 
 
 def minitrain_memory(model, layout):
     """Per stage: peak bytes per category and total, as the jobs' ledgers count them."""
     b = layout.micro_batch_size
     if model.kind == "params":
-        return [model_states_at_rest(model.num_params, layout)]
+        return [_one_moment(model_states_at_rest(model.num_params, layout))]
     if model.kind == "mlp" and layout.pp == 1:
-        peak, total = step_walk(mlp_pieces(model, layout, b), layout, layout.dp)
-        return [_stage_result(peak, total)]
+        peak, total, at_peak = step_walk(mlp_pieces(model, layout, b), layout, layout.dp)
+        return [_stage_result(peak, total, at_peak)]
     single = model.kind == "gpt" and layout.world == 1 and not layout.extras.get("parallel_job")
     if single:
         lay = layout if layout.zero else _no_buffers(layout)
-        peak, total = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, 1)
-        return [_stage_result(peak, total)]
+        peak, total, at_peak = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, 1)
+        return [_stage_result(peak, total, at_peak)]
     pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
               else gpt_pieces(model, layout, b))
     if model.kind == "gpt" and layout.pp == 1 and layout.zero >= 2:
-        peak, total = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
-        return [_stage_result(peak, total)]
+        peak, total, at_peak = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
+        return [_stage_result(peak, total, at_peak)]
     out = []
     tensors = sum(len(x.sizes) for x in pieces)
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
@@ -311,8 +329,7 @@ def minitrain_memory(model, layout):
         others = tensors - mine if layout.pp > 1 else 0
         actions = (in_flight(layout.schedule, layout.pp, layout.microbatches, s) if layout.chunks == 1
                    else _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s])
-        peak, total = pipeline_walk(actions, chunks, layout, local, others)
-        out.append(_stage_result(peak, total))
+        out.append(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)))
     return out
 
 
@@ -324,7 +341,7 @@ def paper_memory(model, layout):
     """Per stage, the papers' accounting (module docstring)."""
     if model.kind != "gpt":
         states = paper_model_states(model.num_parameters(), layout.dp, layout.zero, layout.offload)
-        return [{**{c: int(round(states.get(c, 0))) for c in CATEGORIES}, "total": int(round(states["total"]))}]
+        return [_one_moment(states)]
     t, b, s, h, a = layout.tp, layout.micro_batch_size, model.block_size, model.n_embd, model.n_head
     sp = layout.sequence_parallel
     per_layer = korthikanti_layer_bytes(s, b, h, a, t, sp, layout.recompute)
@@ -348,13 +365,13 @@ def paper_memory(model, layout):
                 act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
                 worst = max(worst, act)
         row = {**{c: states.get(c, 0) for c in CATEGORIES}, "activations": worst, "comm_buffers": 0}
-        out.append({**{c: int(round(row[c])) for c in CATEGORIES}, "total": int(round(sum(row.values())))})
+        out.append(_one_moment(row))
     return out
 
 
 def predict_memory(model, layout, accounting="minitrain"):
-    """{'stages': per pipeline stage {category: bytes, 'total': bytes}, 'heaviest': the stage whose rank
-    holds the most}."""
+    """{'stages': per pipeline stage {category: bytes at the peak moment, 'total': their sum, the peak,
+    'category_peaks': {category: its own peak}}, 'heaviest': the stage whose rank holds the most}."""
     if accounting not in ("minitrain", "paper"):
         raise ValueError(f"accounting must be 'minitrain' or 'paper', got {accounting!r}")
     stages = minitrain_memory(model, layout) if accounting == "minitrain" else paper_memory(model, layout)

@@ -26,8 +26,6 @@ while the optimizer updates W(t): W(t+1) = W(t) - lr·∇L(W(t-1)) (Narayanan et
 One batch per train_step (it flushes, so that the step returns); the schedule and the
 simulator show the no-flush timing of several batches chained.
 """
-import time
-
 import numpy as np
 
 from ... import backend, trace
@@ -40,19 +38,22 @@ from . import measure
 from .partition import balanced_split_points, counted_costs, parameter_costs, stage_layout, stage_table
 from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
                         placement, virtual_stage)
+from .stamps import StepRecords
 
 _DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
     [np.dtype(bfloat16)] if bfloat16 is not None else [])
 _HEADER = 10                           # dtype code, ndim, up to 8 dimensions
 _TAG_LIMIT = 32768                     # tags at and above belong to the collectives
-MAX_RECORDS = 2_000                    # traced steps kept for measured_bubble()
-nan = float("nan")
-
-
-def _no_event():
-    return None
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
+
+
+class _Step:
+    """One train_step's batch, and what its actions leave for later ones (by micro-batch, chunk)."""
+
+    def __init__(self, x, y, loss_fn, starts, weights, xp):
+        self.x, self.y, self.loss_fn, self.starts, self.weights, self.xp = x, y, loss_fn, starts, weights, xp
+        self.inputs, self.outputs, self.weight_grads, self.losses, self.loss_weights = {}, {}, {}, [], []
 
 
 class PipelineParallel:
@@ -113,9 +114,12 @@ class PipelineParallel:
                 broadcast(dp_comm, q.data, root=0)
         self._stash = None                     # pipedream_2bw: the weight version W(t-1)
         self._shapes = {}                      # (batch shape, mb, virtual, direction) -> (dtype code, shape)
-        self.step_records = []                 # per traced step: this rank's timestamps (measure.py)
-        self._device_records = []              # GPU: per traced step, the CUDA events of its compute
-        self._device_reference = None          # GPU: (first CUDA event, its host time)
+        self.stamps = StepRecords(self.actions)   # the traced steps' timing (stamps.py)
+
+    @property
+    def step_records(self):
+        """Per traced step, this rank's timestamps (measure.py reads them)."""
+        return self.stamps.rows
 
     # ---- the model's interface
     def parameters(self):
@@ -189,117 +193,89 @@ class PipelineParallel:
         if self.schedule_name == "pipedream_2bw":
             current = self._swap_in_stash()
         self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
-        inputs, outputs, weight_grads, losses, loss_weights = {}, {}, {}, [], []
+        self._step = _Step(x, y, loss_fn, starts, weights, xp)
         tracer = trace.tracer()
-        clock = time.perf_counter
-        event = backend.record_event if tracer.enabled else _no_event    # traced, on the GPU: a CUDA event
-        stamps = [[nan] * 6 for _ in self.actions]          # per action: compute, receive, send (measure.py)
-        device_times = []                                   # GPU: (action index, CUDA events around its compute)
-        step_start = clock()
-        for index, action in enumerate(self.actions):
-            mb, chunk, kind = action.microbatch, action.chunk, action.kind
-            virtual = virtual_stage(action, self.rank, self.p)
-            times = stamps[index]
-            if kind == "W":
-                times[0], first = clock(), event()
-                weight_grads.pop((mb, chunk)).run()
-                times[1], last = clock(), event()
-                if first is not None:
-                    device_times.append((index, first, last))
-                continue
-            received = None
-            if action.recv_from is not None:         # waiting is bubble, not work: timed apart
-                times[2] = clock()
-                received = self._recv(action.recv_from, mb, virtual, kind == "B", xp)
-                times[3] = clock()
-            times[0], first = clock(), event()
-            if kind == "F":
-                rows = slice(starts[mb], starts[mb + 1])
-                inp = Tensor(x[rows]) if received is None else Tensor(received, requires_grad=True)
-                out = self.stages[chunk](inp)
-                inputs[mb, chunk] = inp
-                if virtual == len(self.where) - 1 and sizes[mb] == 0:
-                    out = out.sum() * 0.0                  # no rows: a zero whose backward still runs
-                elif virtual == len(self.where) - 1:
-                    loss = loss_fn(out, y[rows])
-                    losses.append(loss.data)               # read once, after the step (no sync per micro-batch)
-                    loss_weights.append(weights[mb])
-                    out = loss * weights[mb]               # mean over micro-batches, by rows
-                outputs[mb, chunk] = out
-            else:
-                out = outputs.pop((mb, chunk))
-                if self.split_backward:                    # B: input gradient; W later
-                    with defer_weight_grads(self._weights[chunk]) as weight_grads[mb, chunk]:
-                        out.backward(received)
-                else:
-                    out.backward(received)
-                inp = inputs.pop((mb, chunk))
-            times[1], last = clock(), event()
-            if first is not None:
-                device_times.append((index, first, last))
-            if action.send_to is not None:
-                times[4] = clock()
-                data = out.data if kind == "F" else inp.grad
-                self._send(data, action.send_to, mb, virtual + (1 if kind == "F" else -1), kind == "B")
-                times[5] = clock()
-        end = [clock()]                           # then: sends done, (dp all-reduce), loss all-reduce
-        self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
-        self._pending = []
-        end.append(clock())
-        if self.dp_comm is not None and self.dp_comm.size > 1:
-            self._all_reduce_gradients()
-        end.append(clock())
-        total = np.array([self._mean_loss(losses, loss_weights)])    # the last stage's; 0 elsewhere
-        total = all_reduce(self.comm, total, op="sum")       # every rank leaves the step together
-        end.append(clock())
+        clock = self.stamps.clock(tracer)                   # this step's timing stamps (stamps.py)
+        self._run_actions(clock.receive(self._receive), clock.compute(self._compute), clock.send(self._send_result))
+        wait_for_sends, all_reduce_gradients, all_reduce_loss = clock.closing(
+            self._wait_for_sends, self._all_reduce_gradients, self._all_reduce_loss)
+        wait_for_sends()
+        all_reduce_gradients()
+        total = all_reduce_loss()
         if self.schedule_name == "pipedream_2bw":
             self._swap_out_stash(current)
         if tracer.enabled:
-            self._record(tracer, step_start, stamps, end, device_times)
-        return float(total[0])
+            self.stamps.record(tracer, clock)
+        self._step = None
+        return total
 
-    def _record(self, tracer, step_start, stamps, end, device_times):
-        """Keep this step's timestamps for measured_bubble() and write them into the trace (after
-        the step, so that tracing costs the step nothing). On the GPU the compute spans carry their
-        CUDA events: their device times replace the host's when read (_resolve_device_times)."""
-        sent_wait, dp, loss = end[1] - end[0], end[2] - end[1], end[3] - end[2]
-        flat = [t for times in stamps for t in times]
-        self.step_records.append(np.array([step_start, end[3], sent_wait + loss, dp] + flat))
-        self._device_records.append(device_times)
-        if device_times and self._device_reference is None:
-            index, first, _ = device_times[0]
-            self._device_reference = (first, stamps[index][0])    # the device clock's zero, in host time
-        if len(self.step_records) > MAX_RECORDS:
-            del self.step_records[1]                 # keep the first step (reported on its own) and the last ones
-            del self._device_records[1]
-        cuda = {index: (first, last) for index, first, last in device_times}
-        tracer.add("pipeline step", "step", step_start, end[3], {})
-        for index, (action, times) in enumerate(zip(self.actions, stamps)):
-            args = {"microbatch": action.microbatch, "chunk": action.chunk, "index": index}
-            if times[2] == times[2]:
-                tracer.add(f"recv {action}", "comm", times[2], times[3], {**args, "wait": "recv"})
-            tracer.add(str(action), "compute", times[0], times[1], {**args, "op": action.kind}, cuda.get(index))
-            if times[4] == times[4]:
-                tracer.add(f"send {action}", "comm", times[4], times[5], {**args, "wait": "send"})
-        tracer.add("wait for sends", "comm", end[0], end[1], {"wait": "end"})
-        if dp:
-            tracer.add("all-reduce gradients (dp)", "comm", end[1], end[2], {"wait": "dp"})
-        tracer.add("loss all-reduce", "comm", end[2], end[3], {"wait": "end"})
+    def _run_actions(self, receive, compute, send):
+        """This rank's actions in the schedule's order: receive the input (from the neighbour stage
+        that sends one), compute it (F, B or W), send the result on (to the stage that waits for it)."""
+        for action in self.actions:
+            received = receive(action) if action.recv_from is not None else None
+            result = compute(action, received)
+            if action.send_to is not None:
+                send(action, result)
 
-    def _resolve_device_times(self):
-        """GPU: the recorded steps' compute start and end become the device's (CUDA events, on a
-        clock aligned with the host's at the first traced action; waits for the GPU once)."""
-        pending = [(row, times) for row, times in zip(self.step_records, self._device_records) if times]
-        if not pending:
-            return
-        reference, host_zero = self._device_reference
-        backend.elapsed_ms(reference, pending[-1][1][-1][2])             # the one wait
-        for row, times in pending:
-            slots = row[len(measure.HEAD):].reshape(len(self.actions), len(measure.SLOT))
-            for index, first, last in times:
-                slots[index, 0] = host_zero + backend.elapsed_ms(reference, first, wait=False) / 1e3
-                slots[index, 1] = host_zero + backend.elapsed_ms(reference, last, wait=False) / 1e3
-        self._device_records = [[] for _ in self.step_records]
+    def _receive(self, action):
+        return self._recv(action.recv_from, action.microbatch, virtual_stage(action, self.rank, self.p),
+                          action.kind == "B", self._step.xp)
+
+    def _compute(self, action, received):
+        if action.kind == "F":
+            return self._forward(action, received)
+        if action.kind == "B":
+            return self._backward(action, received)
+        return self._weight(action)
+
+    def _send_result(self, action, data):
+        virtual = virtual_stage(action, self.rank, self.p) + (1 if action.kind == "F" else -1)
+        self._send(data, action.send_to, action.microbatch, virtual, action.kind == "B")
+
+    def _forward(self, action, received):
+        """F: the stage's forward of one micro-batch (the last stage adds the loss, weighted by the
+        micro-batch's rows); returns the activation to send on."""
+        step, mb, chunk = self._step, action.microbatch, action.chunk
+        rows = slice(step.starts[mb], step.starts[mb + 1])
+        inp = Tensor(step.x[rows]) if received is None else Tensor(received, requires_grad=True)
+        out = self.stages[chunk](inp)
+        step.inputs[mb, chunk] = inp
+        if virtual_stage(action, self.rank, self.p) == len(self.where) - 1:
+            if rows.stop == rows.start:
+                out = out.sum() * 0.0                  # no rows: a zero whose backward still runs
+            else:
+                loss = step.loss_fn(out, step.y[rows])
+                step.losses.append(loss.data)          # read once, after the step (no sync per micro-batch)
+                step.loss_weights.append(step.weights[mb])
+                out = loss * step.weights[mb]          # mean over micro-batches, by rows
+        step.outputs[mb, chunk] = out
+        return out.data
+
+    def _backward(self, action, received):
+        """B: backward from the received output gradient; returns the input's gradient to send back.
+        Zero-bubble schedules: the input gradient only, the weight gradients queued for W."""
+        step, key = self._step, (action.microbatch, action.chunk)
+        out = step.outputs.pop(key)
+        if self.split_backward:
+            with defer_weight_grads(self._weights[action.chunk]) as step.weight_grads[key]:
+                out.backward(received)
+        else:
+            out.backward(received)
+        return step.inputs.pop(key).grad
+
+    def _weight(self, action):
+        """W: the weight gradients B queued."""
+        self._step.weight_grads.pop((action.microbatch, action.chunk)).run()
+
+    def _wait_for_sends(self):
+        self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
+        self._pending = []
+
+    def _all_reduce_loss(self):
+        """The mean loss on every rank (the last stage's; 0 elsewhere): every rank leaves together."""
+        total = np.array([self._mean_loss(self._step.losses, self._step.loss_weights)])
+        return float(all_reduce(self.comm, total, op="sum")[0])
 
     def _mean_loss(self, values, weights):
         """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
@@ -313,7 +289,9 @@ class PipelineParallel:
         return sum(float(v) for v in values) / self.m
 
     def _all_reduce_gradients(self):
-        all_reduce_coalesced(self.dp_comm, [q.grad for q in self.parameters() if q.grad is not None], op="mean")
+        """2D (dp x pp): the gradients averaged over the data-parallel replicas."""
+        if self.dp_comm is not None and self.dp_comm.size > 1:
+            all_reduce_coalesced(self.dp_comm, [q.grad for q in self.parameters() if q.grad is not None], op="mean")
 
     # ---- PipeDream-2BW: compute on W(t-1), let the optimizer update W(t)
     def _swap_in_stash(self):
@@ -332,12 +310,12 @@ class PipelineParallel:
     def measured_bubble(self, skip_first=True):
         """The measured bubble of the traced steps beside the formula and the residual per cause
         (a collective over the pipeline: every rank's records are gathered). See measure.py."""
-        self._resolve_device_times()
+        self.stamps.resolve_device_times()
         return measure.summarize(self, skip_first=skip_first)
 
     def measured_bubble_fraction(self):
         """Per rank, the measured bubble of the last traced step (a collective over the pipeline)."""
-        self._resolve_device_times()
+        self.stamps.resolve_device_times()
         return measure.summarize(self, skip_first=False, last_only=True)["measured_bubble_fraction_per_rank"]
 
     def formula_bubble_fraction(self, forward_cost=1.0, backward_cost=1.0, weight_cost=1.0):

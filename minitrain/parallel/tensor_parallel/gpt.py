@@ -41,7 +41,7 @@ all-reduces three (B, T) tensors (max, sum of exponentials, target logit) and ne
 """
 import numpy as np
 
-from ... import backend
+from ... import backend, random
 from ...autograd import Tensor
 from ...autograd.engine import queue_callback
 from ...backend import array_module
@@ -265,6 +265,9 @@ def tensor_parallelize(gpt, comm, sequence_parallel=False):
     state = {}
     for name, q in gpt.named_parameters():
         state[name] = broadcast(comm, q.data.copy(), root=0)     # every rank shards the same model
-    model = TensorParallelGPT(gpt.config, comm, sequence_parallel)
+    # the shards' own initialisation is overwritten at once: draw it from a copy of the generator, so the
+    # dropout masks that follow are the ones one process draws after building the GPT
+    with random.use_generator(random.fork()):
+        model = TensorParallelGPT(gpt.config, comm, sequence_parallel)
     model.load_full_state_dict(state)
     return model

@@ -1,0 +1,83 @@
+"""Every option a job takes is applied or refused: the combinations a job would silently ignore.
+
+Each job calls refuse_unsupported(parser, args, argv, job) right after parsing, before MPI starts or
+any model is built, so an option its strategy cannot apply stops it with argparse's one line and exit
+status 2: "error: --recompute is not supported with --strategy pipeline (...)". Values out of range are
+refused earlier still, by the type= of each option (minitrain/cli.py). An option is refused when the
+command line gives it (whatever its value, found by cli.given_options) or, for an option whose default
+means "none" (a flag, --recompute none, --device-memory unset), when it asks for something.
+"""
+from .. import cli
+
+MLP_PIPELINE_ONLY = ("--schedule", "--microbatches", "--chunks", "--dp")
+#: what the pipeline job does not apply, when asked for, and why
+MLP_NOT_IN_PIPELINE = (
+    ("--recompute", lambda a: a.recompute != "none",
+     "the pipeline runtime keeps each micro-batch's activations until its backward; recomputation is wired "
+     "into the data-parallel strategies"),
+    ("--offload", lambda a: a.offload, "each stage steps a plain optimizer on the device; ZeRO-Offload is "
+                                       "wired into ddp, local_sgd and the ZeRO stages"),
+    ("--offload-activations", lambda a: a.offload_activations,
+     "the pipeline's activations cross ranks as messages and are not parked on the host"),
+    ("--device-memory", lambda a: a.device_memory is not None,
+     "every rank builds the whole model before keeping its stages, and the job sets no device capacity"),
+)
+BUCKETED = ("ddp", "zero1", "zero2")
+
+
+def refuse_mlp(parser, args, given):
+    strategy = f"--strategy {args.strategy}"
+    if args.strategy != "pipeline":
+        for option in MLP_PIPELINE_ONLY:
+            if option in given:
+                cli.refuse(parser, option, strategy, "only --strategy pipeline has a schedule, micro-batches, model "
+                                                     "chunks and pipeline replicas; data parallelism here spans every "
+                                                     "rank")
+    else:
+        for option, asked, why in MLP_NOT_IN_PIPELINE:
+            if asked(args):
+                cli.refuse(parser, option, strategy, why)
+    if "--sync-every" in given and args.strategy != "local_sgd":
+        cli.refuse(parser, "--sync-every", strategy, "only local_sgd averages the parameters every N steps; "
+                                                     "the others average every step's gradients")
+    if "--bucket-cap-mb" in given and args.strategy not in BUCKETED:
+        cli.refuse(parser, "--bucket-cap-mb", strategy, f"only {', '.join(BUCKETED)} put gradients in buckets")
+
+
+def refuse_longer_than_the_corpus(parser, option, value, splits):
+    """A context window must fit the corpus's splits (a window and the character after it, at a random start)."""
+    from ..data import load_text
+    corpus = load_text()
+    for split in splits:
+        longest = len(getattr(corpus, split)) - 2
+        if value > longest:
+            parser.error(f"argument {option}: must be at most {longest} (the corpus's {split} split has "
+                         f"{longest + 2} characters), got {value}")
+
+
+def refuse_gpt(parser, args, given):
+    refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
+    if args.pp == 1:
+        for option in ("--schedule", "--chunks"):
+            if option in given:
+                cli.refuse(parser, option, "--pp 1", "one stage has no pipeline schedule: give --pp 2 or more")
+
+
+def refuse_generate(parser, args, given):
+    if args.train_steps and not args.checkpoint:
+        refuse_longer_than_the_corpus(parser, "--context", args.context, ("train",))
+    if args.checkpoint:
+        for option in ("--train-steps", "--batch-size", "--lr"):
+            if option in given:
+                cli.refuse(parser, option, "--checkpoint", "the model is loaded from the checkpoint, not trained")
+    if "--top-k" in given and args.temperature == 0:
+        cli.refuse(parser, "--top-k", "--temperature 0", "greedy decoding takes the likeliest token; "
+                                                         "give --temperature > 0 to sample among the top k")
+
+
+RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt, "generate": refuse_generate}
+
+
+def refuse_unsupported(parser, args, argv, job):
+    """Stop with one line (exit 2) if ``argv`` asks ``job`` for something it cannot apply."""
+    RULES[job](parser, args, cli.given_options(parser, argv))

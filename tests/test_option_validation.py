@@ -1,0 +1,168 @@
+"""Every option honoured or refused, every value checked before any work: each command line's parsers
+(the jobs, the planner and its sub-commands, the checkpoint tool, the exercises) are captured at
+parse_args, every numeric option is given values out of its range and must stop the command with
+argparse's one error line and exit status 2 (no traceback, nothing run); the option combinations a
+job would silently ignore are refused by name; --lr 0 trains at rate 0; and the GPT job's dropout
+under --tp draws one process's masks, as its docstring claims (float64, the losses within 1e-10)."""
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from minitrain import checkpoint, cli, nn
+from minitrain.examples import gpt, mlp
+from minitrain.testing import run_mpi
+
+PROGRAMS = {"minitrain.examples.mlp": [], "minitrain.examples.gpt": [], "minitrain.examples.generate": [],
+            "minitrain.plan.__main__": ["mlp"], "minitrain.checkpoint.__main__": ["list", "."],
+            "minitrain.exercises.__main__": ["hint", "x"], "minitrain.plan.calibrate": []}
+#: per validated type: values it must refuse
+OUT_OF_RANGE = {cli.positive_int: ["0", "-3", "1.5", "x"], cli.nonneg_int: ["-1", "x"],
+                cli.positive_float: ["0", "-1", "nan", "inf"], cli.nonneg_float: ["-1", "nan"],
+                cli.probability: ["1.0", "1.5", "-0.1"]}
+
+
+class Captured(Exception):
+    pass
+
+
+def _parsers():
+    """(module, the argv prefix that reaches a sub-parser, the parser) for every parser of every program."""
+    found = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        raise Captured(self)
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        for module, _ in PROGRAMS.items():
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    importlib.import_module(module).main([])
+            except Captured as c:
+                top = c.args[0]
+            found.append((module, [], top))
+            for action in top._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for name, sub in action.choices.items():
+                        if sub.add_help:
+                            found.append((module, [name], sub))
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return found
+
+
+PARSERS = _parsers()
+
+
+def _numeric_options():
+    cases = []
+    for module, prefix, parser in PARSERS:
+        for action in parser._actions:
+            for value in OUT_OF_RANGE.get(action.type, []):
+                cases.append(pytest.param(module, prefix, parser, action.option_strings[0], value,
+                                          id=f"{module.split('.')[-2 if module.endswith('__main__') else -1]}"
+                                             f"{'-' + prefix[0] if prefix else ''} {action.option_strings[0]} {value}"))
+    return cases
+
+
+def test_every_number_a_command_line_takes_is_checked_while_parsing():
+    raw = [(module, parser.prog, action.option_strings) for module, _, parser in PARSERS for action in parser._actions
+           if action.type in (int, float) and not action.choices]
+    assert not raw, f"options typed int/float without a range: {raw}"
+    assert len(_numeric_options()) > 150
+
+
+def _run(module, argv):
+    """The program's main on argv: (exit status, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            status = importlib.import_module(module).main(argv)
+        except SystemExit as e:
+            status = e.code
+    return status, err.getvalue()
+
+
+@pytest.mark.parametrize("module, prefix, parser, option, value", _numeric_options())
+def test_a_value_out_of_range_stops_with_one_argparse_line(module, prefix, parser, option, value):
+    required = [a for a in parser._actions if a.required and a.option_strings and a.option_strings[0] != option]
+    argv = prefix + [x for a in required for x in (a.option_strings[0], "1")] + [option, value]
+    status, err = _run(module, argv)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and "Traceback" not in err, err
+    assert len(errors) == 1 and f"error: argument {option}" in errors[0], err
+
+
+REFUSED = [  # (module, argv, the option refused, the setting it is refused with)
+    ("mlp", ["--strategy", "pipeline", "--recompute", "full"], "--recompute", "--strategy pipeline"),
+    ("mlp", ["--strategy", "pipeline", "--offload"], "--offload", "--strategy pipeline"),
+    ("mlp", ["--strategy", "pipeline", "--offload-activations"], "--offload-activations", "--strategy pipeline"),
+    ("mlp", ["--strategy", "pipeline", "--device-memory", "100000"], "--device-memory", "--strategy pipeline"),
+    ("mlp", ["--dp", "2"], "--dp", "--strategy ddp"),
+    ("mlp", ["--strategy", "zero3", "--microbatches", "8"], "--microbatches", "--strategy zero3"),
+    ("mlp", ["--schedule", "gpipe"], "--schedule", "--strategy ddp"),
+    ("mlp", ["--strategy", "zero1", "--sync-every", "2"], "--sync-every", "--strategy zero1"),
+    ("mlp", ["--strategy", "zero3", "--bucket-cap-mb", "1"], "--bucket-cap-mb", "--strategy zero3"),
+    ("gpt", ["--schedule", "gpipe"], "--schedule", "--pp 1"),
+    ("gpt", ["--chunks", "2", "--schedule", "interleaved_1f1b"], "--schedule", "--pp 1"),
+    ("generate", ["--checkpoint", "DIR", "--train-steps", "5"], "--train-steps", "--checkpoint"),
+    ("generate", ["--checkpoint", "DIR", "--lr", "1e-3"], "--lr", "--checkpoint"),
+    ("generate", ["--top-k", "5"], "--top-k", "--temperature 0"),
+]
+
+
+@pytest.mark.parametrize("job, argv, option, setting", REFUSED, ids=[" ".join(r[1]) for r in REFUSED])
+def test_an_option_the_job_would_ignore_is_refused_by_name(job, argv, option, setting):
+    status, err = _run(f"minitrain.examples.{job}", argv)
+    assert status == 2 and "Traceback" not in err, err
+    assert f"error: {option} is not supported with {setting} (" in err, err
+
+
+def test_the_options_each_strategy_applies_are_accepted():
+    for argv in (["--strategy", "pipeline", "--dp", "1", "--microbatches", "2", "--schedule", "gpipe"],
+                 ["--strategy", "local_sgd", "--sync-every", "2"], ["--strategy", "zero2", "--bucket-cap-mb", "1"],
+                 ["--strategy", "zero3", "--recompute", "full", "--offload", "--device-memory", "10000000"]):
+        mlp.parse_args(argv)
+    gpt.parse_args(["--pp", "2", "--schedule", "gpipe"])
+
+
+def test_the_block_size_must_fit_the_corpus():
+    status, err = _run("minitrain.examples.gpt", ["--block-size", "100000"])
+    assert status == 2 and "error: argument --block-size: must be at most" in err and "Traceback" not in err
+
+
+def _model_at(path):
+    model = nn.MLP([64, 32, 32, 10])
+    checkpoint.load(path, None, model, strict=False)
+    return [q.data.copy() for q in model.parameters()]
+
+
+@pytest.mark.parametrize("lr, moves", [("0", False), ("1e-3", True)])
+def test_lr_0_is_honoured(tmp_path, lr, moves):
+    d = tmp_path / "ckpt"
+    assert mlp.main(["--no-progress", "--precision", "fp64", "--hidden", "32", "--epochs", "1", "--batch-size", "512",
+                     "--lr", lr, "--save-dir", str(d), "--save-every", "1"]) == 0
+    (first, _, one), *_, (last, _, end) = checkpoint.list_checkpoints(d)
+    assert last > first
+    same = all(np.array_equal(a, b) for a, b in zip(_model_at(one), _model_at(end)))
+    assert same != moves
+
+
+GPT = ["--no-progress", "--precision", "fp64", "--steps", "3", "--n-embd", "32", "--block-size", "16",
+       "--batch-size", "4", "--sample-chars", "1", "--dropout", "0.1"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp2", "tp2+sp"])
+def test_gpt_job_under_tp_2_with_dropout_draws_one_process_s_masks(tmp_path, extra):
+    assert gpt.main(GPT + ["--json", str(tmp_path / "one.json")]) == 0
+    run_mpi([sys.executable, "-m", "minitrain.examples.gpt", *GPT, "--tp", "2", *extra,
+             "--json", tmp_path / "tp.json"], n=2, timeout=180)
+    one, tp = (json.loads((tmp_path / f"{n}.json").read_text())["losses"] for n in ("one", "tp"))
+    assert len(one) == len(tp) == 3
+    assert max(abs(a - b) for a, b in zip(one, tp)) <= 1e-10, (one, tp)

@@ -1,0 +1,136 @@
+"""A resume never guesses (examples/checkpointing.py): step folders that lost their manifest are refused by
+name, a save never writes into an existing step folder, another architecture is refused by name (a resume
+and generate --checkpoint), and a resume whose schedule, learning rate or seed differ from the checkpoint's
+stops unless --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler says which to take; with
+the override, --steps 16 after an 8-step cosine run decays over 16 steps. One process, a small GPT."""
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from minitrain import checkpoint
+from minitrain.examples import generate, gpt, mlp
+from minitrain.optim.lr_scheduler import warmup_cosine
+
+GPT = ["--no-progress", "--precision", "fp64", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
+       "--sample-chars", "1", "--n-layer", "1"]
+OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"
+
+
+def run(job, argv):
+    """(exit status, stdout, stderr) of a job run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = job.main([str(a) for a in argv])
+        except SystemExit as e:
+            status = e.code
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """An 8-step cosine GPT run saved at steps 4 and 8."""
+    d = tmp_path / "ckpt"
+    assert run(gpt, GPT + ["--steps", 8, "--save-dir", d, "--save-every", 4])[0] == 0
+    return d
+
+
+def refused(job, argv, *needles):
+    status, _, err = run(job, argv)
+    assert status == 2 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_step_folders_without_a_manifest_are_refused_by_name_and_left_alone(saved):
+    for step in ("step-00000004", "step-00000008"):
+        os.remove(saved / step / "manifest.json")
+    refused(gpt, GPT + ["--steps", 8, "--save-dir", saved, "--resume"],
+            "step-00000004, step-00000008 have no manifest.json")
+    assert sorted(os.listdir(saved)) == ["step-00000004", "step-00000008"]
+    assert not (saved / "step-00000008" / "manifest.json").exists()          # nothing was written into them
+
+
+def test_a_save_never_writes_into_an_existing_step_folder(saved):
+    before = checkpoint.read_manifest(saved / "step-00000004")
+    refused(gpt, GPT + ["--steps", 8, "--save-dir", saved, "--save-every", 4],
+            f"--save-dir {saved} already holds step-00000004, step-00000008: give --resume")
+    assert checkpoint.read_manifest(saved / "step-00000004") == before
+
+
+def test_another_architecture_is_refused_by_name(saved):
+    refused(gpt, GPT + ["--steps", 8, "--save-dir", saved, "--resume", "--n-head", 2],
+            "n_head = 4 (--n-head), this one 2: another architecture")
+    def serve(context=16):
+        return ["--checkpoint", saved, "--n-layer", 1, "--n-embd", 32, "--context", context, "--max-prompt-len", 8,
+                "--max-new-tokens", 4, "--num-prompts", 2]
+    refused(generate, serve() + ["--n-head", 2], "n_head = 4 (--n-head), this one 2")
+    refused(generate, serve(32), "block_size = 16 (--context), this one 32")
+    assert run(generate, serve())[0] == 0
+
+
+@pytest.mark.parametrize("change, named", [(["--steps", 16], "--steps 8 (this command line: 16)"),
+                                           (["--lr", "1e-3"], "--lr 0.003 (this command line: 0.001)"),
+                                           (["--lr-schedule", "constant"], "--lr-schedule cosine (this command line: constant)"),
+                                           (["--warmup-steps", 3], "--warmup-steps 0 (this command line: 3)"),
+                                           (["--seed", 7], "--seed 0 (this command line: 7)")],
+                         ids=["steps", "lr", "lr-schedule", "warmup", "seed"])
+def test_other_settings_stop_a_resume_unless_an_option_says_which_to_take(saved, change, named):
+    argv = GPT + ["--steps", 8, "--save-dir", saved, "--resume"] + change
+    refused(gpt, argv, named, OVERRIDE, USE_CHECKPOINT)
+    for option in (OVERRIDE, USE_CHECKPOINT):
+        keep_until(saved, 4)
+        status, out, err = run(gpt, argv + [option, "--json", saved.parent / "r.json"])
+        assert status == 0, err
+        assert json.loads((saved.parent / "r.json").read_text())["first_step"] == 4
+
+
+def keep_until(directory, step):
+    for saved, _, path in checkpoint.list_checkpoints(directory):
+        if saved > step:
+            for name in os.listdir(path):
+                os.remove(os.path.join(path, name))
+            os.rmdir(path)
+
+
+def schedule_at(directory, step):
+    return checkpoint.read_manifest(directory / f"step-{step:08d}")["scalars"]["scheduler"]
+
+
+def test_extending_a_run_with_the_override_decays_over_the_new_steps(saved):
+    status, _, err = run(gpt, GPT + ["--steps", 16, "--save-dir", saved, "--save-every", 4, "--resume", OVERRIDE])
+    assert status == 0, err
+    state = schedule_at(saved, 12)
+    assert state["lr_lambdas"][0]["total_steps"] == 16 and state["lr_lambdas"][0]["warmup_steps"] == 1
+    assert state["_last_lr"][0] == pytest.approx(3e-3 * warmup_cosine(1, 16)(12), rel=1e-12)
+    assert checkpoint.read_manifest(saved / "step-00000016")["scalars"]["job"]["training"]["steps"] == 16
+
+
+def test_the_checkpoint_s_schedule_when_asked(saved):
+    status, _, err = run(gpt, GPT + ["--steps", 16, "--save-dir", saved, "--save-every", 4, "--resume",
+                                     "--lr", "1e-2", USE_CHECKPOINT])
+    assert status == 0, err
+    state = schedule_at(saved, 12)                   # the old 8-step schedule, at its floor: lr / 10
+    assert state["lr_lambdas"][0]["total_steps"] == 8 and state["_last_lr"][0] == pytest.approx(3e-4, rel=1e-12)
+    assert checkpoint.read_manifest(saved / "step-00000016")["scalars"]["job"]["training"]["lr"] == 3e-3
+
+
+def test_the_override_options_need_resume(tmp_path):
+    refused(gpt, GPT + ["--steps", 2, OVERRIDE], f"{OVERRIDE} needs --resume")
+
+
+MLP = ["--no-progress", "--precision", "fp64", "--hidden", "16", "--epochs", "1", "--batch-size", "512"]
+
+
+def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path):
+    d = tmp_path / "ckpt"
+    assert run(mlp, MLP + ["--save-dir", d, "--save-every", 1])[0] == 0
+    keep_until(d, 1)
+    refused(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7], "--seed 0 (this command line: 7)")
+    refused(mlp, MLP + ["--save-dir", d, "--resume", "--hidden", 8], "sizes = [64, 16, 16, 10] (--hidden / --layers)")
+    status, _, err = run(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7, OVERRIDE])
+    assert status == 0 and "Traceback" not in err, err
