@@ -6,7 +6,7 @@ import pytest
 import minitrain
 from minitrain import backend, nn, optim
 from minitrain.autograd.function import nodes_recorded
-from minitrain.examples.common import StepTimer
+from minitrain.examples.report import StepTimer
 from minitrain.parallel import checkpoint_sequential
 from minitrain.plan import GPT, MLP, Layout, load_machine
 from minitrain.plan.ops import PASSES, op_fit, op_seconds

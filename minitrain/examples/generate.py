@@ -27,7 +27,8 @@ import numpy as np
 import minitrain
 from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import fmt_bytes, init_comm, job_parser, launch_info, mpi_line, parse_job_args, write_json
+from minitrain.examples.common import init_comm, job_parser, launch_info, mpi_line, parse_job_args
+from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.examples.checkpointing import check_model
 from minitrain.examples.options import refuse_unsupported
 from minitrain.inference import CACHES, LLMEngine

@@ -1,6 +1,6 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
-    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json]
+    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
@@ -22,10 +22,11 @@ from minitrain import cli, memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, fmt_bytes, job_parser, launch_info, memory_table, parse_job_args,
-                                       persistent_memory, planner_line, tqdm, write_json)
+from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
+from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
+from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
+                                       write_json)
 from minitrain.examples.options import refuse_unsupported
-from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 from minitrain.parallel import offload_activations
 
 
@@ -58,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
+                   "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
     args = parse_job_args(p, argv)
@@ -85,33 +88,6 @@ def parse_args(argv=None):
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
     checkpointing.check_resume(p, args)
     return args
-
-
-def estimate_loss(model, corpus, args, rng, batches=4):
-    model.eval()
-    losses = []
-    with minitrain.no_grad():
-        for _ in range(batches):
-            x, y = corpus.get_batch("val", args.batch_size, args.block_size, rng)
-            losses.append(model(x, y)[1].item())
-    model.train()
-    return float(np.mean(losses))
-
-
-def scheduler_for(opt, args):
-    """The GPT's schedule: linear warm-up then cosine to lr/10 (PyTorch: the same LambdaLR)."""
-    factor = warmup_cosine(args.warmup_steps, args.steps) if args.lr_schedule == "cosine" else (lambda step: 1.0)
-    return LambdaLR(opt, factor)
-
-
-def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
-    """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
-    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "zero_stage": 0,
-            "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
-            "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
-            "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
-            "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
-                      "block_size": args.block_size, "dropout": args.dropout}}
 
 
 def main(argv=None):
@@ -156,14 +132,14 @@ def _main(argv=None):
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)
-    losses, persistent = [], {}
+    losses = []
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
-    timer = StepTimer()
+    watch = StepWatch()
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
-        with timer:
+        with watch.step():
             if offload is not None:
                 with offload:
                     _, loss = model(x, y)
@@ -174,7 +150,6 @@ def _main(argv=None):
             optim.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             scheduler.step()
-        persistent = persistent_memory()
         losses.append(loss.item())
         ckpt.after_step(step + 1)
         if step % 10 == 0:
@@ -189,8 +164,9 @@ def _main(argv=None):
 
     head = np.mean(losses[:10])
     tail = np.mean(losses[-10:])
+    steps = watch.timer.summary()
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
-          f"val loss {initial_val:.3f} -> {final_val:.3f}; {len(losses) / elapsed:.1f} steps/s")
+          f"val loss {initial_val:.3f} -> {final_val:.3f}; {1 / steps['step_time_s']:.1f} steps/s (steady state)")
     context = corpus.encode("def ")[None, :]
     sample = model.generate(context, args.sample_chars, temperature=0.8, top_k=20,
                             rng=np.random.default_rng(args.seed))
@@ -198,31 +174,23 @@ def _main(argv=None):
     print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
-    print(memory_table(persistent, peak))
-    steps = timer.summary()
-    print(planner_line(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size))
+    print(memory_table(watch.persistent, peak))
+    compared = plan_comparison(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size)
+    show_plan(args, compared)
     if args.json:
         write_json(args.json, {
             "world_size": 1, "strategy": "single", "num_params": model.num_parameters(),
             "initial_val_loss": initial_val, "final_val_loss": final_val,
-            "final_loss": float(tail), "steps_per_second": len(losses) / elapsed, "recompute": args.recompute,
+            "final_loss": float(tail), "steps_per_second": 1 / steps["step_time_s"], "elapsed_seconds": elapsed,
+            "steady_state": watch.steady_state(), "planner": compared, "recompute": args.recompute,
             "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
-            "tokens_per_second": len(losses) * args.batch_size * args.block_size / elapsed,
+            "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
-                       "memory": {"persistent": persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
+                       "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
         })
-    return 0
-
-
-def nothing_left(args, first_step, rank=0, world=1):
-    """A resumed job whose checkpoint already completed --steps: nothing to train."""
-    if rank == 0:
-        print(f"the checkpoint's step {first_step} already completes --steps {args.steps}: nothing to train")
-        if args.json:
-            write_json(args.json, {"world_size": world, "steps": 0, "first_step": first_step, "losses": []})
     return 0
 
 

@@ -26,9 +26,10 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, init_comm,
-                                       mpi_line, persistent_memory, planner_line, transport_name, tqdm, write_json)
-from minitrain.examples.gpt import estimate_loss, layout, nothing_left, scheduler_for
+from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
+from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
+                                       show_plan, write_json)
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
@@ -107,18 +108,17 @@ def main_parallel(args):
     sent_before = bytes_sent()
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
-    timer = StepTimer()
+    watch = StepWatch()
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
-        with timer:
+        with watch.step():
             model.zero_grad()
             with offload:
                 loss = model.train_step(x, y)
             model.clip_grad_norm_(1.0)
             opt.step()
             scheduler.step()
-        persistent = persistent_memory()
         losses.append(loss)
         ckpt.after_step(step + 1)
         if step % 10 == 0:
@@ -130,12 +130,12 @@ def main_parallel(args):
         return nothing_left(args, first_step, rank, world)
     steps = len(losses)
     sent_per_step = (bytes_sent() - sent_before) / steps
-    peak = memory.peak()
+    peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
-    step_by_rank, slowest = gather_steps(comm, timer)
+    step_by_rank, slowest = gather_steps(comm, watch.timer)
     state = model.full_state_dict()
     if rank != 0:
         return 0
@@ -159,7 +159,7 @@ def main_parallel(args):
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
-          f"{final_val:.3f}; {steps / elapsed:.1f} steps/s")
+          f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
@@ -169,8 +169,8 @@ def main_parallel(args):
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
           " backward sends the same again; '-': a stage without blocks)")
-    print(planner_line(args, world, slowest, table[:, 6].max(), kind="gpt",
-                       vocab_size=config.vocab_size))
+    compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size)
+    show_plan(args, compared)
     sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
                            rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -183,7 +183,9 @@ def main_parallel(args):
             "bubble_formula": model.pipe.formula_bubble_fraction(),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
-            "steps_per_second": steps / elapsed, "tokens_per_second": steps * B * T / elapsed,
+            "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],
+            "elapsed_seconds": elapsed, "planner": compared,
+            "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
             **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),

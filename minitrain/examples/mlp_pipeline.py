@@ -26,9 +26,10 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (StepTimer, device_code, device_name, fmt_bytes, gather_steps, mpi_line,
-                                       planner_line, tqdm, transport_name, write_json)
-from minitrain.examples.mlp import layout, nothing_left
+from minitrain.examples.common import device_code, mpi_line, tqdm, transport_name
+from minitrain.examples.mlp_common import layout, nothing_left
+from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
+                                       show_plan, write_json)
 from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
 from minitrain.parallel.pipeline.partition import format_stage_table
 from minitrain.parallel.pipeline.schedules import default_chunks
@@ -93,23 +94,20 @@ def main_pipeline(args, parser, comm):
         loader.load_state_dict(loaded.extra["loader"])
     bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
                file=sys.stdout, desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
-    trace.enable(rank=rank)
+    watch = StepWatch(rank, keep="last")             # the last step's trace (the runtime keeps a summary)
     memory.reset_peak()
     comm.barrier()
     start = time.perf_counter()
-    steps = seen = 0
-    timer = StepTimer()
+    steps = 0
     losses = []
     for epoch in range(loader.sampler.epoch, args.epochs):      # resumed: from the checkpoint's epoch
         loader.set_epoch(epoch)
         for xb, yb in loader:
-            trace.tracer().events.clear()            # keep the last step's trace (the runtime keeps a summary)
-            with timer(counted=loader.global_rows == args.batch_size):     # a short last batch: out of the step figures
+            with watch.step(counted=loader.global_rows == args.batch_size):    # a short last batch: out of the step figures
                 opt.zero_grad()
                 loss = pipe.train_step(xb, yb, nn.functional.cross_entropy, global_rows=loader.global_rows)
                 opt.step()
             steps += 1
-            seen += len(yb)
             losses.append(loss)
             ckpt.after_step(first_step + steps)
             bar.update(1)
@@ -133,7 +131,7 @@ def main_pipeline(args, parser, comm):
     peak = memory.peak()                             # per rank: every category
     mine = np.array([*(peak[c] for c in memory.CATEGORIES), peak["total"]], np.float64)
     table = mtcomm.ring_all_gather(comm, mine, total=mine.size * world).reshape(world, -1)
-    step_by_rank, slowest = gather_steps(comm, timer)
+    step_by_rank, slowest = gather_steps(comm, watch.timer)
     state = pipe.full_state_dict()                   # every rank: the whole model, to evaluate it
     row_of_rank = {r: s for s, r in enumerate(mesh.ranks_along("pp"))}   # rank 0's pipeline
     if rank != 0:
@@ -143,7 +141,8 @@ def main_pipeline(args, parser, comm):
     with minitrain.no_grad():
         accuracy = float((full(minitrain.Tensor(x_test)).numpy().argmax(1) == y_test).mean())
     formula = summary["formula_bubble_fraction"]
-    print(f"\nfinal loss {loss:.4f}   test accuracy {accuracy:.2%}   {seen * args.dp / elapsed:,.0f} samples/s   "
+    samples = args.batch_size / slowest["step_time_s"]
+    print(f"\nfinal loss {loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s (steady state)   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)})")
@@ -157,10 +156,12 @@ def main_pipeline(args, parser, comm):
     print("  measured - formula, by cause (fraction of the step): " + ", ".join(
         f"{k} {v:+.3f}" for k, v in summary["residual_by_cause"].items()))
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
-    print(planner_line(args, world, slowest, table[:, -1].max()))
+    compared = plan_comparison(args, world, slowest, table[:, -1].max())
+    show_plan(args, compared)
     report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
               "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
-              "test_accuracy": accuracy, "samples_per_second": seen * args.dp / elapsed, "steps": steps,
+              "test_accuracy": accuracy, "samples_per_second": samples, "steps": steps, "elapsed_seconds": elapsed,
+              "steady_state": watch.steady_state(), "planner": compared,
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": chunks, "dp": args.dp, "layers": layers,

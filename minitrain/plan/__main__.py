@@ -70,7 +70,7 @@ def add_mlp(p):
     p.add_argument("--offload-activations", action="store_true", help="saved activations in host memory")
     for name in ("--epochs", "--lr", "--seed", "--trace", "--plot", "--comm-timeout", "--save-dir", "--save-every"):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
-    for name in ("--no-progress", "--resume", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
+    for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
 
 
@@ -98,7 +98,7 @@ def add_gpt(p):
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
                  "--lr-schedule", "--warmup-steps"):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
-    for name in ("--no-progress", "--resume", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
+    for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
 
 

@@ -202,7 +202,7 @@ def anchor():
     """A fixed workload with what a step does, on the calling thread (the CPU, one BLAS thread): a tiny GPT's
     forward and backward (graph nodes, small ops), GELU forward and backward on 128K floats (memory-bound),
     four 128^3 matmuls. ``calibrate`` stores its CPU time on the quiet machine (``anchor_cpu_time_s``); the
-    jobs run it between steps (examples/common.StepTimer) and report its fastest time: their ratio is how
+    jobs run it between steps (examples/step_timer.StepTimer) and report its fastest time: their ratio is how
     much the other jobs on a shared machine slowed this run's own CPU work (caches, memory bandwidth). Its
     arrays are counted on a ledger of its own (the job's memory figures leave it out)."""
     from .. import memory

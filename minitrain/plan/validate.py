@@ -8,7 +8,7 @@ hold the cores), so time is compared on what they distort least: the CPU time of
 outside its waits for peers (busy: its arithmetic, Python and its own collectives' copies and
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
-run beside it (a fixed workload, plan/overheads.py; examples/common.StepTimer): the lower quartile over
+run beside it (a fixed workload, plan/overheads.py; examples/step_timer.StepTimer): the lower quartile over
 the run (the median beside it), times the anchor's calibrated time, for the slowest stage, its ranks
 averaged. The wall clock is compared the same way (the median step in anchors: how fast the machine ran
 meanwhile is taken out, not other jobs' turns on the cores), the plain median beside it. Where ranks
@@ -68,7 +68,7 @@ def run(name, machine=None, timeout=300):
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--json", out,
+        printed = run_mpi([sys.executable, "-m", f"minitrain.examples.{kind}", "--no-progress", "--show-plan", "--json", out,
                            *shlex.split(options)], n=n, timeout=timeout).stdout
         with open(out) as f:
             report = json.load(f)

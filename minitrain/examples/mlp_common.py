@@ -1,0 +1,70 @@
+"""What the MLP job's two halves share (mlp.py: every data-parallel strategy; mlp_pipeline.py: the
+pipelines): how a run is laid out (the checkpoint's manifest), the global loss of every step, the
+test accuracy, and the answer of a resumed run with nothing left to train.
+"""
+import numpy as np
+
+import minitrain
+from minitrain import backend
+from minitrain import comm as mtcomm
+from minitrain.examples import checkpointing
+from minitrain.examples.report import write_json
+
+
+def layout(args, world, stage):
+    """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
+    pipeline = args.strategy == "pipeline"
+    return {"job": "mlp", "strategy": args.strategy, "world_size": world, "dp": args.dp if pipeline else world,
+            "pp": world // args.dp if pipeline else 1, "tp": 1, "zero_stage": stage, "precision": args.precision,
+            "optimizer": args.optimizer, "global_batch_size": args.batch_size, "offload": args.offload,
+            "sizes": [64] + [args.hidden] * args.layers + [10], "schedule": args.schedule if pipeline else None,
+            "chunks": args.chunks if pipeline else None, "sync_every": args.sync_every if args.strategy == "local_sgd" else None}
+
+
+def evaluate(model, x, y, dtype):
+    with minitrain.no_grad():
+        logits = model(minitrain.Tensor(x).to(dtype))
+    return float((logits.numpy().argmax(axis=1) == y).mean())
+
+
+def gather_rows(comm, values):
+    """Every rank's vector of floats, on every rank (one small all-gather)."""
+    mine = np.asarray(values, np.float64)
+    return mtcomm.ring_all_gather(comm, mine, total=mine.size * comm.size).reshape(comm.size, -1)
+
+
+def global_losses(comm, local):
+    """The global loss of every step: each rank's losses (device scalars, fetched in one copy),
+    averaged over the ranks (each weighted by its share of the global batch: share_loss)."""
+    if not local:
+        return []
+    mine = backend.to_host(backend.array_module(local[0]).stack(local)).astype(np.float64)
+    return [float(v) for v in gather_rows(comm, mine).mean(axis=0)]
+
+
+def nothing_left(args, comm, first_step):
+    """A resumed job whose checkpoint already completed --epochs: nothing to train."""
+    if comm.rank == 0:
+        print(f"the checkpoint's step {first_step} already completes --epochs {args.epochs}: nothing to train")
+        if args.json:
+            write_json(args.json, {"world_size": comm.size, "strategy": args.strategy, "steps": 0,
+                                   "first_step": first_step, "losses": []})
+    return 0
+
+
+def resume(args, comm, wrapped, opt, loader, layout):
+    """The data-parallel job's Checkpointer, and the step it starts from (0, or the checkpoint's with --resume:
+    the loader's position and LocalSGD's counters restored). Raises CheckpointError."""
+    local_sgd = args.strategy == "local_sgd"
+    ckpt = checkpointing.Checkpointer(
+        args, comm, wrapped, opt, layout=layout,
+        extra=lambda: {"loader": loader.state_dict(), "local_sgd": wrapped.state_dict() if local_sgd else None},
+        optimizer_key=f"optimizer.rank{comm.rank}" if local_sgd else "optimizer")
+    # local SGD's optimizer states are per replica; it may also start from a common one
+    loaded = ckpt.resume(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
+    if loaded is None:
+        return ckpt, 0
+    loader.load_state_dict(loaded.extra["loader"])
+    if local_sgd and loaded.extra.get("local_sgd"):
+        wrapped.load_state_dict(loaded.extra["local_sgd"])
+    return ckpt, loaded.step
