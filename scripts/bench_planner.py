@@ -9,7 +9,7 @@ criterion, over the runs whose ranks fit the cores: the median ratio within 20%,
 A speed figure, so it lives here: on a shared machine other jobs move it (the tests compare what is exact,
 memory and graph nodes: tests/test_plan_validation.py).
 
-Search: ``plan gpt <GPT-3 175B> --world 1024 --search`` (every dp x pp x tp factoring x ZeRO x recompute x
+Search: plan gpt <GPT-3 175B> --world 1024 --search (every dp x pp x tp factoring x ZeRO x recompute x
 micro-batch size x SP), process time, best of --search-repeats (README: under 2 s).
 
 --epochs/--steps shorten the runs (the smoke test: too few steps to time anything, the table still prints).

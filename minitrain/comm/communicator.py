@@ -4,7 +4,7 @@ Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag 
 code: a message of another dtype never matches); here, once for all: send / recv / sendrecv / isend /
 irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield for 10 ms, then
 sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower); each collective's
-sequence number, whose tag no other collective uses. Around it, through one seam (``comm.guard``,
+sequence number, whose tag no other collective uses. Around it, through one seam (comm.guard,
 seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
 """
 import functools

@@ -2,7 +2,7 @@
 
 Every hook a guard may fill, and what the core does without one: nothing. As PyTorch keeps its
 collective checks in ProcessGroupWrapper, outside the process group, the core calls these hooks at
-fixed points of a call and knows nothing else of the guard. ``comm.guard`` is an Unguarded by
+fixed points of a call and knows nothing else of the guard. comm.guard is an Unguarded by
 default; guard.wrap(comm) puts a Guard there (comm.init and every backend do, unless asked not to).
 """
 import types

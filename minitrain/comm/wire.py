@@ -1,8 +1,8 @@
 """The one interface every transport implements: how a backend's bytes cross to another rank.
 
 A transport moves raw bytes under a wire tag (communicator.py builds it) and never counts, checks or
-times anything: the Communicator above it does, once for all of them. ``isend`` / ``irecv`` return
-a Request; its ``test()`` says when the move is complete and, for a receive, sets ``received`` (the
+times anything: the Communicator above it does, once for all of them. isend / irecv return
+a Request; its test() says when the move is complete and, for a receive, sets received (the
 byte count that arrived: the Communicator checks it against the buffer) or raises MessageTruncated.
 The transports: host arrays by MPI (host.py), device arrays by CUDA-aware MPI or pinned staging
 (staging.py) or CUDA IPC (ipc.py), by NCCL (nccl.py), and between threads (local.py). The collectives

@@ -4,7 +4,7 @@ batches yielded in it), so a resumed job continues mid-epoch (as torchdata's Sta
 
 global_batch=True (the jobs'): batch_size is the global batch (all ranks together) and each batch
 yielded is this rank's share of it (DistributedSampler.global_batches: no sample repeated or
-dropped, the last batch of an epoch partial, a share possibly empty); ``global_rows`` is then the
+dropped, the last batch of an epoch partial, a share possibly empty); global_rows is then the
 size of the global batch just yielded, for the loss weighting (sampler.share_weight). drop_last then
 drops the last global batch if partial; the sampler's own drop_last and padding (PyTorch's, for
 indices()) do not apply."""

@@ -4,7 +4,7 @@
 The router, Linear(C, E) without bias, gives each token softmax probabilities over E experts; the
 token goes to its k most probable experts (top-k), each expert the GPT's FeedForward. Gates (Switch's):
 the chosen experts' softmax probabilities as they are, so even with k = 1 the language loss trains
-the router through them; ``normalize_gates=True`` divides them by their sum (GShard's top-2, Mixtral's
+the router through them; normalize_gates=True divides them by their sum (GShard's top-2, Mixtral's
 softmax over the top-k logits: the same numbers). With a capacity factor an expert takes at most
 ceil(factor · N/G · k / E) choices per group of N/G tokens, first choices before second ones
 (moe_dispatch.py); the rest are dropped. The load-balancing loss (Switch, eq. 4) is

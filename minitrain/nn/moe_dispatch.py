@@ -1,11 +1,11 @@
 """Token dispatch and combine for a mixture of experts, sort-based (GShard, Lepikhin et al. 2021;
 Switch, Fedus et al. 2022; the permute / unpermute form of Megablocks and Megatron's dispatcher).
 
-Each of N tokens chose k experts. ``plan_dispatch`` sorts the N·k choices by expert and decides which
-are kept: an expert takes at most ``capacity`` choices from each group of tokens (GShard's groups),
-first choices of all the group's tokens before second choices, each in token order. ``dispatch``
-gathers the kept choices' token rows end to end, expert by expert: ``plan.counts`` rows for each
-expert, the split sizes an all-to-all sends to each expert's owner. ``combine`` undoes it: each
+Each of N tokens chose k experts. plan_dispatch sorts the N·k choices by expert and decides which
+are kept: an expert takes at most capacity choices from each group of tokens (GShard's groups),
+first choices of all the group's tokens before second choices, each in token order. dispatch
+gathers the kept choices' token rows end to end, expert by expert: plan.counts rows for each
+expert, the split sizes an all-to-all sends to each expert's owner. combine undoes it: each
 token's k rows come back, weighted by their gates and summed; a dropped choice contributes zero (the
 residual connection carries the token). Both are gathers, so autograd needs no op of its own.
 Cost: M <= N·k rows of C elements moved each way, M = sum(plan.counts).

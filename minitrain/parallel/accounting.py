@@ -8,7 +8,7 @@ hooks and profiler ranges the same way, around the algorithm rather than inside 
   comm_buffers, for as long as they live;
 * trace spans (trace.py, the jobs' --trace): the parameters' broadcast, the waits for DDP's
   buckets, FSDP's all-gathers and reduce-scatters, LocalSGD's averaging;
-* bytes: DDP's ``step_bytes_sent``, what the last synchronised backward sent (comm.stats).
+* bytes: DDP's step_bytes_sent, what the last synchronised backward sent (comm.stats).
 """
 import functools
 import weakref
