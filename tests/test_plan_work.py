@@ -73,15 +73,17 @@ def test_step_timer_counts_the_nodes_and_leaves_short_batches_out():
 
 
 def test_step_timer_gives_the_wall_clock_in_anchors_of_the_anchored_steps():
-    """step_wall_per_anchor: the median over the anchored steps (the first one left out) of wall / anchor, paired:
-    a step that sleeps 20 ms (off the CPU: no busy time) reads 20 ms over its own anchor's CPU time."""
+    """step_wall_per_anchor: the median over the anchored steady steps (the first WARMUP_STEPS left out) of
+    wall / anchor, paired: a step that sleeps 20 ms (off the CPU: no busy time) reads 20 ms over its own
+    anchor's CPU time."""
     import time
+    from minitrain.examples.step_timer import WARMUP_STEPS
     timer = StepTimer()
-    for _ in range(4):
+    for _ in range(WARMUP_STEPS + 3):
         with timer:
             time.sleep(0.02)
     summary = timer.summary()
-    pairs = [timer.steps[i][0] / t for i, t in timer.anchors if i > 0]
+    pairs = [timer.steps[i][0] / t for i, t in timer.anchors if i >= WARMUP_STEPS]
     assert len(pairs) == 3 and summary["step_wall_per_anchor"] == pytest.approx(float(np.median(pairs)))
     assert summary["step_wall_per_anchor"] > 10 * summary["step_busy_per_anchor"]     # the sleep is wall, not busy
     assert 0.02 / max(t for _, t in timer.anchors) <= summary["step_wall_per_anchor"]
