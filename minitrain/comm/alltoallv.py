@@ -98,6 +98,7 @@ def all_to_all_single(comm, x, output_split_sizes=None, input_split_sizes=None, 
     if output_split_sizes is None and input_split_sizes is None:
         output_split_sizes = [n // p] * p        # equal blocks everywhere (PyTorch's default)
     receives = None if output_split_sizes is None else _splits(comm, output_split_sizes, "output_split_sizes")
-    # the row shape and dtype must agree; extra: whether the counts are exchanged (all ranks or none)
+    # the header (check_collectives, flight records) holds the row shape, which every rank's must match,
+    # and whether the counts are exchanged (all ranks or none: sizes_exchanged=1 or 0)
     header = {"shape": x.shape[1:], "dtype": x.dtype, "extra": int(receives is None)}
     return comm.launch(NAME, _body, (x, sends, receives), async_op, header, x.nbytes)
