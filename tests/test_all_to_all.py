@@ -118,6 +118,8 @@ def test_a_disagreement_about_exchanging_the_sizes_is_a_header_mismatch():
     ({"input_split_sizes": [1, 1, 1]}, r"summing to the 5 rows of x, got \[1, 1, 1\]"),
     ({"input_split_sizes": [5, 0, 0], "output_split_sizes": [1, 1]}, r"output_split_sizes must be 3"),
     ({"input_split_sizes": [5, 0, 0], "output_split_sizes": [1, -1, 1]}, r"output_split_sizes .* got \[1, -1, 1\]"),
+    ({"input_split_sizes": [2.5, 2.5, 0]}, r"input_split_sizes must be 3 integers, got \[2.5, 2.5, 0\]"),
+    ({"input_split_sizes": 5}, r"input_split_sizes must be 3 integers, got 5"),
     ({}, r"5 rows do not divide into 3 equal blocks; pass input_split_sizes"),
 ])
 def test_bad_split_sizes_are_one_clear_error_naming_the_rank_and_the_call(kwargs, message):

@@ -14,6 +14,8 @@ counts are gathered (p-1 tiny messages, counted under "check_collectives") and c
 row moves: a disagreement raises CollectiveMismatchError on every rank, naming both ranks and both
 sizes, where the bare exchange would fail on one rank only (a receive of the wrong size).
 """
+import operator
+
 import numpy as np
 
 from ..backend import array_module
@@ -26,7 +28,7 @@ def _splits(comm, sizes, what, total=None):
     """``sizes`` as a list of p non-negative ints (summing to ``total`` if given); one error line otherwise."""
     p = comm.size
     try:
-        sizes = [int(s) for s in sizes]
+        sizes = [operator.index(s) for s in sizes]
     except (TypeError, ValueError):
         raise ValueError(f"[rank {comm.rank}] {NAME}: {what} must be {p} integers, got {sizes!r}") from None
     if len(sizes) != p or any(s < 0 for s in sizes) or (total is not None and sum(sizes) != total):

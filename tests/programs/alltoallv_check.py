@@ -1,10 +1,11 @@
 """all_to_all_single against MPI's Alltoallv on awkward sizes (run by tests/test_all_to_all.py under
 mpiexec at p = 2, 3, 4): zero-size splits, a rank that sends nothing, uneven random sizes, rows of
 several shapes and dtypes, the sizes exchange (output_split_sizes=None), async, with and without
-check_collectives. Every rank prints ``rank r of p: alltoallv N cases agree``."""
+check_collectives; split sizes that disagree raise on every rank. Every rank prints
+``rank r of p: alltoallv N cases agree``."""
 import numpy as np
 
-from minitrain.comm import all_to_all_single, init
+from minitrain.comm import CollectiveMismatchError, all_to_all_single, init
 
 
 def send_table(case, p):
@@ -42,6 +43,17 @@ def main():
                     f"[rank {r}] {case} {row_shape} {np.dtype(dtype).name} differs from MPI_Alltoallv"
                 cases += 1
     comm.check_collectives = True
+    # split sizes that disagree: every rank raises the same error, no row has moved, the next call works
+    table = send_table("zeros", p)
+    sends, receives = table[r], [table[i][r] for i in range(p)]
+    receives[0] += r == p - 1
+    try:
+        all_to_all_single(comm, np.zeros(sum(sends)), receives, sends)
+        raise AssertionError(f"[rank {r}] disagreeing split sizes were not detected")
+    except CollectiveMismatchError as e:
+        assert f"rank 0 sends {table[0][p - 1]} rows to rank {p - 1}, which expects {table[0][p - 1] + 1}" in str(e), e
+    receives[0] -= r == p - 1
+    assert np.array_equal(all_to_all_single(comm, np.zeros(sum(sends)), receives, sends), np.zeros(sum(receives)))
     print(f"rank {r} of {p}: alltoallv {cases} cases agree", flush=True)
 
 
