@@ -135,7 +135,8 @@ def signature(r):
     if r["op"] is not None:
         parts.append(f"op={r['op']}")
     if r["extra"] is not None:
-        label = {"broadcast": "root", "reduce": "root", "naive_all_reduce": "root", "all_to_all_single": "sizes_exchanged"}
+        label = {"broadcast": "root", "reduce": "root", "naive_all_reduce": "root",
+                 "all_to_all_single": "sizes_exchanged"}
         parts.append(f"{label.get(r['name'], 'total')}={r['extra']}")
     return " ".join(parts)
 
