@@ -12,6 +12,7 @@ from .mesh import DeviceMesh, MeshError
 from .collectives import (ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast, reduce,
                           naive_all_reduce, recursive_doubling_all_reduce, all_to_all, all_reduce,
                           all_reduce_coalesced, chunk_bounds, ALL_REDUCE_ALGORITHMS)
+from .alltoallv import all_to_all_single
 
 
 def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT, check_collectives=True,
@@ -53,5 +54,5 @@ def mpi_library():
 __all__ = ["Communicator", "CommStats", "CommError", "CollectiveTimeout", "CollectiveMismatchError",
            "RankFailedError", "FlightRecorder", "ThreadWorld", "ThreadCommunicator", "Work", "DeviceMesh",
            "MeshError", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
-           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_reduce",
+           "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_to_all_single", "all_reduce",
            "all_reduce_coalesced", "chunk_bounds", "ALL_REDUCE_ALGORITHMS", "DEFAULT_COMM_TIMEOUT", "init", "MPICommunicator", "mpi_library"]

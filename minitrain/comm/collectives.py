@@ -416,7 +416,7 @@ def split_table(comm, color, key):
 
 # ---------------------------------------------------------------- the dispatcher
 COLLECTIVE_NAMES = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "reduce",
-                    "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "barrier")
+                    "naive_all_reduce", "recursive_doubling_all_reduce", "all_to_all", "all_to_all_single", "barrier")
 ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
               "naive": naive_all_reduce}
 ALL_REDUCE_ALGORITHMS = ("ring", "recursive_doubling", "naive", "auto")

@@ -135,7 +135,9 @@ def signature(r):
     if r["op"] is not None:
         parts.append(f"op={r['op']}")
     if r["extra"] is not None:
-        parts.append(f"{'root' if r['name'] in ('broadcast', 'reduce', 'naive_all_reduce') else 'total'}={r['extra']}")
+        label = {"broadcast": "root", "reduce": "root", "naive_all_reduce": "root",
+                 "all_to_all_single": "sizes_exchanged"}
+        parts.append(f"{label.get(r['name'], 'total')}={r['extra']}")
     return " ".join(parts)
 
 
