@@ -38,6 +38,7 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
             "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
                       "block_size": args.block_size, "dropout": args.dropout,
+                      "moe_experts": args.moe_experts,   # the rest only with experts (then they shape the model)
                       **{key: value for key, value in moe_options(args, dp).items() if args.moe_experts}}}
 
 
