@@ -103,3 +103,20 @@ def test_a_resume_with_another_moe_configuration_is_refused_by_name(tmp_path):
     dense = MOE[:-4] + ["--steps", 4, "--save-dir", d, "--resume", "--override-opt-param-scheduler"]
     status, _, err = run(gpt, dense)
     assert status != 0 and "moe_experts = 4 (--moe-experts), this one 0" in err, err
+
+
+def test_a_step_s_figures_are_the_largest_load_ratio_over_layers_the_drops_and_aux_losses_summed():
+    import minitrain
+    from minitrain import nn
+    from minitrain.examples.gpt_common import moe_layers, moe_step
+    minitrain.manual_seed(0)
+    model = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=8, moe_experts=4,
+                                moe_top_k=1, moe_capacity_factor=0.5, moe_every=1))
+    idx = np.random.default_rng(0).integers(0, 11, (4, 8))
+    model(idx, idx)
+    stats = [layer.statistics() for layer in moe_layers(model)]
+    ratios = [s["load_max_over_mean"] for s in stats]
+    assert len(stats) == 3 and len(set(ratios)) > 1             # the layers differ: max is not any one's
+    ratio, dropped, aux = moe_step(model)
+    assert ratio == max(ratios) and dropped == sum(s["tokens_dropped"] for s in stats) > 0
+    assert aux == pytest.approx(sum(s["aux_loss"] for s in stats), rel=1e-12)
