@@ -7,6 +7,7 @@ default G = D). The mean of the replicas' losses is the global batch's loss with
 process given --moe-groups G trains the same model: the same losses, the same tokens dropped.
 Expert parallelism (experts spread over ranks, all-to-all dispatch) is not built here.
 """
+import contextlib
 import sys
 import time
 
@@ -22,7 +23,7 @@ from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
                                            sample_model, scheduler_for)
 from minitrain.examples.report import StepWatch, gather_steps, write_json
-from minitrain.parallel import DistributedDataParallel
+from minitrain.parallel import DistributedDataParallel, offload_activations
 
 
 def main_moe_dp(args):
@@ -70,10 +71,12 @@ def main_moe_dp(args):
     comm.barrier()
     start = time.perf_counter()
     watch = StepWatch()
+    offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     for step in bar:
         x, y = corpus.get_batch("train", B, args.block_size, rng)
         with watch.step():
-            _, loss = ddp(x[rows], y[rows])
+            with offload:
+                _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()
             loss.backward()                                            # DDP: the replicas' mean gradient
             optim.clip_grad_norm_(model.parameters(), 1.0)
@@ -109,7 +112,8 @@ def main_moe_dp(args):
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
             "dp": dp, "pp": 1, "tp": 1, "transport": transport_name(comm), "dropout": args.dropout,
-            "recompute": args.recompute, "num_params": full.num_parameters(), "initial_val_loss": initial_val,
+            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": None,
+            "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
             "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
