@@ -32,7 +32,9 @@ TRAINING = {"steps": "--steps", "lr": "--lr", "lr_schedule": "--lr-schedule", "w
             "seed": "--seed"}
 #: the model's shape, by the option that sets it (the manifest's layout: "sizes", "model")
 ARCHITECTURE = {"sizes": "--hidden / --layers", "vocab_size": "the corpus", "block_size": "--block-size",
-                "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd"}
+                "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "moe_experts": "--moe-experts",
+                "moe_top_k": "--moe-top-k", "moe_capacity_factor": "--moe-capacity-factor", "moe_every": "--moe-every",
+                "moe_aux_loss_coef": "--moe-aux-loss-coef", "moe_groups": "--moe-groups"}
 OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"
 
 

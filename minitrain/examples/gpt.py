@@ -4,6 +4,7 @@
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
+    [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
@@ -11,6 +12,8 @@ mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/exampl
 and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
+--moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
+or data parallelism, gpt_moe.py); the table and --json report its load, dropped tokens and balancing loss.
 """
 import sys
 import time
@@ -23,7 +26,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
-from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
+                                          sample_model, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -58,6 +62,21 @@ def parse_args(argv=None):
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
+    moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
+                     help="experts per MoE layer; 0: every block keeps its dense MLP")
+    moe.add_argument("--moe-top-k", type=cli.positive_int, default=2, help="experts each token is routed to")
+    moe.add_argument("--moe-capacity-factor", type=cli.positive_float, default=None,
+                     help="an expert takes at most ceil(factor·S·k/E) choices per group of S tokens, the rest are "
+                          "dropped (default: dropless)")
+    moe.add_argument("--moe-every", type=cli.positive_int, default=1,
+                     help="an MoE layer replaces the MLP of every N-th block")
+    moe.add_argument("--moe-aux-loss-coef", type=cli.nonneg_float, default=0.01,
+                     help="the load-balancing loss's weight (Switch's alpha)")
+    moe.add_argument("--moe-groups", type=cli.positive_int, default=None,
+                     help="GShard's groups: the global batch's rows cut into G contiguous groups, capacity and the "
+                          "balancing loss counted per group; a multiple of the data-parallel replicas, each "
+                          "holding G/dp of them (default: the data-parallel replicas, 1 in one process)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
@@ -86,8 +105,24 @@ def parse_args(argv=None):
         p.error("--dp must be >= 1")
     if args.chunks > 1 and args.schedule != "interleaved_1f1b":
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
+    check_moe(p, args)
     checkpointing.check_resume(p, args)
     return args
+
+
+def check_moe(p, args):
+    if not args.moe_experts:
+        return
+    if args.moe_top_k > args.moe_experts:
+        p.error(f"--moe-top-k {args.moe_top_k} exceeds --moe-experts {args.moe_experts}")
+    if args.moe_every > args.n_layer:
+        p.error(f"--moe-every {args.moe_every} exceeds --n-layer {args.n_layer}: no block would be an MoE layer")
+    dp = args.dp or launch_info()[1]
+    groups = args.moe_groups or dp
+    if groups % dp:
+        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas")
+    if args.batch_size % groups:
+        p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows")
 
 
 def main(argv=None):
@@ -102,6 +137,9 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
+    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
+        from minitrain.examples.gpt_moe import main_moe_dp
+        return main_moe_dp(args)
     if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
@@ -110,9 +148,7 @@ def _main(argv=None):
 
     minitrain.manual_seed(args.seed)
     corpus = load_text()
-    config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size,
-                          n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                          dropout=args.dropout, recompute=None if args.recompute == "none" else args.recompute)
+    config = gpt_config(args, corpus.vocab_size)
     model = nn.GPT(config)
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
@@ -137,6 +173,7 @@ def _main(argv=None):
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
     watch = StepWatch()
+    moe = []
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         with watch.step():
@@ -151,6 +188,8 @@ def _main(argv=None):
             opt.step()
             scheduler.step()
         losses.append(loss.item())
+        if config.moe_experts:
+            moe.append(moe_step(model))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -168,14 +207,18 @@ def _main(argv=None):
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
           f"val loss {initial_val:.3f} -> {final_val:.3f}; {1 / steps['step_time_s']:.1f} steps/s (steady state)")
     context = corpus.encode("def ")[None, :]
-    sample = model.generate(context, args.sample_chars, temperature=0.8, top_k=20,
+    sample = sample_model(model, config).generate(context, args.sample_chars, temperature=0.8, top_k=20,
                             rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
     print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
+    moe_block, moe_line = moe_summary(moe) if moe else (None, None)
+    if moe_line:
+        print(moe_line)
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(watch.persistent, peak))
-    compared = plan_comparison(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size)
+    compared = None if config.moe_experts else plan_comparison(args, 1, steps, peak["total"], kind="gpt",
+                                                                vocab_size=corpus.vocab_size)
     show_plan(args, compared)
     if args.json:
         write_json(args.json, {
@@ -188,6 +231,7 @@ def _main(argv=None):
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
+            **({"moe": moe_block} if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
                        "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
         })

@@ -2,9 +2,13 @@
 validation loss, the learning-rate schedule (linear warm-up, cosine decay: LambdaLR(warmup_cosine)), how a
 run is laid out (the checkpoint's manifest), and the answer of a resumed run with nothing left to train.
 """
+import dataclasses
+
 import numpy as np
 
 import minitrain
+from minitrain import nn
+from minitrain.comm import all_reduce
 from minitrain.examples.report import write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 
@@ -33,7 +37,67 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
             "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
             "model": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
-                      "block_size": args.block_size, "dropout": args.dropout}}
+                      "block_size": args.block_size, "dropout": args.dropout,
+                      "moe_experts": args.moe_experts,   # the rest only with experts (then they shape the model)
+                      **{key: value for key, value in moe_options(args, dp).items() if args.moe_experts}}}
+
+
+def moe_options(args, dp=1):
+    """GPTConfig's MoE fields for the whole global batch (groups: --moe-groups, default one per replica)."""
+    return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "moe_capacity_factor": args.moe_capacity_factor,
+            "moe_every": args.moe_every, "moe_aux_loss_coef": args.moe_aux_loss_coef,
+            "moe_groups": args.moe_groups or dp}
+
+
+def gpt_config(args, vocab_size, dp=1, replica=False):
+    """The job's GPTConfig; ``replica``: the one a data-parallel replica runs on its rows of the global batch,
+    which hold groups / dp of the global batch's capacity groups."""
+    moe = moe_options(args, dp)
+    if replica:
+        moe["moe_groups"] //= dp
+    return nn.GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                        n_embd=args.n_embd, dropout=args.dropout,
+                        recompute=None if args.recompute == "none" else args.recompute, **moe)
+
+
+def moe_layers(model):
+    return [block.mlp for i, block in enumerate(model.h) if model.config.is_moe_layer(i)]
+
+
+def moe_step(model, comm=None):
+    """The last training forward's figures over the global batch: (load_max_over_mean, the largest over the MoE
+    layers, of each layer's load summed over replicas; tokens dropped, summed over layers and replicas; the
+    balancing loss, summed over layers and averaged over replicas as the loss is)."""
+    stats = [layer.statistics() for layer in moe_layers(model)]
+    dp = 1 if comm is None else comm.size
+    row = np.array([x for s in stats for x in s["load"]] + [sum(s["tokens_dropped"] for s in stats),
+                                                             sum(s["aux_loss"] for s in stats) / dp], np.float64)
+    if comm is not None:
+        row = all_reduce(comm, row, op="sum")
+    loads = row[:-2].reshape(len(stats), -1)
+    return float((loads.max(axis=1) / loads.mean(axis=1)).max()), int(round(row[-2])), float(row[-1])
+
+
+def moe_summary(steps):
+    """The JSON "moe" block from the steps' moe_step figures, and the table's line."""
+    block = {"load_max_over_mean": [s[0] for s in steps], "tokens_dropped": sum(s[1] for s in steps),
+             "aux_loss": [s[2] for s in steps]}
+    line = (f"moe: load max/mean {np.mean(block['load_max_over_mean']):.3f} (mean over steps, largest over layers), "
+            f"tokens dropped {block['tokens_dropped']}, balancing loss {block['aux_loss'][0]:.5f} -> "
+            f"{block['aux_loss'][-1]:.5f}")
+    return block, line
+
+
+def sample_model(model, config):
+    """A model to sample from: capacity groups need whole groups of tokens, a cached decode step has one, so
+    a model with groups > 1 samples from its copy counting capacity over the step's tokens."""
+    if not config.moe_experts or config.moe_groups == 1:
+        return model
+    with minitrain.random.use_generator(minitrain.random.fork()):
+        copy = nn.GPT(dataclasses.replace(config, moe_groups=1))
+    copy.load_state_dict(model.state_dict())
+    copy.eval()
+    return copy
 
 
 def nothing_left(args, first_step, rank=0, world=1):

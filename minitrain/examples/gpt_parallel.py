@@ -27,7 +27,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import estimate_loss, layout, nothing_left, scheduler_for
+from minitrain.examples.gpt_common import estimate_loss, gpt_config, layout, nothing_left, scheduler_for
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -51,9 +51,7 @@ def main_parallel(args):
         return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()
-    config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                          recompute=None if args.recompute == "none" else args.recompute)
+    config = gpt_config(args, corpus.vocab_size, dp)
     gpt = nn.GPT(config)
     psi = gpt.num_parameters()
     rng = np.random.default_rng(args.seed)                   # the same batches on every rank

@@ -55,8 +55,32 @@ def refuse_longer_than_the_corpus(parser, option, value, splits):
                          f"{longest + 2} characters), got {value}")
 
 
+MOE_OPTIONS = ("--moe-top-k", "--moe-capacity-factor", "--moe-every", "--moe-aux-loss-coef", "--moe-groups")
+MOE_NOT_BUILT = "not supported yet: expert parallelism and MoE under tensor/pipeline parallelism are not built"
+
+
+def refuse_moe(parser, args, given):
+    if not args.moe_experts:
+        for option in MOE_OPTIONS:
+            if option in given:
+                cli.refuse(parser, option, "--moe-experts 0", "no block has an MoE layer: give --moe-experts E")
+        return
+    for option, asked, why in (("--tp", args.tp > 1, MOE_NOT_BUILT), ("--pp", args.pp > 1, MOE_NOT_BUILT),
+                               ("--microbatches", args.microbatches > 1,
+                                "not supported yet: each micro-batch would route and count capacity on its own")):
+        if asked:
+            cli.refuse(parser, option, f"--moe-experts {args.moe_experts}", why)
+    if args.show_plan:
+        cli.refuse(parser, "--show-plan", f"--moe-experts {args.moe_experts}",
+                   "the planner models dense MLPs, not experts")
+    if args.recompute == "full":
+        cli.refuse(parser, "--recompute full", f"--moe-experts {args.moe_experts}",
+                   "a recomputed block's balancing loss would leave the graph; give --recompute selective")
+
+
 def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
+    refuse_moe(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
             if option in given:

@@ -1,0 +1,122 @@
+"""The GPT job with MoE layers on dp ranks: mpirun -n D python -m minitrain.examples.gpt --moe-experts E [...].
+
+Plain data parallelism (DistributedDataParallel): every rank holds every expert. Each replica takes its
+contiguous rows of the global batch (as GPT3D cuts them), routes its own tokens, and counts capacity and
+the load-balancing loss over its G/D of the global batch's G groups (GShard's groups, --moe-groups,
+default G = D). The mean of the replicas' losses is the global batch's loss with those G groups, so one
+process given --moe-groups G trains the same model: the same losses, the same tokens dropped.
+Expert parallelism (experts spread over ranks, all-to-all dispatch) is not built here.
+"""
+import contextlib
+import sys
+import time
+
+import numpy as np
+
+import minitrain
+from minitrain import comm as mtcomm
+from minitrain import memory, nn, optim
+from minitrain.checkpoint import CheckpointError
+from minitrain.data import load_text
+from minitrain.examples import checkpointing
+from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
+                                           sample_model, scheduler_for)
+from minitrain.examples.report import StepWatch, gather_steps, write_json
+from minitrain.parallel import DistributedDataParallel, offload_activations
+
+
+def main_moe_dp(args):
+    comm = init_comm(args)
+    world, rank = comm.size, comm.rank
+    dp = world
+    if args.dp is not None and args.dp != world:
+        if rank == 0:
+            sys.stderr.write(f"error: --dp {args.dp} with MoE layers is plain data parallelism over every rank, but "
+                             f"this job has {world} (mpirun -n {args.dp})\n")
+        return 2
+    minitrain.manual_seed(args.seed)
+    corpus = load_text()
+    config = gpt_config(args, corpus.vocab_size, dp)                    # the global batch's groups
+    model = nn.GPT(gpt_config(args, corpus.vocab_size, dp, replica=True))
+    rng = np.random.default_rng(args.seed)                              # the same batches on every rank
+    val_rng = np.random.default_rng(args.seed + 1)
+    ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
+    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = scheduler_for(opt, args)
+    ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
+                                      layout=layout(args, "dp", dp, 1, 1, world),
+                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    try:
+        loaded = ckpt.resume()
+    except CheckpointError as e:
+        return checkpointing.fail(comm, e)
+    first_step = 0 if loaded is None else loaded.step
+    if loaded is not None:
+        rng.bit_generator.state = loaded.extra["data_rng"]
+
+    def global_model():
+        """Rank 0's copy over the whole batch's groups: validation as one process computes it."""
+        with minitrain.random.use_generator(minitrain.random.fork()):
+            full = nn.GPT(config)
+        full.load_state_dict(model.state_dict())
+        return full
+    initial_val = estimate_loss(global_model(), corpus, args, val_rng) if rank == 0 else None
+    memory.reset_peak()
+    B = args.batch_size
+    rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
+    losses, moe = [], []
+    bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
+               desc=f"dp{dp} moe", unit="step")
+    comm.barrier()
+    start = time.perf_counter()
+    watch = StepWatch()
+    offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
+    for step in bar:
+        x, y = corpus.get_batch("train", B, args.block_size, rng)
+        with watch.step():
+            with offload:
+                _, loss = ddp(x[rows], y[rows])
+            opt.zero_grad()
+            loss.backward()                                            # DDP: the replicas' mean gradient
+            optim.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            scheduler.step()
+        losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
+        moe.append(moe_step(model, comm))
+        ckpt.after_step(step + 1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    elapsed = time.perf_counter() - start
+    bar.close()
+    ckpt.finish(first_step + len(losses))
+    if not losses:
+        return nothing_left(args, first_step, rank, world)
+    step_by_rank, slowest = gather_steps(comm, watch.timer)
+    if rank != 0:
+        return 0
+    full = global_model()
+    final_val = estimate_loss(full, corpus, args, val_rng)
+    head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
+    moe_block, moe_line = moe_summary(moe)
+    print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer replicated on {dp} "
+          f"data-parallel ranks [{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}]")
+    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
+          f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
+    print(moe_line)
+    sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
+                                                 top_k=20, rng=np.random.default_rng(args.seed))
+    print("sample:\n" + corpus.decode(sample[0]))
+    if args.json:
+        write_json(args.json, {
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
+            "dp": dp, "pp": 1, "tp": 1, "transport": transport_name(comm), "dropout": args.dropout,
+            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": None,
+            "num_params": full.num_parameters(), "initial_val_loss": initial_val,
+            "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
+            "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
+            "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
+            "losses": losses, "moe": moe_block, **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            "ranks": [{"rank": r, "step": s} for r, s in enumerate(step_by_rank)]})
+    return 0
