@@ -1,13 +1,13 @@
 """all_to_all_single with uneven splits (PyTorch's call; MPI_Alltoallv; Thakur et al. 2005's
 pairwise exchange), hand-written on point-to-point.
 
-Rows of ``x`` (axis 0) are cut into p blocks by ``input_split_sizes``; block j goes to rank j, and
-the result stacks, in rank order, the blocks every rank sent here (``output_split_sizes[i]`` rows
+Rows of x (axis 0) are cut into p blocks by input_split_sizes; block j goes to rank j, and
+the result stacks, in rank order, the blocks every rank sent here (output_split_sizes[i] rows
 from rank i). Round k = 1..p-1: rank r sends its block for (r+k)%p and receives the one from
 (r-k)%p, so every round is a perfect matching and nobody waits on a busy peer. Per rank: p-1
 messages, (rows sent to other ranks)·row bytes counted (the own block is a local copy).
 
-Sizes: PyTorch requires ``output_split_sizes`` whenever the input is uneven; here None means the
+Sizes: PyTorch requires output_split_sizes whenever the input is uneven; here None means the
 ranks first exchange their counts (p-1 tiny messages, counted apart under "all_to_all_single
 sizes"), and every rank must then pass None. Under check_collectives every rank's send and receive
 counts are gathered (p-1 tiny messages, counted under "check_collectives") and compared before any
