@@ -448,3 +448,10 @@ def test_search_over_every_layout_of_gpt3_175b_on_1024_gpus():
     assert len(ranked) > 100 and times == sorted(times) and all(r["fits"] for r in ranked)
     assert all(r["layout"]["dp"] * r["layout"]["pp"] * r["layout"]["tp"] == 1024 for r in ranked)
     assert {r["layout"]["zero"] for r in ranked} >= {0, 1} and {r["layout"]["recompute"] for r in ranked} >= {"none", "full"}
+
+
+def test_experts_are_refused_by_the_planner_not_ignored():
+    # the job's --moe-* options parse (a job's command line can be copied), but a model with experts is not
+    # modelled: planning it as dense would be a wrong number
+    message = refused("gpt --moe-experts 4 --moe-top-k 2")
+    assert "--moe-experts is not supported by the planner" in message and "Traceback" not in message
