@@ -252,6 +252,18 @@ def test_run_shows_what_minitrain_reports_for_a_broken_program(tmp_path):
     assert cli("run", "ring_all_reduce").returncode == 2
 
 
+def test_run_names_the_ranks_whose_split_sizes_disagree():
+    """The expert-parallel program's report: the sizes disagree (not a hang), each pair of ranks with
+    both counts, and the line of the exchange; the fixed program equals one process."""
+    result = cli("run", "debug_expert_split_sizes", "--timeout", "1")
+    out = result.stdout
+    assert result.returncode == 1 and "split sizes disagree" in out and "would have hung" not in out, out
+    assert "rank 0 sends 3 rows to rank 1, which expects 4 from rank 0" in out, out
+    assert "debug_expert_split_sizes_broken.py line" in out
+    fixed = cli("run", "debug_expert_split_sizes", str(SOLUTIONS / "debug_expert_split_sizes" / "good_fix.py"))
+    assert fixed.returncode == 0 and "equals one process at p = 2" in fixed.stdout, fixed.stdout
+
+
 # ---------------------------------------------------------------- on the GPU (the strict CuPy stand-in)
 def test_on_the_gpu_the_grader_hands_device_arrays_and_explains_numpy_code(tmp_path):
     """MINITRAIN_DEVICE=cuda under the stand-in: a device-agnostic hand-in passes; one written with

@@ -156,7 +156,10 @@ def _failure_report(p, errors, finished, timeout):
         if isinstance(e, NotImplementedError):
             return f"not written yet: {e}" if str(e) else "not written yet (NotImplementedError)"
         head = f"rank {raised[0]} raised {type(e).__name__}"
-        if _is_mismatch(e):
+        if _is_mismatch(e) and "split sizes disagree" in str(e):
+            head = (f"ThreadWorld({p}): the ranks' split sizes disagree (caught by minitrain's check before any "
+                    "row moved); every rank must expect exactly the rows each other rank sends it")
+        elif _is_mismatch(e):
             head = (f"ThreadWorld({p}) would have hung: the ranks called different collectives (caught by "
                     "minitrain's check before any rank waited forever); every rank must make the same "
                     "collective calls, in the same order")
