@@ -66,20 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     args = parse_job_args(p, argv)
     refuse_unsupported(p, args, argv, "generate")
-    for name in ("num_prompts", "max_new_tokens", "max_batch", "tp", "min_prompt_len", "context", "n_layer",
-                 "n_head", "n_embd", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.block_size < 1:
-        p.error(f"--block-size must be a positive number of tokens (1 or more), got {args.block_size}")
     if args.max_prompt_len < args.min_prompt_len:
         p.error(f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
-    if args.shared_prefix < 0 or args.train_steps < 0:
-        p.error("--shared-prefix and --train-steps must be >= 0")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        p.error("--top-k must be >= 1")
     longest = args.shared_prefix + args.max_prompt_len
     if longest > args.context:
         p.error(f"a prompt of {longest} tokens (--shared-prefix {args.shared_prefix} + --max-prompt-len "

@@ -87,12 +87,6 @@ def parse_args(argv=None):
     refuse_unsupported(p, args, argv, "gpt")
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10)
-    if args.warmup_steps < 0:
-        p.error("--warmup-steps must be >= 0")
-    for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "tp", "pp", "microbatches",
-                 "chunks"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.tp > 1 and args.n_head % args.tp:
@@ -101,8 +95,6 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is not divisible by --tp {args.tp} (sequence parallelism)")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1")
-    if args.dp is not None and args.dp < 1:
-        p.error("--dp must be >= 1")
     if args.chunks > 1 and args.schedule != "interleaved_1f1b":
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
     check_moe(p, args)
