@@ -194,6 +194,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def close_gloo(dist):
+    """Tear down a torch.distributed gloo group started under mpiexec (the benchmarks' PyTorch side).
+
+    gloo aborts the process ("terminate called without an active exception") when a peer, or rank
+    0's TCP store, goes away while this rank still tears down: agree, tear down, then agree again
+    over MPI so that no rank exits before every rank has finished."""
+    dist.barrier()
+    dist.destroy_process_group()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+
+
 def run_mpi(args, n, timeout=120, env=None, cwd=None, check=True):
     """Run ``mpiexec -n n -l args...`` (Open MPI: ``mpirun -n n --tag-output``); returns the
     CompletedProcess (stdout and stderr merged, every line labelled ``[rank] ``). Ranks get

@@ -67,6 +67,7 @@ def minitrain_worker(args, sizes, batch):
 def torch_worker(args, sizes, batch):
     import torch
     import torch.distributed as dist
+    from minitrain.testing import close_gloo
     from minitrain.examples.common import launch_info
     rank, world = launch_info()
     torch.set_num_threads(1)
@@ -90,7 +91,7 @@ def torch_worker(args, sizes, batch):
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    dist.destroy_process_group()
+    close_gloo(dist)
     return rank, times, losses, 0.0, 0.0
 
 

@@ -82,6 +82,7 @@ def minitrain_worker(args):
 def torch_worker(args):
     import torch
     import torch.distributed as dist
+    from minitrain.testing import close_gloo
     from minitrain.examples.common import launch_info
     rank, world = launch_info()
     torch.set_num_threads(1)
@@ -110,7 +111,7 @@ def torch_worker(args):
     if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"step": float(step[0])}, f)
-    dist.destroy_process_group()
+    close_gloo(dist)
 
 
 def launch(config, p, steps):
