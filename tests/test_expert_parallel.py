@@ -193,6 +193,7 @@ RUNS = {   # name: (options, ranks)
     "ep2_top2_dropless_2ranks": (["--moe-top-k", 2, "--ep", 2], 2),
     "ep2_top1_capacity_2ranks": (["--moe-top-k", 1, "--moe-capacity-factor", 1.0, "--ep", 2], 2),
     "ep2_top2_dropless_4ranks": (["--moe-top-k", 2, "--ep", 2], 4),
+    "ep2_top1_capacity_4ranks": (["--moe-top-k", 1, "--moe-capacity-factor", 1.0, "--ep", 2], 4),
     "ep4_top2_capacity_4ranks": (["--moe-top-k", 2, "--moe-capacity-factor", 1.0, "--ep", 4], 4),
     "ep4_top1_dropless_4ranks": (["--moe-top-k", 1, "--ep", 4], 4),
 }

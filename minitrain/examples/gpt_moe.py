@@ -97,7 +97,7 @@ def main_moe_dp(args):
             with offload:
                 _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()
-            loss.backward()                                            # DDP: the replicas' mean gradient
+            loss.backward()                                            # DDP: the replicas' mean (dense) gradient
             if ep > 1:
                 ddp.reduce_expert_gradients()
                 ddp.clip_grad_norm_(1.0)
@@ -138,8 +138,9 @@ def main_moe_dp(args):
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
     a2a_measured, a2a_formula = (float(a2a_by_rank[:, :, i].mean(axis=1).max()) for i in (0, 1))
-    print(f"all-to-all (ep {ep}): {fmt_bytes(a2a_measured)} sent per step by the busiest rank (mean over steps), "
-          f"formula from the split sizes {fmt_bytes(a2a_formula)}")
+    print(f"all-to-all (ep {ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the busiest "
+          f"rank (mean over steps; dispatch and combine, forward and backward), formula from the split sizes "
+          f"{a2a_formula:,.1f} B")
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
