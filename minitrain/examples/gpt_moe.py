@@ -131,7 +131,9 @@ def main_moe_dp(args):
     final_val = estimate_loss(full, corpus, args, val_rng)
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     moe_block, moe_line = moe_summary(moe)
-    print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer replicated on {dp} "
+    placed = (f"replicated on {dp}" if ep == 1 else
+              f"sharded over expert-parallel groups of {ep} ({args.moe_experts // ep} per rank), {dp}")
+    print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer {placed} "
           f"data-parallel ranks [{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}]")
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
