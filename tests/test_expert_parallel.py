@@ -245,7 +245,8 @@ def test_the_all_to_all_bytes_measured_equal_the_formula_on_every_rank_and_step(
 
 def test_ep1_reports_zero_all_to_all_bytes(tmp_path):
     out = tmp_path / "dp.json"
-    script = f"from minitrain.examples import gpt; assert gpt.main({[str(a) for a in MOE] + ['--json', str(out)]!r}) == 0"
+    argv = [str(a) for a in MOE] + ["--json", str(out)]
+    script = f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"
     run_mpi([sys.executable, "-c", script], n=2, timeout=120)
     report = json.loads(out.read_text())
     assert report["ep"] == 1 and report["all_to_all_bytes_per_step"] == report["all_to_all_bytes_formula"] == 0

@@ -18,7 +18,8 @@ class AllToAll(Function):
 
     @staticmethod
     def forward(ctx, x, comm, output_split_sizes, input_split_sizes):
-        ctx.comm, ctx.output_split_sizes, ctx.input_split_sizes = comm, list(output_split_sizes), list(input_split_sizes)
+        ctx.comm = comm
+        ctx.output_split_sizes, ctx.input_split_sizes = list(output_split_sizes), list(input_split_sizes)
         return all_to_all_single(comm, x, ctx.output_split_sizes, ctx.input_split_sizes)
 
     @staticmethod

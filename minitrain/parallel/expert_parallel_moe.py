@@ -112,16 +112,15 @@ def full_state_dict(model, comm):
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
     state = OrderedDict((name, to_host(value)) for name, value in model.state_dict().items()
                         if not any(name.startswith(f"{prefix}.experts.") for prefix, _ in layers))
-    pieces = [(prefix, l, name, p) for prefix, m in layers for l, e in enumerate(m.experts)
+    pieces = [(prefix, len(m.experts), l, name, p) for prefix, m in layers for l, e in enumerate(m.experts)
               for name, p in e.named_parameters()]
     if not pieces:
         return state
     flat = np.concatenate([to_host(p.data).reshape(-1) for *_, p in pieces])
     every = ring_all_gather(comm, flat, total=flat.size * comm.size).reshape(comm.size, -1)
-    for rank in range(comm.size):
+    for rank in range(comm.size):                # rank's l-th expert of a layer is expert rank·per + l
         at = 0
-        for prefix, l, name, p in pieces:
-            per = len(dict(layers)[prefix].experts)
+        for prefix, per, l, name, p in pieces:
             state[f"{prefix}.experts.{rank * per + l}.{name}"] = every[rank, at:at + p.size].reshape(p.shape)
             at += p.size
     return state
