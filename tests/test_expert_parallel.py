@@ -149,6 +149,9 @@ def test_after_the_reductions_every_gradient_is_one_process_s_on_the_global_batc
         mt.manual_seed(0)
         model = nn.GPT(nn.GPTConfig(**CONFIG, moe_groups=1))
         ep_comm, expert_dp_comm = expert_parallel_groups(comm, ep)
+        first = comm.rank // ep * ep                 # blocks of ep consecutive dp ranks; the same position in each
+        assert ep_comm.members == list(range(first, first + ep))
+        assert expert_dp_comm.members == list(range(comm.rank % ep, dp, ep))
         shard_experts(model, ep_comm)
         trainer = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm)
         x, y = batch(dp)
