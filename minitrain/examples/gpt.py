@@ -4,7 +4,7 @@
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
-    [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
+    [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
@@ -13,7 +13,8 @@ and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning r
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
-or data parallelism, gpt_moe.py); the table and --json report its load, dropped tokens and balancing loss.
+or data parallelism, gpt_moe.py; --ep N shards the experts over blocks of N data-parallel ranks); the
+table and --json report its load, dropped tokens, balancing loss and all-to-all bytes.
 """
 import sys
 import time
@@ -77,6 +78,10 @@ def parse_args(argv=None):
                      help="GShard's groups: the global batch's rows cut into G contiguous groups, capacity and the "
                           "balancing loss counted per group; a multiple of the data-parallel replicas, each "
                           "holding G/dp of them (default: the data-parallel replicas, 1 in one process)")
+    moe.add_argument("--ep", type=cli.positive_int, default=1,
+                     help="expert-parallel ranks: each block of EP consecutive data-parallel ranks holds every expert "
+                          "once, E/EP per rank, tokens dispatched by all-to-all (EP divides the data-parallel ranks "
+                          "and --moe-experts)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
@@ -115,6 +120,10 @@ def check_moe(p, args):
         p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas")
     if args.batch_size % groups:
         p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows")
+    if args.moe_experts % args.ep:
+        p.error(f"--ep {args.ep} does not divide --moe-experts {args.moe_experts}: each rank holds E/ep whole experts")
+    if dp % args.ep:
+        p.error(f"--ep {args.ep} does not divide the {dp} data-parallel ranks: an expert-parallel group is ep of them")
 
 
 def main(argv=None):
@@ -223,7 +232,8 @@ def _main(argv=None):
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            **({"moe": moe_block} if moe_block else {}),
+            **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
+               if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
                        "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
         })

@@ -78,8 +78,24 @@ def refuse_moe(parser, args, given):
                    "a recomputed block's balancing loss would leave the graph; give --recompute selective")
 
 
+EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"
+
+
+def refuse_ep(parser, args, given):
+    if "--ep" in given and not args.moe_experts:
+        cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
+    if args.ep == 1:
+        return
+    for option, asked in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--save-dir", args.save_dir)):
+        if asked:
+            cli.refuse(parser, option, f"--ep {args.ep}", EP_NOT_BUILT if option != "--save-dir" else
+                       "not supported yet: each rank holds its own experts, which the checkpoint's replicated "
+                       "layout does not describe")
+
+
 def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
+    refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
