@@ -62,6 +62,9 @@ def parse_args(argv=None):
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
+                        "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
     moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
@@ -132,7 +135,7 @@ def _main(argv=None):
     if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()
