@@ -1,0 +1,196 @@
+"""ZeRO on GPT3D's data-parallel axis (parallel/zero_3d.py): --zero 1, 2, 3 at dp 2, dp 2 x tp 2 and
+dp 2 x pp 2 train as one process does (float64, AdamW with weight decay, clipping by the global norm:
+losses and norms within 1e-10 relative over 10 steps; the norm would show a gradient off by any factor,
+which Adam's update hides); the ledger's model states per rank shrink as the stages say; checkpoints
+resume across stages and layouts; the job's JSON reports the stage and its memory."""
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import checkpoint, memory, nn, optim
+from minitrain.comm import ThreadWorld
+from minitrain.examples import gpt
+from minitrain.parallel.gpt_3d import GPT3D
+from minitrain.testing import run_mpi
+
+CONFIG = dict(vocab_size=23, block_size=16, n_layer=2, n_head=4, n_embd=16)
+STEPS, MAX_NORM = 10, 0.5
+
+
+def data(B=8, T=8):
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 23, (B, T)), rng.integers(0, 23, (B, T))) for _ in range(STEPS)]
+
+
+def make_opt(params):
+    return optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def reference_run(config, init, B=8):
+    model = nn.GPT(config)
+    model.load_state_dict(init)
+    opt = make_opt(model.parameters())
+    losses, norms = [], []
+    for x, y in data(B):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        norms.append(float(optim.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+def run_zero(comm, config, init, mesh, zero, B=8, **kwargs):
+    mt.set_default_dtype(np.float64)
+    gpt_model = nn.GPT(config)
+    gpt_model.load_state_dict(init)
+    model = GPT3D(gpt_model, comm, **mesh, **kwargs, zero=zero)
+    del gpt_model
+    opt = model.optimizer(make_opt)
+    losses, norms = [], []
+    for x, y in data(B):
+        model.zero_grad()
+        losses.append(model.train_step(x, y))
+        norms.append(float(model.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+    return losses, norms, memory.snapshot(), model.full_state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**CONFIG)
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    return config, init, reference_run(config, init)
+
+
+LAYOUTS = {"dp2": (dict(dp=2), {}),
+           "dp2xtp2": (dict(dp=2, tp=2), dict(num_microbatches=2)),
+           "dp2xpp2": (dict(dp=2, pp=2), dict(schedule="1f1b", num_microbatches=2))}
+
+
+def size(mesh):
+    return math.prod(mesh.values())
+
+
+def assert_close(results, expected):
+    losses, norms, state = expected
+    for got_losses, got_norms, _, got_state in results:
+        np.testing.assert_allclose(got_losses, losses, rtol=1e-10)
+        np.testing.assert_allclose(got_norms, norms, rtol=1e-10)
+        for name, value in state.items():
+            np.testing.assert_allclose(got_state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_on_dp_equals_one_process(reference, layout, zero):
+    config, init, expected = reference
+    mesh, kwargs = LAYOUTS[layout]
+    assert_close(ThreadWorld(size(mesh)).run(run_zero, config, init, mesh, zero, **kwargs), expected)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_with_sequence_parallelism_and_an_uneven_batch(zero):
+    """SP's replicated partial sums over tp, then the reduce-scatter over dp; 3 rows on dp 2 (2 + 1)."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(1)
+    config = nn.GPTConfig(**CONFIG)
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    mesh = dict(dp=2, tp=2)
+    results = ThreadWorld(4).run(run_zero, config, init, mesh, zero, B=3, num_microbatches=2, sequence_parallel=True)
+    assert_close(results, reference_run(config, init, B=3))
+
+
+def test_model_states_per_rank_shrink_by_stage(reference):
+    """Between steps, per rank (float64, S = ceil(Ψ_stage / dp)): AdamW's two moments 2·Ψ·8 bytes at
+    ZeRO-0 become 2·S·8 at 1 to 3, the gradients S·8 at 2 and 3, the parameters S·8 at 3 (and a few
+    bytes of the placeholders that keep the freed parameters' shapes)."""
+    config, init, _ = reference
+    for layout in ("dp2", "dp2xpp2"):
+        mesh, kwargs = LAYOUTS[layout]
+        ledgers = {zero: [r[2] for r in ThreadWorld(size(mesh)).run(run_zero, config, init, mesh, zero, **kwargs)]
+                   for zero in (0, 1, 2, 3)}
+        for rank, plain in enumerate(ledgers[0]):
+            psi = plain["optimizer_state"] // 16                 # this rank's stage's parameters
+            shard = math.ceil(psi / 2) * 8
+            assert plain["grads"] == psi * 8
+            for zero in (1, 2, 3):
+                assert ledgers[zero][rank]["optimizer_state"] == 2 * shard, (layout, zero, rank)
+            assert ledgers[1][rank]["grads"] == 2 * shard         # the padded flat buffer, whole
+            assert ledgers[2][rank]["grads"] == ledgers[3][rank]["grads"] == shard
+            assert ledgers[2][rank]["params"] == plain["params"] + 2 * shard - psi * 8    # padded
+            assert shard <= ledgers[3][rank]["params"] <= shard + 256
+
+
+def test_bad_stages_are_clear_errors():
+    mt.set_default_dtype(np.float64)
+    config = nn.GPTConfig(**CONFIG)
+    with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3, got 4"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, dp=2, zero=4))
+    with pytest.raises(ValueError, match="ZeRO with pipedream_2bw"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=2, schedule="pipedream_2bw",
+                                              num_microbatches=2, zero=1))
+
+
+JOB = ["--no-progress", "--precision", "fp64", "--steps", "12", "--n-embd", "32", "--block-size", "16",
+       "--batch-size", "8", "--sample-chars", "1"]
+
+
+def run_job(args, n, out):
+    args = [*map(str, args), "--json", str(out)]
+    if n == 1:
+        assert gpt.main(args) == 0
+    else:
+        run_mpi([sys.executable, "-m", "minitrain.examples.gpt", *args], n=n, timeout=180)
+    with open(out) as f:
+        return json.load(f)
+
+
+def assert_continues(report, reference_report):
+    first, losses = report["first_step"], report["losses"]
+    expected = reference_report["losses"][first:first + len(losses)]
+    assert len(losses) == len(expected) > 0
+    np.testing.assert_allclose(losses, expected, rtol=1e-10)
+
+
+def keep_until(directory, step):
+    import shutil
+    for saved, _, path in checkpoint.list_checkpoints(directory):
+        if saved > step:
+            shutil.rmtree(path)
+
+
+@pytest.mark.slow
+def test_the_job_zero3_resumes_as_zero1_on_dp2_x_pp2_then_in_one_process(tmp_path):
+    d = tmp_path / "ckpt"
+    one = run_job(JOB, 1, tmp_path / "one.json")
+    first = run_job(JOB + ["--dp", "2", "--tp", "2", "--zero", "3", "--save-dir", d, "--save-every", "4"], 4,
+                    tmp_path / "z3.json")
+    assert (first["zero"], first["strategy"]) == (3, "dp+tp+zero3")
+    assert_continues(first, one)
+    for r in first["zero_memory"]["ranks"]:            # the ledger's optimizer state is the layout's
+        assert r["measured"]["optimizer_state"] == r["expected"]["optimizer_state"]
+        assert r["measured"]["grads"] == r["expected"]["grads"]
+    keep_until(d, 4)
+    second = run_job(JOB + ["--pp", "2", "--microbatches", "2", "--zero", "1", "--save-dir", d, "--save-every", "4",
+                            "--resume"], 4, tmp_path / "z1.json")
+    assert second["first_step"] == 4 and (second["dp"], second["pp"], second["zero"]) == (2, 2, 1)
+    assert_continues(second, one)
+    keep_until(d, 8)
+    third = run_job(JOB + ["--save-dir", d, "--resume", "--zero", "2"], 1, tmp_path / "last.json")
+    assert third["first_step"] == 8 and len(third["losses"]) == 4 and third["zero"] == 2
+    assert_continues(third, one)
+
+
+def test_the_job_refuses_zero_with_experts(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpt.parse_args(["--zero", "1", "--moe-experts", "2"])
+    assert e.value.code == 2
+    assert "--zero 1 is not supported with --moe-experts 2" in capsys.readouterr().err
