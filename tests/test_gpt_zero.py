@@ -129,6 +129,32 @@ def test_model_states_per_rank_shrink_by_stage(reference):
             assert shard <= ledgers[3][rank]["params"] <= shard + 256
 
 
+def bytes_on_dp_per_step(comm, config, init, zero):
+    mt.set_default_dtype(np.float64)
+    gpt_model = nn.GPT(config)
+    gpt_model.load_state_dict(init)
+    model = GPT3D(gpt_model, comm, dp=2, zero=zero)
+    opt = model.optimizer(make_opt)
+    (x, y), dp = data()[0], model.mesh.comm("dp")
+    before = dp.stats.bytes_sent
+    model.zero_grad()
+    model.train_step(x, y)
+    model.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    return dp.stats.bytes_sent - before, sum(q.size for q in model.parameters())
+
+
+def test_zero_sends_what_the_all_reduce_did(reference):
+    """Reduce-scatter + all-gather of Ψ (even here: no padding) send the ring all-reduce's 2(p-1)/p·Ψ·b;
+    ZeRO adds one float64 over dp, the clip's sum of squares. The pipeline's all-reduce is not also run."""
+    config, init, _ = reference
+    sent = {zero: ThreadWorld(2).run(bytes_on_dp_per_step, config, init, zero)[0] for zero in (0, 1, 2, 3)}
+    psi = sent[0][1]
+    assert psi % 2 == 0 and sent[0][0] == psi * 8 + 8             # the gradients' all-reduce, the loss's
+    for zero in (1, 2, 3):
+        assert sent[zero][0] == sent[0][0] + 8, zero
+
+
 def test_bad_stages_are_clear_errors():
     mt.set_default_dtype(np.float64)
     config = nn.GPTConfig(**CONFIG)
