@@ -108,6 +108,15 @@ def test_zero_with_sequence_parallelism_and_an_uneven_batch(zero):
     assert_close(results, reference_run(config, init, B=3))
 
 
+def test_zero_with_tied_embeddings():
+    """wte and lm_head are one parameter: one place in the flat buffer."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(2)
+    config = nn.GPTConfig(**CONFIG, tie_weights=True)
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    assert_close(ThreadWorld(4).run(run_zero, config, init, dict(dp=2, tp=2), 3), reference_run(config, init))
+
+
 def test_model_states_per_rank_shrink_by_stage(reference):
     """Between steps, per rank (float64, S = ceil(Ψ_stage / dp)): AdamW's two moments 2·Ψ·8 bytes at
     ZeRO-0 become 2·S·8 at 1 to 3, the gradients S·8 at 2 and 3, the parameters S·8 at 3 (and a few

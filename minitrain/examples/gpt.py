@@ -3,13 +3,14 @@
     python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
-    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
+    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
 --tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
-and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
+and the rest is data parallelism (--dp defaults to N / (pp·tp)); --zero shards the optimizer state,
+gradients, parameters over it (ZeRO-1, 2, 3; parallel/zero_3d.py). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process

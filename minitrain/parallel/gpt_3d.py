@@ -99,7 +99,7 @@ class GPT3D:
         if schedule == "pipedream_2bw":
             raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
         self.pipe.all_reduce_dp_gradients = False
-        return Zero3D(self.pipe.parameters(), self.mesh.comm("dp"), stage)
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over
 
     def optimizer(self, optimizer_class, **defaults):
         """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""

@@ -1,7 +1,7 @@
 """ZeRO on the data-parallel axis of a 3D mesh (Rajbhandari et al. 2020, "ZeRO", sec. 5; Megatron-LM's
 distributed optimizer, Narayanan et al. 2021, is stage 1): GPT3D(..., zero=s) hands this class the
-parameters of its rank's pipeline stage (each a tensor-parallel shard) and its "dp" communicator; the
-dp ranks that share a (pp, tp) coordinate hold the same parameters, and those are what is sharded.
+parameters of its rank's pipeline stage (each a tensor-parallel shard) and the communicator its pipeline
+reduces gradients over (the mesh's "dp": the ranks that hold the same parameters); those are sharded.
 
 The stage's parameters live in one flat buffer padded to a multiple of dp (flat_buffer.py), dp rank r
 owning the contiguous shard [r·S, (r+1)·S). An ordinary optimizer (AdamW) steps the shard only: its
