@@ -203,25 +203,23 @@ def keep_until(directory, step):
 
 
 @pytest.mark.slow
-def test_the_job_zero3_resumes_as_zero1_on_dp2_x_pp2_then_in_one_process(tmp_path):
+def test_the_job_resumes_across_zero_stages_and_layouts(tmp_path):
+    """ZeRO-3 on dp 2 x tp 2 (shards cut across q, k, v) -> ZeRO-1 on dp 2 x pp 2 -> ZeRO-3 on dp 2 x pp 2 ->
+    one process (--zero 2, dp 1), each resuming where the last one saved, as the uninterrupted run."""
     d = tmp_path / "ckpt"
     one = run_job(JOB, 1, tmp_path / "one.json")
-    first = run_job(JOB + ["--dp", "2", "--tp", "2", "--zero", "3", "--save-dir", d, "--save-every", "4"], 4,
-                    tmp_path / "z3.json")
-    assert (first["zero"], first["strategy"]) == (3, "dp+tp+zero3")
-    assert_continues(first, one)
-    for r in first["zero_memory"]["ranks"]:            # the ledger's optimizer state is the layout's
-        assert r["measured"]["optimizer_state"] == r["expected"]["optimizer_state"]
-        assert r["measured"]["grads"] == r["expected"]["grads"]
-    keep_until(d, 4)
-    second = run_job(JOB + ["--pp", "2", "--microbatches", "2", "--zero", "1", "--save-dir", d, "--save-every", "4",
-                            "--resume"], 4, tmp_path / "z1.json")
-    assert second["first_step"] == 4 and (second["dp"], second["pp"], second["zero"]) == (2, 2, 1)
-    assert_continues(second, one)
-    keep_until(d, 8)
-    third = run_job(JOB + ["--save-dir", d, "--resume", "--zero", "2"], 1, tmp_path / "last.json")
-    assert third["first_step"] == 8 and len(third["losses"]) == 4 and third["zero"] == 2
-    assert_continues(third, one)
+    runs = [(["--dp", "2", "--tp", "2", "--zero", "3"], 4), (["--pp", "2", "--microbatches", "2", "--zero", "1"], 4),
+            (["--pp", "2", "--microbatches", "2", "--zero", "3"], 4), (["--zero", "2"], 1)]
+    for i, (flags, n) in enumerate(runs):
+        report = run_job(JOB + flags + ["--save-dir", d, "--save-every", "3"] + (["--resume"] if i else []), n,
+                         tmp_path / f"{i}.json")
+        assert report["first_step"] == 3 * i and report["zero"] == int(flags[-1])
+        assert_continues(report, one)
+        for r in report["zero_memory"]["ranks"]:     # the ledger's optimizer state and gradients are the layout's
+            assert r["measured"]["optimizer_state"] == r["expected"]["optimizer_state"]
+            assert r["measured"]["grads"] == r["expected"]["grads"]
+        keep_until(d, 3 * (i + 1))
+    assert report["strategy"] == "single+zero2" and len(report["losses"]) == 3
 
 
 def test_the_job_refuses_zero_with_experts(capsys):
