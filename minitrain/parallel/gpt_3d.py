@@ -17,7 +17,7 @@ Nothing new is computed here: the pieces already exist and only meet.
 
 * zero=1|2|3: ZeRO over the dp communicator (zero_3d.py) instead of the all-reduce: the optimizer
   state (1), the gradients (2) and the parameters (3) of each stage sharded over its dp replicas;
-  ``optimizer(optim.AdamW, ...)`` builds the optimizer (sharded or not) the job steps.
+  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
@@ -69,7 +69,8 @@ class GPT3D:
     """The GPT over ``DeviceMesh(comm, dp, pp, tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
     each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
-    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards) for any optimizer;
+    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
+    builds the optimizer over them (with ``zero``, over this rank's ZeRO shard of them);
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
