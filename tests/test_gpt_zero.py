@@ -108,6 +108,15 @@ def test_zero_with_sequence_parallelism_and_an_uneven_batch(zero):
     assert_close(results, reference_run(config, init, B=3))
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_on_dp2_x_pp2_x_tp2_interleaved_with_sequence_parallelism(reference, zero):
+    """8 ranks (threads): two chunks per pipeline rank, each rank's shard cut across both."""
+    config, init, expected = reference
+    mesh = dict(dp=2, pp=2, tp=2)
+    assert_close(ThreadWorld(8).run(run_zero, config, init, mesh, zero, schedule="interleaved_1f1b", chunks=2,
+                                    num_microbatches=2, sequence_parallel=True), expected)
+
+
 def test_zero_with_tied_embeddings():
     """wte and lm_head are one parameter: one place in the flat buffer."""
     mt.set_default_dtype(np.float64)
