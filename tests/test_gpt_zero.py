@@ -63,11 +63,13 @@ def run_zero(comm, config, init, mesh, zero, B=8, **kwargs):
 
 @pytest.fixture(scope="module")
 def reference():
+    old = mt.get_default_dtype()                # a module fixture: conftest's per-test restore does not cover it
     mt.set_default_dtype(np.float64)
     mt.manual_seed(0)
     config = nn.GPTConfig(**CONFIG)
     init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
-    return config, init, reference_run(config, init)
+    yield config, init, reference_run(config, init)
+    mt.set_default_dtype(old)
 
 
 LAYOUTS = {"dp2": (dict(dp=2), {}),
