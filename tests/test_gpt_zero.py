@@ -214,6 +214,19 @@ def keep_until(directory, step):
 
 
 @pytest.mark.slow
+def test_the_job_on_2_ranks_trains_as_one_process_on_half_the_optimizer_state(tmp_path):
+    one = run_job(JOB, 1, tmp_path / "one.json")
+    two = run_job(JOB + ["--dp", "2", "--zero", "2"], 2, tmp_path / "two.json")
+    assert (two["zero"], two["strategy"], len(two["losses"])) == (2, "dp+zero2", 12)
+    assert_continues(two, one)
+    psi = one["num_params"]
+    assert one["ranks"][0]["memory"]["persistent"]["optimizer_state"] == 2 * psi * 8
+    for r in two["ranks"]:
+        assert r["memory"]["persistent"]["optimizer_state"] == 2 * math.ceil(psi / 2) * 8
+        assert r["memory"]["persistent"]["grads"] == math.ceil(psi / 2) * 8
+
+
+@pytest.mark.slow
 def test_the_job_resumes_across_zero_stages_and_layouts(tmp_path):
     """ZeRO-3 on dp 2 x tp 2 (shards cut across q, k, v) -> ZeRO-1 on dp 2 x pp 2 -> ZeRO-3 on dp 2 x pp 2 ->
     one process (--zero 2, dp 1), each resuming where the last one saved, as the uninterrupted run."""
