@@ -3,13 +3,14 @@
     python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
-    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
+    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
 --tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
-and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
+and the rest is data parallelism (--dp defaults to N / (pp·tp)); --zero shards the optimizer state,
+gradients, parameters over it (ZeRO-1, 2, 3; parallel/zero_3d.py). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
@@ -63,6 +64,9 @@ def parse_args(argv=None):
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
+                        "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
     moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
@@ -141,7 +145,7 @@ def _main(argv=None):
     if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()

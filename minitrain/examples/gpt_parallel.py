@@ -1,11 +1,12 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
 [--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations].
+[--recompute full|selective] [--offload-activations] [--zero 1|2|3].
 
 The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
 and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
 takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
-alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
+alone a pipeline, no flag plain data parallelism; --zero shards each stage's optimizer state (1), gradients (2)
+and parameters (3) over its dp replicas (parallel/zero_3d.py). Every rank draws the same global batches.
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
@@ -34,6 +35,27 @@ from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
 
 
+MODEL_STATES = ("params", "grads", "optimizer_state")
+
+
+def expected_model_states(model):
+    """This rank's model states between steps by its layout (bytes): ZeRO's (zero_3d.py), or the stage's
+    parameters, their gradients and AdamW's two moments whole."""
+    if model.zero is not None:
+        return model.zero.expected_bytes()
+    b = sum(q.data.nbytes for q in model.parameters())
+    return {"params": b, "grads": b, "optimizer_state": 2 * b}
+
+
+def zero_memory(stage, dp, table):
+    """The JSON's "zero_memory": per rank, the model states expected by the layout beside the ledger's."""
+    return {"stage": stage, "dp": dp,
+            "expected": "ZeRO-s over dp, S = ceil(stage parameters / dp): params S·b at 3 (else padded whole), grads "
+                        "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments) at 1 to 3",
+            "ranks": [{"rank": r, "expected": dict(zip(MODEL_STATES, map(int, v[12:15]))),
+                       "measured": dict(zip(MODEL_STATES, map(int, v[2:5])))} for r, v in enumerate(table)]}
+
+
 def main_parallel(args):
     comm = init_comm(args)
     world, rank = comm.size, comm.rank
@@ -59,13 +81,13 @@ def main_parallel(args):
     initial_val = estimate_loss(gpt, corpus, args, val_rng) if rank == 0 else None
     try:
         model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
-                      chunks=args.chunks, sequence_parallel=args.sequence_parallel)
+                      chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero)
     except (ValueError, mtcomm.MeshError) as e:
         if rank == 0:
             sys.stderr.write(f"error: {e}\n")
         return 2
     del gpt
-    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
     tp_comm = model.mesh.comm("tp")
 
@@ -77,6 +99,7 @@ def main_parallel(args):
     axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
+    strategy += f"+zero{args.zero}" if args.zero else ""
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
                                       layout=layout(args, strategy, dp, pp, tp, world),
                                       extra=lambda: {"data_rng": rng.bit_generator.state})
@@ -131,7 +154,8 @@ def main_parallel(args):
     peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], *(peak[c] for c in memory.CATEGORIES), device_code()], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
+                    device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     state = model.full_state_dict()
@@ -154,6 +178,10 @@ def main_parallel(args):
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "")
               + f": bubble by the formula {model.pipe.formula_bubble_fraction():.3f}")
+    if args.zero:
+        print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
+              + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
+                                                                                 table[0, 2:5])) + " (rank 0)")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
@@ -175,7 +203,8 @@ def main_parallel(args):
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
-            "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
+            "dp": dp, "pp": pp, "tp": tp, "zero": args.zero, "zero_memory": zero_memory(args.zero, dp, table),
+            "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),

@@ -15,6 +15,10 @@ Nothing new is computed here: the pieces already exist and only meet.
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
 
+* zero=1|2|3: ZeRO over the dp communicator (zero_3d.py) instead of the all-reduce: the optimizer
+  state (1), the gradients (2) and the parameters (3) of each stage sharded over its dp replicas;
+  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps.
+
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
 depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
@@ -32,6 +36,7 @@ from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .tensor_parallel import positions, tensor_parallelize
+from .zero_3d import Zero3D
 
 
 class EmbeddingStage(Module):
@@ -64,11 +69,12 @@ class GPT3D:
     """The GPT over ``DeviceMesh(comm, dp, pp, tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
     each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
-    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards) for any optimizer;
+    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
+    builds the optimizer over them (with ``zero``, over this rank's ZeRO shard of them);
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False):
+                 sequence_parallel=False, zero=0):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
         self.dp, self.pp, self.tp = dp, pp, tp
         if pp > 1 and gpt.config.tie_weights:
@@ -83,12 +89,33 @@ class GPT3D:
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
                                      chunks=chunks, dp_comm=self.mesh.comm("dp"))
+        self.zero = self._shard_over_dp(zero, schedule)
+
+    def _shard_over_dp(self, stage, schedule):
+        """ZeRO stage ``stage`` over the dp communicator (None for 0): it reduce-scatters the gradients."""
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {stage}")
+        if not stage:
+            return None
+        if schedule == "pipedream_2bw":
+            raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
+        self.pipe.all_reduce_dp_gradients = False
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over
+
+    def optimizer(self, optimizer_class, **defaults):
+        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
+        if self.zero is None:
+            return optimizer_class(self.parameters(), **defaults)
+        return self.zero.optimizer(optimizer_class, **defaults)
 
     def parameters(self):
         return self.pipe.parameters()
 
     def zero_grad(self):
-        self.pipe.zero_grad()
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.pipe.zero_grad()
 
     def train_step(self, idx, targets):
         n, d = len(idx), self.mesh.coordinate("dp")
@@ -96,20 +123,32 @@ class GPT3D:
         # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
+        if self.zero is not None:
+            self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss, global_rows=n)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
+        if self.zero is not None:
+            self.zero.reduce_gradients()                          # the dp mean, each rank its shard
         if self.dp > 1:                                           # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
         return loss
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
-        the dp replicas hold the same averaged gradient)."""
+        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp)."""
+        if self.zero is not None:
+            replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
+            return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
+                                             uncounted=replicas if self.mesh.coordinate("tp") else ())
         return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
 
     def full_state_dict(self):
         """name -> full array under the GPT's names (collectives over pp, then tp, on every rank)."""
+        if self.zero is not None:
+            self.zero.gather_parameters()                         # ZeRO-3: whole for the gather
         by_layer_name = self.pipe.full_state_dict()
+        if self.zero is not None:
+            self.zero.release_parameters()
         shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
         return self.model.full_state_dict(shards)
 
@@ -142,4 +181,6 @@ class GPT3D:
                     sizes[0] = max(0, min(shape[0], vocab - offsets[0]))
                 pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
             placements.append((q, [(name, s) for s in pieces]))
+        if self.zero is not None and self.zero.stage == 3:       # the parameters are the shard, cut across them
+            return [(self.zero.shard, self.zero.shard_placements({id(q): pieces for q, pieces in placements}))]
         return placements

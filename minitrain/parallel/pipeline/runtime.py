@@ -64,6 +64,7 @@ class PipelineParallel:
         if num_microbatches is None or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.comm, self.dp_comm = comm, dp_comm
+        self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
         self.p, self.rank, self.m = comm.size, comm.rank, num_microbatches
         self.v = default_chunks(schedule, chunks)
         self.schedule_name = schedule
@@ -290,7 +291,7 @@ class PipelineParallel:
 
     def _all_reduce_gradients(self):
         """2D (dp x pp): the gradients averaged over the data-parallel replicas."""
-        if self.dp_comm is not None and self.dp_comm.size > 1:
+        if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
             all_reduce_coalesced(self.dp_comm, [q.grad for q in self.parameters() if q.grad is not None], op="mean")
 
     # ---- PipeDream-2BW: compute on W(t-1), let the optimizer update W(t)
