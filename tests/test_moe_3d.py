@@ -1,0 +1,163 @@
+"""A GPT with MoE layers on GPT3D (experts replicated on the tp ranks, ep = 1) trains as one process does:
+float64, losses and parameters within 1e-10 relative, and the step's MoE figures (load_max_over_mean,
+tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe and
+1F1B, 2 and 4 micro-batches, interleaved), tp x pp and dp x pp, dropless and with a capacity factor
+counted over the same GShard groups (one process given moe_groups G = the run's). In-process
+(ThreadWorld) for the model; the job's --json under mpiexec at 2 and 4 ranks against one process's job."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import nn, optim
+from minitrain.comm import ThreadWorld
+from minitrain.parallel.gpt_3d import GPT3D
+from minitrain.testing import run_mpi
+
+STEPS = 10
+CONFIG = dict(vocab_size=23, block_size=8, n_layer=2, n_head=4, n_embd=16, moe_experts=4, moe_top_k=2,
+              moe_aux_loss_coef=0.05)
+
+
+def data(B=8, T=8, steps=STEPS):
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 23, (B, T)), rng.integers(0, 23, (B, T))) for _ in range(steps)]
+
+
+def figures(model):
+    """One process's step figures, as GPT3D.moe_statistics gives them."""
+    stats = [block.mlp.statistics() for i, block in enumerate(model.h) if model.config.is_moe_layer(i)]
+    return (max(s["load_max_over_mean"] for s in stats), sum(s["tokens_dropped"] for s in stats),
+            sum(s["aux_loss"] for s in stats))
+
+
+def reference_run(config, init, steps=STEPS):
+    model = nn.GPT(config)
+    model.load_state_dict(init)
+    opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses, stats = [], []
+    for x, y in data(steps=steps):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        optim.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(loss.item())
+        stats.append(figures(model))
+    return model.state_dict(), losses, stats
+
+
+def run_3d(comm, config, init, mesh, steps=STEPS, **kwargs):
+    mt.set_default_dtype(np.float64)
+    gpt = nn.GPT(config)
+    gpt.load_state_dict(init)
+    model = GPT3D(gpt, comm, **mesh, **kwargs)
+    opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses, stats = [], []
+    for x, y in data(steps=steps):
+        model.zero_grad()
+        losses.append(model.train_step(x, y))
+        stats.append(model.moe_statistics)
+        model.clip_grad_norm_(0.5)
+        opt.step()
+    return model.full_state_dict(), losses, stats
+
+
+CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple of dp x micro-batches)
+    "tp2": (dict(tp=2), dict(), {}),
+    "pp2 1f1b m2": (dict(pp=2), dict(schedule="1f1b", num_microbatches=2), dict(moe_groups=2)),
+    "pp2 gpipe m4 capacity": (dict(pp=2), dict(schedule="gpipe", num_microbatches=4),
+                              dict(moe_groups=4, moe_capacity_factor=1.0)),
+    "pp2 1f1b m4 groups 8": (dict(pp=2), dict(schedule="1f1b", num_microbatches=4), dict(moe_groups=8)),
+    "tp2 pp2 m2": (dict(tp=2, pp=2), dict(schedule="1f1b", num_microbatches=2), dict(moe_groups=2)),
+    "dp2 pp2 m2 capacity": (dict(dp=2, pp=2), dict(schedule="1f1b", num_microbatches=2),
+                            dict(moe_groups=4, moe_capacity_factor=1.0)),
+    "dp2 tp2 capacity every 2": (dict(dp=2, tp=2), dict(), dict(moe_groups=2, moe_capacity_factor=0.75,
+                                                                moe_every=2)),
+    "pp2 interleaved m2": (dict(pp=2), dict(schedule="interleaved_1f1b", num_microbatches=2, chunks=2),
+                           dict(n_layer=4, moe_groups=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_on_gpt3d_trains_as_one_process(case):
+    mesh, kwargs, moe = CASES[case]
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, **moe})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    expected, expected_losses, expected_stats = reference_run(config, init)
+    if moe.get("moe_capacity_factor"):
+        assert sum(s[1] for s in expected_stats) > 0          # tokens were dropped: the groups matter
+    size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
+    for state, losses, stats in ThreadWorld(size).run(run_3d, config, init, mesh, **kwargs):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
+        assert [s[1] for s in stats] == [s[1] for s in expected_stats]
+        np.testing.assert_allclose([s[0] for s in stats], [s[0] for s in expected_stats], rtol=1e-12, atol=0)
+        np.testing.assert_allclose([s[2] for s in stats], [s[2] for s in expected_stats], rtol=1e-10, atol=0)
+        assert set(state) == set(expected)
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def idle_expert_gpt(config):
+    """A GPT whose expert 3 only token 0 chooses: wte[0] is 10·d (d of zero mean and unit norm), so
+    ln_2's output for token 0 lies along d; ln_2's bias 1 and expert 3's router row 100·d - 300/C give
+    it the logit 100·d·ln_2(x) - 300: about +100 for token 0, below -200 for the others."""
+    gpt = nn.GPT(config)
+    C = config.n_embd
+    d = np.where(np.arange(C) % 2, 1.0, -1.0) / np.sqrt(C)
+    gpt.wte.weight.data[0] = 10 * d
+    for block in gpt.h:
+        block.ln_2.bias.data[...] = 1.0
+        block.mlp.router.weight.data[3] = 100 * d - 300 / C
+    return gpt
+
+
+def idle_expert_grads(comm, config, init, x, y):
+    mt.set_default_dtype(np.float64)
+    gpt = nn.GPT(config)
+    gpt.load_state_dict(init)
+    model = GPT3D(gpt, comm, dp=2)
+    model.train_step(x, y)
+    return {n: None if q.grad is None else q.grad.copy() for n, q in model.pipe.named_parameters()}
+
+
+@pytest.mark.parametrize("token_0_on", ["no replica", "replica 0"])
+def test_an_expert_some_replicas_leave_idle_is_reduced_and_one_none_use_keeps_no_gradient(token_0_on):
+    """Without find_unused_parameters the replicas would reduce different lists of gradients; an expert
+    that no token chose keeps grad None (AdamW then leaves it alone, as one process does)."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
+    init = {k: v.copy() for k, v in idle_expert_gpt(config).state_dict().items()}
+    x = np.random.default_rng(1).integers(1, 23, (8, 8))
+    if token_0_on == "replica 0":
+        x[1, 3] = 0                                      # rows 0-3 are replica 0's
+    one = nn.GPT(config)
+    one.load_state_dict(init)
+    one(x, x)[1].backward()
+    idle = {f"{i + 1}.mlp.experts.3.{layer}.{kind}" for i in (0, 1) for layer in ("c_fc", "c_proj")
+            for kind in ("weight", "bias")}
+    assert {f"{i + 1}.{n}" for i in (0, 1) for n, q in one.h[i].named_parameters() if q.grad is None} == (idle if token_0_on == "no replica" else set())
+    for grads in ThreadWorld(2).run(idle_expert_grads, config, init, x, x):
+        assert {n for n, g in grads.items() if g is None} == (idle if token_0_on == "no replica" else set())
+        for i in (0, 1):
+            for name, q in one.h[i].named_parameters():
+                if q.grad is not None:
+                    np.testing.assert_allclose(grads[f"{i + 1}.{name}"], q.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_groups_that_micro_batches_would_split_are_clear_errors():
+    mt.set_default_dtype(np.float64)
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
+    with pytest.raises(ValueError, match=r"moe_groups 2 is not a multiple of dp x micro-batches = 1 x 4"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=2, num_microbatches=4))
+    with pytest.raises(ValueError, match=r"sequence parallelism with MoE layers"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, num_microbatches=2,
+                                              sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"a batch of 5 rows does not split into moe_groups 2 groups"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, num_microbatches=2).train_step(
+            *[a[:5] for a in data(steps=1)[0]]))
