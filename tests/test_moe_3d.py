@@ -161,3 +161,63 @@ def test_groups_that_micro_batches_would_split_are_clear_errors():
     with pytest.raises(ValueError, match=r"a batch of 5 rows does not split into moe_groups 2 groups"):
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, num_microbatches=2).train_step(
             *[a[:5] for a in data(steps=1)[0]]))
+
+
+# ---- the job: mpiexec at 2 and 4 ranks against one process's job given the run's --moe-groups
+JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 2, "--block-size", 16,
+       "--batch-size", 4, "--sample-chars", 4, "--steps", STEPS, "--moe-experts", 4, "--moe-top-k", 2]
+CAPACITY = ["--moe-capacity-factor", 1.0]
+JOBS = {   # name: (ranks, options, the one-process run's --moe-groups: dp x micro-batches)
+    "tp2": (2, ["--tp", 2], 1),
+    "pp2 1f1b m2": (2, ["--pp", 2, "--microbatches", 2], 2),
+    "pp2 gpipe m4 capacity": (2, ["--pp", 2, "--schedule", "gpipe", "--microbatches", 4] + CAPACITY, 4),
+    "tp2 pp2 m2": (4, ["--tp", 2, "--pp", 2, "--microbatches", 2], 2),
+    "dp2 pp2 m2 capacity": (4, ["--pp", 2, "--microbatches", 2] + CAPACITY, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def job_reports(tmp_path_factory):
+    """Every JOBS run, one mpiexec launch per world size (the runs one after another in it)."""
+    d = tmp_path_factory.mktemp("moe3d")
+    for ranks in (2, 4):
+        runs = [([str(a) for a in JOB + options] + ["--json", str(d / f"{name}.json")])
+                for name, (n, options, _) in JOBS.items() if n == ranks]
+        script = f"from minitrain.examples import gpt\nfor argv in {runs!r}:\n    assert gpt.main(argv) == 0, argv"
+        run_mpi([sys.executable, "-c", script], n=ranks, timeout=600)
+    return {name: json.loads((d / f"{name}.json").read_text()) for name in JOBS}
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_the_job_under_mpiexec_equals_one_process_given_its_groups(name, job_reports, tmp_path):
+    from minitrain.examples import gpt
+    from test_resume_guards import run
+    ranks, options, groups = JOBS[name]
+    report = job_reports[name]
+    assert report["world_size"] == ranks
+    out = tmp_path / "one.json"
+    extra = CAPACITY if "capacity" in name else []
+    status, _, err = run(gpt, JOB + extra + ["--moe-groups", groups, "--json", out])
+    assert status == 0, err
+    one = json.loads(out.read_text())
+    assert len(report["losses"]) == len(one["losses"]) == STEPS
+    np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
+    assert set(report["moe"]) == set(one["moe"]) == {"load_max_over_mean", "tokens_dropped", "aux_loss"}
+    np.testing.assert_allclose(report["moe"]["aux_loss"], one["moe"]["aux_loss"], rtol=1e-10, atol=0)
+    np.testing.assert_allclose(report["moe"]["load_max_over_mean"], one["moe"]["load_max_over_mean"], rtol=1e-12,
+                               atol=0)
+    assert report["moe"]["tokens_dropped"] == one["moe"]["tokens_dropped"]
+    assert (report["moe"]["tokens_dropped"] > 0) == bool(extra)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--tp", 2, "--sequence-parallel"], "--sequence-parallel is not supported with --moe-experts 4 (the experts are "
+                                         "replicated on the tp ranks"),
+    (["--microbatches", 2, "--moe-groups", 1], "--moe-groups 1 is not a multiple of the 1 data-parallel replicas x 2 "
+                                               "micro-batches"),
+    (["--recompute", "full", "--pp", 2], "--recompute full is not supported with --moe-experts 4"),
+])
+def test_refused_in_one_line(extra, needle):
+    from minitrain.examples import gpt
+    from test_resume_guards import refused
+    refused(gpt, JOB + extra, needle)
