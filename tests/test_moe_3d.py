@@ -102,6 +102,33 @@ def test_moe_on_gpt3d_trains_as_one_process(case):
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does():
+    """Outside GPT3D (no autoscaler) TensorParallelGPT's training loss is the GPT's: cross-entropy plus
+    every MoE layer's aux_loss, and the router's gradient (whole on each tp rank) is the GPT's."""
+    from minitrain.parallel.tensor_parallel import tensor_parallelize
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**CONFIG)
+    gpt = nn.GPT(config)
+    x, y = data(steps=1)[0]
+    loss = gpt(x, y)[1]
+    loss.backward()
+
+    def run(comm):
+        mt.set_default_dtype(np.float64)
+        copy = nn.GPT(config)
+        copy.load_state_dict(gpt.state_dict())
+        model = tensor_parallelize(copy, comm)
+        tp_loss = model(x, y)[1]
+        tp_loss.backward()
+        return tp_loss.item(), [block.mlp.router.weight.grad for block in model.h]
+
+    for value, grads in ThreadWorld(2).run(run):
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        for block, grad in zip(gpt.h, grads):
+            np.testing.assert_allclose(grad, block.mlp.router.weight.grad, rtol=1e-10, atol=1e-14)
+
+
 def idle_expert_gpt(config):
     """A GPT whose expert 3 only token 0 chooses: wte[0] is 10·d (d of zero mean and unit norm), so
     ln_2's output for token 0 lies along d; ln_2's bias 1 and expert 3's router row 100·d - 300/C give
