@@ -4,6 +4,7 @@ tokens dropped, balancing loss) gathered from every stage equal one process's, o
 1F1B, 2 and 4 micro-batches, interleaved), tp x pp and dp x pp, dropless and with a capacity factor
 counted over the same GShard groups (one process given moe_groups G = the run's). In-process
 (ThreadWorld) for the model; the job's --json under mpiexec at 2 and 4 ranks against one process's job."""
+import dataclasses
 import json
 import sys
 
@@ -78,6 +79,11 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
                                                                 moe_every=2)),
     "pp2 interleaved m2": (dict(pp=2), dict(schedule="interleaved_1f1b", num_microbatches=2, chunks=2),
                            dict(n_layer=4, moe_groups=2)),
+    # full recomputation (GPT3D's config only; the reference recomputes nothing)
+    "pp2 1f1b m2 recompute full": (dict(pp=2), dict(schedule="1f1b", num_microbatches=2),
+                                   dict(moe_groups=2, recompute="full")),
+    "dp2 tp2 capacity recompute full": (dict(dp=2, tp=2), dict(), dict(moe_groups=2, moe_capacity_factor=1.0,
+                                                                       recompute="full")),
 }
 
 
@@ -88,7 +94,7 @@ def test_moe_on_gpt3d_trains_as_one_process(case):
     mt.manual_seed(0)
     config = nn.GPTConfig(**{**CONFIG, **moe})
     init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
-    expected, expected_losses, expected_stats = reference_run(config, init)
+    expected, expected_losses, expected_stats = reference_run(dataclasses.replace(config, recompute=None), init)
     if moe.get("moe_capacity_factor"):
         assert sum(s[1] for s in expected_stats) > 0          # tokens were dropped: the groups matter
     size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
@@ -102,14 +108,17 @@ def test_moe_on_gpt3d_trains_as_one_process(case):
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
-def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does():
-    """Outside GPT3D (no autoscaler) TensorParallelGPT's training loss is the GPT's: cross-entropy plus
-    every MoE layer's aux_loss, and the router's gradient (whole on each tp rank) is the GPT's."""
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does(recompute):
+    """Outside GPT3D TensorParallelGPT's training loss is the GPT's: cross-entropy plus every MoE layer's
+    aux_loss (with full recomputation its value, the gradient seeded in backward), and the router's
+    gradient (whole on each tp rank) is the GPT's without recomputation."""
     from minitrain.parallel.tensor_parallel import tensor_parallelize
     mt.set_default_dtype(np.float64)
     mt.manual_seed(0)
     config = nn.GPTConfig(**CONFIG)
     gpt = nn.GPT(config)
+    config = dataclasses.replace(config, recompute=recompute)
     x, y = data(steps=1)[0]
     loss = gpt(x, y)[1]
     loss.backward()
@@ -127,6 +136,21 @@ def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_
         assert value == pytest.approx(loss.item(), rel=1e-12)
         for block, grad in zip(gpt.h, grads):
             np.testing.assert_allclose(grad, block.mlp.router.weight.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_one_process_with_full_recomputation_trains_as_without():
+    """Each recomputed block computes its balancing loss without a graph in forward; AuxLossAutoScaler
+    (scale 1) seeds its gradient when backward redoes the block: the same losses, figures, parameters."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "moe_capacity_factor": 1.0, "moe_groups": 2})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    expected, expected_losses, expected_stats = reference_run(config, init)
+    state, losses, stats = reference_run(dataclasses.replace(config, recompute="full"), init)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(stats, expected_stats, rtol=1e-10, atol=0)
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
 def idle_expert_gpt(config):
@@ -197,6 +221,7 @@ CAPACITY = ["--moe-capacity-factor", 1.0]
 JOBS = {   # name: (ranks, options, the one-process run's --moe-groups: dp x micro-batches)
     "tp2": (2, ["--tp", 2], 1),
     "pp2 1f1b m2": (2, ["--pp", 2, "--microbatches", 2], 2),
+    "pp2 1f1b m2 recompute full": (2, ["--pp", 2, "--microbatches", 2, "--recompute", "full"], 2),
     "pp2 gpipe m4 capacity": (2, ["--pp", 2, "--schedule", "gpipe", "--microbatches", 4] + CAPACITY, 4),
     "tp2 pp2 m2": (4, ["--tp", 2, "--pp", 2, "--microbatches", 2], 2),
     "dp2 pp2 m2 capacity": (4, ["--pp", 2, "--microbatches", 2] + CAPACITY, 4),
@@ -242,7 +267,6 @@ def test_the_job_under_mpiexec_equals_one_process_given_its_groups(name, job_rep
                                          "replicated on the tp ranks"),
     (["--microbatches", 2, "--moe-groups", 1], "--moe-groups 1 is not a multiple of the 1 data-parallel replicas x 2 "
                                                "micro-batches"),
-    (["--recompute", "full", "--pp", 2], "--recompute full is not supported with --moe-experts 4"),
 ])
 def test_refused_in_one_line(extra, needle):
     from minitrain.examples import gpt

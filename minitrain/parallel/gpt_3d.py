@@ -96,6 +96,7 @@ class GPT3D:
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
+            layer.record_step = True
         self.moe_statistics = None
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,

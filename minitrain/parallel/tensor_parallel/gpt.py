@@ -47,7 +47,7 @@ from ...autograd.engine import queue_callback
 from ...backend import array_module
 from ...comm import all_reduce_coalesced, broadcast, ring_all_gather
 from ...nn import Embedding, LayerNorm, Module, ModuleList
-from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
+from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward, aux_loss_term
 from ..clip import clip_sharded_grad_norm_, sum_of_squares
 from .comms import GatherFromTensorParallelRegion
 from .layers import (ColumnParallelLinear, ParallelDropout, RowParallelLinear, VocabParallelCrossEntropy,
@@ -103,6 +103,8 @@ class ParallelBlock(Block):
             self.mlp = ReplicatedMoE(config.n_embd, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
                                      config.moe_groups, config.moe_aux_loss_coef, config.moe_normalize_gates,
                                      bias=config.bias, dropout=config.dropout)
+            if config.recompute == "full":   # as the GPT's block: the aux loss seeded in backward
+                self.mlp.aux_loss_scale = 1.0
         else:
             self.mlp = ParallelMLP(config, comm, sequence_parallel)
         self.recompute = config.recompute == "full"
@@ -189,10 +191,10 @@ class TensorParallelGPT(Module):
             full = GatherFromTensorParallelRegion.apply(logits, self.comm)
             return full[..., :self.config.vocab_size]
         loss = self.loss(logits, targets)
-        if self.config.moe_experts and self.training:      # as the GPT's forward (GPT3D seeds them instead)
+        if self.config.moe_experts and self.training:      # as the GPT's forward
             for block in self.h:
-                if isinstance(block.mlp, ReplicatedMoE) and block.mlp.aux_loss_scale is None:
-                    loss = loss + block.mlp.aux_loss
+                if isinstance(block.mlp, ReplicatedMoE):
+                    loss = loss + aux_loss_term(block.mlp)
         return logits, loss
 
     def loss(self, logits, targets):

@@ -13,44 +13,33 @@ LayerNorm's, counted once in the global gradient norm). The cost: every tp rank 
 and computes them all, t times the MoE layer's work; an expert-parallel layout (--ep) divides that.
 
 Pipelines: the load-balancing loss of a layer on stage 0 cannot be added to the loss, which only the
-last stage computes. AuxLossAutoScaler.apply(y, aux_loss, scale) returns y unchanged; in backward it
-passes y's gradient on and also seeds aux_loss's gradient with ``scale`` (not 1), so aux_loss joins
-the gradient exactly as if it had been added to the loss with that weight: 1/m for each of the m
-micro-batches, the weight the pipeline gives each micro-batch's loss (the dp replicas are averaged
-by the gradients' all-reduce, as the loss is). The reported figures are accumulated here per step
-and gathered over the stages and replicas by GPT3D (moe_step_statistics).
+last stage computes. AuxLossAutoScaler.apply(y, aux_loss, scale) (nn/moe.py) returns y unchanged; in
+backward it passes y's gradient on and also seeds aux_loss's gradient with ``scale`` (not 1), so
+aux_loss joins the gradient exactly as if it had been added to the loss with that weight: 1/m for each
+of the m micro-batches, the weight the pipeline gives each micro-batch's loss (the dp replicas are
+averaged by the gradients' all-reduce, as the loss is). The same seeding makes full recomputation
+work: the block's forward redone in backward records the graph that its first, graph-less forward
+did not. The reported figures are accumulated here per step and gathered over the stages and
+replicas by GPT3D (moe_step_statistics).
 """
 import numpy as np
 
 from ... import backend
-from ...autograd import Function, is_grad_enabled
+from ...autograd import is_grad_enabled
 from ...comm import all_reduce
 from ...nn.moe import MoE
 
 
-class AuxLossAutoScaler(Function):
-    """Identity on ``y``; backward also returns ``scale`` as the gradient of ``aux_loss`` (a scalar)."""
-
-    @staticmethod
-    def forward(ctx, y, aux_loss, scale=1.0):
-        ctx.scale, ctx.aux = scale, (aux_loss.shape, aux_loss.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape, dtype = ctx.aux
-        return grad, backend.array_module(grad).full(shape, ctx.scale, dtype=dtype)
-
-
 class ReplicatedMoE(MoE):
     """nn.MoE with the same parameters and names (router, experts.i.c_fc, ...), on every tp rank whole.
-    ``aux_loss_scale`` None: the layer is nn.MoE (the model's forward adds ``aux_loss`` to its loss);
-    a number: the balancing loss enters the gradient through AuxLossAutoScaler with that weight, and
-    each forward adds its figures (load, dropped, aux_loss · scale) to the step's, until reset_step()."""
+    ``aux_loss_scale`` (nn.MoE's): None, the model's forward adds ``aux_loss`` to its loss; a number, the
+    layer seeds it in backward (AuxLossAutoScaler). GPT3D sets it to 1/m and ``record_step``: then each
+    forward that records a graph adds its figures (load, dropped, aux_loss · scale) to the step's, until
+    reset_step(). (Under full recomputation that is the forward redone in backward: counted once.)"""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.aux_loss_scale = None
+        self.record_step = False
         self.reset_step()
 
     def reset_step(self):
@@ -58,12 +47,10 @@ class ReplicatedMoE(MoE):
 
     def forward(self, x):
         y = super().forward(x)
-        if self.aux_loss_scale is None:
-            return y
-        if is_grad_enabled():          # a training forward (validation runs under no_grad)
+        if self.record_step and is_grad_enabled():
             self.step_figures.append((self.stats["load"], self.stats["dropped"],
                                       self.aux_loss.data * self.aux_loss_scale))
-        return AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale)
+        return y
 
     def step_row(self):
         """This step's load per expert (summed over the forwards), tokens dropped and weighted aux loss,
