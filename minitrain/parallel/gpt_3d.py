@@ -16,18 +16,18 @@ Nothing new is computed here: the pieces already exist and only meet.
   are summed over tp once per step too (not once per micro-batch's backward).
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
-is the single-process GPT's (tests/test_gpt_3d.py, float64).
-
-A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
-tp ranks, and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
-(tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
-groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
-routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
-and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
-plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage. Not combined here: dropout masks
+is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
 depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
 other masks than one process; tied embeddings across the first and last stage would need
 Megatron's extra embedding all-reduce (refused with a clear error).
+
+A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
+tp ranks, and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
+(nn/moe.py, tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
+groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
+routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
+and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
+plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage.
 """
 import math
 
