@@ -6,6 +6,7 @@ counted over the same GShard groups (one process given moe_groups G = the run's)
 (ThreadWorld) for the model; the job's --json under mpiexec at 2 and 4 ranks against one process's job."""
 import dataclasses
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -273,3 +274,24 @@ def test_refused_in_one_line(extra, needle):
     from minitrain.examples import gpt
     from test_resume_guards import refused
     refused(gpt, JOB + extra, needle)
+
+
+def test_a_checkpoint_of_tp2_x_pp2_with_experts_resumes_in_one_process(tmp_path):
+    """Each rank saves its stage's experts (whole on every tp rank: written once); one process given the
+    run's --moe-groups resumes at step 3 and trains steps 4-6 with the uninterrupted run's losses."""
+    from minitrain.examples import gpt
+    from test_resume_guards import run
+    argv = [str(a) for a in JOB[:-6] + ["--steps", 6, "--moe-experts", 4, "--moe-top-k", 2, "--moe-every", 2]]
+    d = tmp_path / "ckpt"
+    script = (f"from minitrain.examples import gpt; assert gpt.main({argv!r} + ['--tp', '2', '--pp', '2', "
+              f"'--microbatches', '2', '--save-dir', {str(d)!r}, '--save-every', '3']) == 0")
+    run_mpi([sys.executable, "-c", script], n=4, timeout=300)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == ["step-00000003", "step-00000006"]
+    shutil.rmtree(d / "step-00000006")
+    resumed, whole = tmp_path / "resumed.json", tmp_path / "whole.json"
+    status, _, err = run(gpt, argv + ["--moe-groups", 2, "--save-dir", d, "--resume", "--json", resumed])
+    assert status == 0, err
+    assert run(gpt, argv + ["--moe-groups", 2, "--json", whole])[0] == 0
+    resumed, whole = json.loads(resumed.read_text()), json.loads(whole.read_text())
+    assert resumed["first_step"] == 3
+    np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0)
