@@ -1,9 +1,10 @@
 """A GPT with MoE layers on GPT3D (experts replicated on the tp ranks, ep = 1) trains as one process does:
 float64, losses and parameters within 1e-10 relative, and the step's MoE figures (load_max_over_mean,
-tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe and
-1F1B, 2 and 4 micro-batches, interleaved), tp x pp and dp x pp, dropless and with a capacity factor
-counted over the same GShard groups (one process given moe_groups G = the run's). In-process
-(ThreadWorld) for the model; the job's --json under mpiexec at 2 and 4 ranks against one process's job."""
+tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe,
+1F1B, interleaved, zero-bubble; 2 and 4 micro-batches), tp x pp and dp x pp, dropless and with a
+capacity factor counted over the same GShard groups (one process given moe_groups G = the run's), with
+and without full recomputation. In-process (ThreadWorld) for the model; the job's --json under mpiexec
+at 2 and 4 ranks against one process's job; a checkpoint of tp x pp resumed in one process."""
 import dataclasses
 import json
 import shutil
@@ -80,6 +81,9 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
                                                                 moe_every=2)),
     "pp2 interleaved m2": (dict(pp=2), dict(schedule="interleaved_1f1b", num_microbatches=2, chunks=2),
                            dict(n_layer=4, moe_groups=2)),
+    # zero-bubble: the aux loss's gradient reaches the router through the deferred weight gradients (W)
+    "pp2 zb_h1 m2": (dict(pp=2), dict(schedule="zb_h1", num_microbatches=2), dict(moe_groups=2)),
+    "pp2 zbv m2": (dict(pp=2), dict(schedule="zbv", num_microbatches=2, chunks=2), dict(n_layer=4, moe_groups=2)),
     # full recomputation (GPT3D's config only; the reference recomputes nothing)
     "pp2 1f1b m2 recompute full": (dict(pp=2), dict(schedule="1f1b", num_microbatches=2),
                                    dict(moe_groups=2, recompute="full")),
