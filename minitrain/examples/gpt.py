@@ -5,6 +5,7 @@
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
+    mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --pp 2 --microbatches 2
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
 mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
@@ -13,9 +14,12 @@ and the rest is data parallelism (--dp defaults to N / (pp·tp)); --zero shards 
 gradients, parameters over it (ZeRO-1, 2, 3; parallel/zero_3d.py). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
---moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
-or data parallelism, gpt_moe.py; --ep N shards the experts over blocks of N data-parallel ranks); the
-table and --json report its load, dropped tokens, balancing loss and all-to-all bytes.
+--moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process;
+data parallelism in gpt_moe.py, where --ep N shards the experts over blocks of N data-parallel ranks;
+with --tp, --pp or --microbatches, GPT3D with the experts replicated on the tp ranks); the table and
+--json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
+groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
+process given the run's G trains the same model.
 """
 import sys
 import time
@@ -67,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
                         "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
-    moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
+    moe = p.add_argument_group("mixture of experts (nn/moe.py; experts replicated on the tp ranks, or sharded over dp by --ep)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
     moe.add_argument("--moe-top-k", type=cli.positive_int, default=2, help="experts each token is routed to")
@@ -80,8 +84,8 @@ def parse_args(argv=None):
                      help="the load-balancing loss's weight (Switch's alpha)")
     moe.add_argument("--moe-groups", type=cli.positive_int, default=None,
                      help="GShard's groups: the global batch's rows cut into G contiguous groups, capacity and the "
-                          "balancing loss counted per group; a multiple of the data-parallel replicas, each "
-                          "holding G/dp of them (default: the data-parallel replicas, 1 in one process)")
+                          "balancing loss counted per group; a multiple of dp x micro-batches, each micro-batch "
+                          "of each replica holding G/(dp·m) of them (default: dp x micro-batches, 1 in one process)")
     moe.add_argument("--ep", type=cli.positive_int, default=1,
                      help="expert-parallel ranks: each block of EP consecutive data-parallel ranks holds every expert "
                           "once, E/EP per rank, tokens dispatched by all-to-all (EP divides the data-parallel ranks "
@@ -118,10 +122,12 @@ def check_moe(p, args):
         p.error(f"--moe-top-k {args.moe_top_k} exceeds --moe-experts {args.moe_experts}")
     if args.moe_every > args.n_layer:
         p.error(f"--moe-every {args.moe_every} exceeds --n-layer {args.n_layer}: no block would be an MoE layer")
-    dp = args.dp or launch_info()[1]
-    groups = args.moe_groups or dp
-    if groups % dp:
-        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas")
+    dp = args.dp or max(1, launch_info()[1] // (args.tp * args.pp))
+    m = args.microbatches
+    groups = args.moe_groups or dp * m
+    if groups % (dp * m):
+        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas"
+                + (f" x {m} micro-batches (each routes whole groups)" if m > 1 else ""))
     if args.batch_size % groups:
         p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows")
     if args.moe_experts % args.ep:
@@ -142,7 +148,7 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
-    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
+    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1:
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
     if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:

@@ -43,10 +43,11 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
 
 
 def moe_options(args, dp=1):
-    """GPTConfig's MoE fields for the whole global batch (groups: --moe-groups, default one per replica)."""
+    """GPTConfig's MoE fields for the whole global batch (groups: --moe-groups, default one per replica and
+    micro-batch: each routes its own rows)."""
     return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "moe_capacity_factor": args.moe_capacity_factor,
             "moe_every": args.moe_every, "moe_aux_loss_coef": args.moe_aux_loss_coef,
-            "moe_groups": args.moe_groups or dp}
+            "moe_groups": args.moe_groups or dp * args.microbatches}
 
 
 def gpt_config(args, vocab_size, dp=1, replica=False):

@@ -13,7 +13,9 @@ hooks around each block's forward, on the tensor-parallel communicator) beside M
 pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
-resumes on any other mesh (or in one process).
+resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
+its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
+figures gathered from every stage, as one process given the same --moe-groups reports them.
 """
 import contextlib
 import sys
@@ -28,7 +30,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import estimate_loss, gpt_config, layout, nothing_left, scheduler_for
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_summary, nothing_left, sample_model,
+                                           scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -119,7 +122,7 @@ def main_parallel(args):
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
         del state
     memory.reset_peak()
-    losses = []
+    losses, moe = [], []
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
@@ -141,6 +144,8 @@ def main_parallel(args):
             opt.step()
             scheduler.step()
         losses.append(loss)
+        if model.moe_layers:
+            moe.append(model.moe_statistics)
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -167,7 +172,9 @@ def main_parallel(args):
     B, T, C = args.batch_size, args.block_size, args.n_embd
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
+    # 2 all-reduces (or RS + AG pairs) forward; an MoE block 1 (its experts are replicated), over the blocks
+    all_reduces = np.mean([1 if config.is_moe_layer(i) else 2 for i in range(config.n_layer)])
+    formula = all_reduces * 2 * (tp - 1) / tp * b * T * C * itemsize
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
@@ -186,6 +193,10 @@ def main_parallel(args):
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
+    moe_block, moe_line = moe_summary(moe) if moe else (None, None)
+    if moe_line:
+        print(f"{args.moe_experts} experts per MoE layer, replicated on the tp ranks; --moe-groups {config.moe_groups}")
+        print(moe_line)
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
@@ -194,11 +205,14 @@ def main_parallel(args):
               + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
-          " backward sends the same again; '-': a stage without blocks)")
-    compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size)
+          " backward sends the same again; '-': a stage without blocks"
+          + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
+          + ")")
+    compared = None if config.moe_experts else plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt",
+                                                                vocab_size=config.vocab_size)
     show_plan(args, compared)
-    sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
-                           rng=np.random.default_rng(args.seed))
+    sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
+                                                 top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
@@ -214,7 +228,7 @@ def main_parallel(args):
             "elapsed_seconds": elapsed, "planner": compared,
             "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            **({"moe": moe_block} if moe_block else {}), **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,

@@ -56,7 +56,6 @@ def refuse_longer_than_the_corpus(parser, option, value, splits):
 
 
 MOE_OPTIONS = ("--moe-top-k", "--moe-capacity-factor", "--moe-every", "--moe-aux-loss-coef", "--moe-groups")
-MOE_NOT_BUILT = "not supported yet: expert parallelism and MoE under tensor/pipeline parallelism are not built"
 
 
 def refuse_moe(parser, args, given):
@@ -65,17 +64,13 @@ def refuse_moe(parser, args, given):
             if option in given:
                 cli.refuse(parser, option, "--moe-experts 0", "no block has an MoE layer: give --moe-experts E")
         return
-    for option, asked, why in (("--tp", args.tp > 1, MOE_NOT_BUILT), ("--pp", args.pp > 1, MOE_NOT_BUILT),
-                               ("--microbatches", args.microbatches > 1,
-                                "not supported yet: each micro-batch would route and count capacity on its own")):
-        if asked:
-            cli.refuse(parser, option, f"--moe-experts {args.moe_experts}", why)
+    if args.sequence_parallel:
+        cli.refuse(parser, "--sequence-parallel", f"--moe-experts {args.moe_experts}",
+                   "the experts are replicated on the tp ranks and route whole sequences; routing by sequence "
+                   "shard is not built")
     if args.show_plan:
         cli.refuse(parser, "--show-plan", f"--moe-experts {args.moe_experts}",
                    "the planner models dense MLPs, not experts")
-    if args.recompute == "full":
-        cli.refuse(parser, "--recompute full", f"--moe-experts {args.moe_experts}",
-                   "a recomputed block's balancing loss would leave the graph; give --recompute selective")
 
 
 EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"

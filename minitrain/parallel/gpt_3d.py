@@ -24,6 +24,14 @@ is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: 
 depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
 other masks than one process; tied embeddings across the first and last stage would need
 Megatron's extra embedding all-reduce (refused with a clear error).
+
+A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
+tp ranks, and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
+(nn/moe.py, tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
+groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
+routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
+and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
+plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage.
 """
 import math
 
@@ -37,6 +45,7 @@ from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
+from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
 
 
 class EmbeddingStage(Module):
@@ -76,7 +85,7 @@ class GPT3D:
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
                  sequence_parallel=False, zero=0):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
-        self.dp, self.pp, self.tp = dp, pp, tp
+        self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
@@ -84,11 +93,21 @@ class GPT3D:
         if layers < pp * chunks:
             raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
                              f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
+        self.groups = gpt.config.moe_groups if gpt.config.moe_experts else 1
+        if gpt.config.moe_experts and self.groups % (dp * num_microbatches):
+            raise ValueError(f"[rank {comm.rank}] moe_groups {self.groups} is not a multiple of dp x micro-batches = "
+                             f"{dp} x {num_microbatches}: each micro-batch routes whole capacity groups")
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
+        for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
+            layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
+            layer.record_step = True
+        self.moe_statistics = None
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
-                                     chunks=chunks, dp_comm=self.mesh.comm("dp"))
+                                     chunks=chunks, dp_comm=self.mesh.comm("dp"),
+                                     find_unused_parameters=bool(self.moe_layers))   # an idle expert: no grad
         self.zero = self._shard_over_dp(zero, schedule)
 
     def _shard_over_dp(self, stage, schedule):
@@ -119,6 +138,11 @@ class GPT3D:
 
     def train_step(self, idx, targets):
         n, d = len(idx), self.mesh.coordinate("dp")
+        if n % self.groups:
+            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
+                             f"moe_groups {self.groups} groups of whole rows")
+        for layer in self.moe_layers:
+            layer.reset_step()
         # contiguous rows per replica; where dp does not divide n the first n % dp take one more
         # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
@@ -131,6 +155,9 @@ class GPT3D:
             self.zero.reduce_gradients()                          # the dp mean, each rank its shard
         if self.dp > 1:                                           # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
+        if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
+            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
+            loss += self.moe_statistics[2]
         return loss
 
     def clip_grad_norm_(self, max_norm):
