@@ -47,7 +47,8 @@ class ExpertParallelMoE(MoE):
         E = moe.num_experts
         if E % comm.size:
             raise ValueError(f"expert parallelism: {E} experts do not split evenly over {comm.size} ranks")
-        for name in ("num_experts", "top_k", "groups", "capacity_factor", "aux_loss_coef", "normalize_gates"):
+        for name in ("num_experts", "top_k", "groups", "capacity_factor", "aux_loss_coef", "normalize_gates",
+                     "aux_loss_scale"):
             setattr(self, name, getattr(moe, name))
         self.comm, self.first_expert = comm, expert_range(E, comm).start
         self.router = moe.router
