@@ -1,5 +1,5 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
-[--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
+[--dp D] [--sequence-parallel] [--schedule 1f1b|zb_h1|... --microbatches M --chunks V] [--dropout P]
 [--recompute full|selective] [--offload-activations].
 
 The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
@@ -32,6 +32,19 @@ from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
 from minitrain.parallel.gpt_3d import GPT3D
+
+
+def bubble_costs(pipe):
+    """What the bubble figure assumes: equal stages; for zb_h1 and zbv (no closed form) F = B = W per
+    chunk, the costs the runtime's formula_bubble_fraction simulates by default."""
+    return {"F": 1.0, "B": 1.0, "W": 1.0} if pipe.split_backward else None
+
+
+def bubble_line(pipe):
+    if pipe.split_backward:
+        return (f"bubble {pipe.formula_bubble_fraction():.3f} simulated (no closed form) with equal stages and "
+                f"F = B = W per chunk (forward, input-gradient and weight-gradient work)")
+    return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
 def main_parallel(args):
@@ -152,8 +165,7 @@ def main_parallel(args):
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
-              + (f", {args.chunks} chunks" if args.chunks > 1 else "")
-              + f": bubble by the formula {model.pipe.formula_bubble_fraction():.3f}")
+              + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
@@ -179,6 +191,7 @@ def main_parallel(args):
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),
+            "bubble_formula_costs": bubble_costs(model.pipe),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],

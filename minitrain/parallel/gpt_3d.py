@@ -74,10 +74,13 @@ class GPT3D:
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
+        if schedule == "zbv" and chunks == 1:
+            chunks = 2                                            # the default: zbv's V is 2 chunks per rank
         layers = gpt.config.n_layer + 2
         if layers < pp * chunks:
             raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
-                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
+                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages"
+                             + (" (zbv's V: 2 chunks per rank)" if schedule == "zbv" else ""))
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
