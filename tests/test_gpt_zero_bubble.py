@@ -204,3 +204,5 @@ def test_the_job_trains_as_one_process_and_says_which_bubble(tmp_path, n, flags)
     assert report["bubble_formula"] == pytest.approx(formula_bubble_fraction(schedule, 2, m, 1, 1.0, 1.0, 1.0))
     assert report["bubble_formula_costs"] == {"F": 1.0, "B": 1.0, "W": 1.0}
     assert "simulated (no closed form) with equal stages and F = B = W per chunk" in result.stdout
+    assert "the planner models the GPT's pipeline under gpipe, 1f1b or interleaved_1f1b" in \
+        report["planner"]["refused"]                                   # not validated for zb on the GPT

@@ -9,8 +9,14 @@ Nothing new is computed here: the pieces already exist and only meet.
 * tensor_parallelize shards the GPT over the tp communicator.
 * The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
   and PipelineParallel cuts it into stages over the pp communicator and runs a schedule
-  (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
-  their collectives line up; activations go to the next stage's rank with the same tp coordinate.
+  (GPipe, 1F1B, interleaved, or the zero-bubble ZB-H1 and ZB-V of Qi et al. 2024, zbv's V putting
+  the embedding and the head on the first rank). Within a stage the tp ranks run the same schedule in
+  lockstep, so their collectives line up; activations go to the next stage's rank with the same tp
+  coordinate.
+* Zero-bubble schedules split each backward into B and W (autograd.defer_weight_grads): the nodes
+  with a weight among their inputs run twice, for the input's gradient in B, for the weights' in W.
+  The f/g collectives have no weight, so they stay in B; sequence parallelism's AllGatherLinear does
+  its reduce-scatter in B and its re-gather in W, on every tp rank alike (no byte is sent twice).
 * Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
