@@ -1,7 +1,7 @@
 """Zero-bubble schedules on the GPT (Qi et al. 2024: ZB-H1, ZB-V) through GPT3D and the GPT job: in
 float64 every layout trains with one process's losses (within 1e-10 relative, 10 steps of SGD with
-momentum and clipping by the global norm), with tp (and sequence parallelism), dp, recompute and
-uneven micro-batches; zbv's V puts the embedding and the head on rank 0; the split backward sends on
+momentum and clipping by the global norm) at 2 and 4 ranks, with tp (and sequence parallelism), dp,
+recompute and uneven micro-batches; zbv's V puts the embedding and the head on rank 0; the split backward sends on
 the tensor-parallel communicator what the whole one sends; the --chunks rules and the layers that cannot
 fill the V are one clear error; the job's bubble says which costs it simulates."""
 import json
@@ -85,6 +85,9 @@ CASES = {   # mesh, GPT3D's pipeline options (and B: the global batch's rows), G
     "pp2xtp2 zb_h1 recompute selective": (dict(pp=2, tp=2), dict(schedule="zb_h1", num_microbatches=2),
                                           dict(recompute="selective")),
     "pp2 zbv 5 rows into m3": (dict(pp=2), dict(schedule="zbv", num_microbatches=3, B=5), {}),
+    "pp2 zbv m1": (dict(pp=2), dict(schedule="zbv", num_microbatches=1), {}),
+    "pp4 zb_h1 m8": (dict(pp=4), dict(schedule="zb_h1", num_microbatches=8), {}),
+    "pp4 zbv m4, 8 layers in the V": (dict(pp=4), dict(schedule="zbv", num_microbatches=4), dict(n_layer=6)),
 }
 
 
