@@ -164,6 +164,10 @@ def test_what_cannot_work_is_one_clear_error():
     config, _ = initial()
     with pytest.raises(ValueError, match=r"4 layers cannot fill pp x chunks = 6 pipeline stages \(zbv's V: 2 chunks"):
         ThreadWorld(3).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=3, schedule="zbv", num_microbatches=3))
+    with pytest.raises(ValueError, match=r"zbv is a V of exactly 2 chunks per stage, got chunks=3"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=2, schedule="zbv", chunks=3))
+    with pytest.raises(ValueError, match=r"chunks=2 needs the interleaved_1f1b schedule, not 'zb_h1'"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=2, schedule="zb_h1", chunks=2))
     tied = nn.GPTConfig(**CONFIG, tie_weights=True)
     for schedule in ("zb_h1", "zbv"):
         with pytest.raises(ValueError, match=r"\[rank \d\] tied embeddings with pp = 2"):

@@ -37,6 +37,7 @@ from ..comm import DeviceMesh, all_reduce
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
+from .pipeline.schedules import default_chunks
 from .tensor_parallel import positions, tensor_parallelize
 
 
@@ -80,8 +81,8 @@ class GPT3D:
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
-        if schedule == "zbv" and chunks == 1:
-            chunks = 2                                            # the default: zbv's V is 2 chunks per rank
+        # chunks=1, the default, means the schedule's own: zbv's V is 2 per rank (any other count is refused)
+        chunks = default_chunks(schedule, None if schedule == "zbv" and chunks == 1 else chunks)
         layers = gpt.config.n_layer + 2
         if layers < pp * chunks:
             raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
