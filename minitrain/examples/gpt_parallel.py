@@ -9,7 +9,8 @@ alone a pipeline, no flag plain data parallelism. Every rank draws the same glob
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
-pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
+pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stages), memory per rank,
+and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process).
