@@ -213,3 +213,11 @@ def test_the_job_trains_as_one_process_and_says_which_bubble(tmp_path, n, flags)
     assert "simulated (no closed form) with equal stages and F = B = W per chunk" in result.stdout
     assert "the planner models the GPT's pipeline under gpipe, 1f1b or interleaved_1f1b" in \
         report["planner"]["refused"]                                   # not validated for zb on the GPT
+
+
+def test_the_job_refuses_layers_that_cannot_fill_the_v_in_one_line():
+    result = run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--pp", "2", "--schedule", "zbv", "--n-layer", "1",
+                      "--steps", "2", "--no-progress"], n=2, timeout=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "3 layers cannot fill pp x chunks = 4 pipeline stages (zbv's V: 2 chunks" in errors[0]
