@@ -4,6 +4,7 @@
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
+    mpirun -n 2 python -m minitrain.examples.gpt --pp 2 --schedule zb_h1|zbv --microbatches 4
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
     mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --pp 2 --microbatches 2
 
@@ -64,10 +65,12 @@ def parse_args(argv=None):
                    help="with --tp: LayerNorm and dropout regions split along the sequence (Korthikanti et al.)")
     p.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=cli.positive_int, default=None, help="data-parallel replicas (default: ranks / (pp·tp))")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
-                   help="pipeline schedule (with --pp)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"], default="1f1b",
+                   help="pipeline schedule (with --pp); zb_h1 and zbv split each backward into B (input gradient) "
+                        "and W (weight gradient, deferred to fill the bubble)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
-    p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=cli.positive_int, default=1,
+                   help="virtual stages per rank (interleaved_1f1b; zbv always has 2)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
                         "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
@@ -108,8 +111,10 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is not divisible by --tp {args.tp} (sequence parallelism)")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1")
-    if args.chunks > 1 and args.schedule != "interleaved_1f1b":
+    if args.chunks > 1 and args.schedule not in ("interleaved_1f1b", "zbv"):
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
+    if args.schedule == "zbv":
+        args.chunks = 2                     # zbv's V: the first and last virtual stages on rank 0
     check_moe(p, args)
     checkpointing.check_resume(p, args)
     return args

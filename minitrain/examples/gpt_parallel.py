@@ -1,5 +1,5 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
-[--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
+[--dp D] [--sequence-parallel] [--schedule 1f1b|zb_h1|... --microbatches M --chunks V] [--dropout P]
 [--recompute full|selective] [--offload-activations] [--zero 1|2|3].
 
 The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
@@ -10,7 +10,8 @@ and parameters (3) over its dp replicas (parallel/zero_3d.py). Every rank draws 
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
-pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
+pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stages), memory per rank,
+and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
@@ -57,6 +58,19 @@ def zero_memory(stage, dp, table):
                         "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments) at 1 to 3",
             "ranks": [{"rank": r, "expected": dict(zip(MODEL_STATES, map(int, v[12:15]))),
                        "measured": dict(zip(MODEL_STATES, map(int, v[2:5])))} for r, v in enumerate(table)]}
+
+
+def bubble_costs(pipe):
+    """What the bubble figure assumes: equal stages; for zb_h1 and zbv (no closed form) F = B = W per
+    chunk, the costs the runtime's formula_bubble_fraction simulates by default."""
+    return {"F": 1.0, "B": 1.0, "W": 1.0} if pipe.split_backward else None
+
+
+def bubble_line(pipe):
+    if pipe.split_backward:
+        return (f"bubble {pipe.formula_bubble_fraction():.3f} simulated (no closed form) with equal stages and "
+                f"F = B = W per chunk (forward, input-gradient and weight-gradient work)")
+    return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
 def main_parallel(args):
@@ -183,8 +197,7 @@ def main_parallel(args):
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
-              + (f", {args.chunks} chunks" if args.chunks > 1 else "")
-              + f": bubble by the formula {model.pipe.formula_bubble_fraction():.3f}")
+              + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
     if args.zero:
         print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
               + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
@@ -222,6 +235,7 @@ def main_parallel(args):
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),
+            "bubble_formula_costs": bubble_costs(model.pipe),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],

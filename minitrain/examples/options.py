@@ -99,6 +99,12 @@ def refuse_gpt(parser, args, given):
         for option in ("--schedule", "--chunks"):
             if option in given:
                 cli.refuse(parser, option, "--pp 1", "one stage has no pipeline schedule: give --pp 2 or more")
+    if "--chunks" in given and args.schedule == "zb_h1":
+        cli.refuse(parser, "--chunks", "--schedule zb_h1", "ZB-H1 runs one chunk per rank; zbv is the zero-bubble "
+                                                          "schedule with 2, a V")
+    if "--chunks" in given and args.schedule == "zbv" and args.chunks != 2:
+        cli.refuse(parser, f"--chunks {args.chunks}", "--schedule zbv", "its V is exactly 2 chunks per rank: "
+                                                                         "give --chunks 2 or leave it out")
 
 
 def refuse_generate(parser, args, given):

@@ -9,8 +9,14 @@ Nothing new is computed here: the pieces already exist and only meet.
 * tensor_parallelize shards the GPT over the tp communicator.
 * The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
   and PipelineParallel cuts it into stages over the pp communicator and runs a schedule
-  (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
-  their collectives line up; activations go to the next stage's rank with the same tp coordinate.
+  (GPipe, 1F1B, interleaved, or the zero-bubble ZB-H1 and ZB-V of Qi et al. 2024, zbv's V putting
+  the embedding and the head on the first rank). Within a stage the tp ranks run the same schedule in
+  lockstep, so their collectives line up; activations go to the next stage's rank with the same tp
+  coordinate.
+* Zero-bubble schedules split each backward into B and W (autograd.defer_weight_grads): the nodes
+  with a weight among their inputs run twice, for the input's gradient in B, for the weights' in W.
+  The f/g collectives have no weight, so they stay in B; sequence parallelism's AllGatherLinear does
+  its reduce-scatter in B and its re-gather in W, on every tp rank alike (no byte is sent twice).
 * Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
@@ -43,6 +49,7 @@ from ..comm import DeviceMesh, all_reduce
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
+from .pipeline.schedules import default_chunks
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
@@ -89,10 +96,13 @@ class GPT3D:
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
+        # chunks=1, the default, means the schedule's own: zbv's V is 2 per rank (any other count is refused)
+        chunks = default_chunks(schedule, None if schedule == "zbv" and chunks == 1 else chunks)
         layers = gpt.config.n_layer + 2
         if layers < pp * chunks:
             raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
-                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
+                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages"
+                             + (" (zbv's V: 2 chunks per rank)" if schedule == "zbv" else ""))
         self.groups = gpt.config.moe_groups if gpt.config.moe_experts else 1
         if gpt.config.moe_experts and self.groups % (dp * num_microbatches):
             raise ValueError(f"[rank {comm.rank}] moe_groups {self.groups} is not a multiple of dp x micro-batches = "
