@@ -11,6 +11,11 @@ Nothing new is computed here: the pieces already exist and only meet.
   and PipelineParallel cuts it into stages over the pp communicator and runs a schedule
   (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
   their collectives line up; activations go to the next stage's rank with the same tp coordinate.
+* With cp > 1 (context parallelism, context_parallel/gpt.py) each rank takes T/cp positions of every
+  row (zig-zag for the ring, contiguous for Ulysses), its blocks' attention runs over the cp
+  communicator, and the pipeline's activations are the local chunk (b, T/cp, C). Each rank's loss
+  is the mean over its tokens (the cp ranks hold as many each), so averaging over dp x cp (the
+  mesh's "dp_cp" communicator, in place of dp's) gives the global batch's mean and its gradient.
 * Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
@@ -31,6 +36,7 @@ from ..comm import DeviceMesh, all_reduce
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
+from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 
 
@@ -41,10 +47,13 @@ class EmbeddingStage(Module):
         super().__init__()
         self.comm, self.sequence_parallel = model.comm, model.sequence_parallel
         self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.cp_positions = None                         # context parallelism: the positions this rank holds
 
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
         pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        if self.cp_positions is not None:
+            pos = array_module(idx).asarray(self.cp_positions)[pos]
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -68,9 +77,10 @@ class GPT3D:
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False):
-        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
+                 sequence_parallel=False, cp=1, cp_method="ring"):
+        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.dp, self.pp, self.tp = dp, pp, tp
+        self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
@@ -80,9 +90,10 @@ class GPT3D:
                              f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
-                                     chunks=chunks, dp_comm=self.mesh.comm("dp"))
+                                     chunks=chunks, dp_comm=self.mesh.comm("dp_cp"))
 
     def parameters(self):
         return self.pipe.parameters()
@@ -96,10 +107,14 @@ class GPT3D:
         # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
-        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss, global_rows=n)
+        idx, targets = idx[rows], targets[rows]
+        if self.cp > 1:                                           # this rank's positions of every row
+            cols = self.layers[0].cp_positions = sequence_positions(idx.shape[1], self.mesh.comm("cp"), self.cp_method)
+            idx, targets = idx[:, cols], targets[:, cols]
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
-        if self.dp > 1:                                           # the replicas' mean: the global batch's
-            loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
+        if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
+            loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         return loss
 
     def clip_grad_norm_(self, max_norm):

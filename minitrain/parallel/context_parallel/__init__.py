@@ -1,0 +1,7 @@
+"""Context parallelism: the sequence split across ranks, attention computed without any rank
+holding the whole sequence: ring attention (ring.py, contiguous or zig-zag, zigzag.py) or
+DeepSpeed-Ulysses' all-to-alls (ulysses.py)."""
+from .ring import ring_attention
+from .zigzag import chunks_per_rank, positions_of, zigzag_indices
+
+__all__ = ["ring_attention", "chunks_per_rank", "positions_of", "zigzag_indices"]
