@@ -4,6 +4,7 @@
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
+    mpirun -n 4 python -m minitrain.examples.gpt --cp 2 [--cp-method ring|ulysses] [--tp 2 | --dp 2 | --pp 2]
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
@@ -12,6 +13,8 @@ mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/exampl
 and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
+--cp N splits every sequence over N ranks (context parallelism: ring attention with the zig-zag layout, or
+DeepSpeed-Ulysses' all-to-alls; parallel/context_parallel/); the table and --json report its bytes and balance.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
 or data parallelism, gpt_moe.py); the table and --json report its load, dropped tokens and balancing loss.
 """
@@ -62,6 +65,12 @@ def parse_args(argv=None):
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    cp = p.add_argument_group("context parallelism (parallel/context_parallel/)")
+    cp.add_argument("--cp", type=cli.positive_int, default=1,
+                    help="context-parallel ranks: each holds block-size/N positions of every sequence")
+    cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                    help="ring: K/V blocks round a ring, zig-zag layout (2N chunks, rank r holds r and 2N-1-r); "
+                         "ulysses: all-to-alls from sequence- to head-sharded around attention (contiguous layout)")
     moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
@@ -97,9 +106,25 @@ def parse_args(argv=None):
         p.error("--sequence-parallel needs --tp > 1")
     if args.chunks > 1 and args.schedule != "interleaved_1f1b":
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
+    check_cp(p, args)
     check_moe(p, args)
     checkpointing.check_resume(p, args)
     return args
+
+
+def check_cp(p, args):
+    if args.cp == 1:
+        return
+    chunks = 2 * args.cp if args.cp_method == "ring" else args.cp
+    if args.block_size % chunks:
+        p.error(f"--block-size {args.block_size} does not split into {chunks} equal chunks "
+                f"(--cp {args.cp} --cp-method {args.cp_method})")
+    if args.cp_method == "ulysses" and args.n_head % (args.cp * args.tp):
+        p.error(f"--n-head {args.n_head} is not divisible by --cp {args.cp} x --tp {args.tp}: Ulysses gives each "
+                f"rank whole heads")
+    if args.sequence_parallel and (args.block_size // args.cp) % args.tp:
+        p.error(f"--block-size {args.block_size} / --cp {args.cp} is not divisible by --tp {args.tp} "
+                f"(sequence parallelism splits each rank's positions)")
 
 
 def check_moe(p, args):
@@ -132,7 +157,7 @@ def _main(argv=None):
     if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()

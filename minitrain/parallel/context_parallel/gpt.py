@@ -63,3 +63,14 @@ def sequence_positions(seq_len, comm, method="ring"):
     """The positions this cp rank holds of a sequence of ``seq_len`` (one clear error if it does not split)."""
     check_seq_len(seq_len, comm.size, METHODS[method])
     return positions_of(seq_len, comm.size, comm.rank, METHODS[method])
+
+
+def cp_bytes_formula(method, cp, seq_len, width, itemsize):
+    """Bytes one cp rank sends per row of the batch and per block, forward and backward, with ``width``
+    = its heads x head size (n_embd / tp). Ring: (6cp - 4) blocks of (T/cp)·width (K, V forward cp-1 times;
+    K, V, dK, dV backward cp-1 times; dK, dV home once). Ulysses: 4 all-to-alls forward (q, k, v, output)
+    and 4 backward, each (cp-1)/cp of (T/cp)·width."""
+    block = seq_len // cp * width * itemsize
+    if cp == 1:
+        return 0
+    return (6 * cp - 4) * block if method.startswith("ring") else 8 * (cp - 1) * block // cp
