@@ -206,3 +206,76 @@ def test_gpt_3d_refuses_what_context_parallelism_cannot_split():
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**CONFIG)), comm, cp=2, cp_method="striped"))
     with pytest.raises(ValueError, match="dropout=0.1 with context parallelism is not built"):
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**CONFIG, dropout=0.1)), comm, cp=2))
+
+
+# ---------------------------------------------------------------- the GPT job with --cp
+JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 4, "--block-size", 16,
+       "--batch-size", 4, "--sample-chars", 4, "--steps", 10]
+LAUNCHES = {   # ranks -> {name: extra options}
+    2: {"ring": ["--cp", 2], "ulysses": ["--cp", 2, "--cp-method", "ulysses"]},
+    4: {"ring dp2": ["--cp", 2, "--dp", 2], "ring tp2": ["--cp", 2, "--tp", 2],
+        "ring pp2": ["--cp", 2, "--pp", 2, "--microbatches", 2],
+        "ulysses tp2 sp": ["--cp", 2, "--tp", 2, "--sequence-parallel", "--cp-method", "ulysses"]},
+}
+
+
+@pytest.fixture(scope="module")
+def job_runs(tmp_path_factory):
+    """Every layout of LAUNCHES, one mpiexec launch per world size; and one process's run."""
+    from minitrain.examples import gpt
+    from minitrain.testing import run_mpi
+    from test_resume_guards import run
+    d = tmp_path_factory.mktemp("cp")
+    reports = {}
+    for n, layouts in LAUNCHES.items():
+        calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra]!r} + ['--json', {str(d / f'{name}.json')!r}]) == 0"
+                          for name, extra in layouts.items())
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
+                n=n, timeout=300)
+        reports.update({name: json.loads((d / f"{name}.json").read_text()) for name in layouts})
+    status, _, err = run(gpt, JOB + ["--json", d / "one.json"])
+    assert status == 0, err
+    return reports, json.loads((d / "one.json").read_text())
+
+
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
+def test_the_gpt_job_with_cp_trains_with_one_process_s_losses(job_runs, name):
+    reports, one = job_runs
+    report = reports[name]
+    assert report["cp"]["size"] == 2 and report["cp_method"] == name.split()[0]
+    assert len(report["losses"]) == len(one["losses"]) == 10
+    np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
+def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_balanced(job_runs, name):
+    cp = job_runs[0][name]["cp"]
+    assert set(cp) == {"size", "method", "layout", "bytes_from", "bytes_per_step", "bytes_formula",
+                       "compute_max_over_mean"}
+    assert cp["bytes_per_step"] == cp["bytes_formula"] > 0
+    assert cp["compute_max_over_mean"] <= 1.05
+    # by hand, rank 0: 2 blocks (1 with pp 2) x its replica's rows x (T/cp = 8) x (C/tp) x 8 bytes x the method's factor
+    blocks, rows, width = (1 if "pp2" in name else 2), (2 if "dp2" in name else 4), (16 if "tp2" in name else 32)
+    factor = 8 * (2 - 1) / 2 if cp["method"] == "ulysses" else 6 * 2 - 4
+    assert cp["bytes_per_step"] == blocks * rows * 8 * width * 8 * factor
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--cp", 2, "--block-size", 18], "--block-size 18 does not split into 4 equal chunks (--cp 2 --cp-method ring)"),
+    (["--cp", 4, "--cp-method", "ulysses", "--block-size", 18], "--block-size 18 does not split into 4 equal chunks"),
+    (["--cp", 3, "--cp-method", "ulysses", "--block-size", 18],
+     "--n-head 4 is not divisible by --cp 3 x --tp 1: Ulysses gives each rank whole heads"),
+    (["--cp", 2, "--tp", 4, "--sequence-parallel", "--block-size", 20],
+     "--block-size 20 / --cp 2 is not divisible by --tp 4 (sequence parallelism"),
+    (["--cp-method", "ulysses"], "--cp-method is not supported with --cp 1"),
+    (["--cp", 2, "--dropout", 0.1], "--dropout is not supported with --cp 2"),
+    (["--cp", 2, "--recompute", "selective"], "--recompute selective is not supported with --cp 2"),
+    (["--cp", 2, "--moe-experts", 2], "--moe-experts is not supported with --cp 2"),
+    (["--cp", 0], "argument --cp: must be >= 1"),
+    (["--cp", 2, "--cp-method", "striped"], "argument --cp-method: invalid choice: 'striped'"),
+    (["--cp", 2], "--pp 1 x --cp 2 x --tp 1 = 2 ranks per replica do not divide this job's 1 ranks"),
+])
+def test_the_job_refuses_in_one_line(extra, needle):
+    from minitrain.examples import gpt
+    from test_resume_guards import refused
+    refused(gpt, JOB + extra, needle)
