@@ -227,20 +227,21 @@ def job_runs(tmp_path_factory):
     from test_resume_guards import run
     d = tmp_path_factory.mktemp("cp")
     reports = {}
+    saving = {"ring": ["--save-dir", str(d / "ckpt"), "--save-every", "5"]}   # resumed in one process below
     for n, layouts in LAUNCHES.items():
-        calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra]!r} + ['--json', {str(d / f'{name}.json')!r}]) == 0"
-                          for name, extra in layouts.items())
+        calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra] + saving.get(name, [])!r} + "
+                          f"['--json', {str(d / f'{name}.json')!r}]) == 0" for name, extra in layouts.items())
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
                 n=n, timeout=300)
         reports.update({name: json.loads((d / f"{name}.json").read_text()) for name in layouts})
     status, _, err = run(gpt, JOB + ["--json", d / "one.json"])
     assert status == 0, err
-    return reports, json.loads((d / "one.json").read_text())
+    return reports, json.loads((d / "one.json").read_text()), d / "ckpt"
 
 
 @pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
 def test_the_gpt_job_with_cp_trains_with_one_process_s_losses(job_runs, name):
-    reports, one = job_runs
+    reports, one, _ = job_runs
     report = reports[name]
     assert report["cp"]["size"] == 2 and report["cp_method"] == name.split()[0]
     assert len(report["losses"]) == len(one["losses"]) == 10
@@ -279,3 +280,18 @@ def test_the_job_refuses_in_one_line(extra, needle):
     from minitrain.examples import gpt
     from test_resume_guards import refused
     refused(gpt, JOB + extra, needle)
+
+
+def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_runs, tmp_path):
+    import shutil
+    from minitrain.examples import gpt
+    from test_resume_guards import run
+    reports, _, saved = job_runs
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    shutil.rmtree(ckpt / "step-00000010")                  # resume from step 5
+    status, _, err = run(gpt, JOB + ["--save-dir", ckpt, "--resume", "--json", tmp_path / "resumed.json"])
+    assert status == 0, err
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["first_step"] == 5
+    np.testing.assert_allclose(resumed["losses"], reports["ring"]["losses"][5:], rtol=1e-10, atol=0)
