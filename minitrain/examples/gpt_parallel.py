@@ -2,7 +2,7 @@
 [--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
 [--recompute full|selective] [--offload-activations] [--cp C --cp-method ring|ulysses].
 
-The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
+The N ranks form a DeviceMesh of dp x pp x cp x tp (tp innermost; --dp defaults to N / (pp·cp·tp))
 and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
 takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
 alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
