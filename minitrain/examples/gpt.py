@@ -8,9 +8,9 @@
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
-mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
---tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
-and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
+mpirun -n N the ranks form a dp x pp x cp x tp mesh (minitrain/examples/gpt_parallel.py):
+--tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages, --cp the
+sequence, and the rest is data parallelism (--dp defaults to N / (pp·cp·tp)). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
 --cp N splits every sequence over N ranks (context parallelism: ring attention with the zig-zag layout, or
