@@ -196,6 +196,23 @@ def test_gpt_3d_with_context_parallelism_equals_the_gpt_on_the_global_batch(case
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("method, ratio", [("ring", 1.0), ("ring_contiguous", 2 * 4 / (4 + 1)), ("ulysses", 1.0)])
+def test_gpt_3d_counts_the_attention_work_each_cp_rank_does(method, ratio):
+    """What the job's compute_max_over_mean reads: the cores' own counts over a training step, cp = 4
+    (the contiguous ring, GPT3D's private comparison method, at 2p/(p+1))."""
+    from minitrain.parallel.gpt_3d import GPT3D
+    from test_gpt_3d import CONFIG, data
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = GPT3D(nn.GPT(nn.GPTConfig(**CONFIG)), comm, cp=4, cp_method=method)
+        x, y = data(steps=1)[0]
+        model.train_step(x, y)
+        return sum(core.computed for core in model.cp_cores)
+    work = np.array(ThreadWorld(4).run(fn))
+    assert work.max() / work.mean() == pytest.approx(ratio, rel=1e-12)
+
+
 def test_gpt_3d_refuses_what_context_parallelism_cannot_split():
     from minitrain.parallel.gpt_3d import GPT3D
     from test_gpt_3d import CONFIG
@@ -213,7 +230,8 @@ JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "
        "--batch-size", 4, "--sample-chars", 4, "--steps", 10]
 LAUNCHES = {   # ranks -> {name: extra options}
     2: {"ring": ["--cp", 2], "ulysses": ["--cp", 2, "--cp-method", "ulysses"]},
-    4: {"ring dp2": ["--cp", 2, "--dp", 2], "ring tp2": ["--cp", 2, "--tp", 2],
+    4: {"ring cp4": ["--cp", 4], "ulysses cp4": ["--cp", 4, "--cp-method", "ulysses"],
+        "ring dp2": ["--cp", 2, "--dp", 2], "ring tp2": ["--cp", 2, "--tp", 2],
         "ring pp2": ["--cp", 2, "--pp", 2, "--microbatches", 2],
         "ulysses tp2 sp": ["--cp", 2, "--tp", 2, "--sequence-parallel", "--cp-method", "ulysses"]},
 }
@@ -243,7 +261,7 @@ def job_runs(tmp_path_factory):
 def test_the_gpt_job_with_cp_trains_with_one_process_s_losses(job_runs, name):
     reports, one, _ = job_runs
     report = reports[name]
-    assert report["cp"]["size"] == 2 and report["cp_method"] == name.split()[0]
+    assert report["cp"]["size"] == (4 if "cp4" in name else 2) and report["cp_method"] == name.split()[0]
     assert len(report["losses"]) == len(one["losses"]) == 10
     np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
 
@@ -255,10 +273,11 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
                        "compute_max_over_mean"}
     assert cp["bytes_per_step"] == cp["bytes_formula"] > 0
     assert cp["compute_max_over_mean"] <= 1.05
-    # by hand, rank 0: 2 blocks (1 with pp 2) x its replica's rows x (T/cp = 8) x (C/tp) x 8 bytes x the method's factor
+    # by hand, rank 0: 2 blocks (1 with pp 2) x its replica's rows x T/cp x (C/tp) x 8 bytes x the method's factor
     blocks, rows, width = (1 if "pp2" in name else 2), (2 if "dp2" in name else 4), (16 if "tp2" in name else 32)
-    factor = 8 * (2 - 1) / 2 if cp["method"] == "ulysses" else 6 * 2 - 4
-    assert cp["bytes_per_step"] == blocks * rows * 8 * width * 8 * factor
+    p = cp["size"]
+    factor = 8 * (p - 1) / p if cp["method"] == "ulysses" else 6 * p - 4
+    assert cp["bytes_per_step"] == blocks * rows * 16 // p * width * 8 * factor
 
 
 @pytest.mark.parametrize("extra, needle", [
