@@ -252,7 +252,11 @@ def job_runs(tmp_path_factory):
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
                 n=n, timeout=300)
         reports.update({name: json.loads((d / f"{name}.json").read_text()) for name in layouts})
-    status, _, err = run(gpt, JOB + ["--json", d / "one.json"])
+    dtype = mt.get_default_dtype()                   # the job sets float64; a module fixture's is not restored
+    try:
+        status, _, err = run(gpt, JOB + ["--json", d / "one.json"])
+    finally:
+        mt.set_default_dtype(dtype)
     assert status == 0, err
     return reports, json.loads((d / "one.json").read_text()), d / "ckpt"
 

@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
     cp = p.add_argument_group("context parallelism (parallel/context_parallel/)")
-    cp.add_argument("--cp", type=cli.positive_int, default=1,
+    cp.add_argument("--cp", type=cli.positive_int, default=1, metavar="N",
                     help="context-parallel ranks: each holds block-size/N positions of every sequence")
     cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
                     help="ring: K/V blocks round a ring, zig-zag layout (2N chunks, rank r holds r and 2N-1-r); "
