@@ -7,14 +7,17 @@
     mpirun -n 2 python -m minitrain.examples.gpt --pp 2 --schedule zb_h1|zbv --microbatches 4
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
     mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --pp 2 --microbatches 2
+    mpirun -n 4 python -m minitrain.examples.gpt --cp 2 [--cp-method ring|ulysses] [--tp 2 | --dp 2 | --pp 2]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
-mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
---tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
-and the rest is data parallelism (--dp defaults to N / (pp·tp)); --zero shards the optimizer state,
+mpirun -n N the ranks form a dp x pp x cp x tp mesh (minitrain/examples/gpt_parallel.py):
+--tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages, --cp the
+sequence, and the rest is data parallelism (--dp defaults to N / (pp·cp·tp)); --zero shards the optimizer state,
 gradients, parameters over it (ZeRO-1, 2, 3; parallel/zero_3d.py). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
+--cp N splits every sequence over N ranks (context parallelism: ring attention with the zig-zag layout, or
+DeepSpeed-Ulysses' all-to-alls; parallel/context_parallel/); the table and --json report its bytes and balance.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process;
 data parallelism in gpt_moe.py, where --ep N shards the experts over blocks of N data-parallel ranks;
 with --tp, --pp or --microbatches, GPT3D with the experts replicated on the tp ranks); the table and
@@ -74,6 +77,12 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
                         "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
+    cp = p.add_argument_group("context parallelism (parallel/context_parallel/)")
+    cp.add_argument("--cp", type=cli.positive_int, default=1, metavar="N",
+                    help="context-parallel ranks: each holds block-size/N positions of every sequence")
+    cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                    help="ring: K/V blocks round a ring, zig-zag layout (2N chunks, rank r holds r and 2N-1-r); "
+                         "ulysses: all-to-alls from sequence- to head-sharded around attention (contiguous layout)")
     moe = p.add_argument_group("mixture of experts (nn/moe.py; experts replicated on the tp ranks, or sharded over dp by --ep)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
@@ -115,9 +124,25 @@ def parse_args(argv=None):
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
     if args.schedule == "zbv":
         args.chunks = 2                     # zbv's V: the first and last virtual stages on rank 0
+    check_cp(p, args)
     check_moe(p, args)
     checkpointing.check_resume(p, args)
     return args
+
+
+def check_cp(p, args):
+    if args.cp == 1:
+        return
+    chunks = 2 * args.cp if args.cp_method == "ring" else args.cp
+    if args.block_size % chunks:
+        p.error(f"--block-size {args.block_size} does not split into {chunks} equal chunks "
+                f"(--cp {args.cp} --cp-method {args.cp_method})")
+    if args.cp_method == "ulysses" and args.n_head % (args.cp * args.tp):
+        p.error(f"--n-head {args.n_head} is not divisible by --cp {args.cp} x --tp {args.tp}: Ulysses gives each "
+                f"rank whole heads")
+    if args.sequence_parallel and (args.block_size // args.cp) % args.tp:
+        p.error(f"--block-size {args.block_size} / --cp {args.cp} is not divisible by --tp {args.tp} "
+                f"(sequence parallelism splits each rank's positions)")
 
 
 def check_moe(p, args):
@@ -156,7 +181,7 @@ def _main(argv=None):
     if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1:
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()

@@ -1,8 +1,8 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
 [--dp D] [--sequence-parallel] [--schedule 1f1b|zb_h1|... --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations] [--zero 1|2|3].
+[--recompute full|selective] [--offload-activations] [--zero 1|2|3] [--cp C --cp-method ring|ulysses].
 
-The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
+The N ranks form a DeviceMesh of dp x pp x cp x tp (tp innermost; --dp defaults to N / (pp·cp·tp))
 and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
 takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
 alone a pipeline, no flag plain data parallelism; --zero shards each stage's optimizer state (1), gradients (2)
@@ -13,6 +13,10 @@ hooks around each block's forward, on the tensor-parallel communicator) beside M
 pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stages), memory per rank,
 and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
+With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
+(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's bytes on the cp
+communicator per step (measured) beside the formula from the sizes, and the attention work of rank
+0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
 its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
@@ -36,6 +40,7 @@ from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, mo
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
+from minitrain.parallel.context_parallel.gpt import METHODS, cp_bytes_formula
 from minitrain.parallel.gpt_3d import GPT3D
 
 
@@ -76,17 +81,18 @@ def bubble_line(pipe):
 def main_parallel(args):
     comm = init_comm(args)
     world, rank = comm.size, comm.rank
-    tp, pp = args.tp, args.pp
-    if args.dp is None and world % (tp * pp):
+    tp, pp, cp = args.tp, args.pp, args.cp
+    cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if args.dp is None and world % (tp * pp * cp):
         if rank == 0:
-            sys.stderr.write(f"error: --pp {pp} x --tp {tp} = {pp * tp} ranks per replica do not divide this job's "
-                             f"{world} ranks\n")
+            sys.stderr.write(f"error: --pp {pp}{cp_text} x --tp {tp} = {pp * cp * tp} ranks per replica do not divide "
+                             f"this job's {world} ranks\n")
         return 2
-    dp = args.dp if args.dp is not None else world // (tp * pp)
-    if dp * pp * tp != world:
+    dp = args.dp if args.dp is not None else world // (tp * pp * cp)
+    if dp * pp * cp * tp != world:
         if rank == 0:
-            sys.stderr.write(f"error: --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} ranks, but this job has "
-                             f"{world} (mpirun -n {dp * pp * tp})\n")
+            sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
+                             f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()
@@ -98,7 +104,8 @@ def main_parallel(args):
     initial_val = estimate_loss(gpt, corpus, args, val_rng) if rank == 0 else None
     try:
         model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
-                      chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero)
+                      chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero,
+                      cp=cp, cp_method=args.cp_method)
     except (ValueError, mtcomm.MeshError) as e:
         if rank == 0:
             sys.stderr.write(f"error: {e}\n")
@@ -113,7 +120,7 @@ def main_parallel(args):
         block.register_forward_pre_hook(lambda m, a: layer_bytes.append(-tp_comm.stats.bytes_sent))
         block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + tp_comm.stats.bytes_sent))
 
-    axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
+    axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
     strategy += f"+zero{args.zero}" if args.zero else ""
@@ -141,9 +148,11 @@ def main_parallel(args):
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
-        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
+        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp")
+                                           + (("cp", "dp_cp") if cp > 1 else ()))
     comm.barrier()
     sent_before = bytes_sent()
+    cp_sent_before = model.mesh.comm("cp").stats.bytes_sent
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     watch = StepWatch()
@@ -170,14 +179,17 @@ def main_parallel(args):
         return nothing_left(args, first_step, rank, world)
     steps = len(losses)
     sent_per_step = (bytes_sent() - sent_before) / steps
+    cp_sent_per_step = (model.mesh.comm("cp").stats.bytes_sent - cp_sent_before) / steps
+    cp_computed = sum(core.computed for core in model.cp_cores)
     peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
-                    device_code()], np.float64)
+                    cp_sent_per_step, cp_computed, device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     state = model.full_state_dict()
+    cp_block = cp_report(model, args, table)
     if rank != 0:
         return 0
     full = nn.GPT(config)
@@ -202,6 +214,11 @@ def main_parallel(args):
         print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
               + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
                                                                                  table[0, 2:5])) + " (rank 0)")
+    if cp > 1:
+        print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
+              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step (formula "
+              f"{fmt_bytes(cp_block['bytes_formula'])}); attention work max/mean over its cp ranks "
+              f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
@@ -231,6 +248,7 @@ def main_parallel(args):
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
             "dp": dp, "pp": pp, "tp": tp, "zero": args.zero, "zero_memory": zero_memory(args.zero, dp, table),
+            "cp_method": args.cp_method if cp > 1 else None, "cp": cp_block,
             "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
@@ -252,3 +270,19 @@ def main_parallel(args):
                        "step": step_by_rank[r]}
                       for r, v in enumerate(table)]})
     return 0
+
+
+def cp_report(model, args, table):
+    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step, measured (table column 15)
+    and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries computed,
+    column 16) of rank 0's cp ranks, max over mean."""
+    local = {id(q) for q in model.parameters()}
+    blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
+    rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
+                                               itemsize)
+    work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
+    return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
+            if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
+            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean())}

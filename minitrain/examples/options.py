@@ -88,6 +88,22 @@ def refuse_ep(parser, args, given):
                        "layout does not describe")
 
 
+def refuse_cp(parser, args, given):
+    if args.cp == 1:
+        if "--cp-method" in given:
+            cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
+        return
+    setting = f"--cp {args.cp}"
+    for option, asked, why in (
+            ("--dropout", args.dropout > 0, "each context-parallel rank would draw its chunk's masks, not one "
+                                            "process's, and ring attention has no attention dropout"),
+            (f"--recompute {args.recompute}", args.recompute != "none",
+             "the recomputed attention would replay its ring or all-to-alls in backward"),
+            ("--moe-experts", args.moe_experts > 0, "not supported yet: experts run in the data-parallel MoE job")):
+        if asked:
+            cli.refuse(parser, option, setting, why)
+
+
 def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
     refuse_ep(parser, args, given)
@@ -95,6 +111,7 @@ def refuse_gpt(parser, args, given):
     if args.zero and args.moe_experts:
         cli.refuse(parser, f"--zero {args.zero}", f"--moe-experts {args.moe_experts}",
                    "not supported yet: the MoE job's data parallelism does not shard its optimizer")
+    refuse_cp(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
             if option in given:

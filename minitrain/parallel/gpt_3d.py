@@ -17,6 +17,11 @@ Nothing new is computed here: the pieces already exist and only meet.
   with a weight among their inputs run twice, for the input's gradient in B, for the weights' in W.
   The f/g collectives have no weight, so they stay in B; sequence parallelism's AllGatherLinear does
   its reduce-scatter in B and its re-gather in W, on every tp rank alike (no byte is sent twice).
+* With cp > 1 (context parallelism, context_parallel/gpt.py) each rank takes T/cp positions of every
+  row (zig-zag for the ring, contiguous for Ulysses), its blocks' attention runs over the cp
+  communicator, and the pipeline's activations are the local chunk (b, T/cp, C). Each rank's loss
+  is the mean over its tokens (the cp ranks hold as many each), so averaging over dp x cp (the
+  mesh's "dp_cp" communicator, in place of dp's) gives the global batch's mean and its gradient.
 * Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
@@ -50,6 +55,7 @@ from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .pipeline.schedules import default_chunks
+from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
@@ -62,10 +68,13 @@ class EmbeddingStage(Module):
         super().__init__()
         self.comm, self.sequence_parallel = model.comm, model.sequence_parallel
         self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.cp_positions = None                         # context parallelism: the positions this rank holds
 
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
         pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        if self.cp_positions is not None:
+            pos = array_module(idx).asarray(self.cp_positions)[pos]
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -90,9 +99,10 @@ class GPT3D:
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False, zero=0):
-        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
+                 sequence_parallel=False, zero=0, cp=1, cp_method="ring"):
+        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
+        self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
@@ -114,9 +124,10 @@ class GPT3D:
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
             layer.record_step = True
         self.moe_statistics = None
+        self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
-                                     chunks=chunks, dp_comm=self.mesh.comm("dp"),
+                                     chunks=chunks, dp_comm=self.mesh.comm("dp_cp"),
                                      find_unused_parameters=bool(self.moe_layers))   # an idle expert: no grad
         self.zero = self._shard_over_dp(zero, schedule)
 
@@ -129,7 +140,7 @@ class GPT3D:
         if schedule == "pipedream_2bw":
             raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
         self.pipe.all_reduce_dp_gradients = False
-        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over (dp x cp)
 
     def optimizer(self, optimizer_class, **defaults):
         """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
@@ -157,14 +168,18 @@ class GPT3D:
         # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
+        idx, targets = idx[rows], targets[rows]
+        if self.cp > 1:                                           # this rank's positions of every row
+            cols = self.layers[0].cp_positions = sequence_positions(idx.shape[1], self.mesh.comm("cp"), self.cp_method)
+            idx, targets = idx[:, cols], targets[:, cols]
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
-        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss, global_rows=n)
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.zero is not None:
-            self.zero.reduce_gradients()                          # the dp mean, each rank its shard
-        if self.dp > 1:                                           # the replicas' mean: the global batch's
-            loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
+            self.zero.reduce_gradients()                          # the dp x cp mean, each rank its shard
+        if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
+            loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
             self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
             loss += self.moe_statistics[2]
