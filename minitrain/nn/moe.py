@@ -13,7 +13,7 @@ dropping), P_i the mean router probability of expert i, averaged over the groups
 perfectly balanced, E · alpha when one expert takes everything. Parameters: E · 8C² (+ biases) + C·E.
 
 Where the loss cannot simply add aux_loss (a block recomputed in backward computes it without a graph;
-a pipeline stage other than the last has no loss), ``aux_loss_scale`` s makes the layer return
+a pipeline stage other than the last has no loss), aux_loss_scale s makes the layer return
 AuxLossAutoScaler.apply(y, aux_loss, s) (Megatron-Core's MoEAuxLossAutoScaler): y unchanged, and in
 backward aux_loss's gradient seeded with s, as if s · aux_loss had been added to the loss.
 """

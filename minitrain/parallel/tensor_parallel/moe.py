@@ -14,7 +14,7 @@ and computes them all, t times the MoE layer's work; an expert-parallel layout (
 
 Pipelines: the load-balancing loss of a layer on stage 0 cannot be added to the loss, which only the
 last stage computes. AuxLossAutoScaler.apply(y, aux_loss, scale) (nn/moe.py) returns y unchanged; in
-backward it passes y's gradient on and also seeds aux_loss's gradient with ``scale`` (not 1), so
+backward it passes y's gradient on and also seeds aux_loss's gradient with scale (not 1), so
 aux_loss joins the gradient exactly as if it had been added to the loss with that weight: 1/m for each
 of the m micro-batches, the weight the pipeline gives each micro-batch's loss (the dp replicas are
 averaged by the gradients' all-reduce, as the loss is). The same seeding makes full recomputation
