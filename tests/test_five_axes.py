@@ -1,0 +1,65 @@
+"""The GPT job's axes combined (dp x pp x cp x tp, ZeRO on dp x cp, zero-bubble schedules, experts
+under pipelines) at 4 and 8 ranks: each layout trains with one process's losses (float64, 1e-10, 10
+steps). The axes' own tests (test_context_parallel, test_gpt_zero, test_gpt_zero_bubble, test_moe_3d,
+test_expert_parallel) each vary one; this file checks that they meet."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import minitrain as mt
+
+JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 4, "--block-size", 16,
+       "--batch-size", 4, "--sample-chars", 0, "--steps", 10]
+LAUNCHES = {   # ranks -> {name: extra options}
+    4: {"cp2 dp2 zero1": ["--cp", 2, "--dp", 2, "--zero", 1],
+        "cp2 pp2 zbv": ["--cp", 2, "--pp", 2, "--schedule", "zbv", "--microbatches", 2],
+        "pp2 dp2 zb_h1 zero2": ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 2],
+        "moe pp2 dp2 zbv": ["--moe-experts", 4, "--pp", 2, "--dp", 2, "--schedule", "zbv"]},
+    8: {"pp2 cp2 tp2 zb_h1 zero1": ["--pp", 2, "--cp", 2, "--tp", 2, "--schedule", "zb_h1", "--microbatches", 2,
+                                    "--zero", 1],
+        "dp2 cp2 tp2 ulysses zero3": ["--dp", 2, "--cp", 2, "--tp", 2, "--cp-method", "ulysses", "--zero", 3]},
+}
+ONE_PROCESS = {"dense": [], "moe": ["--moe-experts", 4, "--moe-groups", 2]}   # the MoE run's groups: dp x m
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from minitrain.examples import gpt
+    from minitrain.testing import run_mpi
+    from test_resume_guards import run
+    d = tmp_path_factory.mktemp("axes")
+    reports = {}
+    for n, layouts in LAUNCHES.items():
+        calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra]!r} + ['--json', {str(d / f'{k}.json')!r}]) == 0"
+                          for k, (name, extra) in enumerate(layouts.items()))
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
+                n=n, timeout=400)
+        reports.update({name: json.loads((d / f"{k}.json").read_text()) for k, name in enumerate(layouts)})
+    dtype = mt.get_default_dtype()                   # the job sets float64; a module fixture's is not restored
+    one = {}
+    try:
+        for name, extra in ONE_PROCESS.items():
+            status, _, err = run(gpt, JOB + extra + ["--json", d / f"one_{name}.json"])
+            assert status == 0, err
+            one[name] = json.loads((d / f"one_{name}.json").read_text())
+    finally:
+        mt.set_default_dtype(dtype)
+    return reports, one
+
+
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
+def test_the_axes_combined_train_with_one_process_s_losses(runs, name):
+    reports, one = runs
+    report, reference = reports[name], one["moe" if name.startswith("moe") else "dense"]
+    assert report["world_size"] == (8 if name in LAUNCHES[8] else 4)
+    for axis in ("dp", "pp", "tp"):
+        assert report[axis] == (2 if f"{axis}2" in name.split() else 1)
+    assert report["cp"]["size"] == (2 if "cp2" in name.split() else 1)
+    assert report["zero"] == next((int(w[-1]) for w in name.split() if w.startswith("zero")), 0)
+    assert len(report["losses"]) == len(reference["losses"]) == 10
+    np.testing.assert_allclose(report["losses"], reference["losses"], rtol=1e-10, atol=0)
+    if name.startswith("moe"):
+        assert report["moe"]["tokens_dropped"] == reference["moe"]["tokens_dropped"]
+        np.testing.assert_allclose(report["moe"]["aux_loss"], reference["moe"]["aux_loss"], rtol=1e-10, atol=0)
