@@ -144,3 +144,28 @@ def test_the_job_serves_what_the_gpt_job_saved(tmp_path, capsys):
     assert generate.main([*SERVE, "--checkpoint", str(tmp_path / "ck"), "--precision", "fp32"]) == 2
     assert "float64 in the checkpoint, float32 in this job" in capsys.readouterr().err
     gc.collect()
+
+
+@pytest.mark.slow
+def test_the_job_serves_a_mixture_of_experts_the_gpt_job_saved(tmp_path, capsys):
+    """An MoE checkpoint is served with its experts (from the manifest), dropless: the tokens are the
+    saved model's greedy continuations, not a dense model's (which the checkpoint would not even fill)."""
+    from minitrain import checkpoint
+    from minitrain.examples import gpt as gpt_job
+    model = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32"]
+    assert gpt_job.main(["--steps", "3", "--lr", "0.05", "--block-size", "40", "--batch-size", "4", "--precision",
+                         "fp64", "--no-progress", "--save-dir", str(tmp_path / "ck"), "--save-every", "3",
+                         "--moe-experts", "4", "--moe-top-k", "2", "--moe-every", "2", "--moe-capacity-factor", "0.25",
+                         *model]) == 0
+    report = run(tmp_path, "--checkpoint", str(tmp_path / "ck"), "--cache", "paged", "--block-size", "4")
+    served = generate.checkpoint_experts(tmp_path / "ck")     # dropless: no capacity, one group
+    assert served == {"moe_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01}
+    assert generate.checkpoint_experts(tmp_path / "none") == {}
+    minitrain.set_default_dtype(np.float64)
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=40, n_layer=2, n_head=4, n_embd=32,
+                              **served))
+    assert report["param_bytes"] == sum(q.data.nbytes for q in gpt.parameters())
+    checkpoint.load(checkpoint.find_latest(tmp_path / "ck"), None, gpt, strict=False)
+    for prompt, tokens in zip(report["prompts"], report["tokens"]):
+        assert tokens == gpt.generate(np.array([prompt]), 9, temperature=0, cache=None)[0, len(prompt):].tolist()
+    gc.collect()

@@ -92,6 +92,22 @@ def make_prompts(corpus, args):
     return [[int(t) for t in prefix + list(corpus.val[s:s + n])] for s, n in zip(starts, lengths)]
 
 
+def checkpoint_experts(directory):
+    """The mixture of experts the gpt job saved in ``directory`` (--moe-experts, --moe-top-k, --moe-every
+    from its manifest), served dropless: a capacity drops tokens by what else is in the batch, so the
+    same prompt would continue differently beside other prompts (Mixtral and vLLM serve without one).
+    {} for a dense model or no checkpoint (load_checkpoint says so)."""
+    from minitrain import checkpoint
+    try:
+        path = checkpoint.find_latest(directory)
+        model = checkpoint.read_manifest(path).get("layout", {}).get("model", {}) if path else {}
+    except checkpoint.CheckpointError:
+        return {}
+    if not model.get("moe_experts"):
+        return {}
+    return {key: model[key] for key in ("moe_experts", "moe_top_k", "moe_every", "moe_aux_loss_coef") if key in model}
+
+
 def load_checkpoint(model, directory):
     """Load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
     --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
@@ -158,7 +174,8 @@ def _main(args):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.context, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd)
+                          n_head=args.n_head, n_embd=args.n_embd,
+                          **(checkpoint_experts(args.checkpoint) if args.checkpoint else {}))
     gpt = nn.GPT(config)
     num_params = gpt.num_parameters()
     losses, source = [], "untrained"
