@@ -22,8 +22,20 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
                                            sample_model, scheduler_for)
-from minitrain.examples.report import StepWatch, gather_steps, write_json
+from minitrain.examples.report import MODEL_STATE, StepWatch, gather_steps, write_json
 from minitrain.parallel import DistributedDataParallel, offload_activations
+
+
+def gather_memory(comm, persistent):
+    """Every rank's ledger (every rank calls it): [{"persistent": model states at the last optimizer step,
+    "peak": each category's own peak over the run and the total's}], as the other GPT jobs' --json has it."""
+    peak = memory.peak()
+    row = np.array([persistent.get(c, 0) for c in MODEL_STATE] + [peak[c] for c in memory.CATEGORIES]
+                   + [peak["total"]], np.float64)
+    table = mtcomm.ring_all_gather(comm, row, total=row.size * comm.size).reshape(comm.size, -1)
+    k = len(MODEL_STATE)
+    return [{"persistent": dict(zip(MODEL_STATE, map(int, v[:k]))),
+             "peak": {**dict(zip(memory.CATEGORIES, map(int, v[k:-1]))), "total": int(v[-1])}} for v in table]
 
 
 def main_moe_dp(args):
@@ -93,6 +105,7 @@ def main_moe_dp(args):
     if not losses:
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
+    memory_by_rank = gather_memory(comm, watch.persistent)
     if rank != 0:
         return 0
     full = global_model()
@@ -118,5 +131,6 @@ def main_moe_dp(args):
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
             "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
             "losses": losses, "moe": moe_block, **slowest, "blas_threads": minitrain.backend.blas_threads(),
-            "ranks": [{"rank": r, "step": s} for r, s in enumerate(step_by_rank)]})
+            "ranks": [{"rank": r, "memory": m, "step": s}
+                      for r, (s, m) in enumerate(zip(step_by_rank, memory_by_rank))]})
     return 0
