@@ -21,10 +21,11 @@ Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's Deep
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
 per-token activation is divided by cp. Ring: the K, V blocks go cp-1 hops round the ring forward, K, V
 and their gradients cp-1 hops backward; no score matrix is kept (ring_attention.py keeps the log-sum-
-exp), causal blocks above the diagonal are skipped: (cp+1)/2 of the cp blocks per rank. Ulysses: four
-all-to-alls each way (q, k, v to head-sharded, the output back to sequence-sharded), the attention on
-a/(t·cp) heads over the whole sequence (its score matrix kept, as one process keeps it), its four
-head-sharded buffers. Parameters are replicated over cp: gradients are reduced over dp·cp ranks.
+exp and the output; the K, V, dK, dV blocks in transit are a backward's transient); causal blocks above
+the diagonal are skipped: (cp+1)/2 of the cp blocks per rank. Ulysses: four all-to-alls each way (q, k,
+v to head-sharded, the output back to sequence-sharded), the attention on a/(t·cp) heads over the whole
+sequence (its score matrix kept, as one process keeps it), its four head-sharded buffers. Parameters
+are replicated over cp: gradients are reduced over dp·cp ranks.
 
 Not modelled (refused in one line): dropout inside experts, a Ulysses cp that does not divide the
 heads a rank holds.
