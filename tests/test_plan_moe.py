@@ -60,6 +60,17 @@ def test_the_job_s_json_gives_every_rank_s_ledger(measured):
     assert all(set(r["memory"]["persistent"]) == set(STATES) and r["memory"]["peak"]["total"] > 0 for r in ranks)
 
 
+def test_the_job_prints_the_planner_beside_what_it_measured(measured, capsys):
+    """--show-plan with experts (one process) and the JSON's "planner" block (2 ranks): the same prediction."""
+    from minitrain.examples import gpt
+    assert gpt.main(JOB + ["--steps", "2", "--show-plan"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("planner"))
+    assert "predicted" in line and "refuses" not in line
+    compared = measured["dropless"]["planner"]
+    assert compared["world"] == 2 and compared["predicted"]["memory_bytes"] == pytest.approx(
+        compared["measured"]["memory_bytes"], rel=0.05)
+
+
 def job_takes_ep():
     from minitrain.examples import gpt
     with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):

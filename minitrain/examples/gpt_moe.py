@@ -22,7 +22,8 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
                                            sample_model, scheduler_for)
-from minitrain.examples.report import MODEL_STATE, StepWatch, gather_steps, write_json
+from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison, show_plan,
+                                       write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
 
 
@@ -118,6 +119,9 @@ def main_moe_dp(args):
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
+    compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
+                               vocab_size=corpus.vocab_size)
+    show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -125,7 +129,7 @@ def main_moe_dp(args):
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
             "dp": dp, "pp": 1, "tp": 1, "transport": transport_name(comm), "dropout": args.dropout,
-            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": None,
+            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": compared,
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],

@@ -70,9 +70,6 @@ def refuse_moe(parser, args, given):
                                 "not supported yet: each micro-batch would route and count capacity on its own")):
         if asked:
             cli.refuse(parser, option, f"--moe-experts {args.moe_experts}", why)
-    if args.show_plan:
-        cli.refuse(parser, "--show-plan", f"--moe-experts {args.moe_experts}",
-                   "the planner models dense MLPs, not experts")
     if args.recompute == "full":
         cli.refuse(parser, "--recompute full", f"--moe-experts {args.moe_experts}",
                    "a recomputed block's balancing loss would leave the graph; give --recompute selective")
