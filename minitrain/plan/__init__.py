@@ -98,7 +98,7 @@ def gpt_from_args(args, world, vocab_size):
                     cp_method=getattr(args, "cp_method", "ring") or "ring",
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,
-                    chunks=args.chunks, precision=getattr(args, "precision", "fp32") or "fp32",
+                    chunks=args.chunks or (2 if args.schedule == "zbv" else 1), precision=getattr(args, "precision", "fp32") or "fp32",
                     optimizer="adamw", offload_activations=args.offload_activations, threads=getattr(args, "threads", 0) or 0,
                     extras={"parallel_job": parallel, "moe_dp_job": moe_dp})
     return model, layout

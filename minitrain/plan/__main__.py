@@ -94,7 +94,8 @@ def add_gpt(p):
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"], default="1f1b",
                    help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=_positive, default=1, help="micro-batches per replica and step")
-    p.add_argument("--chunks", type=_positive, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=_positive, default=None,
+                   help="virtual stages per rank (interleaved_1f1b; default: 1; zbv is always 2)")
     p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
     axes = p.add_argument_group("context and expert parallelism, mixture of experts (plan/experts.py)")
