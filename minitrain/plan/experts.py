@@ -14,8 +14,10 @@ What an MoE layer keeps for backward, counted as the ledger counts it (tests/tes
 it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
 M·h, each expert's hidden 3·M·f' (c_fc's output, GELU's saved input and output) — a dense MLP's
 13·N·h at f = 4h — the combine's gathered rows N·k·h, the balancing loss's 2·E per group and its
-scalar; under ep the rows received back from the combine's all-to-all, M·h more (from the definition,
-not yet measured).
+scalar. Under ep a rank's experts take the rows the all-to-all brings (M at balance: the planner plans
+the balanced case; a real routing moves a few percent of the activations between ranks, measured in
+tests/test_plan_moe.py) and, holding more than one expert, regroup them expert by expert (a gather:
+M·h more).
 
 Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
@@ -114,7 +116,7 @@ def moe_kept_values(model, layout, rows):
     M, f = routed_rows(model, layout, rows), model.expert_ffn
     groups = max(1, model.moe_groups // layout.dp)
     shared = model.moe_shared * (3 * N * f / t + N * h)          # always-on experts on every token, added
-    received = M * h if layout.ep > 1 else 0
+    received = M * h if layout.ep > 1 and E // layout.ep > 1 else 0     # regrouped expert by expert: a gather
     return N * h / r + N * E + N * k + M * h + 3 * M * f / t + N * k * h + 2 * E * groups + 1 + shared + received
 
 

@@ -23,7 +23,7 @@ from ..parallel.pipeline import get_schedule
 from ..parallel.pipeline.partition import counted_costs, stage_layout
 from ..parallel.zero_memory import model_state_bytes
 from .activations import gpt_pieces, mlp_pieces
-from .experts import expert_params, paper_layer_bytes, zero_expert_extra
+from .experts import expert_params, expert_params_per_rank, paper_layer_bytes, zero_expert_extra
 from .layout import PRECISIONS
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
@@ -109,7 +109,9 @@ def step_walk(pieces, layout, dp):
     live["optimizer_state"] = optimizer_bytes(state_n, layout)
     grads_prev = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
     live["grads"] = grads_prev
-    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else 2 * e * n
+    # (ExpertDataParallel's buckets hold the dense gradients: the experts' are reduced over their own group)
+    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else \
+        2 * e * (n - layout.extras.get("ddp_excluded_params", 0))
     live["comm_buffers"] = {0: ddp_buckets, 1: e * pad // N, 2: e * pad, 3: 0}[z]
     live["activations"] = sum(p.shared for p in pieces)
     for p in pieces:                                          # forward (ZeRO-3: one unit gathered at a time)
@@ -316,6 +318,8 @@ def minitrain_memory(model, layout):
     single = model.kind == "gpt" and layout.world == 1 and not layout.extras.get("parallel_job")
     if single or layout.extras.get("moe_dp_job"):       # nn.GPT itself (with MoE on dp ranks: under DDP)
         lay = layout if layout.zero or layout.world > 1 else _no_buffers(layout)
+        if layout.ep > 1:
+            lay = replace(lay, extras={**lay.extras, "ddp_excluded_params": expert_params_per_rank(model, layout)})
         peak, total, at_peak = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, layout.dp)
         return [_stage_result(peak, total, at_peak)]
     pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
