@@ -188,8 +188,8 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
 
 @pytest.mark.parametrize("options", [
     "--cp 2 --cp-method ulysses --ep 2 --zero 1 --moe-experts 4 --moe-capacity-factor 1.25 --dp 2 --world 4",
-    "--cp 2 --cp-method ring --pp 2 --schedule zbv --n-layer 4 --microbatches 4 --world 4",
-    "--pp 2 --schedule zb_h1 --microbatches 4 --ep 2 --dp 2 --moe-experts 2 --moe-every 2 --world 4",
+    "--cp 2 --cp-method ring --pp 2 --schedule interleaved_1f1b --chunks 2 --n-layer 4 --microbatches 4 --world 4",
+    "--pp 2 --schedule gpipe --microbatches 4 --ep 2 --dp 2 --moe-experts 2 --moe-every 2 --world 4",
     "--zero 3 --ep 4 --moe-experts 8 --moe-top-k 1 --moe-aux-loss-coef 0.1 --moe-groups 4 --world 4"])
 def test_the_options_the_job_gains_this_round_are_planned(options):
     """--cp, --cp-method, --ep, --zero, --moe-*, --schedule zb_h1|zbv: the names the GPT job takes."""
@@ -200,6 +200,9 @@ def test_the_options_the_job_gains_this_round_are_planned(options):
         flag = f"--{name.replace('_', '-')} "
         if flag in options + " ":
             assert str(lay[name]) == options.split(flag)[1].split()[0], name
+
+    for schedule in ("zb_h1", "zbv"):        # parsed as the job's, refused for the GPT in one line (not modelled)
+        assert "not " + schedule in refused(f"gpt --pp 2 --world 2 --microbatches 4 --n-layer 4 --schedule {schedule}")
 
 
 # ---------------------------------------------------------------- the search
