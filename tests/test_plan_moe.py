@@ -123,6 +123,27 @@ def test_memory_with_context_parallelism_is_the_job_s_ledger_within_5_percent(tm
                 assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
 
 
+@pytest.mark.skipif(not job_takes("--zero"), reason="the job has no --zero yet (h-zero): planned from its definition")
+def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """GPT3D's ZeRO (parallel/zero_3d.py): a flat gradient of the stage through the step, stages 2 and 3 a
+    gradient shard, stage 3 a parameter shard and the stage gathered once a step; every rank's stage."""
+    dense = JOB[:JOB.index("--moe-experts")] + ["--n-embd", "64", "--n-head", "4", "--block-size", "64"]
+    runs = {"z1": (["--zero", "1", "--dp", "2"], 2), "z2": (["--zero", "2", "--dp", "2"], 2),
+            "z3_tp": (["--zero", "3", "--dp", "2", "--tp", "2"], 4),
+            "z2_pp": (["--zero", "2", "--dp", "2", "--pp", "2", "--microbatches", "2"], 4)}
+    for name, (extra, n) in runs.items():
+        argv = dense + extra + ["--json", str(tmp_path / name)]
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,
+                timeout=300)
+        predicted = json.loads(cli(["gpt", *dense, *extra, "--world", str(n), "--json"]))
+        stages, ranks = predicted["memory_bytes_per_stage"], json.loads((tmp_path / name).read_text())["ranks"]
+        for rank in ranks:                     # the mesh (pp, dp, tp): a stage's ranks are consecutive
+            stage = stages[rank["rank"] // (len(ranks) // len(stages))]
+            assert stage["total"] == pytest.approx(rank["memory"]["peak"]["total"], rel=0.05), (name, rank)
+            for c in STATES:
+                assert stage["category_peaks"][c] == pytest.approx(rank["memory"]["peak"][c], rel=0.05), (name, c)
+
+
 # ---------------------------------------------------------------- the formulas
 MOE = plan.GPT(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, moe_experts=8, moe_top_k=2,
                moe_every=2)

@@ -154,7 +154,11 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
     tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
     worst by their sum (then by activations, so that both walks pick the same)."""
     e = PRECISIONS[layout.precision]
-    zero1 = layout.zero == 1 and layout.dp > 1                # ZeRO-1 on the stage: flat gradients, always there
+    # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
+    # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
+    # also keeps a shard of the parameters and gathers the stage once per step)
+    z = layout.zero if layout.dp > 1 else 0
+    zero1 = z >= 1
     pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
     g = e * pad if zero1 else 0
     if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
@@ -192,11 +196,13 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
                 g += grads[a.chunk]
     stepped = pad // layout.dp if zero1 else local_params      # what this rank's optimizer steps
     step_grads = fp32_step_grads(stepped, layout)
-    peak = {"params": e * (pad + others), "grads": g + step_grads, "activations": act_peak + shared,
-            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if zero1 else 0}
-    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}
+    shard_g = e * pad // layout.dp if z >= 2 else 0             # stages 2, 3: the gradient shard
+    shard_p = e * pad // layout.dp + e if z == 3 else 0         # stage 3: the parameter shard, a 0-d placeholder
+    peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
+            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if z == 1 else 0}
+    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
     if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
-        at_peak.update(activations=0, grads=g + step_grads)
+        at_peak.update(activations=0, grads=g + step_grads + shard_g)
     return peak, sum(at_peak.values()), at_peak
 
 
@@ -324,9 +330,6 @@ def minitrain_memory(model, layout):
         return [_stage_result(peak, total, at_peak)]
     pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
               else gpt_pieces(model, layout, b))
-    if model.kind == "gpt" and layout.pp == 1 and layout.zero >= 2:
-        peak, total, at_peak = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
-        return [_experts_sharded(_stage_result(peak, total, at_peak), model, layout, pieces)]
     out = []
     tensors = sum(len(x.sizes) for x in pieces)
     for s, chunks in enumerate(stage_chunks(pieces, layout)):

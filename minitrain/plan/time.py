@@ -311,7 +311,7 @@ def predict_time(model, layout, machine):
             tail.op("copy", n_local, count=2, calls=2 * n_tensors).hooks += n_tensors
     elif layout.local_sgd_every:
         coll("ring_all_reduce", grad_bytes, dp, span_dp, 1 / layout.local_sgd_every)
-    elif z in (1, 2):                                        # ZeRO-2 reduce-scatters on the progress thread
+    elif z in (1, 2) or (z == 3 and model.kind == "gpt"):     # (GPT3D: the stage gathered once a step)
         coll("ring_reduce_scatter", grad_bytes, dp, span_dp, own_thread=z == 1)
         coll("ring_all_gather", grad_bytes, dp, span_dp)
         shard = -(-n_local // dp)                            # ZeRO-1 zeroes the flat gradient, ZeRO-2 copies
