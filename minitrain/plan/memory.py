@@ -344,6 +344,8 @@ def minitrain_memory(model, layout):
 
 def _experts_sharded(stage, model, layout, pieces):
     """A stage's bytes with its routed experts' states sharded by ZeRO over dp/ep, not dp (plan/experts.py)."""
+    if model.kind != "gpt" or not model.moe_experts or not layout.zero or layout.ep == 1:
+        return stage
     extra = zero_expert_extra(model, layout, sum(1 for x in pieces if x.name == "moe_block")) \
         if model.kind == "gpt" else {}
     for c, n in extra.items():
