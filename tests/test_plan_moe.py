@@ -144,6 +144,30 @@ def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_perc
                 assert stage["category_peaks"][c] == pytest.approx(rank["memory"]["peak"][c], rel=0.05), (name, c)
 
 
+def job_runs_experts_in_gpt3d():
+    from minitrain.examples import gpt
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+        return gpt.parse_args(["--moe-experts", "4", "--pp", "2"]).pp == 2
+    return False
+
+
+@pytest.mark.skipif(not job_runs_experts_in_gpt3d(), reason="the job runs no experts under tp / pp yet (h-moe3d)")
+def test_memory_with_experts_under_tp_and_pp_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """GPT3D with MoE layers replicated on the tp ranks: tp 2, pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2."""
+    runs = {"tp": (["--tp", "2"], 2), "pp": (["--pp", "2", "--microbatches", "2"], 2),
+            "dp_tp": (["--dp", "2", "--tp", "2"], 4)}
+    for name, (extra, n) in runs.items():
+        argv = JOB + extra + ["--json", str(tmp_path / name)]
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,
+                timeout=300)
+        predicted = json.loads(cli(["gpt", *JOB, *extra, "--world", str(n), "--json"]))
+        stages, ranks = predicted["memory_bytes_per_stage"], json.loads((tmp_path / name).read_text())["ranks"]
+        for rank in ranks:
+            stage = stages[rank["rank"] // (len(ranks) // len(stages))]
+            assert stage["total"] == pytest.approx(rank["memory"]["peak"]["total"], rel=0.05), (name, rank)
+            assert stage["category_peaks"]["params"] == rank["memory"]["peak"]["params"]   # experts whole on tp
+
+
 # ---------------------------------------------------------------- the formulas
 MOE = plan.GPT(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, moe_experts=8, moe_top_k=2,
                moe_every=2)

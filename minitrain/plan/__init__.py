@@ -87,12 +87,12 @@ def gpt_from_args(args, world, vocab_size):
     experts = getattr(args, "moe_experts", 0) or 0
     moe = {} if not experts else dict(
         moe_experts=experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
-        moe_capacity_factor=args.moe_capacity_factor, moe_groups=args.moe_groups or dp,
+        moe_capacity_factor=args.moe_capacity_factor, moe_groups=args.moe_groups or dp * args.microbatches,
         expert_hidden=getattr(args, "expert_hidden", 0) or 0, moe_shared=getattr(args, "moe_shared", 0) or 0)
     model = GPT(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                 n_embd=args.n_embd, dropout=args.dropout, ffn_hidden=getattr(args, "ffn_hidden", 0) or 0, **moe)
-    # as examples/gpt.py routes it: MoE without tp, pp or cp is nn.GPT itself, under DDP on several ranks
-    moe_dp = bool(experts) and tp == pp == cp == 1 and (world > 1 or dp > 1)
+    # as examples/gpt.py routes it: MoE without tp, pp, cp or micro-batches is nn.GPT itself, under DDP
+    moe_dp = bool(experts) and tp == pp == cp == 1 and args.microbatches == 1 and (world > 1 or dp > 1)
     parallel = not moe_dp and (world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1)
     layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
                     cp_method=getattr(args, "cp_method", "ring") or "ring",

@@ -8,7 +8,8 @@ EP) shards the experts over ep consecutive dp ranks: E/ep experts per rank, the 
 layers replicated; tokens go to their experts' ranks by all-to-all (dispatch) and come back (combine),
 and the same two in backward; each sends M·h values of which (ep-1)/ep leave the rank at balance.
 Expert gradients are averaged over the dp/ep ranks that hold the same experts, and ZeRO shards the
-expert states over those dp/ep ranks (the dense ones over dp).
+expert states over those dp/ep ranks (the dense ones over dp). Under tp, GPT3D replicates an MoE layer
+on its stage's tp ranks (the experts are not tensor-parallel; each tp rank routes every token).
 
 What an MoE layer keeps for backward, counted as the ledger counts it (tests/test_plan_moe.py checks
 it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
@@ -68,6 +69,9 @@ def check_axes(model, layout):
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
+    if layout.sequence_parallel:
+        raise LayoutError("--sequence-parallel with --moe-experts: the experts route whole sequences on every tp rank "
+                          "(the job refuses it too): leave --sequence-parallel out")
 
 
 def _valid(value, valid):
@@ -80,23 +84,24 @@ def local_tokens(model, layout):
     return model.block_size // layout.cp
 
 
-def expert_params(model, tp=1):
-    """One expert's parameters on a tp rank: c_fc (h·f'/t + f'/t), c_proj (f'·h/t + h)."""
+def expert_params(model):
+    """One expert's parameters: c_fc (h·f' + f'), c_proj (f'·h + h), whole on every tp rank (GPT3D replicates
+    an MoE layer on its stage's tp ranks)."""
     h, f = model.n_embd, model.expert_ffn
-    return 2 * h * f // tp + f // tp + h
+    return 2 * h * f + f + h
 
 
 def moe_mlp_sizes(model, layout):
-    """An MoE block's MLP as parameter tensors on one rank: the router (replicated) and the E/ep routed
-    experts and the shared ones (each tensor-parallel over tp, as the dense MLP)."""
-    h, f, t = model.n_embd, model.expert_ffn, layout.tp
-    expert = [h * f // t, f // t, f * h // t, h]
+    """An MoE block's MLP as parameter tensors on one rank: the router and the E/ep routed experts and the
+    shared ones, replicated on the tp ranks (as GPT3D runs an MoE layer)."""
+    h, f = model.n_embd, model.expert_ffn
+    expert = [h * f, f, f * h, h]
     return [h * model.moe_experts] + expert * (model.moe_experts // layout.ep + model.moe_shared)
 
 
 def expert_params_per_rank(model, layout):
     """Routed experts' parameters one rank holds: MoE layers x E/ep x one expert's (what ep shards)."""
-    return model.num_moe_layers() * (model.moe_experts // layout.ep) * expert_params(model, layout.tp)
+    return model.num_moe_layers() * (model.moe_experts // layout.ep) * expert_params(model)
 
 
 def routed_rows(model, layout, rows):
@@ -105,20 +110,25 @@ def routed_rows(model, layout, rows):
     N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
     if model.moe_capacity_factor is None:
         return N * k
-    groups = max(1, model.moe_groups // layout.dp)
+    groups = local_groups(model, layout)
     per_group = math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
     return min(N * k, E * groups * per_group)
 
 
+def local_groups(model, layout):
+    """GShard's groups in one micro-batch of a replica: the global batch's over dp x micro-batches."""
+    return max(1, model.moe_groups // (layout.dp * layout.microbatches))
+
+
 def moe_kept_values(model, layout, rows):
     """Values an MoE layer keeps for backward (module docstring), for ``rows`` sequences on one rank."""
-    N, h, E, k, t = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k, layout.tp
-    r = t if layout.sequence_parallel else 1
+    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    r = layout.tp if layout.sequence_parallel else 1
     M, f = routed_rows(model, layout, rows), model.expert_ffn
-    groups = max(1, model.moe_groups // layout.dp)
-    shared = model.moe_shared * (3 * N * f / t + N * h)          # always-on experts on every token, added
+    groups = local_groups(model, layout)
+    shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
     received = M * h if layout.ep > 1 and E // layout.ep > 1 else 0     # regrouped expert by expert: a gather
-    return N * h / r + N * E + N * k + M * h + 3 * M * f / t + N * k * h + 2 * E * groups + 1 + shared + received
+    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared + received
 
 
 def dense_mlp_values(model, layout, rows):
@@ -156,7 +166,7 @@ def zero_expert_extra(model, layout, moe_blocks):
     extra = {"params": 0, "grads": 0, "optimizer_state": 0}
     if not z or ep == 1 or not moe_blocks:
         return extra
-    n = moe_blocks * (model.moe_experts // ep) * expert_params(model, layout.tp)
+    n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
     e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
     extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
     extra["grads"] = fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout) + (e * (wide - narrow) if z >= 2 else 0)
@@ -187,8 +197,8 @@ def experts_work(model, layout, rows):
     product and softmax, the gathers of dispatch and combine, E/ep experts on M·ep/E rows each (balanced),
     the shared experts on every token. The all-to-alls are communication (time.py prices them)."""
     from .work import Work, _linear, _linear_backward
-    N, h, E, k, t = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k, layout.tp
-    M, f, local = routed_rows(model, layout, rows), model.expert_ffn, E // layout.ep
+    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    M, f, local, t = routed_rows(model, layout, rows), model.expert_ffn, E // layout.ep, 1   # replicated on tp
     fwd, bwd = Work(), Work()
     _linear(fwd, N, 1, h, E, False, bias=False)
     _linear_backward(bwd, N, 1, h, E, False, bias=False)

@@ -373,7 +373,7 @@ def paper_memory(model, layout):
     for st, chunks in enumerate(stage_chunks(pieces, layout, paper=True)):
         psi = sum(x.params for ps in chunks.values() for x in ps)
         moe_blocks = sum(1 for ps in chunks.values() for x in ps if x.name == "moe_block")
-        experts = moe_blocks * (model.moe_experts // layout.ep) * expert_params(model, t)   # over dp/ep ranks
+        experts = moe_blocks * (model.moe_experts // layout.ep) * expert_params(model)   # over dp/ep ranks
         states = paper_model_states(psi - experts, layout.dp, layout.zero, layout.offload)
         if experts:
             more = paper_model_states(experts, layout.dp // layout.ep, layout.zero, layout.offload)

@@ -383,7 +383,7 @@ def _expert_counts(model, layout):
     if model.kind != "gpt" or not model.moe_experts:
         return None
     from .experts import expert_params
-    one = model.moe_experts // layout.ep * expert_params(model, layout.tp)
+    one = model.moe_experts // layout.ep * expert_params(model)
     return tuple([0] + [one if model.is_moe_layer(i) else 0 for i in range(model.n_layer)] + [0])
 
 
