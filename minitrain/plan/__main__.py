@@ -4,6 +4,8 @@
     python -m minitrain.plan gpt --tp 2 --pp 2 --microbatches 4 --world 8 --json
     python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
         --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search
+    python -m minitrain.plan gpt --model mixtral-8x7b --search      # dp x tp x pp x cp x ep on 1024 H100s
+    python -m minitrain.plan gpt --moe-experts 4 --moe-top-k 2 --ep 2 --cp 2 --world 8 --dp 4
     python -m minitrain.plan params --num-params 7.5e9 --world 64 --zero 3 --accounting paper
     python -m minitrain.plan calibrate
 
