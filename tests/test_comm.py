@@ -123,10 +123,23 @@ def test_mesh_axes_group_the_right_ranks():
         return mesh.coords, sums, mesh.ranks_along("tp"), mesh.describe()
     results = ThreadWorld(8).run(fn)
     coords, sums, tp_ranks, text = results[5]          # rank 5 = pp 1, dp 0, tp 1
-    assert coords == {"pp": 1, "dp": 0, "tp": 1}
+    assert coords == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}        # cp = 1: the 3-axis placement
     assert tp_ranks == [4, 5]                          # tp neighbours are adjacent ranks
     assert sums == {"tp": 4 + 5, "dp": 5 + 7, "pp": 1 + 5}
     assert "dp 1: tp ranks [  6   7 ]" in text
+
+
+def test_mesh_cp_axis_sits_between_dp_and_tp_and_joins_dp():
+    def fn(comm):
+        mesh = DeviceMesh(comm, dp=2, cp=2, tp=2)
+        sums = {axis: int(ring_all_reduce(mesh.comm(axis), np.array([comm.rank]))[0])
+                for axis in ("tp", "cp", "dp", "dp_cp")}
+        return mesh.coords, sums, mesh.ranks_along("dp_cp"), mesh.comm("dp_cp").rank, mesh.describe()
+    coords, sums, joint, joint_rank, text = ThreadWorld(8).run(fn)[5]   # rank 5 = dp 1, cp 0, tp 1
+    assert coords == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
+    assert sums == {"tp": 4 + 5, "cp": 5 + 7, "dp": 1 + 5, "dp_cp": 1 + 3 + 5 + 7}
+    assert joint == [1, 3, 5, 7] and joint_rank == 2        # ordered by (dp, cp)
+    assert "dp 1 cp 1: tp ranks [  6   7 ]" in text and "cp=2" in text.splitlines()[0]
 
 
 def test_mesh_that_does_not_fit_the_world_is_a_clear_error():

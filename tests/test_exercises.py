@@ -288,3 +288,18 @@ def test_on_the_gpu_the_grader_hands_device_arrays_and_explains_numpy_code(tmp_p
     assert "good_learner.py line" in numpy_only             # the learner's line, not the stand-in's
     host_copy = " ".join(runs["host"].stdout.split())
     assert runs["host"].returncode == 1 and "returned a NumPy array (host memory)" in host_copy, host_copy
+
+
+def test_the_zigzag_grader_counts_the_work_the_issue_states():
+    """The oracles behind zigzag_split: in blocks of T/P the contiguous split's last rank computes
+    2P/(P+1) times the mean; the zig-zag split computes 2P+1 blocks of T/(2P) on every rank and the
+    same number of (query, key) pairs; the contiguous split's explanation gives that ratio."""
+    from minitrain.exercises.oracles import causal_blocks, causal_pairs, zigzag_indices
+    for P in range(1, 9):
+        T = 4 * P
+        contiguous = [causal_blocks(range(r * T // P, (r + 1) * T // P), T, P) for r in range(P)]
+        assert max(contiguous) / (sum(contiguous) / P) == pytest.approx(2 * P / (P + 1), rel=1e-12)
+        assert [causal_blocks(zigzag_indices(T, P, r), T, 2 * P) for r in range(P)] == [2 * P + 1] * P
+        assert len({causal_pairs(zigzag_indices(T, P, r)) for r in range(P)}) == 1
+    with pytest.raises(ValueError, match="does not split into 2\\*cp = 4"):
+        zigzag_indices(10, 2, 0)

@@ -217,7 +217,6 @@ def test_dense_gpt_is_unchanged_without_experts(float64):
     (lambda: gpt_config(moe_experts=4, moe_every=3), "moe_every"),
     (lambda: gpt_config(moe_experts=-1), "moe_experts"),
     (lambda: nn.GPT(gpt_config(moe_experts=4, moe_top_k=0)), "top_k"),
-    (lambda: gpt_config(moe_experts=4, recompute="full"), "recompute"),
 ])
 def test_bad_moe_settings_are_one_clear_error(make, message):
     with pytest.raises(ValueError, match=message):

@@ -8,7 +8,7 @@ import pytest
 import minitrain as mt
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
-from minitrain.parallel.ring_attention import ring_attention
+from minitrain.parallel.context_parallel.ring import ring_attention
 
 
 def full_attention(q, k, v, causal):
@@ -43,4 +43,4 @@ def test_ring_attention_equals_full_attention(p, causal):
         for got, want in ((gq, tq.grad), (gk, tk.grad), (gv, tv.grad)):
             np.testing.assert_allclose(got, want[:, :, s], rtol=1e-9, atol=1e-12)
         block = B * H * n * D * 8
-        assert sent == (2 * (p - 1) + 4 * p) * block if p > 1 else sent == 0   # K, V forward; +dK, dV back
+        assert sent == (2 * (p - 1) + 4 * (p - 1) + 2) * block if p > 1 else sent == 0   # K, V; K, V, dK, dV; dK, dV home

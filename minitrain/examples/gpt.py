@@ -3,17 +3,27 @@
     python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
-    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4
-    [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25]
+    mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
+    mpirun -n 2 python -m minitrain.examples.gpt --pp 2 --schedule zb_h1|zbv --microbatches 4
+    [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
+    mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --pp 2 --microbatches 2
+    mpirun -n 4 python -m minitrain.examples.gpt --cp 2 [--cp-method ring|ulysses] [--tp 2 | --dp 2 | --pp 2]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
-mpirun -n N the ranks form a dp x pp x tp mesh (3D parallelism, minitrain/examples/gpt_parallel.py):
---tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages,
-and the rest is data parallelism (--dp defaults to N / (pp·tp)). The learning rate warms up
+mpirun -n N the ranks form a dp x pp x cp x tp mesh (minitrain/examples/gpt_parallel.py):
+--tp splits every weight matrix (Megatron-LM), --pp cuts the layers into pipeline stages, --cp the
+sequence, and the rest is data parallelism (--dp defaults to N / (pp·cp·tp)); --zero shards the optimizer state,
+gradients, parameters over it (ZeRO-1, 2, 3; parallel/zero_3d.py). The learning rate warms up
 linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedule). Checkpoints
 (--save-dir) resume on any of these layouts: GPT dp=4 -> tp=2 x pp=2 -> one process.
---moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process
-or data parallelism, gpt_moe.py); the table and --json report its load, dropped tokens and balancing loss.
+--cp N splits every sequence over N ranks (context parallelism: ring attention with the zig-zag layout, or
+DeepSpeed-Ulysses' all-to-alls; parallel/context_parallel/); the table and --json report its bytes and balance.
+--moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process;
+data parallelism in gpt_moe.py, where --ep N shards the experts over blocks of N data-parallel ranks;
+with --tp, --pp or --microbatches, GPT3D with the experts replicated on the tp ranks); the table and
+--json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
+groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
+process given the run's G trains the same model.
 """
 import sys
 import time
@@ -58,11 +68,22 @@ def parse_args(argv=None):
                    help="with --tp: LayerNorm and dropout regions split along the sequence (Korthikanti et al.)")
     p.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline stages")
     p.add_argument("--dp", type=cli.positive_int, default=None, help="data-parallel replicas (default: ranks / (pp·tp))")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
-                   help="pipeline schedule (with --pp)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"], default="1f1b",
+                   help="pipeline schedule (with --pp); zb_h1 and zbv split each backward into B (input gradient) "
+                        "and W (weight gradient, deferred to fill the bubble)")
     p.add_argument("--microbatches", type=cli.positive_int, default=1, help="micro-batches per replica and step")
-    p.add_argument("--chunks", type=cli.positive_int, default=1, help="virtual stages per rank (interleaved_1f1b)")
-    moe = p.add_argument_group("mixture of experts (nn/moe.py; one process or data parallelism)")
+    p.add_argument("--chunks", type=cli.positive_int, default=1,
+                   help="virtual stages per rank (interleaved_1f1b; zbv always has 2)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO over the data-parallel replicas: 1 the optimizer state, 2 also the gradients, 3 also "
+                        "the parameters, each stage's sharded over dp (Megatron's distributed optimizer is 1)")
+    cp = p.add_argument_group("context parallelism (parallel/context_parallel/)")
+    cp.add_argument("--cp", type=cli.positive_int, default=1, metavar="N",
+                    help="context-parallel ranks: each holds block-size/N positions of every sequence")
+    cp.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                    help="ring: K/V blocks round a ring, zig-zag layout (2N chunks, rank r holds r and 2N-1-r); "
+                         "ulysses: all-to-alls from sequence- to head-sharded around attention (contiguous layout)")
+    moe = p.add_argument_group("mixture of experts (nn/moe.py; experts replicated on the tp ranks, or sharded over dp by --ep)")
     moe.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
                      help="experts per MoE layer; 0: every block keeps its dense MLP")
     moe.add_argument("--moe-top-k", type=cli.positive_int, default=2, help="experts each token is routed to")
@@ -75,8 +96,12 @@ def parse_args(argv=None):
                      help="the load-balancing loss's weight (Switch's alpha)")
     moe.add_argument("--moe-groups", type=cli.positive_int, default=None,
                      help="GShard's groups: the global batch's rows cut into G contiguous groups, capacity and the "
-                          "balancing loss counted per group; a multiple of the data-parallel replicas, each "
-                          "holding G/dp of them (default: the data-parallel replicas, 1 in one process)")
+                          "balancing loss counted per group; a multiple of dp x micro-batches, each micro-batch "
+                          "of each replica holding G/(dp·m) of them (default: dp x micro-batches, 1 in one process)")
+    moe.add_argument("--ep", type=cli.positive_int, default=1,
+                     help="expert-parallel ranks: each block of EP consecutive data-parallel ranks holds every expert "
+                          "once, E/EP per rank, tokens dispatched by all-to-all (EP divides the data-parallel ranks "
+                          "and --moe-experts)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
@@ -95,11 +120,29 @@ def parse_args(argv=None):
         p.error(f"--block-size {args.block_size} is not divisible by --tp {args.tp} (sequence parallelism)")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel needs --tp > 1")
-    if args.chunks > 1 and args.schedule != "interleaved_1f1b":
+    if args.chunks > 1 and args.schedule not in ("interleaved_1f1b", "zbv"):
         p.error("--chunks > 1 needs --schedule interleaved_1f1b")
+    if args.schedule == "zbv":
+        args.chunks = 2                     # zbv's V: the first and last virtual stages on rank 0
+    check_cp(p, args)
     check_moe(p, args)
     checkpointing.check_resume(p, args)
     return args
+
+
+def check_cp(p, args):
+    if args.cp == 1:
+        return
+    chunks = 2 * args.cp if args.cp_method == "ring" else args.cp
+    if args.block_size % chunks:
+        p.error(f"--block-size {args.block_size} does not split into {chunks} equal chunks "
+                f"(--cp {args.cp} --cp-method {args.cp_method})")
+    if args.cp_method == "ulysses" and args.n_head % (args.cp * args.tp):
+        p.error(f"--n-head {args.n_head} is not divisible by --cp {args.cp} x --tp {args.tp}: Ulysses gives each "
+                f"rank whole heads")
+    if args.sequence_parallel and (args.block_size // args.cp) % args.tp:
+        p.error(f"--block-size {args.block_size} / --cp {args.cp} is not divisible by --tp {args.tp} "
+                f"(sequence parallelism splits each rank's positions)")
 
 
 def check_moe(p, args):
@@ -109,12 +152,18 @@ def check_moe(p, args):
         p.error(f"--moe-top-k {args.moe_top_k} exceeds --moe-experts {args.moe_experts}")
     if args.moe_every > args.n_layer:
         p.error(f"--moe-every {args.moe_every} exceeds --n-layer {args.n_layer}: no block would be an MoE layer")
-    dp = args.dp or launch_info()[1]
-    groups = args.moe_groups or dp
-    if groups % dp:
-        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas")
+    dp = args.dp or max(1, launch_info()[1] // (args.tp * args.pp))
+    m = args.microbatches
+    groups = args.moe_groups or dp * m
+    if groups % (dp * m):
+        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas"
+                + (f" x {m} micro-batches (each routes whole groups)" if m > 1 else ""))
     if args.batch_size % groups:
         p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows")
+    if args.moe_experts % args.ep:
+        p.error(f"--ep {args.ep} does not divide --moe-experts {args.moe_experts}: each rank holds E/ep whole experts")
+    if dp % args.ep:
+        p.error(f"--ep {args.ep} does not divide the {dp} data-parallel ranks: an expert-parallel group is ep of them")
 
 
 def main(argv=None):
@@ -129,10 +178,10 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
-    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1):
+    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1:
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
-    if launched > 1 or args.tp > 1 or args.pp > 1 or (args.dp or 1) > 1 or args.microbatches > 1:
+    if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:
         from minitrain.examples.gpt_parallel import main_parallel
         return main_parallel(args)
     minitrain.backend.limit_blas_threads()
@@ -222,7 +271,8 @@ def _main(argv=None):
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            **({"moe": moe_block} if moe_block else {}),
+            **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
+               if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
                        "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
         })

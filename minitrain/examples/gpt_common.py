@@ -32,7 +32,7 @@ def scheduler_for(opt, args):
 
 def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
     """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
-    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "zero_stage": 0,
+    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "zero_stage": args.zero,
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
             "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,
@@ -43,10 +43,11 @@ def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
 
 
 def moe_options(args, dp=1):
-    """GPTConfig's MoE fields for the whole global batch (groups: --moe-groups, default one per replica)."""
+    """GPTConfig's MoE fields for the whole global batch (groups: --moe-groups, default one per replica and
+    micro-batch: each routes its own rows)."""
     return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "moe_capacity_factor": args.moe_capacity_factor,
             "moe_every": args.moe_every, "moe_aux_loss_coef": args.moe_aux_loss_coef,
-            "moe_groups": args.moe_groups or dp}
+            "moe_groups": args.moe_groups or dp * args.microbatches}
 
 
 def gpt_config(args, vocab_size, dp=1, replica=False):

@@ -1,11 +1,17 @@
-"""The GPT job with MoE layers on dp ranks: mpirun -n D python -m minitrain.examples.gpt --moe-experts E [...].
+"""The GPT job with MoE layers on dp ranks: mpirun -n D python -m minitrain.examples.gpt --moe-experts E [--ep N].
 
-Plain data parallelism (DistributedDataParallel): every rank holds every expert. Each replica takes its
-contiguous rows of the global batch (as GPT3D cuts them), routes its own tokens, and counts capacity and
-the load-balancing loss over its G/D of the global batch's G groups (GShard's groups, --moe-groups,
-default G = D). The mean of the replicas' losses is the global batch's loss with those G groups, so one
-process given --moe-groups G trains the same model: the same losses, the same tokens dropped.
-Expert parallelism (experts spread over ranks, all-to-all dispatch) is not built here.
+Data parallelism: each replica takes its contiguous rows of the global batch (as GPT3D cuts them), routes
+its own tokens, and counts capacity and the load-balancing loss over its G/D of the global batch's G groups
+(GShard's groups, --moe-groups, default G = D). The mean of the replicas' losses is the global batch's loss
+with those G groups, so one process given --moe-groups G trains the same model: the same losses, the same
+tokens dropped. --ep 1 (default): every rank holds every expert (DistributedDataParallel).
+--ep N: expert parallelism carved out of the data-parallel ranks, as Megatron-Core does: blocks of N
+consecutive dp ranks form an expert-parallel group, each of its ranks holding E/N experts; tokens go to
+their experts' ranks and back by all_to_all_single (parallel/expert_parallel_moe.py). Dense gradients
+are averaged over the D ranks, the experts' summed over the D/N ranks holding the same experts and
+divided by D (parallel/expert_data_parallel.py). The table and --json add the all-to-all bytes this
+rank sent per step, measured on the expert-parallel communicator, beside the formula from the split
+sizes the run used (0 with --ep 1).
 """
 import contextlib
 import sys
@@ -22,9 +28,11 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
                                            sample_model, scheduler_for)
-from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison, show_plan,
-                                       write_json)
+from minitrain.examples.report import (MODEL_STATE, StepWatch, fmt_bytes, gather_steps, plan_comparison,
+                                       show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
+from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
+from minitrain.parallel.expert_parallel_moe import full_state_dict, shard_experts
 
 
 def gather_memory(comm, persistent):
@@ -42,7 +50,7 @@ def gather_memory(comm, persistent):
 def main_moe_dp(args):
     comm = init_comm(args)
     world, rank = comm.size, comm.rank
-    dp = world
+    dp, ep = world, args.ep
     if args.dp is not None and args.dp != world:
         if rank == 0:
             sys.stderr.write(f"error: --dp {args.dp} with MoE layers is plain data parallelism over every rank, but "
@@ -54,7 +62,12 @@ def main_moe_dp(args):
     model = nn.GPT(gpt_config(args, corpus.vocab_size, dp, replica=True))
     rng = np.random.default_rng(args.seed)                              # the same batches on every rank
     val_rng = np.random.default_rng(args.seed + 1)
-    ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
+    if ep > 1:
+        ep_comm, expert_dp_comm = expert_parallel_groups(comm, ep)
+        ep_layers = shard_experts(model, ep_comm)                       # this rank keeps E/ep experts per layer
+        ddp = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm)
+    else:
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
@@ -69,16 +82,22 @@ def main_moe_dp(args):
         rng.bit_generator.state = loaded.extra["data_rng"]
 
     def global_model():
-        """Rank 0's copy over the whole batch's groups: validation as one process computes it."""
+        """Rank 0's copy over the whole batch's groups: validation as one process computes it (every rank
+        calls it: with --ep, each expert-parallel group gathers its experts; None but on rank 0)."""
+        state = full_state_dict(model, ep_comm) if ep > 1 else model.state_dict()
+        if rank != 0:
+            return None
         with minitrain.random.use_generator(minitrain.random.fork()):
             full = nn.GPT(config)
-        full.load_state_dict(model.state_dict())
+        full.load_state_dict(state)
         return full
-    initial_val = estimate_loss(global_model(), corpus, args, val_rng) if rank == 0 else None
+    start_model = global_model()
+    initial_val = estimate_loss(start_model, corpus, args, val_rng) if rank == 0 else None
+    del start_model                        # rank 0's whole copy is not held through the run (the ledger's peak)
     memory.reset_peak()
     B = args.batch_size
     rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
-    losses, moe = [], []
+    losses, moe, a2a = [], [], []                                      # a2a: (measured, formula) bytes per step
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"dp{dp} moe", unit="step")
     comm.barrier()
@@ -87,16 +106,28 @@ def main_moe_dp(args):
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     for step in bar:
         x, y = corpus.get_batch("train", B, args.block_size, rng)
+        sent_before = ep_comm.stats["all_to_all_single"]["bytes_sent"] if ep > 1 else 0
         with watch.step():
             with offload:
                 _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()
-            loss.backward()                                            # DDP: the replicas' mean gradient
-            optim.clip_grad_norm_(model.parameters(), 1.0)
+            loss.backward()                                            # DDP: the replicas' mean (dense) gradient
+            if ep > 1:
+                ddp.reduce_expert_gradients()
+                ddp.clip_grad_norm_(1.0)
+            else:
+                optim.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             scheduler.step()
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
         moe.append(moe_step(model, comm))
+        if ep > 1:
+            a2a.append((ep_comm.stats["all_to_all_single"]["bytes_sent"] - sent_before,
+                        sum(layer.all_to_all_bytes_formula for layer in ep_layers)))
+            for layer in ep_layers:
+                layer.all_to_all_bytes_formula = 0
+        else:
+            a2a.append((0, 0))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -107,18 +138,26 @@ def main_moe_dp(args):
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     memory_by_rank = gather_memory(comm, watch.persistent)
+    a2a_by_rank = mtcomm.all_reduce(comm, np.eye(world)[rank][:, None, None] * np.array(a2a, np.float64)[None],
+                                    op="sum").astype(np.int64)          # (rank, step, measured | formula)
+    full = global_model()
     if rank != 0:
         return 0
-    full = global_model()
     final_val = estimate_loss(full, corpus, args, val_rng)
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     moe_block, moe_line = moe_summary(moe)
-    print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer replicated on {dp} "
+    placed = (f"replicated on {dp}" if ep == 1 else
+              f"sharded over expert-parallel groups of {ep} ({args.moe_experts // ep} per rank), {dp}")
+    print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer {placed} "
           f"data-parallel ranks [{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}]")
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
+    a2a_measured, a2a_formula = (float(a2a_by_rank[:, :, i].mean(axis=1).max()) for i in (0, 1))
+    print(f"all-to-all (ep {ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the busiest "
+          f"rank (mean over steps; dispatch and combine, forward and backward), formula from the split sizes "
+          f"{a2a_formula:,.1f} B")
     compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
                                vocab_size=corpus.vocab_size)
     show_plan(args, compared)
@@ -128,13 +167,15 @@ def main_moe_dp(args):
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
-            "dp": dp, "pp": 1, "tp": 1, "transport": transport_name(comm), "dropout": args.dropout,
+            "dp": dp, "pp": 1, "tp": 1, "ep": ep, "transport": transport_name(comm), "dropout": args.dropout,
             "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": compared,
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
             "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
-            "losses": losses, "moe": moe_block, **slowest, "blas_threads": minitrain.backend.blas_threads(),
-            "ranks": [{"rank": r, "memory": m, "step": s}
-                      for r, (s, m) in enumerate(zip(step_by_rank, memory_by_rank))]})
+            "losses": losses, "moe": moe_block, "all_to_all_bytes_per_step": a2a_measured,
+            "all_to_all_bytes_formula": a2a_formula, **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            "ranks": [{"rank": r, "step": s, "memory": memory_by_rank[r],
+                       "all_to_all_bytes": a2a_by_rank[r, :, 0].tolist(),
+                       "all_to_all_bytes_formula": a2a_by_rank[r, :, 1].tolist()} for r, s in enumerate(step_by_rank)]})
     return 0

@@ -1,18 +1,26 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
-[--dp D] [--sequence-parallel] [--schedule 1f1b --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations].
+[--dp D] [--sequence-parallel] [--schedule 1f1b|zb_h1|... --microbatches M --chunks V] [--dropout P]
+[--recompute full|selective] [--offload-activations] [--zero 1|2|3] [--cp C --cp-method ring|ulysses].
 
-The N ranks form a DeviceMesh of dp x pp x tp (tp innermost; --dp defaults to N / (pp·tp))
+The N ranks form a DeviceMesh of dp x pp x cp x tp (tp innermost; --dp defaults to N / (pp·cp·tp))
 and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
 takes its rows of the global batch. --tp N alone is Megatron's tensor parallelism, --pp N
-alone a pipeline, no flag plain data parallelism. Every rank draws the same global batches.
+alone a pipeline, no flag plain data parallelism; --zero shards each stage's optimizer state (1), gradients (2)
+and parameters (3) over its dp replicas (parallel/zero_3d.py). Every rank draws the same global batches.
 Rank 0 prints the loss, the bytes each rank sent per step and per transformer layer (measured with
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
-pipeline's bubble by the formula, memory per rank, and a sample. The validation loss is computed
+pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stages), memory per rank,
+and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
+With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
+(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's bytes on the cp
+communicator per step (measured) beside the formula from the sizes, and the attention work of rank
+0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
-resumes on any other mesh (or in one process).
+resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
+its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
+figures gathered from every stage, as one process given the same --moe-groups reports them.
 """
 import contextlib
 import sys
@@ -27,27 +35,64 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import estimate_loss, gpt_config, layout, nothing_left, scheduler_for
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_summary, nothing_left, sample_model,
+                                           scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
+from minitrain.parallel.context_parallel.gpt import METHODS, cp_bytes_formula
 from minitrain.parallel.gpt_3d import GPT3D
+
+
+MODEL_STATES = ("params", "grads", "optimizer_state")
+
+
+def expected_model_states(model):
+    """This rank's model states between steps by its layout (bytes): ZeRO's (zero_3d.py), or the stage's
+    parameters, their gradients and AdamW's two moments whole."""
+    if model.zero is not None:
+        return model.zero.expected_bytes()
+    b = sum(q.data.nbytes for q in model.parameters())
+    return {"params": b, "grads": b, "optimizer_state": 2 * b}
+
+
+def zero_memory(stage, dp, table):
+    """The JSON's "zero_memory": per rank, the model states expected by the layout beside the ledger's."""
+    return {"stage": stage, "dp": dp,
+            "expected": "ZeRO-s over dp, S = ceil(stage parameters / dp): params S·b at 3 (else padded whole), grads "
+                        "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments) at 1 to 3",
+            "ranks": [{"rank": r, "expected": dict(zip(MODEL_STATES, map(int, v[12:15]))),
+                       "measured": dict(zip(MODEL_STATES, map(int, v[2:5])))} for r, v in enumerate(table)]}
+
+
+def bubble_costs(pipe):
+    """What the bubble figure assumes: equal stages; for zb_h1 and zbv (no closed form) F = B = W per
+    chunk, the costs the runtime's formula_bubble_fraction simulates by default."""
+    return {"F": 1.0, "B": 1.0, "W": 1.0} if pipe.split_backward else None
+
+
+def bubble_line(pipe):
+    if pipe.split_backward:
+        return (f"bubble {pipe.formula_bubble_fraction():.3f} simulated (no closed form) with equal stages and "
+                f"F = B = W per chunk (forward, input-gradient and weight-gradient work)")
+    return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
 def main_parallel(args):
     comm = init_comm(args)
     world, rank = comm.size, comm.rank
-    tp, pp = args.tp, args.pp
-    if args.dp is None and world % (tp * pp):
+    tp, pp, cp = args.tp, args.pp, args.cp
+    cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if args.dp is None and world % (tp * pp * cp):
         if rank == 0:
-            sys.stderr.write(f"error: --pp {pp} x --tp {tp} = {pp * tp} ranks per replica do not divide this job's "
-                             f"{world} ranks\n")
+            sys.stderr.write(f"error: --pp {pp}{cp_text} x --tp {tp} = {pp * cp * tp} ranks per replica do not divide "
+                             f"this job's {world} ranks\n")
         return 2
-    dp = args.dp if args.dp is not None else world // (tp * pp)
-    if dp * pp * tp != world:
+    dp = args.dp if args.dp is not None else world // (tp * pp * cp)
+    if dp * pp * cp * tp != world:
         if rank == 0:
-            sys.stderr.write(f"error: --dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} ranks, but this job has "
-                             f"{world} (mpirun -n {dp * pp * tp})\n")
+            sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
+                             f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()
@@ -59,13 +104,14 @@ def main_parallel(args):
     initial_val = estimate_loss(gpt, corpus, args, val_rng) if rank == 0 else None
     try:
         model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
-                      chunks=args.chunks, sequence_parallel=args.sequence_parallel)
+                      chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero,
+                      cp=cp, cp_method=args.cp_method)
     except (ValueError, mtcomm.MeshError) as e:
         if rank == 0:
             sys.stderr.write(f"error: {e}\n")
         return 2
     del gpt
-    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
     tp_comm = model.mesh.comm("tp")
 
@@ -74,9 +120,10 @@ def main_parallel(args):
         block.register_forward_pre_hook(lambda m, a: layer_bytes.append(-tp_comm.stats.bytes_sent))
         block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + tp_comm.stats.bytes_sent))
 
-    axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("tp", tp)) if size > 1]
+    axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
+    strategy += f"+zero{args.zero}" if args.zero else ""
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
                                       layout=layout(args, strategy, dp, pp, tp, world),
                                       extra=lambda: {"data_rng": rng.bit_generator.state})
@@ -96,14 +143,16 @@ def main_parallel(args):
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
         del state
     memory.reset_peak()
-    losses = []
+    losses, moe = [], []
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
-        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp"))
+        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp")
+                                           + (("cp", "dp_cp") if cp > 1 else ()))
     comm.barrier()
     sent_before = bytes_sent()
+    cp_sent_before = model.mesh.comm("cp").stats.bytes_sent
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     watch = StepWatch()
@@ -118,6 +167,8 @@ def main_parallel(args):
             opt.step()
             scheduler.step()
         losses.append(loss)
+        if model.moe_layers:
+            moe.append(model.moe_statistics)
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -128,13 +179,17 @@ def main_parallel(args):
         return nothing_left(args, first_step, rank, world)
     steps = len(losses)
     sent_per_step = (bytes_sent() - sent_before) / steps
+    cp_sent_per_step = (model.mesh.comm("cp").stats.bytes_sent - cp_sent_before) / steps
+    cp_computed = sum(core.computed for core in model.cp_cores)
     peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
-                    peak["total"], *(peak[c] for c in memory.CATEGORIES), device_code()], np.float64)
+                    peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
+                    cp_sent_per_step, cp_computed, device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     state = model.full_state_dict()
+    cp_block = cp_report(model, args, table)
     if rank != 0:
         return 0
     full = nn.GPT(config)
@@ -143,7 +198,9 @@ def main_parallel(args):
     B, T, C = args.batch_size, args.block_size, args.n_embd
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    formula = 2 * 2 * (tp - 1) / tp * b * T * C * itemsize  # 2 all-reduces (or RS + AG pairs) forward
+    # 2 all-reduces (or RS + AG pairs) forward; an MoE block 1 (its experts are replicated), over the blocks
+    all_reduces = np.mean([1 if config.is_moe_layer(i) else 2 for i in range(config.n_layer)])
+    formula = all_reduces * 2 * (tp - 1) / tp * b * T * C * itemsize
     measured_layer = table[~np.isnan(table[:, 1]), 1]
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
@@ -152,12 +209,24 @@ def main_parallel(args):
     print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
-              + (f", {args.chunks} chunks" if args.chunks > 1 else "")
-              + f": bubble by the formula {model.pipe.formula_bubble_fraction():.3f}")
+              + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
+    if args.zero:
+        print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
+              + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
+                                                                                 table[0, 2:5])) + " (rank 0)")
+    if cp > 1:
+        print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
+              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step (formula "
+              f"{fmt_bytes(cp_block['bytes_formula'])}); attention work max/mean over its cp ranks "
+              f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
+    moe_block, moe_line = moe_summary(moe) if moe else (None, None)
+    if moe_line:
+        print(f"{args.moe_experts} experts per MoE layer, replicated on the tp ranks; --moe-groups {config.moe_groups}")
+        print(moe_line)
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
@@ -166,26 +235,31 @@ def main_parallel(args):
               + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
           " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
-          " backward sends the same again; '-': a stage without blocks)")
+          " backward sends the same again; '-': a stage without blocks"
+          + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
+          + ")")
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size)
     show_plan(args, compared)
-    sample = full.generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8, top_k=20,
-                           rng=np.random.default_rng(args.seed))
+    sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
+                                                 top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
-            "dp": dp, "pp": pp, "tp": tp, "transport": transport_name(comm),
+            "dp": dp, "pp": pp, "tp": tp, "zero": args.zero, "zero_memory": zero_memory(args.zero, dp, table),
+            "cp_method": args.cp_method if cp > 1 else None, "cp": cp_block,
+            "transport": transport_name(comm),
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule,
             "microbatches": args.microbatches, "chunks": args.chunks,
             "bubble_formula": model.pipe.formula_bubble_fraction(),
+            "bubble_formula_costs": bubble_costs(model.pipe),
             "dropout": args.dropout, "recompute": args.recompute,
             "num_params": psi, "initial_val_loss": initial_val, "final_val_loss": final_val, "final_loss": float(tail),
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],
             "elapsed_seconds": elapsed, "planner": compared,
             "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            **({"moe": moe_block} if moe_block else {}), **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,
@@ -195,3 +269,19 @@ def main_parallel(args):
                        "step": step_by_rank[r]}
                       for r, v in enumerate(table)]})
     return 0
+
+
+def cp_report(model, args, table):
+    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step, measured (table column 15)
+    and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries computed,
+    column 16) of rank 0's cp ranks, max over mean."""
+    local = {id(q) for q in model.parameters()}
+    blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
+    rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
+                                               itemsize)
+    work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
+    return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
+            if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
+            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean())}

@@ -56,7 +56,6 @@ def refuse_longer_than_the_corpus(parser, option, value, splits):
 
 
 MOE_OPTIONS = ("--moe-top-k", "--moe-capacity-factor", "--moe-every", "--moe-aux-loss-coef", "--moe-groups")
-MOE_NOT_BUILT = "not supported yet: expert parallelism and MoE under tensor/pipeline parallelism are not built"
 
 
 def refuse_moe(parser, args, given):
@@ -65,23 +64,61 @@ def refuse_moe(parser, args, given):
             if option in given:
                 cli.refuse(parser, option, "--moe-experts 0", "no block has an MoE layer: give --moe-experts E")
         return
-    for option, asked, why in (("--tp", args.tp > 1, MOE_NOT_BUILT), ("--pp", args.pp > 1, MOE_NOT_BUILT),
-                               ("--microbatches", args.microbatches > 1,
-                                "not supported yet: each micro-batch would route and count capacity on its own")):
+    if args.sequence_parallel:
+        cli.refuse(parser, "--sequence-parallel", f"--moe-experts {args.moe_experts}",
+                   "the experts are replicated on the tp ranks and route whole sequences; routing by sequence "
+                   "shard is not built")
+
+
+EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"
+
+
+def refuse_ep(parser, args, given):
+    if "--ep" in given and not args.moe_experts:
+        cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
+    if args.ep == 1:
+        return
+    for option, asked in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--save-dir", args.save_dir)):
         if asked:
-            cli.refuse(parser, option, f"--moe-experts {args.moe_experts}", why)
-    if args.recompute == "full":
-        cli.refuse(parser, "--recompute full", f"--moe-experts {args.moe_experts}",
-                   "a recomputed block's balancing loss would leave the graph; give --recompute selective")
+            cli.refuse(parser, option, f"--ep {args.ep}", EP_NOT_BUILT if option != "--save-dir" else
+                       "not supported yet: each rank holds its own experts, which the checkpoint's replicated "
+                       "layout does not describe")
+
+
+def refuse_cp(parser, args, given):
+    if args.cp == 1:
+        if "--cp-method" in given:
+            cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
+        return
+    setting = f"--cp {args.cp}"
+    for option, asked, why in (
+            ("--dropout", args.dropout > 0, "each context-parallel rank would draw its chunk's masks, not one "
+                                            "process's, and ring attention has no attention dropout"),
+            (f"--recompute {args.recompute}", args.recompute != "none",
+             "the recomputed attention would replay its ring or all-to-alls in backward"),
+            ("--moe-experts", args.moe_experts > 0, "not supported yet: experts run in the data-parallel MoE job")):
+        if asked:
+            cli.refuse(parser, option, setting, why)
 
 
 def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
+    refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
+    if args.zero and args.moe_experts:
+        cli.refuse(parser, f"--zero {args.zero}", f"--moe-experts {args.moe_experts}",
+                   "not supported yet: the MoE job's data parallelism does not shard its optimizer")
+    refuse_cp(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
             if option in given:
                 cli.refuse(parser, option, "--pp 1", "one stage has no pipeline schedule: give --pp 2 or more")
+    if "--chunks" in given and args.schedule == "zb_h1":
+        cli.refuse(parser, "--chunks", "--schedule zb_h1", "ZB-H1 runs one chunk per rank; zbv is the zero-bubble "
+                                                          "schedule with 2, a V")
+    if "--chunks" in given and args.schedule == "zbv" and args.chunks != 2:
+        cli.refuse(parser, f"--chunks {args.chunks}", "--schedule zbv", "its V is exactly 2 chunks per rank: "
+                                                                         "give --chunks 2 or leave it out")
 
 
 def refuse_generate(parser, args, given):

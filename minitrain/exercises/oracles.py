@@ -158,3 +158,28 @@ def simulate_schedule(impl, p, m, kinds="FB", costs=(1.0, 2.0, 0.0)):
         return schedule, simulate(schedule, *costs)
     except ScheduleError as e:
         raise Mismatch(f"{what}: {e}") from None
+
+
+# ---------------------------------------------------------------- context parallelism
+def zigzag_indices(seq_len, cp, rank):
+    """The positions rank ``rank`` of ``cp`` holds under ring attention's zig-zag split (Llama 3,
+    Dubey et al. 2024, sec. 3.3.2: the sequence cut into 2·cp chunks, rank i holds chunks i and
+    2·cp-1-i), in that order: a rank's early chunk has little causal work, its late one much."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"zigzag_indices: a sequence of {seq_len} tokens does not split into 2*cp = {2 * cp} "
+                         "equal chunks")
+    c = seq_len // (2 * cp)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                           np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def causal_pairs(positions):
+    """(query, key) pairs with key <= query that the queries at ``positions`` attend to."""
+    return int(np.sum(np.asarray(positions, dtype=np.int64) + 1))
+
+
+def causal_blocks(positions, seq_len, blocks):
+    """Attention blocks a rank computes when the sequence is cut into ``blocks`` blocks (ring
+    attention's unit): block (i, j) for every query block i it holds and every key block j <= i."""
+    held = np.unique(np.asarray(positions, dtype=np.int64) // (seq_len // blocks))
+    return int(np.sum(held + 1))

@@ -52,9 +52,6 @@ class GPTConfig:
             if self.moe_every < 1 or self.moe_every > self.n_layer:
                 raise ValueError(f"moe_every={self.moe_every} must be in [1, n_layer={self.n_layer}] "
                                  "(no block would be an MoE layer)")
-            if self.recompute == "full":   # the aux loss of a recomputed block would leave the graph
-                raise ValueError("recompute='full' does not combine with MoE layers (their aux loss "
-                                 "would be computed without a graph); use 'selective'")
 
     def is_moe_layer(self, layer):
         """Whether block ``layer`` (0-based) has an MoE layer in place of its MLP."""
@@ -139,6 +136,8 @@ class Block(Module):
             self.mlp = MoE(config.n_embd, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
                            config.moe_groups, config.moe_aux_loss_coef, config.moe_normalize_gates,
                            bias=config.bias, dropout=config.dropout)
+            if config.recompute == "full":   # its aux loss, computed without a graph, is seeded in backward
+                self.mlp.aux_loss_scale = 1.0
         else:
             self.mlp = FeedForward(config)
         self.recompute = config.recompute == "full"
@@ -153,6 +152,12 @@ class Block(Module):
     def compute(self, x, cache=None, layer=0):
         x = x + self.attn(self.ln_1(x), cache=cache, layer=layer)
         return x + self.mlp(self.ln_2(x))
+
+
+def aux_loss_term(moe):
+    """What the loss adds for an MoE layer: its aux_loss, or only its value where the layer seeds the
+    gradient itself (moe.aux_loss_scale set: nn/moe.py's AuxLossAutoScaler)."""
+    return moe.aux_loss if moe.aux_loss_scale is None else Tensor(moe.aux_loss.data)
 
 
 class GPT(Module):
@@ -208,7 +213,7 @@ class GPT(Module):
         if self.config.moe_experts and self.training:
             for i, block in enumerate(self.h):
                 if self.config.is_moe_layer(i):
-                    loss = loss + block.mlp.aux_loss
+                    loss = loss + aux_loss_term(block.mlp)
         return logits, loss
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None, cache="contiguous"):

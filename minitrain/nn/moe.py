@@ -11,11 +11,16 @@ ceil(factor · N/G · k / E) choices per group of N/G tokens, first choices befo
 alpha · E · sum_i f_i · P_i, f_i the fraction of the k·N choices routed to expert i (before
 dropping), P_i the mean router probability of expert i, averaged over the groups: 1 · alpha when
 perfectly balanced, E · alpha when one expert takes everything. Parameters: E · 8C² (+ biases) + C·E.
+
+Where the loss cannot simply add aux_loss (a block recomputed in backward computes it without a graph;
+a pipeline stage other than the last has no loss), aux_loss_scale s makes the layer return
+AuxLossAutoScaler.apply(y, aux_loss, s) (Megatron-Core's MoEAuxLossAutoScaler): y unchanged, and in
+backward aux_loss's gradient seeded with s, as if s · aux_loss had been added to the loss.
 """
 from collections import namedtuple
 
 from .. import backend
-from ..autograd import Tensor, cat
+from ..autograd import Function, Tensor, cat
 from . import functional as F
 from .gpt import FeedForward
 from .layers import Linear, ModuleList
@@ -44,6 +49,7 @@ class MoE(Module):
         self.router = Linear(n_embd, num_experts, bias=False)
         self.experts = ModuleList([FeedForward(_ExpertShape(n_embd, bias, dropout)) for _ in range(num_experts)])
         self.aux_loss, self.stats = None, None
+        self.aux_loss_scale = None     # None: the model adds aux_loss to its loss; s: seeded in backward
 
     def forward(self, x):
         shape = x.shape
@@ -54,6 +60,8 @@ class MoE(Module):
         y = combine(self.run_experts(dispatch(x, plan), plan.counts), gates, plan)
         self.aux_loss = self.load_balancing_loss(probs, plan)
         self.stats = {"load": plan.routed.sum(axis=0), "dropped": plan.dropped, "aux_loss": self.aux_loss.data}
+        if self.aux_loss_scale is not None:
+            y = AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale)
         return y.reshape(shape)
 
     def route(self, probs):
@@ -92,3 +100,17 @@ class MoE(Module):
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}, "
                 f"groups={self.groups}, aux_loss_coef={self.aux_loss_coef}, normalize_gates={self.normalize_gates}")
+
+
+class AuxLossAutoScaler(Function):
+    """Identity on ``y``; backward also returns ``scale`` as the gradient of ``aux_loss`` (a scalar)."""
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, scale=1.0):
+        ctx.scale, ctx.aux = scale, (aux_loss.shape, aux_loss.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype = ctx.aux
+        return grad, backend.array_module(grad).full(shape, ctx.scale, dtype=dtype)

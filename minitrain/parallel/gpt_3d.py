@@ -9,17 +9,40 @@ Nothing new is computed here: the pieces already exist and only meet.
 * tensor_parallelize shards the GPT over the tp communicator.
 * The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
   and PipelineParallel cuts it into stages over the pp communicator and runs a schedule
-  (GPipe, 1F1B, interleaved). Within a stage the tp ranks run the same schedule in lockstep, so
-  their collectives line up; activations go to the next stage's rank with the same tp coordinate.
+  (GPipe, 1F1B, interleaved, or the zero-bubble ZB-H1 and ZB-V of Qi et al. 2024, zbv's V putting
+  the embedding and the head on the first rank). Within a stage the tp ranks run the same schedule in
+  lockstep, so their collectives line up; activations go to the next stage's rank with the same tp
+  coordinate.
+* Zero-bubble schedules split each backward into B and W (autograd.defer_weight_grads): the nodes
+  with a weight among their inputs run twice, for the input's gradient in B, for the weights' in W.
+  The f/g collectives have no weight, so they stay in B; sequence parallelism's AllGatherLinear does
+  its reduce-scatter in B and its re-gather in W, on every tp rank alike (no byte is sent twice).
+* With cp > 1 (context parallelism, context_parallel/gpt.py) each rank takes T/cp positions of every
+  row (zig-zag for the ring, contiguous for Ulysses), its blocks' attention runs over the cp
+  communicator, and the pipeline's activations are the local chunk (b, T/cp, C). Each rank's loss
+  is the mean over its tokens (the cp ranks hold as many each), so averaging over dp x cp (the
+  mesh's "dp_cp" communicator, in place of dp's) gives the global batch's mean and its gradient.
 * Gradients are averaged over the dp communicator once per step (the pipeline does it after
   the last micro-batch); with sequence parallelism the replicated parameters' partial gradients
   are summed over tp once per step too (not once per micro-batch's backward).
+
+* zero=1|2|3: ZeRO over the dp communicator (zero_3d.py) instead of the all-reduce: the optimizer
+  state (1), the gradients (2) and the parameters (3) of each stage sharded over its dp replicas;
+  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
 depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
 other masks than one process; tied embeddings across the first and last stage would need
 Megatron's extra embedding all-reduce (refused with a clear error).
+
+A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
+tp ranks, and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
+(nn/moe.py, tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
+groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
+routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
+and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
+plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage.
 """
 import math
 
@@ -31,7 +54,11 @@ from ..comm import DeviceMesh, all_reduce
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
+from .pipeline.schedules import default_chunks
+from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
+from .zero_3d import Zero3D
+from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
 
 
 class EmbeddingStage(Module):
@@ -41,10 +68,13 @@ class EmbeddingStage(Module):
         super().__init__()
         self.comm, self.sequence_parallel = model.comm, model.sequence_parallel
         self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.cp_positions = None                         # context parallelism: the positions this rank holds
 
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else idx
         pos = positions(idx.shape[1], self.comm, self.sequence_parallel, array_module(idx))
+        if self.cp_positions is not None:
+            pos = array_module(idx).asarray(self.cp_positions)[pos]
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -64,52 +94,113 @@ class GPT3D:
     """The GPT over ``DeviceMesh(comm, dp, pp, tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
     each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
-    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards) for any optimizer;
+    ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
+    builds the optimizer over them (with ``zero``, over this rank's ZeRO shard of them);
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False):
-        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp)
-        self.dp, self.pp, self.tp = dp, pp, tp
+                 sequence_parallel=False, zero=0, cp=1, cp_method="ring"):
+        self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
+        self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
+        self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
                              f"lm_head on the last; sharing them would need Megatron's embedding all-reduce")
+        # chunks=1, the default, means the schedule's own: zbv's V is 2 per rank (any other count is refused)
+        chunks = default_chunks(schedule, None if schedule == "zbv" and chunks == 1 else chunks)
         layers = gpt.config.n_layer + 2
         if layers < pp * chunks:
             raise ValueError(f"[rank {comm.rank}] {gpt.config.n_layer} blocks + embedding + head = {layers} layers "
-                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages")
+                             f"cannot fill pp x chunks = {pp * chunks} pipeline stages"
+                             + (" (zbv's V: 2 chunks per rank)" if schedule == "zbv" else ""))
+        self.groups = gpt.config.moe_groups if gpt.config.moe_experts else 1
+        if gpt.config.moe_experts and self.groups % (dp * num_microbatches):
+            raise ValueError(f"[rank {comm.rank}] moe_groups {self.groups} is not a multiple of dp x micro-batches = "
+                             f"{dp} x {num_microbatches}: each micro-batch routes whole capacity groups")
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
+        for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
+            layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
+            layer.record_step = True
+        self.moe_statistics = None
+        self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
-                                     chunks=chunks, dp_comm=self.mesh.comm("dp"))
+                                     chunks=chunks, dp_comm=self.mesh.comm("dp_cp"),
+                                     find_unused_parameters=bool(self.moe_layers))   # an idle expert: no grad
+        self.zero = self._shard_over_dp(zero, schedule)
+
+    def _shard_over_dp(self, stage, schedule):
+        """ZeRO stage ``stage`` over the dp communicator (None for 0): it reduce-scatters the gradients."""
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {stage}")
+        if not stage:
+            return None
+        if schedule == "pipedream_2bw":
+            raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
+        self.pipe.all_reduce_dp_gradients = False
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over (dp x cp)
+
+    def optimizer(self, optimizer_class, **defaults):
+        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
+        if self.zero is None:
+            return optimizer_class(self.parameters(), **defaults)
+        return self.zero.optimizer(optimizer_class, **defaults)
 
     def parameters(self):
         return self.pipe.parameters()
 
     def zero_grad(self):
-        self.pipe.zero_grad()
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.pipe.zero_grad()
 
     def train_step(self, idx, targets):
         n, d = len(idx), self.mesh.coordinate("dp")
+        if n % self.groups:
+            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
+                             f"moe_groups {self.groups} groups of whole rows")
+        for layer in self.moe_layers:
+            layer.reset_step()
         # contiguous rows per replica; where dp does not divide n the first n % dp take one more
         # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
-        loss = self.pipe.train_step(idx[rows], targets[rows], self.model.loss, global_rows=n)
+        idx, targets = idx[rows], targets[rows]
+        if self.cp > 1:                                           # this rank's positions of every row
+            cols = self.layers[0].cp_positions = sequence_positions(idx.shape[1], self.mesh.comm("cp"), self.cp_method)
+            idx, targets = idx[:, cols], targets[:, cols]
+        if self.zero is not None:
+            self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
-        if self.dp > 1:                                           # the replicas' mean: the global batch's
-            loss = float(all_reduce(self.mesh.comm("dp"), np.array([loss]), op="mean")[0])
+        if self.zero is not None:
+            self.zero.reduce_gradients()                          # the dp x cp mean, each rank its shard
+        if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
+            loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
+        if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
+            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
+            loss += self.moe_statistics[2]
         return loss
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
-        the dp replicas hold the same averaged gradient)."""
+        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp)."""
+        if self.zero is not None:
+            replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
+            return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
+                                             uncounted=replicas if self.mesh.coordinate("tp") else ())
         return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
 
     def full_state_dict(self):
         """name -> full array under the GPT's names (collectives over pp, then tp, on every rank)."""
+        if self.zero is not None:
+            self.zero.gather_parameters()                         # ZeRO-3: whole for the gather
         by_layer_name = self.pipe.full_state_dict()
+        if self.zero is not None:
+            self.zero.release_parameters()
         shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
         return self.model.full_state_dict(shards)
 
@@ -142,4 +233,6 @@ class GPT3D:
                     sizes[0] = max(0, min(shape[0], vocab - offsets[0]))
                 pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
             placements.append((q, [(name, s) for s in pieces]))
+        if self.zero is not None and self.zero.stage == 3:       # the parameters are the shard, cut across them
+            return [(self.zero.shard, self.zero.shard_placements({id(q): pieces for q, pieces in placements}))]
         return placements

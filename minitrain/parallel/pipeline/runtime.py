@@ -19,7 +19,9 @@ Zero-bubble schedules (W actions): B runs out.backward(grad) inside
 autograd.defer_weight_grads(stage weights), which computes the input gradient only and queues
 the weight gradients; W runs the queue. Messages: a small header (dtype, shape) then the array;
 the header is skipped once the shapes of a batch shape are known (both ends see the same batch).
-With dp_comm the gradients are averaged over it once per step (2D: dp x pp).
+With dp_comm the gradients are averaged over it once per step (2D: dp x pp); with
+find_unused_parameters (an expert no token of a replica chose) as DDP's: a parameter without a
+gradient on some replica counts as zeros there, one that no replica used keeps grad None.
 
 PipeDream-2BW: double-buffered weights; batch t runs forward and backward on the stashed W(t-1)
 while the optimizer updates W(t): W(t+1) = W(t) - lr·∇L(W(t-1)) (Narayanan et al. 2021, sec. 3).
@@ -58,12 +60,14 @@ class _Step:
 
 class PipelineParallel:
     def __init__(self, model, comm, schedule="1f1b", num_microbatches=None, chunks=None, split_points=None,
-                 dp_comm=None, layer_costs=None):
+                 dp_comm=None, layer_costs=None, find_unused_parameters=False):
         if not isinstance(model, Sequential):
             raise TypeError("PipelineParallel cuts an nn.Sequential into stages")
         if num_microbatches is None or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.comm, self.dp_comm = comm, dp_comm
+        self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
+        self.find_unused_parameters = find_unused_parameters
         self.p, self.rank, self.m = comm.size, comm.rank, num_microbatches
         self.v = default_chunks(schedule, chunks)
         self.schedule_name = schedule
@@ -290,8 +294,15 @@ class PipelineParallel:
 
     def _all_reduce_gradients(self):
         """2D (dp x pp): the gradients averaged over the data-parallel replicas."""
-        if self.dp_comm is not None and self.dp_comm.size > 1:
-            all_reduce_coalesced(self.dp_comm, [q.grad for q in self.parameters() if q.grad is not None], op="mean")
+        if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
+            params = self.parameters()
+            if self.find_unused_parameters:       # every replica must reduce the same list
+                used = all_reduce(self.dp_comm, np.array([q.grad is not None for q in params], np.float64))
+                params = [q for q, n in zip(params, used) if n > 0]
+                for q in params:
+                    if q.grad is None:
+                        q.grad = array_module(q.data).zeros(q.shape, q.dtype)
+            all_reduce_coalesced(self.dp_comm, [q.grad for q in params if q.grad is not None], op="mean")
 
     # ---- PipeDream-2BW: compute on W(t-1), let the optimizer update W(t)
     def _swap_in_stash(self):

@@ -1,6 +1,6 @@
 """Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", sec. 3, Figures 3-4) and sequence
 parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", sec. 4.2), in three rooms:
+Models", sec. 4.2), in three rooms and an annex:
 
   comms.py    the communication: Megatron's f (identity forward, all-reduce backward) and g
               (all-reduce forward, identity backward), and their sequence-parallel forms
@@ -8,7 +8,8 @@ Models", sec. 4.2), in three rooms:
   layers.py   the layers built on them: ColumnParallelLinear, RowParallelLinear,
               VocabParallelEmbedding, VocabParallelCrossEntropy, ParallelDropout;
   gpt.py      the GPT with those layers put in (TensorParallelGPT, tensor_parallelize), and the
-              derivation of its saved activations per layer.
+              derivation of its saved activations per layer;
+  moe.py      its MoE layers, replicated on the tp ranks, and their figures in GPT3D's pipeline.
 
 The MLP Y = GeLU(X A) B: A split by columns (each of t ranks computes GeLU(X A_r), no
 communication: GeLU is elementwise), B by rows (each computes a partial sum GeLU(X A_r) B_r; g adds

@@ -47,11 +47,12 @@ from ...autograd.engine import queue_callback
 from ...backend import array_module
 from ...comm import all_reduce_coalesced, broadcast, ring_all_gather
 from ...nn import Embedding, LayerNorm, Module, ModuleList
-from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward
+from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward, aux_loss_term
 from ..clip import clip_sharded_grad_norm_, sum_of_squares
 from .comms import GatherFromTensorParallelRegion
 from .layers import (ColumnParallelLinear, ParallelDropout, RowParallelLinear, VocabParallelCrossEntropy,
                      VocabParallelEmbedding, divide, positions)
+from .moe import ReplicatedMoE
 
 
 class ParallelAttention(CausalSelfAttention):
@@ -90,14 +91,22 @@ class ParallelMLP(FeedForward):
 
 class ParallelBlock(Block):
     """The GPT's block (LayerNorms replicated, or on sequence shards with SP) around the parallel
-    attention and MLP; ``forward`` (with full recomputation) is the GPT's own (inherited)."""
+    attention and MLP; ``forward`` (with full recomputation) is the GPT's own (inherited). Where the
+    config puts an MoE layer (block ``layer``), the MLP is that layer replicated on the tp ranks (moe.py)."""
 
-    def __init__(self, config, comm, sequence_parallel):
+    def __init__(self, config, comm, sequence_parallel, layer=0):
         Module.__init__(self)
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = ParallelAttention(config, comm, sequence_parallel)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = ParallelMLP(config, comm, sequence_parallel)
+        if config.is_moe_layer(layer):
+            self.mlp = ReplicatedMoE(config.n_embd, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
+                                     config.moe_groups, config.moe_aux_loss_coef, config.moe_normalize_gates,
+                                     bias=config.bias, dropout=config.dropout)
+            if config.recompute == "full":   # as the GPT's block: the aux loss seeded in backward
+                self.mlp.aux_loss_scale = 1.0
+        else:
+            self.mlp = ParallelMLP(config, comm, sequence_parallel)
         self.recompute = config.recompute == "full"
 
 
@@ -109,13 +118,16 @@ class TensorParallelGPT(Module):
 
     def __init__(self, config, comm, sequence_parallel=False):
         super().__init__()
+        if config.moe_experts and sequence_parallel:
+            raise ValueError(f"[rank {comm.rank}] sequence parallelism with MoE layers: the experts are replicated on "
+                             "the tp ranks and route the whole sequence (routing by sequence shard is not built)")
         self.config, self.comm, self.sequence_parallel = config, comm, sequence_parallel
         t = comm.size
         self.padded_vocab = -(-config.vocab_size // t) * t
         self.wte = VocabParallelEmbedding(self.padded_vocab, config.n_embd, comm, sequence_parallel)
         self.wpe = Embedding(config.block_size, config.n_embd)
         self.drop = ParallelDropout(config.dropout, comm, axis=1 if sequence_parallel else None)
-        self.h = ModuleList([ParallelBlock(config, comm, sequence_parallel) for _ in range(config.n_layer)])
+        self.h = ModuleList([ParallelBlock(config, comm, sequence_parallel, i) for i in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = ColumnParallelLinear(config.n_embd, self.padded_vocab, comm, bias=False,
                                             sequence_parallel=sequence_parallel)
@@ -124,7 +136,8 @@ class TensorParallelGPT(Module):
         # parameters every rank holds whole: with sequence parallelism each sees 1/t of the tokens,
         # so their gradients are partial sums, all-reduced once at the end of backward
         self.replicated = [q for name, q in self.named_parameters() if name.startswith(("wpe.", "ln_f.")) or
-                           ".ln_" in name or name.endswith(("c_proj.bias",))]
+                           ".ln_" in name or name.endswith(("c_proj.bias",)) or ".mlp.router." in name or
+                           ".mlp.experts." in name]     # an MoE layer is whole on every rank (moe.py)
         self._pending = False
         # a pipeline runs one backward per micro-batch: it sets this to False and calls
         # all_reduce_replicated_grads() once per step (summing twice would count a micro-batch t times)
@@ -177,7 +190,12 @@ class TensorParallelGPT(Module):
         if targets is None:
             full = GatherFromTensorParallelRegion.apply(logits, self.comm)
             return full[..., :self.config.vocab_size]
-        return logits, self.loss(logits, targets)
+        loss = self.loss(logits, targets)
+        if self.config.moe_experts and self.training:      # as the GPT's forward
+            for block in self.h:
+                if isinstance(block.mlp, ReplicatedMoE):
+                    loss = loss + aux_loss_term(block.mlp)
+        return logits, loss
 
     def loss(self, logits, targets):
         """Mean cross-entropy of the vocab-split logits (never gathered)."""
@@ -204,8 +222,13 @@ class TensorParallelGPT(Module):
                 mapping[p + name + ".weight"] = (module.weight, None)
                 if module.bias is not None:
                     mapping[p + name + ".bias"] = (module.bias, None)
-            for name, module, axis in (("attn.c_attn", block.attn.c_attn, "qkv"), ("attn.c_proj", block.attn.c_proj, 1),
-                                       ("mlp.c_fc", block.mlp.c_fc, 0), ("mlp.c_proj", block.mlp.c_proj, 1)):
+            linears = (("attn.c_attn", block.attn.c_attn, "qkv"), ("attn.c_proj", block.attn.c_proj, 1))
+            if isinstance(block.mlp, ReplicatedMoE):           # whole on every rank
+                for name, q in block.mlp.named_parameters():
+                    mapping[p + "mlp." + name] = (q, None)
+            else:
+                linears += (("mlp.c_fc", block.mlp.c_fc, 0), ("mlp.c_proj", block.mlp.c_proj, 1))
+            for name, module, axis in linears:
                 mapping[p + name + ".weight"] = (module.weight, axis)
                 if module.bias is not None:
                     mapping[p + name + ".bias"] = (module.bias, None if axis == 1 else axis)

@@ -61,7 +61,9 @@ class AllGatherLinear(Function):
     """Sequence parallelism's f fused with the column-parallel matmul: all-gather the sequence
     shards, multiply, and keep only the shard for backward; backward all-gathers it again
     (Korthikanti et al. 2022 sec. 4.2.2: one extra all-gather instead of t times the memory)
-    and reduce-scatters the input gradient."""
+    and reduce-scatters the input gradient. Each half only when asked (needs_input_grad): a
+    zero-bubble pipeline's B asks for the input's gradient alone (the reduce-scatter) and its W for
+    the weights' (the re-gather), so the split backward sends what the whole one does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
@@ -76,11 +78,16 @@ class AllGatherLinear(Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        full = gather_along(ctx.comm, x, 1)                  # the re-gather
+        need = ctx.needs_input_grad
+        gw = gb = gx = None
         g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.T @ full.reshape(-1, full.shape[-1])
-        gb = g2.sum(axis=0) if ctx.has_bias else None
-        gx = reduce_scatter_along(ctx.comm, ops.matmul_rows(g, weight), 1)
+        if need[1]:
+            full = gather_along(ctx.comm, x, 1)              # the re-gather
+            gw = g2.T @ full.reshape(-1, full.shape[-1])
+        if ctx.has_bias and need[2]:
+            gb = g2.sum(axis=0)
+        if need[0]:
+            gx = reduce_scatter_along(ctx.comm, ops.matmul_rows(g, weight), 1)
         return gx, gw, gb, None
 
 

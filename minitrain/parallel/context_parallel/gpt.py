@@ -1,0 +1,76 @@
+"""Context parallelism on the (tensor-parallel) GPT: every rank holds T/cp positions of each row;
+each block's attention core -- softmax(Q K^T) V on (B, heads, positions, D) -- is replaced by ring
+attention (zig-zag layout, ring.py) or by Ulysses (contiguous layout, ulysses.py) over the cp
+communicator. Everything else in a block (LayerNorms, the linears, the MLP) acts position by position
+and needs no communication; the position embedding looks up the true positions (positions_of).
+
+Megatron-Core's context parallelism does the same (its TEDotProductAttention with cp_group); its
+loss is the mean over the rank's tokens, averaged over the dp x cp ranks with the gradients.
+"""
+from .ring import ring_attention
+from .ulysses import check_heads, ulysses_attention
+from .zigzag import check_seq_len, positions_of
+
+#: method -> the layout of the sequence over the cp ranks
+METHODS = {"ring": "zigzag", "ulysses": "contiguous", "ring_contiguous": "contiguous"}
+
+
+class ContextParallelCore:
+    """The attention core over the cp ranks, in place of the block's own; ``computed`` counts the score
+    entries this rank computed (the blocks a ring did not skip; the whole T x T of each head for Ulysses)."""
+
+    def __init__(self, attention, comm, method):
+        self.attention, self.comm, self.method, self.computed = attention, comm, method, 0
+        self._local_core = attention.core                # the GPT's own core: Ulysses runs it on whole heads
+
+    def _count(self, n):
+        self.computed += n
+
+    def _ulysses_core(self, q, k, v):
+        T = q.shape[2]
+        self._count(q.shape[0] * q.shape[1] * T * T)
+        return self._local_core(q, k, v)
+
+    def __call__(self, q, k, v):
+        if self.method == "ulysses":
+            return ulysses_attention(q, k, v, self.comm, self._ulysses_core)
+        return ring_attention(q, k, v, self.comm, causal=True, layout=METHODS[self.method], count=self._count)
+
+
+def context_parallelize(model, comm, method="ring"):
+    """Put the cp attention into every block of ``model`` (a TensorParallelGPT, or an nn.GPT);
+    returns the cores (their ``computed`` counters). A clear error for what does not split."""
+    if method not in METHODS:
+        raise ValueError(f"unknown context-parallel method {method!r}: expected one of {tuple(METHODS)[:2]}")
+    config = model.config
+    if comm.size > 1 and config.recompute not in (None, "none"):
+        raise ValueError(f"recompute={config.recompute!r} with context parallelism is not built: the recomputed "
+                         "attention would replay its ring or all-to-alls in backward")
+    if comm.size > 1 and config.dropout:
+        raise ValueError(f"dropout={config.dropout} with context parallelism is not built: each cp rank would draw "
+                         "its chunk's masks, not one process's (and ring attention has no attention dropout)")
+    cores = []
+    for block in model.h:
+        if method == "ulysses":
+            check_heads(block.attn.n_head, comm)
+        core = ContextParallelCore(block.attn, comm, method)
+        block.attn.core = core
+        cores.append(core)
+    return cores
+
+
+def sequence_positions(seq_len, comm, method="ring"):
+    """The positions this cp rank holds of a sequence of ``seq_len`` (one clear error if it does not split)."""
+    check_seq_len(seq_len, comm.size, METHODS[method])
+    return positions_of(seq_len, comm.size, comm.rank, METHODS[method])
+
+
+def cp_bytes_formula(method, cp, seq_len, width, itemsize):
+    """Bytes one cp rank sends per row of the batch and per block, forward and backward, with ``width``
+    = its heads x head size (n_embd / tp). Ring: (6cp - 4) blocks of (T/cp)·width (K, V forward cp-1 times;
+    K, V, dK, dV backward cp-1 times; dK, dV home once). Ulysses: 4 all-to-alls forward (q, k, v, output)
+    and 4 backward, each (cp-1)/cp of (T/cp)·width."""
+    block = seq_len // cp * width * itemsize
+    if cp == 1:
+        return 0
+    return (6 * cp - 4) * block if method.startswith("ring") else 8 * (cp - 1) * block // cp
