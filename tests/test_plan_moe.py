@@ -1,8 +1,9 @@
-"""The planner's new axes (plan/experts.py): a GPT job with experts on 2 data-parallel ranks, its memory
-per rank predicted within 5% of the job's own ledger (peak total; params, grads, optimizer state); expert
-parallelism shards the experts' bytes exactly by E/ep; context parallelism divides the activations by cp;
-the all-to-alls carry tokens·k rows, (ep-1)/ep of them away; --search keeps to the constraints and names a
-sane layout for Mixtral-8x7B and a DeepSeek-V3-like model on 1024 GPUs."""
+"""The planner's new axes (plan/experts.py) against the GPT job's own ledger, every rank: experts on 2
+data-parallel ranks (dropless, capacity, every other block), with --ep 2, under tp and pp (GPT3D), dense
+with --cp (ring, Ulysses, x tp) and --zero 1/2/3 (x tp, x pp): memory per rank within 5% (peak total;
+params, grads, optimizer state). Then the formulas: ep shards the experts' bytes exactly by E/ep, cp
+divides the activations, the all-to-alls carry tokens·k rows, (ep-1)/ep of them away; --search keeps to
+the constraints and names a sane layout for Mixtral-8x7B and a DeepSeek-V3-like model on 1024 GPUs."""
 import contextlib
 import io
 import json
@@ -71,14 +72,6 @@ def test_the_job_prints_the_planner_beside_what_it_measured(measured, capsys):
         compared["measured"]["memory_bytes"], rel=0.05)
 
 
-def job_takes_ep():
-    from minitrain.examples import gpt
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
-        return gpt.parse_args(["--ep", "1", "--moe-experts", "4"]).ep == 1
-    return False
-
-
-@pytest.mark.skipif(not job_takes_ep(), reason="the job has no --ep yet (h-ep): planned from its definition")
 def test_memory_with_expert_parallelism_is_the_job_s_ledger_within_5_percent(tmp_path):
     """ep 2 on 2 ranks. The planner plans balanced routing: with 2 experts top-2 every token goes to both, so
     the ledger's count comes out (within 1%); with 4 a real routing moves some rows between the ranks."""
@@ -97,14 +90,6 @@ def test_memory_with_expert_parallelism_is_the_job_s_ledger_within_5_percent(tmp
                 assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
 
 
-def job_takes(option):
-    from minitrain.examples import gpt
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
-        return getattr(gpt.parse_args([option, "1"]), option[2:]) == 1
-    return False
-
-
-@pytest.mark.skipif(not job_takes("--cp"), reason="the job has no --cp yet (h-cp): planned from its definition")
 def test_memory_with_context_parallelism_is_the_job_s_ledger_within_5_percent(tmp_path):
     """A dense GPT over cp ranks (GPT3D): ring (zig-zag) and Ulysses, with tp; Ulysses keeps what one process
     keeps on a/cp heads (within 1%), the ring its log-sum-exp and output in place of the scores."""
@@ -123,7 +108,6 @@ def test_memory_with_context_parallelism_is_the_job_s_ledger_within_5_percent(tm
                 assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
 
 
-@pytest.mark.skipif(not job_takes("--zero"), reason="the job has no --zero yet (h-zero): planned from its definition")
 def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_percent(tmp_path):
     """GPT3D's ZeRO (parallel/zero_3d.py): a flat gradient of the stage through the step, stages 2 and 3 a
     gradient shard, stage 3 a parameter shard and the stage gathered once a step; every rank's stage."""
@@ -144,14 +128,6 @@ def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_perc
                 assert stage["category_peaks"][c] == pytest.approx(rank["memory"]["peak"][c], rel=0.05), (name, c)
 
 
-def job_runs_experts_in_gpt3d():
-    from minitrain.examples import gpt
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
-        return gpt.parse_args(["--moe-experts", "4", "--pp", "2"]).pp == 2
-    return False
-
-
-@pytest.mark.skipif(not job_runs_experts_in_gpt3d(), reason="the job runs no experts under tp / pp yet (h-moe3d)")
 def test_memory_with_experts_under_tp_and_pp_is_the_job_s_ledger_within_5_percent(tmp_path):
     """GPT3D with MoE layers replicated on the tp ranks: tp 2, pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2."""
     runs = {"tp": (["--tp", "2"], 2), "pp": (["--pp", "2", "--microbatches", "2"], 2),

@@ -364,7 +364,7 @@ def paper_memory(model, layout):
     if model.kind != "gpt":
         states = paper_model_states(model.num_parameters(), layout.dp, layout.zero, layout.offload)
         return [_one_moment(states)]
-    t, b, s, h, a = layout.tp, layout.micro_batch_size, model.block_size // layout.cp, model.n_embd, model.n_head
+    t, b, s, h = layout.tp, layout.micro_batch_size, model.block_size // layout.cp, model.n_embd
     per_layer = paper_layer_bytes(model, layout, b)
     per_moe_layer = paper_layer_bytes(model, layout, b, moe=True) if model.moe_experts else 0
     pieces = gpt_pieces(model, layout, b)
