@@ -23,7 +23,7 @@ M·h more).
 Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
 per-token activation is divided by cp. Ring: the K, V blocks go cp-1 hops round the ring forward, K, V
-and their gradients cp-1 hops backward; no score matrix is kept (ring_attention.py keeps the log-sum-
+and their gradients cp-1 hops backward; no score matrix is kept (context_parallel/ring.py keeps the log-sum-
 exp and the output; the K, V, dK, dV blocks in transit are a backward's transient); causal blocks above
 the diagonal are skipped: (cp+1)/2 of the cp blocks per rank. Ulysses: four all-to-alls each way (q, k,
 v to head-sharded, the output back to sequence-sharded), the attention on a/(t·cp) heads over the whole
@@ -31,8 +31,9 @@ sequence (its score matrix kept, as one process keeps it; the head-sharded q, k,
 sequence-sharded ones' place, the same size). Parameters are replicated over cp: gradients are reduced
 over dp·cp ranks. Measured against the job (h-cp's GPT3D): Ulysses the ledger's count, ring within 1.5%.
 
-Not modelled (refused in one line): dropout inside experts, a Ulysses cp that does not divide the
-heads a rank holds.
+Not modelled (refused in one line): dropout with experts, sequence parallelism with experts (the job
+refuses it too); the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
+zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.
 """
 import math
 
@@ -44,13 +45,15 @@ def check_axes(model, layout):
     c, ep, E, s = layout.cp, layout.ep, model.moe_experts, model.block_size
     if layout.cp_method not in ("ring", "ulysses"):
         raise LayoutError(f"--cp-method must be ring or ulysses, got {layout.cp_method!r}")
+    heads = model.n_head // layout.tp
     if c > 1 and layout.cp_method == "ring" and s % (2 * c):
+        valid = [d for d in range(1, s + 1) if s % (2 * d) == 0]
         raise LayoutError(f"--block-size {s} is not divisible by 2 x --cp {c} (ring attention's zig-zag: two chunks "
-                          f"per rank); nearest valid --cp: {_valid(c, [d for d in range(1, s + 1) if s % (2 * d) == 0])}")
-    if c > 1 and layout.cp_method == "ulysses" and (s % c or (model.n_head // layout.tp) % c):
-        raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {model.n_head // layout.tp} "
-                          f"heads per tp rank; nearest valid --cp: "
-                          f"{_valid(c, [d for d in range(1, s + 1) if s % d == 0 and (model.n_head // layout.tp) % d == 0])}")
+                          f"per rank); nearest valid --cp: {_valid(c, valid)}")
+    if c > 1 and layout.cp_method == "ulysses" and (s % c or heads % c):
+        valid = [d for d in range(1, s + 1) if s % d == 0 and heads % d == 0]
+        raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {heads} heads per tp "
+                          f"rank; nearest valid --cp: {_valid(c, valid)}")
     if ep > 1 and not E:
         raise LayoutError(f"--ep {ep} shards experts, but the model has none (--moe-experts 0): --ep 1")
     if layout.dp % ep:
@@ -65,7 +68,8 @@ def check_axes(model, layout):
     if not 1 <= model.moe_top_k <= E:
         raise LayoutError(f"--moe-top-k {model.moe_top_k} must be between 1 and --moe-experts {E}")
     if not 1 <= model.moe_every <= model.n_layer:
-        raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an MoE layer")
+        raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an "
+                          f"MoE layer")
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
@@ -169,7 +173,8 @@ def zero_expert_extra(model, layout, moe_blocks):
     n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
     e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
     extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
-    extra["grads"] = fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout) + (e * (wide - narrow) if z >= 2 else 0)
+    extra["grads"] = (fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout)
+                      + (e * (wide - narrow) if z >= 2 else 0))
     extra["params"] = e * (wide - narrow) if z == 3 else 0
     return extra
 
