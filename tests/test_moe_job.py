@@ -76,7 +76,6 @@ def test_the_json_moe_block_and_the_table_line(tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--show-plan"], "--show-plan is not supported with --moe-experts 4 (the planner models dense MLPs"),
     (["--moe-top-k", 5], "--moe-top-k 5 exceeds --moe-experts 4"),
     (["--moe-every", 3], "--moe-every 3 exceeds --n-layer 2"),
     (["--moe-groups", 3], "--batch-size 4 does not split into --moe-groups 3"),

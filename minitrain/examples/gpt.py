@@ -258,8 +258,7 @@ def _main(argv=None):
         print(moe_line)
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(watch.persistent, peak))
-    compared = None if config.moe_experts else plan_comparison(args, 1, steps, peak["total"], kind="gpt",
-                                                                vocab_size=corpus.vocab_size)
+    compared = plan_comparison(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size)
     show_plan(args, compared)
     if args.json:
         write_json(args.json, {

@@ -28,10 +28,23 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
                                            sample_model, scheduler_for)
-from minitrain.examples.report import StepWatch, fmt_bytes, gather_steps, write_json
+from minitrain.examples.report import (MODEL_STATE, StepWatch, fmt_bytes, gather_steps, plan_comparison,
+                                       show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
 from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
 from minitrain.parallel.expert_parallel_moe import full_state_dict, shard_experts
+
+
+def gather_memory(comm, persistent):
+    """Every rank's ledger (every rank calls it): [{"persistent": model states at the last optimizer step,
+    "peak": each category's own peak over the run and the total's}], as the other GPT jobs' --json has it."""
+    peak = memory.peak()
+    row = np.array([persistent.get(c, 0) for c in MODEL_STATE] + [peak[c] for c in memory.CATEGORIES]
+                   + [peak["total"]], np.float64)
+    table = mtcomm.ring_all_gather(comm, row, total=row.size * comm.size).reshape(comm.size, -1)
+    k = len(MODEL_STATE)
+    return [{"persistent": dict(zip(MODEL_STATE, map(int, v[:k]))),
+             "peak": {**dict(zip(memory.CATEGORIES, map(int, v[k:-1]))), "total": int(v[-1])}} for v in table]
 
 
 def main_moe_dp(args):
@@ -80,6 +93,7 @@ def main_moe_dp(args):
         return full
     start_model = global_model()
     initial_val = estimate_loss(start_model, corpus, args, val_rng) if rank == 0 else None
+    del start_model                        # rank 0's whole copy is not held through the run (the ledger's peak)
     memory.reset_peak()
     B = args.batch_size
     rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
@@ -123,6 +137,7 @@ def main_moe_dp(args):
     if not losses:
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
+    memory_by_rank = gather_memory(comm, watch.persistent)
     a2a_by_rank = mtcomm.all_reduce(comm, np.eye(world)[rank][:, None, None] * np.array(a2a, np.float64)[None],
                                     op="sum").astype(np.int64)          # (rank, step, measured | formula)
     full = global_model()
@@ -143,6 +158,9 @@ def main_moe_dp(args):
     print(f"all-to-all (ep {ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the busiest "
           f"rank (mean over steps; dispatch and combine, forward and backward), formula from the split sizes "
           f"{a2a_formula:,.1f} B")
+    compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
+                               vocab_size=corpus.vocab_size)
+    show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))
@@ -150,13 +168,14 @@ def main_moe_dp(args):
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
             "dp": dp, "pp": 1, "tp": 1, "ep": ep, "transport": transport_name(comm), "dropout": args.dropout,
-            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": None,
+            "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": compared,
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
             "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
             "losses": losses, "moe": moe_block, "all_to_all_bytes_per_step": a2a_measured,
             "all_to_all_bytes_formula": a2a_formula, **slowest, "blas_threads": minitrain.backend.blas_threads(),
-            "ranks": [{"rank": r, "step": s, "all_to_all_bytes": a2a_by_rank[r, :, 0].tolist(),
+            "ranks": [{"rank": r, "step": s, "memory": memory_by_rank[r],
+                       "all_to_all_bytes": a2a_by_rank[r, :, 0].tolist(),
                        "all_to_all_bytes_formula": a2a_by_rank[r, :, 1].tolist()} for r, s in enumerate(step_by_rank)]})
     return 0

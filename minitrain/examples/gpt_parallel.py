@@ -238,8 +238,7 @@ def main_parallel(args):
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
           + ")")
-    compared = None if config.moe_experts else plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt",
-                                                                vocab_size=config.vocab_size)
+    compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size)
     show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))

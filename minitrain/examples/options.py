@@ -68,9 +68,6 @@ def refuse_moe(parser, args, given):
         cli.refuse(parser, "--sequence-parallel", f"--moe-experts {args.moe_experts}",
                    "the experts are replicated on the tp ranks and route whole sequences; routing by sequence "
                    "shard is not built")
-    if args.show_plan:
-        cli.refuse(parser, "--show-plan", f"--moe-experts {args.moe_experts}",
-                   "the planner models dense MLPs, not experts")
 
 
 EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"

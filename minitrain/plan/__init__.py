@@ -82,17 +82,25 @@ def mlp_from_args(args, world):
 def gpt_from_args(args, world, vocab_size):
     """(model, layout) of ``python -m minitrain.examples.gpt`` with these options on ``world`` ranks
     (zero / precision / optimizer: the planner's own options, with the job's defaults)."""
+    tp, pp, cp, ep = args.tp, args.pp, getattr(args, "cp", 1) or 1, getattr(args, "ep", 1) or 1
+    dp = args.dp if args.dp is not None else max(1, world // (tp * pp * cp))
+    experts = getattr(args, "moe_experts", 0) or 0
+    moe = {} if not experts else dict(
+        moe_experts=experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+        moe_capacity_factor=args.moe_capacity_factor, moe_groups=args.moe_groups or dp * args.microbatches,
+        expert_hidden=getattr(args, "expert_hidden", 0) or 0, moe_shared=getattr(args, "moe_shared", 0) or 0)
     model = GPT(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                n_embd=args.n_embd, dropout=args.dropout)
-    tp, pp = args.tp, args.pp
-    dp = args.dp if args.dp is not None else max(1, world // (tp * pp))
-    parallel = world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1     # as examples/gpt.py routes it
-    layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp,
+                n_embd=args.n_embd, dropout=args.dropout, ffn_hidden=getattr(args, "ffn_hidden", 0) or 0, **moe)
+    # as examples/gpt.py routes it: MoE without tp, pp, cp or micro-batches is nn.GPT itself, under DDP
+    moe_dp = bool(experts) and tp == pp == cp == 1 and args.microbatches == 1 and (world > 1 or dp > 1)
+    parallel = not moe_dp and (world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1)
+    layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
+                    cp_method=getattr(args, "cp_method", "ring") or "ring",
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,
-                    chunks=args.chunks, precision=getattr(args, "precision", "fp32") or "fp32",
+                    chunks=args.chunks or (2 if args.schedule == "zbv" else 1), precision=getattr(args, "precision", "fp32") or "fp32",
                     optimizer="adamw", offload_activations=args.offload_activations, threads=getattr(args, "threads", 0) or 0,
-                    extras={"parallel_job": parallel})
+                    extras={"parallel_job": parallel, "moe_dp_job": moe_dp})
     return model, layout
 
 

@@ -4,6 +4,8 @@
     python -m minitrain.plan gpt --tp 2 --pp 2 --microbatches 4 --world 8 --json
     python -m minitrain.plan gpt --n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 \\
         --vocab-size 51200 --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search
+    python -m minitrain.plan gpt --model mixtral-8x7b --search      # dp x tp x pp x cp x ep on 1024 H100s
+    python -m minitrain.plan gpt --moe-experts 4 --moe-top-k 2 --ep 2 --cp 2 --world 8 --dp 4
     python -m minitrain.plan params --num-params 7.5e9 --world 64 --zero 3 --accounting paper
     python -m minitrain.plan calibrate
 
@@ -19,8 +21,10 @@ import time
 from .. import cli
 from . import (Layout, LayoutError, Params, check, corpus_vocab_size, gpt_from_args, layouts, load_machine,
                mlp_from_args, predict)
+from .configs import NAMED
 from .layout import PRECISIONS, SCHEDULES
 
+CP_MIN_TOKENS = 1024            # --search tries context parallelism down to this many tokens per rank
 STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
 IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored (default: none)"
 
@@ -92,15 +96,29 @@ def add_gpt(p):
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"], default="1f1b",
                    help="pipeline schedule (with --pp; zb_h1 and zbv are the job's, refused here)")
     p.add_argument("--microbatches", type=_positive, default=1, help="micro-batches per replica and step")
-    p.add_argument("--chunks", type=_positive, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    p.add_argument("--chunks", type=_positive, default=None,
+                   help="virtual stages per rank (interleaved_1f1b; default: 1; zbv is always 2)")
     p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
-    p.add_argument("--moe-experts", type=cli.nonneg_int, default=0,
-                   help="mixture of experts: not modelled yet, so any E > 0 is refused (0: dense)")
-    for name, kind in (("--moe-top-k", cli.positive_int), ("--moe-capacity-factor", cli.positive_float),
-                       ("--moe-every", cli.positive_int), ("--moe-aux-loss-coef", cli.nonneg_float),
-                       ("--moe-groups", cli.positive_int)):
-        p.add_argument(name, type=kind, help="with --moe-experts, which the planner refuses (default: none)")
+    axes = p.add_argument_group("context and expert parallelism, mixture of experts (plan/experts.py)")
+    axes.add_argument("--cp", type=_positive, default=1, help="context-parallel ranks: the sequence split over them")
+    axes.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
+                      help="ring attention (zig-zag) or DeepSpeed-Ulysses' all-to-alls")
+    axes.add_argument("--ep", type=_positive, default=1, help="expert-parallel ranks (divides dp): E/ep experts each")
+    axes.add_argument("--moe-experts", type=cli.nonneg_int, default=0, help="experts per MoE layer (0: dense)")
+    axes.add_argument("--moe-top-k", type=_positive, default=2, help="experts each token is routed to")
+    axes.add_argument("--moe-capacity-factor", type=cli.positive_float, default=None,
+                      help="choices an expert takes per group: ceil(C·tokens·k/E) (default: dropless)")
+    axes.add_argument("--moe-every", type=_positive, default=1, help="every N-th block's MLP is an MoE layer")
+    axes.add_argument("--moe-aux-loss-coef", type=cli.nonneg_float, help=IGNORED)
+    axes.add_argument("--moe-groups", type=_positive, default=None,
+                      help="GShard's groups over the global batch (default: dp, as the job)")
+    axes.add_argument("--ffn-hidden", type=_positive, default=None, help="the MLP's hidden width (default: 4·n_embd)")
+    axes.add_argument("--expert-hidden", type=_positive, default=None,
+                      help="each expert's hidden width (default: --ffn-hidden)")
+    axes.add_argument("--moe-shared", type=cli.nonneg_int, default=0, help="shared experts every token goes through")
+    axes.add_argument("--model", choices=sorted(NAMED), default=None,
+                      help="a named configuration's sizes (plan/configs.py); options given beside it win")
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
                  "--lr-schedule", "--warmup-steps"):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
@@ -108,7 +126,7 @@ def add_gpt(p):
         p.add_argument(name, action="store_true", help=IGNORED)
 
 
-def parser():
+def parser(defaults=None):
     top = argparse.ArgumentParser(prog="python -m minitrain.plan", description=__doc__.splitlines()[0],
                                   formatter_class=cli.HelpFormatter)
     sub = top.add_subparsers(dest="command", required=True)
@@ -117,6 +135,8 @@ def parser():
     add_gpt(g := sub.add_parser("gpt", help="the gpt job (examples.gpt), or any GPT by its sizes",
                                 formatter_class=cli.HelpFormatter))
     add_common(g)
+    if defaults:
+        g.set_defaults(**defaults)
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
     p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
@@ -141,8 +161,10 @@ def model_and_layout(args):
 
 def search(model, base, machine, accounting, device_memory):
     """Every valid layout of ``model`` on base.world ranks that fits, fastest first (params: smallest)."""
-    if model.kind == "gpt":
-        candidates = layouts(model, base.world, base.batch_size, precision=base.precision, optimizer=base.optimizer)
+    if model.kind == "gpt":          # cp: powers of two that leave each rank 1024 tokens or more (or the one asked)
+        cps = {base.cp} | {c for c in (2, 4, 8, 16, 32, 64) if model.block_size // c >= CP_MIN_TOKENS}
+        candidates = layouts(model, base.world, base.batch_size, precision=base.precision, optimizer=base.optimizer,
+                             cps={1} | cps)
     elif model.kind == "params":
         candidates = [Layout(world=base.world, dp=base.world, zero=z, precision=base.precision, optimizer=base.optimizer,
                              offload=o, batch_size=base.world) for z in range(4) for o in (False, True)]
@@ -200,9 +222,9 @@ def main(argv=None):
         return validate_main(argv[1:])
     p = parser()
     args = p.parse_args(argv)
-    if getattr(args, "moe_experts", 0):
-        p.exit(2, f"{p.prog} {args.command}: error: --moe-experts is not supported by the planner yet "
-                  "(it models dense MLPs: the experts' memory, the routing and the all-to-alls are not in it)\n")
+    if getattr(args, "model", None):              # the named sizes as defaults: options given beside them win
+        p = parser(defaults=NAMED[args.model])
+        args = p.parse_args(argv)
     try:
         machine = load_machine(args.machine)
         model, layout = model_and_layout(args)

@@ -86,50 +86,65 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
     return segments
 
 
-def gpt_block_bytes(model, layout, b):
-    """(kept, peak) bytes of one transformer block for a micro-batch of b rows (see module docstring)."""
+def gpt_block_bytes(model, layout, b, moe=False):
+    """(kept, peak) bytes of one transformer block for a micro-batch of b rows (see module docstring); s/cp
+    tokens of each row under context parallelism, an MoE layer's MLP with ``moe`` (plan/experts.py)."""
+    from .experts import attention_core_values, dense_mlp_values, moe_kept_values
     e = PRECISIONS[layout.precision]
-    s, h, a, t = model.block_size, model.n_embd, model.n_head, layout.tp
+    s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP
-    core = a * s * s * b / t * (3 if model.dropout else 1)   # softmax output (+ dropout's mask and output)
+    core = attention_core_values(model, layout, b)      # softmax output (+ dropout's mask and output)
     ln = s * b * h / r + s * b / r                      # x̂ and 1/σ
     attn_in = ln + s * b * h / r + 3 * s * b * h / t    # ln_1, c_attn's input, the qkv buffer
-    full = (2 * ln + 2 * s * b * h / r + 16 * s * b * h / t + core
+    mlp = moe_kept_values(model, layout, b) if moe else dense_mlp_values(model, layout, b)
+    full = (2 * ln + s * b * h / r + 4 * s * b * h / t + mlp + core
             + (2 * s * b * h / r if model.dropout else 0))
+    # ring attention's blocks in transit in backward: K, V and their gradients' accumulators (a transient)
+    ring = 4 * s * b * h / t if layout.cp > 1 and layout.cp_method == "ring" else 0
     if layout.recompute == "full":
         kept = s * b * h / r
-        return e * kept, e * (kept + full)
+        return e * kept, e * (kept + full + ring)
     if layout.recompute == "selective":
-        return e * (full - core), e * max(full - core, attn_in + core)
-    return e * full, e * full
+        return e * (full - core), e * max(full - core + ring, attn_in + core)
+    return e * full, e * (full + ring)
 
 
 def gpt_pieces(model, layout, rows, single_process=False):
     """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
     return list(_gpt_pieces(model, rows, single_process, layout.tp, layout.sequence_parallel, layout.recompute,
-                            layout.precision, layout.batch_size, layout.offload_activations))
+                            layout.precision, layout.batch_size, layout.offload_activations, layout.cp,
+                            layout.cp_method, layout.ep, layout.dp))
 
 
 @lru_cache(maxsize=256)
 def _gpt_pieces(model, rows, single_process, *key):
+    from .experts import moe_mlp_sizes
     layout = Layout(**dict(zip(("tp", "sequence_parallel", "recompute", "precision", "batch_size",
-                                "offload_activations"), key)))
+                                "offload_activations", "cp", "cp_method", "ep", "dp"), key)))
     e = PRECISIONS[layout.precision]
-    s, h, t, V = model.block_size, model.n_embd, layout.tp, model.vocab_size
+    s, h, t, V = model.block_size // layout.cp, model.n_embd, layout.tp, model.vocab_size
     r = t if layout.sequence_parallel else 1
     v_pad = -(-V // t) * t
     kept, peak = gpt_block_bytes(model, layout, rows)
     emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
     head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
-    targets = (rows if single_process else layout.batch_size) * s * INT64      # y: the global batch's array
+    targets = layout.batch_size * s * INT64             # y: the global batch's array (a replica's rows: a view)
     if single_process:                                  # nn.GPT saves idx itself (the batch's own array)
         emb_kept = s * INT64 + (e * rows * s * h if model.dropout else 0)
-        emb_shared = rows * s * INT64
+        emb_shared = layout.batch_size * s * INT64
     else:
         emb_shared = 0
-    block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+    f = model.ffn
+    attention = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h]
+    block = attention + [h * f // t, f // t, f * h // t, h]
     if layout.offload_activations:
         kept = peak = emb_kept = emb_shared = head_kept = targets = 0
     one_block = Piece("block", [block], kept, peak)            # every block alike: one object, L times
-    return tuple([Piece("embedding", [[v_pad * h // t, s * h]], emb_kept, shared=emb_shared)]
-                 + [one_block] * model.n_layer + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
+    moe_kept, moe_peak = gpt_block_bytes(model, layout, rows, moe=True) if model.moe_experts else (0, 0)
+    if layout.offload_activations:
+        moe_kept = moe_peak = 0
+    moe_block = Piece("moe_block", [attention + moe_mlp_sizes(model, layout)], moe_kept, moe_peak) \
+        if model.moe_experts else None
+    blocks = [moe_block if model.is_moe_layer(i) else one_block for i in range(model.n_layer)]
+    return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared)]
+                 + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])

@@ -43,19 +43,51 @@ class MLP:
 
 @dataclass(frozen=True)
 class GPT:
-    """nanoGPT's layout (minitrain.nn.GPT): V vocabulary, s = block_size, L layers, a heads, h width."""
+    """nanoGPT's layout (minitrain.nn.GPT): V vocabulary, s = block_size, L layers, a heads, h width;
+    ffn_hidden f the MLP's hidden width (default 4h). With moe_experts E > 0 the MLP of every
+    moe_every-th block is a mixture of experts (nn/moe.py, plan/experts.py): a router Linear(h, E)
+    without bias, E routed experts (the GPT's MLP of width expert_hidden, default f) of which each
+    token takes top_k, and moe_shared always-on experts of that width (DeepSeek's shared expert)."""
     vocab_size: int
     block_size: int
     n_layer: int
     n_head: int
     n_embd: int
     dropout: float = 0.0
+    ffn_hidden: int = 0                 # 0: 4h
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_capacity_factor: float = None   # None: dropless
+    moe_groups: int = 1                 # GShard's groups over the global batch (capacity counted per group)
+    expert_hidden: int = 0              # 0: ffn_hidden
+    moe_shared: int = 0
     kind = "gpt"
 
+    @property
+    def ffn(self):
+        return self.ffn_hidden or 4 * self.n_embd
+
+    @property
+    def expert_ffn(self):
+        return self.expert_hidden or self.ffn
+
+    def is_moe_layer(self, layer):
+        """As nn.GPTConfig: blocks moe_every-1, 2·moe_every-1, ... (0-based)."""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    def num_moe_layers(self):
+        return self.n_layer // self.moe_every if self.moe_experts else 0
+
     def num_parameters(self):
-        """12Lh² + 13Lh (blocks) + (V + s)h (embeddings) + 2h (ln_f) + Vh (untied LM head)."""
-        h, L, V, s = self.n_embd, self.n_layer, self.vocab_size, self.block_size
-        return 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h + V * h
+        """12Lh² + 13Lh (blocks, f = 4h) + (V + s)h (embeddings) + 2h (ln_f) + Vh (untied LM head); an MoE
+        block's MLP is its router hE and (E + shared) experts of 2hf' + f' + h each."""
+        h, L, V, s, f = self.n_embd, self.n_layer, self.vocab_size, self.block_size, self.ffn
+        moe, fe = self.num_moe_layers(), self.expert_ffn
+        mlp = 2 * h * f + f + h
+        expert = 2 * h * fe + fe + h
+        return (L * (4 * h * h + 8 * h + mlp) + moe * (h * self.moe_experts + (self.moe_experts + self.moe_shared)
+                * expert - mlp) + (V + s) * h + 2 * h + V * h)
 
 
 @dataclass(frozen=True)
@@ -88,6 +120,9 @@ class Layout:
     local_sgd_every: int = 0            # mlp --strategy local_sgd: average parameters every k steps
     bucket_cap_mb: float = 25.0
     threads: int = 0                    # BLAS threads per rank on a CPU (0: as the jobs take them, see time.py)
+    cp: int = 1                         # context parallelism: the sequence over cp ranks (plan/experts.py)
+    cp_method: str = "ring"             # ring (zig-zag: 2cp chunks) | ulysses
+    ep: int = 1                         # expert parallelism: E/ep experts per rank, ep | dp
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -101,6 +136,10 @@ class Layout:
 
     def describe(self):
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp} {self.cp_method}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.zero:
             parts.append(f"zero{self.zero}" + ("+offload" if self.offload else ""))
         if self.recompute != "none":
@@ -119,7 +158,8 @@ class Layout:
                 self.sequence_parallel, "recompute": self.recompute, "microbatches": self.microbatches,
                 "micro_batch_size": self.micro_batch_size, "schedule": self.schedule, "chunks": self.chunks,
                 "offload": self.offload, "offload_activations": self.offload_activations,
-                "precision": self.precision, "batch_size": self.batch_size, "world": self.world, "threads": self.threads}
+                "precision": self.precision, "batch_size": self.batch_size, "world": self.world, "threads": self.threads,
+                "cp": self.cp, "cp_method": self.cp_method, "ep": self.ep}
 
 
 def divisors(n):
@@ -137,9 +177,16 @@ def _choices(values):
 
 def check(model, layout):
     """Raise LayoutError naming the first constraint the layout breaks and the nearest valid choices."""
-    d, p, t, n = layout.dp, layout.pp, layout.tp, layout.world
-    if min(d, p, t, n, layout.microbatches, layout.chunks, layout.batch_size) < 1:
-        raise LayoutError("dp, pp, tp, world, micro-batches, chunks and the batch size must all be >= 1")
+    d, p, t, n, c = layout.dp, layout.pp, layout.tp, layout.world, layout.cp
+    if min(d, p, t, n, c, layout.ep, layout.microbatches, layout.chunks, layout.batch_size) < 1:
+        raise LayoutError("dp, pp, tp, cp, ep, world, micro-batches, chunks and the batch size must all be >= 1")
+    if c > 1 or layout.ep > 1:
+        if model.kind != "gpt":
+            raise LayoutError("--cp and --ep are axes of the GPT job: --cp 1 --ep 1 for the mlp job and plan params")
+        if d * p * t * c != n:
+            raise LayoutError(f"dp x pp x tp x cp must equal the world size: {d} x {p} x {t} x {c} = {d * p * t * c} "
+                              f"!= --world {n} (or --world {d * p * t * c})")
+        t = t * c                         # the world check below holds; the cp ranks sit beside tp's
     if d * p * t != n:
         fits = [(dd, n // (dd * t)) for dd in divisors(n // t)] if n % t == 0 else []
         hint = (f"with --tp {t} and --world {n}: (dp, pp) in {fits}" if fits else
@@ -150,7 +197,7 @@ def check(model, layout):
         raise LayoutError(f"unknown precision {layout.precision!r}: expected one of {sorted(PRECISIONS)}")
     if layout.zero not in (0, 1, 2, 3):
         raise LayoutError(f"--zero must be 0, 1, 2 or 3, got {layout.zero}")
-    if layout.zero >= 2 and p > 1:
+    if layout.zero >= 2 and p > 1 and model.kind != "gpt":     # GPT3D's ZeRO keeps the full gradient to the end
         raise LayoutError(f"ZeRO-{layout.zero} with pp = {p}: sharded gradients (and parameters) cannot accumulate "
                           f"over a pipeline's micro-batches (DeepSpeed refuses it too); nearest valid: --zero 1, "
                           f"or --pp 1")
@@ -200,29 +247,42 @@ def _check_gpt(model, layout):
                           f"nearest valid --block-size: {_choices(_nearest(model.block_size, [t * k for k in range(1, model.block_size // t + 3)]))}")
     if layout.recompute not in ("none", "selective", "full"):
         raise LayoutError(f"--recompute must be none, selective or full, got {layout.recompute!r}")
+    from .experts import check_axes
+    check_axes(model, layout)
 
 
 def layouts(model, world, batch_size, precision="bf16", optimizer="adam", zeros=(0, 1, 2, 3),
-            recomputes=("none", "selective", "full"), max_micro_batch=None):
-    """Every valid layout of ``model`` on ``world`` ranks: dp x pp x tp factorings x ZeRO x recompute x
-    micro-batch sizes (powers of two dividing the replica's batch) x sequence parallelism (tp > 1)."""
+            recomputes=("none", "selective", "full"), max_micro_batch=None, cps=None, eps=None,
+            cp_methods=("ring", "ulysses")):
+    """Every valid layout of ``model`` on ``world`` ranks: dp x pp x tp x cp factorings x ep (dividing dp and
+    the experts) x ZeRO x recompute x micro-batch sizes (powers of two dividing the replica's batch) x
+    sequence parallelism (tp > 1) x the cp method (cp > 1). ``cps`` / ``eps``: the cp and ep sizes to try
+    (default: every divisor; 1 for a model without experts)."""
     out = []
+    experts = getattr(model, "moe_experts", 0)
     for tp in divisors(world):
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if batch_size % dp:
+        for cp in (divisors(world // tp) if model.kind == "gpt" else [1]):
+            if cps is not None and cp not in cps:
                 continue
-            per_replica = batch_size // dp
-            sizes = [b for b in divisors(per_replica) if b & (b - 1) == 0 and (max_micro_batch is None or b <= max_micro_batch)]
-            for b in sizes:
-                for sp in ((False, True) if tp > 1 and model.kind == "gpt" else (False,)):
-                    for zero in zeros:
-                        for recompute in (recomputes if model.kind == "gpt" else ("none",)):
-                            layout = Layout(world=world, batch_size=batch_size, dp=dp, pp=pp, tp=tp, zero=zero,
-                                            sequence_parallel=sp, recompute=recompute, microbatches=per_replica // b,
-                                            precision=precision, optimizer=optimizer)
-                            try:
-                                out.append(check(model, layout))
-                            except LayoutError:
-                                pass
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * pp * cp)
+                if batch_size % dp:
+                    continue
+                per_replica = batch_size // dp
+                sizes = [b for b in divisors(per_replica) if b & (b - 1) == 0 and (max_micro_batch is None or b <= max_micro_batch)]
+                ep_sizes = [e for e in divisors(dp) if experts and experts % e == 0 and (eps is None or e in eps)] or [1]
+                for b in sizes:
+                    for sp in ((False, True) if tp > 1 and model.kind == "gpt" else (False,)):
+                        for zero in zeros:
+                            for recompute in (recomputes if model.kind == "gpt" else ("none",)):
+                                for ep in ep_sizes:
+                                    for method in (cp_methods if cp > 1 else ("ring",)):
+                                        layout = Layout(world=world, batch_size=batch_size, dp=dp, pp=pp, tp=tp,
+                                                        zero=zero, sequence_parallel=sp, recompute=recompute,
+                                                        microbatches=per_replica // b, precision=precision,
+                                                        optimizer=optimizer, cp=cp, cp_method=method, ep=ep)
+                                        try:
+                                            out.append(check(model, layout))
+                                        except LayoutError:
+                                            pass
     return out

@@ -23,6 +23,7 @@ from ..parallel.pipeline import get_schedule
 from ..parallel.pipeline.partition import counted_costs, stage_layout
 from ..parallel.zero_memory import model_state_bytes
 from .activations import gpt_pieces, mlp_pieces
+from .experts import expert_params, expert_params_per_rank, paper_layer_bytes, zero_expert_extra
 from .layout import PRECISIONS
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
@@ -108,7 +109,9 @@ def step_walk(pieces, layout, dp):
     live["optimizer_state"] = optimizer_bytes(state_n, layout)
     grads_prev = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
     live["grads"] = grads_prev
-    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else 2 * e * n
+    # (ExpertDataParallel's buckets hold the dense gradients: the experts' are reduced over their own group)
+    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else \
+        2 * e * (n - layout.extras.get("ddp_excluded_params", 0))
     live["comm_buffers"] = {0: ddp_buckets, 1: e * pad // N, 2: e * pad, 3: 0}[z]
     live["activations"] = sum(p.shared for p in pieces)
     for p in pieces:                                          # forward (ZeRO-3: one unit gathered at a time)
@@ -151,7 +154,11 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
     tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
     worst by their sum (then by activations, so that both walks pick the same)."""
     e = PRECISIONS[layout.precision]
-    zero1 = layout.zero == 1 and layout.dp > 1                # ZeRO-1 on the stage: flat gradients, always there
+    # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
+    # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
+    # also keeps a shard of the parameters and gathers the stage once per step)
+    z = layout.zero if layout.dp > 1 else 0
+    zero1 = z >= 1
     pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
     g = e * pad if zero1 else 0
     if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
@@ -189,11 +196,13 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
                 g += grads[a.chunk]
     stepped = pad // layout.dp if zero1 else local_params      # what this rank's optimizer steps
     step_grads = fp32_step_grads(stepped, layout)
-    peak = {"params": e * (pad + others), "grads": g + step_grads, "activations": act_peak + shared,
-            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if zero1 else 0}
-    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}
+    shard_g = e * pad // layout.dp if z >= 2 else 0             # stages 2, 3: the gradient shard
+    shard_p = e * pad // layout.dp + e if z == 3 else 0         # stage 3: the parameter shard, a 0-d placeholder
+    peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
+            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if z == 1 else 0}
+    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
     if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
-        at_peak.update(activations=0, grads=g + step_grads)
+        at_peak.update(activations=0, grads=g + step_grads + shard_g)
     return peak, sum(at_peak.values()), at_peak
 
 
@@ -313,15 +322,14 @@ def minitrain_memory(model, layout):
         peak, total, at_peak = step_walk(mlp_pieces(model, layout, b), layout, layout.dp)
         return [_stage_result(peak, total, at_peak)]
     single = model.kind == "gpt" and layout.world == 1 and not layout.extras.get("parallel_job")
-    if single:
-        lay = layout if layout.zero else _no_buffers(layout)
-        peak, total, at_peak = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, 1)
+    if single or layout.extras.get("moe_dp_job"):       # nn.GPT itself (with MoE on dp ranks: under DDP)
+        lay = layout if layout.zero or layout.world > 1 else _no_buffers(layout)
+        if layout.ep > 1:
+            lay = replace(lay, extras={**lay.extras, "ddp_excluded_params": expert_params_per_rank(model, layout)})
+        peak, total, at_peak = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, layout.dp)
         return [_stage_result(peak, total, at_peak)]
     pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
               else gpt_pieces(model, layout, b))
-    if model.kind == "gpt" and layout.pp == 1 and layout.zero >= 2:
-        peak, total, at_peak = step_walk(pieces, layout, layout.dp)      # ZeRO-2/3 on the GPT: the MLP's rules
-        return [_stage_result(peak, total, at_peak)]
     out = []
     tensors = sum(len(x.sizes) for x in pieces)
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
@@ -329,8 +337,22 @@ def minitrain_memory(model, layout):
         others = tensors - mine if layout.pp > 1 else 0
         actions = (in_flight(layout.schedule, layout.pp, layout.microbatches, s) if layout.chunks == 1
                    else _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s])
-        out.append(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)))
+        out.append(_experts_sharded(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)), model,
+                                    layout, [x for ps in chunks.values() for x in ps]))
     return out
+
+
+def _experts_sharded(stage, model, layout, pieces):
+    """A stage's bytes with its routed experts' states sharded by ZeRO over dp/ep, not dp (plan/experts.py)."""
+    if model.kind != "gpt" or not model.moe_experts or not layout.zero or layout.ep == 1:
+        return stage
+    extra = zero_expert_extra(model, layout, sum(1 for x in pieces if x.name == "moe_block")) \
+        if model.kind == "gpt" else {}
+    for c, n in extra.items():
+        stage[c] += n
+        stage["category_peaks"][c] += n
+        stage["total"] += n
+    return stage
 
 
 def _no_buffers(layout):
@@ -342,18 +364,24 @@ def paper_memory(model, layout):
     if model.kind != "gpt":
         states = paper_model_states(model.num_parameters(), layout.dp, layout.zero, layout.offload)
         return [_one_moment(states)]
-    t, b, s, h, a = layout.tp, layout.micro_batch_size, model.block_size, model.n_embd, model.n_head
-    sp = layout.sequence_parallel
-    per_layer = korthikanti_layer_bytes(s, b, h, a, t, sp, layout.recompute)
+    t, b, s, h = layout.tp, layout.micro_batch_size, model.block_size // layout.cp, model.n_embd
+    per_layer = paper_layer_bytes(model, layout, b)
+    per_moe_layer = paper_layer_bytes(model, layout, b, moe=True) if model.moe_experts else 0
     pieces = gpt_pieces(model, layout, b)
     schedule = _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks) if layout.chunks > 1 else None
     out = []
     for st, chunks in enumerate(stage_chunks(pieces, layout, paper=True)):
         psi = sum(x.params for ps in chunks.values() for x in ps)
-        states = paper_model_states(psi, layout.dp, layout.zero, layout.offload)
+        moe_blocks = sum(1 for ps in chunks.values() for x in ps if x.name == "moe_block")
+        experts = moe_blocks * (model.moe_experts // layout.ep) * expert_params(model)   # over dp/ep ranks
+        states = paper_model_states(psi - experts, layout.dp, layout.zero, layout.offload)
+        if experts:
+            more = paper_model_states(experts, layout.dp // layout.ep, layout.zero, layout.offload)
+            states = {c: states.get(c, 0) + more.get(c, 0) for c in set(states) | set(more)}
         bytes_of = {}
         for c, ps in chunks.items():
-            blocks = sum(1 for x in ps if x.name == "block")
+            blocks = sum(1 for x in ps if x.name == "block") + sum(per_moe_layer / per_layer for x in ps
+                                                                    if x.name == "moe_block")
             extra = sum(s * b * h / t for x in ps if x.name == "embedding")
             extra += sum(4 * s * b * h / t + 4 * s * b * model.vocab_size / t for x in ps if x.name == "head")
             bytes_of[c] = blocks * per_layer + extra

@@ -24,7 +24,7 @@ from ..parallel.pipeline import get_schedule, simulate
 from .layout import PRECISIONS
 from .memory import stage_bounds
 from .ops import op_fit
-from .work import (Work, gpt_block_work, gpt_ends_work, mlp_layer_work, mlp_recompute, optimizer_work,  # noqa: F401
+from .work import (Work, gpt_block_work, runs_nn_gpt, gpt_ends_work, mlp_layer_work, mlp_recompute, optimizer_work,  # noqa: F401
                    recorded_nodes)
 
 DTYPE_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -121,10 +121,13 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False):
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
         return call
-    steps, sent = {"p2p": (1, nbytes), "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
+    steps, sent = {"p2p": (1, nbytes), "all_to_all": (p - 1, (p - 1) / p * nbytes),   # pairwise, p-1 rounds
+                   "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
                    "ring_reduce_scatter": (p - 1, (p - 1) / p * nbytes),
                    "ring_all_gather": (p - 1, (p - 1) / p * nbytes)}[name]
     table = machine.get("collectives", {}).get(name)
+    if name == "all_to_all" and not table:       # pairwise exchange: p-1 rounds of a send and a receive each
+        table = machine.get("collectives", {}).get("p2p")
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
         if busy:
@@ -146,7 +149,8 @@ def gpt_layer_costs(model, layout, rows, c, machine):
     the two comms' busy parts) seconds. Tensor parallelism: g all-reduces b·s·h twice per block forward, f twice backward (SP: a
     reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
-           c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1)
+           c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
+           layout.cp, layout.cp_method, layout.ep, layout.dp, bool(layout.extras.get("moe_dp_job")))
     if key not in _LAYER_COSTS:
         _LAYER_COSTS[key] = _gpt_layer_costs(model, layout, rows, c, machine)
         if len(_LAYER_COSTS) > 4096:
@@ -158,10 +162,10 @@ _LAYER_COSTS = {}
 
 
 def _gpt_layer_costs(model, layout, rows, c, machine):
-    s, h, t = model.block_size, model.n_embd, layout.tp
+    s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     act = rows * s * h * c.e
     sp = layout.sequence_parallel
-    single = t == 1 and layout.world == 1 and not layout.extras.get("parallel_job")   # nn.GPT: no f, g
+    single = runs_nn_gpt(layout)                                        # nn.GPT: no f, g
 
     def comm(busy):
         pair = (collective(machine, "ring_reduce_scatter", act, t, t, busy=busy)
@@ -178,7 +182,41 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     wall, own = comm(False), comm(True)
     emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1])
                         for i, (f, b) in enumerate(((emb_f, emb_b), (block_f, block_b), (head_f, head_b)))]
-    return [emb] + [block] * model.n_layer + [head]
+    wall_cp, own_cp = axes_comm(model, layout, rows, machine, False), axes_comm(model, layout, rows, machine, True)
+    block = _plus(block, wall_cp[0], own_cp[0])
+    moe = block
+    if model.moe_experts:
+        moe_f, moe_b = gpt_block_work(model, layout, rows, device, moe=True)
+        moe = _plus((c.seconds(moe_f), block[1], c.seconds(moe_b), block[3], block[4], block[5]),
+                    wall_cp[1], own_cp[1])
+    return [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
+
+
+def _plus(costs, wall, own):
+    """A layer's costs with more communication (forward, backward) added, wall and busy."""
+    f, fm, b, bm, fo, bo = costs
+    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1])
+
+
+def axes_comm(model, layout, rows, machine, busy):
+    """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
+    block with its four all-to-alls added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
+    dK and dV backward; Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
+    from .experts import all_to_all_bytes, cp_block_bytes
+    c, t, ep = layout.cp, layout.tp, layout.ep
+    fwd = bwd = 0.0
+    if c > 1:
+        block = cp_block_bytes(model, layout, rows)
+        if layout.cp_method == "ring":
+            fwd = (c - 1) * collective(machine, "p2p", 2 * block, 2, c * t, busy=busy)
+            bwd = (c - 1) * collective(machine, "p2p", 4 * block, 2, c * t, busy=busy)
+        else:
+            fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy)
+    a2a = 0.0
+    if model.moe_experts and ep > 1:
+        whole = all_to_all_bytes(model, layout, rows) * ep / (ep - 1)      # the rows' bytes, to and from all
+        a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy)
+    return (fwd, bwd), (fwd + a2a, bwd + a2a)
 
 
 # ---------------------------------------------------------------- the step
@@ -232,18 +270,18 @@ def predict_time(model, layout, machine):
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
     else:
         layers = gpt_layer_costs(model, layout, rows, c, machine)
-        act = rows * model.block_size * model.n_embd * e
+        act = rows * model.block_size // layout.cp * model.n_embd * e
     sizes = _layer_sizes(model, layout)
     p, v, m = layout.pp, layout.chunks, layout.microbatches
-    counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes))
+    counts, prefix = _prefix(tuple(layers), tuple(tuple(x) for x in sizes), _expert_counts(model, layout))
     bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
     bounds, owner = np.array(bounds), np.array([rank for rank, _ in where])
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, the comms' busy
-    # parts, params, tensors)
-    work = np.zeros((p, 8))
+    # parts, params, tensors, routed experts' params)
+    work = np.zeros((p, 9))
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
-    fc, fm, bc, bm, fo, bo, n_local, n_tensors = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
-    n_local, n_tensors = int(n_local), int(n_tensors)
+    fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
+    n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
     if p > 1:                                                # a header, then the activation (or its gradient)
         hop = v * (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2))
         fm, bm = fm + hop, bm + hop                          # (their busy part: in the calibrated action's)
@@ -273,7 +311,7 @@ def predict_time(model, layout, machine):
             tail.op("copy", n_local, count=2, calls=2 * n_tensors).hooks += n_tensors
     elif layout.local_sgd_every:
         coll("ring_all_reduce", grad_bytes, dp, span_dp, 1 / layout.local_sgd_every)
-    elif z in (1, 2):                                        # ZeRO-2 reduce-scatters on the progress thread
+    elif z in (1, 2) or (z == 3 and model.kind == "gpt"):     # (GPT3D: the stage gathered once a step)
         coll("ring_reduce_scatter", grad_bytes, dp, span_dp, own_thread=z == 1)
         coll("ring_all_gather", grad_bytes, dp, span_dp)
         shard = -(-n_local // dp)                            # ZeRO-1 zeroes the flat gradient, ZeRO-2 copies
@@ -289,9 +327,12 @@ def predict_time(model, layout, machine):
         tail.op("copy", n_local, calls=n_tensors).op("zeros", -(-n_local // dp))   # gradients into the staging
         tail.hooks += n_tensors
         tail.units += len(units)
-    elif dp > 1 or layout.extras.get("parallel_job"):        # the pipeline's one flat all-reduce over dp
-        if dp > 1:
-            coll("ring_all_reduce", grad_bytes, dp, span_dp)
+    elif dp * layout.cp > 1 or layout.extras.get("parallel_job"):   # one flat all-reduce over dp (x cp)
+        # the routed experts' gradients over the dp/ep ranks holding the same experts, the rest over all
+        cp, rest = layout.cp, dp // layout.ep * layout.cp
+        coll("ring_all_reduce", grad_bytes - n_experts * e, dp * cp, span_dp * cp)
+        if n_experts and rest > 1:
+            coll("ring_all_reduce", n_experts * e, rest, span_dp * cp)
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
@@ -320,17 +361,30 @@ def _largest_activation(model, layout):
     b = layout.micro_batch_size
     if model.kind == "mlp":
         return b * max(model.sizes)
-    s, t = model.block_size, layout.tp
-    return b * max(4 * s * model.n_embd // t, model.n_head // t * s * s, s * -(-model.vocab_size // t))
+    s, t = model.block_size // layout.cp, layout.tp
+    return b * max(s * model.ffn // t, model.n_head // t * s * model.block_size, s * -(-model.vocab_size // t))
 
 
 def _layer_sizes(model, layout):
     """Each layer's parameter tensors (element counts), as the pipeline cuts the layers."""
     if model.kind == "mlp":
         return [[i * o, o] if k == "linear" else [] for k, i, o in model.modules()]
-    h, t, v = model.n_embd, layout.tp, -(-model.vocab_size // layout.tp)
-    block = [2 * h, 3 * h * h // t + 3 * h // t, h * h // t + h, 2 * h, 4 * h * h // t + 4 * h // t, 4 * h * h // t + h]
-    return [[v * h, model.block_size * h]] + [block] * model.n_layer + [[2 * h, v * h]]
+    from .experts import moe_mlp_sizes
+    h, t, v, f = model.n_embd, layout.tp, -(-model.vocab_size // layout.tp), model.ffn
+    attention = [2 * h, 3 * h * h // t + 3 * h // t, h * h // t + h, 2 * h]
+    block = attention + [h * f // t + f // t, f * h // t + h]
+    moe = attention + moe_mlp_sizes(model, layout) if model.moe_experts else block
+    return ([[v * h, model.block_size * h]] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)]
+            + [[2 * h, v * h]])
+
+
+def _expert_counts(model, layout):
+    """Routed experts' parameters of each layer on a rank (reduced over dp/ep ranks, not dp)."""
+    if model.kind != "gpt" or not model.moe_experts:
+        return None
+    from .experts import expert_params
+    one = model.moe_experts // layout.ep * expert_params(model)
+    return tuple([0] + [one if model.is_moe_layer(i) else 0 for i in range(model.n_layer)] + [0])
 
 
 def _mlp_works(model, layout, rows):
@@ -347,8 +401,9 @@ def predict_nodes(model, layout, machine=None):
         works = _mlp_works(model, layout, layout.micro_batch_size)
     else:
         block = gpt_block_work(model, layout, layout.micro_batch_size, device)
+        moe = gpt_block_work(model, layout, layout.micro_batch_size, device, moe=True) if model.moe_experts else block
         emb, head = gpt_ends_work(model, layout, layout.micro_batch_size, device)
-        works = [emb] + [block] * model.n_layer + [head]
+        works = [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
     counts = tuple(sum(x) for x in _layer_sizes(model, layout))
     p, v = layout.pp, layout.chunks
     bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
@@ -359,12 +414,14 @@ def predict_nodes(model, layout, machine=None):
 
 
 @lru_cache(maxsize=1024)
-def _prefix(layers, sizes):
+def _prefix(layers, sizes, experts=None):
     """Parameter counts per layer, and running sums of (forward, its comm, backward, its comm, the comms' busy
-    parts, parameters, tensors) over the layers: a virtual stage's totals are a difference of two."""
+    parts, parameters, tensors, routed experts' parameters) over the layers: a virtual stage's totals are a
+    difference of two."""
     counts = tuple(sum(x) for x in sizes)
-    rows = np.array([(*layer, n, len(sz)) for layer, n, sz in zip(layers, counts, sizes)], np.float64)
-    return counts, np.vstack([np.zeros((1, 8)), np.cumsum(rows, axis=0)])
+    experts = experts or (0,) * len(counts)
+    rows = np.array([(*layer, n, len(sz), x) for layer, n, sz, x in zip(layers, counts, sizes, experts)], np.float64)
+    return counts, np.vstack([np.zeros((1, 9)), np.cumsum(rows, axis=0)])
 
 
 def flops_per_iteration(model, layout):
@@ -378,8 +435,16 @@ def flops_per_iteration(model, layout):
         first = 2 * B * model.linears()[0][0] * model.linears()[0][1]       # no gradient for the input
         extra = fwd - 2 * B * model.sizes[-2] * model.sizes[-1] if layout.recompute == "full" else 0
         return 3 * fwd - first + extra
-    s, h, L = model.block_size, model.n_embd, model.n_layer
+    s, h, L, f = model.block_size, model.n_embd, model.n_layer, model.ffn
     v_pad = -(-model.vocab_size // layout.tp) * layout.tp
-    layer = 24 * B * s * h * h + 4 * B * s * s * h                          # one layer's forward
+    attention = 8 * B * s * h * h + 4 * B * s * s * h
+    layer = attention + 4 * B * s * h * f                                    # one layer's forward
     recompute = {"full": layer, "selective": 4 * B * s * s * h}.get(layout.recompute, 0)
-    return L * (3 * layer + recompute) + 6 * B * s * h * v_pad
+    dense = (L - model.num_moe_layers()) * (3 * layer + recompute)
+    if model.moe_experts:                  # the router, k routed experts per token (capacity: fewer), the shared
+        from .experts import routed_rows
+        b = layout.micro_batch_size
+        k = routed_rows(model, layout, b) / (b * (s // layout.cp))               # rows per token: k dropless
+        moe = attention + 2 * B * s * h * model.moe_experts + 4 * B * s * h * model.expert_ffn * (k + model.moe_shared)
+        dense += model.num_moe_layers() * (3 * moe + {"full": moe}.get(layout.recompute, recompute))
+    return dense + 6 * B * s * h * v_pad

@@ -50,6 +50,12 @@ class Work:
         return self
 
 
+def runs_nn_gpt(layout):
+    """Whether the job runs nn.GPT itself (no f, g; a full vocabulary): one process, or experts on dp ranks."""
+    return (layout.tp == 1 and layout.world == 1 and not layout.extras.get("parallel_job")) or \
+        bool(layout.extras.get("moe_dp_job"))
+
+
 def _linear(work, rows, s, k, n, batched, bias=True):
     """A Linear's forward on rows x s tokens: one node, the matmul, the bias added in place."""
     work.matmul(s, k, n, rows) if batched else work.matmul(rows * s, k, n)
@@ -100,22 +106,30 @@ def mlp_layer_work(model, layout, rows):
 
 
 # ---------------------------------------------------------------- the GPT
-def gpt_block_work(model, layout, rows, device="cpu"):
+def gpt_block_work(model, layout, rows, device="cpu", moe=False):
     """One transformer block, one micro-batch: (forward, backward) Work, as nn.GPT's Block runs it in one
     process and tensor_parallel.ParallelBlock under the parallel job (f and g nodes, the row-parallel bias
-    added after g; with SP the column-parallel Linears gather the sequence themselves)."""
-    s, h, a, t = model.block_size, model.n_embd, model.n_head, layout.tp
-    single = t == 1 and layout.world == 1 and not layout.extras.get("parallel_job")
+    added after g; with SP the column-parallel Linears gather the sequence themselves). Under context
+    parallelism its s/cp tokens; ``moe``: an MoE layer's MLP (experts_work)."""
+    s, h, a, t = model.block_size // layout.cp, model.n_embd, model.n_head, layout.tp
+    single = runs_nn_gpt(layout)
     sp = layout.sequence_parallel
     r = t if sp else 1
     E, Er, Et, S = rows * s * h, rows * s * h / r, rows * s * h / t, rows * (a // t) * s * s
     batched, d, at = device == "cpu", h // a, a // t
     drop = bool(model.dropout)
     core_f, core_b = Work(), Work()                   # softmax(q k^T / sqrt(d) + mask) v, and its backward
-    core_f.matmul(s, d, s, rows * at).op("softmax", S).matmul(s, s, d, rows * at)
+    q, kv, heads, blocks = s, s, rows * at, 1         # queries x keys per product, products, times
+    if layout.cp > 1 and layout.cp_method == "ulysses":
+        q = kv = model.block_size                     # a/cp heads over the whole sequence
+        heads, S = rows * at // layout.cp, rows * at // layout.cp * q * q
+    elif layout.cp > 1:                               # ring: (cp+1)/2 causal blocks of s/cp keys (zig-zag)
+        blocks = -(-(layout.cp + 1) // 2)
+        S = S * blocks
+    core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
     core_f.nodes += 4                                 # k's transpose, two MatMuls, the Softmax
-    core_b.matmul(s, s, d, rows * at).matmul(d, s, s, rows * at).op("softmax.backward", S)
-    core_b.matmul(s, d, s, rows * at).matmul(s, s, d, rows * at)
+    core_b.matmul(q, kv, d, heads, times=blocks).matmul(d, q, kv, heads, times=blocks).op("softmax.backward", S)
+    core_b.matmul(q, d, kv, heads, times=blocks).matmul(q, kv, d, heads, times=blocks)
     if drop:
         core_f.op("dropout", S).nodes += 1
         core_b.op("dropout.backward", S)
@@ -126,7 +140,8 @@ def gpt_block_work(model, layout, rows, device="cpu"):
         bwd.op("layer_norm.backward", Er).op("add", Er)          # the residual's gradient meets the branch's
         fwd.nodes += 2
         bwd.leaves += 2
-    for width in (3 * h // t, 4 * h // t):            # c_attn, c_fc: column-parallel
+    f = model.ffn
+    for width in ((3 * h // t,) if moe else (3 * h // t, f // t)):     # c_attn, c_fc: column-parallel
         _linear(fwd, rows, s, h, width, batched)
         _linear_backward(bwd, rows, s, h, width, batched)
         if sp:                                        # AllGatherLinear: one node; the sequence re-laid
@@ -134,7 +149,7 @@ def gpt_block_work(model, layout, rows, device="cpu"):
             bwd.op("copy", Er, count=2).op("copy", E, count=2)   # gathered again, the gradient scattered
         elif not single:
             fwd.nodes += 1                            # f: identity forward (its all-reduce is comm)
-    for width in (h // t, 4 * h // t):                # c_proj (attention), c_proj (MLP): row-parallel
+    for width in ((h // t,) if moe else (h // t, f // t)):   # c_proj (attention), c_proj (MLP): row-parallel
         _linear(fwd, rows, s, width, h, batched, bias=single)
         _linear_backward(bwd, rows, s, width, h, batched, bias=single)
         if not single:                                # g, then the bias added (a broadcast Add node)
@@ -143,8 +158,14 @@ def gpt_block_work(model, layout, rows, device="cpu"):
             if sp:                                    # g is a reduce-scatter: re-laid around it
                 fwd.op("copy", Er).op("copy", E)
                 bwd.op("copy", Er).op("copy", E)
-    fwd.op("gelu", 4 * Et).nodes += 1
-    bwd.op("gelu.backward", 4 * Et)
+    if moe:
+        from .experts import experts_work
+        ef, eb = experts_work(model, layout, rows)
+        fwd.add(ef)
+        bwd.add(eb)
+    else:
+        fwd.op("gelu", Et * f // h).nodes += 1
+        bwd.op("gelu.backward", Et * f // h)
     # q, k, v: three slices of c_attn's output, reshaped by heads and transposed (9 view nodes); the
     # heads laid side by side again after the core (a transpose and a reshape that copies)
     fwd.op("copy", Et).nodes += 11
@@ -164,7 +185,7 @@ def gpt_block_work(model, layout, rows, device="cpu"):
         bwd.add(fwd)
         fwd.nodes = 1
     from .activations import gpt_block_bytes
-    fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows)[0]
+    fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows, moe)[0]
     return fwd, bwd
 
 
@@ -173,7 +194,7 @@ def gpt_ends_work(model, layout, rows, device="cpu"):
     one process; the parallel job's vocabulary-parallel embedding (rows outside the shard masked, g) and
     loss, and the runtime's loss / m (a Mul node)."""
     s, h, t = model.block_size, model.n_embd, layout.tp
-    single = t == 1 and layout.world == 1 and not layout.extras.get("parallel_job")
+    single = runs_nn_gpt(layout)
     r = t if layout.sequence_parallel else 1
     N, v, batched = rows * s, -(-model.vocab_size // t), device == "cpu"
     E, Er = N * h, N * h / r

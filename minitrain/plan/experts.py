@@ -1,0 +1,228 @@
+"""The planner's new axes: mixture of experts with expert parallelism (ep), context parallelism (cp).
+
+MoE (nn/moe.py; Shazeer et al. 2017, GShard, Switch): a router Linear(h, E) without bias, top-k of E
+experts, each the GPT's MLP of width f' (2hf' + f' + h parameters), capacity factor C per group of
+tokens (GShard's groups). On a rank with N tokens of a micro-batch, M = N·k rows are routed (dropless),
+at most E·G·ceil(C·(N/G)·k/E) with a capacity factor. Expert parallelism (GShard; Megatron-Core's
+EP) shards the experts over ep consecutive dp ranks: E/ep experts per rank, the router and the dense
+layers replicated; tokens go to their experts' ranks by all-to-all (dispatch) and come back (combine),
+and the same two in backward; each sends M·h values of which (ep-1)/ep leave the rank at balance.
+Expert gradients are averaged over the dp/ep ranks that hold the same experts, and ZeRO shards the
+expert states over those dp/ep ranks (the dense ones over dp). Under tp, GPT3D replicates an MoE layer
+on its stage's tp ranks (the experts are not tensor-parallel; each tp rank routes every token).
+
+What an MoE layer keeps for backward, counted as the ledger counts it (tests/test_plan_moe.py checks
+it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
+M·h, each expert's hidden 3·M·f' (c_fc's output, GELU's saved input and output) — a dense MLP's
+13·N·h at f = 4h — the combine's gathered rows N·k·h, the balancing loss's 2·E per group and its
+scalar. Under ep a rank's experts take the rows the all-to-all brings (M at balance: the planner plans
+the balanced case; a real routing moves a few percent of the activations between ranks, measured in
+tests/test_plan_moe.py) and, holding more than one expert, regroup them expert by expert (a gather:
+M·h more).
+
+Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
+cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
+per-token activation is divided by cp. Ring: the K, V blocks go cp-1 hops round the ring forward, K, V
+and their gradients cp-1 hops backward; no score matrix is kept (context_parallel/ring.py keeps the log-sum-
+exp and the output; the K, V, dK, dV blocks in transit are a backward's transient); causal blocks above
+the diagonal are skipped: (cp+1)/2 of the cp blocks per rank. Ulysses: four all-to-alls each way (q, k,
+v to head-sharded, the output back to sequence-sharded), the attention on a/(t·cp) heads over the whole
+sequence (its score matrix kept, as one process keeps it; the head-sharded q, k, v and output take the
+sequence-sharded ones' place, the same size). Parameters are replicated over cp: gradients are reduced
+over dp·cp ranks. Measured against the job (h-cp's GPT3D): Ulysses the ledger's count, ring within 1.5%.
+
+Not modelled (refused in one line): dropout with experts, sequence parallelism with experts (the job
+refuses it too); the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
+zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.
+"""
+import math
+
+from .layout import LayoutError, PRECISIONS
+
+
+def check_axes(model, layout):
+    """Raise LayoutError for the first cp / ep / MoE constraint the layout breaks, naming the nearest valid."""
+    c, ep, E, s = layout.cp, layout.ep, model.moe_experts, model.block_size
+    if layout.cp_method not in ("ring", "ulysses"):
+        raise LayoutError(f"--cp-method must be ring or ulysses, got {layout.cp_method!r}")
+    heads = model.n_head // layout.tp
+    if c > 1 and layout.cp_method == "ring" and s % (2 * c):
+        valid = [d for d in range(1, s + 1) if s % (2 * d) == 0]
+        raise LayoutError(f"--block-size {s} is not divisible by 2 x --cp {c} (ring attention's zig-zag: two chunks "
+                          f"per rank); nearest valid --cp: {_valid(c, valid)}")
+    if c > 1 and layout.cp_method == "ulysses" and (s % c or heads % c):
+        valid = [d for d in range(1, s + 1) if s % d == 0 and heads % d == 0]
+        raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {heads} heads per tp "
+                          f"rank; nearest valid --cp: {_valid(c, valid)}")
+    if ep > 1 and not E:
+        raise LayoutError(f"--ep {ep} shards experts, but the model has none (--moe-experts 0): --ep 1")
+    if layout.dp % ep:
+        valid = [d for d in range(1, layout.dp + 1) if layout.dp % d == 0 and (not E or E % d == 0)]
+        raise LayoutError(f"--ep {ep} does not divide --dp {layout.dp} (experts are sharded over blocks of ep "
+                          f"consecutive dp ranks); nearest valid --ep: {_valid(ep, valid)}")
+    if not E:
+        return
+    if E % ep:
+        raise LayoutError(f"--ep {ep} does not divide --moe-experts {E}; nearest valid --ep: "
+                          f"{_valid(ep, [d for d in range(1, E + 1) if E % d == 0 and layout.dp % d == 0])}")
+    if not 1 <= model.moe_top_k <= E:
+        raise LayoutError(f"--moe-top-k {model.moe_top_k} must be between 1 and --moe-experts {E}")
+    if not 1 <= model.moe_every <= model.n_layer:
+        raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an "
+                          f"MoE layer")
+    if model.dropout:
+        raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
+                          "--dropout 0")
+    if layout.sequence_parallel:
+        raise LayoutError("--sequence-parallel with --moe-experts: the experts route whole sequences on every tp rank "
+                          "(the job refuses it too): leave --sequence-parallel out")
+
+
+def _valid(value, valid):
+    near = sorted(sorted(set(valid), key=lambda v: (abs(v - value), v))[:2])
+    return " or ".join(str(v) for v in near)
+
+
+def local_tokens(model, layout):
+    """Tokens of one sequence on a rank: s/cp."""
+    return model.block_size // layout.cp
+
+
+def expert_params(model):
+    """One expert's parameters: c_fc (h·f' + f'), c_proj (f'·h + h), whole on every tp rank (GPT3D replicates
+    an MoE layer on its stage's tp ranks)."""
+    h, f = model.n_embd, model.expert_ffn
+    return 2 * h * f + f + h
+
+
+def moe_mlp_sizes(model, layout):
+    """An MoE block's MLP as parameter tensors on one rank: the router and the E/ep routed experts and the
+    shared ones, replicated on the tp ranks (as GPT3D runs an MoE layer)."""
+    h, f = model.n_embd, model.expert_ffn
+    expert = [h * f, f, f * h, h]
+    return [h * model.moe_experts] + expert * (model.moe_experts // layout.ep + model.moe_shared)
+
+
+def expert_params_per_rank(model, layout):
+    """Routed experts' parameters one rank holds: MoE layers x E/ep x one expert's (what ep shards)."""
+    return model.num_moe_layers() * (model.moe_experts // layout.ep) * expert_params(model)
+
+
+def routed_rows(model, layout, rows):
+    """M: rows a rank's experts take for ``rows`` sequences of s/cp tokens: N·k dropless, at most the
+    capacity E·G·ceil(C·(N/G)·k/E) over its G groups. At balance a rank receives what it sends."""
+    N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
+    if model.moe_capacity_factor is None:
+        return N * k
+    groups = local_groups(model, layout)
+    per_group = math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
+    return min(N * k, E * groups * per_group)
+
+
+def local_groups(model, layout):
+    """GShard's groups in one micro-batch of a replica: the global batch's over dp x micro-batches."""
+    return max(1, model.moe_groups // (layout.dp * layout.microbatches))
+
+
+def moe_kept_values(model, layout, rows):
+    """Values an MoE layer keeps for backward (module docstring), for ``rows`` sequences on one rank."""
+    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    r = layout.tp if layout.sequence_parallel else 1
+    M, f = routed_rows(model, layout, rows), model.expert_ffn
+    groups = local_groups(model, layout)
+    shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
+    received = M * h if layout.ep > 1 and E // layout.ep > 1 else 0     # regrouped expert by expert: a gather
+    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared + received
+
+
+def dense_mlp_values(model, layout, rows):
+    """Values the dense MLP keeps: its input, c_fc's output and GELU's two (3·N·f/t)."""
+    N, t = rows * local_tokens(model, layout), layout.tp
+    return N * model.n_embd / (t if layout.sequence_parallel else 1) + 3 * N * model.ffn / t
+
+
+def attention_core_values(model, layout, rows):
+    """The attention core's own kept values beyond q, k, v and its output: one process's (and Ulysses')
+    softmax output (dropout's mask and output too), ring attention's log-sum-exp and output."""
+    a, s, t, c = model.n_head, model.block_size, layout.tp, layout.cp
+    if c > 1 and layout.cp_method == "ring":
+        return rows * (a // t) * (s // c) + rows * (s // c) * model.n_embd / t
+    return rows * (a // t) // c * s * s * (3 if model.dropout else 1)
+
+
+def all_to_all_bytes(model, layout, rows):
+    """Bytes one of an MoE layer's all-to-alls sends to other ranks: M rows of h, (ep-1)/ep of them away
+    (four per layer and micro-batch: dispatch and combine, forward and backward)."""
+    e = PRECISIONS[layout.precision]
+    return routed_rows(model, layout, rows) * model.n_embd * e * (layout.ep - 1) / layout.ep
+
+
+def cp_block_bytes(model, layout, rows):
+    """Bytes of one K or V block (ring) or one of q, k, v, out (Ulysses) on a rank: rows x s/cp x h/t."""
+    return rows * local_tokens(model, layout) * model.n_embd // layout.tp * PRECISIONS[layout.precision]
+
+
+def zero_expert_extra(model, layout, moe_blocks):
+    """Bytes a rank holds beyond ZeRO over dp for its ``moe_blocks`` MoE blocks' routed experts, whose
+    states ZeRO shards over the dp/ep ranks holding the same experts instead (0 without ZeRO or ep)."""
+    from .memory import fp32_step_grads, optimizer_bytes
+    z, dp, ep = layout.zero, layout.dp, layout.ep
+    extra = {"params": 0, "grads": 0, "optimizer_state": 0}
+    if not z or ep == 1 or not moe_blocks:
+        return extra
+    n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
+    e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
+    extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
+    extra["grads"] = (fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout)
+                      + (e * (wide - narrow) if z >= 2 else 0))
+    extra["params"] = e * (wide - narrow) if z == 3 else 0
+    return extra
+
+
+def paper_layer_bytes(model, layout, b, moe=False):
+    """The papers' bytes per layer (Korthikanti et al. 2022, Table 2) on s/cp tokens: ring attention keeps
+    no score matrix (its 5as²b term goes), Ulysses keeps a/cp heads' over the whole sequence; an MoE
+    layer adds what its MLP keeps beyond the dense one's (minitrain's counting, at the precision)."""
+    from .memory import korthikanti_layer_bytes
+    s, h, a, t, c = model.block_size, model.n_embd, model.n_head, layout.tp, layout.cp
+    sp, rc = layout.sequence_parallel, layout.recompute
+    if c == 1:
+        out = korthikanti_layer_bytes(s, b, h, a, t, sp, rc)
+    else:
+        out = korthikanti_layer_bytes(s // c, b, h, 0, t, sp, rc)
+        if layout.cp_method == "ulysses" and rc == "none":
+            out += 5 * a * s * s * b / (t * c)
+    if moe and rc != "full":
+        out += 2 * (moe_kept_values(model, layout, b) - dense_mlp_values(model, layout, b))
+    return out
+
+
+def experts_work(model, layout, rows):
+    """(forward, backward) Work of an MoE layer's MLP on one rank (plan/work.py's counting): the router's
+    product and softmax, the gathers of dispatch and combine, E/ep experts on M·ep/E rows each (balanced),
+    the shared experts on every token. The all-to-alls are communication (time.py prices them)."""
+    from .work import Work, _linear, _linear_backward
+    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    M, f, local, t = routed_rows(model, layout, rows), model.expert_ffn, E // layout.ep, 1   # replicated on tp
+    fwd, bwd = Work(), Work()
+    _linear(fwd, N, 1, h, E, False, bias=False)
+    _linear_backward(bwd, N, 1, h, E, False, bias=False)
+    fwd.op("softmax", N * E).op("copy", N * E).op("copy", N * k).op("copy", M * h).nodes += 4  # probs, top-k, gather
+    bwd.op("softmax.backward", N * E).op("embedding.backward", M * h).op("zeros", N * h)
+    fwd.elementwise("simple", N * k, 12, "int64")      # plan_dispatch: the choices sorted, counted, packed
+    per = -(-M // local) if local else 0
+    for n, count in ((per, local), (N, model.moe_shared)):
+        if not n or not count:
+            continue
+        one_f, one_b = Work(), Work()                  # one expert: c_fc, GELU, c_proj
+        _linear(one_f, n, 1, h, f // t, False)
+        _linear(one_f, n, 1, f // t, h, False)
+        _linear_backward(one_b, n, 1, h, f // t, False)
+        _linear_backward(one_b, n, 1, f // t, h, False)
+        one_f.op("gelu", n * f // t).nodes += 1
+        one_b.op("gelu.backward", n * f // t)
+        fwd.add(one_f, times=count)
+        bwd.add(one_b, times=count)
+    fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += 5   # cat, combine
+    bwd.op("copy", M * h, count=2).op("embedding.backward", N * k * h).op("add", N * k * h, count=2)
+    return fwd, bwd

@@ -1,0 +1,291 @@
+"""The planner's new axes (plan/experts.py) against the GPT job's own ledger, every rank: experts on 2
+data-parallel ranks (dropless, capacity, every other block), with --ep 2, under tp and pp (GPT3D), dense
+with --cp (ring, Ulysses, x tp) and --zero 1/2/3 (x tp, x pp): memory per rank within 5% (peak total;
+params, grads, optimizer state). Then the formulas: ep shards the experts' bytes exactly by E/ep, cp
+divides the activations, the all-to-alls carry tokens·k rows, (ep-1)/ep of them away; --search keeps to
+the constraints and names a sane layout for Mixtral-8x7B and a DeepSeek-V3-like model on 1024 GPUs."""
+import contextlib
+import io
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+
+from minitrain import plan
+from minitrain.plan import experts
+from minitrain.plan import time as ptime
+from minitrain.plan.__main__ import main, search
+from minitrain.plan.activations import gpt_block_bytes
+from minitrain.testing import run_mpi
+
+JOB = ["--no-progress", "--precision", "fp64", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
+       "32", "--batch-size", "8", "--sample-chars", "4", "--steps", "3", "--moe-experts", "4", "--moe-top-k", "2"]
+RUNS = {"dropless": [], "capacity": ["--moe-capacity-factor", "1.25"], "every2": ["--n-layer", "4", "--moe-every", "2"]}
+STATES = ("params", "grads", "optimizer_state")
+
+
+def cli(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """The job's --json of each run on 2 ranks (one mpiexec launch)."""
+    d = tmp_path_factory.mktemp("plan_moe")
+    calls = "; ".join(f"assert gpt.main({JOB + extra + ['--json', str(d / name) + '.json']!r}) == 0"
+                      for name, extra in RUNS.items())
+    run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; {calls}"], n=2, timeout=300)
+    return {name: json.loads((d / f"{name}.json").read_text()) for name in RUNS}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_memory_per_rank_is_the_job_s_ledger_within_5_percent(measured, name):
+    predicted = json.loads(cli(["gpt", *JOB, *RUNS[name], "--world", "2", "--json"]))
+    assert predicted["num_params"] == measured[name]["num_params"]
+    for rank in measured[name]["ranks"]:
+        peak = rank["memory"]["peak"]
+        assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.05), rank
+        for c in STATES + ("activations",):
+            assert predicted["category_peaks"][c] == pytest.approx(peak[c], rel=0.05), (c, rank)
+        if name != "capacity":    # dropless, what a layer keeps does not depend on the routing: the ledger's count
+            assert predicted["category_peaks"]["activations"] == pytest.approx(peak["activations"], rel=0.01)
+
+
+def test_the_job_s_json_gives_every_rank_s_ledger(measured):
+    ranks = measured["dropless"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(set(r["memory"]["persistent"]) == set(STATES) and r["memory"]["peak"]["total"] > 0 for r in ranks)
+
+
+def test_the_job_prints_the_planner_beside_what_it_measured(measured, capsys):
+    """--show-plan with experts (one process) and the JSON's "planner" block (2 ranks): the same prediction."""
+    from minitrain.examples import gpt
+    assert gpt.main(JOB + ["--steps", "2", "--show-plan"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("planner"))
+    assert "predicted" in line and "refuses" not in line
+    compared = measured["dropless"]["planner"]
+    assert compared["world"] == 2 and compared["predicted"]["memory_bytes"] == pytest.approx(
+        compared["measured"]["memory_bytes"], rel=0.05)
+
+
+def test_memory_with_expert_parallelism_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """ep 2 on 2 ranks. The planner plans balanced routing: with 2 experts top-2 every token goes to both, so
+    the ledger's count comes out (within 1%); with 4 a real routing moves some rows between the ranks."""
+    runs = {"two": ["--moe-experts", "2"], "four": []}
+    calls = "; ".join(f"assert gpt.main({JOB + extra + ['--ep', '2', '--json', str(tmp_path / name)]!r}) == 0"
+                      for name, extra in runs.items())
+    run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; {calls}"], n=2, timeout=300)
+    for name, extra in runs.items():
+        predicted = json.loads(cli(["gpt", *JOB, *extra, "--ep", "2", "--world", "2", "--json"]))
+        for rank in json.loads((tmp_path / name).read_text())["ranks"]:
+            peak = rank["memory"]["peak"]
+            assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.05), (name, rank)
+            for c in STATES + ("comm_buffers",):     # the dense gradients' buckets alone: experts reduce apart
+                assert predicted["category_peaks"][c] == pytest.approx(peak[c], rel=0.05), (name, c)
+            if name == "two":
+                assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
+
+
+def test_memory_with_context_parallelism_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """A dense GPT over cp ranks (GPT3D): ring (zig-zag) and Ulysses, with tp; Ulysses keeps what one process
+    keeps on a/cp heads (within 1%), the ring its log-sum-exp and output in place of the scores."""
+    dense = JOB[:JOB.index("--moe-experts")] + ["--n-embd", "64", "--n-head", "4", "--block-size", "64"]
+    runs = {"ring": (["--cp", "2"], 2), "ulysses": (["--cp", "2", "--cp-method", "ulysses"], 2),
+            "ring_tp": (["--cp", "2", "--tp", "2"], 4)}
+    for name, (extra, n) in runs.items():
+        argv = dense + extra + ["--json", str(tmp_path / name)]
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,
+                timeout=300)
+        predicted = json.loads(cli(["gpt", *dense, *extra, "--world", str(n), "--json"]))
+        for rank in json.loads((tmp_path / name).read_text())["ranks"]:
+            peak = rank["memory"]["peak"]
+            assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.05), (name, rank)
+            if name == "ulysses":
+                assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
+
+
+def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """GPT3D's ZeRO (parallel/zero_3d.py): a flat gradient of the stage through the step, stages 2 and 3 a
+    gradient shard, stage 3 a parameter shard and the stage gathered once a step; every rank's stage."""
+    dense = JOB[:JOB.index("--moe-experts")] + ["--n-embd", "64", "--n-head", "4", "--block-size", "64"]
+    runs = {"z1": (["--zero", "1", "--dp", "2"], 2), "z2": (["--zero", "2", "--dp", "2"], 2),
+            "z3_tp": (["--zero", "3", "--dp", "2", "--tp", "2"], 4),
+            "z2_pp": (["--zero", "2", "--dp", "2", "--pp", "2", "--microbatches", "2"], 4)}
+    for name, (extra, n) in runs.items():
+        argv = dense + extra + ["--json", str(tmp_path / name)]
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,
+                timeout=300)
+        predicted = json.loads(cli(["gpt", *dense, *extra, "--world", str(n), "--json"]))
+        stages, ranks = predicted["memory_bytes_per_stage"], json.loads((tmp_path / name).read_text())["ranks"]
+        for rank in ranks:                     # the mesh (pp, dp, tp): a stage's ranks are consecutive
+            stage = stages[rank["rank"] // (len(ranks) // len(stages))]
+            assert stage["total"] == pytest.approx(rank["memory"]["peak"]["total"], rel=0.05), (name, rank)
+            for c in STATES:
+                assert stage["category_peaks"][c] == pytest.approx(rank["memory"]["peak"][c], rel=0.05), (name, c)
+
+
+def test_memory_with_experts_under_tp_and_pp_is_the_job_s_ledger_within_5_percent(tmp_path):
+    """GPT3D with MoE layers replicated on the tp ranks: tp 2, pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2."""
+    runs = {"tp": (["--tp", "2"], 2), "pp": (["--pp", "2", "--microbatches", "2"], 2),
+            "dp_tp": (["--dp", "2", "--tp", "2"], 4)}
+    for name, (extra, n) in runs.items():
+        argv = JOB + extra + ["--json", str(tmp_path / name)]
+        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,
+                timeout=300)
+        predicted = json.loads(cli(["gpt", *JOB, *extra, "--world", str(n), "--json"]))
+        stages, ranks = predicted["memory_bytes_per_stage"], json.loads((tmp_path / name).read_text())["ranks"]
+        for rank in ranks:
+            stage = stages[rank["rank"] // (len(ranks) // len(stages))]
+            assert stage["total"] == pytest.approx(rank["memory"]["peak"]["total"], rel=0.05), (name, rank)
+            assert stage["category_peaks"]["params"] == rank["memory"]["peak"]["params"]   # experts whole on tp
+
+
+# ---------------------------------------------------------------- the formulas
+MOE = plan.GPT(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=64, moe_experts=8, moe_top_k=2,
+               moe_every=2)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_more_ep_shards_the_experts_bytes_exactly_by_the_formula(zero):
+    """params (and with ZeRO-1 the optimizer state, sharded over the dp/ep ranks that hold the same experts)
+    fall by exactly the experts ep takes away: MoE layers x (E/ep) x (2hf + f + h)."""
+    got = {}
+    for ep in (1, 2, 4, 8):
+        layout = plan.Layout(world=8, dp=8, ep=ep, zero=zero, batch_size=8, precision="fp32",
+                             extras={"parallel_job": True})
+        got[ep] = plan.predict(plan.check(MOE, layout) and MOE, layout, "cpu-2core")["category_peaks"]
+        assert experts.expert_params_per_rank(MOE, layout) == 2 * (8 // ep) * (2 * 64 * 256 + 256 + 64)
+    one = 2 * (2 * 64 * 256 + 256 + 64)                               # one expert in each of the 2 MoE layers
+    for ep in (2, 4, 8):
+        assert got[1]["params"] - got[ep]["params"] == 4 * one * (8 - 8 // ep)
+    if zero:      # ZeRO-1: Adam's two fp32 moments of the dense parameters over dp, of the experts over dp/ep
+        for ep in (1, 2, 4, 8):
+            n_exp = one * 8 // ep
+            local = got[ep]["params"] // 4
+            assert got[ep]["optimizer_state"] == 8 * (-(-local // 8) - -(-n_exp // 8) + -(-n_exp // (8 // ep)))
+        assert got[8]["optimizer_state"] - got[1]["optimizer_state"] < 8 * one     # each rank: 1/8 of all experts
+
+
+def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
+    for k in (1, 2, 4):
+        model = replace(MOE, moe_top_k=k)
+        for ep in (2, 4):
+            layout = plan.Layout(world=4, dp=4, ep=ep, batch_size=8, precision="bf16")
+            tokens = 2 * 64                                            # 2 rows of 64 tokens per rank
+            assert experts.all_to_all_bytes(model, layout, 2) == tokens * k * 64 * 2 * (ep - 1) / ep
+            machine = plan.load_machine("a100-80gb")
+            (_, _), (f, b) = ptime.axes_comm(model, layout, 2, machine, False)
+            assert f == b == 2 * ptime.collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
+
+
+def test_context_parallelism_divides_the_activations_by_cp():
+    """Every per-token array is s/cp long; ring attention keeps no score matrix (its log-sum-exp and output
+    instead), Ulysses a/cp heads' scores over the whole sequence."""
+    dense = plan.GPT(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    for model in (dense, MOE):
+        for moe in ((False, True) if model.moe_experts else (False,)):
+            base = plan.Layout(world=1, batch_size=2, precision="fp32")
+            one = gpt_block_bytes(model, base, 2, moe)[0] - 4 * experts.attention_core_values(model, base, 2)
+            for cp in (2, 4):
+                for method in ("ring", "ulysses"):
+                    layout = replace(base, world=cp, cp=cp, cp_method=method)
+                    kept = gpt_block_bytes(model, layout, 2, moe)[0]
+                    core = 4 * experts.attention_core_values(model, layout, 2)
+                    constant = 4 * (2 * 4 * 2 + 1) if moe else 0          # the balancing loss: per group, not token
+                    assert kept - core - constant == pytest.approx((one - constant) / cp, rel=1e-12)
+                    scores = 2 * 4 * 64 * 64
+                    assert core == 4 * (2 * 4 * 32 // cp * 2 + 2 * 64 // cp * 64 if method == "ring" else scores / cp)
+
+
+def test_moe_flops_take_k_experts_per_token_instead_of_one_mlp():
+    B, s, h, E, L = 8, 64, 64, 8, 4
+    layout = plan.Layout(batch_size=B)
+    dense = plan.GPT(vocab_size=64, block_size=s, n_layer=L, n_head=4, n_embd=h)
+    for k in (1, 2):
+        moe = replace(MOE, moe_top_k=k, moe_every=1)
+        mlp = 3 * 2 * B * s * 2 * h * 4 * h                           # one MLP's forward + backward
+        router = 3 * 2 * B * s * h * E
+        assert plan.flops_per_iteration(moe, layout) - plan.flops_per_iteration(dense, layout) == L * (
+            (k - 1) * mlp + router)
+
+
+def refused(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2 and "Traceback" not in err.getvalue()
+    return err.getvalue()
+
+
+def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest_valid():
+    sizes = "gpt --n-head 4 --n-embd 64 --block-size 24"
+    assert "nearest valid --ep: 1 or 2" in refused(f"{sizes} --moe-experts 4 --world 6 --ep 3")      # ep | E
+    assert "--ep 4 does not divide --dp 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 4")   # ep | dp
+    assert "has none" in refused(f"{sizes} --world 2 --ep 2")
+    assert "2 x --cp 8" in refused(f"{sizes} --world 8 --cp 8")                                     # 2cp | s
+    assert "nearest valid --cp: 2 or 4" in refused(f"{sizes} --world 8 --cp 8 --cp-method ulysses")  # cp | heads
+    assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
+    assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1
+
+
+@pytest.mark.parametrize("options", [
+    "--cp 2 --cp-method ulysses --ep 2 --zero 1 --moe-experts 4 --moe-capacity-factor 1.25 --dp 2 --world 4",
+    "--cp 2 --cp-method ring --pp 2 --schedule interleaved_1f1b --chunks 2 --n-layer 4 --microbatches 4 --world 4",
+    "--pp 2 --schedule gpipe --microbatches 4 --ep 2 --dp 2 --moe-experts 2 --moe-every 2 --world 4",
+    "--zero 3 --ep 4 --moe-experts 8 --moe-top-k 1 --moe-aux-loss-coef 0.1 --moe-groups 4 --world 4"])
+def test_the_options_the_job_gains_this_round_are_planned(options):
+    """--cp, --cp-method, --ep, --zero, --moe-*, --schedule zb_h1|zbv: the names the GPT job takes."""
+    result = json.loads(cli(["gpt", *options.split(), "--json"]))
+    lay = result["layout"]
+    assert result["fits"] and lay["dp"] * lay["pp"] * lay["tp"] * lay["cp"] == 4
+    for name in ("cp", "ep", "zero", "schedule", "cp_method"):
+        flag = f"--{name.replace('_', '-')} "
+        if flag in options + " ":
+            assert str(lay[name]) == options.split(flag)[1].split()[0], name
+
+    for schedule in ("zb_h1", "zbv"):        # parsed as the job's, refused for the GPT in one line (not modelled)
+        assert "not " + schedule in refused(f"gpt --pp 2 --world 2 --microbatches 4 --n-layer 4 --schedule {schedule}")
+
+
+# ---------------------------------------------------------------- the search
+def test_search_keeps_to_the_constraints_of_every_axis():
+    """Every layout layouts() enumerates (and so --search ranks, which tries cp down to 1024 tokens per rank
+    and the cp asked for) splits the world exactly, tp | heads, cp | s (2cp: ring's zig-zag), ep | dp and E."""
+    model = replace(MOE, n_head=4, block_size=32)
+    ranked = search(model, plan.Layout(world=16, batch_size=16, precision="fp32", cp=4),
+                    plan.load_machine("a100-80gb"), "minitrain", None)
+    assert {r["layout"]["cp"] for r in ranked} == {1, 4}
+    seen = set()
+    for lay in [r["layout"] for r in ranked] + [x.as_dict() for x in plan.layouts(model, 16, 16, zeros=(0,))]:
+        assert lay["dp"] * lay["pp"] * lay["tp"] * lay["cp"] == 16
+        assert model.n_head % lay["tp"] == 0 and lay["dp"] % lay["ep"] == 0 and model.moe_experts % lay["ep"] == 0
+        assert model.block_size % (2 * lay["cp"] if lay["cp_method"] == "ring" else lay["cp"]) == 0
+        assert lay["pp"] <= model.n_layer + 2
+        seen.add((lay["cp"], lay["ep"]))
+    assert {ep for _, ep in seen} == {1, 2, 4, 8} and {cp for cp, _ in seen} == {1, 2, 4, 8, 16}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, eps", [("mixtral-8x7b", {4, 8}), ("deepseek-v3", {16, 32, 64, 128, 256})])
+def test_named_configurations_on_1024_gpus_pick_a_sane_layout(name, eps):
+    """The best fitting layout of the named model (ZeRO-1, no recomputation, to keep the test short) shards
+    the experts: Mixtral's 8 over 4 or 8 ranks, DeepSeek's 256 over many."""
+    argv = ["gpt", "--model", name]
+    model, base = plan.gpt_from_args(main_args(argv), 1024, 32000 if name.startswith("mixtral") else 129280)
+    candidates = plan.layouts(model, 1024, base.batch_size, precision="bf16", zeros=(1,), recomputes=("none",),
+                              cps={1, 2, 4})
+    machine = plan.load_machine("h100-80gb")
+    fit = [r for r in (plan.predict(model, lay, machine, per_stage=False, time_if_unfit=False) for lay in candidates)
+           if r["fits"]]
+    best = min(fit, key=lambda r: r["step_time_s"]["total"])
+    assert best["layout"]["ep"] in eps and best["memory_bytes"]["total"] <= 80 * 2 ** 30, best["describe"]
+
+
+def main_args(argv):
+    from minitrain.plan.__main__ import parser
+    from minitrain.plan.configs import NAMED
+    return parser(defaults=NAMED[argv[-1]]).parse_args(argv)
