@@ -1,0 +1,115 @@
+"""Asynchronous collectives (minitrain/comm/work.py): run by the thread that waits on them when the
+progress thread has not started them (the steal path), or by the progress thread (the overlap path);
+either way in submission order on every rank, exact, and an error reaches whoever waits. Under MPI
+(tests/programs/async_check.py): both paths equal to MPI_Allreduce at p = 2 and 4."""
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from minitrain.comm import CollectiveMismatchError, ThreadWorld, all_reduce, ring_all_reduce
+from minitrain.comm import work
+from minitrain.testing import run_mpi
+
+PROGRAM = __import__("pathlib").Path(__file__).parent / "programs" / "async_check.py"
+
+
+@pytest.fixture
+def ran_on(monkeypatch):
+    """Which thread ran each queued collective: {rank: ["main" | "progress", ...]}, in run order."""
+    seen, lock, execute = {}, threading.Lock(), work._execute
+
+    def spy(fn, args, w, *rest, **kwargs):
+        kind = "progress" if threading.current_thread().name.startswith("progress") else "main"
+        with lock:
+            seen.setdefault(w.comm.rank, []).append(kind)
+        return execute(fn, args, w, *rest, **kwargs)
+    monkeypatch.setattr(work, "_execute", spy)
+    return seen
+
+
+def started_in_order(comm):
+    """The sequence numbers of this rank's collectives on ``comm``, in the order they started."""
+    records = [r for r in comm.recorder.records if r.comm == comm.uid and r.seq >= 0]
+    return [r.seq for r in sorted(records, key=lambda r: r.start)]
+
+
+def test_a_collective_waited_on_before_it_starts_runs_on_the_waiter_in_submission_order(monkeypatch, ran_on):
+    monkeypatch.setattr(work, "START_DELAY_S", 3600.0)       # the progress thread never wakes: every wait runs them
+
+    def fn(comm):
+        works = [all_reduce(comm, np.full(1000 + 7 * i, float(comm.rank + i)), async_op=True) for i in range(4)]
+        # rank 0 waits on the last first: its wait must run the three before it, in order, first;
+        # the others wait in order. Any other order on rank 0 would wait for a call rank 1 has not made.
+        order = range(3, -1, -1) if comm.rank == 0 else range(4)
+        results = {i: works[i].wait() for i in order}
+        return [results[i] for i in range(4)], started_in_order(comm), all(w.is_completed() for w in works)
+    for values, started, done in ThreadWorld(3, comm_timeout=2.0).run(fn):
+        for i, v in enumerate(values):
+            assert v.shape == (1000 + 7 * i,) and np.all(v == 3 * i + 0 + 1 + 2)
+        assert started == sorted(started) and done
+    assert ran_on == {r: ["main"] * 4 for r in range(3)}
+
+
+def test_a_collective_the_progress_thread_started_is_waited_for_and_exact(monkeypatch, ran_on):
+    monkeypatch.setattr(work, "START_DELAY_S", 0.0)
+
+    def fn(comm):
+        works = [ring_all_reduce(comm, np.full(5000, float(comm.rank + i)), async_op=True) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+            time.sleep(1e-3)                                   # computing, as DDP's backward does
+        return [w.wait()[0] for w in works[::-1]], started_in_order(comm)
+    for values, started in ThreadWorld(2).run(fn):
+        assert values == [5.0, 3.0, 1.0] and started == sorted(started)
+    assert ran_on == {r: ["progress"] * 3 for r in range(2)}
+
+
+def test_an_error_in_a_collective_run_by_a_waiter_reaches_the_wait_on_that_collective(monkeypatch):
+    monkeypatch.setattr(work, "START_DELAY_S", 3600.0)
+
+    def fn(comm):
+        bad = all_reduce(comm, np.ones(3 + comm.rank), async_op=True)       # shapes differ: the check raises
+        good = all_reduce(comm, np.ones(4), async_op=True)
+        assert good.wait()[0] == 2.0                                        # ran the bad one first, kept its error
+        assert bad.is_completed()
+        with pytest.raises(CollectiveMismatchError, match="shape"):
+            bad.wait()
+        with pytest.raises(CollectiveMismatchError):                         # every wait re-raises it
+            bad.wait()
+    ThreadWorld(2).run(fn)
+
+
+def test_a_waiter_whose_peer_never_calls_the_collective_names_that_rank(monkeypatch):
+    monkeypatch.setattr(work, "START_DELAY_S", 3600.0)
+
+    def fn(comm):
+        if comm.rank == 0:
+            all_reduce(comm, np.ones(10), async_op=True).wait()
+    with pytest.raises(Exception, match=r"rank 1"):
+        ThreadWorld(2, comm_timeout=1.0).run(fn)
+
+
+def test_the_progress_thread_starts_what_a_waiter_left_behind(monkeypatch, ran_on):
+    """A waiter runs only up to its own collective; the ones queued after it are started by the
+    progress thread (woken by the waiter), not left until someone waits on them."""
+    monkeypatch.setattr(work, "START_DELAY_S", 3600.0)
+
+    def fn(comm):
+        works = [all_reduce(comm, np.full(100, 1.0 + i), async_op=True) for i in range(3)]
+        works[0].wait()
+        deadline = time.monotonic() + 30
+        while not works[2].is_completed() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        return [w.wait()[0] for w in works]
+    assert ThreadWorld(2).run(fn) == [[2.0, 4.0, 6.0]] * 2
+    assert all(kinds[0] == "main" and kinds[1:] == ["progress", "progress"] for kinds in ran_on.values()), ran_on
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_both_paths_equal_mpi_allreduce_under_mpi(p):
+    result = run_mpi([sys.executable, str(PROGRAM)], n=p, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("async ok") == p, result.stdout
