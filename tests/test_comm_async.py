@@ -108,6 +108,26 @@ def test_the_progress_thread_starts_what_a_waiter_left_behind(monkeypatch, ran_o
     assert all(kinds[0] == "main" and kinds[1:] == ["progress", "progress"] for kinds in ran_on.values()), ran_on
 
 
+def test_a_waiter_never_runs_a_collective_beside_the_one_the_progress_thread_runs(monkeypatch):
+    """Rank 0's progress thread starts A and waits in it for rank 1 (late); rank 0 then waits on B,
+    queued after A: it must wait for A to end before it runs B (one collective at a time, in order)."""
+    monkeypatch.setattr(work, "START_DELAY_S", 0.0)
+
+    def fn(comm):
+        if comm.rank == 1:
+            time.sleep(0.3)
+        a = all_reduce(comm, np.ones(1000), async_op=True)
+        b = all_reduce(comm, np.ones(10), async_op=True)
+        if comm.rank == 0:
+            time.sleep(0.1)                        # the progress thread has started A, and waits in it
+        b.wait()
+        a.wait()
+        records = sorted((r for r in comm.recorder.records if r.comm == comm.uid and r.seq >= 0), key=lambda r: r.seq)
+        return [(r.start, r.end) for r in records]
+    for spans in ThreadWorld(2).run(fn):
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_both_paths_equal_mpi_allreduce_under_mpi(p):
     result = run_mpi([sys.executable, str(PROGRAM)], n=p, timeout=120)

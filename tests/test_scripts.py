@@ -235,3 +235,17 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
     from minitrain.plan import validate
     assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone
+
+
+def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "async.json"
+    monkeypatch.setattr(sys, "argv", ["bench_async.py", "--ranks", "2", "--max-mib", "0.004", "--repeats", "3",
+                                      "--min-time", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_async.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())["p2"]
+    assert [r["bytes"] for r in results["rows"]] == [1024, 4096] and results["mpi_library"] == mpi_library_name()
+    assert all(r["sync"] > 0 and r["async"] > 0 and r["ratio"] == r["async"] / r["sync"] for r in results["rows"])
+    assert results["max_ratio"] == max(r["ratio"] for r in results["rows"]) and "max ratio async / sync" in text
