@@ -49,9 +49,10 @@ class Launcher:
 
     def submit(self, name, fn, *args):
         """Queue ``fn(*args)`` on this communicator's progress thread; returns a Work named ``name``."""
-        with self._progress_lock:
-            if self._progress is None:
-                self._progress = Queue(self, steal=self.steal_queued)
+        if self._progress is None:
+            with self._progress_lock:
+                if self._progress is None:
+                    self._progress = Queue(self, steal=self.steal_queued)
         return self._progress.submit(name, fn, args)
 
 
@@ -121,6 +122,8 @@ class Queue:
     def _wake(self, delay):
         """Have the progress thread look at the queue within ``delay`` s (sooner if already due)."""
         due = time.monotonic() + delay
+        if self._due is not None and self._due <= due:
+            return                        # already set to ring sooner (it drains what is queued now)
         with self._alarm_lock:
             if self._due is None or due < self._due:
                 self._due = due
