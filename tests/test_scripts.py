@@ -134,6 +134,7 @@ def test_bench_checks_runs_and_each_configuration_switches_what_it_names(monkeyp
         assert did["-sizes"]["recorded_calls"] > 0 and did["none"]["recorded_calls"] == 0, did
     assert results["check_share_estimate"]["collectives_per_step"] == 1       # DDP: one bucket, one all-reduce
     assert "check_collectives on the mlp step, estimated: 1 collective(s) per step" in text
+    assert set(results["check_share_paired"]) == set(results["seconds"]) and "paired per round" in text
 
 
 def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, capsys, tmp_path):
