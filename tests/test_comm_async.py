@@ -16,6 +16,11 @@ from minitrain.testing import run_mpi
 PROGRAM = __import__("pathlib").Path(__file__).parent / "programs" / "async_check.py"
 
 
+# the steal tests keep the progress thread asleep with a far alarm (Linux's timerfd; elsewhere
+# the alarm wakes it at once, and which thread runs a collective is a race)
+needs_timer = pytest.mark.skipif(work.Alarm()._fd is None, reason="no timerfd: the progress thread wakes at once")
+
+
 @pytest.fixture
 def ran_on(monkeypatch):
     """Which thread ran each queued collective: {rank: ["main" | "progress", ...]}, in run order."""
@@ -36,6 +41,7 @@ def started_in_order(comm):
     return [r.seq for r in sorted(records, key=lambda r: r.start)]
 
 
+@needs_timer
 def test_a_collective_waited_on_before_it_starts_runs_on_the_waiter_in_submission_order(monkeypatch, ran_on):
     monkeypatch.setattr(work, "START_DELAY_S", 3600.0)       # the progress thread never wakes: every wait runs them
 
@@ -92,6 +98,7 @@ def test_a_waiter_whose_peer_never_calls_the_collective_names_that_rank(monkeypa
         ThreadWorld(2, comm_timeout=1.0).run(fn)
 
 
+@needs_timer
 def test_the_progress_thread_starts_what_a_waiter_left_behind(monkeypatch, ran_on):
     """A waiter runs only up to its own collective; the ones queued after it are started by the
     progress thread (woken by the waiter), not left until someone waits on them."""
@@ -126,6 +133,21 @@ def test_a_waiter_never_runs_a_collective_beside_the_one_the_progress_thread_run
         return [(r.start, r.end) for r in records]
     for spans in ThreadWorld(2).run(fn):
         assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
+
+
+def test_order_and_results_hold_with_the_alarm_that_wakes_at_once(monkeypatch):
+    """Without timerfd (or with steal_queued=False's alarm) the progress thread is woken at every
+    submission and races the waiter for each collective: still one at a time, in order."""
+    alarm = work.Alarm
+    monkeypatch.setattr(work, "Alarm", lambda timer=True: alarm(timer=False))
+
+    def fn(comm):
+        works = [all_reduce(comm, np.full(2000, float(comm.rank + i)), async_op=True) for i in range(6)]
+        order = range(5, -1, -1) if comm.rank == 0 else range(6)
+        results = {i: works[i].wait()[0] for i in order}
+        return [results[i] for i in range(6)], started_in_order(comm)
+    for values, started in ThreadWorld(3).run(fn):
+        assert values == [3.0 * i + 3 for i in range(6)] and started == sorted(started)
 
 
 @pytest.mark.parametrize("p", [2, 4])

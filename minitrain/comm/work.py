@@ -76,7 +76,9 @@ class Work:
 
     def wait(self, timeout=None):
         """Block until the collective has finished; returns its result (re-raises its error). If it
-        has not started, this thread runs it (and every collective queued before it) itself."""
+        has not started, this thread runs it (and every collective queued before it) itself.
+        ``timeout`` bounds the wait for another thread's run; a run on this thread is bounded by the
+        communicator's own timeouts (each wait inside it raises past ``comm.timeout``)."""
         if not self._done:
             timeout = self.comm.timeout + 5 if timeout is None else timeout
             if not (self._queue.run_until(self, timeout) if self._event is None else self._event.wait(timeout)):
