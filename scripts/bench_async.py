@@ -1,6 +1,6 @@
 """An asynchronous collective against the same collective called synchronously, in the same run.
 
-    python scripts/bench_async.py [--ranks 2 4] [--max-mib 16] [--repeats 41] [--json out.json]
+    python scripts/bench_async.py [--ranks 2 4] [--max-mib 16] [--repeats 101] [--json out.json]
 
 Launches itself under mpiexec -n p for each p. Sizes from 1 KiB to --max-mib MiB (float32, x4
 steps). For each size, minitrain.comm.all_reduce(comm, x, out=out) (sync) and
@@ -78,8 +78,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="ranks (one mpiexec launch each)")
     ap.add_argument("--max-mib", type=float, default=16, help="largest size, MiB (from 1 KiB, x4 steps)")
-    ap.add_argument("--repeats", type=int, default=41, help="most repeats of each mode per size")
-    ap.add_argument("--min-time", type=float, default=2.0, help="seconds per mode and size (fewer repeats if slow)")
+    ap.add_argument("--repeats", type=int, default=101, help="most repeats of each mode per size")
+    ap.add_argument("--min-time", type=float, default=3.0, help="seconds per mode and size (fewer repeats if slow)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
