@@ -50,6 +50,11 @@ def test_a_peer_outside_the_world_and_a_tag_outside_the_users_range_are_refused(
             comm.send(np.ones(3), 5)
         with pytest.raises(CommError, match="tag 40000 is outside"):
             comm.send(np.ones(3), 1 - comm.rank, tag=40000)
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] send to {1 - comm.rank}: buffer of shape \(4,\) "
+                                            r"is not contiguous"):
+            comm.isend(np.ones((4, 4))[:, 0], 1 - comm.rank)
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] recv from {1 - comm.rank}: expected a numpy"):
+            comm.irecv([1.0], 1 - comm.rank)
     ThreadWorld(2).run(fn)
 
 
