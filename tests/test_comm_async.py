@@ -135,6 +135,38 @@ def test_a_waiter_never_runs_a_collective_beside_the_one_the_progress_thread_run
         assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
 
 
+@needs_timer
+def test_the_alarm_learns_to_wait_longer_when_waiters_run_everything_and_less_when_it_finds_work(monkeypatch):
+    monkeypatch.setattr(work, "START_DELAY_S", 1e-3)
+
+    def rang(queue):                           # the alarm rang and the progress thread has looked
+        deadline = time.monotonic() + 30
+        while queue._due is not None and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        time.sleep(1e-3)
+
+    def fn(comm):
+        all_reduce(comm, np.ones(10), async_op=True).wait()
+        queue, scales = comm._progress, []
+        for _ in range(6):                     # waited on at once: each alarm finds nothing to do
+            all_reduce(comm, np.ones(10), async_op=True).wait()
+            rang(queue)
+            scales.append(queue.delay_scale)
+        armed, arm = [], queue._alarm.arm
+        queue._alarm.arm = lambda delay: (armed.append(delay), arm(delay))
+        for _ in range(6):                     # left to the progress thread: each alarm finds work
+            w = all_reduce(comm, np.ones(10), async_op=True)
+            rang(queue)
+            w.wait()
+            scales.append(queue.delay_scale)
+        return scales, armed
+    low, high = work.DELAY_SCALES
+    for scales, armed in ThreadWorld(2).run(fn):
+        assert scales[:6] == sorted(scales[:6]) and scales[5] == high, scales
+        assert scales[6:] == sorted(scales[6:], reverse=True) and scales[-1] == low, scales
+        assert armed == [1e-3 * s for s in [high] + scales[6:-1]], armed      # each submission used the scale
+
+
 def test_order_and_results_hold_with_the_alarm_that_wakes_at_once(monkeypatch):
     """Without timerfd (or with steal_queued=False's alarm) the progress thread is woken at every
     submission and races the waiter for each collective: still one at a time, in order."""

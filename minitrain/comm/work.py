@@ -20,7 +20,8 @@ import time
 from .. import backend, memory, trace
 from .errors import CollectiveTimeout
 
-START_DELAY_S = 1e-3       # the progress thread starts a queued collective at most this long after its submission
+START_DELAY_S = 1e-3       # the progress thread starts a queued collective about this long after its submission
+DELAY_SCALES = (0.25, 8.0) # ... times a factor learnt in this range (Queue: halved or doubled per alarm)
 
 
 class Launcher:
@@ -99,12 +100,16 @@ class Queue:
     Invariant: an item is in the deque, or being run by the run lock's holder, or done; so a waiter
     that holds the lock and finds its Work not done finds it in the deque, behind the earlier ones.
 
-    The progress thread is woken by an alarm the kernel rings START_DELAY_S after a submission (Alarm;
+    The progress thread is woken by an alarm the kernel rings a delay after a submission (Alarm;
     set when not already set, never taken back), not at once: waking it costs the caller ~25 us on a
     busy machine (a thread to schedule, the GIL to hand over), as much as a small collective, and a
-    collective waited on at once is run by its waiter anyway. So a stream of collectives waited on at
-    once wakes it at most once per START_DELAY_S (arming a timer that near costs a few us: once per
-    delay, not per call), and one waited on later starts within START_DELAY_S of its submission."""
+    collective waited on at once is run by its waiter anyway. The delay is START_DELAY_S times a
+    factor the queue learns, as an adaptive mutex learns how long to spin: an alarm that finds work
+    (someone computes while collectives wait: DDP's buckets, FSDP's prefetch) halves it, down to
+    START_DELAY_S / 4; one that finds the queue empty (their waiters ran them) doubles it, up to
+    8 x START_DELAY_S. So a stream of collectives waited on at once wakes the thread rarely (and
+    arms a timer rarely: a few us each), and overlapped ones start within a fraction of a millisecond.
+    """
 
     def __init__(self, comm, steal=True):
         self.comm, self.steal = comm, steal
@@ -112,13 +117,14 @@ class Queue:
         self._run = threading.Lock()
         self._alarm = Alarm() if steal else Alarm(timer=False)
         self._due, self._alarm_lock = None, threading.Lock()     # when the alarm rings (None: not set)
+        self.delay_scale = 1.0
         self._thread = threading.Thread(target=self._loop, name=f"progress-rank{comm.rank}", daemon=True)
         self._thread.start()
 
     def submit(self, name, fn, args):
         work = Work(self.comm, name, self)
         self._items.append((fn, args, work, threading.get_ident(), memory.tracker(), trace.tracer()))
-        self._wake(START_DELAY_S if self.steal else 0.0)
+        self._wake(START_DELAY_S * self.delay_scale if self.steal else 0.0)
         return work
 
     def _wake(self, delay):
@@ -149,6 +155,9 @@ class Queue:
         backend.bind_thread()             # the rank's GPU (a new thread starts on GPU 0)
         while True:
             self._alarm.wait()
+            low, high = DELAY_SCALES
+            self.delay_scale = (max(self.delay_scale / 2, low) if self._items else
+                                min(self.delay_scale * 2, high))
             with self._alarm_lock:
                 self._due = None          # a submission from here on sets it again
             # never holds an item outside the run lock (so order is kept); a waiter that holds the
