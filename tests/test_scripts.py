@@ -250,3 +250,4 @@ def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_
     assert [r["bytes"] for r in results["rows"]] == [1024, 4096] and results["mpi_library"] == mpi_library_name()
     assert all(r["sync"] > 0 and r["async"] > 0 and r["ratio"] == r["async"] / r["sync"] for r in results["rows"])
     assert results["max_ratio"] == max(r["ratio"] for r in results["rows"]) and "max ratio async / sync" in text
+    assert results["max_paired_ratio"] == max(r["paired_ratio"] for r in results["rows"]) > 0
