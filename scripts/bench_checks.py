@@ -93,7 +93,8 @@ def worker(args):
                     did[w][c]["recorded_calls"] += sum(r.seq >= first for r in comm.recorder.records
                                                        if r.comm == "world")
             for c in CONFIGS:
-                times[w][c].append(comm.mpi_comm.allreduce(float(np.median(mine[c])), op=__import__("mpi4py").MPI.MAX))
+                slowest = comm.mpi_comm.allreduce(float(np.median(mine[c])), op=__import__("mpi4py").MPI.MAX)
+                times[w][c].append(slowest)
         configure(comm, "all")
     if comm.rank == 0:
         from minitrain.comm import mpi_library
