@@ -62,7 +62,7 @@ _local = threading.local()
 
 
 def tracer():
-    return getattr(_local, "tracer", None) or _default
+    return _local.__dict__.get("tracer") or _default       # (a missing attribute would raise inside: 7x slower)
 
 
 def set_tracer(t):

@@ -7,9 +7,9 @@ bandwidth-bound all-reduce (and, for honesty, a latency-bound one).
 
 Launches itself under mpiexec -n p. The main job's step is examples/mlp.py's default: the MLP
 64-128-128-10 on the digits, global batch 64, DDP, Adam, fp32. Four configurations, measured in
-turn inside each round (interleaved, so that a machine shared with other jobs slows them alike,
-in an order rotated each round);
-a configuration's time is the median over rounds of the slowest rank's mean step:
+turn at every step (interleaved, so that a machine shared with other jobs slows them alike, in
+an order rotated each step; the ranks meet at a barrier before each timed call); a
+configuration's time is the median over rounds of the slowest rank's median step:
 
   all         check_collectives + size checks + flight recorder   (every job's default)
   -check      size checks + flight recorder
@@ -77,17 +77,24 @@ def worker(args):
             fn(i)
         names = list(CONFIGS)
         for k in range(args.rounds):
-            for c in names[k % 4:] + names[:k % 4]:           # rotated each round: no order bias
-                configure(comm, c)
-                comm.mpi_comm.Barrier()
-                headers, first = comm.stats["check_collectives"]["messages_sent"], comm._seq
-                t0 = time.perf_counter()
-                for i in range(reps):
+            mine = {c: [] for c in CONFIGS}
+            for i in range(reps):
+                # every configuration once per step, in an order rotated each step: a burst of other
+                # jobs on a shared machine slows them alike, and no configuration always goes first
+                j = (k * reps + i) % len(names)
+                for c in names[j:] + names[:j]:
+                    configure(comm, c)
+                    comm.mpi_comm.Barrier()
+                    headers, first = comm.stats["check_collectives"]["messages_sent"], comm._seq
+                    t0 = time.perf_counter()
                     fn(i)
-                mine = (time.perf_counter() - t0) / reps
-                did[w][c]["header_messages"] += comm.stats["check_collectives"]["messages_sent"] - headers
-                did[w][c]["recorded_calls"] += sum(r.seq >= first for r in comm.recorder.records if r.comm == "world")
-                times[w][c].append(comm.mpi_comm.allreduce(mine, op=__import__("mpi4py").MPI.MAX))
+                    mine[c].append(time.perf_counter() - t0)
+                    did[w][c]["header_messages"] += comm.stats["check_collectives"]["messages_sent"] - headers
+                    did[w][c]["recorded_calls"] += sum(r.seq >= first for r in comm.recorder.records
+                                                       if r.comm == "world")
+            for c in CONFIGS:
+                slowest = comm.mpi_comm.allreduce(float(np.median(mine[c])), op=__import__("mpi4py").MPI.MAX)
+                times[w][c].append(slowest)
         configure(comm, "all")
     if comm.rank == 0:
         from minitrain.comm import mpi_library
@@ -112,8 +119,8 @@ def main():
     from minitrain.testing import run_worker
     out = run_worker(__file__, args.ranks, ["--steps", args.steps, "--big-reps", args.big_reps,
                                             "--rounds", args.rounds, "--mib", args.mib])
-    print(f"p = {out['p']} ranks, MPI: {out['mpi_library']}; median over {args.rounds} interleaved rounds of the "
-          f"slowest rank's mean")
+    print(f"p = {out['p']} ranks, MPI: {out['mpi_library']}; median over {args.rounds} rounds of the slowest "
+          f"rank's median (configurations interleaved step by step)")
     print(f"{'workload':<26}" + "".join(f"{c:>19}" for c in CONFIGS)
           + f"{'check adds':>12}{'sizes add':>11}{'recorder adds':>15}")
     for w, s in out["seconds"].items():
@@ -124,6 +131,12 @@ def main():
         print(f"{w:<26}{cells}" + "".join(f"{a:>+11.1%}" for a in adds) + "    ")
     print("(x: ratio to 'none'; 'adds': share of the default ('all') step each mechanism accounts for; "
           "differences within the rounds' spread are noise)")
+    # paired within each round (the configurations ran side by side, step by step): what turning
+    # check_collectives off saves, as a share of the default step; the median over rounds
+    out["check_share_paired"] = {w: float(np.median([1 - off / on for on, off in zip(r["all"], r["-check"])]))
+                                 for w, r in out["rounds"].items()}
+    print("check_collectives' share of the default step, paired per round (median over rounds of "
+          "1 - t(-check) / t(all)): " + ", ".join(f"{w} {v:+.1%}" for w, v in out["check_share_paired"].items()))
     # the same share from steadier figures: collectives per step x what the check adds to one small
     # (latency-bound) all-reduce, over the step
     step, small = out["seconds"]["mlp step"], out["seconds"]["ring all-reduce 1 KiB"]

@@ -244,3 +244,17 @@ def test_reduce_scatter_with_uneven_bounds():
         return ring_reduce_scatter(comm, x, bounds=bounds)
     for r, got in enumerate(ThreadWorld(4).run(fn)):
         np.testing.assert_array_equal(got, (np.arange(9.0) * 10)[bounds[r]:bounds[r + 1]])
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_totals_count_the_algorithms_bytes_and_the_headers_apart(check):
+    def fn(comm):
+        comm.check_collectives = check
+        ring_all_reduce(comm, np.ones(1000, np.float32))
+        s = comm.stats
+        return (s.bytes_sent, s.bytes_received, s.messages_sent, s.messages_received,
+                s["check_collectives"]["messages_sent"], s["check_collectives"]["messages_received"],
+                s["ring_all_reduce"]["bytes_received"])
+    for result in ThreadWorld(2).run(fn):
+        # p = 2: half the array each way in the reduce-scatter, half in the all-gather; one header each way
+        assert result == (4000, 4000, 2, 2, int(check), int(check), 4000)

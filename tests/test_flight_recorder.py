@@ -50,6 +50,11 @@ def test_a_peer_outside_the_world_and_a_tag_outside_the_users_range_are_refused(
             comm.send(np.ones(3), 5)
         with pytest.raises(CommError, match="tag 40000 is outside"):
             comm.send(np.ones(3), 1 - comm.rank, tag=40000)
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] send to {1 - comm.rank}: buffer of shape \(4,\) "
+                                            r"is not contiguous"):
+            comm.isend(np.ones((4, 4))[:, 0], 1 - comm.rank)
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] recv from {1 - comm.rank}: expected a numpy"):
+            comm.irecv([1.0], 1 - comm.rank)
     ThreadWorld(2).run(fn)
 
 
@@ -254,3 +259,18 @@ def test_a_receive_of_another_dtype_is_named_even_when_the_sender_waits_for_the_
         assert verdict.kind == "mismatch" and verdict.culprits == [0, 1], verdict.text
         assert re.search(r"rank 1 recvs float64 16 B \(16 bytes\) with tag 7, rank 0 sends float32 16 B", verdict.text), \
             verdict.text
+
+
+def test_a_header_decodes_to_its_own_call_when_the_same_signature_was_encoded_before():
+    # headers are built once per signature and copied: each copy must still carry its own call's
+    # sequence number, and another op or shape must not reuse the first one's header
+    from minitrain.comm.flight_recorder import Record
+    from minitrain.comm.headers import decode_header, encode_header
+
+    def record(seq, op="sum", shape=(3, 4)):
+        return Record("world", seq, "ring_all_reduce", shape, "float64", 96, op, None, None, None, "running")
+    first, again = encode_header(record(7)), encode_header(record(8))
+    assert decode_header(first, "world")["seq"] == 7 and decode_header(again, "world")["seq"] == 8
+    assert decode_header(encode_header(record(9, op="max")), "world")["op"] == "max"
+    assert decode_header(encode_header(record(10, shape=(12,))), "world")["shape"] == (12,)
+    assert decode_header(encode_header(record(7)), "world")["seq"] == 7 and first[1] == 7

@@ -134,6 +134,7 @@ def test_bench_checks_runs_and_each_configuration_switches_what_it_names(monkeyp
         assert did["-sizes"]["recorded_calls"] > 0 and did["none"]["recorded_calls"] == 0, did
     assert results["check_share_estimate"]["collectives_per_step"] == 1       # DDP: one bucket, one all-reduce
     assert "check_collectives on the mlp step, estimated: 1 collective(s) per step" in text
+    assert set(results["check_share_paired"]) == set(results["seconds"]) and "paired per round" in text
 
 
 def test_bench_checkpoint_runs_and_holds_at_most_one_piece_extra(monkeypatch, capsys, tmp_path):
@@ -235,3 +236,18 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
     from minitrain.plan import validate
     assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone
+
+
+def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "async.json"
+    monkeypatch.setattr(sys, "argv", ["bench_async.py", "--ranks", "2", "--max-mib", "0.004", "--repeats", "3",
+                                      "--min-time", "0.01", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_async.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    from minitrain.testing import mpi_library_name
+    results = json.loads(out.read_text())["p2"]
+    assert [r["bytes"] for r in results["rows"]] == [1024, 4096] and results["mpi_library"] == mpi_library_name()
+    assert all(r["sync"] > 0 and r["async"] > 0 and r["ratio"] == r["async"] / r["sync"] for r in results["rows"])
+    assert results["max_ratio"] == max(r["ratio"] for r in results["rows"]) and "max ratio async / sync" in text
+    assert results["max_paired_ratio"] == max(r["paired_ratio"] for r in results["rows"]) > 0

@@ -36,7 +36,7 @@ def check_header(comm, record):
     reqs = [comm._post(theirs, (comm.rank - 1) % comm.size, tag, "recv", counted="check_collectives"),
             comm._post(mine, (comm.rank + 1) % comm.size, tag, "send", counted="check_collectives")]
     comm.wait_all(reqs, "header check")
-    if not np.array_equal(theirs, mine):
+    if theirs.tobytes() != mine.tobytes():          # (np.array_equal: 10x slower on 15 numbers)
         _report(comm, record, theirs)
 
 
@@ -86,9 +86,26 @@ MAX_DIMS = 6
 register_names(COLLECTIVE_NAMES)
 
 
+_TEMPLATES = {}     # (name, shape, dtype, op, extra) -> its header, but for the sequence number
+MAX_TEMPLATES = 4096
+
+
 def encode_header(record):
     """[name, seq, ndim, dims x 6, dtype, op, extra] as int64 (shape None: ndim -1; the bytes are
-    not compared: an all-gather's shards may differ in length)."""
+    not compared: an all-gather's shards may differ in length). A step calls the same few
+    collectives again and again: each one's header is built once, then copied with its seq."""
+    key = (record.name, record.shape, record.dtype, record.op, record.extra)
+    template = _TEMPLATES.get(key)
+    if template is None:
+        if len(_TEMPLATES) >= MAX_TEMPLATES:
+            _TEMPLATES.clear()
+        template = _TEMPLATES[key] = _encode(record)
+    header = template.copy()
+    header[1] = record.seq
+    return header
+
+
+def _encode(record):
     NAMES.setdefault(_code(record.name), record.name)
     shape = record.shape
     dims = [-1] * MAX_DIMS if shape is None else (list(shape) + [-2] * MAX_DIMS)[:MAX_DIMS]

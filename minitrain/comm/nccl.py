@@ -182,7 +182,9 @@ class NCCLCommunicator(Communicator):
         self.nccl.abort()
         self.bootstrap.abort(code)
 
-    # ---- program order: every collective on the progress thread
+    # ---- program order: every collective on the progress thread (its device and stream; never run by a waiter)
+    steal_queued = False
+
     def _on_progress_thread(self):
         progress = getattr(self, "_progress", None)
         return progress is not None and threading.current_thread() is progress._thread

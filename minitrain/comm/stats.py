@@ -25,13 +25,21 @@ class CommStats:
     def record(self, name, nbytes, direction, total=True):
         """Count one message; ``direction`` is "sent" or "received". ``total=False``: only under
         ``name`` (check_collectives' headers: the totals stay the algorithms' bytes)."""
+        sent = direction == "sent"            # (spelled out: every message passes here)
         with self._lock:
-            if total:
-                setattr(self, f"bytes_{direction}", getattr(self, f"bytes_{direction}") + nbytes)
-                setattr(self, f"messages_{direction}", getattr(self, f"messages_{direction}") + 1)
             e = self._entry(name)
-            e[f"bytes_{direction}"] += nbytes
-            e[f"messages_{direction}"] += 1
+            if sent:
+                e["bytes_sent"] += nbytes
+                e["messages_sent"] += 1
+                if total:
+                    self.bytes_sent += nbytes
+                    self.messages_sent += 1
+            else:
+                e["bytes_received"] += nbytes
+                e["messages_received"] += 1
+                if total:
+                    self.bytes_received += nbytes
+                    self.messages_received += 1
 
     def record_call(self, name):
         with self._lock:
