@@ -43,6 +43,9 @@ groups in the global batch, so G must be a multiple of dp·m and each micro-batc
 routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
 and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
 plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage.
+With ep > 1 (expert_parallel_3d.py) each MoE layer's experts are sharded over blocks of ep dp replicas of
+the stage and tp coordinate (all-to-all dispatch); the experts' gradients are reduced over the replicas
+that hold the same ones, the dense ones over dp as before.
 """
 import math
 
@@ -50,7 +53,7 @@ import numpy as np
 
 from ..autograd import Tensor
 from ..backend import array_module
-from ..comm import DeviceMesh, all_reduce
+from ..comm import DeviceMesh, all_reduce, broadcast
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
@@ -58,6 +61,8 @@ from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
+from .expert_data_parallel import reduce_expert_gradients
+from .expert_parallel_3d import clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
 
 
@@ -99,7 +104,7 @@ class GPT3D:
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False, zero=0, cp=1, cp_method="ring"):
+                 sequence_parallel=False, zero=0, cp=1, cp_method="ring", ep=1):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
         self.cp, self.cp_method = cp, cp_method
@@ -119,6 +124,12 @@ class GPT3D:
                              f"{dp} x {num_microbatches}: each micro-batch routes whole capacity groups")
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.ep, self.ep_comm, self.expert_dp_comm, self.experts = ep, None, None, []
+        if ep > 1:                                                  # expert_parallel_3d.py
+            if cp > 1 or zero:
+                raise ValueError(f"[rank {comm.rank}] ep = {ep} with " + (f"cp = {cp}" if cp > 1 else f"zero = {zero}")
+                                 + ": not supported yet (experts are sharded over dp x pp x tp only)")
+            self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
@@ -128,7 +139,11 @@ class GPT3D:
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
                                      chunks=chunks, dp_comm=self.mesh.comm("dp_cp"),
-                                     find_unused_parameters=bool(self.moe_layers))   # an idle expert: no grad
+                                     find_unused_parameters=bool(self.moe_layers),   # an idle expert: no grad
+                                     dp_excluded=self.experts)
+        if self.expert_dp_comm is not None and self.expert_dp_comm.size > 1:
+            for q in self.local_experts:                           # the expert data-parallel replicas start equal
+                broadcast(self.expert_dp_comm, q.data, root=0)
         self.zero = self._shard_over_dp(zero, schedule)
 
     def _shard_over_dp(self, stage, schedule):
@@ -176,6 +191,8 @@ class GPT3D:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
+        if self.ep > 1:                                           # the experts: summed over expert-dp, / dp
+            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp)
         if self.zero is not None:
             self.zero.reduce_gradients()                          # the dp x cp mean, each rank its shard
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
@@ -192,7 +209,16 @@ class GPT3D:
             replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
             return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
                                              uncounted=replicas if self.mesh.coordinate("tp") else ())
+        if self.ep > 1:
+            return ep_clip_grad_norm_(self.model, self.parameters(), self.local_experts, max_norm,
+                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm)
         return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
+
+    @property
+    def local_experts(self):
+        """With ep > 1: the expert parameters of this rank's stage (empty otherwise)."""
+        local = {id(q) for q in self.pipe.parameters()}
+        return [q for q in self.experts if id(q) in local]
 
     def full_state_dict(self):
         """name -> full array under the GPT's names (collectives over pp, then tp, on every rank)."""
@@ -202,7 +228,8 @@ class GPT3D:
         if self.zero is not None:
             self.zero.release_parameters()
         shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
-        return self.model.full_state_dict(shards)
+        state = self.model.full_state_dict(shards)
+        return gather_experts(state, self.ep_comm, self.model.config.moe_experts) if self.ep > 1 else state
 
     def sharded_parameters(self):
         """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
