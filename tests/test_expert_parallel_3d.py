@@ -5,6 +5,8 @@ zero-bubble schedules), ep = dp and ep < dp (an expert data-parallel group of 2)
 factor, full recomputation; under mpiexec the job's --json at 4 ranks against one process's job, its
 all-to-all bytes measured equal to the formula from the split sizes."""
 import dataclasses
+import json
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from minitrain import nn
 from minitrain.comm import ThreadWorld
 from minitrain.parallel.expert_parallel_3d import ExpertParallelReplicatedMoE
 from minitrain.parallel.gpt_3d import GPT3D
+from minitrain.testing import run_mpi
 
 from test_moe_3d import CONFIG, reference_run, run_3d
 
@@ -49,3 +52,73 @@ def test_expert_parallel_gpt3d_trains_as_one_process(case):
         assert set(state) == set(expected)
         for name, value in expected.items():
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_the_layers_hold_their_experts_under_global_names_and_the_ep_group_stays_in_a_stage_and_tp_coordinate():
+    """dp2 x tp2, ep 2: rank (d, t) holds experts 2d, 2d + 1 named experts.2d..., its ep group the ranks
+    (0, t) and (1, t): the same tp coordinate, consecutive dp replicas."""
+    mt.set_default_dtype(np.float64)
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
+
+    def build(comm):
+        model = GPT3D(nn.GPT(config), comm, dp=2, tp=2, ep=2)
+        layer = model.model.h[0].mlp
+        names = sorted({n.split(".")[1] for n, _ in layer.named_parameters() if n.startswith("experts.")})
+        return (isinstance(layer, ExpertParallelReplicatedMoE), names, model.ep_comm.size, model.ep_comm.rank,
+                model.mesh.coordinate("tp"), model.expert_dp_comm.size)
+    for rank, (sharded, names, size, ep_rank, t, expert_dp) in enumerate(ThreadWorld(4).run(build)):
+        d = rank // 2
+        assert sharded and names == [str(2 * d), str(2 * d + 1)] and (size, ep_rank, t, expert_dp) == (2, d, rank % 2, 1)
+
+
+def test_ep_refusals_are_clear_errors():
+    mt.set_default_dtype(np.float64)
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
+    with pytest.raises(ValueError, match=r"ep=2 must divide the 1 data-parallel ranks"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, ep=2))
+    with pytest.raises(ValueError, match=r"ep = 2 but the GPT has no MoE layer"):
+        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**{**CONFIG, "moe_experts": 0})), comm, dp=2,
+                                              ep=2))
+
+
+# ---- the job: mpiexec at 4 ranks against one process's job given the run's --moe-groups
+JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 2, "--block-size", 16,
+       "--batch-size", 4, "--sample-chars", 4, "--steps", 10, "--moe-experts", 4]
+TOP1_CAPACITY = ["--moe-top-k", 1, "--moe-capacity-factor", 1.0]
+JOBS = {   # name: (ranks, options, the one-process run's options: --moe-groups dp x micro-batches)
+    "dp2 tp2 ep2": (4, ["--tp", 2, "--ep", 2], ["--moe-groups", 2]),
+    "dp2 pp2 ep2 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--ep", 2], ["--moe-groups", 4]),
+    "dp2 tp2 ep2 top-1 capacity": (4, ["--tp", 2, "--ep", 2] + TOP1_CAPACITY, ["--moe-groups", 2] + TOP1_CAPACITY),
+}
+
+
+@pytest.fixture(scope="module")
+def job_reports(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ep3d")
+    for ranks in sorted({n for n, *_ in JOBS.values()}):
+        runs = [([str(a) for a in JOB + options] + ["--json", str(d / f"{name}.json")])
+                for name, (n, options, _) in JOBS.items() if n == ranks]
+        script = f"from minitrain.examples import gpt\nfor argv in {runs!r}:\n    assert gpt.main(argv) == 0, argv"
+        run_mpi([sys.executable, "-c", script], n=ranks, timeout=600)
+    return {name: json.loads((d / f"{name}.json").read_text()) for name in JOBS}
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_the_job_under_mpiexec_equals_one_process_and_measures_the_formulas_all_to_all_bytes(name, job_reports,
+                                                                                             tmp_path):
+    from minitrain.examples import gpt
+    from test_resume_guards import run
+    ranks, options, one_options = JOBS[name]
+    report = job_reports[name]
+    assert report["world_size"] == ranks and report["ep"] == 2
+    out = tmp_path / "one.json"
+    status, _, err = run(gpt, JOB + one_options + ["--json", out])
+    assert status == 0, err
+    one = json.loads(out.read_text())
+    assert len(report["losses"]) == len(one["losses"]) == 10
+    np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
+    np.testing.assert_allclose(report["moe"]["aux_loss"], one["moe"]["aux_loss"], rtol=1e-10, atol=0)
+    assert report["moe"]["tokens_dropped"] == one["moe"]["tokens_dropped"]
+    assert (report["moe"]["tokens_dropped"] > 0) == ("capacity" in name)
+    assert report["all_to_all_bytes_per_step"] > 0
+    assert report["all_to_all_bytes_per_step"] == report["all_to_all_bytes_formula"]

@@ -73,19 +73,18 @@ def refuse_moe(parser, args, given):
                    "the planner models dense MLPs, not experts")
 
 
-EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"
-
-
 def refuse_ep(parser, args, given):
     if "--ep" in given and not args.moe_experts:
         cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
     if args.ep == 1:
         return
-    for option, asked in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--save-dir", args.save_dir)):
+    for option, asked, why in (
+            ("--save-dir", args.save_dir, "not supported yet: each rank holds its own experts, which the checkpoint's "
+                                          "replicated layout does not describe"),
+            (f"--zero {args.zero}", args.zero, "not supported yet: the experts would need a ZeRO of their own over the "
+                                               "expert data-parallel ranks")):
         if asked:
-            cli.refuse(parser, option, f"--ep {args.ep}", EP_NOT_BUILT if option != "--save-dir" else
-                       "not supported yet: each rank holds its own experts, which the checkpoint's replicated "
-                       "layout does not describe")
+            cli.refuse(parser, option, f"--ep {args.ep}", why)
 
 
 def refuse_cp(parser, args, given):

@@ -49,11 +49,13 @@ def shard_experts_3d(model, dp_comm, ep):
     """Every MoE layer of ``model`` (a TensorParallelGPT) made expert-parallel over blocks of ``ep`` ranks of
     ``dp_comm``. Returns (ep group, expert data-parallel group, the layers, their expert parameters)."""
     ep_comm, expert_dp_comm = expert_parallel_groups(dp_comm, ep)
-    layers = []
+    layers, before = [], {id(q) for q in model.parameters()}
     for block in model.h:
         if isinstance(block.mlp, ReplicatedMoE):
             block.mlp = ExpertParallelReplicatedMoE(block.mlp, ep_comm)
             layers.append(block.mlp)
+    kept = {id(q) for q in model.parameters()}
+    model.replicated = [q for q in model.replicated if id(q) in kept or id(q) not in before]   # others' experts freed
     if not layers:
         raise ValueError(f"expert parallelism: ep = {ep} but the GPT has no MoE layer")
     return ep_comm, expert_dp_comm, layers, [q for layer in layers for q in layer.experts.parameters()]
