@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import minitrain as mt
-from minitrain import nn
+from minitrain import nn, optim
 from minitrain.comm import ThreadWorld
 from minitrain.parallel.expert_parallel_3d import ExpertParallelReplicatedMoE
 from minitrain.parallel.gpt_3d import GPT3D
 from minitrain.testing import run_mpi
 
-from test_moe_3d import CONFIG, reference_run, run_3d
+from test_moe_3d import CONFIG, data, idle_expert_gpt, reference_run, run_3d
 
 CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple of dp x micro-batches)
     "dp2 tp2 ep2": (dict(dp=2, tp=2), dict(ep=2), dict(moe_groups=2)),
@@ -89,6 +89,9 @@ JOBS = {   # name: (ranks, options, the one-process run's options: --moe-groups 
     "dp2 tp2 ep2": (4, ["--tp", 2, "--ep", 2], ["--moe-groups", 2]),
     "dp2 pp2 ep2 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--ep", 2], ["--moe-groups", 4]),
     "dp2 tp2 ep2 top-1 capacity": (4, ["--tp", 2, "--ep", 2] + TOP1_CAPACITY, ["--moe-groups", 2] + TOP1_CAPACITY),
+    # ZeRO with experts at ep = 1 (an expert some step leaves idle keeps its AdamW state, as in one process)
+    "dp2 tp2 zero1": (4, ["--tp", 2, "--zero", 1], ["--moe-groups", 2]),
+    "dp2 pp2 zero3 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--zero", 3], ["--moe-groups", 4]),
 }
 
 
@@ -110,7 +113,9 @@ def test_the_job_under_mpiexec_equals_one_process_and_measures_the_formulas_all_
     from test_resume_guards import run
     ranks, options, one_options = JOBS[name]
     report = job_reports[name]
-    assert report["world_size"] == ranks and report["ep"] == 2
+    ep = 2 if "ep2" in name else 1
+    assert report["world_size"] == ranks and report["ep"] == ep and report["zero"] == (3 if "zero3" in name else
+                                                                                       1 if "zero1" in name else 0)
     out = tmp_path / "one.json"
     status, _, err = run(gpt, JOB + one_options + ["--json", out])
     assert status == 0, err
@@ -120,5 +125,65 @@ def test_the_job_under_mpiexec_equals_one_process_and_measures_the_formulas_all_
     np.testing.assert_allclose(report["moe"]["aux_loss"], one["moe"]["aux_loss"], rtol=1e-10, atol=0)
     assert report["moe"]["tokens_dropped"] == one["moe"]["tokens_dropped"]
     assert (report["moe"]["tokens_dropped"] > 0) == ("capacity" in name)
-    assert report["all_to_all_bytes_per_step"] > 0
+    assert (report["all_to_all_bytes_per_step"] > 0) == (ep > 1)
     assert report["all_to_all_bytes_per_step"] == report["all_to_all_bytes_formula"]
+
+
+# ---- ZeRO on dp with experts (ep = 1): exact while every expert gets a token each step, else refused
+def run_zero(comm, config, init, mesh, steps=10, **kwargs):
+    mt.set_default_dtype(np.float64)
+    gpt = nn.GPT(config)
+    gpt.load_state_dict(init)
+    model = GPT3D(gpt, comm, **mesh, **kwargs)
+    opt = model.optimizer(optim.AdamW, lr=0.05, weight_decay=0.1)
+    losses = []
+    for x, y in data(steps=steps):
+        model.zero_grad()
+        losses.append(model.train_step(x, y))
+        model.clip_grad_norm_(0.5)
+        opt.step()
+    return model.full_state_dict(), losses
+
+
+def adamw_reference(config, init, steps=10):
+    model = nn.GPT(config)
+    model.load_state_dict(init)
+    opt = optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    losses, idle = [], 0
+    for x, y in data(steps=steps):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        idle += sum(q.grad is None for q in model.parameters())
+        optim.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses, idle
+
+
+ZERO_CASES = {   # mesh, GPT3D's options, the config's moe fields
+    "dp2 zero1": (dict(dp=2), dict(zero=1), dict(moe_groups=2)),
+    "dp2 tp2 zero2 top-1 capacity": (dict(dp=2, tp=2), dict(zero=2),
+                                     dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
+    "dp2 pp2 zero3 1f1b m2": (dict(dp=2, pp=2), dict(zero=3, schedule="1f1b", num_microbatches=2),
+                              dict(moe_groups=4)),
+}
+
+
+@pytest.mark.parametrize("case", list(ZERO_CASES))
+def test_zero_with_experts_trains_as_one_process_whose_idle_experts_adamw_skips(case):
+    """AdamW with weight decay: the experts no token chose in a step (grad None in one process) take no
+    step there, nor in the ZeRO shard (its per-parameter pieces)."""
+    mesh, kwargs, moe = ZERO_CASES[case]
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, **moe})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    expected, expected_losses, idle = adamw_reference(config, init)
+    assert idle > 0                                           # some expert idled in some step
+    size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
+    for state, losses in ThreadWorld(size).run(run_zero, config, init, mesh, **kwargs):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
+        for name, value in expected.items():      # atol: the key bias's gradient is rounding noise (its true
+            # gradient is 0), which AdamW normalises into steps of ~1e-12
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-10, err_msg=name)

@@ -107,9 +107,6 @@ def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
     refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
-    if args.zero and args.moe_experts:
-        cli.refuse(parser, f"--zero {args.zero}", f"--moe-experts {args.moe_experts}",
-                   "not supported yet: the MoE job's data parallelism does not shard its optimizer")
     refuse_cp(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):

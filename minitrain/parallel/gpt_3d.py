@@ -28,7 +28,8 @@ Nothing new is computed here: the pieces already exist and only meet.
 
 * zero=1|2|3: ZeRO over the dp communicator (zero_3d.py) instead of the all-reduce: the optimizer
   state (1), the gradients (2) and the parameters (3) of each stage sharded over its dp replicas;
-  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps.
+  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps. With MoE layers its
+  optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
@@ -155,7 +156,8 @@ class GPT3D:
         if schedule == "pipedream_2bw":
             raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
         self.pipe.all_reduce_dp_gradients = False
-        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over (dp x cp)
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage,       # over the replicas it reduced over (dp x cp)
+                      per_parameter=bool(self.moe_layers))                 # an expert no token chose: grad None
 
     def optimizer(self, optimizer_class, **defaults):
         """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
@@ -194,13 +196,22 @@ class GPT3D:
         if self.ep > 1:                                           # the experts: summed over expert-dp, / dp
             reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp)
         if self.zero is not None:
-            self.zero.reduce_gradients()                          # the dp x cp mean, each rank its shard
+            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
             self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
             loss += self.moe_statistics[2]
         return loss
+
+    def _unused_experts(self):
+        """ids of this rank's expert parameters that no token of the global batch chose this step (the loads
+        summed over pp and dp): one process leaves their grad None, and AdamW skips them."""
+        loads = np.stack([layer.step_row()[:-2] for layer in self.moe_layers]).reshape(-1)
+        loads = all_reduce(self.mesh.comm("dp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
+        loads = loads.reshape(len(self.moe_layers), -1)
+        return {id(q) for layer, row in zip(self.moe_layers, loads) for e in np.flatnonzero(row == 0)
+                for q in layer.experts[e].parameters()}
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
