@@ -92,6 +92,8 @@ JOBS = {   # name: (ranks, options, the one-process run's options: --moe-groups 
     # ZeRO with experts at ep = 1 (an expert some step leaves idle keeps its AdamW state, as in one process)
     "dp2 tp2 zero1": (4, ["--tp", 2, "--zero", 1], ["--moe-groups", 2]),
     "dp2 pp2 zero3 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--zero", 3], ["--moe-groups", 4]),
+    "dp2 tp2 ep2 zero1": (4, ["--tp", 2, "--ep", 2, "--zero", 1], ["--moe-groups", 2]),
+    "dp2 pp2 ep2 zero3 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--ep", 2, "--zero", 3], ["--moe-groups", 4]),
 }
 
 
@@ -167,6 +169,12 @@ ZERO_CASES = {   # mesh, GPT3D's options, the config's moe fields
                                      dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
     "dp2 pp2 zero3 1f1b m2": (dict(dp=2, pp=2), dict(zero=3, schedule="1f1b", num_microbatches=2),
                               dict(moe_groups=4)),
+    # ep 2: the experts' ZeRO over the expert data-parallel group (its mean / ep), the dense one over dp
+    "dp2 tp2 ep2 zero1": (dict(dp=2, tp=2), dict(zero=1, ep=2), dict(moe_groups=2)),
+    "dp4 ep2 zero2 top-1 capacity": (dict(dp=4), dict(zero=2, ep=2),
+                                     dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
+    "dp2 pp2 ep2 zero3 1f1b m2": (dict(dp=2, pp=2), dict(zero=3, ep=2, schedule="1f1b", num_microbatches=2),
+                                  dict(moe_groups=4)),
 }
 
 

@@ -24,7 +24,8 @@ its stage's tp ranks, capacity groups per micro-batch) the table and --json add 
 figures gathered from every stage, as one process given the same --moe-groups reports them. --ep N shards
 each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.py); "all_to_all_bytes_per_step"
 is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
-"all_to_all_bytes_formula" from the split sizes used (as the data-parallel MoE job reports them).
+"all_to_all_bytes_formula" from the split sizes used (as the data-parallel MoE job reports them); with
+--zero the experts have a ZeRO of their own over the dp replicas that hold the same experts.
 """
 import contextlib
 import sys
@@ -229,7 +230,9 @@ def main_parallel(args):
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
     if args.zero:
-        print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
+        print(f"ZeRO-{args.zero} over the {dp} dp replicas"
+              + (f" (experts over their {dp // args.ep} expert data-parallel replicas)" if args.ep > 1 else "")
+              + ": model states per rank between steps, expected / measured: "
               + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
                                                                                  table[0, 2:5])) + " (rank 0)")
     if cp > 1:

@@ -76,15 +76,9 @@ def refuse_moe(parser, args, given):
 def refuse_ep(parser, args, given):
     if "--ep" in given and not args.moe_experts:
         cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
-    if args.ep == 1:
-        return
-    for option, asked, why in (
-            ("--save-dir", args.save_dir, "not supported yet: each rank holds its own experts, which the checkpoint's "
-                                          "replicated layout does not describe"),
-            (f"--zero {args.zero}", args.zero, "not supported yet: the experts would need a ZeRO of their own over the "
-                                               "expert data-parallel ranks")):
-        if asked:
-            cli.refuse(parser, option, f"--ep {args.ep}", why)
+    if args.ep > 1 and args.save_dir:
+        cli.refuse(parser, "--save-dir", f"--ep {args.ep}", "not supported yet: each rank holds its own experts, which "
+                                                            "the checkpoint's replicated layout does not describe")
 
 
 def refuse_cp(parser, args, given):

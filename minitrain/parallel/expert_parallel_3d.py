@@ -19,6 +19,9 @@ the data-parallel ranks of one pipeline stage and one tensor-parallel coordinate
 * Names: a layer keeps its experts under their global indices (h.3.mlp.experts.2.c_fc.weight on the rank
   that holds expert 2), so the shard map and the checkpoint place each expert where one process has it;
   gather_experts adds the other ranks' experts to a full state dict.
+* ZeRO (ExpertZero): the dense parameters' Zero3D over dp, the experts' over the expert data-parallel
+  group, their mean there times 1/ep (= the sum over dp / dp); each dp rank's two shards are distinct
+  pieces of the gradient, so the global norm sums both over dp, tp and pp.
 """
 import numpy as np
 
@@ -104,3 +107,50 @@ def clip_grad_norm_(model, parameters, experts, max_norm, tp_comm, pp_comm, ep_c
     if ep_comm.rank == 0:
         counted += [q.grad for q in grads if id(q) not in expert_ids and (id(q) not in replicated or tp_comm.rank == 0)]
     return clip_sharded_grad_norm_(grads, max_norm, sum_of_squares(counted), [tp_comm, pp_comm, ep_comm])
+
+
+class ExpertZero:
+    """Zero3D's interface over two: ``dense`` (a Zero3D over dp) and ``experts`` (a Zero3D over the expert
+    data-parallel group, per_parameter; None on a stage without experts)."""
+
+    def __init__(self, dense, experts, ep):
+        self.dense, self.experts, self.ep = dense, experts, ep
+        self.stage, self.comm = dense.stage, dense.comm
+        self.parts = [z for z in (dense, experts) if z is not None]
+
+    def optimizer(self, optimizer_class, **defaults):
+        for z in self.parts:
+            z.optimizer(optimizer_class, **defaults)
+        self.param_groups = [g for z in self.parts for g in z.param_groups]   # a scheduler sets both
+        return self
+
+    def reduce_gradients(self, unused=()):
+        self.dense.reduce_gradients(unused)
+        if self.experts is not None:
+            self.experts.reduce_gradients(unused, scale=1.0 / self.ep)
+
+    def clip_grad_norm_(self, max_norm, groups, uncounted=()):
+        square = sum(z.local_square(uncounted) for z in self.parts)
+        return clip_sharded_grad_norm_([z.shard for z in self.parts], max_norm, square, [self.comm, *groups])
+
+    def expected_bytes(self, optimizer_states=2):
+        parts = [z.expected_bytes(optimizer_states) for z in self.parts]
+        return {key: sum(p[key] for p in parts) for key in parts[0]}
+
+    def state_dict(self):
+        return {"dense": self.dense.state_dict(), "experts": self.experts.state_dict() if self.experts else None}
+
+    def load_state_dict(self, state_dict):
+        self.dense.load_state_dict(state_dict["dense"])
+        if self.experts is not None:
+            self.experts.load_state_dict(state_dict["experts"])
+
+    def _each(name):
+        def call(self):
+            for z in self.parts:
+                getattr(z, name)()
+        call.__name__ = name
+        return call
+
+    begin_step, zero_grad, step = _each("begin_step"), _each("zero_grad"), _each("step")
+    gather_parameters, release_parameters = _each("gather_parameters"), _each("release_parameters")

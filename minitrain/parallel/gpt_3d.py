@@ -63,7 +63,7 @@ from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
 from .expert_data_parallel import reduce_expert_gradients
-from .expert_parallel_3d import clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
+from .expert_parallel_3d import ExpertZero, clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
 
 
@@ -127,9 +127,9 @@ class GPT3D:
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
         self.ep, self.ep_comm, self.expert_dp_comm, self.experts = ep, None, None, []
         if ep > 1:                                                  # expert_parallel_3d.py
-            if cp > 1 or zero:
-                raise ValueError(f"[rank {comm.rank}] ep = {ep} with " + (f"cp = {cp}" if cp > 1 else f"zero = {zero}")
-                                 + ": not supported yet (experts are sharded over dp x pp x tp only)")
+            if cp > 1:
+                raise ValueError(f"[rank {comm.rank}] ep = {ep} with cp = {cp}: not supported yet (experts are sharded "
+                                 f"over dp x pp x tp only)")
             self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
@@ -156,6 +156,11 @@ class GPT3D:
         if schedule == "pipedream_2bw":
             raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
         self.pipe.all_reduce_dp_gradients = False
+        if self.ep > 1:                      # the experts' own ZeRO over the ranks that hold the same ones
+            experts = self.local_experts
+            return ExpertZero(Zero3D(self.pipe.dp_parameters(), self.pipe.dp_comm, stage),
+                              Zero3D(experts, self.expert_dp_comm, stage, per_parameter=True) if experts else None,
+                              self.ep)
         return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage,       # over the replicas it reduced over (dp x cp)
                       per_parameter=bool(self.moe_layers))                 # an expert no token chose: grad None
 
@@ -193,7 +198,7 @@ class GPT3D:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
-        if self.ep > 1:                                           # the experts: summed over expert-dp, / dp
+        if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
             reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp)
         if self.zero is not None:
             self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
@@ -210,8 +215,9 @@ class GPT3D:
         loads = np.stack([layer.step_row()[:-2] for layer in self.moe_layers]).reshape(-1)
         loads = all_reduce(self.mesh.comm("dp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
         loads = loads.reshape(len(self.moe_layers), -1)
-        return {id(q) for layer, row in zip(self.moe_layers, loads) for e in np.flatnonzero(row == 0)
-                for q in layer.experts[e].parameters()}
+        first = [getattr(layer, "first_expert", 0) for layer in self.moe_layers]     # ep > 1: its own experts
+        return {id(q) for layer, row, f in zip(self.moe_layers, loads, first) for l, expert in enumerate(layer.experts)
+                if row[f + l] == 0 for q in expert.parameters()}
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
@@ -220,7 +226,7 @@ class GPT3D:
             replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
             return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
                                              uncounted=replicas if self.mesh.coordinate("tp") else ())
-        if self.ep > 1:
+        if self.ep > 1 and self.zero is None:
             return ep_clip_grad_norm_(self.model, self.parameters(), self.local_experts, max_norm,
                                       self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm)
         return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))

@@ -112,13 +112,16 @@ class Zero3D:
         if any(q.grad is None for q in self.flat.params):
             self._point_grads_at_flat()
 
-    def reduce_gradients(self, unused=()):
+    def reduce_gradients(self, unused=(), scale=1.0):
         """After the last backward: the flat gradient reduce-scattered (mean over dp) into the shard's
         gradient. Stages 2 and 3 then drop the full gradient, stage 3 the full parameters. With
-        per_parameter, the parameters in ``unused`` (ids: no replica used them) get no gradient."""
+        per_parameter, the parameters in ``unused`` (ids: no replica used them) get no gradient. ``scale``
+        multiplies the mean (experts over their expert data-parallel group: 1/ep)."""
         out = self.shard_grad if self.stage == 1 else self.xp.zeros(self.flat.shard_size, self.flat.dtype)
         with trace.span("reduce-scatter gradients", kind="comm"):
             ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=out)
+        if scale != 1.0:
+            out *= scale
         if self.stage == 1 or self.shard.grad is None:
             self.shard.grad = out
         else:                                            # a second step's gradients before zero_grad
@@ -142,13 +145,17 @@ class Zero3D:
     def clip_grad_norm_(self, max_norm, groups, uncounted=()):
         """Clip by the norm of the whole model's gradient: the squares of this rank's shard, less the
         parameters in ``uncounted`` (ids: replicas counted on another rank), summed over dp then ``groups``."""
+        return clip_sharded_grad_norm_([self.shard], max_norm, self.local_square(uncounted), [self.comm, *groups])
+
+    def local_square(self, uncounted=()):
+        """The sum of the squares of this rank's gradient shard, less the parameters in ``uncounted``."""
         s0, s1 = self.flat.shard_range
         pieces = []
         for q in self.flat.params:
             lo, hi = self.flat.offsets[id(q)]
             if id(q) not in uncounted and max(lo, s0) < min(hi, s1):
                 pieces.append(self.shard.grad[max(lo, s0) - s0:min(hi, s1) - s0])
-        return clip_sharded_grad_norm_([self.shard], max_norm, sum_of_squares(pieces), [self.comm, *groups])
+        return sum_of_squares(pieces)
 
     # ---- the optimizer's interface
     def step(self):
