@@ -25,6 +25,7 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
     "dp2 pp2 ep2 1f1b m2": (dict(dp=2, pp=2), dict(ep=2, schedule="1f1b", num_microbatches=2), dict(moe_groups=4)),
     "dp4 ep2 capacity top-1": (dict(dp=4), dict(ep=2), dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
     "dp4 ep4 every 2": (dict(dp=4), dict(ep=4), dict(moe_groups=4, moe_every=2)),
+    "dp2 pp2 ep2 every 2 m2": (dict(dp=2, pp=2), dict(ep=2, num_microbatches=2), dict(moe_groups=4, moe_every=2)),
     "dp2 pp2 ep2 zb_h1 m2": (dict(dp=2, pp=2), dict(ep=2, schedule="zb_h1", num_microbatches=2), dict(moe_groups=4)),
     "dp2 pp2 ep2 zbv m2": (dict(dp=2, pp=2), dict(ep=2, schedule="zbv", num_microbatches=2, chunks=2),
                            dict(n_layer=4, moe_groups=4)),
@@ -175,6 +176,8 @@ ZERO_CASES = {   # mesh, GPT3D's options, the config's moe fields
                                      dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
     "dp2 pp2 ep2 zero3 1f1b m2": (dict(dp=2, pp=2), dict(zero=3, ep=2, schedule="1f1b", num_microbatches=2),
                                   dict(moe_groups=4)),
+    "dp2 pp2 ep2 zero1 every 2 m2": (dict(dp=2, pp=2), dict(zero=1, ep=2, num_microbatches=2),   # a stage without experts
+                                     dict(moe_groups=4, moe_every=2)),
 }
 
 
