@@ -2,8 +2,10 @@
 process does: float64, losses, the step's MoE figures and the parameters within 1e-10 relative over 10
 steps, one process given the run's moe_groups. In-process (ThreadWorld): dp x tp, dp x pp (1F1B, the
 zero-bubble schedules), ep = dp and ep < dp (an expert data-parallel group of 2), top-1 with a capacity
-factor, full recomputation; under mpiexec the job's --json at 4 ranks against one process's job, its
-all-to-all bytes measured equal to the formula from the split sizes."""
+factor, full recomputation; ZeRO 1-3 with experts (ep 1: idle experts left alone as AdamW does in one
+process; ep 2: the experts' ZeRO over their expert data-parallel group); under mpiexec the job's --json at
+4 ranks (and one run at 8: dp2 x pp2 x tp2 --ep 2 --zero 1) against one process's job, its all-to-all
+bytes measured equal to the formula from the split sizes."""
 import dataclasses
 import json
 import sys
@@ -95,6 +97,9 @@ JOBS = {   # name: (ranks, options, the one-process run's options: --moe-groups 
     "dp2 pp2 zero3 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--zero", 3], ["--moe-groups", 4]),
     "dp2 tp2 ep2 zero1": (4, ["--tp", 2, "--ep", 2, "--zero", 1], ["--moe-groups", 2]),
     "dp2 pp2 ep2 zero3 1f1b m2": (4, ["--pp", 2, "--microbatches", 2, "--ep", 2, "--zero", 3], ["--moe-groups", 4]),
+    # the one 8-rank run: every axis at once
+    "dp2 pp2 tp2 ep2 zero1 1f1b m2": (8, ["--tp", 2, "--pp", 2, "--microbatches", 2, "--ep", 2, "--zero", 1],
+                                      ["--moe-groups", 4]),
 }
 
 
