@@ -8,6 +8,7 @@ process; ep 2: the experts' ZeRO over their expert data-parallel group); under m
 bytes measured equal to the formula from the split sizes."""
 import dataclasses
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -203,3 +204,52 @@ def test_zero_with_experts_trains_as_one_process_whose_idle_experts_adamw_skips(
         for name, value in expected.items():      # atol: the key bias's gradient is rounding noise (its true
             # gradient is 0), which AdamW normalises into steps of ~1e-12
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+# ---- checkpoints: each rank saves its experts under their global names; any layout resumes
+CKPT = [str(a) for a in JOB[:-4] + ["--steps", 6, "--moe-experts", 4, "--lr", 0.05]]
+
+
+def checkpoint_then_resume(tmp_path, ranks, options, one_options):
+    """Save at steps 3 and 6 on ``ranks`` ranks, drop step 6; return the uninterrupted one-process run's
+    report and a function that resumes the checkpoint (in one process or under mpiexec) and reads its report."""
+    from minitrain.examples import gpt
+    from test_resume_guards import run
+    d = tmp_path / "ckpt"
+    script = (f"from minitrain.examples import gpt; assert gpt.main({CKPT + options!r} + ['--save-dir', {str(d)!r}, "
+              f"'--save-every', '3']) == 0")
+    run_mpi([sys.executable, "-c", script], n=ranks, timeout=300)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == ["step-00000003", "step-00000006"]
+    shutil.rmtree(d / "step-00000006")
+    whole = tmp_path / "whole.json"
+    assert run(gpt, CKPT + one_options + ["--json", whole])[0] == 0
+
+    def resume(n, resume_options, name):
+        out = tmp_path / f"{name}.json"
+        argv = CKPT + resume_options + ["--save-dir", str(d), "--resume", "--json", str(out)]
+        if n == 1:
+            status, _, err = run(gpt, argv)
+            assert status == 0, err
+        else:
+            run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"],
+                    n=n, timeout=300)
+        shutil.rmtree(d / "step-00000006")          # what this resumed run saved: the next one resumes at 3 too
+        return json.loads(out.read_text())
+    return json.loads(whole.read_text()), resume
+
+
+def test_a_checkpoint_of_dp2_x_tp2_ep2_resumes_in_one_process_and_on_dp2_ep2(tmp_path):
+    whole, resume = checkpoint_then_resume(tmp_path, 4, ["--tp", "2", "--ep", "2"], ["--moe-groups", "2"])
+    for n, options, name in ((1, ["--moe-groups", "2"], "one"), (2, ["--ep", "2"], "dp2 ep2")):
+        resumed = resume(n, options, name)
+        assert resumed["first_step"] == 3
+        np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_a_zero_checkpoint_with_experts_resumes_in_one_process(tmp_path, zero):
+    """ZeRO's per-parameter pieces each save their own AdamW state (an idle expert's: none, as in one process)."""
+    whole, resume = checkpoint_then_resume(tmp_path, 2, ["--zero", zero], ["--moe-groups", "2"])
+    resumed = resume(1, ["--moe-groups", "2"], "one")
+    assert resumed["first_step"] == 3
+    np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0)

@@ -181,7 +181,7 @@ def _main(argv=None):
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1 \
-            and not args.zero:
+            and not args.zero and not (args.ep > 1 and args.save_dir):    # GPT3D: ZeRO, experts' checkpoints
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
     if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:

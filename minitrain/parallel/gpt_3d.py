@@ -252,7 +252,11 @@ class GPT3D:
         """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
         each as its tensor-parallel slice (c_attn's rows are three blocks, q, k and v, each cut by heads;
         the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
-        slices; the checkpoint writes those once."""
+        slices; the checkpoint writes those once. With ep > 1 each expert is whole under its global name
+        (h.i.mlp.experts.e.*) on the ranks that hold it."""
+        if isinstance(self.zero, ExpertZero):
+            raise ValueError("a checkpoint of ep > 1 with ZeRO: the experts' and the dense parameters' ZeRO are two "
+                             "optimizers (not supported yet)")
         t, r = self.tp, self.mesh.coordinate("tp")
         vocab = self.model.config.vocab_size
         local = {id(q) for q in self.pipe.parameters()}
