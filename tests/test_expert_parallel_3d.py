@@ -21,7 +21,7 @@ from minitrain.parallel.expert_parallel_3d import ExpertParallelReplicatedMoE
 from minitrain.parallel.gpt_3d import GPT3D
 from minitrain.testing import run_mpi
 
-from test_moe_3d import CONFIG, data, idle_expert_gpt, reference_run, run_3d
+from test_moe_3d import CONFIG, data, reference_run, run_3d
 
 CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple of dp x micro-batches)
     "dp2 tp2 ep2": (dict(dp=2, tp=2), dict(ep=2), dict(moe_groups=2)),
@@ -29,6 +29,8 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
     "dp4 ep2 capacity top-1": (dict(dp=4), dict(ep=2), dict(moe_groups=4, moe_top_k=1, moe_capacity_factor=1.0)),
     "dp4 ep4 every 2": (dict(dp=4), dict(ep=4), dict(moe_groups=4, moe_every=2)),
     "dp2 pp2 ep2 every 2 m2": (dict(dp=2, pp=2), dict(ep=2, num_microbatches=2), dict(moe_groups=4, moe_every=2)),
+    "dp2 pp2 ep2 interleaved m2": (dict(dp=2, pp=2), dict(ep=2, schedule="interleaved_1f1b", num_microbatches=2,
+                                                          chunks=2), dict(n_layer=4, moe_groups=4)),
     "dp2 pp2 ep2 zb_h1 m2": (dict(dp=2, pp=2), dict(ep=2, schedule="zb_h1", num_microbatches=2), dict(moe_groups=4)),
     "dp2 pp2 ep2 zbv m2": (dict(dp=2, pp=2), dict(ep=2, schedule="zbv", num_microbatches=2, chunks=2),
                            dict(n_layer=4, moe_groups=4)),

@@ -26,9 +26,9 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
-                                           sample_model, scheduler_for)
-from minitrain.examples.report import StepWatch, fmt_bytes, gather_steps, write_json
+from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_step, moe_summary,
+                                           nothing_left, sample_model, scheduler_for)
+from minitrain.examples.report import StepWatch, gather_steps, write_json
 from minitrain.parallel import DistributedDataParallel, offload_activations
 from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
 from minitrain.parallel.expert_parallel_moe import full_state_dict, shard_experts
@@ -123,8 +123,7 @@ def main_moe_dp(args):
     if not losses:
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
-    a2a_by_rank = mtcomm.all_reduce(comm, np.eye(world)[rank][:, None, None] * np.array(a2a, np.float64)[None],
-                                    op="sum").astype(np.int64)          # (rank, step, measured | formula)
+    a2a_measured, a2a_formula, a2a_by_rank, a2a_line = all_to_all_summary(comm, a2a, ep)   # (rank, step, 2)
     full = global_model()
     if rank != 0:
         return 0
@@ -139,10 +138,7 @@ def main_moe_dp(args):
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
-    a2a_measured, a2a_formula = (float(a2a_by_rank[:, :, i].mean(axis=1).max()) for i in (0, 1))
-    print(f"all-to-all (ep {ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the busiest "
-          f"rank (mean over steps; dispatch and combine, forward and backward), formula from the split sizes "
-          f"{a2a_formula:,.1f} B")
+    print(a2a_line)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))
     print("sample:\n" + corpus.decode(sample[0]))

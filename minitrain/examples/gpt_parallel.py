@@ -41,8 +41,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_summary, nothing_left, sample_model,
-                                           scheduler_for)
+from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_summary,
+                                           nothing_left, sample_model, scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -205,9 +205,7 @@ def main_parallel(args):
                     cp_sent_per_step, cp_computed, device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
-    a2a_by_rank = mtcomm.all_reduce(comm, np.eye(world)[rank][:, None, None] * np.array(a2a, np.float64)[None],
-                                    op="sum").astype(np.int64)          # (rank, step, measured | formula)
-    a2a_measured, a2a_formula = (float(a2a_by_rank[:, :, i].mean(axis=1).max()) for i in (0, 1))
+    a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
     state = model.full_state_dict()
     cp_block = cp_report(model, args, table)
     if rank != 0:
@@ -251,9 +249,7 @@ def main_parallel(args):
                   f"{args.ep} dp replicas ({args.moe_experts // args.ep} per rank), replicated on the tp ranks")
         print(f"{args.moe_experts} experts per MoE layer, {placed}; --moe-groups {config.moe_groups}")
         print(moe_line)
-        print(f"all-to-all (ep {args.ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the "
-              f"busiest rank (mean over steps; dispatch and combine, forward and backward), formula from the split "
-              f"sizes {a2a_formula:,.1f} B")
+        print(a2a_line)
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
