@@ -245,9 +245,3 @@ def test_the_job_resumes_across_zero_stages_and_layouts(tmp_path):
         keep_until(d, 3 * (i + 1))
     assert report["strategy"] == "single+zero2" and len(report["losses"]) == 3
 
-
-def test_the_job_refuses_zero_with_experts(capsys):
-    with pytest.raises(SystemExit) as e:
-        gpt.parse_args(["--zero", "1", "--moe-experts", "2"])
-    assert e.value.code == 2
-    assert "--zero 1 is not supported with --moe-experts 2" in capsys.readouterr().err

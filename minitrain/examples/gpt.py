@@ -7,6 +7,7 @@
     mpirun -n 2 python -m minitrain.examples.gpt --pp 2 --schedule zb_h1|zbv --microbatches 4
     [mpirun -n D] python -m minitrain.examples.gpt --moe-experts 4 --moe-top-k 2 [--moe-capacity-factor 1.25] [--ep N]
     mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --pp 2 --microbatches 2
+    mpirun -n 4 python -m minitrain.examples.gpt --moe-experts 4 --tp 2 --ep 2   (or --pp 2 --microbatches 2 --ep 2)
     mpirun -n 4 python -m minitrain.examples.gpt --cp 2 [--cp-method ring|ulysses] [--tp 2 | --dp 2 | --pp 2]
 
 Prints the loss as it falls, the validation loss, and a sample of generated text. Under
@@ -20,7 +21,8 @@ linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedul
 DeepSpeed-Ulysses' all-to-alls; parallel/context_parallel/); the table and --json report its bytes and balance.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process;
 data parallelism in gpt_moe.py, where --ep N shards the experts over blocks of N data-parallel ranks;
-with --tp, --pp or --microbatches, GPT3D with the experts replicated on the tp ranks); the table and
+with --tp, --pp or --microbatches, GPT3D with the experts replicated on the tp ranks, and with --ep N sharded
+over blocks of N dp replicas of each stage and tp coordinate); the table and
 --json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
 groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
 process given the run's G trains the same model.
@@ -178,7 +180,8 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
-    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1:
+    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1 \
+            and not args.zero and not (args.ep > 1 and args.save_dir):    # GPT3D: ZeRO, experts' checkpoints
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
     if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:

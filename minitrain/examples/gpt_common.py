@@ -9,7 +9,7 @@ import numpy as np
 import minitrain
 from minitrain import nn
 from minitrain.comm import all_reduce
-from minitrain.examples.report import write_json
+from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 
 
@@ -87,6 +87,17 @@ def moe_summary(steps):
             f"tokens dropped {block['tokens_dropped']}, balancing loss {block['aux_loss'][0]:.5f} -> "
             f"{block['aux_loss'][-1]:.5f}")
     return block, line
+
+
+def all_to_all_summary(comm, a2a, ep):
+    """From each rank's (measured, formula) all-to-all bytes per step: the busiest rank's mean over steps of
+    each, the (rank, step, measured | formula) table, and the report's line (a collective on ``comm``)."""
+    table = all_reduce(comm, np.eye(comm.size)[comm.rank][:, None, None] * np.array(a2a, np.float64)[None],
+                       op="sum").astype(np.int64)
+    measured, formula = (float(table[:, :, i].mean(axis=1).max()) for i in (0, 1))
+    line = (f"all-to-all (ep {ep}): {measured:,.1f} B ({fmt_bytes(measured)}) sent per step by the busiest rank (mean "
+            f"over steps; dispatch and combine, forward and backward), formula from the split sizes {formula:,.1f} B")
+    return measured, formula, table, line
 
 
 def sample_model(model, config):

@@ -26,9 +26,9 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
-                                           sample_model, scheduler_for)
-from minitrain.examples.report import (MODEL_STATE, StepWatch, fmt_bytes, gather_steps, plan_comparison,
+from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_step, moe_summary,
+                                           nothing_left, sample_model, scheduler_for)
+from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
 from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
@@ -138,8 +138,7 @@ def main_moe_dp(args):
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     memory_by_rank = gather_memory(comm, watch.persistent)
-    a2a_by_rank = mtcomm.all_reduce(comm, np.eye(world)[rank][:, None, None] * np.array(a2a, np.float64)[None],
-                                    op="sum").astype(np.int64)          # (rank, step, measured | formula)
+    a2a_measured, a2a_formula, a2a_by_rank, a2a_line = all_to_all_summary(comm, a2a, ep)   # (rank, step, 2)
     full = global_model()
     if rank != 0:
         return 0
@@ -154,10 +153,7 @@ def main_moe_dp(args):
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
-    a2a_measured, a2a_formula = (float(a2a_by_rank[:, :, i].mean(axis=1).max()) for i in (0, 1))
-    print(f"all-to-all (ep {ep}): {a2a_measured:,.1f} B ({fmt_bytes(a2a_measured)}) sent per step by the busiest "
-          f"rank (mean over steps; dispatch and combine, forward and backward), formula from the split sizes "
-          f"{a2a_formula:,.1f} B")
+    print(a2a_line)
     compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
                                vocab_size=corpus.vocab_size)
     show_plan(args, compared)

@@ -1,6 +1,7 @@
 """The GPT job on several ranks: mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P]
 [--dp D] [--sequence-parallel] [--schedule 1f1b|zb_h1|... --microbatches M --chunks V] [--dropout P]
-[--recompute full|selective] [--offload-activations] [--zero 1|2|3] [--cp C --cp-method ring|ulysses].
+[--recompute full|selective] [--offload-activations] [--zero 1|2|3] [--cp C --cp-method ring|ulysses]
+[--moe-experts E [--ep N]].
 
 The N ranks form a DeviceMesh of dp x pp x cp x tp (tp innermost; --dp defaults to N / (pp·cp·tp))
 and train GPT3D: each stage of the pipeline is tensor-parallel over its tp ranks, each replica
@@ -20,7 +21,12 @@ communicator per step (measured) beside the formula from the sizes, and the atte
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
 its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
-figures gathered from every stage, as one process given the same --moe-groups reports them.
+figures gathered from every stage, as one process given the same --moe-groups reports them. --ep N shards
+each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.py); "all_to_all_bytes_per_step"
+is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
+"all_to_all_bytes_formula" from the split sizes used (as the data-parallel MoE job reports them); with
+--zero the experts have a ZeRO of their own over the dp replicas that hold the same experts. Checkpoints
+save each expert under its global name, so --ep runs resume on any layout (not yet with --ep and --zero).
 """
 import contextlib
 import sys
@@ -35,8 +41,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_summary, nothing_left, sample_model,
-                                           scheduler_for)
+from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_summary,
+                                           nothing_left, sample_model, scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -105,7 +111,7 @@ def main_parallel(args):
     try:
         model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
                       chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero,
-                      cp=cp, cp_method=args.cp_method)
+                      cp=cp, cp_method=args.cp_method, ep=args.ep)
     except (ValueError, mtcomm.MeshError) as e:
         if rank == 0:
             sys.stderr.write(f"error: {e}\n")
@@ -124,6 +130,7 @@ def main_parallel(args):
     strategy = "+".join(name[:2] for name in axes) or "single"
     strategy += "+sp" if args.sequence_parallel else ""
     strategy += f"+zero{args.zero}" if args.zero else ""
+    strategy += f"+ep{args.ep}" if args.ep > 1 else ""
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
                                       layout=layout(args, strategy, dp, pp, tp, world),
                                       extra=lambda: {"data_rng": rng.bit_generator.state})
@@ -143,13 +150,15 @@ def main_parallel(args):
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
         del state
     memory.reset_peak()
-    losses, moe = [], []
+    losses, moe, a2a = [], [], []                            # a2a: (measured, formula) all-to-all bytes per step
+    ep_layers = [layer for layer in model.moe_layers if model.ep > 1]
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
         return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp")
-                                           + (("cp", "dp_cp") if cp > 1 else ()))
+                                           + (("cp", "dp_cp") if cp > 1 else ())) + sum(
+            c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()
     sent_before = bytes_sent()
     cp_sent_before = model.mesh.comm("cp").stats.bytes_sent
@@ -159,6 +168,7 @@ def main_parallel(args):
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
+        a2a_before = model.ep_comm.stats["all_to_all_single"]["bytes_sent"] if model.ep > 1 else 0
         with watch.step():
             model.zero_grad()
             with offload:
@@ -169,6 +179,13 @@ def main_parallel(args):
         losses.append(loss)
         if model.moe_layers:
             moe.append(model.moe_statistics)
+        if model.ep > 1:                                     # this rank's stage's layers; others' count 0
+            a2a.append((model.ep_comm.stats["all_to_all_single"]["bytes_sent"] - a2a_before,
+                        sum(layer.all_to_all_bytes_formula for layer in ep_layers)))
+            for layer in ep_layers:
+                layer.all_to_all_bytes_formula = 0
+        else:
+            a2a.append((0, 0))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -188,6 +205,7 @@ def main_parallel(args):
                     cp_sent_per_step, cp_computed, device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
+    a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
     state = model.full_state_dict()
     cp_block = cp_report(model, args, table)
     if rank != 0:
@@ -211,7 +229,9 @@ def main_parallel(args):
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
     if args.zero:
-        print(f"ZeRO-{args.zero} over the {dp} dp replicas: model states per rank between steps, expected / measured: "
+        print(f"ZeRO-{args.zero} over the {dp} dp replicas"
+              + (f" (experts over their {dp // args.ep} expert data-parallel replicas)" if args.ep > 1 else "")
+              + ": model states per rank between steps, expected / measured: "
               + ", ".join(f"{c} {fmt_bytes(e)} / {fmt_bytes(m)}" for c, e, m in zip(MODEL_STATES, table[0, 12:15],
                                                                                  table[0, 2:5])) + " (rank 0)")
     if cp > 1:
@@ -225,8 +245,11 @@ def main_parallel(args):
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     moe_block, moe_line = moe_summary(moe) if moe else (None, None)
     if moe_line:
-        print(f"{args.moe_experts} experts per MoE layer, replicated on the tp ranks; --moe-groups {config.moe_groups}")
+        placed = ("replicated on the tp ranks" if args.ep == 1 else f"sharded over expert-parallel groups of "
+                  f"{args.ep} dp replicas ({args.moe_experts // args.ep} per rank), replicated on the tp ranks")
+        print(f"{args.moe_experts} experts per MoE layer, {placed}; --moe-groups {config.moe_groups}")
         print(moe_line)
+        print(a2a_line)
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
@@ -259,7 +282,8 @@ def main_parallel(args):
             "elapsed_seconds": elapsed, "planner": compared,
             "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
-            **({"moe": moe_block} if moe_block else {}), **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
+               if moe_block else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": formula,

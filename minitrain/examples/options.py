@@ -70,19 +70,12 @@ def refuse_moe(parser, args, given):
                    "shard is not built")
 
 
-EP_NOT_BUILT = "not supported yet: expert parallelism is built on the data-parallel MoE job; give --ep 1"
-
-
 def refuse_ep(parser, args, given):
     if "--ep" in given and not args.moe_experts:
         cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
-    if args.ep == 1:
-        return
-    for option, asked in (("--tp", args.tp > 1), ("--pp", args.pp > 1), ("--save-dir", args.save_dir)):
-        if asked:
-            cli.refuse(parser, option, f"--ep {args.ep}", EP_NOT_BUILT if option != "--save-dir" else
-                       "not supported yet: each rank holds its own experts, which the checkpoint's replicated "
-                       "layout does not describe")
+    if args.ep > 1 and args.zero and args.save_dir:
+        cli.refuse(parser, "--save-dir", f"--ep {args.ep} --zero {args.zero}", "not supported yet: the experts' ZeRO "
+                   "and the dense parameters' are two optimizers, which the checkpoint does not merge into one")
 
 
 def refuse_cp(parser, args, given):
@@ -105,9 +98,6 @@ def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
     refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
-    if args.zero and args.moe_experts:
-        cli.refuse(parser, f"--zero {args.zero}", f"--moe-experts {args.moe_experts}",
-                   "not supported yet: the MoE job's data parallelism does not shard its optimizer")
     refuse_cp(parser, args, given)
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):

@@ -64,19 +64,8 @@ class ExpertDataParallel:
 
     def reduce_expert_gradients(self):
         """After backward: every expert's gradient summed over the expert data-parallel group and divided
-        by dp (see the module's docstring), with a flag per expert parameter saying whether any rank used it."""
-        if not self.experts:
-            return
-        xp = array_module(self.experts[0].data)
-        grads = [xp.zeros(p.shape, p.dtype) if p.grad is None else p.grad for p in self.experts]
-        used = np.array([p.grad is not None for p in self.experts], np.float64)
-        flat = all_reduce(self.expert_dp_comm, xp.concatenate([g.reshape(-1) for g in grads]), op="sum")
-        used = all_reduce(self.expert_dp_comm, used, op="sum")
-        at = 0
-        for p, u in zip(self.experts, used):
-            part = flat[at:at + p.size].reshape(p.shape) / self.comm.size
-            at += p.size
-            p.grad = part if u else None
+        by dp (see the module's docstring)."""
+        reduce_expert_gradients(self.experts, self.expert_dp_comm, self.comm.size)
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the global gradient; returns it."""
@@ -84,3 +73,20 @@ class ExpertDataParallel:
         if self.ep_comm.rank == 0:
             counted += [p.grad for p in self.dense if p.grad is not None]
         return clip_sharded_grad_norm_(self.model.parameters(), max_norm, sum_of_squares(counted), [self.ep_comm])
+
+
+def reduce_expert_gradients(experts, expert_dp_comm, dp):
+    """Each expert parameter's gradient summed over ``expert_dp_comm`` and divided by ``dp`` (the data-parallel
+    ranks, ep times expert_dp_comm's size); one flag per parameter says whether any rank used it (else grad None)."""
+    if not experts:
+        return
+    xp = array_module(experts[0].data)
+    grads = [xp.zeros(p.shape, p.dtype) if p.grad is None else p.grad for p in experts]
+    used = np.array([p.grad is not None for p in experts], np.float64)
+    flat = all_reduce(expert_dp_comm, xp.concatenate([g.reshape(-1) for g in grads]), op="sum")
+    used = all_reduce(expert_dp_comm, used, op="sum")
+    at = 0
+    for p, u in zip(experts, used):
+        part = flat[at:at + p.size].reshape(p.shape) / dp
+        at += p.size
+        p.grad = part if u else None

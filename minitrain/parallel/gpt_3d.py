@@ -28,7 +28,8 @@ Nothing new is computed here: the pieces already exist and only meet.
 
 * zero=1|2|3: ZeRO over the dp communicator (zero_3d.py) instead of the all-reduce: the optimizer
   state (1), the gradients (2) and the parameters (3) of each stage sharded over its dp replicas;
-  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps.
+  optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps. With MoE layers its
+  optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
@@ -43,6 +44,9 @@ groups in the global batch, so G must be a multiple of dp·m and each micro-batc
 routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
 and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
 plus the balancing losses, as the GPT's, and moe_statistics the step's figures from every stage.
+With ep > 1 (expert_parallel_3d.py) each MoE layer's experts are sharded over blocks of ep dp replicas of
+the stage and tp coordinate (all-to-all dispatch); the experts' gradients are reduced over the replicas
+that hold the same ones, the dense ones over dp as before.
 """
 import math
 
@@ -50,7 +54,7 @@ import numpy as np
 
 from ..autograd import Tensor
 from ..backend import array_module
-from ..comm import DeviceMesh, all_reduce
+from ..comm import DeviceMesh, all_reduce, broadcast
 from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
@@ -58,6 +62,8 @@ from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
+from .expert_data_parallel import reduce_expert_gradients
+from .expert_parallel_3d import ExpertZero, clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
 
 
@@ -99,7 +105,7 @@ class GPT3D:
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
 
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
-                 sequence_parallel=False, zero=0, cp=1, cp_method="ring"):
+                 sequence_parallel=False, zero=0, cp=1, cp_method="ring", ep=1):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
         self.cp, self.cp_method = cp, cp_method
@@ -119,6 +125,12 @@ class GPT3D:
                              f"{dp} x {num_microbatches}: each micro-batch routes whole capacity groups")
         self.model = tensor_parallelize(gpt, self.mesh.comm("tp"), sequence_parallel=sequence_parallel)
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
+        self.ep, self.ep_comm, self.expert_dp_comm, self.experts = ep, None, None, []
+        if ep > 1:                                                  # expert_parallel_3d.py
+            if cp > 1:
+                raise ValueError(f"[rank {comm.rank}] ep = {ep} with cp = {cp}: not supported yet (experts are sharded "
+                                 f"over dp x pp x tp only)")
+            self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
@@ -128,7 +140,11 @@ class GPT3D:
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
                                      chunks=chunks, dp_comm=self.mesh.comm("dp_cp"),
-                                     find_unused_parameters=bool(self.moe_layers))   # an idle expert: no grad
+                                     find_unused_parameters=bool(self.moe_layers),   # an idle expert: no grad
+                                     dp_excluded=self.experts)
+        if self.expert_dp_comm is not None and self.expert_dp_comm.size > 1:
+            for q in self.local_experts:                           # the expert data-parallel replicas start equal
+                broadcast(self.expert_dp_comm, q.data, root=0)
         self.zero = self._shard_over_dp(zero, schedule)
 
     def _shard_over_dp(self, stage, schedule):
@@ -140,7 +156,13 @@ class GPT3D:
         if schedule == "pipedream_2bw":
             raise ValueError("ZeRO with pipedream_2bw: the stashed weights W(t-1) would be a second, unsharded copy")
         self.pipe.all_reduce_dp_gradients = False
-        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage)       # over the replicas it reduced over (dp x cp)
+        if self.ep > 1:                      # the experts' own ZeRO over the ranks that hold the same ones
+            experts = self.local_experts
+            return ExpertZero(Zero3D(self.pipe.dp_parameters(), self.pipe.dp_comm, stage),
+                              Zero3D(experts, self.expert_dp_comm, stage, per_parameter=True) if experts else None,
+                              self.ep)
+        return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage,       # over the replicas it reduced over (dp x cp)
+                      per_parameter=bool(self.moe_layers))                 # an expert no token chose: grad None
 
     def optimizer(self, optimizer_class, **defaults):
         """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
@@ -176,14 +198,26 @@ class GPT3D:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
+        if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
+            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp)
         if self.zero is not None:
-            self.zero.reduce_gradients()                          # the dp x cp mean, each rank its shard
+            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
             self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
             loss += self.moe_statistics[2]
         return loss
+
+    def _unused_experts(self):
+        """ids of this rank's expert parameters that no token of the global batch chose this step (the loads
+        summed over pp and dp): one process leaves their grad None, and AdamW skips them."""
+        loads = np.stack([layer.step_row()[:-2] for layer in self.moe_layers]).reshape(-1)
+        loads = all_reduce(self.mesh.comm("dp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
+        loads = loads.reshape(len(self.moe_layers), -1)
+        first = [getattr(layer, "first_expert", 0) for layer in self.moe_layers]     # ep > 1: its own experts
+        return {id(q) for layer, row, f in zip(self.moe_layers, loads, first) for l, expert in enumerate(layer.experts)
+                if row[f + l] == 0 for q in expert.parameters()}
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
@@ -192,7 +226,16 @@ class GPT3D:
             replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
             return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
                                              uncounted=replicas if self.mesh.coordinate("tp") else ())
+        if self.ep > 1 and self.zero is None:
+            return ep_clip_grad_norm_(self.model, self.parameters(), self.local_experts, max_norm,
+                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm)
         return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
+
+    @property
+    def local_experts(self):
+        """With ep > 1: the expert parameters of this rank's stage (empty otherwise)."""
+        local = {id(q) for q in self.pipe.parameters()}
+        return [q for q in self.experts if id(q) in local]
 
     def full_state_dict(self):
         """name -> full array under the GPT's names (collectives over pp, then tp, on every rank)."""
@@ -202,13 +245,18 @@ class GPT3D:
         if self.zero is not None:
             self.zero.release_parameters()
         shards = {id(q): by_layer_name[name] for name, q in self.layers.named_parameters()}
-        return self.model.full_state_dict(shards)
+        state = self.model.full_state_dict(shards)
+        return gather_experts(state, self.ep_comm, self.model.config.moe_experts) if self.ep > 1 else state
 
     def sharded_parameters(self):
         """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
         each as its tensor-parallel slice (c_attn's rows are three blocks, q, k and v, each cut by heads;
         the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
-        slices; the checkpoint writes those once."""
+        slices; the checkpoint writes those once. With ep > 1 each expert is whole under its global name
+        (h.i.mlp.experts.e.*) on the ranks that hold it."""
+        if isinstance(self.zero, ExpertZero):
+            raise ValueError("a checkpoint of ep > 1 with ZeRO: the experts' and the dense parameters' ZeRO are two "
+                             "optimizers (not supported yet)")
         t, r = self.tp, self.mesh.coordinate("tp")
         vocab = self.model.config.vocab_size
         local = {id(q) for q in self.pipe.parameters()}

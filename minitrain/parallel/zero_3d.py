@@ -21,6 +21,11 @@ update is elementwise, so it is the single process's update restricted to the sh
   block instead of one). Between steps a rank holds Ψ/dp of everything; the peak adds the stage's
   full parameters and gradients.
 
+Experts (per_parameter, GPT3D with MoE layers): the optimizer steps each parameter's run of the shard as
+a parameter of its own, and an expert that no token of the global batch chose keeps grad None: AdamW
+skips it (no weight decay, no moment or step count update) as one process does, though the flat
+buffer holds a zero gradient for it.
+
 Clipping: each rank sums the squares of its gradient shard (a tensor-parallel replica, a LayerNorm,
 counted on tp rank 0 only) and the sums are added over dp, tp and pp (clip.py). Bytes per step:
 reduce-scatter + all-gather = 2(dp-1)/dp·Ψ_stage·b, as the all-reduce they replace.
@@ -39,7 +44,7 @@ class Zero3D:
     ``param_groups``, state dicts). The model calls ``begin_step()`` before its forward passes and
     ``reduce_gradients()`` after its last backward; ``clip_grad_norm_`` clips the sharded gradient."""
 
-    def __init__(self, params, comm, stage):
+    def __init__(self, params, comm, stage, per_parameter=False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.comm, self.stage = comm, stage
@@ -60,9 +65,19 @@ class Zero3D:
             # the reduce-scatter lands here: a communication buffer (the flat buffer counts as grads)
             memory.tracker().add("comm_buffers", ("grads", id(memory.owner(self.shard_grad))), self.shard_grad.nbytes)
         self.inner = None
+        # per_parameter (experts): the optimizer steps each parameter's run of the shard as a parameter of its
+        # own, so an expert no token chose keeps grad None and its own state, as in one process
+        self.pieces = self._pieces() if per_parameter else None
+        self.piece_params = [Parameter(self.shard.data[a:b]) for _, a, b in self.pieces or ()]
+
+    def _pieces(self):
+        """(parameter, a, b): the run [a, b) of the shard that each parameter the shard cuts holds."""
+        s0, s1 = self.flat.shard_range
+        runs = [(q, max(lo, s0) - s0, min(hi, s1) - s0) for q in self.flat.params for lo, hi in [self.flat.offsets[id(q)]]]
+        return [(q, a, b) for q, a, b in runs if a < b]
 
     def optimizer(self, optimizer_class, **defaults):
-        self.inner = optimizer_class([self.shard], **defaults)
+        self.inner = optimizer_class(self.piece_params if self.pieces is not None else [self.shard], **defaults)
         self.param_groups = self.inner.param_groups
         return self
 
@@ -97,16 +112,22 @@ class Zero3D:
         if any(q.grad is None for q in self.flat.params):
             self._point_grads_at_flat()
 
-    def reduce_gradients(self):
+    def reduce_gradients(self, unused=(), scale=1.0):
         """After the last backward: the flat gradient reduce-scattered (mean over dp) into the shard's
-        gradient. Stages 2 and 3 then drop the full gradient, stage 3 the full parameters."""
+        gradient. Stages 2 and 3 then drop the full gradient, stage 3 the full parameters. With
+        per_parameter, the parameters in ``unused`` (ids: no replica used them) get no gradient. ``scale``
+        multiplies the mean (experts over their expert data-parallel group: 1/ep)."""
         out = self.shard_grad if self.stage == 1 else self.xp.zeros(self.flat.shard_size, self.flat.dtype)
         with trace.span("reduce-scatter gradients", kind="comm"):
             ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=out)
+        if scale != 1.0:
+            out *= scale
         if self.stage == 1 or self.shard.grad is None:
             self.shard.grad = out
         else:                                            # a second step's gradients before zero_grad
             self.shard.grad += out
+        for (q, a, b), piece in zip(self.pieces or (), self.piece_params):
+            piece.grad = None if id(q) in unused else self.shard.grad[a:b]
         if self.stage >= 2:
             for q in self.flat.params:
                 q.grad = None
@@ -115,6 +136,8 @@ class Zero3D:
 
     def zero_grad(self):
         self.shard.grad = None
+        for piece in self.piece_params:
+            piece.grad = None
         if self.stage == 1:
             self.flat_grad[...] = 0                      # the views stay: backward adds into them
             self._point_grads_at_flat()
@@ -122,13 +145,17 @@ class Zero3D:
     def clip_grad_norm_(self, max_norm, groups, uncounted=()):
         """Clip by the norm of the whole model's gradient: the squares of this rank's shard, less the
         parameters in ``uncounted`` (ids: replicas counted on another rank), summed over dp then ``groups``."""
+        return clip_sharded_grad_norm_([self.shard], max_norm, self.local_square(uncounted), [self.comm, *groups])
+
+    def local_square(self, uncounted=()):
+        """The sum of the squares of this rank's gradient shard, less the parameters in ``uncounted``."""
         s0, s1 = self.flat.shard_range
         pieces = []
         for q in self.flat.params:
             lo, hi = self.flat.offsets[id(q)]
             if id(q) not in uncounted and max(lo, s0) < min(hi, s1):
                 pieces.append(self.shard.grad[max(lo, s0) - s0:min(hi, s1) - s0])
-        return clip_sharded_grad_norm_([self.shard], max_norm, sum_of_squares(pieces), [self.comm, *groups])
+        return sum_of_squares(pieces)
 
     # ---- the optimizer's interface
     def step(self):
@@ -163,10 +190,17 @@ class Zero3D:
         return out
 
     def _placements(self, placements):
-        """Stage 3 placed the shard itself (the model's sharded_parameters); else cut the parameters'."""
-        if id(self.shard) in placements:
-            return {id(self.shard): placements[id(self.shard)]}
-        return {id(self.shard): self.shard_placements(placements)}
+        """Stage 3 placed the shard itself (the model's sharded_parameters); else cut the parameters'.
+        With per_parameter each box goes to the piece that holds it (a box lies in one parameter)."""
+        shard = placements[id(self.shard)] if id(self.shard) in placements else self.shard_placements(placements)
+        if self.pieces is None:
+            return {id(self.shard): shard}
+        out = {id(piece): [] for piece in self.piece_params}
+        for name, box in shard:
+            for (_, a, b), piece in zip(self.pieces, self.piece_params):
+                if a <= box.start < b:
+                    out[id(piece)].append((name, box._replace(start=box.start - a)))
+        return out
 
     def sharded_state_dict(self, placements):
         return self.inner.sharded_state_dict(self._placements(placements))
@@ -179,6 +213,7 @@ class Zero3D:
         """Model states per rank by this layout: {'params', 'grads', 'optimizer_state'} in bytes between
         steps (``optimizer_states`` arrays the size of the shard: AdamW's two moments)."""
         b, whole, shard = self.shard.data.itemsize, self.flat.padded, self.flat.shard_size
+        stepped = shard if self.pieces is None else sum(b_ - a for _, a, b_ in self.pieces)   # no padding
         return {"params": b * (shard if self.stage == 3 else whole),
                 "grads": b * (whole if self.stage == 1 else shard),
-                "optimizer_state": b * shard * optimizer_states}
+                "optimizer_state": b * stepped * optimizer_states}

@@ -60,7 +60,7 @@ class _Step:
 
 class PipelineParallel:
     def __init__(self, model, comm, schedule="1f1b", num_microbatches=None, chunks=None, split_points=None,
-                 dp_comm=None, layer_costs=None, find_unused_parameters=False):
+                 dp_comm=None, layer_costs=None, find_unused_parameters=False, dp_excluded=()):
         if not isinstance(model, Sequential):
             raise TypeError("PipelineParallel cuts an nn.Sequential into stages")
         if num_microbatches is None or num_microbatches < 1:
@@ -68,6 +68,8 @@ class PipelineParallel:
         self.comm, self.dp_comm = comm, dp_comm
         self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
         self.find_unused_parameters = find_unused_parameters
+        # parameters whose replicas are not dp's (expert parallelism's experts): neither broadcast nor averaged here
+        self.dp_excluded = {id(q) for q in dp_excluded}
         self.p, self.rank, self.m = comm.size, comm.rank, num_microbatches
         self.v = default_chunks(schedule, chunks)
         self.schedule_name = schedule
@@ -114,7 +116,7 @@ class PipelineParallel:
             if id(q) not in local:
                 q.data = xp.broadcast_to(xp.zeros((), q.dtype), q.shape)
         if dp_comm is not None and dp_comm.size > 1:
-            for q in self.parameters():         # data-parallel replicas start equal
+            for q in self.dp_parameters():      # data-parallel replicas start equal
                 broadcast(dp_comm, q.data, root=0)
         self._stash = None                     # pipedream_2bw: the weight version W(t-1)
         self._shapes = {}                      # (batch shape, mb, virtual, direction) -> (dtype code, shape)
@@ -128,6 +130,10 @@ class PipelineParallel:
     # ---- the model's interface
     def parameters(self):
         return [q for c in sorted(self.stages) for q in self.stages[c].parameters()]
+
+    def dp_parameters(self):
+        """This rank's parameters that the dp replicas hold alike (all but dp_excluded)."""
+        return [q for q in self.parameters() if id(q) not in self.dp_excluded]
 
     def named_parameters(self):
         return [(self.names[id(q)], q) for q in self.parameters()]
@@ -295,7 +301,7 @@ class PipelineParallel:
     def _all_reduce_gradients(self):
         """2D (dp x pp): the gradients averaged over the data-parallel replicas."""
         if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
-            params = self.parameters()
+            params = self.dp_parameters()
             if self.find_unused_parameters:       # every replica must reduce the same list
                 used = all_reduce(self.dp_comm, np.array([q.grad is not None for q in params], np.float64))
                 params = [q for q, n in zip(params, used) if n > 0]
