@@ -118,7 +118,7 @@ def add_gpt(p):
                       help="each expert's hidden width (default: --ffn-hidden)")
     axes.add_argument("--moe-shared", type=cli.nonneg_int, default=0, help="shared experts every token goes through")
     axes.add_argument("--model", choices=sorted(NAMED), default=None,
-                      help="a named configuration's sizes (plan/configs.py); options given beside it win")
+                      help="a named configuration's sizes (plan/configs.py); options given beside it win (default: none, the sizes given)")
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
                  "--lr-schedule", "--warmup-steps"):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)

@@ -1,4 +1,4 @@
-"""Named model configurations for ``plan gpt --model NAME`` (their sizes as the planner's options).
+"""Named model configurations for "python -m minitrain.plan gpt --model NAME" (their sizes as the planner's options).
 
 minitrain's GPT is nanoGPT's: learned positions, LayerNorm, multi-head attention, a GELU MLP of two
 matrices. What these models do otherwise is not modelled, and said so: grouped-query attention
