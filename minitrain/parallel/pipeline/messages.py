@@ -10,9 +10,11 @@ hand the array over without a message. Every send is non-blocking; its buffer is
 end of the step (wait_for_sends).
 
 Waiting: a pipeline's receive is idle time in the schedule, and what it costs is how late the
-waiter wakes after the message is there. The communicator's default (sched_yield for 10 ms)
-hands a shared core to another process for a whole time slice; sleeping at once, 0.2 ms at most,
-wakes within ~0.2 ms for a few percent of a core (scripts/bench_pipeline.py --poll compares).
+waiter runs again after the message is there. The communicator's default (sched_yield for 10 ms,
+then sleeps of up to 1 ms) burns the core while it yields and wakes up to 1 ms late after; sleeping
+at once, 0.2 ms at most, woke 0.19-0.23 ms after the send for 7-11% of the core while waiting
+(the default: 0.18 ms after a 3 ms wait, 0.67 ms after a 15 ms one, for 38-100% of the core;
+2 ranks on 2 shared cores). The pipeline's own neighbour needs that core more than the poll.
 """
 import numpy as np
 
