@@ -1,7 +1,8 @@
 """The pipeline's messages: the simulator charges a message between stages (and nothing when a
 rank hands over to itself, or when the cost is 0), the measured cost of a message is read off the
 stamps, each receive is posted one ahead and lands in its own action (losses equal one process),
-and a pipeline receive waits by sleeping, never by sched_yield."""
+what is in flight is tested around each compute, and a pipeline receive waits by sleeping,
+never by sched_yield."""
 import threading
 import time
 
@@ -15,7 +16,7 @@ from minitrain.comm import communicator as communicator_module
 from minitrain.nn import functional as F
 from minitrain.parallel.pipeline import PipelineParallel, get_schedule, simulate
 from minitrain.parallel.pipeline.measure import message_cost
-from minitrain.parallel.pipeline.messages import POLL
+from minitrain.parallel.pipeline.messages import POLL, StageMessages
 from minitrain.parallel.pipeline.schedules import NAMES
 from test_pipeline import assert_equal_to_reference, batches, make_model, reference_run
 
@@ -94,6 +95,38 @@ def test_each_receive_is_posted_one_ahead_and_lands_in_its_own_action(schedule, 
         assert len(later) == 2 * len(seen) // 3
         assert all(ahead for ahead, _ in later)
         assert max(n for _, n in later) == 2 and later[-1][1] == 1        # this one and the next one
+
+
+class _Request:
+    def __init__(self, done):
+        self.done, self.tests = done, 0
+
+    def test(self):
+        self.tests += 1
+        return self.done
+
+
+def test_progress_tests_the_receives_posted_ahead_and_the_sends_still_moving():
+    messages = StageMessages(ThreadWorld(1).comms[0], 2, 1)
+    early, late, sent, moving = _Request(False), _Request(True), _Request(True), _Request(False)
+    messages.posted = {"a": (early, None), "b": (late, None)}
+    messages.moving = [sent, moving]
+    messages.progress()
+    assert [r.tests for r in (early, late, sent, moving)] == [1, 1, 1, 1]
+    assert messages.moving == [moving] and len(messages.posted) == 2     # a receive stays until its action
+
+
+def test_what_is_in_flight_is_moved_on_before_and_after_each_compute():
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        pipe = PipelineParallel(make_model(), comm, "1f1b", 4)
+        calls, progress = [], pipe.messages.progress
+        pipe.messages.progress = lambda: (calls.append(1), progress())
+        for x, y in batches(2):
+            pipe.train_step(x, y, F.cross_entropy)
+        return len(calls), len(pipe.actions), pipe.messages.moving
+    for calls, actions, moving in ThreadWorld(2).run(fn):
+        assert calls == 2 * 2 * actions and len(moving) <= 1          # the last send, after the last compute
 
 
 # ---------------------------------------------------------------- how a receive waits

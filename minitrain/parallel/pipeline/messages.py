@@ -4,10 +4,10 @@ Tags name (micro-batch, receiving virtual stage, direction), so the order in whi
 does not matter. A message is a small header (dtype, shape) then the array; the header is skipped
 once the shapes of a batch shape are known (both ends see the same batch). Once they are, the
 receive of a rank's next receiving action is posted (irecv) while the current one is still
-awaited and the action before it computes: the message lands in its buffer as soon as it arrives
-instead of when the action gets to it. Two virtual stages on one rank (the bottom of zbv's V)
-hand the array over without a message. Every send is non-blocking; its buffer is kept until the
-end of the step (wait_for_sends).
+awaited, and progress() (called around each compute) tests what is in flight: a large message
+moves only while one of its ends is inside MPI, so without it the copy waited for the receive to
+start. Two virtual stages on one rank (the bottom of zbv's V) hand the array over without a
+message. Every send is non-blocking; its buffer is kept until the end of the step.
 
 Waiting: a pipeline's receive is idle time in the schedule, and what it costs is how late the
 waiter runs again after the message is there. The communicator's default (sched_yield for 10 ms,
@@ -36,13 +36,14 @@ class StageMessages:
         self.comm, self.p, self.v, self.rank, self.poll = comm, p, v, comm.rank, poll
         self.shapes = {}                   # (batch key, mb, virtual, backward) -> (dtype code, shape)
         self.sends, self.handoff, self.posted, self.batch_key = [], {}, {}, None
+        self.moving = []                   # sends not yet seen complete (progress tests them)
 
     def tag(self, mb, virtual, backward, part):
         """Unique within a step: the micro-batch, the *receiving* virtual stage, the direction, header/array."""
         return 4 * (mb * self.p * self.v + virtual) + 2 * int(backward) + part
 
     def begin(self, batch_key):
-        self.sends, self.handoff, self.posted, self.batch_key = [], {}, {}, batch_key
+        self.sends, self.handoff, self.posted, self.batch_key, self.moving = [], {}, {}, batch_key, []
 
     def send(self, array, dest, mb, virtual, backward):
         if dest == self.rank:              # the next virtual stage is this rank's other chunk
@@ -57,6 +58,17 @@ class StageMessages:
             self.shapes[key] = (int(header[0]), array.shape)
             self.sends.append((self.comm.isend(header, dest, self.tag(mb, virtual, backward, 0)), header))
         self.sends.append((self.comm.isend(array, dest, self.tag(mb, virtual, backward, 1)), array))
+        self.moving.append(self.sends[-1][0])
+
+    def progress(self):
+        """Test the receives posted ahead and the sends still moving (a failure is left for the
+        wait that owns the request to report)."""
+        try:
+            for request, _ in self.posted.values():
+                request.test()
+            self.moving = [request for request in self.moving if not request.test()]
+        except Exception:
+            pass
 
     def post(self, source, mb, virtual, backward, xp):
         """Post the receive now if its shape is known (else recv will, after the header)."""

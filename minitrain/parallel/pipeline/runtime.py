@@ -182,13 +182,16 @@ class PipelineParallel:
         """This rank's actions in the schedule's order: receive the input (from the neighbour stage
         that sends one), compute it (F, B or W), send the result on (to the stage that waits for it).
         The first receive from another rank is posted at once, each next one when the one before
-        it is awaited: while an action computes, the next message can already land."""
+        it is awaited, and the messages in flight are moved on before and after each compute: while
+        an action computes, the next message can already land."""
         self._ahead = iter(self._receives[1:])
         if self._receives:
             self._post(self.actions[self._receives[0]])
         for action in self.actions:
             received = receive(action) if action.recv_from is not None else None
+            self.messages.progress()
             result = compute(action, received)
+            self.messages.progress()
             if action.send_to is not None:
                 send(action, result)
 
