@@ -188,12 +188,16 @@ class PipelineParallel:
         if self._receives:
             self._post(self.actions[self._receives[0]])
         for action in self.actions:
-            received = receive(action) if action.recv_from is not None else None
-            self.messages.progress()
+            received = None
+            if action.recv_from is not None:
+                received = receive(action)
+            else:
+                self.messages.progress()
             result = compute(action, received)
-            self.messages.progress()
             if action.send_to is not None:
                 send(action, result)
+            else:
+                self.messages.progress()
 
     def _message(self, action):
         """(peer, micro-batch, receiving virtual stage, backward?) of an action's input."""
@@ -207,7 +211,9 @@ class PipelineParallel:
             following = next(self._ahead, None)
             if following is not None:
                 self._post(self.actions[following])
-        return self.messages.recv(*self._message(action), self._step.xp)
+        received = self.messages.recv(*self._message(action), self._step.xp)
+        self.messages.progress()                # (timed with the receive: it moves messages)
+        return received
 
     def _compute(self, action, received):
         if action.kind == "F":
@@ -217,6 +223,7 @@ class PipelineParallel:
         return self._weight(action)
 
     def _send_result(self, action, data):
+        self.messages.progress()
         virtual = virtual_stage(action, self.rank, self.p) + (1 if action.kind == "F" else -1)
         self.messages.send(data, action.send_to, action.microbatch, virtual, action.kind == "B")
 
