@@ -2,7 +2,14 @@
 
     python scripts/bench_pipeline.py [--ranks 2 4] [--steps 6] [--repeat 1] [--wait-quiet 0.1] [--width 1024]
         [--microbatches 4 8 16] [--schedules gpipe 1f1b interleaved_1f1b zb_h1 zbv] [--plot bubbles.png]
-        [--json out.json]
+        [--json out.json] [--job [--epochs 3]]
+
+--job runs the issue's job instead, p = 2: `mpiexec -n 2 python -m minitrain.examples.mlp --strategy
+pipeline --hidden W --layers 5 (zbv: 9) --batch-size 256 --epochs 3 --schedule S --microbatches M
+[--chunks 2] --json ...`, --repeat times each, interleaved, and reports the run of median bubble.
+Both modes end with the targets: measured within 0.03 of the simulation (each stage's measured F,
+B, W and the measured cost of a message), within 0.05 of the formula for GPipe and 1F1B (every m)
+and interleaved (m = 8), ZB-H1 below 1F1B and ZB-V below interleaved at each m.
 
 Model: a thin stem Linear(64, W) + ReLU, then 8 x (Linear(W, W) + ReLU), W = 1024 by default, global
 batch 512, float32, one BLAS thread per rank. The stem costs 1/16 of a block, and because it has
@@ -161,6 +168,52 @@ def launch(p, args):
                             *args.microbatches, "--schedules", *args.schedules])
 
 
+def run_job(args):
+    """The issue's job per schedule and m, --repeat times (round-robin): its JSON's "pipeline"."""
+    import sys
+    import tempfile
+    from minitrain.testing import run_mpi
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _, name, m in ((r, n, m) for r in range(args.repeat) for n in args.schedules for m in args.microbatches):
+            if name == "interleaved_1f1b" and m % 2:
+                continue
+            out = os.path.join(tmp, "job.json")
+            run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--hidden", args.width,
+                     "--layers", 9 if name == "zbv" else 5, "--batch-size", 256, "--epochs", args.epochs, "--schedule",
+                     name, "--microbatches", m, *(["--chunks", 2] if name in CHUNKS else []), "--no-progress",
+                     "--json", out], n=2, timeout=1800)
+            with open(out) as f:
+                runs.setdefault(f"{name}/m{m}", []).append({"m": m, **json.load(f)["pipeline"]})
+    results = {}
+    for key, rows in runs.items():
+        rows.sort(key=lambda row: row["measured_bubble_fraction"])
+        results[key] = {**rows[len(rows) // 2], "repeats": [row["measured_bubble_fraction"] for row in rows]}
+    return results
+
+
+def targets(results):
+    """The issue's targets, one line per schedule and m; returns the number missed."""
+    missed = 0
+    print(f"  targets: {'schedule':<17} {'m':>3} {'measured':>8} {'simulated':>9} {'diff':>7} {'formula':>7} {'diff':>7}  "
+          f"{'message':>8}  verdict")
+    for key, row in results.items():
+        name, m = key.split("/")[0], row["m"]
+        measured, simulated, formula = (row[k] for k in ("measured_bubble_fraction", "simulated_bubble_fraction",
+                                                         "formula_bubble_fraction"))
+        checks = [("sim", abs(measured - simulated) <= 0.03)]
+        if name in ("gpipe", "1f1b") or (name == "interleaved_1f1b" and m == 8):
+            checks.append(("formula", abs(measured - formula) <= 0.05))
+        below = {"zb_h1": "1f1b", "zbv": "interleaved_1f1b"}.get(name)
+        if f"{below}/m{m}" in results:
+            checks.append((f"< {below}", measured < results[f"{below}/m{m}"]["measured_bubble_fraction"]))
+        missed += sum(not ok for _, ok in checks)
+        print(f"  targets: {name:<17} {m:>3} {measured:>8.3f} {simulated:>9.3f} {measured - simulated:>+7.3f} "
+              f"{formula:>7.3f} {measured - formula:>+7.3f}  {row['message_cost_s'] * 1e3:>6.2f}ms  "
+              + ", ".join(f"{label} {'ok' if ok else 'MISSED'}" for label, ok in checks))
+    return missed
+
+
 def plot(all_results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -200,10 +253,21 @@ def main():
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES, help="the schedules to run")
     ap.add_argument("--plot", metavar="PNG", help="draw the bubbles beside the formula (default: no plot)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--job", action="store_true", help="run the issue's mlp pipeline job (p = 2) instead of the model here")
+    ap.add_argument("--epochs", type=int, default=3, help="--job: the job's epochs")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    if args.job:
+        results = run_job(args)
+        print(f"the mlp job at p = 2, hidden {args.width}, batch 256, {args.epochs} epochs; the run of median "
+              f"bubble of {args.repeat}")
+        targets(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"2": results}, f, indent=1)
+        return None
     all_results = {}
     for p in args.ranks:
         results = launch(p, args)
@@ -227,6 +291,7 @@ def main():
                   f"{measured:>7.3f} {low:>6.3f}-{high:<6.3f} {row['formula_bubble_fraction']:>8.3f} "
                   f"{measured - row['formula_bubble_fraction']:>+7.3f} {min(runs):>+7.3f}..{max(runs):<+6.3f} "
                   f"{simulated:>9.3f} {measured - simulated:>+7.3f} {row['others_cpu_share']:>6.0%}  {causes}")
+        targets(results)
     if args.plot:
         plot(all_results, args.plot)
         print(f"plot: {args.plot}")

@@ -60,6 +60,25 @@ def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
     gpipe, one = results["gpipe/m4"]["peak_activation_bytes_per_rank"], results["1f1b/m4"]["peak_activation_bytes_per_rank"]
     assert gpipe[0] > one[0] and gpipe[1] > 3 * one[1]          # GPipe holds all 4; 1F1B 2 on stage 0, 1 on the last
     assert [results[k]["peak_in_flight_microbatches"] for k in ("gpipe/m4", "1f1b/m4", "zb_h1/m4")] == [4, 2, 2]
+    assert printed.count("  targets: ") == 1 + 5 and "< 1f1b" in printed and "< interleaved_1f1b" in printed
+    assert all(r["message_cost_s"] >= 0 for r in results.values())
+
+
+def test_bench_pipeline_runs_the_issues_job_and_prints_its_targets(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "job.json"
+    monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--job", "--width", "32", "--epochs", "1", "--microbatches",
+                                      "4", "--schedules", "1f1b", "zb_h1", "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_pipeline.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    lines = [line.split() for line in printed.splitlines() if line.startswith("  targets: ") and "verdict" not in line]
+    assert [line[1:3] for line in lines] == [["1f1b", "4"], ["zb_h1", "4"]]
+    assert "formula" in printed and "< 1f1b" in printed
+    import json
+    results = json.loads(out.read_text())["2"]
+    for r in results.values():
+        assert r["simulated_bubble_fraction"] >= r["simulated_bubble_fraction_free_messages"] - 1e-12
+        assert sum(r["residual_by_cause"].values()) == pytest.approx(
+            r["measured_bubble_fraction"] - r["formula_bubble_fraction"], abs=1e-9)
 
 
 def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp_path):

@@ -125,16 +125,17 @@ class Communicator(Launcher):
         self.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
         return recvbuf
 
-    def wait_all(self, requests, what="wait"):
-        """Poll until every request completes; past ``comm_timeout`` the guard looks, past ``timeout`` this raises."""
+    def wait_all(self, requests, what="wait", poll=None):
+        """Poll until all complete (poll: yield s, longest sleep s); past comm_timeout the guard looks, past timeout: raise."""
         pending, marked, failed, cpu, stalled = requests, None, True, None, False
+        window, longest = poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
         try:
             pending = [r for r in pending if not self._test(r, what)]
             if pending:
                 start, cpu, sleep = time.monotonic(), time.thread_time(), 0.0
             while pending:
                 elapsed = time.monotonic() - start
-                if elapsed < YIELD_WINDOW_S:
+                if elapsed < window:
                     os.sched_yield()
                 else:
                     marked = self.guard.waiting(self, pending, start) if marked is None else marked
@@ -145,7 +146,7 @@ class Communicator(Launcher):
                     if elapsed > self.comm_timeout and not stalled:
                         stalled = True
                         self.guard.stalled(self, pending, what, elapsed, hard=False)
-                    sleep = min(max(2 * sleep, 5e-5), MAX_SLEEP_S)
+                    sleep = min(max(2 * sleep, 5e-5), longest)
                     self._idle(sleep)
                 pending = [r for r in pending if not self._test(r, what)]
             failed = False

@@ -17,9 +17,13 @@ the receive returning: the copy into the receive buffer and the waiter's wake-up
 (posting sends), python_overhead (between the spans: slicing micro-batches, wrapping tensors,
 bookkeeping), dp_all_reduce (2D only) and late_start (the rank entered the step after the
 first stage: still in the previous step's optimizer). residual_by_cause is measured minus
-formula, split: stage_imbalance (the schedule simulated with each stage's measured F, B, W,
-minus the formula), waiting_beyond_schedule (waiting minus that simulated bubble: neighbours
-delayed by their own overheads) and every overhead above. The causes add up to measured - formula.
+formula, split: stage_imbalance (the schedule simulated with each stage's measured F, B, W and
+free messages, minus the formula), message_latency (what the measured cost of a stage-to-stage
+message adds to that simulation), waiting_beyond_schedule (waiting minus the simulated bubble with
+messages: neighbours delayed by their own overheads) and every overhead above. The causes add up
+to measured - formula. The cost of a message (message_cost): the median, over the receives that
+were waiting when the neighbour finished computing, of the time from that end to the receive
+returning (posting the send, the copy, the waiter's wake-up).
 """
 import numpy as np
 
@@ -89,6 +93,17 @@ def stage_costs(rows, schedule, steps):
     return mean[:, 0], mean[:, 1], mean[:, 2]
 
 
+def message_cost(rows, schedule, steps):
+    """Seconds from a sender's compute ending to the waiting receiver having the message: the
+    median over the steps' messages whose receiver was already waiting (0 when none was)."""
+    slots = rows[:, steps, len(HEAD):].reshape(rows.shape[0], len(steps), -1, len(SLOT))
+    waited = []
+    for (r, i), (q, j) in senders(schedule).items():
+        ready, r0, r1 = slots[q, :, j, 1], slots[r, :, i, 2], slots[r, :, i, 3]
+        waited += (r1 - ready)[r0 <= ready].tolist()
+    return float(np.median(waited)) if waited else 0.0
+
+
 def _gather(pipe, records):
     """(ranks, steps, fields): every rank's records of the pipeline's steps."""
     from ...comm import ring_all_gather
@@ -112,14 +127,17 @@ def summarize(pipe, skip_first=True, last_only=False):
         steps = list(range(1, n_steps)) if skip_first and n_steps > 1 else list(range(n_steps))
     wall, bubble, causes = split_idle(rows, pipe.schedule, pipe.where[0][0])
     f, b, w = stage_costs(rows, pipe.schedule, steps)
-    simulated = simulate(pipe.schedule, f, b, w)
+    cost = message_cost(rows, pipe.schedule, steps)
+    free = simulate(pipe.schedule, f, b, w)
+    simulated = simulate(pipe.schedule, f, b, w, message_cost=cost)
     if pipe.schedule_name in SPLIT_BACKWARD:      # no closed form: the simulator at the mean F, B, W
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v, f.mean(), b.mean(), w.mean())
     else:
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v)
     per_step = bubble.mean(axis=0)
     mean_cause = {k: float(v[:, steps].mean()) for k, v in causes.items()}
-    residual = {"stage_imbalance": simulated["bubble_fraction"] - formula,
+    residual = {"stage_imbalance": free["bubble_fraction"] - formula,
+                "message_latency": simulated["bubble_fraction"] - free["bubble_fraction"],
                 "waiting_beyond_schedule": mean_cause.pop("waiting") - simulated["bubble_fraction"]}
     residual.update(mean_cause)
     return {"measured_bubble_fraction": float(per_step[steps].mean()),
@@ -129,6 +147,8 @@ def summarize(pipe, skip_first=True, last_only=False):
             "first_step_bubble_fraction": float(per_step[0]),
             "formula_bubble_fraction": float(formula),
             "simulated_bubble_fraction": float(simulated["bubble_fraction"]),
+            "simulated_bubble_fraction_free_messages": float(free["bubble_fraction"]),
+            "message_cost_s": cost,
             "residual_by_cause": {k: float(v) for k, v in residual.items()},
             "steps_measured": len(steps),
             "step_time_s": float(np.median(wall[steps])),

@@ -9,17 +9,14 @@ parameter ends with the gradient of the mean loss over the whole batch, as one p
 The step ends with an all-reduce of the loss: every rank leaves it together.
 
 Why it cannot deadlock: every send is non-blocking (isend; the buffers are kept until the end
-of the step) and every receive blocks until its message is there. A rank therefore only ever waits
-for a message that a dependency of its current action produces; the checker proved that the
-actions' dependency graph, in each stage's order, has no cycle. Tags name (micro-batch, receiving
-virtual stage, direction), so the order in which messages arrive does not matter. Two virtual
-stages on one rank (the bottom of zbv's V) hand the array over without a message.
+of the step), a receive posted ahead never blocks, and an action's receive blocks until its
+message is there. A rank therefore only ever waits for a message that a dependency of its current
+action produces; the checker proved that the actions' dependency graph, in each stage's order,
+has no cycle. The messages (tags, headers, receives posted ahead, how to wait): messages.py.
 
 Zero-bubble schedules (W actions): B runs out.backward(grad) inside
 autograd.defer_weight_grads(stage weights), which computes the input gradient only and queues
-the weight gradients; W runs the queue. Messages: a small header (dtype, shape) then the array;
-the header is skipped once the shapes of a batch shape are known (both ends see the same batch).
-With dp_comm the gradients are averaged over it once per step (2D: dp x pp); with
+the weight gradients; W runs the queue. With dp_comm the gradients are averaged over it once per step (2D: dp x pp); with
 find_unused_parameters (an expert no token of a replica chose) as DDP's: a parameter without a
 gradient on some replica counts as zeros there, one that no replica used keeps grad None.
 
@@ -32,20 +29,16 @@ import numpy as np
 
 from ... import backend, trace
 from ...autograd import Tensor, defer_weight_grads
-from ...backend import array_module, bfloat16, is_device_array
+from ...backend import array_module, is_device_array
 from ...comm import all_reduce, all_reduce_coalesced, broadcast
 from ...nn import Sequential
 from ...sharded import whole
 from . import measure
+from .messages import TAG_LIMIT, StageMessages
 from .partition import balanced_split_points, counted_costs, parameter_costs, stage_layout, stage_table
 from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
                         placement, virtual_stage)
 from .stamps import StepRecords
-
-_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
-    [np.dtype(bfloat16)] if bfloat16 is not None else [])
-_HEADER = 10                           # dtype code, ndim, up to 8 dimensions
-_TAG_LIMIT = 32768                     # tags at and above belong to the collectives
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
 
@@ -76,9 +69,9 @@ class PipelineParallel:
         self.schedule = get_schedule(schedule, self.p, num_microbatches, chunks=self.v)
         check_schedule(self.schedule)
         self.split_backward = schedule in SPLIT_BACKWARD
-        if 4 * num_microbatches * self.p * self.v > _TAG_LIMIT:
+        if 4 * num_microbatches * self.p * self.v > TAG_LIMIT:
             raise ValueError(f"{num_microbatches} micro-batches x {self.v} chunks need more message tags than "
-                             f"point-to-point calls have ({_TAG_LIMIT})")
+                             f"point-to-point calls have ({TAG_LIMIT})")
         self.actions = self.schedule[self.rank]
         self.where = placement(self.schedule)             # virtual stage -> (rank, chunk)
         self.loss_rank = self.where[-1][0]
@@ -119,7 +112,8 @@ class PipelineParallel:
             for q in self.dp_parameters():      # data-parallel replicas start equal
                 broadcast(dp_comm, q.data, root=0)
         self._stash = None                     # pipedream_2bw: the weight version W(t-1)
-        self._shapes = {}                      # (batch shape, mb, virtual, direction) -> (dtype code, shape)
+        self.messages = StageMessages(comm, self.p, self.v)
+        self._receives = [i for i, a in enumerate(self.actions) if a.recv_from not in (None, self.rank)]
         self.stamps = StepRecords(self.actions)   # the traced steps' timing (stamps.py)
 
     @property
@@ -153,35 +147,6 @@ class PipelineParallel:
             state[name] = broadcast(self.comm, array, root=root)
         return state
 
-    # ---- messages
-    def _tag(self, mb, virtual, backward, part):
-        """Tags name the micro-batch and the *receiving* virtual stage: unique within a step."""
-        return 4 * (mb * self.p * self.v + virtual) + 2 * int(backward) + part
-
-    def _send(self, array, dest, mb, virtual, backward):
-        if dest == self.rank:                  # the next virtual stage is this rank's other chunk
-            self._handoff[mb, virtual, backward] = array
-            return
-        array = array if array.flags.c_contiguous else array_module(array).ascontiguousarray(array)
-        key = (self._batch_key, mb, virtual, backward)
-        if key not in self._shapes:            # first time for this batch shape: say what comes
-            header = np.zeros(_HEADER, np.int64)
-            header[0], header[1] = _DTYPES.index(array.dtype), array.ndim
-            header[2:2 + array.ndim] = array.shape
-            self._shapes[key] = (int(header[0]), array.shape)
-            self._pending.append((self.comm.isend(header, dest, self._tag(mb, virtual, backward, 0)), header))
-        self._pending.append((self.comm.isend(array, dest, self._tag(mb, virtual, backward, 1)), array))
-
-    def _recv(self, source, mb, virtual, backward, xp):
-        if source == self.rank:
-            return self._handoff.pop((mb, virtual, backward))
-        key = (self._batch_key, mb, virtual, backward)
-        if key not in self._shapes:
-            header = self.comm.recv(np.zeros(_HEADER, np.int64), source, self._tag(mb, virtual, backward, 0))
-            self._shapes[key] = (int(header[0]), tuple(int(d) for d in header[2:2 + int(header[1])]))
-        code, shape = self._shapes[key]
-        return self.comm.recv(xp.empty(shape, _DTYPES[code]), source, self._tag(mb, virtual, backward, 1))
-
     # ---- one training step
     def train_step(self, x, y, loss_fn, global_rows=None):
         """Forward and backward of the global batch (x, y) as m micro-batches in the schedule's
@@ -202,13 +167,13 @@ class PipelineParallel:
         xp = array_module(params[0].data) if params else np
         if self.schedule_name == "pipedream_2bw":
             current = self._swap_in_stash()
-        self._pending, self._handoff, self._batch_key = [], {}, (tuple(np.shape(x)), tuple(np.shape(y)))
+        self.messages.begin((tuple(np.shape(x)), tuple(np.shape(y))))
         self._step = _Step(x, y, loss_fn, starts, weights, xp)
         tracer = trace.tracer()
         clock = self.stamps.clock(tracer)                   # this step's timing stamps (stamps.py)
         self._run_actions(clock.receive(self._receive), clock.compute(self._compute), clock.send(self._send_result))
         wait_for_sends, all_reduce_gradients, all_reduce_loss = clock.closing(
-            self._wait_for_sends, self._all_reduce_gradients, self._all_reduce_loss)
+            self.messages.wait_for_sends, self._all_reduce_gradients, self._all_reduce_loss)
         wait_for_sends()
         all_reduce_gradients()
         total = all_reduce_loss()
@@ -221,16 +186,40 @@ class PipelineParallel:
 
     def _run_actions(self, receive, compute, send):
         """This rank's actions in the schedule's order: receive the input (from the neighbour stage
-        that sends one), compute it (F, B or W), send the result on (to the stage that waits for it)."""
+        that sends one), compute it (F, B or W), send the result on (to the stage that waits for it).
+        The first receive from another rank is posted at once, each next one when the one before
+        it is awaited, and the messages in flight are moved on before and after each compute: while
+        an action computes, the next message can already land."""
+        self._ahead = iter(self._receives[1:])
+        if self._receives:
+            self._post(self.actions[self._receives[0]])
         for action in self.actions:
-            received = receive(action) if action.recv_from is not None else None
+            received = None
+            if action.recv_from is not None:
+                received = receive(action)
+            else:
+                self.messages.progress()
             result = compute(action, received)
             if action.send_to is not None:
                 send(action, result)
+            else:
+                self.messages.progress()
+
+    def _message(self, action):
+        """(peer, micro-batch, receiving virtual stage, backward?) of an action's input."""
+        return action.recv_from, action.microbatch, virtual_stage(action, self.rank, self.p), action.kind == "B"
+
+    def _post(self, action):
+        self.messages.post(*self._message(action), self._step.xp)
 
     def _receive(self, action):
-        return self._recv(action.recv_from, action.microbatch, virtual_stage(action, self.rank, self.p),
-                          action.kind == "B", self._step.xp)
+        if action.recv_from != self.rank:
+            following = next(self._ahead, None)
+            if following is not None:
+                self._post(self.actions[following])
+        received = self.messages.recv(*self._message(action), self._step.xp)
+        self.messages.progress()                # (timed with the receive: it moves messages)
+        return received
 
     def _compute(self, action, received):
         if action.kind == "F":
@@ -240,8 +229,9 @@ class PipelineParallel:
         return self._weight(action)
 
     def _send_result(self, action, data):
+        self.messages.progress()
         virtual = virtual_stage(action, self.rank, self.p) + (1 if action.kind == "F" else -1)
-        self._send(data, action.send_to, action.microbatch, virtual, action.kind == "B")
+        self.messages.send(data, action.send_to, action.microbatch, virtual, action.kind == "B")
 
     def _forward(self, action, received):
         """F: the stage's forward of one micro-batch (the last stage adds the loss, weighted by the
@@ -277,10 +267,6 @@ class PipelineParallel:
     def _weight(self, action):
         """W: the weight gradients B queued."""
         self._step.weight_grads.pop((action.microbatch, action.chunk)).run()
-
-    def _wait_for_sends(self):
-        self.comm.wait_all([r for r, _ in self._pending], "pipeline sends")
-        self._pending = []
 
     def _all_reduce_loss(self):
         """The mean loss on every rank (the last stage's; 0 elsewhere): every rank leaves together."""

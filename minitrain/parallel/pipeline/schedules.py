@@ -254,12 +254,14 @@ def _cost(cost, virtual):
     return cost if isinstance(cost, Number) else cost[virtual]
 
 
-def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0):
-    """Run the schedule on an idealised machine: free communication, each stage runs its actions
-    in order, each as soon as its inputs exist. Costs are per action of one chunk: a number, or a
-    sequence indexed by virtual stage (unequal stages). backward_cost is B, the input-gradient
-    part; weight_cost is W; a schedule that does not split them runs B + W as one backward
-    (with the default W = 0, backward_cost is the whole backward). Pure: returns a dict
+def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, message_cost=0.0):
+    """Run the schedule on an idealised machine: each stage runs its actions in order, each as
+    soon as its inputs exist. Costs are per action of one chunk: a number, or a sequence indexed
+    by virtual stage (unequal stages). backward_cost is B, the input-gradient part; weight_cost is
+    W; a schedule that does not split them runs B + W as one backward (with the default W = 0,
+    backward_cost is the whole backward). message_cost: what an input made on another stage takes
+    to arrive (from the producer's end to the consumer having it; 0: free communication; one
+    virtual stage handing over to the next on the same stage costs nothing). Pure: returns a dict
 
     * timeline: per stage, a list of (action, start, end);
     * total_time: when the last action ends (every stage starts at 0);
@@ -271,7 +273,8 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0):
     Raises ScheduleError if the schedule deadlocks or breaks happens-before."""
     p = len(schedule)
     check_complete(schedule)
-    last = len(placement(schedule)) - 1
+    where = placement(schedule)
+    last = len(where) - 1
     split = splits_backward(schedule)
     done = {}                       # (kind, step, mb, virtual) -> end time
     position = [0] * p
@@ -294,7 +297,7 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0):
                     cost = _cost(weight_cost, virtual)
                 else:
                     cost = _cost(backward_cost, virtual) + (0.0 if split else _cost(weight_cost, virtual))
-                start = max([clock[s]] + [done[d] for d in deps])
+                start = max([clock[s]] + [done[d] + (message_cost if where[d[3]][0] != s else 0.0) for d in deps])
                 end = start + cost
                 done[(action.kind, action.step, action.microbatch, virtual)] = end
                 timeline[s].append((action, start, end))

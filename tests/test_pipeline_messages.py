@@ -1,0 +1,159 @@
+"""The pipeline's messages: the simulator charges a message between stages (and nothing when a
+rank hands over to itself, or when the cost is 0), the measured cost of a message is read off the
+stamps, each receive is posted one ahead and lands in its own action (losses equal one process),
+what is in flight is tested around each compute, and a pipeline receive waits by sleeping,
+never by sched_yield."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import minitrain as mt
+from minitrain import optim
+from minitrain.comm import ThreadWorld
+from minitrain.comm import communicator as communicator_module
+from minitrain.nn import functional as F
+from minitrain.parallel.pipeline import PipelineParallel, get_schedule, simulate
+from minitrain.parallel.pipeline.measure import message_cost
+from minitrain.parallel.pipeline.messages import POLL, StageMessages
+from minitrain.parallel.pipeline.schedules import NAMES
+from test_pipeline import assert_equal_to_reference, batches, make_model, reference_run
+
+
+# ---------------------------------------------------------------- the simulator's message cost
+@pytest.mark.parametrize("name", NAMES)
+def test_a_free_message_simulates_as_before(name):
+    for p, m in ((2, 4), (3, 6), (4, 8)):
+        schedule = get_schedule(name, p, m, chunks=2 if name == "interleaved_1f1b" else None)
+        for costs in ((1.0, 2.0, 0.0), (1.0, 1.2, 0.7), ([0.5, 1.5] * (len(schedule) * 2), 1.0, 1.0)):
+            assert simulate(schedule, *costs, message_cost=0.0) == simulate(schedule, *costs)
+
+
+def test_each_message_between_stages_is_charged_once_on_the_critical_path():
+    c = 0.25
+    # GPipe, p = 2, m = 1: F0 [0, 1], F1 [1 + c, 2 + c], B1 [2 + c, 4 + c], B0 [4 + 2c, 6 + 2c]
+    sim = simulate(get_schedule("gpipe", 2, 1), 1.0, 2.0, 0.0, message_cost=c)
+    assert [(s, e) for _, s, e in sim["timeline"][1]] == [(1 + c, 2 + c), (2 + c, 4 + c)]
+    assert sim["total_time"] == 6 + 2 * c
+    # 1F1B, p = 2, m = 4: the warm-up's hop and the drain's, each way
+    assert simulate(get_schedule("1f1b", 2, 4), 1.0, 2.0, 0.0, message_cost=c)["total_time"] == 15 + 4 * c
+    # ZB-V, p = 2, m = 1: four hops between ranks; the V's bottom (rank 1 to itself) is free
+    assert simulate(get_schedule("zbv", 2, 1), 1.0, 1.0, 1.0, message_cost=c)["total_time"] == 10 + 4 * c
+
+
+def test_the_cost_of_a_message_is_read_off_the_waiting_receives():
+    """GPipe, p = 2, m = 1 (the hand-made step of test_pipeline_zero_bubble): rank 0's F0 ends at
+    3, rank 1 (waiting since -0.5) has it at 4: 1.0; rank 1's B0 ends at 7.5, rank 0 (waiting
+    since 4) has the gradient at 8: 0.5. A receive that found its message there counts not."""
+    nan = np.nan
+    rows = np.array([[[0.0, 10.0, 0.3, 0.0, 1, 3, nan, nan, 3, 3.5, 8, 9.5, 4, 8, nan, nan]],
+                     [[-1.0, 10.2, 2.0, 0.0, 4, 5.5, -0.5, 4, nan, nan, 5.5, 7.5, nan, nan, 7.5, 7.7]]])
+    schedule = get_schedule("gpipe", 2, 1)
+    assert message_cost(rows, schedule, [0]) == 0.75
+    late = rows.copy()
+    late[0, 0, 12:14] = [7.9, 8.0]               # rank 0 asks only after B0 ended: not a wait
+    assert message_cost(late, schedule, [0]) == 1.0
+    late[1, 0, 6:8] = [3.5, 3.6]
+    assert message_cost(late, schedule, [0]) == 0.0
+
+
+# ---------------------------------------------------------------- receives posted ahead
+@pytest.mark.parametrize("schedule, m, v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 4, 2),
+                                            ("zb_h1", 4, 1), ("zbv", 4, None)])
+def test_each_receive_is_posted_one_ahead_and_lands_in_its_own_action(schedule, m, v):
+    reference, ref_losses = reference_run()
+    init = make_model().state_dict()
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = make_model()
+        model.load_state_dict(init)
+        pipe = PipelineParallel(model, comm, schedule, m, chunks=v)
+        messages, step, seen = pipe.messages, [0], []
+        recv = messages.recv
+
+        def spy(source, mb, virtual, backward, xp):
+            if source != comm.rank:             # (step, posted before the action asked, receives outstanding)
+                seen.append((step[0], (messages.batch_key, mb, virtual, backward) in messages.posted,
+                             len(messages.posted)))
+            return recv(source, mb, virtual, backward, xp)
+        messages.recv = spy
+        opt = optim.Adam(pipe.parameters(), lr=1e-2)
+        losses = []
+        for step[0], (x, y) in enumerate(batches(3)):
+            opt.zero_grad()
+            losses.append(pipe.train_step(x, y, F.cross_entropy))
+            opt.step()
+            assert not messages.posted           # every receive posted was taken by its action
+        return (pipe.full_state_dict(), losses), seen
+    results = ThreadWorld(2).run(fn)
+    assert_equal_to_reference([state for state, _ in results], reference, ref_losses)
+    for _, seen in results:
+        assert seen and all(not ahead for s, ahead, _ in seen if s == 0)   # shapes unknown: header first
+        later = [(ahead, outstanding) for s, ahead, outstanding in seen if s > 0]
+        assert len(later) == 2 * len(seen) // 3
+        assert all(ahead for ahead, _ in later)
+        assert max(n for _, n in later) == 2 and later[-1][1] == 1        # this one and the next one
+
+
+class _Request:
+    def __init__(self, done):
+        self.done, self.tests = done, 0
+
+    def test(self):
+        self.tests += 1
+        return self.done
+
+
+def test_progress_tests_the_receives_posted_ahead_and_the_sends_still_moving():
+    messages = StageMessages(ThreadWorld(1).comms[0], 2, 1)
+    early, late, sent, moving = _Request(False), _Request(True), _Request(True), _Request(False)
+    messages.posted = {"a": (early, None), "b": (late, None)}
+    messages.moving = [sent, moving]
+    messages.progress()
+    assert [r.tests for r in (early, late, sent, moving)] == [1, 1, 1, 1]
+    assert messages.moving == [moving] and len(messages.posted) == 2     # a receive stays until its action
+
+
+def test_what_is_in_flight_is_moved_on_before_and_after_each_compute():
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        pipe = PipelineParallel(make_model(), comm, "1f1b", 4)
+        calls, progress = [], pipe.messages.progress
+        pipe.messages.progress = lambda: (calls.append(1), progress())
+        for x, y in batches(2):
+            pipe.train_step(x, y, F.cross_entropy)
+        return len(calls), len(pipe.actions), pipe.messages.moving
+    for calls, actions, moving in ThreadWorld(2).run(fn):
+        assert calls == 2 * 2 * actions and len(moving) <= 1          # the last send, after the last compute
+
+
+# ---------------------------------------------------------------- how a receive waits
+def test_a_pipeline_receive_sleeps_and_never_yields(monkeypatch):
+    yields = []
+    yield_now = communicator_module.os.sched_yield
+    monkeypatch.setattr(communicator_module.os, "sched_yield",
+                        lambda: (yields.append(threading.get_ident()), yield_now()))
+
+    def fn(comm):
+        if comm.rank == 0:
+            for tag in (3, 4):
+                comm.recv(np.zeros(1), 1, 10 + tag)      # rank 1 waits already
+                time.sleep(0.2)
+                comm.send(np.ones(4), 1, tag)
+            return None
+        sleeps, idle = [], comm._idle
+        comm._idle = lambda seconds: (sleeps.append(seconds), idle(seconds))
+        counted = []
+        for tag, poll in ((3, POLL), (4, None)):
+            request = comm.irecv(np.zeros(4), 0, tag)
+            comm.send(np.zeros(1), 0, 10 + tag)
+            before, sleeps[:] = len(yields), []
+            comm.wait_all([request], poll=poll)
+            mine = [t for t in yields[before:] if t == threading.get_ident()]
+            counted.append((len(mine), max(sleeps)))
+        return counted
+    pipeline, default = ThreadWorld(2).run(fn)[1]
+    assert pipeline[0] == 0 and pipeline[1] == POLL[1]
+    assert default[0] > 0 and default[1] == communicator_module.MAX_SLEEP_S
