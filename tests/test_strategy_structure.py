@@ -22,8 +22,9 @@ ACCOUNTING = {"tracker", "finalize", "span", "tracer", "stats", "bytes_sent", "s
 TIMING = {"time", "perf_counter", "clock", "record_event", "event", "stamps", "times", "device_times"}
 STRATEGIES = {"data_parallel.py": ["_Bucket", "DistributedDataParallel"],
               "fsdp.py": ["_UnitRef", "_Unit", "FullyShardedDataParallel"]}
-DISPATCH = ["_run_actions", "_receive", "_compute", "_send_result", "_forward", "_backward", "_weight",
-            "_send", "_recv"]
+DISPATCH = ["_run_actions", "_message", "_post", "_receive", "_compute", "_send_result", "_forward", "_backward",
+            "_weight"]
+MESSAGES = ["send", "progress", "post", "recv", "wait", "wait_for_sends"]     # pipeline/messages.py's StageMessages
 
 
 def _tree(path):
@@ -84,6 +85,10 @@ def test_the_pipeline_dispatch_takes_no_timing_stamp():
     found = {name: sorted(identifiers(_definition(tree, name)) & TIMING) for name in DISPATCH}
     assert not any(found.values()), f"runtime.py: timing inside the dispatch of actions: {found}"
     assert "time" not in imported_modules(tree), "runtime.py imports time: its stamps belong in stamps.py"
+    messages = _definition(_tree(PARALLEL / "pipeline" / "messages.py"), "StageMessages")
+    found = {f.name: sorted(identifiers(f) & TIMING) for f in messages.body
+             if isinstance(f, ast.FunctionDef) and f.name in MESSAGES}
+    assert set(found) == set(MESSAGES) and not any(found.values()), f"messages.py: timing in its messages: {found}"
 
 
 def _ddp_ledger_and_spans(comm):

@@ -45,8 +45,7 @@ def dtype_code(dtype):
     return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else DTYPE_SLOTS - 1
 
 
-def _check_buffer(a, what):
-    """``what()``: the text that names the call (made only for an error: every message passes here)."""
+def _check_buffer(a, what):          # what(): the call's name, made only for an error (every message passes)
     if not hasattr(a, "nbytes"):
         raise CommError(f"{what()}: expected a numpy or cupy array, got {type(a).__name__}")
     if not (a.flags.c_contiguous or a.size == 0):
