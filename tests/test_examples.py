@@ -264,3 +264,18 @@ def test_a_job_names_the_mpi_it_ran_on_and_its_comm_timeout(tmp_path):
     assert f"MPI: {mpi_library_name()}; check_collectives on, stall threshold 7 s" in result.stdout
     report = json.loads(out.read_text())
     assert report["mpi_library"] == mpi_library_name() and report["comm_timeout"] == 7
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_without_the_checks_on_request_with_the_same_losses(tmp_path):
+    """--no-check-collectives (to measure what the checks cost, issue 29) turns them off on the job's
+    communicator, says so, and changes no number."""
+    runs = {}
+    for name, extra in (("on", []), ("off", ["--no-check-collectives"])):
+        out = tmp_path / f"{name}.json"
+        result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--epochs", "1",
+                          "--json", out, *extra], n=2, timeout=120)
+        runs[name] = json.loads(out.read_text())
+        assert f"check_collectives {name}" in result.stdout
+    assert runs["on"]["check_collectives"] is True and runs["off"]["check_collectives"] is False
+    assert runs["on"]["losses"] == runs["off"]["losses"] and len(runs["on"]["losses"]) > 1

@@ -49,7 +49,17 @@ def add_job_options(parser):
     parser.add_argument("--comm-timeout", type=cli.positive_float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
                         help="stall threshold: a wait this long makes the ranks compare their flight records "
                              "(a rank at another call ends the job at once); any wait ends the job at 3x this")
+    parser.add_argument("--no-check-collectives", dest="check_collectives", action="store_false",
+                        help="leave out the collective checks (each collective's header agreed by every rank before "
+                             "data moves; the receive sizes); the flight recorder and the stall watch stay: to "
+                             "measure what the checks cost (default: checks on)")
     return parser
+
+
+def checks_line(args):
+    """The table's words for the job's safety settings."""
+    return (f"check_collectives {'on' if getattr(args, 'check_collectives', True) else 'off'}, "
+            f"stall threshold {args.comm_timeout:g} s")
 
 
 def job_parser(description):
@@ -67,11 +77,11 @@ def parse_job_args(parser, argv=None):
 
 
 def init_comm(args):
-    """``minitrain.comm.init`` with the job's options: check_collectives on, stall threshold
-    ``--comm-timeout``, hard timeout 3x that; comm.init also picks the backend and the device transport
-    (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto)."""
+    """``minitrain.comm.init`` with the job's options: check_collectives (on unless --no-check-collectives),
+    stall threshold ``--comm-timeout``, hard timeout 3x that; comm.init also picks the backend and the device
+    transport (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto)."""
     from .. import comm
-    return comm.init(comm_timeout=args.comm_timeout, check_collectives=True)
+    return comm.init(comm_timeout=args.comm_timeout, check_collectives=getattr(args, "check_collectives", True))
 
 
 def mpi_line():

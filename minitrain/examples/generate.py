@@ -27,7 +27,7 @@ import numpy as np
 import minitrain
 from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import init_comm, job_parser, launch_info, mpi_line, parse_job_args
+from minitrain.examples.common import checks_line, init_comm, job_parser, launch_info, mpi_line, parse_job_args
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.examples.checkpointing import check_model
 from minitrain.examples.options import refuse_unsupported
@@ -221,7 +221,7 @@ def _main(args):
         return 0
     report(args, config, num_params, source, train_seconds, prompts, result, param_bytes, peak, corpus)
     if comm is not None:
-        print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+        print(f"MPI: {mpi_line()}; {checks_line(args)}")
     if args.json:
         write_json(args.json, {
             "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,

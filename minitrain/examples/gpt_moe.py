@@ -25,7 +25,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_step, moe_summary,
                                            nothing_left, sample_model, scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
@@ -149,7 +149,7 @@ def main_moe_dp(args):
               f"sharded over expert-parallel groups of {ep} ({args.moe_experts // ep} per rank), {dp}")
     print(f"GPT {full.num_parameters():,} parameters, {args.moe_experts} experts per MoE layer {placed} "
           f"data-parallel ranks [{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}]")
-    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    print(f"MPI: {mpi_line()}; {checks_line(args)}")
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); val loss {initial_val:.3f} -> "
           f"{final_val:.3f}; {1 / slowest['step_time_s']:.1f} steps/s (steady state)")
     print(moe_line)
@@ -162,7 +162,7 @@ def main_moe_dp(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "dp",
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": "dp",
             "dp": dp, "pp": 1, "tp": 1, "ep": ep, "transport": transport_name(comm), "dropout": args.dropout,
             "recompute": args.recompute, "offload_activations": args.offload_activations, "planner": compared,
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,

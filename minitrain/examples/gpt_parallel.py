@@ -40,7 +40,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_summary,
                                            nothing_left, sample_model, scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
@@ -224,7 +224,7 @@ def main_parallel(args):
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
           + (", sequence parallel" if args.sequence_parallel else ""))
-    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    print(f"MPI: {mpi_line()}; {checks_line(args)}")
     if pp > 1:
         print(f"pipeline {args.schedule}, {args.microbatches} micro-batches of {b} rows"
               + (f", {args.chunks} chunks" if args.chunks > 1 else "") + ": " + bubble_line(model.pipe))
@@ -268,7 +268,7 @@ def main_parallel(args):
     print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
-            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": strategy,
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": strategy,
             "dp": dp, "pp": pp, "tp": tp, "zero": args.zero, "zero_memory": zero_memory(args.zero, dp, table),
             "cp_method": args.cp_method if cp > 1 else None, "cp": cp_block,
             "transport": transport_name(comm),

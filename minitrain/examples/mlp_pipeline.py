@@ -26,7 +26,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import device_code, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, device_code, mpi_line, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
@@ -156,10 +156,10 @@ def main_pipeline(args, parser, comm):
             f"{summary['simulated_step_time_s'] * 1e3:.2f} ms simulated")
     print("  measured - formula, by cause (fraction of the step): " + ", ".join(
         f"{k} {v:+.3f}" for k, v in summary["residual_by_cause"].items()))
-    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    print(f"MPI: {mpi_line()}; {checks_line(args)}")
     compared = plan_comparison(args, world, slowest, table[:, -1].max())
     show_plan(args, compared)
-    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": "pipeline",
+    report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": "pipeline",
               "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
               "test_accuracy": accuracy, "samples_per_second": samples, "steps": steps, "elapsed_seconds": elapsed,
               "steady_state": watch.steady_state(), "planner": compared,

@@ -11,7 +11,7 @@ import minitrain
 from minitrain import backend, memory, trace
 from minitrain.backend import LOW_PRECISION
 from minitrain.data import split_sizes
-from minitrain.examples.common import device_code, mpi_line, transport_name
+from minitrain.examples.common import checks_line, device_code, mpi_line, transport_name
 from minitrain.examples.mlp_common import evaluate, gather_rows, global_losses
 from minitrain.examples.report import (device_name, fmt_bytes, gather_steps, memory_table, plan_comparison,
                                        show_plan, write_json)
@@ -67,7 +67,7 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
           f"{args.epochs} epochs, global batch {args.batch_size} ({'-'.join(map(str, sorted(set(rows))))} per rank), {args.precision}")
     print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s in all "
           f"(steady state)   {run.elapsed:.1f} s")
-    print(f"MPI: {mpi_line()}; check_collectives on, stall threshold {args.comm_timeout:g} s")
+    print(f"MPI: {mpi_line()}; {checks_line(args)}")
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'step':>9} {'compute':>9} {'comm exposed':>13} "
           f"{'comm total':>11} {'sent/step':>10} {'formula':>10} {'peak memory':>12}")
     for r, v in enumerate(table):
@@ -104,7 +104,8 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
               "step": step_by_rank[r]} for r, v in enumerate(table)]
     if args.json:
         write_json(args.json, {
-            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "strategy": args.strategy,
+            "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout,
+            "check_collectives": comm.check_collectives, "strategy": args.strategy,
             "num_params": psi, "final_loss": final_loss, "transport": transport_name(comm),
             "test_accuracy": accuracy, "samples_per_second": samples, "steps": run.steps,
             "steady_state": steady,

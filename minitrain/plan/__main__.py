@@ -27,6 +27,8 @@ from .layout import PRECISIONS, SCHEDULES
 CP_MIN_TOKENS = 1024            # --search tries context parallelism down to this many tokens per rank
 STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
 IGNORED = "does not change a step: accepted so that a job's options can be copied, and ignored (default: none)"
+CHECKS = ("accepted so that a job's options can be copied; the step is priced with the checks on, as the "
+          "calibration measured it (they cost a few percent of a step: scripts/bench_checks.py) (default: off)")
 
 
 _positive = cli.positive_int
@@ -76,6 +78,7 @@ def add_mlp(p):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
     for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
+    p.add_argument("--no-check-collectives", action="store_true", help=CHECKS)
 
 
 def add_gpt(p):
@@ -124,6 +127,7 @@ def add_gpt(p):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
     for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)
+    p.add_argument("--no-check-collectives", action="store_true", help=CHECKS)
 
 
 def parser(defaults=None):
