@@ -89,6 +89,20 @@ def moe_summary(steps):
     return block, line
 
 
+def all_to_all_sent(ep_comm):
+    """This rank's all_to_all_single bytes so far on the expert-parallel communicator (0 without one)."""
+    return ep_comm.stats["all_to_all_single"]["bytes_sent"] if ep_comm is not None else 0
+
+
+def all_to_all_step(ep_comm, ep_layers, before):
+    """One step's (measured, formula) all-to-all bytes: sent since ``before``, and what the layers' split
+    sizes say they sent (their counts restart for the next step)."""
+    formula = sum(layer.all_to_all_bytes_formula for layer in ep_layers)
+    for layer in ep_layers:
+        layer.all_to_all_bytes_formula = 0
+    return all_to_all_sent(ep_comm) - before, formula
+
+
 def all_to_all_summary(comm, a2a, ep):
     """From each rank's (measured, formula) all-to-all bytes per step: the busiest rank's mean over steps of
     each, the (rank, step, measured | formula) table, and the report's line (a collective on ``comm``)."""

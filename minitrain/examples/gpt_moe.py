@@ -26,8 +26,9 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_step, moe_summary,
-                                           nothing_left, sample_model, scheduler_for)
+from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
+                                           gpt_config, layout, moe_step, moe_summary, nothing_left, sample_model,
+                                           scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
@@ -67,6 +68,7 @@ def main_moe_dp(args):
         ep_layers = shard_experts(model, ep_comm)                       # this rank keeps E/ep experts per layer
         ddp = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm)
     else:
+        ep_comm, ep_layers = None, []
         ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
@@ -106,7 +108,7 @@ def main_moe_dp(args):
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     for step in bar:
         x, y = corpus.get_batch("train", B, args.block_size, rng)
-        sent_before = ep_comm.stats["all_to_all_single"]["bytes_sent"] if ep > 1 else 0
+        sent_before = all_to_all_sent(ep_comm)
         with watch.step():
             with offload:
                 _, loss = ddp(x[rows], y[rows])
@@ -121,13 +123,7 @@ def main_moe_dp(args):
             scheduler.step()
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
         moe.append(moe_step(model, comm))
-        if ep > 1:
-            a2a.append((ep_comm.stats["all_to_all_single"]["bytes_sent"] - sent_before,
-                        sum(layer.all_to_all_bytes_formula for layer in ep_layers)))
-            for layer in ep_layers:
-                layer.all_to_all_bytes_formula = 0
-        else:
-            a2a.append((0, 0))
+        a2a.append(all_to_all_step(ep_comm, ep_layers, sent_before))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

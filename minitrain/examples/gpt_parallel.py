@@ -41,8 +41,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (all_to_all_summary, estimate_loss, gpt_config, layout, moe_summary,
-                                           nothing_left, sample_model, scheduler_for)
+from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
+                                           gpt_config, layout, moe_summary, nothing_left, sample_model, scheduler_for)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -168,7 +168,7 @@ def main_parallel(args):
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         layer_bytes.clear()
-        a2a_before = model.ep_comm.stats["all_to_all_single"]["bytes_sent"] if model.ep > 1 else 0
+        a2a_before = all_to_all_sent(model.ep_comm)
         with watch.step():
             model.zero_grad()
             with offload:
@@ -179,13 +179,7 @@ def main_parallel(args):
         losses.append(loss)
         if model.moe_layers:
             moe.append(model.moe_statistics)
-        if model.ep > 1:                                     # this rank's stage's layers; others' count 0
-            a2a.append((model.ep_comm.stats["all_to_all_single"]["bytes_sent"] - a2a_before,
-                        sum(layer.all_to_all_bytes_formula for layer in ep_layers)))
-            for layer in ep_layers:
-                layer.all_to_all_bytes_formula = 0
-        else:
-            a2a.append((0, 0))
+        a2a.append(all_to_all_step(model.ep_comm, ep_layers, a2a_before))   # this rank's stage's layers
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
