@@ -18,12 +18,12 @@ def data(steps=3, B=8, T=8):
     return [(rng.integers(0, 23, (B, T)), rng.integers(0, 23, (B, T))) for _ in range(steps)]
 
 
-def reference_run(config, init, B=8):
+def reference_run(config, init, B=8, steps=3):
     model = nn.GPT(config)
     model.load_state_dict(init)
     opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
-    for x, y in data(B=B):
+    for x, y in data(steps, B=B):
         opt.zero_grad()
         _, loss = model(x, y)
         loss.backward()
@@ -33,14 +33,14 @@ def reference_run(config, init, B=8):
     return model.state_dict(), losses
 
 
-def run_3d(comm, config, init, mesh, B=8, **kwargs):
+def run_3d(comm, config, init, mesh, B=8, steps=3, **kwargs):
     mt.set_default_dtype(np.float64)
     gpt = nn.GPT(config)
     gpt.load_state_dict(init)
     model = GPT3D(gpt, comm, **mesh, **kwargs)
     opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
-    for x, y in data(B=B):
+    for x, y in data(steps, B=B):
         model.zero_grad()
         losses.append(model.train_step(x, y))
         model.clip_grad_norm_(0.5)

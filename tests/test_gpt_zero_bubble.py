@@ -4,6 +4,7 @@ momentum and clipping by the global norm) at 2 and 4 ranks, with tp (and sequenc
 recompute and uneven micro-batches; zbv's V puts the embedding and the head on rank 0; the split backward sends on
 the tensor-parallel communicator what the whole one sends; the --chunks rules and the layers that cannot
 fill the V are one clear error; the job's bubble says which costs it simulates."""
+import functools
 import json
 import sys
 
@@ -11,50 +12,21 @@ import numpy as np
 import pytest
 
 import minitrain as mt
-from minitrain import nn, optim
+from minitrain import nn
 from minitrain.comm import ThreadWorld
 from minitrain.examples import gpt
 from minitrain.parallel.gpt_3d import GPT3D
 from minitrain.parallel.pipeline import formula_bubble_fraction
 from minitrain.testing import run_mpi
+import test_gpt_3d
+from test_gpt_3d import data
 
 CONFIG = dict(vocab_size=23, block_size=16, n_layer=2, n_head=4, n_embd=16)
 STEPS = 10
 
 
-def data(steps=STEPS, B=8, T=8):
-    rng = np.random.default_rng(0)
-    return [(rng.integers(0, 23, (B, T)), rng.integers(0, 23, (B, T))) for _ in range(steps)]
-
-
-def reference_run(config, init, B=8):
-    model = nn.GPT(config)
-    model.load_state_dict(init)
-    opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    losses = []
-    for x, y in data(B=B):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        optim.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
-
-
-def run_3d(comm, config, init, mesh, B=8, **kwargs):
-    mt.set_default_dtype(np.float64)
-    gpt_model = nn.GPT(config)
-    gpt_model.load_state_dict(init)
-    model = GPT3D(gpt_model, comm, **mesh, **kwargs)
-    opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    losses = []
-    for x, y in data(B=B):
-        model.zero_grad()
-        losses.append(model.train_step(x, y))
-        model.clip_grad_norm_(0.5)
-        opt.step()
-    return model.full_state_dict(), losses
+reference_run = functools.partial(test_gpt_3d.reference_run, steps=STEPS)
+run_3d = functools.partial(test_gpt_3d.run_3d, steps=STEPS)
 
 
 def initial(**config):
