@@ -6,7 +6,6 @@ factor, full recomputation; ZeRO 1-3 with experts (ep 1: idle experts left alone
 process; ep 2: the experts' ZeRO over their expert data-parallel group); under mpiexec the job's --json at
 4 ranks (and one run at 8: dp2 x pp2 x tp2 --ep 2 --zero 1) against one process's job, its all-to-all
 bytes measured equal to the formula from the split sizes."""
-import dataclasses
 import json
 import shutil
 import sys
@@ -21,7 +20,7 @@ from minitrain.parallel.expert_parallel_3d import ExpertParallelReplicatedMoE
 from minitrain.parallel.gpt_3d import GPT3D
 from minitrain.testing import run_mpi
 
-from test_moe_3d import CONFIG, data, reference_run, run_3d
+from test_moe_3d import CONFIG, assert_trains_as_one_process, data
 
 CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple of dp x micro-batches)
     "dp2 tp2 ep2": (dict(dp=2, tp=2), dict(ep=2), dict(moe_groups=2)),
@@ -41,23 +40,7 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_gpt3d_trains_as_one_process(case):
-    mesh, kwargs, moe = CASES[case]
-    mt.set_default_dtype(np.float64)
-    mt.manual_seed(0)
-    config = nn.GPTConfig(**{**CONFIG, **moe})
-    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
-    expected, expected_losses, expected_stats = reference_run(dataclasses.replace(config, recompute=None), init)
-    if moe.get("moe_capacity_factor"):
-        assert sum(s[1] for s in expected_stats) > 0          # tokens were dropped: the groups matter
-    size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
-    for state, losses, stats in ThreadWorld(size).run(run_3d, config, init, mesh, **kwargs):
-        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
-        assert [s[1] for s in stats] == [s[1] for s in expected_stats]
-        np.testing.assert_allclose([s[0] for s in stats], [s[0] for s in expected_stats], rtol=1e-12, atol=0)
-        np.testing.assert_allclose([s[2] for s in stats], [s[2] for s in expected_stats], rtol=1e-10, atol=0)
-        assert set(state) == set(expected)
-        for name, value in expected.items():
-            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+    assert_trains_as_one_process(*CASES[case])
 
 
 def test_the_layers_hold_their_experts_under_global_names_and_the_ep_group_stays_in_a_stage_and_tp_coordinate():

@@ -94,7 +94,12 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_on_gpt3d_trains_as_one_process(case):
-    mesh, kwargs, moe = CASES[case]
+    assert_trains_as_one_process(*CASES[case])
+
+
+def assert_trains_as_one_process(mesh, kwargs, moe):
+    """GPT3D with experts on ``mesh`` (and GPT3D's ``kwargs``) == one process: losses, the step's MoE figures
+    (load, tokens dropped, balancing loss) and the final parameters."""
     mt.set_default_dtype(np.float64)
     mt.manual_seed(0)
     config = nn.GPTConfig(**{**CONFIG, **moe})
