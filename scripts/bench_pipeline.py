@@ -8,7 +8,8 @@
 pipeline --hidden W --layers 5 (zbv: 9) --batch-size 256 --epochs 3 --schedule S --microbatches M
 [--chunks 2] --json ...`, --repeat times each, interleaved, and reports the run of median bubble.
 Both modes end with the targets: measured within 0.03 of the simulation (each stage's measured F,
-B, W and the measured cost of a message), within 0.05 of the formula for GPipe and 1F1B (every m)
+B, W and the measured costs of a message: latency, the sender's time posting it, the receiver's
+time taking it, as LogP prices a message), within 0.05 of the formula for GPipe and 1F1B (every m)
 and interleaved (m = 8), ZB-H1 below 1F1B and ZB-V below interleaved at each m.
 
 Model: a thin stem Linear(64, W) + ReLU, then 8 x (Linear(W, W) + ReLU), W = 1024 by default, global
@@ -22,8 +23,9 @@ per rank, the step's time outside its own F/B/W work over the step's wall time (
 to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
 formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
 measured mean F, B, W for zb_h1 and zbv, and the residual per cause; "simulated" is the schedule run
-with each stage's own measured F, B, W (what the zero-bubble schedules are held to; its difference
-from the formula is the stages' unequal speed). The anchor is the same model
+with each stage's own measured F, B, W and the measured message costs (what the zero-bubble
+schedules are held to; its difference from the formula is the stages' unequal speed and the
+messages' cost, both in residual_by_cause). The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
@@ -196,7 +198,7 @@ def targets(results):
     """The issue's targets, one line per schedule and m; returns the number missed."""
     missed = 0
     print(f"  targets: {'schedule':<17} {'m':>3} {'measured':>8} {'simulated':>9} {'diff':>7} {'formula':>7} {'diff':>7}  "
-          f"{'message':>8}  verdict")
+          f"{'message us: latency/send/recv':>29}  verdict")
     for key, row in results.items():
         name, m = key.split("/")[0], row["m"]
         measured, simulated, formula = (row[k] for k in ("measured_bubble_fraction", "simulated_bubble_fraction",
@@ -209,7 +211,8 @@ def targets(results):
             checks.append((f"< {below}", measured < results[f"{below}/m{m}"]["measured_bubble_fraction"]))
         missed += sum(not ok for _, ok in checks)
         print(f"  targets: {name:<17} {m:>3} {measured:>8.3f} {simulated:>9.3f} {measured - simulated:>+7.3f} "
-              f"{formula:>7.3f} {measured - formula:>+7.3f}  {row['message_cost_s'] * 1e3:>6.2f}ms  "
+              f"{formula:>7.3f} {measured - formula:>+7.3f}  {row['message_cost_s'] * 1e6:>11.0f}/"
+              f"{row.get('message_send_overhead_s', 0) * 1e6:.0f}/{row.get('message_receive_overhead_s', 0) * 1e6:<7.0f}  "
               + ", ".join(f"{label} {'ok' if ok else 'MISSED'}" for label, ok in checks))
     return missed
 

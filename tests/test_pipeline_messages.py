@@ -3,6 +3,8 @@ rank hands over to itself, or when the cost is 0), the measured cost of a messag
 stamps, each receive is posted one ahead and lands in its own action (losses equal one process),
 what is in flight is tested around each compute, and a pipeline receive waits by sleeping,
 never by sched_yield."""
+import ctypes
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ from minitrain.comm import ThreadWorld
 from minitrain.comm import communicator as communicator_module
 from minitrain.nn import functional as F
 from minitrain.parallel.pipeline import PipelineParallel, get_schedule, simulate
-from minitrain.parallel.pipeline.measure import message_cost
+from minitrain.parallel.pipeline.measure import message_cost, message_costs
 from minitrain.parallel.pipeline.messages import POLL, StageMessages
 from minitrain.parallel.pipeline.schedules import NAMES
 from test_pipeline import assert_equal_to_reference, batches, make_model, reference_run
@@ -42,20 +44,38 @@ def test_each_message_between_stages_is_charged_once_on_the_critical_path():
     assert simulate(get_schedule("zbv", 2, 1), 1.0, 1.0, 1.0, message_cost=c)["total_time"] == 10 + 4 * c
 
 
-def test_the_cost_of_a_message_is_read_off_the_waiting_receives():
-    """GPipe, p = 2, m = 1 (the hand-made step of test_pipeline_zero_bubble): rank 0's F0 ends at
-    3, rank 1 (waiting since -0.5) has it at 4: 1.0; rank 1's B0 ends at 7.5, rank 0 (waiting
-    since 4) has the gradient at 8: 0.5. A receive that found its message there counts not."""
+def test_the_costs_of_a_message_are_read_off_the_sends_and_receives():
+    """GPipe, p = 2, m = 1 (the hand-made step of test_pipeline_zero_bubble): rank 0 posts F0's
+    send over [3, 3.5], rank 1 (waiting since -0.5) has it at 4: latency 0.5; rank 1 posts B0's
+    over [7.5, 7.7], rank 0 (waiting since 4) has it at 8: 0.3. Sends take 0.5 and 0.2. A receive
+    that found its message there counts for the receive overhead, not the latency."""
     nan = np.nan
     rows = np.array([[[0.0, 10.0, 0.3, 0.0, 1, 3, nan, nan, 3, 3.5, 8, 9.5, 4, 8, nan, nan]],
                      [[-1.0, 10.2, 2.0, 0.0, 4, 5.5, -0.5, 4, nan, nan, 5.5, 7.5, nan, nan, 7.5, 7.7]]])
     schedule = get_schedule("gpipe", 2, 1)
-    assert message_cost(rows, schedule, [0]) == 0.75
+    assert message_costs(rows, schedule, [0]) == pytest.approx((0.4, 0.35, 0.0))
+    assert message_cost(rows, schedule, [0]) == pytest.approx(0.4)
     late = rows.copy()
-    late[0, 0, 12:14] = [7.9, 8.0]               # rank 0 asks only after B0 ended: not a wait
-    assert message_cost(late, schedule, [0]) == 1.0
-    late[1, 0, 6:8] = [3.5, 3.6]
-    assert message_cost(late, schedule, [0]) == 0.0
+    late[0, 0, 12:14] = [7.9, 8.1]               # rank 0 asks only after B0 was sent: it takes 0.2
+    assert message_costs(late, schedule, [0]) == pytest.approx((0.5, 0.35, 0.2))
+    late[1, 0, 6:8] = [3.6, 3.7]
+    assert message_costs(late, schedule, [0]) == pytest.approx((0.0, 0.35, 0.15))
+
+
+def test_posting_and_taking_a_message_is_stage_time_but_not_work():
+    # GPipe, p = 2, m = 1, F = 1, B = 2; latency c, send overhead o_s, receive overhead o_r:
+    # rank 0: F0 [0, 1], posts until 1 + o_s; rank 1 waits, has it at 1 + o_s + c: F0, then B0 (its
+    # own output: no message), posts its gradient until 4 + o_s + c + o_s; rank 0 has it c later.
+    c, o_s, o_r = 0.25, 0.5, 0.125
+    sim = simulate(get_schedule("gpipe", 2, 1), 1.0, 2.0, 0.0, message_cost=c, send_overhead=o_s,
+                   receive_overhead=o_r)
+    assert [(s, e) for _, s, e in sim["timeline"][1]] == [(1 + o_s + c, 2 + o_s + c), (2 + o_s + c, 4 + o_s + c)]
+    assert sim["total_time"] == 6 + 2 * (o_s + c)
+    assert sim["send_per_stage"] == [o_s, o_s] and sim["transfer_per_stage"] == [c, c]
+    assert sim["bubble_fraction"] == pytest.approx(1 - 6 / (2 * sim["total_time"]))
+    # 1F1B, p = 2, m = 4: rank 1's later forwards find their input there and pay o_r each
+    busy = simulate(get_schedule("1f1b", 2, 4), 1.0, 2.0, 0.0, message_cost=0.0, receive_overhead=o_r)
+    assert busy["transfer_per_stage"][1] == pytest.approx(3 * o_r) and busy["send_per_stage"] == [0.0, 0.0]
 
 
 # ---------------------------------------------------------------- receives posted ahead
@@ -106,14 +126,18 @@ class _Request:
         return self.done
 
 
-def test_progress_tests_the_receives_posted_ahead_and_the_sends_still_moving():
+def test_progress_tests_one_request_the_next_receive_first_then_the_oldest_send():
     messages = StageMessages(ThreadWorld(1).comms[0], 2, 1)
     early, late, sent, moving = _Request(False), _Request(True), _Request(True), _Request(False)
     messages.posted = {"a": (early, None), "b": (late, None)}
     messages.moving = [sent, moving]
     messages.progress()
-    assert [r.tests for r in (early, late, sent, moving)] == [1, 1, 1, 1]
-    assert messages.moving == [moving] and len(messages.posted) == 2     # a receive stays until its action
+    assert [r.tests for r in (early, late, sent, moving)] == [1, 0, 0, 0]
+    assert messages.moving == [sent, moving] and len(messages.posted) == 2     # a receive stays until its action
+    messages.posted = {}
+    messages.progress()                        # no receive ahead: the oldest send, dropped once done
+    messages.progress()
+    assert [r.tests for r in (sent, moving)] == [1, 1] and messages.moving == [moving]
 
 
 def test_what_is_in_flight_is_moved_on_before_and_after_each_compute():
@@ -124,9 +148,9 @@ def test_what_is_in_flight_is_moved_on_before_and_after_each_compute():
         pipe.messages.progress = lambda: (calls.append(1), progress())
         for x, y in batches(2):
             pipe.train_step(x, y, F.cross_entropy)
-        return len(calls), len(pipe.actions), pipe.messages.moving
-    for calls, actions, moving in ThreadWorld(2).run(fn):
-        assert calls == 2 * 2 * actions and len(moving) <= 1          # the last send, after the last compute
+        return len(calls), len(pipe.actions)
+    for calls, actions in ThreadWorld(2).run(fn):
+        assert calls == 2 * 2 * actions
 
 
 # ---------------------------------------------------------------- how a receive waits
@@ -157,3 +181,15 @@ def test_a_pipeline_receive_sleeps_and_never_yields(monkeypatch):
     pipeline, default = ThreadWorld(2).run(fn)[1]
     assert pipeline[0] == 0 and pipeline[1] == POLL[1]
     assert default[0] > 0 and default[1] == communicator_module.MAX_SLEEP_S
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's timer slack is Linux's")
+def test_a_pipeline_thread_sleeps_with_a_fine_timer_slack():
+    def fn(comm):
+        prctl = ctypes.CDLL(None).prctl
+        prctl(29, 50_000, 0, 0, 0)                        # PR_SET_TIMERSLACK: Linux's default, 50 us
+        before = prctl(30, 0, 0, 0, 0)                    # PR_GET_TIMERSLACK
+        StageMessages(comm, 2, 1)
+        return before, prctl(30, 0, 0, 0, 0)
+    for before, after in ThreadWorld(2).run(fn):
+        assert before == 50_000 and after == 1_000

@@ -11,10 +11,8 @@ wrap(comm) puts it on; comm.init, ThreadWorld and every backend do unless told g
 """
 import time
 
-import numpy as np
-
 from .. import trace
-from .flight_recorder import FlightRecorder
+from .flight_recorder import FlightRecorder, dtype_name
 from .headers import check_header
 from .reports import sender_note, stalled
 from .seam import Unguarded
@@ -40,7 +38,7 @@ class Guard(Unguarded):
         """The collective's flight record: queued (async) or running from now."""
         shape, dtype = header.get("shape"), header.get("dtype")
         return comm.recorder.open(comm.uid, seq, name, None if shape is None else tuple(shape),
-                                  None if dtype is None else np.dtype(dtype).name, nbytes, header.get("op"),
+                                  None if dtype is None else dtype_name(dtype), nbytes, header.get("op"),
                                   header.get("extra"), state="queued" if async_op else "running")
 
     def run(self, comm, record, nbytes, body):
@@ -64,7 +62,7 @@ class Guard(Unguarded):
 
     def posted(self, comm, request, kind):
         buf = request.buf
-        request.record = comm.recorder.open(comm.uid, -1, kind, tuple(buf.shape), buf.dtype.name, buf.nbytes,
+        request.record = comm.recorder.open(comm.uid, -1, kind, tuple(buf.shape), dtype_name(buf.dtype), buf.nbytes,
                                             peer=comm.members[request.peer], tag=request.tag)
 
     def closed(self, comm, request, state):

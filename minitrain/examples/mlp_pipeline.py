@@ -149,7 +149,8 @@ def main_pipeline(args, parser, comm):
     low, high = summary["measured_bubble_fraction_spread"]
     print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first; per step {low:.3f}..{high:.3f}): "
           f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with the measured "
-          f"stage times and message cost ({summary['message_cost_s'] * 1e3:.2f} ms) "
+          f"stage times and message costs (latency {summary['message_cost_s'] * 1e3:.2f} ms, send "
+          f"{summary['message_send_overhead_s'] * 1e3:.2f} ms, receive {summary['message_receive_overhead_s'] * 1e3:.2f} ms) "
           f"{summary['simulated_bubble_fraction']:.3f}   first step {summary['first_step_bubble_fraction']:.3f}")
     print("  per rank: " + ", ".join(f"{b:.3f}" for b in summary["measured_bubble_fraction_per_rank"])
           + f"; step {summary['step_time_s'] * 1e3:.2f} ms measured (median), "
@@ -176,9 +177,11 @@ def main_pipeline(args, parser, comm):
     if args.plot:
         from minitrain.parallel.pipeline.timeline import plot_pipeline
         costs = summary["stage_seconds"]
-        sim = simulate(pipe.schedule, costs["F"], costs["B"], costs["W"], message_cost=summary["message_cost_s"])
+        sim = simulate(pipe.schedule, costs["F"], costs["B"], costs["W"], message_cost=summary["message_cost_s"],
+                       send_overhead=summary["message_send_overhead_s"],
+                       receive_overhead=summary["message_receive_overhead_s"])
         plot_pipeline(pipe.schedule, sim, all_events, row_of_rank, args.plot,
-                      title_sim=f"simulated {args.schedule} (measured F, B, W per stage and message cost): bubble "
+                      title_sim=f"simulated {args.schedule} (measured F, B, W per stage and message costs): bubble "
                                 f"{sim['bubble_fraction']:.3f}, formula {formula:.3f}",
                       title_measured=f"measured, last step: bubble {summary['measured_bubble_fraction_per_step'][-1]:.3f} "
                                      f"(mean over steps {summary['measured_bubble_fraction']:.3f})")

@@ -18,12 +18,15 @@ the receive returning: the copy into the receive buffer and the waiter's wake-up
 bookkeeping), dp_all_reduce (2D only) and late_start (the rank entered the step after the
 first stage: still in the previous step's optimizer). residual_by_cause is measured minus
 formula, split: stage_imbalance (the schedule simulated with each stage's measured F, B, W and
-free messages, minus the formula), message_latency (what the measured cost of a stage-to-stage
-message adds to that simulation), waiting_beyond_schedule (waiting minus the simulated bubble with
-messages: neighbours delayed by their own overheads) and every overhead above. The causes add up
-to measured - formula. The cost of a message (message_cost): the median, over the receives that
-were waiting when the neighbour finished computing, of the time from that end to the receive
-returning (posting the send, the copy, the waiter's wake-up).
+free messages, minus the formula), message_latency (what the measured latency of a message adds to
+that simulation), message_overhead (what the measured time of posting and of taking a message adds
+on top: the simulation is LogP's, Culler et al. 1993), then, beyond that simulation,
+waiting_beyond_schedule (neighbours delayed by their own overheads), message_transfer and send
+(measured minus simulated), and every overhead above. The causes add up to measured - formula.
+A message's measured cost (message_costs): the latency, the median over the receives that were
+waiting when the send was posted of the time from the send posted to the receive returning (the
+copy, the waiter's wake-up); the send overhead, the mean time posting a send; the receive overhead,
+the mean time taking a message that was already there (posting the next receive ahead included).
 """
 import numpy as np
 
@@ -93,15 +96,31 @@ def stage_costs(rows, schedule, steps):
     return mean[:, 0], mean[:, 1], mean[:, 2]
 
 
-def message_cost(rows, schedule, steps):
-    """Seconds from a sender's compute ending to the waiting receiver having the message: the
-    median over the steps' messages whose receiver was already waiting (0 when none was)."""
+def message_costs(rows, schedule, steps):
+    """(latency, send overhead, receive overhead) in seconds, as described above (0 where the
+    steps had no such message)."""
     slots = rows[:, steps, len(HEAD):].reshape(rows.shape[0], len(steps), -1, len(SLOT))
-    waited = []
+    waited, sends, taken = [], [], []
     for (r, i), (q, j) in senders(schedule).items():
-        ready, r0, r1 = slots[q, :, j, 1], slots[r, :, i, 2], slots[r, :, i, 3]
-        waited += (r1 - ready)[r0 <= ready].tolist()
-    return float(np.median(waited)) if waited else 0.0
+        s0, s1, r0, r1 = slots[q, :, j, 4], slots[q, :, j, 5], slots[r, :, i, 2], slots[r, :, i, 3]
+        waited += (r1 - s1)[r0 <= s1].tolist()
+        sends += (s1 - s0).tolist()
+        taken += (r1 - r0)[r0 > s1].tolist()
+    return (float(np.median(waited)) if waited else 0.0, float(np.mean(sends)) if sends else 0.0,
+            float(np.mean(taken)) if taken else 0.0)
+
+
+def message_cost(rows, schedule, steps):
+    """The latency alone (message_costs' first)."""
+    return message_costs(rows, schedule, steps)[0]
+
+
+def _simulated_shares(sim, p):
+    """The simulation's idle split as split_idle splits a step: send, transfer, the rest waiting."""
+    total = p * sim["total_time"]
+    send = sum(sim["send_per_stage"]) / total if total else 0.0
+    transfer = sum(sim["transfer_per_stage"]) / total if total else 0.0
+    return {"send": send, "message_transfer": transfer, "waiting": sim["bubble_fraction"] - send - transfer}
 
 
 def _gather(pipe, records):
@@ -127,18 +146,24 @@ def summarize(pipe, skip_first=True, last_only=False):
         steps = list(range(1, n_steps)) if skip_first and n_steps > 1 else list(range(n_steps))
     wall, bubble, causes = split_idle(rows, pipe.schedule, pipe.where[0][0])
     f, b, w = stage_costs(rows, pipe.schedule, steps)
-    cost = message_cost(rows, pipe.schedule, steps)
+    latency, send_overhead, receive_overhead = message_costs(rows, pipe.schedule, steps)
     free = simulate(pipe.schedule, f, b, w)
-    simulated = simulate(pipe.schedule, f, b, w, message_cost=cost)
+    latent = simulate(pipe.schedule, f, b, w, message_cost=latency)
+    simulated = simulate(pipe.schedule, f, b, w, message_cost=latency, send_overhead=send_overhead,
+                         receive_overhead=receive_overhead)
     if pipe.schedule_name in SPLIT_BACKWARD:      # no closed form: the simulator at the mean F, B, W
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v, f.mean(), b.mean(), w.mean())
     else:
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v)
     per_step = bubble.mean(axis=0)
     mean_cause = {k: float(v[:, steps].mean()) for k, v in causes.items()}
+    shares = _simulated_shares(simulated, pipe.p)
     residual = {"stage_imbalance": free["bubble_fraction"] - formula,
-                "message_latency": simulated["bubble_fraction"] - free["bubble_fraction"],
-                "waiting_beyond_schedule": mean_cause.pop("waiting") - simulated["bubble_fraction"]}
+                "message_latency": latent["bubble_fraction"] - free["bubble_fraction"],
+                "message_overhead": simulated["bubble_fraction"] - latent["bubble_fraction"],
+                "waiting_beyond_schedule": mean_cause.pop("waiting") - shares["waiting"],
+                "message_transfer": mean_cause.pop("message_transfer") - shares["message_transfer"],
+                "send": mean_cause.pop("send") - shares["send"]}
     residual.update(mean_cause)
     return {"measured_bubble_fraction": float(per_step[steps].mean()),
             "measured_bubble_fraction_per_rank": bubble[:, steps].mean(axis=1).tolist(),
@@ -148,7 +173,9 @@ def summarize(pipe, skip_first=True, last_only=False):
             "formula_bubble_fraction": float(formula),
             "simulated_bubble_fraction": float(simulated["bubble_fraction"]),
             "simulated_bubble_fraction_free_messages": float(free["bubble_fraction"]),
-            "message_cost_s": cost,
+            "message_cost_s": latency,
+            "message_send_overhead_s": send_overhead,
+            "message_receive_overhead_s": receive_overhead,
             "residual_by_cause": {k: float(v) for k, v in residual.items()},
             "steps_measured": len(steps),
             "step_time_s": float(np.median(wall[steps])),

@@ -229,9 +229,9 @@ class PipelineParallel:
         return self._weight(action)
 
     def _send_result(self, action, data):
-        self.messages.progress()
         virtual = virtual_stage(action, self.rank, self.p) + (1 if action.kind == "F" else -1)
         self.messages.send(data, action.send_to, action.microbatch, virtual, action.kind == "B")
+        self.messages.progress()                # after the send: the neighbour waits for it first
 
     def _forward(self, action, received):
         """F: the stage's forward of one micro-batch (the last stage adds the loss, weighted by the

@@ -254,19 +254,25 @@ def _cost(cost, virtual):
     return cost if isinstance(cost, Number) else cost[virtual]
 
 
-def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, message_cost=0.0):
+def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, message_cost=0.0,
+             send_overhead=0.0, receive_overhead=0.0):
     """Run the schedule on an idealised machine: each stage runs its actions in order, each as
     soon as its inputs exist. Costs are per action of one chunk: a number, or a sequence indexed
     by virtual stage (unequal stages). backward_cost is B, the input-gradient part; weight_cost is
     W; a schedule that does not split them runs B + W as one backward (with the default W = 0,
-    backward_cost is the whole backward). message_cost: what an input made on another stage takes
-    to arrive (from the producer's end to the consumer having it; 0: free communication; one
-    virtual stage handing over to the next on the same stage costs nothing). Pure: returns a dict
+    backward_cost is the whole backward). A message between stages costs as in LogP (Culler et al.
+    1993): send_overhead, the producing stage's time posting it after the action that made it;
+    message_cost, the latency from then until a consumer waiting for it has it; receive_overhead,
+    the consuming stage's time taking a message that is already there. The overheads are stage time
+    but not work: idle in the bubble. One virtual stage handing over to the next on the same stage
+    costs nothing; all zero: free communication. Pure: returns a dict
 
     * timeline: per stage, a list of (action, start, end);
     * total_time: when the last action ends (every stage starts at 0);
     * bubble_fraction: idle share of p x total time; bubble_per_stage: 1 - busy / total;
-    * idle_per_stage: total - busy, in the costs' unit;
+    * idle_per_stage: total - busy, in the costs' unit; of it, send_per_stage: posting messages,
+      transfer_per_stage: from a message being posted (or the stage asking, if later) to the
+      stage having it (measure.py splits a real step the same way; the rest is waiting);
     * peak_activations: per stage, the most micro-batch chunks whose forward has run and whose
       last backward piece (W where it is split off, else B) has not: what is held in memory.
 
@@ -276,9 +282,9 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, mes
     where = placement(schedule)
     last = len(where) - 1
     split = splits_backward(schedule)
-    done = {}                       # (kind, step, mb, virtual) -> end time
-    position = [0] * p
-    clock = [0.0] * p
+    done, posted = {}, {}           # (kind, step, mb, virtual) -> end time; -> its message posted
+    position, clock = [0] * p, [0.0] * p
+    sending, transfer = [0.0] * p, [0.0] * p
     timeline = [[] for _ in range(p)]
     in_flight, peak = [0] * p, [0] * p
     remaining = sum(len(a) for a in schedule)
@@ -297,11 +303,18 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, mes
                     cost = _cost(weight_cost, virtual)
                 else:
                     cost = _cost(backward_cost, virtual) + (0.0 if split else _cost(weight_cost, virtual))
-                start = max([clock[s]] + [done[d] + (message_cost if where[d[3]][0] != s else 0.0) for d in deps])
+                crossing = [d for d in deps if where[d[3]][0] != s]
+                ready = clock[s] + (receive_overhead if crossing else 0.0)
+                start = max([ready] + [posted[d] + message_cost if d in crossing else done[d] for d in deps])
+                if crossing:
+                    transfer[s] += start - max([clock[s]] + [posted[d] for d in crossing])
                 end = start + cost
-                done[(action.kind, action.step, action.microbatch, virtual)] = end
+                key = (action.kind, action.step, action.microbatch, virtual)
+                sends = action.send_to not in (None, s)
+                done[key], posted[key] = end, end + (send_overhead if sends else 0.0)
                 timeline[s].append((action, start, end))
-                clock[s] = end
+                sending[s] += posted[key] - end
+                clock[s] = posted[key]
                 if action.kind == "F":
                     in_flight[s] += 1
                 elif action.kind == ("W" if split else "B"):
@@ -319,7 +332,8 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, mes
     return {"timeline": timeline, "total_time": total,
             "bubble_fraction": 1 - sum(busy) / (p * total) if total else 0.0,
             "bubble_per_stage": [1 - b / total if total else 0.0 for b in busy],
-            "idle_per_stage": [total - b for b in busy], "peak_activations": peak}
+            "idle_per_stage": [total - b for b in busy], "send_per_stage": sending, "transfer_per_stage": transfer,
+            "peak_activations": peak}
 
 
 def check_complete(schedule):
