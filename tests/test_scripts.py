@@ -270,3 +270,17 @@ def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_
     assert all(r["sync"] > 0 and r["async"] > 0 and r["ratio"] == r["async"] / r["sync"] for r in results["rows"])
     assert results["max_ratio"] == max(r["ratio"] for r in results["rows"]) and "max ratio async / sync" in text
     assert results["max_paired_ratio"] == max(r["paired_ratio"] for r in results["rows"]) > 0
+
+
+def test_bench_message_cost_runs_and_times_each_side_warm_and_cold(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "messages.json"
+    monkeypatch.setattr(sys, "argv", ["bench_message_cost.py", "--repeats", "2", "--bytes", "64", "--evict-mib", "0.1",
+                                      "--json", str(out)])
+    runpy.run_path(str(SCRIPTS / "bench_message_cost.py"), run_name="__main__")
+    text = capsys.readouterr().out
+    import json
+    results = json.loads(out.read_text())
+    assert set(results) == {f"{lib} {side} {state}" for lib in ("minitrain", "mpi4py") for side in ("send", "recv")
+                            for state in ("warm", "cold")}
+    assert all(t > 0 for t in results.values())
+    assert text.count("x\n") == 4 and "one message of 64 B" in text

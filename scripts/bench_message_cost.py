@@ -1,0 +1,80 @@
+"""What one point-to-point message costs its caller, warm and right after a compute, beside MPI's own.
+
+    python scripts/bench_message_cost.py [--repeats 60] [--bytes 65536] [--evict-mib 16]
+
+A pipeline stage posts each message right after its forward or backward, whose arithmetic has just
+evicted the caches: the Python and MPI code of a send then runs from memory, not from cache. This
+script times, at p = 2, the caller's side of minitrain's isend (rank 0) and irecv (rank 1), the
+communicator with its guard (flight record, byte counts), and of mpi4py's Isend / Irecv on the same
+buffer, each with warm caches and right after a matmul that streams --evict-mib MiB through them.
+Median of --repeats; ratios to mpi4py's in the same run. It launches itself under mpiexec.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from minitrain import cli
+
+
+def worker(args):
+    from mpi4py import MPI
+
+    from minitrain import comm as C
+    comm = C.init()
+    mpi, peer = comm.mpi_comm, 1 - comm.rank
+    buf, into = np.ones(args.bytes // 4, np.float32), np.empty(args.bytes // 4, np.float32)
+    side = int(np.sqrt(args.evict_mib * 2 ** 20 / 4 / 2))
+    evict = np.random.default_rng(0).random((2, side, side), dtype=np.float32)
+    # (name, rank 0's call, rank 1's call): each rank times its own side of the same message
+    pairs = [("minitrain", lambda: comm.isend(buf, peer, 5), lambda: comm.irecv(into, peer, 5)),
+             ("mpi4py", lambda: mpi.Isend([buf, MPI.BYTE], peer, 7), lambda: mpi.Irecv([into, MPI.BYTE], peer, 7))]
+    mine = {}
+    for cold in (False, True):
+        for name, send, recv in pairs:
+            call, times = send if comm.rank == 0 else recv, []
+            for _ in range(args.repeats):
+                comm.barrier()
+                if cold:
+                    evict[0] @ evict[1]
+                start = time.perf_counter()
+                request = call()
+                times.append(time.perf_counter() - start)
+                request.Wait() if hasattr(request, "Wait") else comm.wait_all([request])
+            mine[f"{name} {'send' if comm.rank == 0 else 'recv'} {'cold' if cold else 'warm'}"] = float(np.median(times))
+    both = mpi.gather(mine, root=0)
+    if comm.rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({k: v for part in both for k, v in part.items()}, f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
+    ap.add_argument("--repeats", type=int, default=60, help="messages per call and cache state")
+    ap.add_argument("--bytes", type=int, default=65536, help="the message's size (a multiple of 4)")
+    ap.add_argument("--evict-mib", type=float, default=16.0, help="MiB the matmul before a 'cold' call streams")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.repeats < 1 or args.bytes < 4 or args.bytes % 4 or args.evict_mib <= 0:
+        ap.error("--repeats >= 1, --bytes a positive multiple of 4 and --evict-mib > 0")
+    if args.worker_out:
+        return worker(args)
+    from minitrain.testing import run_worker
+    out = run_worker(__file__, 2, ["--repeats", args.repeats, "--bytes", args.bytes, "--evict-mib", args.evict_mib])
+    print(f"one message of {args.bytes} B at p = 2, the caller's time (median of {args.repeats}); cold: right after "
+          f"a matmul streaming {args.evict_mib:g} MiB")
+    print(f"  {'call':<16} {'warm':>9} {'cold':>9} {'cold / mpi4py cold':>19}")
+    for side in ("send", "recv"):
+        for name in ("minitrain", "mpi4py"):
+            warm, cold = out[f"{name} {side} warm"], out[f"{name} {side} cold"]
+            print(f"  {name + ' ' + side:<16} {warm * 1e6:>7.1f}us {cold * 1e6:>7.1f}us "
+                  f"{cold / out[f'mpi4py {side} cold']:>18.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
