@@ -30,7 +30,8 @@ the mean time taking a message that was already there (posting the next receive 
 """
 import numpy as np
 
-from .schedules import SPLIT_BACKWARD, formula_bubble_fraction, simulate, virtual_stage
+from .schedules import SPLIT_BACKWARD, virtual_stage
+from .simulator import formula_bubble_fraction, simulate
 
 # A step's record (runtime.py writes one per traced step and rank): the step's start and end, the
 # time waiting at its end (sends, loss all-reduce), the dp all-reduce, then per action of the rank's

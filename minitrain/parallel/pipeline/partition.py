@@ -14,7 +14,8 @@ planner (minitrain/plan) both ask it, so the planner predicts the layout the job
 """
 from functools import lru_cache
 
-from .schedules import default_chunks, simulate
+from .schedules import default_chunks
+from .simulator import simulate
 
 
 def parameter_costs(layers):

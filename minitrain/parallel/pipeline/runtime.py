@@ -36,8 +36,8 @@ from ...sharded import whole
 from . import measure
 from .messages import TAG_LIMIT, StageMessages
 from .partition import balanced_split_points, counted_costs, parameter_costs, stage_layout, stage_table
-from .schedules import (SPLIT_BACKWARD, check_schedule, default_chunks, formula_bubble_fraction, get_schedule,
-                        placement, virtual_stage)
+from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, placement, virtual_stage
+from .simulator import check_schedule, formula_bubble_fraction
 from .stamps import StepRecords
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
