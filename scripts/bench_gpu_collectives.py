@@ -24,7 +24,7 @@ import numpy as np
 
 from minitrain import backend, cli
 from minitrain import comm as mtcomm
-from minitrain.comm import collectives as C
+from minitrain.comm import rings as C
 from minitrain.comm import transport as T
 
 GOAL_IPC_GBPS, GOAL_IPC_BYTES, GOAL_STAGED_RATIO = 250.0, 64 << 20, 0.8

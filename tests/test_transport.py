@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from minitrain.comm import ThreadWorld, collectives as C, transport as T
+from minitrain.comm import ThreadWorld, rings as C, transport as T
 from minitrain.testing import run_mpi
 
 ROOT = pathlib.Path(__file__).parent.parent

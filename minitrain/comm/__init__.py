@@ -9,9 +9,10 @@ from .flight_recorder import FlightRecorder
 from .local import ThreadWorld, ThreadCommunicator
 from .work import Work
 from .mesh import DeviceMesh, MeshError
-from .collectives import (ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast, reduce,
-                          naive_all_reduce, recursive_doubling_all_reduce, all_to_all, all_reduce,
-                          all_reduce_coalesced, chunk_bounds, ALL_REDUCE_ALGORITHMS)
+from .reductions import chunk_bounds
+from .rings import ring_all_reduce, ring_reduce_scatter, ring_all_gather
+from .collectives import (broadcast, reduce, naive_all_reduce, recursive_doubling_all_reduce, all_to_all, all_reduce,
+                          all_reduce_coalesced, ALL_REDUCE_ALGORITHMS)
 from .alltoallv import all_to_all_single
 
 

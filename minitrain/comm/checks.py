@@ -8,7 +8,8 @@ import sys
 import numpy as np
 
 from . import collectives as C
-from .collectives import chunk_bounds
+from . import rings as R
+from .reductions import chunk_bounds
 
 # Integer-valued floats make every order of additions exact, so results must agree bit for bit.
 COLLECTIVE_DTYPES = ("float32", "float64", "int32", "int64", "float16")
@@ -73,7 +74,7 @@ def check_reduce_scatter(comm, mpi_comm=None):
         for dtype in COLLECTIVE_DTYPES:
             for op in ("sum", "max", "min"):
                 x = rank_input(comm.rank, n, dtype)
-                got = C.ring_reduce_scatter(comm, x, op=op)
+                got = R.ring_reduce_scatter(comm, x, op=op)
                 want = np.array_split(expected_reduction(comm.size, n, dtype, op), comm.size)[comm.rank]
                 assert np.array_equal(got, want), f"[rank {comm.rank}] reduce_scatter n={n} {dtype} {op}"
                 if mpi_comm is not None and dtype != "float16":
@@ -93,7 +94,7 @@ def check_all_gather(comm, mpi_comm=None):
             full = rank_input(99, n, dtype)
             shard = np.array_split(full, comm.size)[comm.rank]
             for total in (n, None):
-                got = C.ring_all_gather(comm, shard, total=total)
+                got = R.ring_all_gather(comm, shard, total=total)
                 assert np.array_equal(got, full), f"[rank {comm.rank}] all_gather n={n} {dtype} total={total}"
                 count += 1
             if mpi_comm is not None and dtype != "float16":
@@ -170,7 +171,7 @@ def main():
         x %= 251
         x = x.astype(np.float32)
         x += 7 * comm.rank
-        got = C.ring_all_reduce(comm, x)
+        got = R.ring_all_reduce(comm, x)
         ref = np.empty_like(x)
         comm.mpi_comm.Allreduce(x, ref)
         assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 + 3 elements differ from MPI"

@@ -20,225 +20,15 @@ place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 """
 import numpy as np
 
-from ..backend import LOW_PRECISION, address, array_module
+from ..backend import array_module
+from .reductions import check_op, check_out, combine, finish_mean, flat_view, output_buffer
+from .rings import ring_all_gather, ring_all_reduce
 
-OPS = ("sum", "mean", "max", "min")
 # all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
 # above. Measured by scripts/bench_collectives.py on the 2-core machine: the crossover was 64 KiB
 # at p=2 and 128-256 KiB at p=4. It grows with p because the ring's latency term, 2(p-1)·alpha,
 # outgrows recursive doubling's log2(p)·alpha.
 AUTO_CROSSOVER_BYTES = 64 * 1024
-
-
-def chunk_bounds(n, p):
-    """Start offsets of np.array_split(range(n), p), plus n: chunk i is [b[i], b[i+1])."""
-    base, extra = divmod(n, p)
-    bounds = [0]
-    for i in range(p):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
-
-
-def _check_op(op, dtype):
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
-    if op == "mean" and np.dtype(dtype).kind not in "fc" and np.dtype(dtype) not in LOW_PRECISION:
-        raise TypeError(f"op='mean' needs a floating dtype, got {np.dtype(dtype)} (use 'sum')")
-
-
-def _combine(acc, incoming, op):
-    """acc = acc (op) incoming, in place (mean sums; the division comes at the end)."""
-    xp = array_module(acc)
-    if op in ("sum", "mean"):
-        xp.add(acc, incoming, out=acc)
-    elif op == "max":
-        xp.maximum(acc, incoming, out=acc)
-    else:
-        xp.minimum(acc, incoming, out=acc)
-
-
-def _finish_mean(a, op, p):
-    if op == "mean":
-        a /= p
-
-
-def _flat(x):
-    xp = array_module(x)
-    return xp.ascontiguousarray(x).reshape(-1)
-
-
-def _check_out(comm, name, out, shape, like):
-    """``out`` must be a contiguous array of ``shape``, of ``like``'s dtype, on ``like``'s device,
-    not overlapping it: checked on the calling thread, before a sequence number or a byte is spent."""
-    if out is None:
-        return
-    xp = array_module(like)
-    problems = []
-    if not hasattr(out, "shape") or array_module(out) is not xp:
-        problems.append(f"it is a {type(out).__module__}.{type(out).__name__}, the input a {type(like).__module__}."
-                        f"{type(like).__name__} (the same device, please)")
-    else:
-        if tuple(out.shape) != tuple(shape):
-            problems.append(f"shape {tuple(out.shape)} instead of {tuple(shape)}")
-        if out.dtype != like.dtype:
-            problems.append(f"dtype {out.dtype} instead of {like.dtype}")
-        if not out.flags.c_contiguous:
-            problems.append("it is not contiguous")
-        elif out.size and like.size and _overlap(out, like):
-            problems.append("it overlaps the input (the result would read its own partial sums)")
-    if problems:
-        raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous {like.dtype} array of shape "
-                         f"{tuple(shape)} on the input's device, apart from the input: " + "; ".join(problems))
-
-
-def _overlap(a, b):
-    """Whether two contiguous arrays share bytes (their address ranges meet; either device)."""
-    return address(a) < address(b) + b.nbytes and address(b) < address(a) + a.nbytes
-
-
-# ---------------------------------------------------------------- ring algorithms
-def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
-    """One reduce-scatter step: send ``sendbuf``, and make ``recvbuf`` = what arrives (op) ``own``.
-    A transport that reads the peer's memory (CUDA IPC) reduces as it reads: one kernel, no copy."""
-    recv = comm.irecv(recvbuf, source, tag)
-    fused = recv.reduce_on_arrival(own, op)
-    send = comm.isend(sendbuf, dest, tag)
-    comm.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
-    if not fused:
-        _combine(recvbuf, own, op)
-
-
-def _output(out, like, n):
-    """The caller's output buffer (already checked by _check_out), flat, or a new one."""
-    if out is None:
-        return array_module(like).empty(n, dtype=like.dtype)
-    return out.reshape(-1)
-
-
-def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
-    """Every rank gets the reduction of all ranks' ``x`` (same shape everywhere): ring
-    reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank.
-    Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
-    _check_op(op, x.dtype)
-    _check_out(comm, "ring_all_reduce", out, x.shape, x)
-
-    def ring(comm, tag):
-        p, r = comm.size, comm.rank
-        right, left = (r + 1) % p, (r - 1) % p
-        flat = _flat(x)
-        result = _output(out, flat, flat.size)
-        bounds = chunk_bounds(flat.size, p)
-
-        def own(i):                       # chunk i of this rank's input, and of the result
-            return flat[bounds[i]:bounds[i + 1]]
-
-        def res(i):
-            return result[bounds[i]:bounds[i + 1]]
-        if p == 1:
-            result[...] = flat
-        # reduce-scatter: at step s send chunk r-s-1 (my input at first, then what I reduced last step),
-        # receive chunk r-s-2 and add my input's copy to it; after p-1 steps chunk r is fully reduced here
-        for step in range(p - 1):
-            send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
-            outgoing = own(send_i) if step == 0 else res(send_i)
-            _sendrecv_reduce(comm, outgoing, right, res(recv_i), left, tag, own(recv_i), op)
-        _finish_mean(res(r), op, p)
-        # all-gather: pass the reduced chunks around the ring; after p-1 steps every rank has all of them
-        for step in range(p - 1):
-            send_i, recv_i = (r - step) % p, (r - step - 1) % p
-            comm.sendrecv(res(send_i), right, res(recv_i), left, tag)
-        return out if out is not None else result.reshape(x.shape)
-    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return comm.launch("ring_all_reduce", ring, (), async_op, header, x.nbytes)
-
-
-def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False):
-    """Rank r gets chunk r (``np.array_split(x.ravel(), p)[r]``) of the reduction of all ranks' x.
-    (p-1) steps; (N - |chunk r|)·b bytes sent per rank; working memory two chunks.
-    ``bounds`` (p+1 offsets) gives another partition: chunk r = [bounds[r], bounds[r+1]) (as
-    MPI_Reduce_scatter's counts; ZeRO-2 uses it for the slices of a bucket each rank owns)."""
-    _check_op(op, x.dtype)
-    _check_bounds(comm, bounds, x.size)
-    bounds = chunk_bounds(x.size, comm.size) if bounds is None else list(bounds)
-    _check_out(comm, "ring_reduce_scatter", out, (bounds[comm.rank + 1] - bounds[comm.rank],), x)
-
-    def ring(comm, tag):
-        p, r = comm.size, comm.rank
-        right, left = (r + 1) % p, (r - 1) % p
-        flat = _flat(x)
-        result = _output(out, flat, bounds[r + 1] - bounds[r])
-
-        def own(i):                       # chunk i of this rank's input
-            return flat[bounds[i]:bounds[i + 1]]
-        if p == 1:
-            result[...] = flat
-        # two chunk-sized buffers in turn (receive into one while the other is sent); the last step,
-        # which brings chunk r itself, receives straight into the result
-        largest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        scratch = [array_module(flat).empty(largest, flat.dtype) for _ in range(2)] if p > 1 else None
-        reduced = None
-        for step in range(p - 1):     # as in ring_all_reduce: send chunk r-s-1, receive and reduce chunk r-s-2
-            send_i, recv_i = (r - step - 1) % p, (r - step - 2) % p
-            incoming = result if step == p - 2 else scratch[step % 2][:bounds[recv_i + 1] - bounds[recv_i]]
-            _sendrecv_reduce(comm, own(send_i) if step == 0 else reduced, right, incoming, left, tag, own(recv_i), op)
-            reduced = incoming
-        _finish_mean(result, op, p)
-        return out if out is not None else result
-    header = {"shape": x.shape, "dtype": x.dtype, "op": op}
-    return comm.launch("ring_reduce_scatter", ring, (), async_op, header, x.nbytes)
-
-
-def _check_bounds(comm, bounds, n):
-    if bounds is not None and (len(bounds) != comm.size + 1 or bounds[0] != 0 or bounds[-1] != n
-                               or any(b < a for a, b in zip(bounds[:-1], bounds[1:]))):
-        raise ValueError(f"ring_reduce_scatter: bounds must be {comm.size + 1} non-decreasing offsets "
-                         f"from 0 to {n}, got {list(bounds)}")
-
-
-def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
-    """Concatenation of every rank's (flat) shard, in rank order. Shards may differ in length
-    (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
-    lengths are exchanged first (``out`` then needs ``total``). (p-1) steps; (N - |chunk r+1|)·b
-    bytes sent per rank."""
-    _check_gather(comm, shard, total, out)
-
-    def ring(comm, tag):
-        p, r = comm.size, comm.rank
-        flat = _flat(shard)
-        if total is None:                 # lengths unknown: gather them first (p-1 tiny messages)
-            lengths = np.empty(p, np.int64)
-            lengths[r] = flat.size
-            _pass_around(comm, tag, lengths, list(range(p + 1)))
-            bounds = [0] + np.cumsum(lengths).tolist()
-        else:
-            bounds = chunk_bounds(total, p)
-        result = _output(out, flat, bounds[-1])
-        result[bounds[r]:bounds[r + 1]] = flat
-        _pass_around(comm, tag, result, bounds)
-        return out if out is not None else result
-    header = {"shape": None, "dtype": shard.dtype, "extra": -1 if total is None else total}
-    return comm.launch("ring_all_gather", ring, (), async_op, header, shard.nbytes)
-
-
-def _pass_around(comm, tag, out, bounds):
-    """The all-gather's ring: at step s send chunk r-s, receive chunk r-s-1 from the left."""
-    p, r = comm.size, comm.rank
-    for step in range(p - 1):
-        send_i, recv_i = (r - step) % p, (r - step - 1) % p
-        comm.sendrecv(out[bounds[send_i]:bounds[send_i + 1]], (r + 1) % p,
-                      out[bounds[recv_i]:bounds[recv_i + 1]], (r - 1) % p, tag)
-
-
-def _check_gather(comm, shard, total, out):
-    if out is not None and total is None:
-        raise ValueError(f"[rank {comm.rank}] ring_all_gather: out= needs total= (the length of the result)")
-    if total is not None:
-        bounds = chunk_bounds(total, comm.size)
-        if bounds[comm.rank + 1] - bounds[comm.rank] != shard.size:
-            raise ValueError(f"[rank {comm.rank}] ring_all_gather: shard of {shard.size} elements, but "
-                             f"np.array_split of {total} over {comm.size} gives this rank "
-                             f"{bounds[comm.rank + 1] - bounds[comm.rank]}")
-    _check_out(comm, "ring_all_gather", out, (total,) if total is not None else (), shard)
 
 
 # ---------------------------------------------------------------- trees
@@ -272,7 +62,7 @@ def broadcast(comm, x, root=0, async_op=False):
 def _reduce_body(comm, tag, x, root, op):
     p = comm.size
     vrank = (comm.rank - root) % p
-    acc = _flat(x).copy()
+    acc = flat_view(x).copy()
     incoming = array_module(acc).empty_like(acc)
     mask = 1
     while mask < p:                          # mirror image of the broadcast tree
@@ -282,15 +72,15 @@ def _reduce_body(comm, tag, x, root, op):
         child = vrank + mask
         if child < p:
             comm.recv(incoming, (child + root) % p, tag)
-            _combine(acc, incoming, op)
+            combine(acc, incoming, op)
         mask <<= 1
-    _finish_mean(acc, op, p)
+    finish_mean(acc, op, p)
     return acc.reshape(x.shape)
 
 
 def reduce(comm, x, root=0, op="sum", async_op=False):
     """The reduction of all ranks' ``x`` on ``root`` (None on the others), along a binomial tree."""
-    _check_op(op, x.dtype)
+    check_op(op, x.dtype)
     if not 0 <= root < comm.size:
         raise ValueError(f"reduce: root {root} is not in a world of size {comm.size}")
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
@@ -299,16 +89,16 @@ def reduce(comm, x, root=0, op="sum", async_op=False):
 
 # ---------------------------------------------------------------- the contrast and the latency-bound case
 def _naive_body(comm, tag, x, op, root, result):
-    flat = _flat(x)
-    out = _output(result, flat, flat.size)
+    flat = flat_view(x)
+    out = output_buffer(result, flat, flat.size)
     out[...] = flat
     if comm.rank == root:
         incoming = array_module(flat).empty_like(flat)
         for peer in range(comm.size):
             if peer != root:
                 comm.recv(incoming, peer, tag)
-                _combine(out, incoming, op)
-        _finish_mean(out, op, comm.size)
+                combine(out, incoming, op)
+        finish_mean(out, op, comm.size)
         for peer in range(comm.size):
             if peer != root:
                 comm.send(out, peer, tag)
@@ -321,18 +111,18 @@ def _naive_body(comm, tag, x, op, root, result):
 def naive_all_reduce(comm, x, op="sum", root=0, out=None, async_op=False):
     """Everyone sends everything to the root, which reduces and sends the result back to each:
     the root moves 2(p-1)·N·b bytes, serially. The contrast that motivates the ring."""
-    _check_op(op, x.dtype)
+    check_op(op, x.dtype)
     if not 0 <= root < comm.size:
         raise ValueError(f"naive_all_reduce: root {root} is not in a world of size {comm.size}")
-    _check_out(comm, "naive_all_reduce", out, x.shape, x)
+    check_out(comm, "naive_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
     return comm.launch("naive_all_reduce", _naive_body, (x, op, root, out), async_op, header, x.nbytes)
 
 
 def _recursive_doubling_body(comm, tag, x, op, out):
     p, r = comm.size, comm.rank
-    flat = _flat(x)
-    acc = _output(out, flat, flat.size)
+    flat = flat_view(x)
+    acc = output_buffer(out, flat, flat.size)
     acc[...] = flat
     incoming = array_module(acc).empty_like(acc)
     pow2 = 1
@@ -346,14 +136,14 @@ def _recursive_doubling_body(comm, tag, x, op, out):
         return out if out is not None else acc.reshape(x.shape)
     if r < extra:
         comm.recv(incoming, r + pow2, tag)
-        _combine(acc, incoming, op)
+        combine(acc, incoming, op)
     mask = 1
     while mask < pow2:                       # exchange whole vectors with the partner r XOR mask
         partner = r ^ mask
         comm.sendrecv(acc, partner, incoming, partner, tag)
-        _combine(acc, incoming, op)          # a+b == b+a in IEEE arithmetic: partners stay bit-identical
+        combine(acc, incoming, op)          # a+b == b+a in IEEE arithmetic: partners stay bit-identical
         mask <<= 1
-    _finish_mean(acc, op, p)
+    finish_mean(acc, op, p)
     if r < extra:
         comm.send(acc, r + pow2, tag)
     return out if out is not None else acc.reshape(x.shape)
@@ -363,8 +153,8 @@ def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
     """log2(p) rounds, each exchanging the whole vector with the partner rank r XOR 2^k; ranks
     beyond the largest power of two fold in first and get the result last. Few messages, many
     bytes: the right choice for small messages, where latency (alpha) dominates."""
-    _check_op(op, x.dtype)
-    _check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
+    check_op(op, x.dtype)
+    check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
     return comm.launch("recursive_doubling_all_reduce", _recursive_doubling_body, (x, op, out), async_op,
                    header, x.nbytes)
@@ -372,7 +162,7 @@ def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
 
 def _all_to_all_body(comm, tag, x):
     p, r = comm.size, comm.rank
-    blocks = _flat(x).reshape(p, -1)
+    blocks = flat_view(x).reshape(p, -1)
     out = array_module(blocks).empty_like(blocks)
     out[r] = blocks[r]
     for step in range(1, p):                 # pairwise exchange: send to r+step, hear from r-step

@@ -279,7 +279,7 @@ def _start_death_watch(world):
     """Shared-memory slots for the ranks on this node and one watcher process (death_watch.py).
     Its few collectives run on a duplicate of the world ("init"): the job's own calls start at #0."""
     from . import death_watch
-    from .collectives import ring_all_gather
+    from .rings import ring_all_gather
     if world.size == 1 or not hasattr(os, "pidfd_open") or world.recorder.mirror is not None:
         return                                       # (a second init() in this process: already watched)
     comm = MPICommunicator(timed_dup(world.mpi_comm, world.timeout), world.timeout, uid="init",

@@ -19,7 +19,8 @@ import zlib
 import numpy as np
 
 from .. import backend
-from .collectives import broadcast, ring_all_gather
+from .collectives import broadcast
+from .rings import ring_all_gather
 from .communicator import Communicator
 from .errors import CommError
 from .guard import wrap

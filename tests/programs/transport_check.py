@@ -21,6 +21,7 @@ import numpy as np
 from minitrain import backend, memory
 from minitrain import comm as mtcomm
 from minitrain.comm import collectives as C
+from minitrain.comm import rings as R
 from minitrain.comm import transport as T
 
 LENGTHS = (0, 1, 3, 7, 1001)
@@ -62,13 +63,13 @@ def check_collectives(comm, cp, where):
                 if op == "mean" and dtype == "int32":
                     continue
                 want = {"sum": stack.sum(0), "mean": stack.mean(0), "max": stack.max(0), "min": stack.min(0)}[op]
-                got = C.ring_all_reduce(comm, x, op=op)
+                got = R.ring_all_reduce(comm, x, op=op)
                 assert np.array_equal(cp.asnumpy(got), want.astype(dtype)), f"{where} ring_all_reduce n={n} {dtype} {op}"
                 count += 1
-            got = C.ring_reduce_scatter(comm, x)
+            got = R.ring_reduce_scatter(comm, x)
             assert np.array_equal(cp.asnumpy(got), np.array_split(stack.sum(0).astype(dtype), p)[r]), f"{where} rs n={n}"
             full = rank_input(99, n, dtype)
-            got = C.ring_all_gather(comm, cp.asarray(np.array_split(full, p)[r]), total=n)
+            got = R.ring_all_gather(comm, cp.asarray(np.array_split(full, p)[r]), total=n)
             assert np.array_equal(cp.asnumpy(got), full), f"{where} all_gather n={n} {dtype}"
             buf = cp.asarray(host)
             C.broadcast(comm, buf, root=p - 1)
@@ -90,7 +91,7 @@ def check_bytes_and_reuse(comm, cp, where):
     n = 4096 + 3
     x = cp.asarray(rank_input(comm.rank, n, "float32"))
     out = cp.empty_like(x)
-    C.ring_all_reduce(comm, x, out=out)                        # warm-up: handles opened, blocks allocated
+    R.ring_all_reduce(comm, x, out=out)                        # warm-up: handles opened, blocks allocated
     t = comm.device_transport()
     standin = getattr(cp, "__standin__", False)
     before = (getattr(t, "opens", 0), getattr(getattr(t, "pool", None), "nbytes", 0),
@@ -98,12 +99,12 @@ def check_bytes_and_reuse(comm, cp, where):
               cp._standin.counters("process")["pinned_bytes"] if standin else 0)
     comm.stats.reset()
     for _ in range(3):
-        C.ring_all_reduce(comm, x, out=out)
+        R.ring_all_reduce(comm, x, out=out)
     after = (getattr(t, "opens", 0), getattr(getattr(t, "pool", None), "nbytes", 0),
              cp._standin.counters("process")["ipc_opens"] if standin else 0,
              cp._standin.counters("process")["pinned_bytes"] if standin else 0)
     assert after == before, f"{where}: repeated calls opened or allocated again: {before} -> {after}"
-    bounds = C.chunk_bounds(n, p)
+    bounds = R.chunk_bounds(n, p)
     chunk = [bounds[i + 1] - bounds[i] for i in range(p)]
     r = comm.rank
     rs = sum(chunk[(r - s - 1) % p] for s in range(p - 1))
@@ -180,20 +181,20 @@ def main():
         sub = comm.split(comm.rank % 2)
         assert sub.transport is not None and sub.transport.name == t.name, f"{where}: the split lost the transport"
         x = cp.asarray(rank_input(sub.rank, 257, "float64"))
-        work = C.ring_all_reduce(sub, x, async_op=True)
+        work = R.ring_all_reduce(sub, x, async_op=True)
         want = np.stack([rank_input(q, 257, "float64") for q in range(sub.size)]).sum(0)
         assert np.array_equal(cp.asnumpy(work.wait()), want), f"{where}: async all-reduce on a split"
         if args.mismatch and t.name == "cuda-ipc":
             entry["mismatch"] = check_mismatch(comm, cp, where)
         report["transports"][name] = entry
-        C.ring_all_reduce(comm, cp.zeros(1, np.float32))        # every rank done before the next transport
+        R.ring_all_reduce(comm, cp.zeros(1, np.float32))        # every rank done before the next transport
     devices = sorted(t for t in seen if "cupy" in t)
     if T.mpi_is_cuda_aware():        # the direct path: device buffers go to MPI as they are
         assert devices, f"[rank {comm.rank}] MPI is CUDA-aware, yet no device buffer went to it directly"
     else:
         assert not devices, f"[rank {comm.rank}] device arrays reached mpi4py: {devices}"
     report["mpi4py_saw"] = sorted(seen)
-    rows = C.ring_all_gather(comm, np.array([len(seen)], np.int64), total=comm.size)
+    rows = R.ring_all_gather(comm, np.array([len(seen)], np.int64), total=comm.size)
     if comm.rank == 0:
         report["ranks_checked"] = int((rows > 0).sum())
         with open(args.out, "w") as f:

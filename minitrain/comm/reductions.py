@@ -1,0 +1,80 @@
+"""What every collective does to its buffers: checks (op, dtype, out=), chunks, the element-wise
+reduction. The collectives (rings.py, collectives.py) call these and the Communicator only."""
+import numpy as np
+
+from ..backend import LOW_PRECISION, address, array_module
+
+OPS = ("sum", "mean", "max", "min")
+
+
+def chunk_bounds(n, p):
+    """Start offsets of np.array_split(range(n), p), plus n: chunk i is [b[i], b[i+1])."""
+    base, extra = divmod(n, p)
+    bounds = [0]
+    for i in range(p):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def check_op(op, dtype):
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
+    if op == "mean" and np.dtype(dtype).kind not in "fc" and np.dtype(dtype) not in LOW_PRECISION:
+        raise TypeError(f"op='mean' needs a floating dtype, got {np.dtype(dtype)} (use 'sum')")
+
+
+def combine(acc, incoming, op):
+    """acc = acc (op) incoming, in place (mean sums; the division comes at the end)."""
+    xp = array_module(acc)
+    if op in ("sum", "mean"):
+        xp.add(acc, incoming, out=acc)
+    elif op == "max":
+        xp.maximum(acc, incoming, out=acc)
+    else:
+        xp.minimum(acc, incoming, out=acc)
+
+
+def finish_mean(a, op, p):
+    if op == "mean":
+        a /= p
+
+
+def flat_view(x):
+    xp = array_module(x)
+    return xp.ascontiguousarray(x).reshape(-1)
+
+
+def check_out(comm, name, out, shape, like):
+    """``out`` must be a contiguous array of ``shape``, of ``like``'s dtype, on ``like``'s device,
+    not overlapping it: checked on the calling thread, before a sequence number or a byte is spent."""
+    if out is None:
+        return
+    xp = array_module(like)
+    problems = []
+    if not hasattr(out, "shape") or array_module(out) is not xp:
+        problems.append(f"it is a {type(out).__module__}.{type(out).__name__}, the input a {type(like).__module__}."
+                        f"{type(like).__name__} (the same device, please)")
+    else:
+        if tuple(out.shape) != tuple(shape):
+            problems.append(f"shape {tuple(out.shape)} instead of {tuple(shape)}")
+        if out.dtype != like.dtype:
+            problems.append(f"dtype {out.dtype} instead of {like.dtype}")
+        if not out.flags.c_contiguous:
+            problems.append("it is not contiguous")
+        elif out.size and like.size and overlap(out, like):
+            problems.append("it overlaps the input (the result would read its own partial sums)")
+    if problems:
+        raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous {like.dtype} array of shape "
+                         f"{tuple(shape)} on the input's device, apart from the input: " + "; ".join(problems))
+
+
+def overlap(a, b):
+    """Whether two contiguous arrays share bytes (their address ranges meet; either device)."""
+    return address(a) < address(b) + b.nbytes and address(b) < address(a) + a.nbytes
+
+
+def output_buffer(out, like, n):
+    """The caller's output buffer (already checked by check_out), flat, or a new one."""
+    if out is None:
+        return array_module(like).empty(n, dtype=like.dtype)
+    return out.reshape(-1)
