@@ -245,7 +245,7 @@ def test_a_receive_of_another_dtype_is_named_even_when_the_sender_waits_for_the_
     # MPI (the dtype travels in the tag: the messages never match): rank 0 sent float32 with tag 7
     # and waits in a barrier for rank 1, whose float64 receive with tag 7 waits for rank 0. A wait
     # cycle; whichever rank reports, the verdict names the cause, not just "a deadlock"
-    from minitrain.comm.flight_recorder import analyze
+    from minitrain.comm.flight_verdict import analyze
     recorders = [FlightRecorder(0), FlightRecorder(1)]
     send = recorders[0].open("world", -1, "send", (4,), "float32", 16, peer=1, tag=7)
     recorders[0].close(send)

@@ -21,7 +21,8 @@ from .. import memory, random, trace
 from .collectives import split_table
 from .communicator import DEFAULT_COMM_TIMEOUT, DTYPE_SLOTS, HARD_TIMEOUT_FACTOR, Communicator
 from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError, size_error
-from .flight_recorder import FlightRecorder, call_name
+from .flight_recorder import FlightRecorder
+from .flight_verdict import call_name
 from .guard import wrap
 from .wire import Request
 
