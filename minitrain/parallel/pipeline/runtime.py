@@ -20,10 +20,9 @@ the weight gradients; W runs the queue. With dp_comm the gradients are averaged 
 find_unused_parameters (an expert no token of a replica chose) as DDP's: a parameter without a
 gradient on some replica counts as zeros there, one that no replica used keeps grad None.
 
-PipeDream-2BW: double-buffered weights; batch t runs forward and backward on the stashed W(t-1)
-while the optimizer updates W(t): W(t+1) = W(t) - lr·∇L(W(t-1)) (Narayanan et al. 2021, sec. 3).
-One batch per train_step (it flushes, so that the step returns); the schedule and the
-simulator show the no-flush timing of several batches chained.
+PipeDream-2BW: double-buffered weights (weight_stash.py); batch t runs forward and backward on the
+stashed W(t-1) while the optimizer updates W(t). One batch per train_step (it flushes, so that the
+step returns); the schedule and the simulator show the no-flush timing of several batches chained.
 """
 import numpy as np
 
@@ -39,6 +38,7 @@ from .partition import balanced_split_points, counted_costs, parameter_costs, st
 from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, placement, virtual_stage
 from .simulator import check_schedule, formula_bubble_fraction
 from .stamps import StepRecords
+from .weight_stash import WeightStash
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
 
@@ -111,7 +111,7 @@ class PipelineParallel:
         if dp_comm is not None and dp_comm.size > 1:
             for q in self.dp_parameters():      # data-parallel replicas start equal
                 broadcast(dp_comm, q.data, root=0)
-        self._stash = None                     # pipedream_2bw: the weight version W(t-1)
+        self._stash = WeightStash()            # pipedream_2bw: the weight version W(t-1)
         self.messages = StageMessages(comm, self.p, self.v)
         self._receives = [i for i, a in enumerate(self.actions) if a.recv_from not in (None, self.rank)]
         self.stamps = StepRecords(self.actions)   # the traced steps' timing (stamps.py)
@@ -166,7 +166,7 @@ class PipelineParallel:
         params = self.parameters()
         xp = array_module(params[0].data) if params else np
         if self.schedule_name == "pipedream_2bw":
-            current = self._swap_in_stash()
+            current = self._stash.swap_in(self.parameters())
         self.messages.begin((tuple(np.shape(x)), tuple(np.shape(y))))
         self._step = _Step(x, y, loss_fn, starts, weights, xp)
         tracer = trace.tracer()
@@ -178,7 +178,7 @@ class PipelineParallel:
         all_reduce_gradients()
         total = all_reduce_loss()
         if self.schedule_name == "pipedream_2bw":
-            self._swap_out_stash(current)
+            self._stash.swap_out(self.parameters(), current)
         if tracer.enabled:
             self.stamps.record(tracer, clock)
         self._step = None
@@ -296,19 +296,6 @@ class PipelineParallel:
                         q.grad = array_module(q.data).zeros(q.shape, q.dtype)
             all_reduce_coalesced(self.dp_comm, [q.grad for q in params if q.grad is not None], op="mean")
 
-    # ---- PipeDream-2BW: compute on W(t-1), let the optimizer update W(t)
-    def _swap_in_stash(self):
-        current = [q.data.copy() for q in self.parameters()]
-        if self._stash is not None:
-            for q, old in zip(self.parameters(), self._stash):
-                q.data[...] = old
-        return current
-
-    def _swap_out_stash(self, current):
-        self._stash = current                  # W(t) becomes the version the next batch computes on
-        for q, now in zip(self.parameters(), current):
-            q.data[...] = now
-
     # ---- measurement (measure.py)
     def measured_bubble(self, skip_first=True):
         """The measured bubble of the traced steps beside the formula and the residual per cause
@@ -335,25 +322,7 @@ class PipelineParallel:
     def extra_sharded_state(self, placements):
         """PipeDream-2BW's stashed weights W(t-1) (<name>/stash), which the next step computes on:
         without them a resumed run would take another step. Other schedules keep nothing."""
-        if self._stash is None:
-            return {}
-        stash = {}
-        for q, old in zip(self.parameters(), self._stash):
-            for name, piece in placements[id(q)]:
-                stash.setdefault(f"{name}/stash", []).append((piece, piece.view(old)))
-        return stash
+        return self._stash.sharded_state(self.parameters(), placements)
 
     def load_extra_sharded_state(self, reader, placements):
-        names = [placements[id(q)][0][0] for q in self.parameters()]
-        saved = [reader.has(f"{name}/stash") for name in names]
-        if not any(saved):
-            self._stash = None                  # as at the start: the first step computes on W(t)
-            return
-        if self.schedule_name != "pipedream_2bw":
-            raise ValueError("the checkpoint holds PipeDream-2BW's stashed weights W(t-1); only the pipedream_2bw "
-                             "schedule computes on them (resume with --schedule pipedream_2bw)")
-        self._stash = []
-        for q, name in zip(self.parameters(), names):
-            old = array_module(q.data).zeros(q.shape, q.dtype)
-            reader.read_into(f"{name}/stash", placements[id(q)][0][1], old)
-            self._stash.append(old)
+        self._stash.load(self.parameters(), reader, placements, self.schedule_name)
