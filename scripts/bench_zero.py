@@ -11,6 +11,10 @@ rank sends per step against 2Ψ(p-1)/p·4 (DDP, ZeRO-1/2) or 3Ψ(p-1)/p·4 (ZeRO
 model states at the optimizer step against (4 + 4 + 8)Ψ split by stage. At p=4 the 2 cores are
 oversubscribed: compare times within a row, not across p. With fp32 parameters the offloaded
 optimizer keeps a host master copy of the shard (4Ψ/N more on the host, none on the device).
+"hidden": the share of the step's asynchronous collectives' time the step did not wait for (DDP's
+bucket all-reduces behind backward; ZeRO-3 (FSDP): the all-gathers prefetched behind the previous
+unit's forward, the reduce-scatters behind backward): 1 - time waiting for them / time they took,
+read off the trace's spans over the timed steps (a collective its waiter runs counts as waited).
 """
 import argparse
 import json
@@ -22,6 +26,7 @@ import numpy as np
 from minitrain import cli
 
 SIZES, BATCH, LR = [1024, 1024, 1024, 1024, 10], 256, 1e-3
+WARMUP = 3                  # steps before the timed ones (allocation, the first all-gathers)
 CONFIGS = ["ddp", "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload"]
 ANCHORS = ["torch_ddp", "torch_zero1"]
 
@@ -35,7 +40,7 @@ def data(steps, seed=0):
 
 def minitrain_worker(args):
     import minitrain as mt
-    from minitrain import memory, nn, optim
+    from minitrain import memory, nn, optim, trace
     from minitrain.comm import init, ring_all_gather
     from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, FullyShardedDataParallel,
                                     ZeroRedundancyOptimizer)
@@ -55,7 +60,9 @@ def minitrain_worker(args):
         opt = (CPUOffloadOptimizer if offload else optim.Adam)(
             *([forward.parameters(), optim.Adam] if offload else [forward.parameters()]), lr=LR)
     times, persistent, host = [], None, None
-    for x, y in data(args.steps):
+    for step, (x, y) in enumerate(data(args.steps)):
+        if step == WARMUP:
+            trace.enable(rank=r)                     # the spans of the timed steps: what was hidden
         comm.barrier()
         sent = comm.stats.bytes_sent
         t0 = time.perf_counter()
@@ -67,16 +74,27 @@ def minitrain_worker(args):
         if persistent is None:
             persistent, host = memory.snapshot(), memory.host_snapshot()
     peak = memory.peak()
-    row = np.array([np.median(times[3:]), step_bytes, persistent["params"], persistent["grads"],
+    waited, took = hidden_spans(trace.events() if trace.tracer().enabled else [])
+    row = np.array([np.median(times[WARMUP:]), step_bytes, persistent["params"], persistent["grads"],
                     persistent["optimizer_state"], host["params"] + host["grads"] + host["optimizer_state"],
-                    peak["total"]], np.float64)
+                    peak["total"], waited, took], np.float64)
     rows = ring_all_gather(comm, row, total=row.size * p).reshape(p, -1)
     if r == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"step": float(np.max(rows[:, 0])), "bytes": rows[:, 1].tolist(),
                        "params": rows[:, 2].tolist(), "grads": rows[:, 3].tolist(),
                        "optimizer_state": rows[:, 4].tolist(), "host": rows[:, 5].tolist(),
-                       "peak": rows[:, 6].tolist(), "psi": model.num_parameters()}, f)
+                       "peak": rows[:, 6].tolist(), "psi": model.num_parameters(),
+                       "hidden_fraction": [1 - w / t if t and name in ("ddp", "zero3") else None
+                                           for w, t in rows[:, 7:9].tolist()]}, f)
+
+
+def hidden_spans(events):
+    """(seconds waiting for the asynchronous collectives, seconds they took) in the trace's spans."""
+    waits = [e for e in events if e["name"] in ("wait for buckets", "wait for reduce-scatter")
+             or e["name"].startswith("all-gather ")]
+    took = [e for e in events if e["name"] in ("ring_all_reduce", "ring_all_gather", "ring_reduce_scatter")]
+    return sum(e["end"] - e["start"] for e in waits), sum(e["end"] - e["start"] for e in took)
 
 
 def torch_worker(args):
@@ -179,7 +197,7 @@ def main():
         ddp = runs.get("ddp", {}).get("step")
         anchor = runs.get("torch_ddp", {}).get("step")
         print(f"\np = {p}: {'config':<14} {'step':>9} {'/ddp':>6} {'/torch ddp':>10} {'sent/step':>10} "
-              f"{'formula':>10} {'device states':>14} {'formula':>10} {'host':>9} {'peak':>9}")
+              f"{'formula':>10} {'device states':>14} {'formula':>10} {'host':>9} {'peak':>9} {'hidden':>7}")
         for c, r in runs.items():
             line = f"       {c:<14} {r['step'] * 1e3:>7.1f}ms " + (f"{r['step'] / ddp:>5.2f}x " if ddp else " " * 7)
             line += f"{r['step'] / anchor:>9.2f}x " if anchor else " " * 11
@@ -188,6 +206,8 @@ def main():
                 device = r["params"][0] + r["grads"][0] + r["optimizer_state"][0]
                 line += (f"{r['bytes'][0] / 2**20:>8.2f}Mi {traffic / 2**20:>8.2f}Mi {device / 2**20:>12.2f}Mi "
                          f"{formula_device / 2**20:>8.2f}Mi {r['host'][0] / 2**20:>7.2f}Mi {r['peak'][0] / 2**20:>7.2f}Mi")
+                hidden = [h for h in r["hidden_fraction"] if h is not None]
+                line += f" {min(hidden):>6.0%}" if hidden else ""
             print(line)
     from minitrain.testing import mpi_library_name
     print(f"\nMPI: {mpi_library_name()}; PyTorch anchors: gloo")

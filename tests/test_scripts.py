@@ -38,6 +38,17 @@ def test_bench_zero_runs_and_matches_the_formulas(monkeypatch, capsys, tmp_path)
     assert zero2["bytes"] == [2 * shard, 2 * shard]     # reduce-scatter + all-gather: (p-1) shards each
     assert zero2["grads"] == [shard, shard] and zero2["optimizer_state"] == [2 * shard, 2 * shard]
     assert offload["optimizer_state"] == [0, 0] and offload["grads"] == [0, 0]
+    assert zero2["hidden_fraction"] == [None, None] and all(h <= 1 for h in offload["hidden_fraction"])
+
+
+def test_bench_zero_counts_the_waits_and_the_collectives_of_ddp_and_fsdp():
+    hidden_spans = runpy.run_path(str(SCRIPTS / "bench_zero.py"))["hidden_spans"]
+    span = lambda name, start, end: {"name": name, "start": start, "end": end}       # noqa: E731
+    events = [span("ring_all_gather", 0.0, 2.0), span("all-gather unit 1", 1.5, 2.0),     # FSDP's prefetch
+              span("ring_reduce_scatter", 3.0, 4.0), span("wait for reduce-scatter", 3.5, 4.0),
+              span("ring_all_reduce", 5.0, 7.0), span("wait for buckets", 6.0, 7.0),       # DDP's buckets
+              span("broadcast", 8.0, 9.0), span("forward", 0.0, 1.0)]                       # neither
+    assert hidden_spans(events) == (2.0, 5.0)
 
 
 def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
