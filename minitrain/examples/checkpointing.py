@@ -146,15 +146,31 @@ def check_layout(saved, layout):
                               "computes on; only --strategy pipeline --schedule pipedream_2bw can continue it")
 
 
+def data_rng(rng):
+    """extra= and restore= for a job that draws its batches from ``rng``: a resumed run draws the
+    batches the uninterrupted run draws next."""
+    def restore(saved):
+        rng.bit_generator.state = saved["data_rng"]
+    return {"extra": lambda: {"data_rng": rng.bit_generator.state}, "restore": restore}
+
+
+def data_loader(loader):
+    """extra= and restore= for a job that reads a DataLoader: its epoch, position and order."""
+    return {"extra": lambda: {"loader": loader.state_dict()},
+            "restore": lambda saved: loader.load_state_dict(saved["loader"])}
+
+
 class Checkpointer:
-    """Resume and save for one job: ``resume()`` once before training, ``after_step(step)`` after each step."""
+    """Resume and save for one job: ``start_step()`` (or ``resume()``) once before training,
+    ``after_step(step)`` after each step. ``extra()``: the job's own state saved beside the model
+    (the data's position); ``restore(saved)`` puts it back on resume."""
 
     def __init__(self, args, comm, model, optimizer, scheduler=None, layout=None, extra=lambda: None,
-                 optimizer_key="optimizer"):
+                 optimizer_key="optimizer", restore=lambda saved: None):
         self.args, self.comm, self.model, self.optimizer, self.scheduler = args, comm, model, optimizer, scheduler
-        self.layout, self.optimizer_key = layout or {}, optimizer_key
+        self.layout, self.optimizer_key, self.restore = layout or {}, optimizer_key, restore
         self.extra = lambda: {**(extra() or {}), "training": training_settings(args)}
-        self.last_saved = None
+        self.last_saved = self.loaded = None
         self.rank = 0 if comm is None else comm.rank
 
     def say(self, message):
@@ -182,6 +198,15 @@ class Checkpointer:
             self.override(loaded, fresh)
         self.say(f"resumed from {path}: step {loaded.step}, saved by {checkpoint.describe_layout(saved)}")
         return loaded
+
+    def start_step(self, optimizer_key=None):
+        """The step training starts from: 0, or with --resume the checkpoint's, its extra state
+        restored. Raises CheckpointError (the job ends with checkpointing.fail)."""
+        self.loaded = loaded = self.resume(optimizer_key)
+        if loaded is None:
+            return 0
+        self.restore(loaded.extra)
+        return loaded.step
 
     def override(self, loaded, fresh):
         """--override-opt-param-scheduler: the loaded state continues under this command line's settings."""

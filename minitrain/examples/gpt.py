@@ -200,15 +200,11 @@ def _main(argv=None):
     val_rng = np.random.default_rng(args.seed + 1)           # validation batches
     print(f"GPT {config} — {model.num_parameters():,} parameters, corpus {len(corpus.text):,} chars, "
           f"on {minitrain.backend.describe_device()}")
-    ckpt = checkpointing.Checkpointer(args, None, model, opt, scheduler, layout=layout(args),
-                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    ckpt = checkpointing.Checkpointer(args, None, model, opt, scheduler, layout=layout(args), **checkpointing.data_rng(rng))
     try:
-        loaded = ckpt.resume()
+        first_step = ckpt.start_step()
     except CheckpointError as e:
         return checkpointing.fail(None, e)
-    first_step = 0 if loaded is None else loaded.step
-    if loaded is not None:
-        rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)

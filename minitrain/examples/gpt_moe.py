@@ -72,16 +72,12 @@ def main_moe_dp(args):
         ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
     opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
-    ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
-                                      layout=layout(args, "dp", dp, 1, 1, world),
-                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+    ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler, layout=layout(args, "dp", dp, 1, 1, world),
+                                      **checkpointing.data_rng(rng))
     try:
-        loaded = ckpt.resume()
+        first_step = ckpt.start_step()
     except CheckpointError as e:
         return checkpointing.fail(comm, e)
-    first_step = 0 if loaded is None else loaded.step
-    if loaded is not None:
-        rng.bit_generator.state = loaded.extra["data_rng"]
 
     def global_model():
         """Rank 0's copy over the whole batch's groups: validation as one process computes it (every rank

@@ -132,15 +132,12 @@ def main_parallel(args):
     strategy += f"+zero{args.zero}" if args.zero else ""
     strategy += f"+ep{args.ep}" if args.ep > 1 else ""
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler,
-                                      layout=layout(args, strategy, dp, pp, tp, world),
-                                      extra=lambda: {"data_rng": rng.bit_generator.state})
+                                      layout=layout(args, strategy, dp, pp, tp, world), **checkpointing.data_rng(rng))
     try:
-        loaded = ckpt.resume()
+        first_step = ckpt.start_step()
     except CheckpointError as e:
         return checkpointing.fail(comm, e)
-    first_step = 0 if loaded is None else loaded.step
-    if loaded is not None:
-        rng.bit_generator.state = loaded.extra["data_rng"]   # the batches the uninterrupted run draws next
+    if ckpt.loaded is not None:
         state = model.full_state_dict()                       # the resumed model's validation loss
         val_rng = np.random.default_rng(args.seed + 1)        # the batches an uninterrupted run validates on
         if rank == 0:

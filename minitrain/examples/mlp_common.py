@@ -56,15 +56,14 @@ def resume(args, comm, wrapped, opt, loader, layout):
     """The data-parallel job's Checkpointer, and the step it starts from (0, or the checkpoint's with --resume:
     the loader's position and LocalSGD's counters restored). Raises CheckpointError."""
     local_sgd = args.strategy == "local_sgd"
+
+    def restore(saved):
+        loader.load_state_dict(saved["loader"])
+        if local_sgd and saved.get("local_sgd"):
+            wrapped.load_state_dict(saved["local_sgd"])
     ckpt = checkpointing.Checkpointer(
-        args, comm, wrapped, opt, layout=layout,
+        args, comm, wrapped, opt, layout=layout, restore=restore,
         extra=lambda: {"loader": loader.state_dict(), "local_sgd": wrapped.state_dict() if local_sgd else None},
         optimizer_key=f"optimizer.rank{comm.rank}" if local_sgd else "optimizer")
     # local SGD's optimizer states are per replica; it may also start from a common one
-    loaded = ckpt.resume(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
-    if loaded is None:
-        return ckpt, 0
-    loader.load_state_dict(loaded.extra["loader"])
-    if local_sgd and loaded.extra.get("local_sgd"):
-        wrapped.load_state_dict(loaded.extra["local_sgd"])
-    return ckpt, loaded.step
+    return ckpt, ckpt.start_step(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")

@@ -84,14 +84,11 @@ def main_pipeline(args, parser, comm):
     sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
     loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
     ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
-                                      extra=lambda: {"loader": loader.state_dict()})
+                                      **checkpointing.data_loader(loader))
     try:
-        loaded = ckpt.resume()
+        first_step = ckpt.start_step()
     except CheckpointError as e:
         return checkpointing.fail(comm, e)
-    first_step = 0 if loaded is None else loaded.step
-    if loaded is not None:
-        loader.load_state_dict(loaded.extra["loader"])
     bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
                file=sys.stdout, desc=f"{args.schedule} x{pp}" + (f" (dp {args.dp})" if args.dp > 1 else ""), unit="step")
     watch = StepWatch(rank, keep="last")             # the last step's trace (the runtime keeps a summary)
