@@ -7,9 +7,9 @@
 --job runs the issue's job instead, p = 2: `mpiexec -n 2 python -m minitrain.examples.mlp --strategy
 pipeline --hidden W --layers 5 (zbv: 9) --batch-size 256 --epochs 3 --schedule S --microbatches M
 [--chunks 2] --json ...`, --repeat times each, interleaved, and reports the run of median bubble.
-Both modes end with the targets: measured within 0.03 of the simulation (each stage's measured F,
-B, W and the measured costs of a message: latency, the sender's time posting it, the receiver's
-time taking it, as LogP prices a message), within 0.05 of the formula for GPipe and 1F1B (every m)
+Both modes end with the targets: measured within 0.03 of the simulation (each step's F, B, W as
+measured, action by action, and the measured costs of a message: latency, the sender's time
+posting it, the receiver's time taking it, as LogP prices a message), within 0.05 of the formula for GPipe and 1F1B (every m)
 and interleaved (m = 8), ZB-H1 below 1F1B and ZB-V below interleaved at each m.
 
 Model: a thin stem Linear(64, W) + ReLU, then 8 x (Linear(W, W) + ReLU), W = 1024 by default, global
@@ -22,10 +22,10 @@ not count.) Measured bubble (minitrain/parallel/pipeline/measure.py):
 per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
 to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
 formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
-measured mean F, B, W for zb_h1 and zbv, and the residual per cause; "simulated" is the schedule run
-with each stage's own measured F, B, W and the measured message costs (what the zero-bubble
-schedules are held to; its difference from the formula is the stages' unequal speed and the
-messages' cost, both in residual_by_cause). The anchor is the same model
+measured mean F, B, W for zb_h1 and zbv, and the residual per cause; "simulated" is each measured step run
+by the simulator with its actions' own measured durations and the measured message costs (what
+the zero-bubble schedules are held to; its difference from the formula is the stages' unequal
+speed, the spread of compute times and the messages' cost, each in residual_by_cause). The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:

@@ -193,3 +193,16 @@ def test_a_pipeline_thread_sleeps_with_a_fine_timer_slack():
         return before, prctl(30, 0, 0, 0, 0)
     for before, after in ThreadWorld(2).run(fn):
         assert before == 50_000 and after == 1_000
+
+
+def test_a_measured_step_is_simulated_action_by_action():
+    # GPipe, p = 2, m = 1 with each action's own duration: rank 0's F0 takes 2 and its B0 1.5, rank 1's
+    # F0 1.5 and B0 2 (their stages' means would be F = B = 1.75 everywhere)
+    took = {(0, 0): 2.0, (0, 1): 1.5, (1, 0): 1.5, (1, 1): 2.0}
+    schedule = get_schedule("gpipe", 2, 1)
+    sim = simulate(schedule, action_cost=lambda stage, i: took[stage, i])
+    assert [(s, e) for _, s, e in sim["timeline"][0]] == [(0.0, 2.0), (5.5, 7.0)]
+    assert [(s, e) for _, s, e in sim["timeline"][1]] == [(2.0, 3.5), (3.5, 5.5)]
+    assert sim["bubble_fraction"] == 0.5
+    with_messages = simulate(schedule, message_cost=0.25, send_overhead=0.5, action_cost=lambda stage, i: took[stage, i])
+    assert with_messages["total_time"] == 7.0 + 2 * (0.25 + 0.5)

@@ -145,8 +145,8 @@ def main_pipeline(args, parser, comm):
           f"transport {transport_name(comm)})")
     low, high = summary["measured_bubble_fraction_spread"]
     print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first; per step {low:.3f}..{high:.3f}): "
-          f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with the measured "
-          f"stage times and message costs (latency {summary['message_cost_s'] * 1e3:.2f} ms, send "
+          f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with each action's "
+          f"measured time and the message costs (latency {summary['message_cost_s'] * 1e3:.2f} ms, send "
           f"{summary['message_send_overhead_s'] * 1e3:.2f} ms, receive {summary['message_receive_overhead_s'] * 1e3:.2f} ms) "
           f"{summary['simulated_bubble_fraction']:.3f}   first step {summary['first_step_bubble_fraction']:.3f}")
     print("  per rank: " + ", ".join(f"{b:.3f}" for b in summary["measured_bubble_fraction_per_rank"])

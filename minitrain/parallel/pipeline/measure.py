@@ -16,13 +16,16 @@ work: the schedule's own bubble lives here), message_transfer (from the send bei
 the receive returning: the copy into the receive buffer and the waiter's wake-up), send
 (posting sends), python_overhead (between the spans: slicing micro-batches, wrapping tensors,
 bookkeeping), dp_all_reduce (2D only) and late_start (the rank entered the step after the
-first stage: still in the previous step's optimizer). residual_by_cause is measured minus
-formula, split: stage_imbalance (the schedule simulated with each stage's measured F, B, W and
-free messages, minus the formula), message_latency (what the measured latency of a message adds to
-that simulation), message_overhead (what the measured time of posting and of taking a message adds
-on top: the simulation is LogP's, Culler et al. 1993), then, beyond that simulation,
-waiting_beyond_schedule (neighbours delayed by their own overheads), message_transfer and send
-(measured minus simulated), and every overhead above. The causes add up to measured - formula.
+first stage: still in the previous step's optimizer). The simulation each step is held to runs
+the schedule with that step's measured actions, each at its own measured duration, and the
+measured costs of a message (LogP's, Culler et al. 1993: latency, the sender's and the receiver's
+overhead). residual_by_cause is measured minus formula, split: stage_imbalance (the schedule
+simulated with each stage's mean F, B, W and free messages, minus the formula), compute_spread
+(each action at its own duration instead of its stage's mean: the spread of compute times, which a
+pipeline waits for), message_latency and message_overhead (what the message's measured latency,
+then its overheads, add to that simulation), then, beyond it, waiting_beyond_schedule (neighbours
+delayed by their own overheads), message_transfer and send (measured minus simulated), and every
+overhead above. The causes add up to measured - formula.
 A message's measured cost (message_costs): the latency, the median over the receives that were
 waiting when the send was posted of the time from the send posted to the receive returning (the
 copy, the waiter's wake-up); the send overhead, the mean time posting a send; the receive overhead,
@@ -124,6 +127,26 @@ def _simulated_shares(sim, p):
     return {"send": send, "message_transfer": transfer, "waiting": sim["bubble_fraction"] - send - transfer}
 
 
+def _per_step(rows, schedule, steps, latency, send_overhead, receive_overhead):
+    """Each step simulated with its own actions' measured durations: free messages ("free"), with
+    the latency ("latent"), with the overheads too ("simulated", its shares, "total_time": the
+    median); means over the steps."""
+    slots = rows[:, :, len(HEAD):].reshape(rows.shape[0], rows.shape[1], -1, len(SLOT))
+    runs = {"free": [], "latent": [], "simulated": [], "send": [], "message_transfer": [], "waiting": [], "time": []}
+    for t in steps:
+        took = slots[:, t, :, 1] - slots[:, t, :, 0]
+        duration = lambda stage, i: float(took[stage, i])          # noqa: E731
+        runs["free"].append(simulate(schedule, action_cost=duration)["bubble_fraction"])
+        runs["latent"].append(simulate(schedule, message_cost=latency, action_cost=duration)["bubble_fraction"])
+        sim = simulate(schedule, message_cost=latency, send_overhead=send_overhead,
+                       receive_overhead=receive_overhead, action_cost=duration)
+        runs["simulated"].append(sim["bubble_fraction"])
+        runs["time"].append(sim["total_time"])
+        for k, v in _simulated_shares(sim, len(schedule)).items():
+            runs[k].append(v)
+    return {**{k: float(np.mean(v)) for k, v in runs.items() if k != "time"}, "total_time": float(np.median(runs["time"]))}
+
+
 def _gather(pipe, records):
     """(ranks, steps, fields): every rank's records of the pipeline's steps."""
     from ...comm import ring_all_gather
@@ -149,22 +172,23 @@ def summarize(pipe, skip_first=True, last_only=False):
     f, b, w = stage_costs(rows, pipe.schedule, steps)
     latency, send_overhead, receive_overhead = message_costs(rows, pipe.schedule, steps)
     free = simulate(pipe.schedule, f, b, w)
-    latent = simulate(pipe.schedule, f, b, w, message_cost=latency)
-    simulated = simulate(pipe.schedule, f, b, w, message_cost=latency, send_overhead=send_overhead,
-                         receive_overhead=receive_overhead)
+    mean_costs = simulate(pipe.schedule, f, b, w, message_cost=latency, send_overhead=send_overhead,
+                          receive_overhead=receive_overhead)
+    actual = _per_step(rows, pipe.schedule, steps, latency, send_overhead, receive_overhead)
     if pipe.schedule_name in SPLIT_BACKWARD:      # no closed form: the simulator at the mean F, B, W
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v, f.mean(), b.mean(), w.mean())
     else:
         formula = formula_bubble_fraction(pipe.schedule_name, pipe.p, pipe.m, pipe.v)
     per_step = bubble.mean(axis=0)
     mean_cause = {k: float(v[:, steps].mean()) for k, v in causes.items()}
-    shares = _simulated_shares(simulated, pipe.p)
+    simulated = actual["simulated"]
     residual = {"stage_imbalance": free["bubble_fraction"] - formula,
-                "message_latency": latent["bubble_fraction"] - free["bubble_fraction"],
-                "message_overhead": simulated["bubble_fraction"] - latent["bubble_fraction"],
-                "waiting_beyond_schedule": mean_cause.pop("waiting") - shares["waiting"],
-                "message_transfer": mean_cause.pop("message_transfer") - shares["message_transfer"],
-                "send": mean_cause.pop("send") - shares["send"]}
+                "compute_spread": actual["free"] - free["bubble_fraction"],
+                "message_latency": actual["latent"] - actual["free"],
+                "message_overhead": simulated - actual["latent"],
+                "waiting_beyond_schedule": mean_cause.pop("waiting") - actual["waiting"],
+                "message_transfer": mean_cause.pop("message_transfer") - actual["message_transfer"],
+                "send": mean_cause.pop("send") - actual["send"]}
     residual.update(mean_cause)
     return {"measured_bubble_fraction": float(per_step[steps].mean()),
             "measured_bubble_fraction_per_rank": bubble[:, steps].mean(axis=1).tolist(),
@@ -172,7 +196,8 @@ def summarize(pipe, skip_first=True, last_only=False):
             "measured_bubble_fraction_spread": [float(per_step[steps].min()), float(per_step[steps].max())],
             "first_step_bubble_fraction": float(per_step[0]),
             "formula_bubble_fraction": float(formula),
-            "simulated_bubble_fraction": float(simulated["bubble_fraction"]),
+            "simulated_bubble_fraction": float(simulated),
+            "simulated_bubble_fraction_mean_costs": float(mean_costs["bubble_fraction"]),
             "simulated_bubble_fraction_free_messages": float(free["bubble_fraction"]),
             "message_cost_s": latency,
             "message_send_overhead_s": send_overhead,
@@ -180,5 +205,5 @@ def summarize(pipe, skip_first=True, last_only=False):
             "residual_by_cause": {k: float(v) for k, v in residual.items()},
             "steps_measured": len(steps),
             "step_time_s": float(np.median(wall[steps])),
-            "simulated_step_time_s": float(simulated["total_time"]),
+            "simulated_step_time_s": actual["total_time"],
             "stage_seconds": {"F": f.tolist(), "B": b.tolist(), "W": w.tolist()}}

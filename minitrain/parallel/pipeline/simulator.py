@@ -28,8 +28,16 @@ def _cost(cost, virtual):
     return cost if isinstance(cost, Number) else cost[virtual]
 
 
+def _duration(action, virtual, split, forward_cost, backward_cost, weight_cost):
+    if action.kind == "F":
+        return _cost(forward_cost, virtual)
+    if action.kind == "W":
+        return _cost(weight_cost, virtual)
+    return _cost(backward_cost, virtual) + (0.0 if split else _cost(weight_cost, virtual))
+
+
 def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, message_cost=0.0,
-             send_overhead=0.0, receive_overhead=0.0):
+             send_overhead=0.0, receive_overhead=0.0, action_cost=None):
     """Run the schedule on an idealised machine: each stage runs its actions in order, each as
     soon as its inputs exist. Costs are per action of one chunk: a number, or a sequence indexed
     by virtual stage (unequal stages). backward_cost is B, the input-gradient part; weight_cost is
@@ -39,7 +47,8 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, mes
     message_cost, the latency from then until a consumer waiting for it has it; receive_overhead,
     the consuming stage's time taking a message that is already there. The overheads are stage time
     but not work: idle in the bubble. One virtual stage handing over to the next on the same stage
-    costs nothing; all zero: free communication. Pure: returns a dict
+    costs nothing; all zero: free communication. action_cost(stage, i), if given, is the i-th
+    action's own duration on that stage instead (a measured step, action by action). Pure: returns a dict
 
     * timeline: per stage, a list of (action, start, end);
     * total_time: when the last action ends (every stage starts at 0);
@@ -71,12 +80,8 @@ def simulate(schedule, forward_cost=1.0, backward_cost=2.0, weight_cost=0.0, mes
                 deps = _dependencies(action, virtual, last)
                 if any(d not in done for d in deps):
                     break
-                if action.kind == "F":
-                    cost = _cost(forward_cost, virtual)
-                elif action.kind == "W":
-                    cost = _cost(weight_cost, virtual)
-                else:
-                    cost = _cost(backward_cost, virtual) + (0.0 if split else _cost(weight_cost, virtual))
+                cost = (action_cost(s, position[s]) if action_cost is not None
+                        else _duration(action, virtual, split, forward_cost, backward_cost, weight_cost))
                 crossing = [d for d in deps if where[d[3]][0] != s]
                 ready = clock[s] + (receive_overhead if crossing else 0.0)
                 start = max([ready] + [posted[d] + message_cost if d in crossing else done[d] for d in deps])
