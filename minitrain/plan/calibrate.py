@@ -301,6 +301,8 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         machine.update(_least([measure_overheads(clock=clock) for _ in range(rounds)]))
         from .overheads import measure_anchor, measure_node_overheads
         machine["anchor_cpu_time_s"] = min(measure_anchor() for _ in range(rounds))
+        from .overheads import measure_anchor_median                  # (and on both ranks at once: in a job)
+        machine["anchor_median_cpu_time_s"] = min(measure_anchor_median() for _ in range(rounds))
         fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
         machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))
     machine["fresh_memory_s_per_byte"] = fresh
@@ -329,7 +331,8 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                         machine.update(fit)
                         log("in a 2-rank job: DDP adds " + f"{fit['ddp_step_s'] * 1e6:.0f} us a step + "
                             f"{fit['ddp_byte_s'] * 1e9:.2f} ns a gradient byte; FSDP {fit['fsdp_unit_s'] * 1e6:.0f} us a unit; "
-                            f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us")
+                            f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us, its message "
+                            f"{fit['pipeline_message_s'] * 1e6:.0f} us + {fit['pipeline_message_byte_s'] * 1e9:.2f} ns a byte")
                         continue
                     machine["collectives"].setdefault(name, {})[str(p)] = fit
                     log(f"{name} p={p}: alpha {fit['alpha_s'] * 1e6:.1f} us, "
@@ -339,7 +342,7 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
 
 # what the communication code's cost decides: recalibrated alone (--comm-only) when only that code changed
 COMM_SCALARS = ("collective_call_s", "ddp_step_s", "ddp_byte_s", "fsdp_unit_s", "pipeline_action_s",
-                "pipeline_action_byte_s")
+                "pipeline_action_byte_s", "pipeline_message_s", "pipeline_message_byte_s")
 
 
 def merge(machines, comm_only=None):

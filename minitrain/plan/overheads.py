@@ -118,7 +118,8 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
 def measure_in_a_job(comm, repeats=30):
     """Under mpiexec -n 2: what DDP, FSDP and a pipeline's runtime add to the CPU time a step's own thread spends
     outside its waits (busy), beyond the plain model's: per step and per byte of gradient for DDP, per unit for
-    FSDP, per action and per byte of the activation it sends or receives for a pipeline. Measured in a real
+    FSDP, per action and per byte of the activation it sends or receives for a pipeline, and what one of its
+    stage-to-stage messages takes (fixed and per byte: _pipeline_action, 2-128 KiB). Measured in a real
     job, where DDP's and FSDP's collectives run on the progress thread beside the step's own thread and a
     pipeline's messages go through MPI: on this 2-core machine DDP added 0.15-0.24 ms a step, FSDP 0.3-0.4 ms
     a unit and a pipeline 90-130 us an action, several times what a one-rank ThreadWorld, whose collectives
@@ -148,14 +149,27 @@ def measure_in_a_job(comm, repeats=30):
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units - 1)], nn.Linear(16, 10))
     plain = busy(model, x16, y)
     sharded = busy(FullyShardedDataParallel(model, comm), x16, y)
-    (w0, a0), (w1, a1) = [(4 * 32 * w, _pipeline_action(comm, repeats, w)) for w in (16, 512)]
-    action_byte = max(0.0, (a1 - a0) / (w1 - w0))
-    mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units,
-                     max(0.0, a0 - action_byte * w0), action_byte])
+    piped = [(4 * 32 * w, *_pipeline_action(comm, repeats, w)) for w in (16, 128, 512, 1024)]
+    action, message = _line([(n, a) for n, a, _ in piped]), _line([(n, m) for n, _, m in piped])
+    mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units, *action, *message])
     from .. import comm as mtcomm
     slowest = mtcomm.all_reduce(comm, mine, op="max")
     return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
-            "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4])}
+            "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
+            "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
+            "anchor_job_cpu_time_s": measure_anchor_median(comm)}
+
+
+def _line(points):
+    """(a, b) >= 0 of t = a + b·n over [(n, t)], least squares in relative error (as calibrate's alpha-beta
+    fits: a small message counts as much as a large one)."""
+    n, t = np.array(points, np.float64).T
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
+    if b < 0:
+        return float(np.median(t)), 0.0
+    if a < 0:
+        return 0.0, float(np.median(t / n))
+    return float(a), float(b)
 
 
 def _best_busy(fn, repeats):
@@ -166,10 +180,15 @@ def _best_busy(fn, repeats):
 
 
 def _pipeline_action(comm, repeats, width, m=8, rows=32):
-    """Busy CPU per action of a two-stage 1F1B pipeline whose activations are ``rows`` x ``width`` floats,
-    traced as the jobs trace it, beyond the stage's own forward and backward run directly: the runtime's
-    bookkeeping, its sends and receives (header and array, outside their waits), a backward call per
-    micro-batch, the spans."""
+    """(busy CPU per action, seconds per message) of a two-stage 1F1B pipeline whose activations are ``rows``
+    x ``width`` floats, traced as the jobs trace it. Per action, beyond the stage's own forward and backward
+    run directly: the runtime's bookkeeping, its sends and receives (header and array, outside their waits),
+    a backward call per micro-batch, the spans. Per message: what the job's own measure reports
+    (parallel/pipeline/measure.message_cost: from the sender's compute ending to the waiting receiver
+    having it: posting the send, the copy, the waiter waking from its poll), which the schedule's simulator
+    puts between a stage and the next (time.py). Measured on this 2-core machine, quiet: 0.11 ms at 2 KiB,
+    0.2-0.5 ms at 8-128 KiB (not monotonic in the size: how late a waiter wakes depends on how long it
+    had slept, its sleeps doubling up to 0.2 ms), ten times a blocking receive's best case (the p2p fit)."""
     from .. import nn, trace
     from ..autograd import Tensor
     from ..parallel.pipeline import PipelineParallel
@@ -189,10 +208,12 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
                 (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
     trace.enable(rank=comm.rank)
     piped = _best_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), repeats)
+    from ..parallel.pipeline.measure import summarize
+    message = summarize(pipe)["message_cost_s"]            # the same on both ranks (a collective)
     alone = _best_busy(direct, repeats)
     trace.disable()
     trace.tracer().events.clear()
-    return max(0.0, piped - alone) / (2 * m)
+    return max(0.0, piped - alone) / (2 * m), message
 
 
 _ANCHOR = {}
@@ -241,3 +262,27 @@ def measure_anchor(repeats=20):
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=1):
         return _best(anchor, repeats, lambda: None, time.thread_time)
+
+
+def measure_anchor_median(comm=None, repeats=40):
+    """The anchor's CPU time as a step meets it: the median of ``repeats`` runs, each after a run that brings
+    its arrays back into the caches (as the jobs' StepTimer runs it); with ``comm``, on every rank at once
+    (each after a barrier: every core busy, as in a job whose ranks fill the cores), the slowest rank's.
+    Over the best of many (``measure_anchor``, what each constant is), it is how much slower a job's median
+    step runs its CPU work than the calibrated best case; on this 2-core machine, quiet: 1.08x alone, 1.08-1.16x
+    with both cores working."""
+    from threadpoolctl import threadpool_limits
+    times = []
+    with threadpool_limits(limits=1):
+        for _ in range(repeats):
+            if comm is not None:
+                comm.barrier()
+            anchor()
+            start = time.thread_time()
+            anchor()
+            times.append(time.thread_time() - start)
+    mine = float(np.median(times))
+    if comm is None:
+        return mine
+    from .. import comm as mtcomm
+    return float(mtcomm.all_reduce(comm, np.array([mine]), op="max")[0])

@@ -220,11 +220,12 @@ def axes_comm(model, layout, rows, machine, busy):
 
 
 # ---------------------------------------------------------------- the step
-def _bubble(name, p, m, v, f, b):
+def _bubble(name, p, m, v, f, b, message=0.0):
     """(span, idle seconds per stage) of the schedule with forward f and backward b per chunk, from the
     schedule's own simulator (at backward/forward ratios 1.5^k, interpolated). Beyond m = 2p micro-batches
     the idle time is taken as constant: once every stage reaches its steady state it stops growing
-    (exact for GPipe, 1F1B and interleaving; tests/test_plan.py checks it against full simulations)."""
+    (exact for GPipe, 1F1B and interleaving; tests/test_plan.py checks it against full simulations).
+    (With a calibrated message cost: _simulated.)"""
     probe = m if m <= 2 * p else 2 * p
     if name == "interleaved_1f1b" and probe % p:
         probe = m
@@ -232,6 +233,25 @@ def _bubble(name, p, m, v, f, b):
     lo = math.floor(step)
     idle_unit = _idle(name, p, probe, v, lo) + (step - lo) * (_idle(name, p, probe, v, lo + 1) - _idle(name, p, probe, v, lo))
     return m * v * (f + b) + idle_unit * (f + b), idle_unit * (f + b)
+
+
+def _sig(values):
+    """Seconds to three significant digits, as a tuple (a cache key for _simulated)."""
+    return tuple(float(f"{x:.3g}") for x in values)
+
+
+@lru_cache(maxsize=4096)
+def _simulated(name, p, m, v, f, b, message):
+    """The span of the schedule simulated at each virtual stage's forward f[k] and backward b[k] (seconds per
+    micro-batch; zero-bubble schedules: b split evenly into B and W) and ``message``: the seconds from a
+    stage's compute ending to the next stage having its output (calibrated as the runtime meets it,
+    plan/overheads.py). A message comparable to an action puts the stages in lockstep (1F1B at p = 2: each
+    backward waits for a round trip), so the idle time grows with m and no longer scales with f + b: no
+    shortcut (_bubble's) holds, and a stage lighter than the slowest sends early enough to hide messages."""
+    kwargs = {"forward_cost": f, "backward_cost": b}
+    if "weight_cost" in inspect.signature(simulate).parameters:   # zero-bubble schedules split B and W
+        kwargs = {"forward_cost": f, "backward_cost": tuple(x / 2 for x in b), "weight_cost": tuple(x / 2 for x in b)}
+    return simulate(get_schedule(name, p, m, chunks=v), message_cost=message, **kwargs)["total_time"]
 
 
 @lru_cache(maxsize=4096)
@@ -250,6 +270,16 @@ def _idle(name, p, m, v, k):
     return sim["total_time"] - m * v * (f + b)
 
 
+def typical(machine, world):
+    """How much slower a job's median step does its CPU work than the calibrated constants, each a best case:
+    the anchor's median as a job of ``world`` ranks meets it (plan/overheads.measure_anchor_median: alone,
+    or every rank of a 2-rank job at once) over its best; 1 where not calibrated so. (A job's step timer
+    runs the same anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
+    best = machine.get("anchor_cpu_time_s")
+    median = machine.get("anchor_job_cpu_time_s" if world > 1 else "anchor_median_cpu_time_s")
+    return max(1.0, median / best) if best and median else 1.0
+
+
 def predict_time(model, layout, machine):
     """{'compute', 'comm', 'bubble', 'total'} seconds per step and 'bubble_fraction', for the slowest
     stage; 'busy': the CPU time of the step's own thread (compute without taking turns, plus the busy part of
@@ -264,7 +294,7 @@ def predict_time(model, layout, machine):
     rows, e = layout.micro_batch_size, PRECISIONS[layout.precision]
     fresh = _largest_activation(model, layout) * e >= machine.get("held_array_bytes", 0)
     turns = max(1.0, layout.world / cores) if cpu else 1.0
-    c = Costs(machine, layout.precision, threads, turns, fresh)
+    c = Costs(machine, layout.precision, threads, turns * typical(machine, layout.world), fresh)
     if model.kind == "mlp":
         layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
@@ -282,7 +312,13 @@ def predict_time(model, layout, machine):
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
     n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
-    if p > 1:                                                # a header, then the activation (or its gradient)
+    if p > 1 and "pipeline_message_s" in machine:           # a message as the runtime meets it, between stages
+        message = machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * act
+        stages = prefix[bounds[1:]] - prefix[bounds[:-1]]    # each virtual stage at its own cost: a light
+        span = _simulated(layout.schedule, p, m, v, _sig(stages[:, 0] + stages[:, 1]),  # stage's outputs come
+                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0])       # early to a heavy one
+        idle = max(0.0, span - m * (fc + fm + bc + bm))
+    elif p > 1:                                              # a header, then the activation (or its gradient)
         hop = v * (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2))
         fm, bm = fm + hop, bm + hop                          # (their busy part: in the calibrated action's)
         span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v)   # the schedule's simulator
