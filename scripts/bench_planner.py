@@ -59,6 +59,11 @@ def shortened(runs, epochs, steps):
     return {name: (job, n, edit(options)) for name, (job, n, options) in runs.items()}
 
 
+def runs_that_fit(runs, cores):
+    """The runs whose ranks fit ``cores`` (the default: the criterion is theirs), in order."""
+    return [name for name, (_, n, _) in runs.items() if n <= cores]
+
+
 def criterion(ratios):
     """Over {run: predicted / measured}: (median, lowest, highest, within: how many within 20%, holds:
     every run within 20%)."""
@@ -135,7 +140,7 @@ def search_seconds(repeats):
 def main():
     cores = os.cpu_count() or 1
     every = {**validate.RUNS, **JOBS}
-    fit = [name for name, (_, n, _) in every.items() if n <= cores]
+    fit = runs_that_fit(every, cores)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--runs", nargs="*", choices=list(every), default=fit, metavar="RUN",
                     help=f"runs to launch, any of {', '.join(every)} (default: those whose ranks fit the {cores} cores)")
