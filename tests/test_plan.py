@@ -366,8 +366,11 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
         assert set(machine["ops"][dtype]) == set(PASSES), dtype
         assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in machine["ops"][dtype].values())
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s",
-                "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s"):
+                "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s",
+                "anchor_median_cpu_time_s", "anchor_job_cpu_time_s"):
         assert machine[key] > 0, key
+    assert machine["pipeline_message_s"] >= 0 and machine["pipeline_message_byte_s"] >= 0
+    assert machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * 32768 > 0
     assert machine["leaf_grad_s"] >= 0      # 0 where a disturbed measurement put it all per node (1 in 6 here)
     for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
         fit = machine["collectives"][name]["2"]
