@@ -367,7 +367,7 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
         assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in machine["ops"][dtype].values())
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s",
                 "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s",
-                "anchor_median_cpu_time_s", "anchor_job_cpu_time_s"):
+                "typical_alone", "typical_job", "typical_job_waited"):
         assert machine[key] > 0, key
     assert machine["pipeline_message_s"] >= 0 and machine["pipeline_message_byte_s"] >= 0
     assert machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * 32768 > 0

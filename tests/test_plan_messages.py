@@ -21,7 +21,7 @@ def messaging(**extra):
 
 def recorded(monkeypatch, machine, kind, options, world=2):
     """(prediction, [the arguments of every _simulated call])."""
-    calls, original = [], ptime._simulated
+    calls, original = [], SIMULATED
 
     def spy(*args):
         calls.append(args)
@@ -71,19 +71,28 @@ def test_without_a_calibrated_message_the_pipeline_pays_a_p2p_per_action(monkeyp
     assert calls == [] and predicted["step_time_s"]["comm"] > 0
 
 
-def test_a_median_step_runs_at_the_anchors_median_speed():
+def test_a_median_step_runs_at_the_anchors_median_speed(monkeypatch):
     """Compute scales by the anchor's median over its best: every rank of a job at once where world > 1,
-    alone for one rank; communication does not."""
+    alone for one rank, after a wait asleep for a pipeline's stages (not its tail); communication does not."""
     base = plan.load_machine("cpu-2core")
-    anchor = base["anchor_cpu_time_s"]
-    typical = {**base, "anchor_job_cpu_time_s": 1.5 * anchor, "anchor_median_cpu_time_s": 1.25 * anchor}
-    assert ptime.typical(typical, 2) == 1.5 and ptime.typical(typical, 1) == 1.25 and ptime.typical(base, 2) == 1.0
-    assert ptime.typical({**typical, "anchor_job_cpu_time_s": 0.5 * anchor}, 2) == 1.0   # never below the best
+    typical = {**base, "typical_job": 1.5, "typical_alone": 1.25, "typical_job_waited": 2.0}
+    assert (ptime.typical(typical, 2), ptime.typical(typical, 1), ptime.typical(typical, 2, True)) == (1.5, 1.25, 2.0)
+    assert ptime.typical(base, 2) == 1.0 and ptime.typical({**typical, "typical_job": 0.5}, 2) == 1.0   # never < best
     for world, factor in ((2, 1.5), (1, 1.25)):
         model, layout = planned("mlp", world, "--hidden 256 --batch-size 128")
         plain, slow = (plan.predict(model, layout, m)["step_time_s"] for m in (base, typical))
         assert slow["compute"] == pytest.approx(factor * plain["compute"], rel=1e-12)
         assert slow["comm"] == plain["comm"]
+    pipeline = "--strategy pipeline --schedule 1f1b --microbatches 4 --layers 3 --hidden 256 --batch-size 128"
+    (plain, calls), (slow, slow_calls) = (recorded(monkeypatch, messaging(**m), "mlp", pipeline)
+                                          for m in ({}, {k: typical[k] for k in ("typical_job", "typical_job_waited")}))
+    (call,), (slow_call,) = set(calls), set(slow_calls)          # (predict prices the step more than once)
+    m, f, b = call[2], call[4], call[5]
+    assert slow_call[4] == pytest.approx([2 * x for x in f], rel=5e-3) and slow_call[5] == pytest.approx(
+        [2 * x for x in b], rel=5e-3)                                    # the stages: after a wait
+    stages = m * max(x + y for x, y in zip(f, b))
+    tail = plain["step_time_s"]["compute"] - stages                      # the optimizer, the actions: back to back
+    assert slow["step_time_s"]["compute"] == pytest.approx(2 * stages + 1.5 * tail, rel=2e-3)
 
 
 def test_a_line_through_the_messages():
@@ -91,3 +100,4 @@ def test_a_line_through_the_messages():
     a, b = overheads._line([(n, 1e-4 + 2e-9 * n) for n in (2048, 16384, 65536, 131072)])
     assert a == pytest.approx(1e-4, rel=1e-9) and b == pytest.approx(2e-9, rel=1e-9)
     assert overheads._line([(2048, 3e-4), (16384, 2e-4), (131072, 1e-4)]) == (2e-4, 0.0)   # falling: the median
+    assert overheads._line([(2048, 0.0), (16384, 2e-4), (65536, 0.0)]) == (2e-4, 0.0)    # 0: no receiver waited

@@ -301,8 +301,8 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         machine.update(_least([measure_overheads(clock=clock) for _ in range(rounds)]))
         from .overheads import measure_anchor, measure_node_overheads
         machine["anchor_cpu_time_s"] = min(measure_anchor() for _ in range(rounds))
-        from .overheads import measure_anchor_median                  # (and on both ranks at once: in a job)
-        machine["anchor_median_cpu_time_s"] = min(measure_anchor_median() for _ in range(rounds))
+        from .overheads import typical_over_best                      # (and on both ranks at once: in a job)
+        machine["typical_alone"] = min(typical_over_best() for _ in range(rounds))
         fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
         machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))
     machine["fresh_memory_s_per_byte"] = fresh

@@ -12,6 +12,9 @@ import numpy as np
 from .calibrate import _best, _xp
 
 
+WAIT_S = 5e-4      # a pipeline stage's wait for its input, asleep in the poll, before it computes
+
+
 def measure_overheads(repeats=5, clock=time.perf_counter):
     """Python's share of a step, measured on tiny arrays: one NumPy call; per parameter tensor, an Adam step
     and DDP's hook and write-back (on a one-rank ThreadWorld: what a machine without ``measure_in_a_job``'s
@@ -157,12 +160,15 @@ def measure_in_a_job(comm, repeats=30):
     return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
             "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
             "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
-            "anchor_job_cpu_time_s": measure_anchor_median(comm)}
+            "typical_job": typical_over_best(comm), "typical_job_waited": typical_over_best(comm, sleep=WAIT_S)}
 
 
 def _line(points):
     """(a, b) >= 0 of t = a + b·n over [(n, t)], least squares in relative error (as calibrate's alpha-beta
-    fits: a small message counts as much as a large one)."""
+    fits: a small message counts as much as a large one); points at t = 0 (nothing measured) left out."""
+    points = [(n, t) for n, t in points if t > 0]
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
     n, t = np.array(points, np.float64).T
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
     if b < 0:
@@ -199,10 +205,13 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
     x, y = rng.standard_normal((rows * m, width)).astype(np.float32), rng.integers(0, 10, rows * m)
     received = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(m)]
 
-    def direct():                                  # this rank's stage alone, the same micro-batches
-        for i in range(m):
+    def direct():                                  # this rank's stage alone, the same micro-batches, each
+        for i in range(m):                         # compute after a wait asleep, as the runtime's (WAIT_S)
+            time.sleep(WAIT_S)
             if comm.rank == 0:
-                stage(Tensor(x[rows * i:rows * (i + 1)])).backward(received[i])
+                out = stage(Tensor(x[rows * i:rows * (i + 1)]))
+                time.sleep(WAIT_S)
+                out.backward(received[i])
             else:
                 out = stage(Tensor(received[i], requires_grad=True))
                 (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
@@ -264,25 +273,30 @@ def measure_anchor(repeats=20):
         return _best(anchor, repeats, lambda: None, time.thread_time)
 
 
-def measure_anchor_median(comm=None, repeats=40):
-    """The anchor's CPU time as a step meets it: the median of ``repeats`` runs, each after a run that brings
-    its arrays back into the caches (as the jobs' StepTimer runs it); with ``comm``, on every rank at once
-    (each after a barrier: every core busy, as in a job whose ranks fill the cores), the slowest rank's.
-    Over the best of many (``measure_anchor``, what each constant is), it is how much slower a job's median
-    step runs its CPU work than the calibrated best case; on this 2-core machine, quiet: 1.08x alone, 1.08-1.16x
-    with both cores working."""
+def typical_over_best(comm=None, repeats=40, sleep=0.0):
+    """How much slower a job's median step does its CPU work than the calibrated best case: the anchor's median
+    CPU time as a step meets it (``repeats`` runs, each after a run that brings its arrays back into the
+    caches, as the jobs' StepTimer runs it), over its best alone measured just before (so that a load that
+    drifts between the two cancels). With ``comm``: rank 0's best alone, then every rank at once (each run
+    after a barrier: every core busy, as in a job whose ranks fill the cores), the slowest rank's median.
+    On this 2-core machine, quiet: 1.05-1.08x alone, 1.08-1.26x with both cores working. ``sleep``: each
+    timed run after that long asleep, as a pipeline's stage computes once its input has come (WAIT_S): with
+    both cores working, a few % slower again here (a VM whose idle core the host lends; alone, no slower)."""
     from threadpoolctl import threadpool_limits
+    from .. import comm as mtcomm
     times = []
     with threadpool_limits(limits=1):
+        best = measure_anchor() if comm is None or comm.rank == 0 else 0.0
+        if comm is not None:
+            best = float(mtcomm.all_reduce(comm, np.array([best]), op="max")[0])
         for _ in range(repeats):
             if comm is not None:
                 comm.barrier()
             anchor()
+            if sleep:
+                time.sleep(sleep)
             start = time.thread_time()
             anchor()
             times.append(time.thread_time() - start)
-    mine = float(np.median(times))
-    if comm is None:
-        return mine
-    from .. import comm as mtcomm
-    return float(mtcomm.all_reduce(comm, np.array([mine]), op="max")[0])
+    mine = float(np.median(times)) / best
+    return mine if comm is None else float(mtcomm.all_reduce(comm, np.array([mine]), op="max")[0])

@@ -270,14 +270,14 @@ def _idle(name, p, m, v, k):
     return sim["total_time"] - m * v * (f + b)
 
 
-def typical(machine, world):
+def typical(machine, world, waited=False):
     """How much slower a job's median step does its CPU work than the calibrated constants, each a best case:
-    the anchor's median as a job of ``world`` ranks meets it (plan/overheads.measure_anchor_median: alone,
-    or every rank of a 2-rank job at once) over its best; 1 where not calibrated so. (A job's step timer
-    runs the same anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
-    best = machine.get("anchor_cpu_time_s")
-    median = machine.get("anchor_job_cpu_time_s" if world > 1 else "anchor_median_cpu_time_s")
-    return max(1.0, median / best) if best and median else 1.0
+    the anchor's median as a job of ``world`` ranks meets it over its best (plan/overheads.typical_over_best:
+    alone, or every rank of a 2-rank job at once; ``waited``: each run after a wait asleep, as a pipeline's
+    stage computes once its input has come); 1 where not calibrated so. (A job's step timer runs the same
+    anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
+    key = "typical_alone" if world == 1 else "typical_job_waited" if waited else "typical_job"
+    return max(1.0, machine.get(key, 1.0))
 
 
 def predict_time(model, layout, machine):
@@ -294,7 +294,9 @@ def predict_time(model, layout, machine):
     rows, e = layout.micro_batch_size, PRECISIONS[layout.precision]
     fresh = _largest_activation(model, layout) * e >= machine.get("held_array_bytes", 0)
     turns = max(1.0, layout.world / cores) if cpu else 1.0
-    c = Costs(machine, layout.precision, threads, turns * typical(machine, layout.world), fresh)
+    step = Costs(machine, layout.precision, threads, turns * typical(machine, layout.world), fresh)
+    c = step if layout.pp == 1 else Costs(                 # a pipeline's stage computes once its input has
+        machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)   # come: asleep till then
     if model.kind == "mlp":
         layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
@@ -342,7 +344,7 @@ def predict_time(model, layout, machine):
         hidden = min(reduce * (1 - cap / grad_bytes), m * bc) if dp > 1 and cap < grad_bytes else 0.0
         comm += reduce - hidden                              # (on the progress thread: nothing busy here)
         if "ddp_step_s" in machine:                          # DDP's own cost in a job, measured as a whole
-            compute += c.slowdown * (machine["ddp_step_s"] + machine["ddp_byte_s"] * grad_bytes)
+            compute += step.slowdown * (machine["ddp_step_s"] + machine["ddp_byte_s"] * grad_bytes)
         else:                                                # its hooks; into the buckets and back out
             tail.op("copy", n_local, count=2, calls=2 * n_tensors).hooks += n_tensors
     elif layout.local_sgd_every:
@@ -373,7 +375,7 @@ def predict_time(model, layout, machine):
         tail.calls += 2 * n_tensors if dp > 1 else 0
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
-        compute += c.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
+        compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
     state_n = n_local if z == 0 else -(-n_local // dp)
     tail.add(optimizer_work(state_n, n_tensors if z == 0 else 1, layout))
     if m > 1:                                                 # later micro-batches add into the gradients
@@ -385,7 +387,7 @@ def predict_time(model, layout, machine):
             coll("ring_all_reduce", 8, p, p * span_dp)
             if dp > 1:
                 coll("ring_all_reduce", 8, dp, span_dp)
-    compute += c.seconds(tail)
+    compute += step.seconds(tail)
     total = compute + comm + idle
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
             "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy,
