@@ -15,7 +15,8 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under mpiexec -n p), fitted to t = steps·alpha + bytes·beta with the algorithm's
   own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
-  thread's CPU time outside its waits.
+  thread's CPU time outside its waits (and, for comparison, as a job meets them: "job_*", each after the
+  anchor's compute; the planner prices the later rank's arrival with the compute instead: time.typical).
 With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
 committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine

@@ -278,10 +278,14 @@ def typical_over_best(comm=None, repeats=40, sleep=0.0):
     CPU time as a step meets it (``repeats`` runs, each after a run that brings its arrays back into the
     caches, as the jobs' StepTimer runs it), over its best alone measured just before (so that a load that
     drifts between the two cancels). With ``comm``: rank 0's best alone, then every rank at once (each run
-    after a barrier: every core busy, as in a job whose ranks fill the cores), the slowest rank's median.
-    On this 2-core machine, quiet: 1.05-1.08x alone, 1.08-1.26x with both cores working. ``sleep``: each
-    timed run after that long asleep, as a pipeline's stage computes once its input has come (WAIT_S): with
-    both cores working, a few % slower again here (a VM whose idle core the host lends; alone, no slower)."""
+    after a barrier: every core busy, as in a job whose ranks fill the cores), the median over the runs of the
+    slowest rank's time: what a job's ranks compute before they meet at a collective, the later one setting the
+    pace (so the planner prices a collective at its best case: time.collective). CPU time, which other processes'
+    turns on the cores leave out: on this 2-core machine 1.01-1.08x alone and 1.16-1.18x with both cores
+    working, quiet or not (a collective timed in a job after the anchor ran 2-3x its best case quiet, and 5 ms
+    instead of 0.05-0.3 ms while others took half the cores). ``sleep``: each timed run after that long
+    asleep, as a pipeline's stage computes once its input has come (WAIT_S): a VM whose idle core the host
+    lends runs it a few % slower again, with both cores working (alone, no slower)."""
     from threadpoolctl import threadpool_limits
     from .. import comm as mtcomm
     times = []
@@ -298,5 +302,8 @@ def typical_over_best(comm=None, repeats=40, sleep=0.0):
             start = time.thread_time()
             anchor()
             times.append(time.thread_time() - start)
-    mine = float(np.median(times)) / best
-    return mine if comm is None else float(mtcomm.all_reduce(comm, np.array([mine]), op="max")[0])
+    if comm is None:
+        return float(np.median(times)) / best
+    times = np.array(times)                          # each run's slowest rank: the one the others wait for
+    every = mtcomm.ring_all_gather(comm, times, total=times.size * comm.size).reshape(comm.size, -1)
+    return float(np.median(every.max(axis=0))) / best

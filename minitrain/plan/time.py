@@ -114,8 +114,8 @@ def _fits(key, machine):
 
 def collective(machine, name, nbytes, p, node_span=None, busy=False):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
-    measured p, as a job meets it where calibrated so, save p2p, whose waits the pipeline's simulator prices;
-    else the machine's link constants with the ring's step and byte counts). Over one rank
+    measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
+    rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts). Over one rank
     it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
     waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call)."""
     call = machine.get("collective_call_s", 0.0)
@@ -132,10 +132,7 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False):
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
         if busy:
             return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
-        if "job_alpha_s" in fit and name != "p2p":           # as a job meets it (ranks arriving apart), not its best;
-            return steps * fit["job_alpha_s"] + sent * fit["job_beta_s_per_byte"]   # (a pipeline's waits for its
-        #                                                      peers are the schedule simulator's: p2p at its best)
-        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]
+        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()
     if busy:
         return call
     links = machine["links"]
