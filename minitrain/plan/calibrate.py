@@ -193,6 +193,7 @@ def _worker(out_path, sizes):
     fit the cores); rank 0 writes JSON."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
+    backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
     xp, sync = backend.xp(), backend.synchronize
     results = {}
     from ..comm.communicator import waiting_cpu_seconds

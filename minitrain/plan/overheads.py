@@ -160,7 +160,7 @@ def measure_in_a_job(comm, repeats=30):
     return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
             "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
             "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
-            "typical_job": typical_over_best(comm), "typical_job_waited": typical_over_best(comm, sleep=WAIT_S)}
+            "typical_job": typical_over_best(comm, 100), "typical_job_waited": typical_over_best(comm, 100, WAIT_S)}
 
 
 def _line(points):
@@ -274,25 +274,21 @@ def measure_anchor(repeats=20):
 
 
 def typical_over_best(comm=None, repeats=40, sleep=0.0):
-    """How much slower a job's median step does its CPU work than the calibrated best case: the anchor's median
-    CPU time as a step meets it (``repeats`` runs, each after a run that brings its arrays back into the
-    caches, as the jobs' StepTimer runs it), over its best alone measured just before (so that a load that
-    drifts between the two cancels). With ``comm``: rank 0's best alone, then every rank at once (each run
-    after a barrier: every core busy, as in a job whose ranks fill the cores), the median over the runs of the
-    slowest rank's time: what a job's ranks compute before they meet at a collective, the later one setting the
-    pace (so the planner prices a collective at its best case: time.collective). CPU time, which other processes'
-    turns on the cores leave out: on this 2-core machine 1.01-1.08x alone and 1.16-1.18x with both cores
-    working, quiet or not (a collective timed in a job after the anchor ran 2-3x its best case quiet, and 5 ms
-    instead of 0.05-0.3 ms while others took half the cores). ``sleep``: each timed run after that long
-    asleep, as a pipeline's stage computes once its input has come (WAIT_S): a VM whose idle core the host
-    lends runs it a few % slower again, with both cores working (alone, no slower)."""
+    """How much slower a job's median step does its CPU work than the calibrated best case: the anchor's CPU
+    time, ``repeats`` runs each after a run that brings its arrays back into the caches (as the jobs'
+    StepTimer runs it), their median over their fastest (one series: a load that drifts cancels). With
+    ``comm``: every rank at once, each run after a barrier (every core busy, as in a job whose ranks fill the
+    cores), the median over the runs of the slowest rank's time: what a job's ranks compute before they meet
+    at a collective, the later one setting the pace (so the planner prices a collective at its best case:
+    time.collective). CPU time, which other processes' turns on the cores leave out: on this 2-core machine
+    1.04-1.08x alone and 1.1-1.2x with both cores working (a collective timed in a job after the anchor ran
+    2-3x its best case quiet, and 5 ms instead of 0.05-0.3 ms while others took half the cores). ``sleep``:
+    each timed run after that long asleep, as a pipeline's stage computes once its input has come (WAIT_S):
+    a VM whose idle core the host lends runs it slower again, with both cores working (alone, no slower)."""
     from threadpoolctl import threadpool_limits
     from .. import comm as mtcomm
     times = []
     with threadpool_limits(limits=1):
-        best = measure_anchor() if comm is None or comm.rank == 0 else 0.0
-        if comm is not None:
-            best = float(mtcomm.all_reduce(comm, np.array([best]), op="max")[0])
         for _ in range(repeats):
             if comm is not None:
                 comm.barrier()
@@ -302,8 +298,7 @@ def typical_over_best(comm=None, repeats=40, sleep=0.0):
             start = time.thread_time()
             anchor()
             times.append(time.thread_time() - start)
-    if comm is None:
-        return float(np.median(times)) / best
-    times = np.array(times)                          # each run's slowest rank: the one the others wait for
-    every = mtcomm.ring_all_gather(comm, times, total=times.size * comm.size).reshape(comm.size, -1)
-    return float(np.median(every.max(axis=0))) / best
+    every = np.array([times])
+    if comm is not None:                             # each run's slowest rank: the one the others wait for
+        every = mtcomm.ring_all_gather(comm, every[0], total=len(times) * comm.size).reshape(comm.size, -1)
+    return float(np.median(every.max(axis=0)) / every.min())
