@@ -93,7 +93,7 @@ class Costs:
         per = self.m["elementwise_s_per_element"]
         t += sum(n * per[DTYPE_NAMES.get(dtype, self.dtype) if dtype else self.dtype][kind]
                  for (kind, dtype), n in work.ew.items())
-        t += work.nodes * self.node_s + work.leaves * self.leaf_s + work.calls * self.call
+        t += (work.nodes + work.unrecorded) * self.node_s + work.leaves * self.leaf_s + work.calls * self.call
         t += len(work.mm) * self.call if self.grid is None else 0.0     # a datasheet's rates leave out the launch
         t += work.fresh * self.m.get("fresh_memory_s_per_byte", 0.0) if self.fresh else 0.0
         t += (work.hooks * self.m.get("ddp_param_s", 0.0) + work.units * self.m.get("fsdp_unit_s", 0.0)
