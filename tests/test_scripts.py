@@ -283,6 +283,16 @@ def test_bench_planner_runs_by_default_what_fits_the_cores_and_the_issues_jobs()
         "--pp 2 --schedule 1f1b --microbatches 4")
 
 
+def test_bench_planner_summarizes_the_fastest_of_the_quiet_repeats():
+    quietest_of = runpy.run_path(str(SCRIPTS / "bench_planner.py"))["quietest_of"]
+
+    def run(share, wall):
+        return {"others_cpu_share": share, "step_time_s": {"wall": wall}}
+    repeats = [run(0.00, 9.0), run(0.04, 5.0), run(0.30, 1.0)]
+    assert quietest_of(repeats) is repeats[1] and quietest_of(repeats, margin=0.01) is repeats[0]
+    assert quietest_of([run(float("nan"), 2.0), run(float("nan"), 1.0)])["step_time_s"]["wall"] == 1.0
+
+
 def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path):
     out = tmp_path / "async.json"
     monkeypatch.setattr(sys, "argv", ["bench_async.py", "--ranks", "2", "--max-mib", "0.004", "--repeats", "3",

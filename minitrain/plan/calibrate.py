@@ -11,7 +11,10 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
   transcendental, reduction, in place, scatter); the cost of first touching new memory (arrays beyond
   the held heap's 32 MiB);
 * the Python a step pays beyond its arithmetic (plan/overheads.py): per NumPy call, graph node, parameter,
-  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job; the anchor;
+  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job, and what one of
+  the pipeline's stage-to-stage messages takes as its runtime meets it; the anchor, and how much slower a
+  job's median step computes than these best cases (typical_alone, typical_job: both ranks at once, the
+  slower setting the pace; typical_job_waited: each run after a wait asleep, as a pipeline's stage);
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under mpiexec -n p), fitted to t = steps·alpha + bytes·beta with the algorithm's
   own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
