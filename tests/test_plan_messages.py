@@ -15,8 +15,14 @@ GPT_PP = "--pp 2 --schedule 1f1b --microbatches 4"          # micro-batches of 4
 SIMULATED = ptime._simulated
 
 
+def uncalibrated():
+    """cpu-2core without the constants under test: no message cost, no median-step factors."""
+    return {k: v for k, v in plan.load_machine("cpu-2core").items()
+            if not k.startswith(("pipeline_message", "typical"))}
+
+
 def messaging(**extra):
-    return {**plan.load_machine("cpu-2core"), "pipeline_message_s": 2e-4, "pipeline_message_byte_s": 1e-9, **extra}
+    return {**uncalibrated(), "pipeline_message_s": 2e-4, "pipeline_message_byte_s": 1e-9, **extra}
 
 
 def recorded(monkeypatch, machine, kind, options, world=2):
@@ -67,14 +73,14 @@ def test_a_light_stage_hides_messages_from_a_heavy_one_and_a_costlier_message_co
 
 
 def test_without_a_calibrated_message_the_pipeline_pays_a_p2p_per_action(monkeypatch):
-    predicted, calls = recorded(monkeypatch, plan.load_machine("cpu-2core"), "gpt", GPT_PP)
+    predicted, calls = recorded(monkeypatch, uncalibrated(), "gpt", GPT_PP)
     assert calls == [] and predicted["step_time_s"]["comm"] > 0
 
 
 def test_a_median_step_runs_at_the_anchors_median_speed(monkeypatch):
     """Compute scales by the anchor's median over its best: every rank of a job at once where world > 1,
     alone for one rank, after a wait asleep for a pipeline's stages (not its tail); communication does not."""
-    base = plan.load_machine("cpu-2core")
+    base = uncalibrated()
     typical = {**base, "typical_job": 1.5, "typical_alone": 1.25, "typical_job_waited": 2.0}
     assert (ptime.typical(typical, 2), ptime.typical(typical, 1), ptime.typical(typical, 2, True)) == (1.5, 1.25, 2.0)
     assert ptime.typical(base, 2) == 1.0 and ptime.typical({**typical, "typical_job": 0.5}, 2) == 1.0   # never < best

@@ -22,9 +22,8 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
   anchor's compute; the planner prices the later rank's arrival with the compute instead: time.typical).
 With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
-committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine
-(--merge), its communication costs the best of six later ones, measured after every collective began
-checking its header with a neighbour (--merge ... --comm-only: +50-100 us a collective at p = 2);
+committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine, each
+run while other processes used under 10% of its cores (calibrate --out A, B, C; then --merge A B C);
 machines/a100-80gb.json is NVIDIA's datasheet (not measured).
 """
 import argparse
