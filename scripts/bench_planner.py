@@ -13,8 +13,8 @@ issue 29: every run's predicted / measured median within 20%.
 (default: --machine, the committed cpu-2core). Beside each run, the share of the cores other processes
 used meanwhile (/proc/stat's busy time less the run's own CPU): on a shared machine they take turns on
 the cores with the ranks, which only the plain median counts. --repeat runs each R times (every ratio is
-printed; the summary takes the fastest of the repeats whose others' share is within 5% of the least); --wait-quiet S first waits (at most
---quiet-timeout s) until other processes use less than S of the cores.
+printed; the summary takes the fastest of the repeats whose others' share is within 5% of the least);
+--wait-quiet S first waits (at most --quiet-timeout s) until other processes use less than S of the cores.
 A speed figure, so it lives here (the tests compare what is exact, memory and graph nodes:
 tests/test_plan_validation.py).
 
@@ -153,14 +153,16 @@ def main():
     fit = runs_that_fit(every, cores)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--runs", nargs="*", choices=list(every), default=fit, metavar="RUN",
-                    help=f"runs to launch, any of {', '.join(every)} (default: those whose ranks fit the {cores} cores)")
+                    help=f"runs to launch, any of {', '.join(every)} "
+                         f"(default: those whose ranks fit the {cores} cores)")
     how = ap.add_mutually_exclusive_group()
     how.add_argument("--machine", default="cpu-2core", help="machine constants")
     how.add_argument("--calibrate", action="store_true",
                      help="calibrate this machine once first and predict from that (default: --machine)")
     ap.add_argument("--repeat", type=cli.positive_int, default=1, help="runs of each (default: 1)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SHARE",
-                    help="before each run, wait until other processes use less than SHARE of the cores (default: 0, no wait)")
+                    help="before each run, wait until other processes use less than SHARE of the cores "
+                         "(default: 0, no wait)")
     ap.add_argument("--quiet-timeout", type=float, default=60.0, help="... but no longer than this, in seconds")
     ap.add_argument("--epochs", type=int, help="mlp runs: this many epochs (default: the runs')")
     ap.add_argument("--steps", type=int, help="gpt runs: this many steps (default: the runs')")
@@ -197,7 +199,8 @@ def main():
     for name in dict.fromkeys(r["name"] for r in results):
         quietest[name] = quietest_of([r for r in results if r["name"] == name])
     fitting = [r for r in quietest.values() if r["world"] <= cores]
-    verdicts = {what: criterion({r["name"]: r["ratios"][what] for r in fitting}) for what in ("plain", "anchored", "busy")}
+    verdicts = {what: criterion({r["name"]: r["ratios"][what] for r in fitting})
+                for what in ("plain", "anchored", "busy")}
     words = {"plain": "wall, median step", "anchored": "wall in anchors", "busy": "busy CPU"}
     for what, v in verdicts.items():
         if v:

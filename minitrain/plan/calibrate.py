@@ -336,7 +336,8 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                         log("in a 2-rank job: DDP adds " + f"{fit['ddp_step_s'] * 1e6:.0f} us a step + "
                             f"{fit['ddp_byte_s'] * 1e9:.2f} ns a gradient byte; FSDP {fit['fsdp_unit_s'] * 1e6:.0f} us a unit; "
                             f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us, its message "
-                            f"{fit['pipeline_message_s'] * 1e6:.0f} us + {fit['pipeline_message_byte_s'] * 1e9:.2f} ns a byte")
+                            f"{fit['pipeline_message_s'] * 1e6:.0f} us + "
+                            f"{fit['pipeline_message_byte_s'] * 1e9:.2f} ns a byte")
                         continue
                     machine["collectives"].setdefault(name, {})[str(p)] = fit
                     log(f"{name} p={p}: alpha {fit['alpha_s'] * 1e6:.1f} us, "

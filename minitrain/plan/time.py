@@ -115,8 +115,8 @@ def _fits(key, machine):
 def collective(machine, name, nbytes, p, node_span=None, busy=False):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
     measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
-    rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts). Over one rank
-    it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
+    rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts).
+    Over one rank it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
     waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call)."""
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
@@ -292,8 +292,8 @@ def predict_time(model, layout, machine):
     fresh = _largest_activation(model, layout) * e >= machine.get("held_array_bytes", 0)
     turns = max(1.0, layout.world / cores) if cpu else 1.0
     step = Costs(machine, layout.precision, threads, turns * typical(machine, layout.world), fresh)
-    c = step if layout.pp == 1 else Costs(                 # a pipeline's stage computes once its input has
-        machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)   # come: asleep till then
+    c = step if layout.pp == 1 else Costs(   # a pipeline's stage computes once its input has come, asleep till then
+        machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)
     if model.kind == "mlp":
         layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
