@@ -73,9 +73,10 @@ def test_paper_accounting_of_a_whole_gpt3_replica_is_96_layers_of_table_2_plus_t
 @pytest.mark.parametrize("schedule, chunks, expected", [("gpipe", 1, Fraction(3, 11)), ("1f1b", 1, Fraction(3, 11)),
                                                        ("interleaved_1f1b", 2, Fraction(3, 19))])
 def test_bubble_is_the_papers_formula(schedule, chunks, expected):
-    """GPipe's (p-1)/(m+p-1) and the interleaved schedule's (p-1)/(v·m+p-1), from the simulator."""
+    """GPipe's (p-1)/(m+p-1) and the interleaved schedule's (p-1)/(v·m+p-1), from the simulator (on a datasheet
+    machine: no calibrated message cost between the stages, which would add its own wait)."""
     result = cli(f"gpt --n-layer 8 --n-head 4 --n-embd 64 --vocab-size 64 --batch-size 16 --pp 4 --world 4 "
-                 f"--microbatches 8 --schedule {schedule} --chunks {chunks}")
+                 f"--microbatches 8 --schedule {schedule} --chunks {chunks} --machine a100-80gb")
     assert result["bubble_fraction"] == pytest.approx(float(expected), abs=1e-9)
 
 
@@ -366,8 +367,11 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
         assert set(machine["ops"][dtype]) == set(PASSES), dtype
         assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in machine["ops"][dtype].values())
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s",
-                "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s"):
+                "trace_span_s", "ddp_step_s", "fsdp_unit_s", "pipeline_action_s", "anchor_cpu_time_s",
+                "typical_alone", "typical_job", "typical_job_waited"):
         assert machine[key] > 0, key
+    assert machine["pipeline_message_s"] >= 0 and machine["pipeline_message_byte_s"] >= 0
+    assert machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * 32768 > 0
     assert machine["leaf_grad_s"] >= 0      # 0 where a disturbed measurement put it all per node (1 in 6 here)
     for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
         fit = machine["collectives"][name]["2"]
@@ -407,18 +411,15 @@ def test_merge_comm_only_keeps_the_compute_and_takes_the_least_communication_cos
     assert whole["numpy_call_s"] == 5e-6 and whole["ddp_step_s"] == 2.0                # the least loaded (a), whole
 
 
-def test_collectives_cost_what_a_job_meets_and_a_pipelines_messages_their_best():
-    """A collective is priced at its in-a-job fit (the ranks arrive apart); a pipeline's p2p at its best case,
-    since the schedule's simulator prices the waits for its peers; a machine without job fits uses the best."""
+def test_collectives_cost_their_best_case_and_the_late_rank_is_the_computes():
+    """A collective is priced at its best-case fit, whatever calibrate measured in a job (ranks arriving apart:
+    the wait for the later one is priced with the compute, plan/time.typical); its busy part at the busy fit."""
     machine = {"collectives": {"ring_all_reduce": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)},
                                "p2p": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)}}}
     n = 1 << 20
-    assert ptime.collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 4e-5 + n * 2e-10)
+    assert ptime.collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
     assert ptime.collective(machine, "p2p", n, 2) == pytest.approx(1e-5 + n * 1e-10)
     assert ptime.collective(machine, "ring_all_reduce", n, 2, busy=True) == pytest.approx(2 * 0.5e-5 + n * 0.5e-10)
-    for fit in machine["collectives"]["ring_all_reduce"].values():
-        del fit["job_alpha_s"], fit["job_beta_s_per_byte"]
-    assert ptime.collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
 
 
 def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():

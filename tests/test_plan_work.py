@@ -144,3 +144,26 @@ def test_an_op_without_a_measured_cost_is_its_passes_over_memory():
     measured = {**a100, "ops": {"float32": {"layer_norm": [1e-5, 2e-9]}}}
     assert op_seconds(measured, "layer_norm", 1000, 2, "float32") == pytest.approx(2e-5 + 2e-6)
     assert set(PASSES) >= {"layer_norm", "gelu.backward", "softmax", "adam", "cross_entropy"}
+
+
+def test_a_recomputed_forward_pays_its_python_without_recording_it():
+    """Under recomputation a segment's first forward runs its modules and ops under no_grad: no node recorded
+    (one checkpoint node instead) but their Python run all the same, priced as a node's (plan/time.Costs)."""
+    from minitrain.plan import load_machine
+    from minitrain.plan.layout import GPT, MLP
+    from minitrain.plan.time import Costs
+    from minitrain.plan.work import gpt_block_work, mlp_layer_work, mlp_recompute
+    machine = load_machine("cpu-2core")
+    costs = Costs(machine, "fp32", 1, 1.0, fresh=False)
+    model = GPT(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16)
+    plain, _ = gpt_block_work(model, Layout(batch_size=2), 2)
+    for recompute, unrecorded in (("full", plain.nodes), ("selective", 4)):      # the attention core: 4 nodes
+        fwd, _ = gpt_block_work(model, Layout(batch_size=2, recompute=recompute), 2)
+        assert (fwd.unrecorded, fwd.nodes + fwd.unrecorded) == (unrecorded, plain.nodes + 1)
+        assert costs.seconds(fwd) - costs.seconds(plain) == pytest.approx(machine["autograd_node_s"], rel=1e-9)
+    layers = mlp_layer_work(MLP((8, 8, 8, 8, 8, 4)), Layout(batch_size=4), 4)
+    redone = mlp_recompute(layers, Layout(batch_size=4, recompute="full"))
+    assert len(layers) == 9                           # 3 segments of 3 modules (checkpoint_sequential's); the
+    assert [f.nodes + f.unrecorded for f, _ in redone] == [f.nodes + (j in (0, 3)) for j, (f, _) in
+                                                           enumerate(layers)]   # last one not recomputed
+    assert [f.unrecorded for f, _ in redone] == [f.nodes if j < 6 else 0 for j, (f, _) in enumerate(layers)]

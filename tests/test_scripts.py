@@ -253,19 +253,56 @@ def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypa
 
 
 def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsys, tmp_path):
+    """Smoke test at tiny sizes: a run of validate's and one of the issue's jobs, each printed with its
+    predicted and measured median step and their ratio; the criteria counted over the runs; no time asserted."""
     out = tmp_path / "planner.json"
-    monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "--steps", "3", "--search-repeats", "1",
-                                      "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "zero3-adam-512", "--steps", "3",
+                                      "--epochs", "1", "--search-repeats", "1", "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_planner.py"), run_name="__main__")
     printed = capsys.readouterr().out
-    assert "gpt-1: busy" in printed and "search (GPT-3 175B, 1024 GPUs)" in printed
     import json
+    import re
     results = json.loads(out.read_text())
-    assert [r["name"] for r in results["runs"]] == ["gpt-1"] and "--steps 3 " in results["runs"][0]["options"]
-    assert set(results["criteria"]["busy"]) == {"median", "lowest", "highest", "holds"}
+    assert [r["name"] for r in results["runs"]] == ["gpt-1", "zero3-adam-512"]
+    assert "--steps 3 " in results["runs"][0]["options"] and "--epochs 1 " in results["runs"][1]["options"]
+    for r in results["runs"]:
+        t = r["step_time_s"]
+        line = re.search(rf"{r['name']}: predicted ([\d.]+) ms, measured median ([\d.]+) ms \(([\d.]+)x\)", printed)
+        assert line, r["name"]
+        assert line.group(1, 2, 3) == (f"{t['predicted'] * 1e3:.2f}", f"{t['wall'] * 1e3:.2f}",
+                                       f"{r['ratios']['plain']:.2f}")
+        assert r["ratios"]["plain"] == t["predicted"] / t["wall"] and 0 <= r["others_cpu_share"] <= 1
+    for what in ("plain", "anchored", "busy"):
+        assert set(results["criteria"][what]) == {"median", "lowest", "highest", "within", "runs", "holds"}
+        assert results["criteria"][what]["runs"] == 2
+    assert "within 20%: " in printed and "of 2" in printed
     assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
     from minitrain.plan import validate
     assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone
+    assert "zero3-adam-512" not in validate.RUNS
+
+
+def test_bench_planner_runs_by_default_what_fits_the_cores_and_the_issues_jobs():
+    bench = runpy.run_path(str(SCRIPTS / "bench_planner.py"))
+    runs = {**bench["validate"].RUNS, **bench["JOBS"]}
+    assert bench["runs_that_fit"](runs, 2) == ["ddp-2", "zero1-fp16", "zero2-bf16-offload", "zero3-recompute", "gpipe",
+                                         "1f1b", "zbv", "gpt-1", "gpt-tp2", "gpt-tp2-sp-selective", "gpt-pp2-full",
+                                         "zero3-adam-512", "gpt-pp2-1f1b"]
+    assert bench["runs_that_fit"](runs, 1) == ["gpt-1"] and len(bench["runs_that_fit"](runs, 8)) == len(runs) == 16
+    assert bench["JOBS"]["zero3-adam-512"][1:] == (2, "--epochs 30 --strategy zero3 --optimizer adam --hidden 512 "
+                                                      "--batch-size 256")
+    assert bench["JOBS"]["gpt-pp2-1f1b"][1] == 2 and bench["JOBS"]["gpt-pp2-1f1b"][2].endswith(
+        "--pp 2 --schedule 1f1b --microbatches 4")
+
+
+def test_bench_planner_summarizes_the_fastest_of_the_quiet_repeats():
+    quietest_of = runpy.run_path(str(SCRIPTS / "bench_planner.py"))["quietest_of"]
+
+    def run(share, wall):
+        return {"others_cpu_share": share, "step_time_s": {"wall": wall}}
+    repeats = [run(0.00, 9.0), run(0.04, 5.0), run(0.30, 1.0)]
+    assert quietest_of(repeats) is repeats[1] and quietest_of(repeats, margin=0.01) is repeats[0]
+    assert quietest_of([run(float("nan"), 2.0), run(float("nan"), 1.0)])["step_time_s"]["wall"] == 1.0
 
 
 def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path):

@@ -151,7 +151,8 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None)
         predicted = plan.predict(model, layout, machine)
     except plan.LayoutError as e:
         return {"kind": kind, "world": world, "refused": str(e)}
-    anchor = machine.get("anchor_cpu_time_s", 0.0)
+    from ..plan.time import typical
+    anchor = machine.get("anchor_cpu_time_s", 0.0) * typical(machine, world)   # as a job's step meets it
     return {"kind": kind, "world": world, "threads": layout.threads,
             "predicted": {"step_busy_s": predicted["step_busy_s"], "step_time_s": predicted["step_time_s"]["total"],
                           "memory_bytes": predicted["memory_bytes"]["total"]},

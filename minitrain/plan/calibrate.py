@@ -11,16 +11,19 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
   transcendental, reduction, in place, scatter); the cost of first touching new memory (arrays beyond
   the held heap's 32 MiB);
 * the Python a step pays beyond its arithmetic (plan/overheads.py): per NumPy call, graph node, parameter,
-  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job; the anchor;
+  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job, and what one of
+  the pipeline's stage-to-stage messages takes as its runtime meets it; the anchor, and how much slower a
+  job's median step computes than these best cases (typical_alone, typical_job: both ranks at once, the
+  slower setting the pace; typical_job_waited: each run after a wait asleep, as a pipeline's stage);
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under mpiexec -n p), fitted to t = steps·alpha + bytes·beta with the algorithm's
   own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
-  thread's CPU time outside its waits.
+  thread's CPU time outside its waits (and, for comparison, as a job meets them: "job_*", each after the
+  anchor's compute; the planner prices the later rank's arrival with the compute instead: time.typical).
 With MINITRAIN_DEVICE=cuda the matmuls, elementwise ops and collectives run on CuPy arrays.
 The result is JSON at ~/.cache/minitrain/machine.json (what plan uses by default); the
-committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine
-(--merge), its communication costs the best of six later ones, measured after every collective began
-checking its header with a neighbour (--merge ... --comm-only: +50-100 us a collective at p = 2);
+committed machines/cpu-2core.json is the least loaded of three calibrations of the 2-core CI machine, each
+run while other processes used under 10% of its cores (calibrate --out A, B, C; then --merge A B C);
 machines/a100-80gb.json is NVIDIA's datasheet (not measured).
 """
 import argparse
@@ -192,6 +195,7 @@ def _worker(out_path, sizes):
     fit the cores); rank 0 writes JSON."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
+    backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
     xp, sync = backend.xp(), backend.synchronize
     results = {}
     from ..comm.communicator import waiting_cpu_seconds
@@ -300,7 +304,10 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         from .overheads import measure_overheads
         machine.update(_least([measure_overheads(clock=clock) for _ in range(rounds)]))
         from .overheads import measure_anchor, measure_node_overheads
-        machine["anchor_cpu_time_s"] = min(measure_anchor() for _ in range(rounds))
+        anchors = [measure_anchor() for _ in range(rounds)]     # (again after the collectives: a burst of another
+        machine["anchor_cpu_time_s"] = min(anchors)            # process over these rounds alone is not the machine)
+        from .overheads import typical_over_best                      # (and on both ranks at once: in a job)
+        machine["typical_alone"] = min(typical_over_best() for _ in range(rounds))
         fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
         machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))
     machine["fresh_memory_s_per_byte"] = fresh
@@ -329,17 +336,21 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                         machine.update(fit)
                         log("in a 2-rank job: DDP adds " + f"{fit['ddp_step_s'] * 1e6:.0f} us a step + "
                             f"{fit['ddp_byte_s'] * 1e9:.2f} ns a gradient byte; FSDP {fit['fsdp_unit_s'] * 1e6:.0f} us a unit; "
-                            f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us")
+                            f"a pipeline's action {fit['pipeline_action_s'] * 1e6:.0f} us, its message "
+                            f"{fit['pipeline_message_s'] * 1e6:.0f} us + "
+                            f"{fit['pipeline_message_byte_s'] * 1e9:.2f} ns a byte")
                         continue
                     machine["collectives"].setdefault(name, {})[str(p)] = fit
                     log(f"{name} p={p}: alpha {fit['alpha_s'] * 1e6:.1f} us, "
                         f"{1 / fit['beta_s_per_byte'] / 1e9:.2f} GB/s")
+    if device == "cpu":
+        machine["anchor_cpu_time_s"] = min(anchors + [measure_anchor()])
     return machine
 
 
 # what the communication code's cost decides: recalibrated alone (--comm-only) when only that code changed
 COMM_SCALARS = ("collective_call_s", "ddp_step_s", "ddp_byte_s", "fsdp_unit_s", "pipeline_action_s",
-                "pipeline_action_byte_s")
+                "pipeline_action_byte_s", "pipeline_message_s", "pipeline_message_byte_s")
 
 
 def merge(machines, comm_only=None):

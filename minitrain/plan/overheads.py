@@ -12,6 +12,9 @@ import numpy as np
 from .calibrate import _best, _xp
 
 
+WAIT_S = 5e-4      # a pipeline stage's wait for its input, asleep in the poll, before it computes
+
+
 def measure_overheads(repeats=5, clock=time.perf_counter):
     """Python's share of a step, measured on tiny arrays: one NumPy call; per parameter tensor, an Adam step
     and DDP's hook and write-back (on a one-rank ThreadWorld: what a machine without ``measure_in_a_job``'s
@@ -118,7 +121,8 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
 def measure_in_a_job(comm, repeats=30):
     """Under mpiexec -n 2: what DDP, FSDP and a pipeline's runtime add to the CPU time a step's own thread spends
     outside its waits (busy), beyond the plain model's: per step and per byte of gradient for DDP, per unit for
-    FSDP, per action and per byte of the activation it sends or receives for a pipeline. Measured in a real
+    FSDP, per action and per byte of the activation it sends or receives for a pipeline, and what one of its
+    stage-to-stage messages takes (fixed and per byte: _pipeline_action, 2-128 KiB). Measured in a real
     job, where DDP's and FSDP's collectives run on the progress thread beside the step's own thread and a
     pipeline's messages go through MPI: on this 2-core machine DDP added 0.15-0.24 ms a step, FSDP 0.3-0.4 ms
     a unit and a pipeline 90-130 us an action, several times what a one-rank ThreadWorld, whose collectives
@@ -148,14 +152,30 @@ def measure_in_a_job(comm, repeats=30):
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units - 1)], nn.Linear(16, 10))
     plain = busy(model, x16, y)
     sharded = busy(FullyShardedDataParallel(model, comm), x16, y)
-    (w0, a0), (w1, a1) = [(4 * 32 * w, _pipeline_action(comm, repeats, w)) for w in (16, 512)]
-    action_byte = max(0.0, (a1 - a0) / (w1 - w0))
-    mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units,
-                     max(0.0, a0 - action_byte * w0), action_byte])
+    piped = [(4 * 32 * w, *_pipeline_action(comm, repeats, w)) for w in (16, 128, 512, 1024)]
+    action, message = _line([(n, a) for n, a, _ in piped]), _line([(n, m) for n, _, m in piped])
+    mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units, *action, *message])
     from .. import comm as mtcomm
     slowest = mtcomm.all_reduce(comm, mine, op="max")
     return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
-            "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4])}
+            "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
+            "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
+            "typical_job": typical_over_best(comm, 100), "typical_job_waited": typical_over_best(comm, 100, WAIT_S)}
+
+
+def _line(points):
+    """(a, b) >= 0 of t = a + b·n over [(n, t)], least squares in relative error (as calibrate's alpha-beta
+    fits: a small message counts as much as a large one); points at t = 0 (nothing measured) left out."""
+    points = [(n, t) for n, t in points if t > 0]
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
+    n, t = np.array(points, np.float64).T
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
+    if b < 0:
+        return float(np.median(t)), 0.0
+    if a < 0:
+        return 0.0, float(np.median(t / n))
+    return float(a), float(b)
 
 
 def _best_busy(fn, repeats):
@@ -166,10 +186,15 @@ def _best_busy(fn, repeats):
 
 
 def _pipeline_action(comm, repeats, width, m=8, rows=32):
-    """Busy CPU per action of a two-stage 1F1B pipeline whose activations are ``rows`` x ``width`` floats,
-    traced as the jobs trace it, beyond the stage's own forward and backward run directly: the runtime's
-    bookkeeping, its sends and receives (header and array, outside their waits), a backward call per
-    micro-batch, the spans."""
+    """(busy CPU per action, seconds per message) of a two-stage 1F1B pipeline whose activations are ``rows``
+    x ``width`` floats, traced as the jobs trace it. Per action, beyond the stage's own forward and backward
+    run directly: the runtime's bookkeeping, its sends and receives (header and array, outside their waits),
+    a backward call per micro-batch, the spans. Per message: what the job's own measure reports
+    (parallel/pipeline/measure.message_cost: from the sender's compute ending to the waiting receiver
+    having it: posting the send, the copy, the waiter waking from its poll), which the schedule's simulator
+    puts between a stage and the next (time.py). Measured on this 2-core machine, quiet: 0.11 ms at 2 KiB,
+    0.2-0.5 ms at 8-128 KiB (not monotonic in the size: how late a waiter wakes depends on how long it
+    had slept, its sleeps doubling up to 0.2 ms), ten times a blocking receive's best case (the p2p fit)."""
     from .. import nn, trace
     from ..autograd import Tensor
     from ..parallel.pipeline import PipelineParallel
@@ -180,19 +205,24 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
     x, y = rng.standard_normal((rows * m, width)).astype(np.float32), rng.integers(0, 10, rows * m)
     received = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(m)]
 
-    def direct():                                  # this rank's stage alone, the same micro-batches
-        for i in range(m):
+    def direct():                                  # this rank's stage alone, the same micro-batches, each
+        for i in range(m):                         # compute after a wait asleep, as the runtime's (WAIT_S)
+            time.sleep(WAIT_S)
             if comm.rank == 0:
-                stage(Tensor(x[rows * i:rows * (i + 1)])).backward(received[i])
+                out = stage(Tensor(x[rows * i:rows * (i + 1)]))
+                time.sleep(WAIT_S)
+                out.backward(received[i])
             else:
                 out = stage(Tensor(received[i], requires_grad=True))
                 (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
     trace.enable(rank=comm.rank)
     piped = _best_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), repeats)
+    from ..parallel.pipeline.measure import summarize
+    message = summarize(pipe)["message_cost_s"]            # the same on both ranks (a collective)
     alone = _best_busy(direct, repeats)
     trace.disable()
     trace.tracer().events.clear()
-    return max(0.0, piped - alone) / (2 * m)
+    return max(0.0, piped - alone) / (2 * m), message
 
 
 _ANCHOR = {}
@@ -241,3 +271,34 @@ def measure_anchor(repeats=20):
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=1):
         return _best(anchor, repeats, lambda: None, time.thread_time)
+
+
+def typical_over_best(comm=None, repeats=40, sleep=0.0):
+    """How much slower a job's median step does its CPU work than the calibrated best case: the anchor's CPU
+    time, ``repeats`` runs each after a run that brings its arrays back into the caches (as the jobs'
+    StepTimer runs it), their median over their fastest (one series: a load that drifts cancels). With
+    ``comm``: every rank at once, each run after a barrier (every core busy, as in a job whose ranks fill the
+    cores), the median over the runs of the slowest rank's time: what a job's ranks compute before they meet
+    at a collective, the later one setting the pace (so the planner prices a collective at its best case:
+    time.collective). CPU time, which other processes' turns on the cores leave out: on this 2-core machine
+    1.04-1.08x alone and 1.1-1.2x with both cores working (a collective timed in a job after the anchor ran
+    2-3x its best case quiet, and 5 ms instead of 0.05-0.3 ms while others took half the cores). ``sleep``:
+    each timed run after that long asleep, as a pipeline's stage computes once its input has come (WAIT_S):
+    a VM whose idle core the host lends runs it slower again, with both cores working (alone, no slower)."""
+    from threadpoolctl import threadpool_limits
+    from .. import comm as mtcomm
+    times = []
+    with threadpool_limits(limits=1):
+        for _ in range(repeats):
+            if comm is not None:
+                comm.barrier()
+            anchor()
+            if sleep:
+                time.sleep(sleep)
+            start = time.thread_time()
+            anchor()
+            times.append(time.thread_time() - start)
+    every = np.array([times])
+    if comm is not None:                             # each run's slowest rank: the one the others wait for
+        every = mtcomm.ring_all_gather(comm, every[0], total=len(times) * comm.size).reshape(comm.size, -1)
+    return float(np.median(every.max(axis=0)) / every.min())

@@ -93,7 +93,7 @@ class Costs:
         per = self.m["elementwise_s_per_element"]
         t += sum(n * per[DTYPE_NAMES.get(dtype, self.dtype) if dtype else self.dtype][kind]
                  for (kind, dtype), n in work.ew.items())
-        t += work.nodes * self.node_s + work.leaves * self.leaf_s + work.calls * self.call
+        t += (work.nodes + work.unrecorded) * self.node_s + work.leaves * self.leaf_s + work.calls * self.call
         t += len(work.mm) * self.call if self.grid is None else 0.0     # a datasheet's rates leave out the launch
         t += work.fresh * self.m.get("fresh_memory_s_per_byte", 0.0) if self.fresh else 0.0
         t += (work.hooks * self.m.get("ddp_param_s", 0.0) + work.units * self.m.get("fsdp_unit_s", 0.0)
@@ -114,9 +114,9 @@ def _fits(key, machine):
 
 def collective(machine, name, nbytes, p, node_span=None, busy=False):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
-    measured p, as a job meets it where calibrated so, save p2p, whose waits the pipeline's simulator prices;
-    else the machine's link constants with the ring's step and byte counts). Over one rank
-    it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
+    measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
+    rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts).
+    Over one rank it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
     waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call)."""
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
@@ -132,10 +132,7 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False):
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
         if busy:
             return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
-        if "job_alpha_s" in fit and name != "p2p":           # as a job meets it (ranks arriving apart), not its best;
-            return steps * fit["job_alpha_s"] + sent * fit["job_beta_s_per_byte"]   # (a pipeline's waits for its
-        #                                                      peers are the schedule simulator's: p2p at its best)
-        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]
+        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()
     if busy:
         return call
     links = machine["links"]
@@ -220,11 +217,12 @@ def axes_comm(model, layout, rows, machine, busy):
 
 
 # ---------------------------------------------------------------- the step
-def _bubble(name, p, m, v, f, b):
+def _bubble(name, p, m, v, f, b, message=0.0):
     """(span, idle seconds per stage) of the schedule with forward f and backward b per chunk, from the
     schedule's own simulator (at backward/forward ratios 1.5^k, interpolated). Beyond m = 2p micro-batches
     the idle time is taken as constant: once every stage reaches its steady state it stops growing
-    (exact for GPipe, 1F1B and interleaving; tests/test_plan.py checks it against full simulations)."""
+    (exact for GPipe, 1F1B and interleaving; tests/test_plan.py checks it against full simulations).
+    (With a calibrated message cost: _simulated.)"""
     probe = m if m <= 2 * p else 2 * p
     if name == "interleaved_1f1b" and probe % p:
         probe = m
@@ -232,6 +230,25 @@ def _bubble(name, p, m, v, f, b):
     lo = math.floor(step)
     idle_unit = _idle(name, p, probe, v, lo) + (step - lo) * (_idle(name, p, probe, v, lo + 1) - _idle(name, p, probe, v, lo))
     return m * v * (f + b) + idle_unit * (f + b), idle_unit * (f + b)
+
+
+def _sig(values):
+    """Seconds to three significant digits, as a tuple (a cache key for _simulated)."""
+    return tuple(float(f"{x:.3g}") for x in values)
+
+
+@lru_cache(maxsize=4096)
+def _simulated(name, p, m, v, f, b, message):
+    """The span of the schedule simulated at each virtual stage's forward f[k] and backward b[k] (seconds per
+    micro-batch; zero-bubble schedules: b split evenly into B and W) and ``message``: the seconds from a
+    stage's compute ending to the next stage having its output (calibrated as the runtime meets it,
+    plan/overheads.py). A message comparable to an action puts the stages in lockstep (1F1B at p = 2: each
+    backward waits for a round trip), so the idle time grows with m and no longer scales with f + b: no
+    shortcut (_bubble's) holds, and a stage lighter than the slowest sends early enough to hide messages."""
+    kwargs = {"forward_cost": f, "backward_cost": b}
+    if "weight_cost" in inspect.signature(simulate).parameters:   # zero-bubble schedules split B and W
+        kwargs = {"forward_cost": f, "backward_cost": tuple(x / 2 for x in b), "weight_cost": tuple(x / 2 for x in b)}
+    return simulate(get_schedule(name, p, m, chunks=v), message_cost=message, **kwargs)["total_time"]
 
 
 @lru_cache(maxsize=4096)
@@ -250,6 +267,16 @@ def _idle(name, p, m, v, k):
     return sim["total_time"] - m * v * (f + b)
 
 
+def typical(machine, world, waited=False):
+    """How much slower a job's median step does its CPU work than the calibrated constants, each a best case:
+    the anchor's median as a job of ``world`` ranks meets it over its best (plan/overheads.typical_over_best:
+    alone, or every rank of a 2-rank job at once; ``waited``: each run after a wait asleep, as a pipeline's
+    stage computes once its input has come); 1 where not calibrated so. (A job's step timer runs the same
+    anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
+    key = "typical_alone" if world == 1 else "typical_job_waited" if waited else "typical_job"
+    return max(1.0, machine.get(key, 1.0))
+
+
 def predict_time(model, layout, machine):
     """{'compute', 'comm', 'bubble', 'total'} seconds per step and 'bubble_fraction', for the slowest
     stage; 'busy': the CPU time of the step's own thread (compute without taking turns, plus the busy part of
@@ -264,7 +291,9 @@ def predict_time(model, layout, machine):
     rows, e = layout.micro_batch_size, PRECISIONS[layout.precision]
     fresh = _largest_activation(model, layout) * e >= machine.get("held_array_bytes", 0)
     turns = max(1.0, layout.world / cores) if cpu else 1.0
-    c = Costs(machine, layout.precision, threads, turns, fresh)
+    step = Costs(machine, layout.precision, threads, turns * typical(machine, layout.world), fresh)
+    c = step if layout.pp == 1 else Costs(   # a pipeline's stage computes once its input has come, asleep till then
+        machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)
     if model.kind == "mlp":
         layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
@@ -282,7 +311,13 @@ def predict_time(model, layout, machine):
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
     n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
-    if p > 1:                                                # a header, then the activation (or its gradient)
+    if p > 1 and "pipeline_message_s" in machine:           # a message as the runtime meets it, between stages
+        message = machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * act
+        stages = prefix[bounds[1:]] - prefix[bounds[:-1]]    # each virtual stage at its own cost: a light
+        span = _simulated(layout.schedule, p, m, v, _sig(stages[:, 0] + stages[:, 1]),  # stage's outputs come
+                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0])       # early to a heavy one
+        idle = max(0.0, span - m * (fc + fm + bc + bm))
+    elif p > 1:                                              # a header, then the activation (or its gradient)
         hop = v * (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2))
         fm, bm = fm + hop, bm + hop                          # (their busy part: in the calibrated action's)
         span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v)   # the schedule's simulator
@@ -306,7 +341,7 @@ def predict_time(model, layout, machine):
         hidden = min(reduce * (1 - cap / grad_bytes), m * bc) if dp > 1 and cap < grad_bytes else 0.0
         comm += reduce - hidden                              # (on the progress thread: nothing busy here)
         if "ddp_step_s" in machine:                          # DDP's own cost in a job, measured as a whole
-            compute += c.slowdown * (machine["ddp_step_s"] + machine["ddp_byte_s"] * grad_bytes)
+            compute += step.slowdown * (machine["ddp_step_s"] + machine["ddp_byte_s"] * grad_bytes)
         else:                                                # its hooks; into the buckets and back out
             tail.op("copy", n_local, count=2, calls=2 * n_tensors).hooks += n_tensors
     elif layout.local_sgd_every:
@@ -337,7 +372,7 @@ def predict_time(model, layout, machine):
         tail.calls += 2 * n_tensors if dp > 1 else 0
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
-        compute += c.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
+        compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
     state_n = n_local if z == 0 else -(-n_local // dp)
     tail.add(optimizer_work(state_n, n_tensors if z == 0 else 1, layout))
     if m > 1:                                                 # later micro-batches add into the gradients
@@ -349,7 +384,7 @@ def predict_time(model, layout, machine):
             coll("ring_all_reduce", 8, p, p * span_dp)
             if dp > 1:
                 coll("ring_all_reduce", 8, dp, span_dp)
-    compute += c.seconds(tail)
+    compute += step.seconds(tail)
     total = compute + comm + idle
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
             "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy,

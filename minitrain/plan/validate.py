@@ -9,9 +9,10 @@ outside its waits for peers (busy: its arithmetic, Python and its own collective
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
 run beside it (a fixed workload, plan/overheads.py; examples/step_timer.StepTimer): the lower quartile over
-the run (the median beside it), times the anchor's calibrated time, for the slowest stage, its ranks
-averaged. The wall clock is compared the same way (the median step in anchors: how fast the machine ran
-meanwhile is taken out, not other jobs' turns on the cores), the plain median beside it. Where ranks
+the run (the median beside it), times the anchor's calibrated time as a job meets it (its median with the
+job's ranks at work: time.typical), for the slowest stage, its ranks averaged. The wall clock is compared
+the same way (the median step in anchors: how fast the machine ran meanwhile is taken out, not other
+jobs' turns on the cores), the plain median beside it. Where ranks
 outnumber cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the
 planner's compute without its ranks / cores factor), and the wall clock against the whole prediction.
 The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
@@ -26,7 +27,7 @@ import tempfile
 from dataclasses import replace
 
 from . import CATEGORIES, load_machine, predict
-from .time import predict_nodes
+from .time import predict_nodes, typical
 
 MLP = "--epochs 15"
 GPT = "--steps 60 --sample-chars 1"
@@ -88,10 +89,11 @@ def run(name, machine=None, timeout=300):
                                                               r["step"].get("step_busy_per_anchor_median", 0.0)))
     # the slowest stage, its ranks (which do the same work) averaged: the largest of two noisy equals is biased
     slowest = max(stages.values(), key=lambda v: sum(q for q, _ in v))
-    busy = sum(q for q, _ in slowest) / len(slowest) * machine["anchor_cpu_time_s"]
-    busy_median = sum(m for _, m in slowest) / len(slowest) * machine["anchor_cpu_time_s"]
+    unit = machine["anchor_cpu_time_s"] * typical(machine, n)         # the anchor as a quiet job's step meets it
+    busy = sum(q for q, _ in slowest) / len(slowest) * unit
+    busy_median = sum(m for _, m in slowest) / len(slowest) * unit
     walls = [r["step"].get("step_wall_per_anchor", 0.0) for r in report["ranks"]]    # a step ends on every rank at once
-    wall_anchored = sum(walls) / len(walls) * machine["anchor_cpu_time_s"]
+    wall_anchored = sum(walls) / len(walls) * unit
     return {"name": name, "job": kind, "world": n, "options": options, "cores": cores, "threads": layout.threads,
             "describe": predicted["describe"], "ranks": ranks,
             "nodes": {"measured": report["step_autograd_nodes"], "predicted": predict_nodes(model, layout, machine)},

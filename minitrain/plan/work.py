@@ -14,12 +14,14 @@ from dataclasses import replace
 class Work:
     """Matmuls (m, k, n, batch: ``batch`` products of m x k @ k x n in one call), ops {(name, dtype): [elements,
     calls]}, elementwise passes of other work {(kind, dtype): elements} and their NumPy ``calls``, graph ``nodes``
-    recorded, ``leaves`` (parameters given their first gradient of the step), new memory touched (``fresh``
-    bytes), and the Python of DDP's hooks per parameter, FSDP's per unit, traced spans and pipeline actions."""
+    recorded, ``unrecorded`` (ops run without recording a node: under no_grad, a recomputed segment's first
+    forward; their Python, the modules' and the ops' calls, is a node's), ``leaves`` (parameters given their first
+    gradient of the step), new memory touched (``fresh`` bytes), and the Python of DDP's hooks per parameter,
+    FSDP's per unit, traced spans and pipeline actions."""
 
     def __init__(self):
         self.mm, self.ops, self.ew, self.nodes, self.calls, self.fresh = [], {}, {}, 0, 0, 0.0
-        self.leaves = self.hooks = self.units = self.spans = self.actions = 0
+        self.leaves = self.hooks = self.units = self.spans = self.actions = self.unrecorded = 0
 
     def matmul(self, m, k, n, batch=1, times=1):
         self.mm += [(m, k, n, batch)] * times
@@ -45,7 +47,7 @@ class Work:
             entry[1] += c * times
         for key, n in other.ew.items():
             self.ew[key] = self.ew.get(key, 0) + n * times
-        for name in ("nodes", "calls", "fresh", "leaves", "hooks", "units", "spans", "actions"):
+        for name in ("nodes", "calls", "fresh", "leaves", "hooks", "units", "spans", "actions", "unrecorded"):
             setattr(self, name, getattr(self, name) + getattr(other, name) * times)
         return self
 
@@ -177,13 +179,14 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         bwd.op("dropout.backward", Er, count=2)
     if layout.recompute == "selective":               # the core runs under no_grad, again in backward
         fwd.add(core_f).nodes += 1 - core_f.nodes
+        fwd.unrecorded += core_f.nodes
         bwd.add(core_f).add(core_b)
     else:
         fwd.add(core_f)
         bwd.add(core_b)
     if layout.recompute == "full":                    # one checkpoint node; backward redoes the forward
         bwd.add(fwd)
-        fwd.nodes = 1
+        fwd.nodes, fwd.unrecorded = 1, fwd.unrecorded + fwd.nodes
     from .activations import gpt_block_bytes
     fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows, moe)[0]
     return fwd, bwd
@@ -257,7 +260,7 @@ def mlp_recompute(works, layout):
             if i < k - 1:
                 bwd = Work().add(bwd).add(fwd)
                 fwd = Work().add(fwd)
-                fwd.nodes = 1 if j == bounds[i] else 0
+                fwd.nodes, fwd.unrecorded = (1 if j == bounds[i] else 0), fwd.unrecorded + fwd.nodes
             out.append((fwd, bwd))
     return out
 

@@ -1,0 +1,109 @@
+"""The planner's pipeline messages and its median step (plan/time.py, plan/overheads.py): a calibrated
+stage-to-stage message goes to the schedule's simulator, between virtual stages each at its own cost; the
+CPU work of a job's median step is the calibrated best case times the anchor's median over its best.
+Exact checks only (what is passed where, by how much it scales); how close it comes to a job's clock is
+scripts/bench_planner.py's to say."""
+import pytest
+
+from minitrain import plan
+from minitrain.parallel.pipeline import get_schedule, simulate
+from minitrain.plan import overheads
+from minitrain.plan import time as ptime
+from minitrain.plan.validate import planned
+
+GPT_PP = "--pp 2 --schedule 1f1b --microbatches 4"          # micro-batches of 4 x 32 tokens x 64 floats
+SIMULATED = ptime._simulated
+
+
+def uncalibrated():
+    """cpu-2core without the constants under test: no message cost, no median-step factors."""
+    return {k: v for k, v in plan.load_machine("cpu-2core").items()
+            if not k.startswith(("pipeline_message", "typical"))}
+
+
+def messaging(**extra):
+    return {**uncalibrated(), "pipeline_message_s": 2e-4, "pipeline_message_byte_s": 1e-9, **extra}
+
+
+def recorded(monkeypatch, machine, kind, options, world=2):
+    """(prediction, [the arguments of every _simulated call])."""
+    calls, original = [], SIMULATED
+
+    def spy(*args):
+        calls.append(args)
+        return original(*args)
+    monkeypatch.setattr(ptime, "_simulated", spy)
+    model, layout = planned(kind, world, options)
+    return plan.predict(model, layout, machine), calls
+
+
+def test_a_calibrated_message_goes_between_the_stages_of_the_simulated_schedule(monkeypatch):
+    predicted, calls = recorded(monkeypatch, messaging(), "gpt", GPT_PP)
+    assert len(calls) == 1
+    name, p, m, v, f, b, message = calls[0]
+    assert (name, p, m, v) == ("1f1b", 2, 4, 1) and len(f) == len(b) == 2
+    assert message == float(f"{2e-4 + 1e-9 * 4 * 32 * 64 * 4:.3g}")   # the activation of a micro-batch (3 digits)
+    assert f[1] > f[0]                                           # each stage its own: the last holds the head
+    span = simulate(get_schedule("1f1b", 2, 4), forward_cost=f, backward_cost=tuple(x / 2 for x in b),
+                    weight_cost=tuple(x / 2 for x in b), message_cost=message)["total_time"]
+    slowest = max(fk + bk for fk, bk in zip(f, b))
+    t = predicted["step_time_s"]
+    assert t["bubble"] == pytest.approx(span - m * slowest, rel=1e-2)    # (stage costs to 3 digits)
+    assert predicted["bubble_fraction"] == pytest.approx(t["bubble"] / span, rel=1e-2)
+
+
+def test_a_light_stage_hides_messages_from_a_heavy_one_and_a_costlier_message_costs_more(monkeypatch):
+    """ZB-V's four virtual stages at their own costs: no longer than all at the slowest's; and the bubble
+    grows with the message (none: the simulator's span with free messages)."""
+    predicted, calls = recorded(monkeypatch, messaging(), "mlp", "--strategy pipeline --schedule zbv "
+                                "--microbatches 4 --layers 3 --hidden 256 --batch-size 128")
+    name, p, m, v, f, b, message = calls[0]
+    assert (name, p, m, v, len(f)) == ("zbv", 2, 4, 2, 4) and len(set(f)) > 1
+    placed = get_schedule("zbv", 2, 4)
+    own = SIMULATED(name, p, m, v, f, b, message)
+    heavy = [max(f[k] + b[k] for k in (i, 3 - i)) for i in range(2)]     # zbv: rank 0 holds 0 and 3, rank 1: 1, 2
+    assert own <= SIMULATED(name, p, m, v, (max(f),) * 4, (max(b),) * 4, message)
+    free = simulate(placed, forward_cost=f, backward_cost=tuple(x / 2 for x in b),
+                    weight_cost=tuple(x / 2 for x in b))["total_time"]
+    assert free < own and m * max(heavy) <= free
+    dearer, _ = recorded(monkeypatch, messaging(pipeline_message_s=1e-3), "mlp", "--strategy pipeline --schedule zbv "
+                         "--microbatches 4 --layers 3 --hidden 256 --batch-size 128")
+    assert dearer["step_time_s"]["bubble"] > predicted["step_time_s"]["bubble"]
+    assert dearer["step_time_s"]["compute"] == predicted["step_time_s"]["compute"]
+
+
+def test_without_a_calibrated_message_the_pipeline_pays_a_p2p_per_action(monkeypatch):
+    predicted, calls = recorded(monkeypatch, uncalibrated(), "gpt", GPT_PP)
+    assert calls == [] and predicted["step_time_s"]["comm"] > 0
+
+
+def test_a_median_step_runs_at_the_anchors_median_speed(monkeypatch):
+    """Compute scales by the anchor's median over its best: every rank of a job at once where world > 1,
+    alone for one rank, after a wait asleep for a pipeline's stages (not its tail); communication does not."""
+    base = uncalibrated()
+    typical = {**base, "typical_job": 1.5, "typical_alone": 1.25, "typical_job_waited": 2.0}
+    assert (ptime.typical(typical, 2), ptime.typical(typical, 1), ptime.typical(typical, 2, True)) == (1.5, 1.25, 2.0)
+    assert ptime.typical(base, 2) == 1.0 and ptime.typical({**typical, "typical_job": 0.5}, 2) == 1.0   # never < best
+    for world, factor in ((2, 1.5), (1, 1.25)):
+        model, layout = planned("mlp", world, "--hidden 256 --batch-size 128")
+        plain, slow = (plan.predict(model, layout, m)["step_time_s"] for m in (base, typical))
+        assert slow["compute"] == pytest.approx(factor * plain["compute"], rel=1e-12)
+        assert slow["comm"] == plain["comm"]
+    pipeline = "--strategy pipeline --schedule 1f1b --microbatches 4 --layers 3 --hidden 256 --batch-size 128"
+    (plain, calls), (slow, slow_calls) = (recorded(monkeypatch, messaging(**m), "mlp", pipeline)
+                                          for m in ({}, {k: typical[k] for k in ("typical_job", "typical_job_waited")}))
+    (call,), (slow_call,) = set(calls), set(slow_calls)          # (predict prices the step more than once)
+    m, f, b = call[2], call[4], call[5]
+    assert slow_call[4] == pytest.approx([2 * x for x in f], rel=5e-3) and slow_call[5] == pytest.approx(
+        [2 * x for x in b], rel=5e-3)                                    # the stages: after a wait
+    stages = m * max(x + y for x, y in zip(f, b))
+    tail = plain["step_time_s"]["compute"] - stages                      # the optimizer, the actions: back to back
+    assert slow["step_time_s"]["compute"] == pytest.approx(2 * stages + 1.5 * tail, rel=2e-3)
+
+
+def test_a_line_through_the_messages():
+    """calibrate's fit of a message's seconds over its bytes: exact through a line; never negative."""
+    a, b = overheads._line([(n, 1e-4 + 2e-9 * n) for n in (2048, 16384, 65536, 131072)])
+    assert a == pytest.approx(1e-4, rel=1e-9) and b == pytest.approx(2e-9, rel=1e-9)
+    assert overheads._line([(2048, 3e-4), (16384, 2e-4), (131072, 1e-4)]) == (2e-4, 0.0)   # falling: the median
+    assert overheads._line([(2048, 0.0), (16384, 2e-4), (65536, 0.0)]) == (2e-4, 0.0)    # 0: no receiver waited
