@@ -9,7 +9,7 @@ whose ranks fit the cores, and the issue's two jobs (JOBS: ZeRO-3 with Adam on a
 the measured median step (the plain wall clock, what a user reads), and over the median step in anchors
 (validate.py: how fast the machine ran meanwhile taken out), and the busy CPU of a step. The criterion of
 issue 29: every run's predicted / measured median within 20%.
---calibrate first runs ``python -m minitrain.plan calibrate`` once, as a user does, and predicts from that
+--calibrate first runs `python -m minitrain.plan calibrate` once, as a user does, and predicts from that
 (default: --machine, the committed cpu-2core). Beside each run, the share of the cores other processes
 used meanwhile (/proc/stat's busy time less the run's own CPU): on a shared machine they take turns on
 the cores with the ranks, which only the plain median counts. --repeat runs each R times (every ratio is
