@@ -10,6 +10,7 @@ mpi4py loads (mpi_launcher): the mpich wheel's mpiexec (hydra) or Open MPI's mpi
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -171,6 +172,43 @@ def launcher_args(mpiexec, n, label=False):
             text = ""
         _FLAVOR[mpiexec] = "openmpi" if ("Open MPI" in text or "OpenRTE" in text) else "mpich"
     return _flags(_FLAVOR[mpiexec], n, label)
+
+
+def busy_seconds():
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)        # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu():
+    """CPU seconds of this process and of its children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime + time.process_time()
+
+
+def with_others_share(fn):
+    """(fn(), the share of the cores that other processes used meanwhile: NaN where /proc/stat is missing)."""
+    busy, mine, start = busy_seconds(), _own_cpu(), time.perf_counter()
+    result = fn()
+    wall, ours = time.perf_counter() - start, _own_cpu() - mine
+    if busy is None:
+        return result, float("nan")
+    return result, max(0.0, (busy_seconds() - busy - ours) / (wall * (os.cpu_count() or 1)))
+
+
+def wait_for_quiet(share, timeout, window=2.0):
+    """Benchmarks: sample the machine over ``window`` s until other processes use less than ``share`` of
+    its cores (or ``timeout`` s pass); returns the last share seen."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        _, others = with_others_share(lambda: time.sleep(window))
+        if not others >= share or time.perf_counter() > deadline:      # (NaN: no /proc/stat, no waiting)
+            return others
 
 
 def run_worker(script, n, args=(), timeout=1800):

@@ -62,20 +62,10 @@ def data(width, steps):
             for _ in range(steps)]
 
 
-def busy_seconds():
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat; None elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)        # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def others_share(comm, work):
     """The share of the machine's cores that other processes used while work() ran."""
     from minitrain.comm import ring_all_gather
+    from minitrain.testing import busy_seconds
     comm.barrier()
     busy, own, start = busy_seconds(), time.process_time(), time.perf_counter()
     work()
@@ -91,14 +81,9 @@ def wait_for_quiet(comm, share, timeout):
     """Rank 0 samples the machine over 2 s windows until other processes use less than share of
     its cores (or timeout seconds pass); the other ranks wait for its word (asleep)."""
     from minitrain.comm import broadcast
-    if comm.rank == 0 and busy_seconds() is not None:
-        deadline = time.perf_counter() + timeout
-        while True:
-            busy, own, start = busy_seconds(), time.process_time(), time.perf_counter()
-            time.sleep(2.0)
-            others = (busy_seconds() - busy - (time.process_time() - own)) / ((time.perf_counter() - start) * os.cpu_count())
-            if others < share or time.perf_counter() > deadline:
-                break
+    from minitrain.testing import wait_for_quiet as wait_on_this_rank
+    if comm.rank == 0:
+        wait_on_this_rank(share, timeout)
     broadcast(comm, np.zeros(1), root=0)
 
 
@@ -174,12 +159,14 @@ def run_job(args):
     """The issue's job per schedule and m, --repeat times (round-robin): its JSON's "pipeline"."""
     import sys
     import tempfile
-    from minitrain.testing import run_mpi
+    from minitrain.testing import run_mpi, wait_for_quiet
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for _, name, m in ((r, n, m) for r in range(args.repeat) for n in args.schedules for m in args.microbatches):
             if name == "interleaved_1f1b" and m % 2:
                 continue
+            if args.wait_quiet:
+                wait_for_quiet(args.wait_quiet, args.quiet_timeout)
             out = os.path.join(tmp, "job.json")
             run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--strategy", "pipeline", "--hidden", args.width,
                      "--layers", 9 if name == "zbv" else 5, "--batch-size", 256, "--epochs", args.epochs, "--schedule",

@@ -29,7 +29,6 @@ import io
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import time
 from minitrain import cli
 from minitrain.plan import load_machine, validate
 from minitrain.plan.__main__ import main as plan_main
+from minitrain.testing import wait_for_quiet, with_others_share
 
 GPT3 = "--n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 --vocab-size 51200"
 SEARCH = f"gpt {GPT3} --batch-size 1536 --world 1024 --precision bf16 --machine a100-80gb --search"
@@ -73,42 +73,6 @@ def criterion(ratios):
     within = sum(1 for x in values if abs(x - 1) <= WITHIN)
     return {"median": statistics.median(values), "lowest": min(values), "highest": max(values),
             "within": within, "runs": len(values), "holds": within == len(values)}
-
-
-def busy_seconds():
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat; None elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)        # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def with_others_share(fn):
-    """(fn(), the share of the cores that other processes used meanwhile: NaN where /proc/stat is missing)."""
-    busy, mine, start = busy_seconds(), children_cpu() + time.process_time(), time.perf_counter()
-    result = fn()
-    wall, ours = time.perf_counter() - start, children_cpu() + time.process_time() - mine
-    if busy is None:
-        return result, float("nan")
-    return result, max(0.0, (busy_seconds() - busy - ours) / (wall * (os.cpu_count() or 1)))
-
-
-def wait_for_quiet(share, timeout, window=2.0):
-    """Sample the machine over ``window`` s until other processes use less than ``share`` of its cores
-    (or ``timeout`` s pass); returns the last share seen."""
-    deadline = time.perf_counter() + timeout
-    while True:
-        _, others = with_others_share(lambda: time.sleep(window))
-        if not others >= share or time.perf_counter() > deadline:      # (NaN: no /proc/stat, no waiting)
-            return others
 
 
 def calibrated(path):

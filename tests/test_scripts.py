@@ -78,8 +78,12 @@ def test_bench_pipeline_runs_every_schedule(monkeypatch, capsys, tmp_path):
 def test_bench_pipeline_runs_the_issues_job_and_prints_its_targets(monkeypatch, capsys, tmp_path):
     out = tmp_path / "job.json"
     monkeypatch.setattr(sys, "argv", ["bench_pipeline.py", "--job", "--width", "32", "--epochs", "1", "--microbatches",
-                                      "4", "--schedules", "1f1b", "zb_h1", "--json", str(out)])
+                                      "4", "--schedules", "1f1b", "zb_h1", "--wait-quiet", "0.5", "--json", str(out)])
+    import minitrain.testing
+    waits = []
+    monkeypatch.setattr(minitrain.testing, "wait_for_quiet", lambda share, timeout: waits.append((share, timeout)))
     runpy.run_path(str(SCRIPTS / "bench_pipeline.py"), run_name="__main__")
+    assert waits == [(0.5, 120.0)] * 2                  # before each of the two runs
     printed = capsys.readouterr().out
     lines = [line.split() for line in printed.splitlines() if line.startswith("  targets: ") and "verdict" not in line]
     assert [line[1:3] for line in lines] == [["1f1b", "4"], ["zb_h1", "4"]]
