@@ -17,7 +17,7 @@ from minitrain.comm import ThreadWorld
 from minitrain.comm import communicator as communicator_module
 from minitrain.nn import functional as F
 from minitrain.parallel.pipeline import PipelineParallel, get_schedule, simulate
-from minitrain.parallel.pipeline.measure import message_cost, message_costs
+from minitrain.parallel.pipeline.measure import message_costs
 from minitrain.parallel.pipeline.messages import POLL, StageMessages
 from minitrain.parallel.pipeline.schedules import NAMES
 from test_pipeline import assert_equal_to_reference, batches, make_model, reference_run
@@ -54,7 +54,6 @@ def test_the_costs_of_a_message_are_read_off_the_sends_and_receives():
                      [[-1.0, 10.2, 2.0, 0.0, 4, 5.5, -0.5, 4, nan, nan, 5.5, 7.5, nan, nan, 7.5, 7.7]]])
     schedule = get_schedule("gpipe", 2, 1)
     assert message_costs(rows, schedule, [0]) == pytest.approx((0.4, 0.35, 0.0))
-    assert message_cost(rows, schedule, [0]) == pytest.approx(0.4)
     late = rows.copy()
     late[0, 0, 12:14] = [7.9, 8.1]               # rank 0 asks only after B0 was sent: it takes 0.2
     assert message_costs(late, schedule, [0]) == pytest.approx((0.5, 0.35, 0.2))

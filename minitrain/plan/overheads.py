@@ -190,7 +190,7 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
     x ``width`` floats, traced as the jobs trace it. Per action, beyond the stage's own forward and backward
     run directly: the runtime's bookkeeping, its sends and receives (header and array, outside their waits),
     a backward call per micro-batch, the spans. Per message: what the job's own measure reports
-    (parallel/pipeline/measure.message_cost: the latency from the send posted to the waiting receiver
+    (parallel/pipeline/measure.message_costs: the latency from the send posted to the waiting receiver
     having it: the copy, the waiter waking from its poll; posting the send and taking a message are in
     the action's busy cost above), which the schedule's simulator puts between a stage and the next
     (time.py). Several times a blocking receive's best case (the p2p fit): a waiter sleeps between polls."""

@@ -114,11 +114,6 @@ def message_costs(rows, schedule, steps):
             float(np.mean(taken)) if taken else 0.0)
 
 
-def message_cost(rows, schedule, steps):
-    """The latency alone (message_costs' first)."""
-    return message_costs(rows, schedule, steps)[0]
-
-
 def _simulated_shares(sim, p):
     """The simulation's idle split as split_idle splits a step: send, transfer, the rest waiting."""
     total = p * sim["total_time"]
