@@ -7,28 +7,23 @@ sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower)
 sequence number, whose tag no other collective uses. Around it, through one seam (comm.guard,
 seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
 """
-import functools
 import os
 import threading
 import time
 import zlib
 
-import numpy as np
-
 from .errors import CollectiveTimeout, CommError, MessageTruncated, size_error
 from .seam import Unguarded
 from .stats import CommStats
+from .wire import DTYPE_SLOTS, dtype_code
 from .work import Launcher
 
 USER_TAG_LIMIT = 1 << 15          # p2p tags a user may choose: 0 .. 32767
 COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in flight at once: far fewer)
 NAME_TAG_SLOTS = 16               # ... times a few bits of the name (the last slot: the guard's headers)
-DTYPE_SLOTS = 16                  # wire tag = logical tag * 16 + dtype code: < 2^21, under every MPI's TAG_UB
 YIELD_WINDOW_S, MAX_SLEEP_S = 10e-3, 1e-3    # poll with sched_yield this long, then sleep at most this
 DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
-DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-               "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128")
 _waiting = threading.local()          # per thread: CPU seconds spent polling
 
 
@@ -36,13 +31,6 @@ def waiting_cpu_seconds():
     """CPU seconds this thread has spent polling in ``wait_all``: the part of a step's CPU time that other
     jobs on a shared machine distort most. The jobs report a step's CPU time without it."""
     return getattr(_waiting, "cpu", 0.0)
-
-
-@functools.lru_cache(maxsize=None)
-def dtype_code(dtype):
-    """0..15: the dtype's slot in the wire tag (15: any other dtype)."""
-    name = np.dtype(dtype).name
-    return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else DTYPE_SLOTS - 1
 
 
 def _check_buffer(a, what):          # what(): the call's name, made only for an error (every message passes)
@@ -96,12 +84,23 @@ class Communicator(Launcher):
                             "(tags above are the collectives')")
         self.stats.record(counted or ("p2p" if call is None else call.name), buf.nbytes,
                           "sent" if kind == "send" else "received", total=counted is None)
-        wire_tag = tag * DTYPE_SLOTS + dtype_code(buf.dtype)
-        request = (self._isend if kind == "send" else self._irecv)(buf, peer, wire_tag)
-        request.buf, request.tag, request.record = buf, tag, None
+        request = self.post_unrecorded(buf, peer, tag, kind)
         if call is None:
             self.guard.posted(self, request, kind)
         return request
+
+    def post_unrecorded(self, buf, peer, tag, kind):
+        """isend / irecv ("send" / "recv") without _post's check, count and record, for a caller that does
+        them once for routes it reuses (the pipeline: messages.py says why), record_waits included."""
+        request = (self._isend if kind == "send" else self._irecv)(buf, peer, tag * DTYPE_SLOTS + dtype_code(buf.dtype))
+        request.buf, request.tag, request.record = buf, tag, None
+        return request
+
+    def record_waits(self, requests, kind):
+        """The flight records post_unrecorded skipped, for requests about to be waited on (a stall names them)."""
+        for request in requests:
+            if request.record is None:
+                self.guard.posted(self, request, kind)
 
     def isend(self, buf, dest, tag=0):
         return self._post(buf, dest, tag, "send")
@@ -129,7 +128,7 @@ class Communicator(Launcher):
         pending, marked, failed, cpu, stalled = requests, None, True, None, False
         window, longest = poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
         try:
-            pending = [r for r in pending if not self._test(r, what)]
+            pending = [r for r in pending if not self.test(r, what)]
             if pending:
                 start, cpu, sleep = time.monotonic(), time.thread_time(), 0.0
             while pending:
@@ -147,7 +146,7 @@ class Communicator(Launcher):
                         self.guard.stalled(self, pending, what, elapsed, hard=False)
                     sleep = min(max(2 * sleep, 5e-5), longest)
                     self._idle(sleep)
-                pending = [r for r in pending if not self._test(r, what)]
+                pending = [r for r in pending if not self.test(r, what)]
             failed = False
         finally:
             if cpu is not None:
@@ -156,7 +155,8 @@ class Communicator(Launcher):
             for r in pending if failed else ():       # nobody waits for these any more
                 self._close(r, "failed")
 
-    def _test(self, request, what):
+    def test(self, request, what="test"):
+        """Whether ``request`` is complete (MPI_Test); a receive of another size or a failure raises."""
         try:
             done = request.test()
             if done and request.received is not None and request.received != request.buf.nbytes:

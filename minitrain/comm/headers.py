@@ -16,7 +16,8 @@ import zlib
 import numpy as np
 
 from .collectives import COLLECTIVE_NAMES
-from .communicator import COLLECTIVE_TAG_SPAN, DTYPE_NAMES, NAME_TAG_SLOTS, USER_TAG_LIMIT
+from .communicator import COLLECTIVE_TAG_SPAN, NAME_TAG_SLOTS, USER_TAG_LIMIT
+from .wire import DTYPE_NAMES
 from .errors import CollectiveMismatchError
 from .flight_verdict import call_name, group_calls, record_at, signature
 from .reports import SNAPSHOT_TIMEOUT_S, raise_once, range_all

@@ -19,7 +19,8 @@ import numpy as np
 
 from .. import memory, random, trace
 from .collectives import split_table
-from .communicator import DEFAULT_COMM_TIMEOUT, DTYPE_SLOTS, HARD_TIMEOUT_FACTOR, Communicator
+from .communicator import DEFAULT_COMM_TIMEOUT, HARD_TIMEOUT_FACTOR, Communicator
+from .wire import DTYPE_SLOTS
 from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError, size_error
 from .flight_recorder import FlightRecorder
 from .flight_verdict import call_name

@@ -8,7 +8,15 @@ The transports: host arrays by MPI (host.py), device arrays by CUDA-aware MPI or
 (staging.py) or CUDA IPC (ipc.py), by NCCL (nccl.py), and between threads (local.py). The collectives
 see none of them: they call the Communicator.
 """
+import functools
+
+import numpy as np
+
 from .errors import MessageTruncated  # noqa: F401  (what a transport's test() raises)
+
+DTYPE_SLOTS = 16                  # wire tag = logical tag * 16 + dtype code: < 2^21, under every MPI's TAG_UB
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+               "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128")
 
 #: recvbuf = message (op) own, elementwise: what a ring reduce-scatter step does with what arrives
 REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
@@ -57,3 +65,10 @@ class Transport:
 
     def close(self):
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_code(dtype):
+    """0..15: the dtype's slot in the wire tag (15: any other dtype), so a message of another dtype never matches."""
+    name = np.dtype(dtype).name
+    return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else DTYPE_SLOTS - 1

@@ -9,6 +9,12 @@ moves only while one of its ends is inside MPI, so without it the copy waited fo
 start. Two virtual stages on one rank (the bottom of zbv's V) hand the array over without a
 message. Every send is non-blocking; its buffer is kept until the end of the step.
 
+Bookkeeping once, not per message: the arrays go by comm.post_unrecorded (the routes are checked
+when the runtime is built: contiguous buffers, tags in range), their bytes are counted at the
+step's end, and a flight record is opened only for a message waited on (a stall names it as for
+irecv): the communicator's per-call check, count and record cost ~50 us a message right after a
+compute, where the neighbour stage waits for it (scripts/bench_message_cost.py).
+
 Waiting: a pipeline's receive is idle time in the schedule, and what it costs is how late the
 waiter runs again after the message is there. The communicator's default (sched_yield for 10 ms,
 then sleeps of up to 1 ms) burns the core while it yields and wakes up to 1 ms late after; the
@@ -44,7 +50,7 @@ class StageMessages:
     def __init__(self, comm, p, v, poll=POLL):
         self.comm, self.p, self.v, self.rank, self.poll = comm, p, v, comm.rank, poll
         self.shapes = {}                   # (batch key, mb, virtual, backward) -> (dtype code, shape)
-        self.sends, self.handoff, self.posted, self.batch_key = [], {}, {}, None
+        self.sends, self.handoff, self.posted, self.batch_key, self.counts = [], {}, {}, None, []
         self.moving = []                   # sends not yet seen complete (progress tests the oldest)
         fine_timer_slack()
 
@@ -54,6 +60,7 @@ class StageMessages:
 
     def begin(self, batch_key):
         self.sends, self.handoff, self.posted, self.batch_key, self.moving = [], {}, {}, batch_key, []
+        self.counts = []                   # (direction, bytes) of the step's arrays, counted at its end
 
     def send(self, array, dest, mb, virtual, backward):
         if dest == self.rank:              # the next virtual stage is this rank's other chunk
@@ -67,8 +74,9 @@ class StageMessages:
             header[2:2 + array.ndim] = array.shape
             self.shapes[key] = (int(header[0]), array.shape)
             self.sends.append((self.comm.isend(header, dest, self.tag(mb, virtual, backward, 0)), header))
-        self.sends.append((self.comm.isend(array, dest, self.tag(mb, virtual, backward, 1)), array))
+        self.sends.append((self.comm.post_unrecorded(array, dest, self.tag(mb, virtual, backward, 1), "send"), array))
         self.moving.append(self.sends[-1][0])
+        self.counts.append(("sent", array.nbytes))
 
     def progress(self):
         """One test: of the next receive posted ahead, else of the oldest send still moving (a
@@ -88,7 +96,7 @@ class StageMessages:
             return
         code, shape = self.shapes[key]
         buf = xp.empty(shape, DTYPES[code])
-        self.posted[key] = (self.comm.irecv(buf, source, self.tag(mb, virtual, backward, 1)), buf)
+        self.posted[key] = (self.comm.post_unrecorded(buf, source, self.tag(mb, virtual, backward, 1), "recv"), buf)
 
     def recv(self, source, mb, virtual, backward, xp):
         """The array: handed over, from the receive posted ahead, or received now."""
@@ -102,14 +110,26 @@ class StageMessages:
         self.post(source, mb, virtual, backward, xp)
         request, buf = self.posted.pop(key)
         self.wait([request], source)
+        self.counts.append(("received", buf.nbytes))
         return buf
 
     def wait(self, requests, source):
-        self.comm.wait_all(requests, f"recv from rank {source}", poll=self.poll)
+        self._wait(requests, f"recv from rank {source}", "recv")
 
     def wait_for_sends(self):
-        self.comm.wait_all([r for r, _ in self.sends], "pipeline sends", poll=self.poll)
-        self.sends = []
+        """The step's end: every send complete; the step's messages counted (once, here)."""
+        self._wait([r for r, _ in self.sends], "pipeline sends", "send")
+        stats = self.comm.stats
+        for direction, nbytes in self.counts:
+            stats.record("p2p", nbytes, direction)
+        self.sends, self.counts = [], []
+
+    def _wait(self, requests, what, kind):
+        """A message already there costs one test; one that is not gets its flight record, then the wait."""
+        pending = [r for r in requests if not self.comm.test(r, what)]
+        if pending:
+            self.comm.record_waits(pending, kind)
+            self.comm.wait_all(pending, what, poll=self.poll)
 
 
 def fine_timer_slack(nanoseconds=TIMER_SLACK_NS):
