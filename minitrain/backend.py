@@ -8,10 +8,10 @@ Moves between host and device happen only here, on purpose, and are counted (tra
 host -> device copies, device -> host copies, and synchronisations (the host waiting for the GPU).
 The default floating dtype is float32, as in PyTorch; set_default_dtype(np.float64) switches it.
 
-Every name is used as ``backend.X``. Each idea lives in its own module of _backend/ (switch: which
+Every name is used as backend.X. Each idea lives in its own module of _backend/ (switch: which
 array module and which GPU; moves: the counted copies; arrays: what NumPy and CuPy spell
 differently; host: local rank, BLAS threads, held host memory; dtypes), re-exported here. This file
-keeps the fused kernels' machinery, whose switch ``backend.FUSE`` is read here at each call.
+keeps the fused kernels' machinery, whose switch backend.FUSE is read here at each call.
 """
 import os
 import sys

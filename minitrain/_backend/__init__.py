@@ -1,4 +1,4 @@
-"""The parts of minitrain.backend, one idea per module. Use them as ``backend.X`` (backend.py
+"""The parts of minitrain.backend, one idea per module. Use them as backend.X (backend.py
 re-exports every name); only backend.py imports this package.
 
     switch.py   which array module (NumPy or CuPy) and which GPU: the one copy of that state
