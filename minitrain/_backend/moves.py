@@ -81,7 +81,6 @@ def synchronize():
         switch._cupy.cuda.get_current_stream().synchronize()
 
 
-
 def record_event():
     """A CUDA event recorded now on the current stream (None on the CPU): trace spans time the GPU."""
     if switch._device != "cuda":

@@ -98,6 +98,5 @@ def is_device_array(a):
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
-
 if os.environ.get("MINITRAIN_DEVICE"):
     set_device(os.environ["MINITRAIN_DEVICE"])
