@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the GPU: each function here is one cupy.fuse kernel (or a
 reduction fused with the elementwise work before and after it), where the NumPy code of the same
-op launches one kernel per operation. The CPU keeps its own NumPy code (ops.py, adam.py): the
+op launches one kernel per operation. The CPU keeps its own NumPy code (autograd/ops/, adam.py): the
 numbers there stay exactly what they were.
 
 Kernel launches per call, forward / backward (gradient accumulation included), before -> after, as

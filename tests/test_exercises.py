@@ -14,7 +14,8 @@ import pytest
 
 from minitrain.exercises import all_exercises, get, harness
 from minitrain.exercises.__main__ import main
-from minitrain.exercises.grading import LoadError, explain, load, run_checks
+from minitrain.exercises.grading import LoadError, explain, run_checks
+from minitrain.exercises.loading import load
 
 SOLUTIONS = pathlib.Path(__file__).parent / "exercise_solutions"
 NAMES = [e.name for e in all_exercises()]

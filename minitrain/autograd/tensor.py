@@ -3,7 +3,8 @@
 A tensor made by the user is a *leaf*; a tensor made by an operation on tensors that require
 grad points at that operation's node (_ctx), and backward() walks those nodes back to
 the leaves. Operators follow NumPy broadcasting; method names follow PyTorch where the two
-differ (transpose(dim0, dim1) swaps two axes, permute(*dims) reorders all of them).
+differ (transpose(dim0, dim1) swaps two axes, permute(*dims) reorders all of them). The functions
+that make tensors (tensor, zeros, ones, randn) and join or split them (cat, split) are creation.py's.
 """
 import numpy as np
 
@@ -320,52 +321,5 @@ class Tensor:
         return split(self, split_size_or_sections, axis)
 
 
-def tensor(data, requires_grad=False, dtype=None):
-    """A new leaf tensor holding a copy of ``data``."""
-    arr = _as_array(data, dtype)
-    if isinstance(data, Tensor) or arr is data:
-        arr = arr.copy()
-    return Tensor(arr, requires_grad=requires_grad)
-
-
-def cat(tensors, axis=0):
-    """Concatenate along ``axis`` (torch.cat)."""
-    tensors = [t if isinstance(t, Tensor) else Tensor(t) for t in tensors]
-    return ops.Cat.apply(*tensors, axis=axis)
-
-
-def split(t, split_size_or_sections, axis=0):
-    """torch.split: an int is the size of each piece (the last may be smaller); a list gives the sizes."""
-    n = t.shape[axis]
-    if isinstance(split_size_or_sections, int):
-        step = split_size_or_sections
-        if step <= 0:
-            raise ValueError("split size must be positive")
-        sizes = [min(step, n - start) for start in range(0, n, step)]
-    else:
-        sizes = list(split_size_or_sections)
-        if sum(sizes) != n:
-            raise ValueError(f"split sizes {sizes} do not add up to the axis length {n}")
-    pieces, start = [], 0
-    axis = axis % t.ndim
-    for size in sizes:
-        idx = (slice(None),) * axis + (slice(start, start + size),)
-        pieces.append(t[idx])
-        start += size
-    return tuple(pieces)
-
-
-def zeros(*shape, requires_grad=False, dtype=None):
-    return Tensor(backend.xp().zeros(shape, dtype=dtype or backend.get_default_dtype()), requires_grad)
-
-
-def ones(*shape, requires_grad=False, dtype=None):
-    return Tensor(backend.xp().ones(shape, dtype=dtype or backend.get_default_dtype()), requires_grad)
-
-
-def randn(*shape, requires_grad=False, dtype=None):
-    from .. import random
-    return Tensor(random.randn(*shape, dtype=dtype), requires_grad)
-
-
 from . import engine, ops  # noqa: E402  (ops build Tensors, so they are imported after the class)
+from .creation import split  # noqa: E402  (creation.py builds on the class)

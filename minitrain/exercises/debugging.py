@@ -14,7 +14,8 @@ import linecache
 import os
 import types
 
-from .grading import Check, Mismatch, StopGrading, host_all
+from .comparing import host_all
+from .grading import Check, Mismatch, StopGrading
 from .harness import RanksFailed, mpi_world, run_ranks, wait_timeout
 
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
-from .grading import Check, Mismatch, Skipped, as_array, compare, host
+from .comparing import as_array, compare, host
+from .grading import Check, Mismatch, Skipped
 from .harness import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)

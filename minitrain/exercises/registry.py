@@ -18,7 +18,8 @@ import importlib
 import pkgutil
 
 from . import catalog
-from .grading import load, run_checks
+from .grading import run_checks
+from .loading import load
 
 KINDS = ("implement", "debug")
 

@@ -5,7 +5,8 @@ backward (minitrain's memory tracker), exactly one extra forward, the random str
 plain run leaves it, and equal to minitrain's own checkpoint."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..comparing import compare
+from ..grading import Check, Mismatch
 
 TITLE = "activation checkpointing: keep the inputs, recompute the rest in backward"
 ORDER = 170

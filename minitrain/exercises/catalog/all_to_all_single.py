@@ -3,7 +3,8 @@ et al. 2005's pairwise exchange) bit for bit at p = 1..4: uneven and zero-size s
 number and rows with extra axes; and the traffic: at most p-1 messages per rank."""
 import numpy as np
 
-from ..grading import Mismatch, as_array, compare, to_learner
+from ..comparing import as_array, compare, to_learner
+from ..grading import Mismatch
 from ..oracles import traffic, world_checks
 
 TITLE = "all_to_all_single: every rank sends a block of rows to every rank (MoE's exchange)"

@@ -9,7 +9,8 @@ import tempfile
 
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..comparing import compare
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "a sharded checkpoint's slice map: which saved pieces fill a new layout's box"

@@ -6,7 +6,8 @@ before backward reaches the first layer (observed at the moment the first layer'
 every one asynchronous (a blocking all-reduce in the hook stalls backward)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare, to_learner
+from ..comparing import compare, to_learner
+from ..grading import Check, Mismatch
 from ..harness import count_launches, run_ranks
 
 TITLE = "DDP's gradient buckets and the hook that overlaps all-reduce with backward"

@@ -4,7 +4,7 @@ global batch at p = 1..4 (float64, 1e-10); the library's DistributedDataParallel
 import numpy as np
 
 from ..debugging import load_program, program_checks, run_report
-from ..grading import host_all
+from ..comparing import host_all
 
 TITLE = "debug: data parallelism that trains differently on more ranks"
 ORDER = 240

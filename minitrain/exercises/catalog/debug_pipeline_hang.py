@@ -6,7 +6,8 @@ min(p-s, m) micro-batches (running GPipe instead fails that)."""
 import numpy as np
 
 from ..debugging import load_program, run_report
-from ..grading import Check, Mismatch, host_all
+from ..comparing import host_all
+from ..grading import Check, Mismatch
 from ..harness import RanksFailed, run_ranks
 
 TITLE = "debug: a pipeline step that never finishes"

@@ -5,7 +5,7 @@ all-reduces: one forward (g) and one backward (f) per step."""
 import numpy as np
 
 from ..debugging import load_program, program_checks, run_report
-from ..grading import host_all
+from ..comparing import host_all
 
 TITLE = "debug: a tensor-parallel MLP whose ranks disagree"
 ORDER = 230

@@ -5,7 +5,8 @@ skips the same steps, ends with the same scale and bit-identical weights as mini
 MixedPrecisionOptimizer."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare, to_learner
+from ..comparing import compare, to_learner
+from ..grading import Check, Mismatch
 from ..oracles import has_torch
 
 TITLE = "dynamic loss scaling for float16 training"

@@ -6,7 +6,8 @@ one SGD step through the unit equals minitrain's FullyShardedDataParallel's shar
 traffic of one all-gather / one reduce-scatter, (p-1)·S elements each."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare, host, is_array, kind_of_array, to_learner
+from ..comparing import compare, host, is_array, kind_of_array, to_learner
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "FSDP's unit: shard at rest, gather for compute, free, reduce-scatter the gradients"

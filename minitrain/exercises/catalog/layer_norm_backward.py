@@ -2,7 +2,8 @@
 differences, minitrain's fused LayerNorm and PyTorch's layer_norm, on 2-D and 3-D inputs."""
 import numpy as np
 
-from ..grading import Check, Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Check, Mismatch
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of LayerNorm (input, weight and bias)"

@@ -3,7 +3,8 @@ minitrain's own MatMul backward and PyTorch's autograd, on non-square, square (w
 transpose still has the right shape) and batched shapes."""
 import numpy as np
 
-from ..grading import Check, Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Check, Mismatch
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of the matrix product y = a @ b (plain and batched)"

@@ -3,7 +3,8 @@ MLP (output, input gradient, weight gradients; float64, 1e-12) at t = 1..4, and 
 Megatron's bytes: one all-reduce forward (g) and one backward (f)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..comparing import compare
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "Megatron's f and g around a column/row-parallel MLP"

@@ -5,7 +5,8 @@ import types
 
 import numpy as np
 
-from ..grading import Check, Mismatch, as_array, compare, host, host_all, to_learner
+from ..comparing import as_array, compare, host, host_all, to_learner
+from ..grading import Check, Mismatch
 
 TITLE = "MoE dispatch and combine: rows grouped by expert, capacity, the gate-weighted sum back"
 ORDER = 195

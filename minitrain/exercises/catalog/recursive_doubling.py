@@ -7,7 +7,8 @@ import numpy as np
 
 from minitrain.comm.checks import rank_input
 
-from ..grading import Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Mismatch
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "recursive doubling: an all-reduce in log2(p) rounds, for small messages"

@@ -5,7 +5,8 @@ import numpy as np
 
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, rank_input
 
-from ..grading import Mismatch, as_array, compare, to_learner
+from ..comparing import as_array, compare, to_learner
+from ..grading import Mismatch
 from ..oracles import traffic, world_checks
 
 TITLE = "ring all-gather: every rank ends with every rank's shard"

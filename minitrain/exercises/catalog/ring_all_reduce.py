@@ -5,7 +5,8 @@ import numpy as np
 
 from minitrain.comm.checks import rank_input
 
-from ..grading import Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Mismatch
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "the ring all-reduce on point-to-point calls (reduce-scatter, then all-gather)"

@@ -5,7 +5,8 @@ import numpy as np
 
 from minitrain.comm.checks import rank_input
 
-from ..grading import Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Mismatch
 from ..oracles import cases, check_reduction, traffic, world_checks
 
 TITLE = "ring reduce-scatter: each rank ends with its chunk of the sum"

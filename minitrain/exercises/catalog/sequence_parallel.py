@@ -4,7 +4,8 @@ this rank's tokens (output, input gradient, weight gradients; float64, 1e-12) at
 send what an all-gather plus a reduce-scatter send, no more (an all-reduce then a slice fails)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare
+from ..comparing import compare
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "sequence parallelism's all-gather / reduce-scatter operators"

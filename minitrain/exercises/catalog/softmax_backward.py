@@ -2,7 +2,8 @@
 PyTorch, along the last axis, along axis 0 and along the middle axis of a 3-D input."""
 import numpy as np
 
-from ..grading import Check, Mismatch, to_learner
+from ..comparing import to_learner
+from ..grading import Check, Mismatch
 from ..oracles import expect_grad, need_torch, numerical, unpack
 
 TITLE = "backward of softmax, from its output"

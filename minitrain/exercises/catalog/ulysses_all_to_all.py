@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from ..grading import Mismatch, as_array, compare, to_learner
+from ..comparing import as_array, compare, to_learner
+from ..grading import Mismatch
 from ..oracles import traffic, world_checks
 
 TITLE = "Ulysses' two all-to-alls: sequence-sharded to head-sharded around attention, and back"

@@ -3,7 +3,8 @@ mixed broadcast axes and a scalar, and the gradient of a broadcasting a + b * c 
 differences through it."""
 import numpy as np
 
-from ..grading import Check, Mismatch, as_array, host, to_learner
+from ..comparing import as_array, host, to_learner
+from ..grading import Check, Mismatch
 from ..oracles import expect_grad, numerical
 
 TITLE = "gradient reduction over broadcast axes (unbroadcast)"

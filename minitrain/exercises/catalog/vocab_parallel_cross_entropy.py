@@ -4,7 +4,8 @@ of the full logits (minitrain's F.cross_entropy, float64, 1e-12) at t = 1..4, wi
 per row, never the logits (gathering them fails)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare, to_learner
+from ..comparing import compare, to_learner
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "vocabulary-parallel cross-entropy (never gather the logits)"

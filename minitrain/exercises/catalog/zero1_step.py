@@ -5,7 +5,8 @@ the optimizer state must be this rank's padded shard only, and the traffic one r
 one all-gather (an all-reduce of the gradient on top fails)."""
 import numpy as np
 
-from ..grading import Check, Mismatch, compare, host, to_learner
+from ..comparing import compare, host, to_learner
+from ..grading import Check, Mismatch
 from ..harness import run_ranks
 
 TITLE = "ZeRO-1's sharded optimizer step (reduce-scatter, step a shard, all-gather)"

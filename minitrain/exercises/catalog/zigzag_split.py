@@ -5,7 +5,8 @@ of T/P); the exact order (chunk r, then chunk 2cp-1-r); a length that does not c
 refused."""
 import numpy as np
 
-from ..grading import Check, Mismatch, host_all
+from ..comparing import host_all
+from ..grading import Check, Mismatch
 from ..oracles import causal_blocks, causal_pairs, zigzag_indices
 
 TITLE = "the zig-zag split: which tokens each rank holds so that causal attention's work is even"

@@ -1,0 +1,71 @@
+"""Reductions over axes (sum, mean, max): the backward gives the reduced axes back and broadcasts the
+gradient over them (max: only to the maxima).
+"""
+from ...backend import array_module
+from ..function import Function
+
+
+def _norm_axis(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, int):
+        axis = (axis,)
+    return tuple(a % ndim for a in axis)
+
+
+def _expand(g, shape, axes, keepdims):
+    """Give a reduced gradient back its reduced axes (as size 1), ready to broadcast."""
+    if not keepdims:
+        g = g.reshape([1 if i in axes else n for i, n in enumerate(shape)])
+    return g
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.shape = a.shape
+        ctx.axes = _norm_axis(axis, a.ndim)
+        ctx.keepdims = keepdims
+        return array_module(a).asarray(a.sum(axis=axis, keepdims=keepdims))
+
+    @staticmethod
+    def backward(ctx, g):
+        g = _expand(g, ctx.shape, ctx.axes, ctx.keepdims)
+        return array_module(g).broadcast_to(g, ctx.shape)
+
+
+class Mean(Function):
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.shape = a.shape
+        ctx.axes = _norm_axis(axis, a.ndim)
+        ctx.keepdims = keepdims
+        return array_module(a).asarray(a.mean(axis=axis, keepdims=keepdims))
+
+    @staticmethod
+    def backward(ctx, g):
+        count = 1
+        for ax in ctx.axes:
+            count *= ctx.shape[ax]
+        g = _expand(g, ctx.shape, ctx.axes, ctx.keepdims) * (1.0 / count)
+        return array_module(g).broadcast_to(g, ctx.shape)
+
+
+class Max(Function):
+    """Maximum over axes. The gradient is shared equally between tied maxima (as torch.amax)."""
+
+    @staticmethod
+    def forward(ctx, a, axis=None, keepdims=False):
+        ctx.axes = _norm_axis(axis, a.ndim)
+        ctx.keepdims = keepdims
+        out = a.max(axis=axis, keepdims=True)
+        ctx.save_for_backward(a, out)
+        return array_module(a).asarray(out if keepdims else out.reshape(
+            [n for i, n in enumerate(a.shape) if i not in ctx.axes]))
+
+    @staticmethod
+    def backward(ctx, g):
+        a, out = ctx.saved_tensors
+        mask = a == out
+        count = mask.sum(axis=ctx.axes, keepdims=True)
+        return _expand(g, a.shape, ctx.axes, ctx.keepdims) * mask / count
