@@ -14,7 +14,9 @@ from minitrain import plan
 from minitrain.parallel.pipeline import formula_bubble_fraction, get_schedule, simulate
 from minitrain.plan import calibrate
 from minitrain.plan import memory as pmem
-from minitrain.plan import time as ptime
+from minitrain.plan.alpha_beta import collective
+from minitrain.plan.bubble import _bubble
+from minitrain.plan.work import gpt_block_work, gpt_ends_work, mlp_layer_work
 from minitrain.plan.__main__ import main, parser
 
 GPT3 = "--n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 --vocab-size 51200"
@@ -232,7 +234,7 @@ def test_bubble_beyond_2p_equals_the_full_simulation(name, v):
     for (p, m), (f, b) in itertools.product(((2, 8), (4, 12), (3, 9), (4, 4), (3, 2)), ((1.0, 2.7), (1.0, 0.4))):
         if name == "interleaved_1f1b" and m < p:
             continue                            # interleaving needs m >= p (the schedule refuses fewer)
-        span, idle = ptime._bubble(name, p, m, v, f, b)
+        span, idle = _bubble(name, p, m, v, f, b)
         full = simulate(get_schedule(name, p, m, chunks=v), forward_cost=f, backward_cost=b)
         assert span == pytest.approx(full["total_time"], rel=1e-9)
         assert idle / span == pytest.approx(formula_bubble_fraction(name, p, m, v), rel=1e-9)
@@ -275,7 +277,7 @@ def test_zero_bubble_time_model_is_the_simulator_with_w(name, v):
     """B and W each half the backward, as the runtime splits a Linear's; beyond 2p micro-batches the
     idle time is constant (interpolated between ratios 1.5^k: within 0.5%)."""
     for p, m in ((2, 8), (4, 12), (3, 9), (4, 17)):
-        span, idle = ptime._bubble(name, p, m, v, 1.0, 2.7)
+        span, idle = _bubble(name, p, m, v, 1.0, 2.7)
         full = simulate(get_schedule(name, p, m), forward_cost=1.0, backward_cost=1.35, weight_cost=1.35)
         assert span == pytest.approx(full["total_time"], rel=5e-3)
         assert idle / span == pytest.approx(full["bubble_fraction"], rel=5e-3)
@@ -337,14 +339,14 @@ def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
     model = plan.GPT(vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=64)
     layout = plan.Layout(world=4, batch_size=16, dp=2, tp=2, microbatches=2, recompute=recompute)
     b = layout.micro_batch_size
-    block_f, block_b = ptime.gpt_block_work(model, layout, b)
-    (emb_f, emb_b), (head_f, head_b) = ptime.gpt_ends_work(model, layout, b)
+    block_f, block_b = gpt_block_work(model, layout, b)
+    (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, b)
     per_rank = (3 * (_matmul_flops(block_f) + _matmul_flops(block_b)) + _matmul_flops(head_f) + _matmul_flops(head_b)
                 + _matmul_flops(emb_f) + _matmul_flops(emb_b))
     assert per_rank * layout.dp * layout.tp * layout.microbatches == plan.flops_per_iteration(model, layout)
     mlp = plan.MLP((64, 96, 96, 10))
     mlp_layout = plan.Layout(world=2, dp=2, batch_size=32)
-    work = ptime.mlp_layer_work(mlp, mlp_layout, 16)
+    work = mlp_layer_work(mlp, mlp_layout, 16)
     assert sum(_matmul_flops(f) + _matmul_flops(w) for f, w in work) * 2 == plan.flops_per_iteration(mlp, mlp_layout)
 
 
@@ -417,9 +419,9 @@ def test_collectives_cost_their_best_case_and_the_late_rank_is_the_computes():
     machine = {"collectives": {"ring_all_reduce": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)},
                                "p2p": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)}}}
     n = 1 << 20
-    assert ptime.collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
-    assert ptime.collective(machine, "p2p", n, 2) == pytest.approx(1e-5 + n * 1e-10)
-    assert ptime.collective(machine, "ring_all_reduce", n, 2, busy=True) == pytest.approx(2 * 0.5e-5 + n * 0.5e-10)
+    assert collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
+    assert collective(machine, "p2p", n, 2) == pytest.approx(1e-5 + n * 1e-10)
+    assert collective(machine, "ring_all_reduce", n, 2, busy=True) == pytest.approx(2 * 0.5e-5 + n * 0.5e-10)
 
 
 def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():
@@ -429,7 +431,7 @@ def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_
     comm = {t: plan.predict(model, plan.Layout(world=t, tp=t, batch_size=4, precision="bf16"),
                             "a100-80gb")["step_time_s"]["comm"] for t in (8, 32)}
     a100 = plan.load_machine("a100-80gb")
-    per_block = 4 * ptime.collective(a100, "ring_all_reduce", 4 * 2048 * 4096 * 2, 8, 8)   # 2 forward, 2 backward
+    per_block = 4 * collective(a100, "ring_all_reduce", 4 * 2048 * 4096 * 2, 8, 8)   # 2 forward, 2 backward
     assert comm[8] >= 8 * per_block and comm[32] > 4 * comm[8]
 
 

@@ -9,10 +9,11 @@ from minitrain import plan
 from minitrain.parallel.pipeline import get_schedule, simulate
 from minitrain.plan import overheads
 from minitrain.plan import time as ptime
+from minitrain.plan.bubble import _simulated
 from minitrain.plan.validate import planned
 
 GPT_PP = "--pp 2 --schedule 1f1b --microbatches 4"          # micro-batches of 4 x 32 tokens x 64 floats
-SIMULATED = ptime._simulated
+SIMULATED = _simulated
 
 
 def uncalibrated():
@@ -32,7 +33,7 @@ def recorded(monkeypatch, machine, kind, options, world=2):
     def spy(*args):
         calls.append(args)
         return original(*args)
-    monkeypatch.setattr(ptime, "_simulated", spy)
+    monkeypatch.setattr(ptime, "_simulated", spy)         # where predict_time looks it up (plan/bubble.py's)
     model, layout = planned(kind, world, options)
     return plan.predict(model, layout, machine), calls
 

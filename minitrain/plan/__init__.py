@@ -16,7 +16,8 @@ what it measured.
 from ..parallel.pipeline.schedules import default_chunks
 from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
 from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
-from .time import flops_per_iteration, predict_time
+from .counts import flops_per_iteration
+from .time import predict_time
 from .calibrate import load_machine
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes

@@ -85,7 +85,7 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
     from .. import nn, random
     from ..autograd import Tensor
     from .layout import GPT, MLP, Layout
-    from .time import Costs
+    from .costs import Costs
     from .work import gpt_block_work, gpt_ends_work, mlp_layer_work
     xp, sync = _xp()
     costs = Costs({**machine, "autograd_node_s": 0.0, "leaf_grad_s": 0.0}, "fp32", 1, 1.0, fresh=False)

@@ -27,7 +27,8 @@ import tempfile
 from dataclasses import replace
 
 from . import CATEGORIES, load_machine, predict
-from .time import predict_nodes, typical
+from .counts import predict_nodes
+from .time import typical
 
 MLP = "--epochs 15"
 GPT = "--steps 60 --sample-chars 1"
