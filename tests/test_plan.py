@@ -13,9 +13,11 @@ import pytest
 from minitrain import plan
 from minitrain.parallel.pipeline import formula_bubble_fraction, get_schedule, simulate
 from minitrain.plan import calibrate
-from minitrain.plan import memory as pmem
+from minitrain.plan.activations import gpt_pieces, mlp_pieces
 from minitrain.plan.alpha_beta import collective
 from minitrain.plan.bubble import _bubble
+from minitrain.plan.stages import _in_flight, counts_in_flight, in_flight, stage_chunks
+from minitrain.plan.walks import pipeline_walk
 from minitrain.plan.work import gpt_block_work, gpt_ends_work, mlp_layer_work
 from minitrain.plan.__main__ import main, parser
 
@@ -226,7 +228,7 @@ def test_a_batch_the_micro_batches_do_not_divide_is_planned_with_its_largest_mic
 def test_in_flight_counts_beyond_4p_are_the_schedules_own(name, p):
     for m in (4 * p + 1, 5 * p, 7 * p + 3):
         for s in range(p):
-            assert pmem.in_flight(name, p, m, s) == pmem._in_flight(name, p, m, s)
+            assert in_flight(name, p, m, s) == _in_flight(name, p, m, s)
 
 
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
@@ -245,11 +247,11 @@ def test_one_chunk_walk_equals_the_walk_over_the_schedules_actions():
     for schedule, m in (("1f1b", 2), ("1f1b", 6), ("gpipe", 3)):
         layout = plan.Layout(world=3, batch_size=12, pp=3, microbatches=m, schedule=schedule, recompute="selective",
                              extras={"parallel_job": True})
-        pieces = pmem.gpt_pieces(model, layout, layout.micro_batch_size)
-        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+        pieces = gpt_pieces(model, layout, layout.micro_batch_size)
+        for s, chunks in enumerate(stage_chunks(pieces, layout)):
             local = sum(x.params for ps in chunks.values() for x in ps)
-            fast = pmem.pipeline_walk(pmem.in_flight(schedule, 3, m, s), chunks, layout, local, 5)
-            slow = pmem.pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
+            fast = pipeline_walk(in_flight(schedule, 3, m, s), chunks, layout, local, 5)
+            slow = pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
             assert fast == slow
 
 
@@ -259,17 +261,17 @@ def test_zero_bubble_walks_keep_activations_until_w():
     model = plan.MLP((64, 256, 256, 256, 10))
     for m in (2, 4, 7):
         layout = plan.Layout(world=2, batch_size=56 if m == 7 else 64, pp=2, microbatches=m, schedule="zb_h1")
-        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
-        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+        pieces = mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        for s, chunks in enumerate(stage_chunks(pieces, layout)):
             actions = get_schedule("zb_h1", 2, m)[s]
             local = sum(x.params for ps in chunks.values() for x in ps)
-            fast = pmem.pipeline_walk(pmem.in_flight("zb_h1", 2, m, s), chunks, layout, local, 5)
-            assert fast == pmem.pipeline_walk(actions, chunks, layout, local, 5)
-            as_1f1b = pmem.pipeline_walk([a for a in actions if a.kind != "B"], chunks, layout, local, 5)
+            fast = pipeline_walk(in_flight("zb_h1", 2, m, s), chunks, layout, local, 5)
+            assert fast == pipeline_walk(actions, chunks, layout, local, 5)
+            as_1f1b = pipeline_walk([a for a in actions if a.kind != "B"], chunks, layout, local, 5)
             assert fast == as_1f1b                    # W frees, B does not: the same as a backward at W
     from minitrain.parallel.pipeline import Action
     order = [Action(k, mb) for k, mb in (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1))]
-    assert pmem.counts_in_flight(order) == (2, 1)     # at W0 both micro-batches still hold their inputs
+    assert counts_in_flight(order) == (2, 1)     # at W0 both micro-batches still hold their inputs
 
 
 @pytest.mark.parametrize("name, v", [("zb_h1", 1), ("zbv", 2)])
@@ -303,8 +305,8 @@ def test_the_planner_lays_out_the_stages_the_job_runs(schedule, world):
         model, layout = plan.mlp_from_args(parse_args(options)[0], world)
         hidden = max(2, world * v) if layers is None else layers
         assert model.sizes == tuple([64] + [128] * hidden + [10]) and layout.chunks == v
-        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
-        planned = {(rank, chunk): len(ps) for rank, stage in enumerate(pmem.stage_chunks(pieces, layout))
+        pieces = mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        planned = {(rank, chunk): len(ps) for rank, stage in enumerate(stage_chunks(pieces, layout))
                    for chunk, ps in stage.items()}
         for rank in range(world):
             pipe = PipelineParallel(nn.MLP(list(model.sizes)), SimpleNamespace(size=world, rank=rank), schedule,
@@ -321,11 +323,11 @@ def test_one_chunk_walk_with_more_micro_batches_in_flight_after_the_first_backwa
     actions = [Action(k, mb) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("F", 3), ("B", 1), ("B", 2), ("B", 3))]
     model = plan.GPT(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=64)
     layout = plan.Layout(batch_size=8, microbatches=4, recompute="full", extras={"parallel_job": True})
-    chunks = {0: pmem.gpt_pieces(model, layout, 2)}
+    chunks = {0: gpt_pieces(model, layout, 2)}
     local = sum(x.params for x in chunks[0])
-    assert pmem.counts_in_flight(actions) == (2, 3)
-    assert pmem.pipeline_walk(pmem.counts_in_flight(actions), chunks, layout, local, 0) == \
-        pmem.pipeline_walk(actions, chunks, layout, local, 0)
+    assert counts_in_flight(actions) == (2, 3)
+    assert pipeline_walk(counts_in_flight(actions), chunks, layout, local, 0) == \
+        pipeline_walk(actions, chunks, layout, local, 0)
 
 
 def _matmul_flops(work):

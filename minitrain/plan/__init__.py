@@ -15,7 +15,9 @@ what it measured.
 """
 from ..parallel.pipeline.schedules import default_chunks
 from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
-from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
+from .memory import predict_memory
+from .papers import korthikanti_layer_bytes
+from .states import CATEGORIES
 from .counts import flops_per_iteration
 from .time import predict_time
 from .calibrate import load_machine

@@ -1,7 +1,7 @@
 """The pipeline's bubble, from the schedule's own simulator (parallel.pipeline.simulate): the idle time per
-stage at a backward/forward ratio (GPipe and 1F1B: p - 1 chunk-times, Huang et al. 2019, Narayanan et al.
-2021; interleaving and the zero-bubble schedules simulated), or, with a calibrated stage-to-stage message,
-the span of the schedule with each virtual stage at its own cost.
+stage at a backward/forward ratio (GPipe, 1F1B, and interleaving when p divides m: p - 1 chunk-times, Huang et
+al. 2019, Narayanan et al. 2021; the others simulated), or, with a calibrated stage-to-stage message, the
+span of the schedule with each virtual stage at its own cost.
 """
 import inspect
 import math

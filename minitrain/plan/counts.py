@@ -2,7 +2,7 @@
 et al. 2021, with recomputation: 96·B·s·l·h²(1 + s/(6h) + V/(16·l·h))), the graph nodes the rank that records
 the most records, and each layer's parameter tensors as the pipeline cuts the layers.
 """
-from .memory import stage_bounds
+from .stages import stage_bounds
 from .work import gpt_block_work, gpt_ends_work, mlp_layer_work, mlp_recompute, recorded_nodes
 
 

@@ -21,7 +21,7 @@ from .costs import Costs
 from .counts import _layer_sizes, _mlp_works
 from .layer_costs import gpt_layer_costs
 from .layout import PRECISIONS
-from .memory import stage_bounds
+from .stages import stage_bounds
 from .work import Work, optimizer_work
 
 
