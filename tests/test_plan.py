@@ -12,10 +12,10 @@ import pytest
 
 from minitrain import plan
 from minitrain.parallel.pipeline import formula_bubble_fraction, get_schedule, simulate
-from minitrain.plan import calibrate
 from minitrain.plan.activations import gpt_pieces, mlp_pieces
 from minitrain.plan.alpha_beta import collective
 from minitrain.plan.bubble import _bubble
+from minitrain.plan.merge import merge
 from minitrain.plan.stages import _in_flight, counts_in_flight, in_flight, stage_chunks
 from minitrain.plan.walks import pipeline_walk
 from minitrain.plan.work import gpt_block_work, gpt_ends_work, mlp_layer_work
@@ -386,7 +386,7 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
     result = cli(f"mlp --world 2 --machine {out}")
     assert 0 < result["step_time_s"]["comm"] < result["step_time_s"]["total"]
     loaded = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"], "anchor_cpu_time_s": 2 * machine["anchor_cpu_time_s"]}
-    merged = calibrate.merge([loaded, machine])                   # the least loaded calibration, whole
+    merged = merge([loaded, machine])                   # the least loaded calibration, whole
     assert merged["numpy_call_s"] == machine["numpy_call_s"] and merged["ops"] == machine["ops"]
 
 
@@ -404,14 +404,14 @@ def test_merge_comm_only_keeps_the_compute_and_takes_the_least_communication_cos
          "collectives": {"p2p": {"2": _fit(2e-5, 1e-10, 9e-5, 1e-10)}, "ring_all_gather": {"2": _fit(1e-4, 1e-9, 3e-4, 1e-9)}}}
     b = {"measured": "b", "anchor_cpu_time_s": 0.7, "numpy_call_s": 5e-6, "ddp_step_s": 1.0, "fsdp_unit_s": 3.0,
          "collectives": {"p2p": {"2": _fit(3e-5, 1e-10, 4e-5, 1e-10)}}}
-    out = calibrate.merge([a, b], comm_only=base)
+    out = merge([a, b], comm_only=base)
     assert out["numpy_call_s"] == 1e-6 and out["anchor_cpu_time_s"] == 1.0           # the base's compute
     assert out["ddp_step_s"] == 1.0 and out["fsdp_unit_s"] == 1.0                      # each the least
     p2p = out["collectives"]["p2p"]["2"]
     assert p2p["alpha_s"] == 2e-5 and p2p["job_alpha_s"] == 4e-5                       # a's best case, b's in a job
     assert out["collectives"]["ring_all_gather"]["2"]["job_alpha_s"] == 3e-4
     assert out["measured"] == "base; communication costs: the best of a, b"
-    whole = calibrate.merge([a, b])
+    whole = merge([a, b])
     assert whole["numpy_call_s"] == 5e-6 and whole["ddp_step_s"] == 2.0                # the least loaded (a), whole
 
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .calibrate import _best, _xp
+from .microbench import _best, _xp
 
 
 WAIT_S = 5e-4      # a pipeline stage's wait for its input, asleep in the poll, before it computes
