@@ -35,7 +35,7 @@ def _simulated(name, p, m, v, f, b, message):
     """The span of the schedule simulated at each virtual stage's forward f[k] and backward b[k] (seconds per
     micro-batch; zero-bubble schedules: b split evenly into B and W) and ``message``: the seconds from a
     stage's compute ending to the next stage having its output (calibrated as the runtime meets it,
-    plan/overheads.py). A message comparable to an action puts the stages in lockstep (1F1B at p = 2: each
+    plan/job_overheads.py). A message comparable to an action puts the stages in lockstep (1F1B at p = 2: each
     backward waits for a round trip), so the idle time grows with m and no longer scales with f + b: no
     shortcut (_bubble's) holds, and a stage lighter than the slowest sends early enough to hide messages."""
     kwargs = {"forward_cost": f, "backward_cost": b}

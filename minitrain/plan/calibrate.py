@@ -10,11 +10,12 @@ arrays used in sequence, each call on its own, as a step uses them: ops.in_seque
   per call and per element, fitted at two sizes, and seconds per element of plain passes (simple,
   transcendental, reduction, in place, scatter); the cost of first touching new memory (arrays beyond
   the held heap's 32 MiB);
-* the Python a step pays beyond its arithmetic (plan/overheads.py): per NumPy call, graph node, parameter,
-  traced span and collective call; DDP, FSDP and a pipeline's runtime in a real 2-rank job, and what one of
-  the pipeline's stage-to-stage messages takes as its runtime meets it; the anchor, and how much slower a
-  job's median step computes than these best cases (typical_alone, typical_job: both ranks at once, the
-  slower setting the pace; typical_job_waited: each run after a wait asleep, as a pipeline's stage);
+* the Python a step pays beyond its arithmetic: per NumPy call, graph node, parameter, traced span and
+  collective call (plan/overheads.py); DDP, FSDP and a pipeline's runtime in a real 2-rank job, and what one
+  of the pipeline's stage-to-stage messages takes as its runtime meets it (plan/job_overheads.py); the
+  anchor, and how much slower a job's median step computes than these best cases (plan/anchor.py;
+  typical_alone, typical_job: both ranks at once, the slower setting the pace; typical_job_waited: each run
+  after a wait asleep, as a pipeline's stage);
 * latency alpha and inverse bandwidth beta of point-to-point messages and of each collective algorithm
   (minitrain's own, under mpiexec -n p), fitted to t = steps·alpha + bytes·beta with the algorithm's
   own step and byte counts (comm/collectives.py's cost table), by the wall clock and by the calling
@@ -107,10 +108,11 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                           for d in DTYPES}
         from .overheads import measure_overheads
         machine.update(_least([measure_overheads(clock=clock) for _ in range(rounds)]))
-        from .overheads import measure_anchor, measure_node_overheads
+        from .anchor import measure_anchor
+        from .overheads import measure_node_overheads
         anchors = [measure_anchor() for _ in range(rounds)]     # (again after the collectives: a burst of another
         machine["anchor_cpu_time_s"] = min(anchors)            # process over these rounds alone is not the machine)
-        from .overheads import typical_over_best                      # (and on both ranks at once: in a job)
+        from .anchor import typical_over_best                         # (and on both ranks at once: in a job)
         machine["typical_alone"] = min(typical_over_best() for _ in range(rounds))
         fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
         machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))

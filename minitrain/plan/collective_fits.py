@@ -47,7 +47,7 @@ def _worker(out_path, sizes):
     xp, sync = backend.xp(), backend.synchronize
     results = {}
     from ..comm.communicator import waiting_cpu_seconds
-    from .overheads import anchor
+    from .anchor import anchor
     # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner
     # already charges to the compute (its ranks / cores factor); there, the best case only
     fits_the_cores = backend.get_device() != "cpu" or c.size <= (os.cpu_count() or 1)
@@ -101,7 +101,7 @@ def _worker(out_path, sizes):
                 results[name].update(job_alpha_s=job_fit["alpha_s"], job_beta_s_per_byte=job_fit["beta_s_per_byte"],
                                      job_points=job_fit["points"])
     if c.size == 2:
-        from .overheads import measure_in_a_job
+        from .job_overheads import measure_in_a_job
         results["overheads"] = measure_in_a_job(c)
     if c.rank == 0:
         with open(out_path, "w") as f:

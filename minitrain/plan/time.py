@@ -27,7 +27,7 @@ from .work import Work, optimizer_work
 
 def typical(machine, world, waited=False):
     """How much slower a job's median step does its CPU work than the calibrated constants, each a best case:
-    the anchor's median as a job of ``world`` ranks meets it over its best (plan/overheads.typical_over_best:
+    the anchor's median as a job of ``world`` ranks meets it over its best (plan/anchor.typical_over_best:
     alone, or every rank of a 2-rank job at once; ``waited``: each run after a wait asleep, as a pipeline's
     stage computes once its input has come); 1 where not calibrated so. (A job's step timer runs the same
     anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
