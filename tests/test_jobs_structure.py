@@ -85,15 +85,15 @@ def test_a_step_s_communication_is_clipped_to_the_step_and_overlaps_once():
 
 
 def test_the_step_timer_s_anchor_is_left_out_of_every_step(monkeypatch):
-    """The timer's reference work (plan.overheads.anchor, after each of the first 20 steps) is the timer's cost,
+    """The timer's reference work (plan.anchor.anchor, after each of the first 20 steps) is the timer's cost,
     not the job's: on a clock the test moves, a step of 1 unit reads 1 with an anchor of 100 beside it."""
     from types import SimpleNamespace
 
     from minitrain.examples import step_timer
-    from minitrain.plan import overheads
+    from minitrain.plan import anchor as planner_anchor
     clock = [0.0]
     monkeypatch.setattr(step_timer, "time", SimpleNamespace(perf_counter=lambda: clock[0], thread_time=lambda: clock[0]))
-    monkeypatch.setattr(overheads, "anchor", lambda: clock.__setitem__(0, clock[0] + 100.0))
+    monkeypatch.setattr(planner_anchor, "anchor", lambda: clock.__setitem__(0, clock[0] + 100.0))
     watch = report.StepWatch()
     watch.timer.anchoring = True
     for _ in range(6):

@@ -12,9 +12,13 @@ import pytest
 
 from minitrain import plan
 from minitrain.parallel.pipeline import formula_bubble_fraction, get_schedule, simulate
-from minitrain.plan import calibrate
-from minitrain.plan import memory as pmem
-from minitrain.plan import time as ptime
+from minitrain.plan.activations import gpt_pieces, mlp_pieces
+from minitrain.plan.alpha_beta import collective
+from minitrain.plan.bubble import _bubble
+from minitrain.plan.merge import merge
+from minitrain.plan.stages import _in_flight, counts_in_flight, in_flight, stage_chunks
+from minitrain.plan.walks import pipeline_walk
+from minitrain.plan.work import gpt_block_work, gpt_ends_work, mlp_layer_work
 from minitrain.plan.__main__ import main, parser
 
 GPT3 = "--n-layer 96 --n-embd 12288 --n-head 96 --block-size 2048 --vocab-size 51200"
@@ -224,7 +228,7 @@ def test_a_batch_the_micro_batches_do_not_divide_is_planned_with_its_largest_mic
 def test_in_flight_counts_beyond_4p_are_the_schedules_own(name, p):
     for m in (4 * p + 1, 5 * p, 7 * p + 3):
         for s in range(p):
-            assert pmem.in_flight(name, p, m, s) == pmem._in_flight(name, p, m, s)
+            assert in_flight(name, p, m, s) == _in_flight(name, p, m, s)
 
 
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
@@ -232,7 +236,7 @@ def test_bubble_beyond_2p_equals_the_full_simulation(name, v):
     for (p, m), (f, b) in itertools.product(((2, 8), (4, 12), (3, 9), (4, 4), (3, 2)), ((1.0, 2.7), (1.0, 0.4))):
         if name == "interleaved_1f1b" and m < p:
             continue                            # interleaving needs m >= p (the schedule refuses fewer)
-        span, idle = ptime._bubble(name, p, m, v, f, b)
+        span, idle = _bubble(name, p, m, v, f, b)
         full = simulate(get_schedule(name, p, m, chunks=v), forward_cost=f, backward_cost=b)
         assert span == pytest.approx(full["total_time"], rel=1e-9)
         assert idle / span == pytest.approx(formula_bubble_fraction(name, p, m, v), rel=1e-9)
@@ -243,11 +247,11 @@ def test_one_chunk_walk_equals_the_walk_over_the_schedules_actions():
     for schedule, m in (("1f1b", 2), ("1f1b", 6), ("gpipe", 3)):
         layout = plan.Layout(world=3, batch_size=12, pp=3, microbatches=m, schedule=schedule, recompute="selective",
                              extras={"parallel_job": True})
-        pieces = pmem.gpt_pieces(model, layout, layout.micro_batch_size)
-        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+        pieces = gpt_pieces(model, layout, layout.micro_batch_size)
+        for s, chunks in enumerate(stage_chunks(pieces, layout)):
             local = sum(x.params for ps in chunks.values() for x in ps)
-            fast = pmem.pipeline_walk(pmem.in_flight(schedule, 3, m, s), chunks, layout, local, 5)
-            slow = pmem.pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
+            fast = pipeline_walk(in_flight(schedule, 3, m, s), chunks, layout, local, 5)
+            slow = pipeline_walk(get_schedule(schedule, 3, m)[s], chunks, layout, local, 5)
             assert fast == slow
 
 
@@ -257,17 +261,17 @@ def test_zero_bubble_walks_keep_activations_until_w():
     model = plan.MLP((64, 256, 256, 256, 10))
     for m in (2, 4, 7):
         layout = plan.Layout(world=2, batch_size=56 if m == 7 else 64, pp=2, microbatches=m, schedule="zb_h1")
-        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
-        for s, chunks in enumerate(pmem.stage_chunks(pieces, layout)):
+        pieces = mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        for s, chunks in enumerate(stage_chunks(pieces, layout)):
             actions = get_schedule("zb_h1", 2, m)[s]
             local = sum(x.params for ps in chunks.values() for x in ps)
-            fast = pmem.pipeline_walk(pmem.in_flight("zb_h1", 2, m, s), chunks, layout, local, 5)
-            assert fast == pmem.pipeline_walk(actions, chunks, layout, local, 5)
-            as_1f1b = pmem.pipeline_walk([a for a in actions if a.kind != "B"], chunks, layout, local, 5)
+            fast = pipeline_walk(in_flight("zb_h1", 2, m, s), chunks, layout, local, 5)
+            assert fast == pipeline_walk(actions, chunks, layout, local, 5)
+            as_1f1b = pipeline_walk([a for a in actions if a.kind != "B"], chunks, layout, local, 5)
             assert fast == as_1f1b                    # W frees, B does not: the same as a backward at W
     from minitrain.parallel.pipeline import Action
     order = [Action(k, mb) for k, mb in (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1))]
-    assert pmem.counts_in_flight(order) == (2, 1)     # at W0 both micro-batches still hold their inputs
+    assert counts_in_flight(order) == (2, 1)     # at W0 both micro-batches still hold their inputs
 
 
 @pytest.mark.parametrize("name, v", [("zb_h1", 1), ("zbv", 2)])
@@ -275,7 +279,7 @@ def test_zero_bubble_time_model_is_the_simulator_with_w(name, v):
     """B and W each half the backward, as the runtime splits a Linear's; beyond 2p micro-batches the
     idle time is constant (interpolated between ratios 1.5^k: within 0.5%)."""
     for p, m in ((2, 8), (4, 12), (3, 9), (4, 17)):
-        span, idle = ptime._bubble(name, p, m, v, 1.0, 2.7)
+        span, idle = _bubble(name, p, m, v, 1.0, 2.7)
         full = simulate(get_schedule(name, p, m), forward_cost=1.0, backward_cost=1.35, weight_cost=1.35)
         assert span == pytest.approx(full["total_time"], rel=5e-3)
         assert idle / span == pytest.approx(full["bubble_fraction"], rel=5e-3)
@@ -301,8 +305,8 @@ def test_the_planner_lays_out_the_stages_the_job_runs(schedule, world):
         model, layout = plan.mlp_from_args(parse_args(options)[0], world)
         hidden = max(2, world * v) if layers is None else layers
         assert model.sizes == tuple([64] + [128] * hidden + [10]) and layout.chunks == v
-        pieces = pmem.mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
-        planned = {(rank, chunk): len(ps) for rank, stage in enumerate(pmem.stage_chunks(pieces, layout))
+        pieces = mlp_pieces(model, layout, layout.micro_batch_size, in_pipeline=True)
+        planned = {(rank, chunk): len(ps) for rank, stage in enumerate(stage_chunks(pieces, layout))
                    for chunk, ps in stage.items()}
         for rank in range(world):
             pipe = PipelineParallel(nn.MLP(list(model.sizes)), SimpleNamespace(size=world, rank=rank), schedule,
@@ -319,11 +323,11 @@ def test_one_chunk_walk_with_more_micro_batches_in_flight_after_the_first_backwa
     actions = [Action(k, mb) for k, mb in (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("F", 3), ("B", 1), ("B", 2), ("B", 3))]
     model = plan.GPT(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=64)
     layout = plan.Layout(batch_size=8, microbatches=4, recompute="full", extras={"parallel_job": True})
-    chunks = {0: pmem.gpt_pieces(model, layout, 2)}
+    chunks = {0: gpt_pieces(model, layout, 2)}
     local = sum(x.params for x in chunks[0])
-    assert pmem.counts_in_flight(actions) == (2, 3)
-    assert pmem.pipeline_walk(pmem.counts_in_flight(actions), chunks, layout, local, 0) == \
-        pmem.pipeline_walk(actions, chunks, layout, local, 0)
+    assert counts_in_flight(actions) == (2, 3)
+    assert pipeline_walk(counts_in_flight(actions), chunks, layout, local, 0) == \
+        pipeline_walk(actions, chunks, layout, local, 0)
 
 
 def _matmul_flops(work):
@@ -337,14 +341,14 @@ def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
     model = plan.GPT(vocab_size=64, block_size=32, n_layer=3, n_head=4, n_embd=64)
     layout = plan.Layout(world=4, batch_size=16, dp=2, tp=2, microbatches=2, recompute=recompute)
     b = layout.micro_batch_size
-    block_f, block_b = ptime.gpt_block_work(model, layout, b)
-    (emb_f, emb_b), (head_f, head_b) = ptime.gpt_ends_work(model, layout, b)
+    block_f, block_b = gpt_block_work(model, layout, b)
+    (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, b)
     per_rank = (3 * (_matmul_flops(block_f) + _matmul_flops(block_b)) + _matmul_flops(head_f) + _matmul_flops(head_b)
                 + _matmul_flops(emb_f) + _matmul_flops(emb_b))
     assert per_rank * layout.dp * layout.tp * layout.microbatches == plan.flops_per_iteration(model, layout)
     mlp = plan.MLP((64, 96, 96, 10))
     mlp_layout = plan.Layout(world=2, dp=2, batch_size=32)
-    work = ptime.mlp_layer_work(mlp, mlp_layout, 16)
+    work = mlp_layer_work(mlp, mlp_layout, 16)
     assert sum(_matmul_flops(f) + _matmul_flops(w) for f, w in work) * 2 == plan.flops_per_iteration(mlp, mlp_layout)
 
 
@@ -382,7 +386,7 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
     result = cli(f"mlp --world 2 --machine {out}")
     assert 0 < result["step_time_s"]["comm"] < result["step_time_s"]["total"]
     loaded = {**machine, "numpy_call_s": 2 * machine["numpy_call_s"], "anchor_cpu_time_s": 2 * machine["anchor_cpu_time_s"]}
-    merged = calibrate.merge([loaded, machine])                   # the least loaded calibration, whole
+    merged = merge([loaded, machine])                   # the least loaded calibration, whole
     assert merged["numpy_call_s"] == machine["numpy_call_s"] and merged["ops"] == machine["ops"]
 
 
@@ -400,14 +404,14 @@ def test_merge_comm_only_keeps_the_compute_and_takes_the_least_communication_cos
          "collectives": {"p2p": {"2": _fit(2e-5, 1e-10, 9e-5, 1e-10)}, "ring_all_gather": {"2": _fit(1e-4, 1e-9, 3e-4, 1e-9)}}}
     b = {"measured": "b", "anchor_cpu_time_s": 0.7, "numpy_call_s": 5e-6, "ddp_step_s": 1.0, "fsdp_unit_s": 3.0,
          "collectives": {"p2p": {"2": _fit(3e-5, 1e-10, 4e-5, 1e-10)}}}
-    out = calibrate.merge([a, b], comm_only=base)
+    out = merge([a, b], comm_only=base)
     assert out["numpy_call_s"] == 1e-6 and out["anchor_cpu_time_s"] == 1.0           # the base's compute
     assert out["ddp_step_s"] == 1.0 and out["fsdp_unit_s"] == 1.0                      # each the least
     p2p = out["collectives"]["p2p"]["2"]
     assert p2p["alpha_s"] == 2e-5 and p2p["job_alpha_s"] == 4e-5                       # a's best case, b's in a job
     assert out["collectives"]["ring_all_gather"]["2"]["job_alpha_s"] == 3e-4
     assert out["measured"] == "base; communication costs: the best of a, b"
-    whole = calibrate.merge([a, b])
+    whole = merge([a, b])
     assert whole["numpy_call_s"] == 5e-6 and whole["ddp_step_s"] == 2.0                # the least loaded (a), whole
 
 
@@ -417,9 +421,9 @@ def test_collectives_cost_their_best_case_and_the_late_rank_is_the_computes():
     machine = {"collectives": {"ring_all_reduce": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)},
                                "p2p": {"2": _fit(1e-5, 1e-10, 4e-5, 2e-10)}}}
     n = 1 << 20
-    assert ptime.collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
-    assert ptime.collective(machine, "p2p", n, 2) == pytest.approx(1e-5 + n * 1e-10)
-    assert ptime.collective(machine, "ring_all_reduce", n, 2, busy=True) == pytest.approx(2 * 0.5e-5 + n * 0.5e-10)
+    assert collective(machine, "ring_all_reduce", n, 2) == pytest.approx(2 * 1e-5 + n * 1e-10)
+    assert collective(machine, "p2p", n, 2) == pytest.approx(1e-5 + n * 1e-10)
+    assert collective(machine, "ring_all_reduce", n, 2, busy=True) == pytest.approx(2 * 0.5e-5 + n * 0.5e-10)
 
 
 def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_cost_more():
@@ -429,7 +433,7 @@ def test_tensor_parallel_layouts_pay_for_their_collectives_and_inter_node_links_
     comm = {t: plan.predict(model, plan.Layout(world=t, tp=t, batch_size=4, precision="bf16"),
                             "a100-80gb")["step_time_s"]["comm"] for t in (8, 32)}
     a100 = plan.load_machine("a100-80gb")
-    per_block = 4 * ptime.collective(a100, "ring_all_reduce", 4 * 2048 * 4096 * 2, 8, 8)   # 2 forward, 2 backward
+    per_block = 4 * collective(a100, "ring_all_reduce", 4 * 2048 * 4096 * 2, 8, 8)   # 2 forward, 2 backward
     assert comm[8] >= 8 * per_block and comm[32] > 4 * comm[8]
 
 

@@ -1,4 +1,4 @@
-"""The planner's pipeline messages and its median step (plan/time.py, plan/overheads.py): a calibrated
+"""The planner's pipeline messages and its median step (plan/time.py, plan/job_overheads.py): a calibrated
 stage-to-stage message goes to the schedule's simulator, between virtual stages each at its own cost; the
 CPU work of a job's median step is the calibrated best case times the anchor's median over its best.
 Exact checks only (what is passed where, by how much it scales); how close it comes to a job's clock is
@@ -7,12 +7,13 @@ import pytest
 
 from minitrain import plan
 from minitrain.parallel.pipeline import get_schedule, simulate
-from minitrain.plan import overheads
+from minitrain.plan import job_overheads
 from minitrain.plan import time as ptime
+from minitrain.plan.bubble import _simulated
 from minitrain.plan.validate import planned
 
 GPT_PP = "--pp 2 --schedule 1f1b --microbatches 4"          # micro-batches of 4 x 32 tokens x 64 floats
-SIMULATED = ptime._simulated
+SIMULATED = _simulated
 
 
 def uncalibrated():
@@ -32,7 +33,7 @@ def recorded(monkeypatch, machine, kind, options, world=2):
     def spy(*args):
         calls.append(args)
         return original(*args)
-    monkeypatch.setattr(ptime, "_simulated", spy)
+    monkeypatch.setattr(ptime, "_simulated", spy)         # where predict_time looks it up (plan/bubble.py's)
     model, layout = planned(kind, world, options)
     return plan.predict(model, layout, machine), calls
 
@@ -103,7 +104,7 @@ def test_a_median_step_runs_at_the_anchors_median_speed(monkeypatch):
 
 def test_a_line_through_the_messages():
     """calibrate's fit of a message's seconds over its bytes: exact through a line; never negative."""
-    a, b = overheads._line([(n, 1e-4 + 2e-9 * n) for n in (2048, 16384, 65536, 131072)])
+    a, b = job_overheads._line([(n, 1e-4 + 2e-9 * n) for n in (2048, 16384, 65536, 131072)])
     assert a == pytest.approx(1e-4, rel=1e-9) and b == pytest.approx(2e-9, rel=1e-9)
-    assert overheads._line([(2048, 3e-4), (16384, 2e-4), (131072, 1e-4)]) == (2e-4, 0.0)   # falling: the median
-    assert overheads._line([(2048, 0.0), (16384, 2e-4), (65536, 0.0)]) == (2e-4, 0.0)    # 0: no receiver waited
+    assert job_overheads._line([(2048, 3e-4), (16384, 2e-4), (131072, 1e-4)]) == (2e-4, 0.0)   # falling: the median
+    assert job_overheads._line([(2048, 0.0), (16384, 2e-4), (65536, 0.0)]) == (2e-4, 0.0)    # 0: no receiver waited

@@ -14,9 +14,10 @@ import pytest
 
 from minitrain import plan
 from minitrain.plan import experts
-from minitrain.plan import time as ptime
 from minitrain.plan.__main__ import main, search
 from minitrain.plan.activations import gpt_block_bytes
+from minitrain.plan.alpha_beta import collective
+from minitrain.plan.layer_costs import axes_comm
 from minitrain.testing import run_mpi
 
 JOB = ["--no-progress", "--precision", "fp64", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
@@ -178,8 +179,8 @@ def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
             tokens = 2 * 64                                            # 2 rows of 64 tokens per rank
             assert experts.all_to_all_bytes(model, layout, 2) == tokens * k * 64 * 2 * (ep - 1) / ep
             machine = plan.load_machine("a100-80gb")
-            (_, _), (f, b) = ptime.axes_comm(model, layout, 2, machine, False)
-            assert f == b == 2 * ptime.collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
+            (_, _), (f, b) = axes_comm(model, layout, 2, machine, False)
+            assert f == b == 2 * collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
 
 
 def test_context_parallelism_divides_the_activations_by_cp():

@@ -10,7 +10,7 @@ from minitrain.examples.report import StepTimer
 from minitrain.parallel import checkpoint_sequential
 from minitrain.plan import GPT, MLP, Layout, load_machine
 from minitrain.plan.ops import PASSES, op_fit, op_seconds
-from minitrain.plan.time import predict_nodes
+from minitrain.plan.counts import predict_nodes
 
 
 def _recorded(step):
@@ -148,10 +148,10 @@ def test_an_op_without_a_measured_cost_is_its_passes_over_memory():
 
 def test_a_recomputed_forward_pays_its_python_without_recording_it():
     """Under recomputation a segment's first forward runs its modules and ops under no_grad: no node recorded
-    (one checkpoint node instead) but their Python run all the same, priced as a node's (plan/time.Costs)."""
+    (one checkpoint node instead) but their Python run all the same, priced as a node's (plan/costs.Costs)."""
     from minitrain.plan import load_machine
     from minitrain.plan.layout import GPT, MLP
-    from minitrain.plan.time import Costs
+    from minitrain.plan.costs import Costs
     from minitrain.plan.work import gpt_block_work, mlp_layer_work, mlp_recompute
     machine = load_machine("cpu-2core")
     costs = Costs(machine, "fp32", 1, 1.0, fresh=False)

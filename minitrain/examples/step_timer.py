@@ -1,5 +1,5 @@
 """The step timer (examples/report.py's StepWatch runs it around every step): each step's wall clock, its
-thread's CPU time outside its waits for peers, in units of a fixed anchor workload (plan/overheads.py),
+thread's CPU time outside its waits for peers, in units of a fixed anchor workload (plan/anchor.py),
 which is what plan/validate.py compares with the planner on a shared machine. Its figures are steady state:
 medians over the steps after the first WARMUP_STEPS, the anchor's own time never inside a step.
 """
@@ -27,7 +27,7 @@ class StepTimer:
     faults (new memory first touched); the autograd nodes recorded. On a machine shared with other jobs the wall
     clock counts their turns on the cores, and the polling how often a waiting thread is handed the core back;
     the rest of the thread's CPU time, the step's own work ("busy"), they only slow through the caches and the
-    memory bus. So on the CPU the timer also runs the planner's anchor (a fixed workload: plan.overheads.anchor)
+    memory bus. So on the CPU the timer also runs the planner's anchor (a fixed workload: plan.anchor.anchor)
     after each of the first 20 steps and every 10th after, and reports each such step's busy time over its
     anchor's: the step in anchors, which the load moves little (both slow down together). Their lower
     quartile (``step_busy_per_anchor``) is compared with the planner, whose constants are each the best of
@@ -69,7 +69,7 @@ class StepTimer:
             self.steps.append([b - a for a, b in zip(self._start, end)])
             self.steps[-1][4] -= 1                  # nodes_recorded() takes one number itself
             if self.anchoring and (len(self.steps) <= 20 or len(self.steps) % 10 == 0):
-                from ..plan.overheads import anchor
+                from ..plan.anchor import anchor
                 from threadpoolctl import threadpool_limits
                 with threadpool_limits(limits=1):
                     anchor()                        # once to bring its arrays back into the caches, as calibrated

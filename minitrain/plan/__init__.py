@@ -15,8 +15,11 @@ what it measured.
 """
 from ..parallel.pipeline.schedules import default_chunks
 from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
-from .memory import CATEGORIES, korthikanti_layer_bytes, predict_memory
-from .time import flops_per_iteration, predict_time
+from .memory import predict_memory
+from .papers import korthikanti_layer_bytes
+from .states import CATEGORIES
+from .counts import flops_per_iteration
+from .time import predict_time
 from .calibrate import load_machine
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes

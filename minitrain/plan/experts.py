@@ -38,6 +38,7 @@ zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choi
 import math
 
 from .layout import LayoutError, PRECISIONS
+from .states import fp32_step_grads, optimizer_bytes
 
 
 def check_axes(model, layout):
@@ -165,7 +166,6 @@ def cp_block_bytes(model, layout, rows):
 def zero_expert_extra(model, layout, moe_blocks):
     """Bytes a rank holds beyond ZeRO over dp for its ``moe_blocks`` MoE blocks' routed experts, whose
     states ZeRO shards over the dp/ep ranks holding the same experts instead (0 without ZeRO or ep)."""
-    from .memory import fp32_step_grads, optimizer_bytes
     z, dp, ep = layout.zero, layout.dp, layout.ep
     extra = {"params": 0, "grads": 0, "optimizer_state": 0}
     if not z or ep == 1 or not moe_blocks:
@@ -183,7 +183,7 @@ def paper_layer_bytes(model, layout, b, moe=False):
     """The papers' bytes per layer (Korthikanti et al. 2022, Table 2) on s/cp tokens: ring attention keeps
     no score matrix (its 5as²b term goes), Ulysses keeps a/cp heads' over the whole sequence; an MoE
     layer adds what its MLP keeps beyond the dense one's (minitrain's counting, at the precision)."""
-    from .memory import korthikanti_layer_bytes
+    from .papers import korthikanti_layer_bytes
     s, h, a, t, c = model.block_size, model.n_embd, model.n_head, layout.tp, layout.cp
     sp, rc = layout.sequence_parallel, layout.recompute
     if c == 1:

@@ -8,7 +8,7 @@ hold the cores), so time is compared on what they distort least: the CPU time of
 outside its waits for peers (busy: its arithmetic, Python and its own collectives' copies and
 reductions), against the planner's compute plus the busy part of its collectives. Even that slows while
 other jobs share the caches and the memory bus, so each step is measured in units of the anchor the jobs
-run beside it (a fixed workload, plan/overheads.py; examples/step_timer.StepTimer): the lower quartile over
+run beside it (a fixed workload, plan/anchor.py; examples/step_timer.StepTimer): the lower quartile over
 the run (the median beside it), times the anchor's calibrated time as a job meets it (its median with the
 job's ranks at work: time.typical), for the slowest stage, its ranks averaged. The wall clock is compared
 the same way (the median step in anchors: how fast the machine ran meanwhile is taken out, not other
@@ -27,7 +27,8 @@ import tempfile
 from dataclasses import replace
 
 from . import CATEGORIES, load_machine, predict
-from .time import predict_nodes, typical
+from .counts import predict_nodes
+from .time import typical
 
 MLP = "--epochs 15"
 GPT = "--steps 60 --sample-chars 1"

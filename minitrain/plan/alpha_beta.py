@@ -1,0 +1,34 @@
+"""One collective's seconds, Hockney's alpha-beta model: t = steps·alpha + bytes·beta (ring all-reduce:
+2(p-1) steps, 2(p-1)/p·N bytes; RS / AG: half of that; all-to-all: p-1 pairwise rounds; p2p: 1 step, N
+bytes), alpha and beta calibrated per algorithm and p by python -m minitrain.plan calibrate, else the
+machine's link constants.
+"""
+
+
+def collective(machine, name, nbytes, p, node_span=None, busy=False):
+    """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
+    measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
+    rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts).
+    Over one rank it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
+    waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call)."""
+    call = machine.get("collective_call_s", 0.0)
+    if p <= 1:
+        return call
+    steps, sent = {"p2p": (1, nbytes), "all_to_all": (p - 1, (p - 1) / p * nbytes),   # pairwise, p-1 rounds
+                   "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
+                   "ring_reduce_scatter": (p - 1, (p - 1) / p * nbytes),
+                   "ring_all_gather": (p - 1, (p - 1) / p * nbytes)}[name]
+    table = machine.get("collectives", {}).get(name)
+    if name == "all_to_all" and not table:       # pairwise exchange: p-1 rounds of a send and a receive each
+        table = machine.get("collectives", {}).get("p2p")
+    if table:
+        fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
+        if busy:
+            return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
+        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()
+    if busy:
+        return call
+    links = machine["links"]
+    link = links["intra_node"] if node_span is not None and node_span <= machine.get("gpus_per_node", 1) \
+        else links["inter_node"]
+    return steps * link["alpha_s"] + sent / link["bytes_per_s"]

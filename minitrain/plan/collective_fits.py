@@ -1,0 +1,108 @@
+"""The collectives calibrated: minitrain's own algorithms timed under mpiexec -n p (wall clock, the calling
+thread's busy CPU, and as a job meets them after the anchor's compute) and fitted to t = steps·alpha +
+bytes·beta with each algorithm's own step and byte counts (comm/collectives.py's cost table).
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+# steps and bytes per rank of each algorithm (p ranks, N bytes): comm/collectives.py's table
+COLLECTIVES = {
+    "p2p": lambda p, n: (1, n),
+    "ring_all_reduce": lambda p, n: (2 * (p - 1), 2 * (p - 1) / p * n),
+    "ring_reduce_scatter": lambda p, n: (p - 1, (p - 1) / p * n),
+    "ring_all_gather": lambda p, n: (p - 1, (p - 1) / p * n),
+    "broadcast": lambda p, n: (math.ceil(math.log2(p)), math.ceil(math.log2(p)) * n),
+}
+
+
+def fit_alpha_beta(points, name, p):
+    """Least squares of t = steps·alpha + bytes·beta over [(nbytes, seconds)], in relative error (each
+    point weighted by 1/t, so that small messages count as much as large ones); both kept >= 0."""
+    rows = [COLLECTIVES[name](p, n) for n, _ in points]
+    a = np.array(rows, np.float64)
+    t = np.array([s for _, s in points], np.float64)
+    (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    if beta <= 0:
+        alpha, beta = float(np.min(t / a[:, 0])), 1e-12
+    if alpha <= 0:
+        alpha, beta = 1e-7, float(np.median(t / a[:, 1]))
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+            "points": [[int(n), float(s)] for n, s in points]}
+
+
+def _worker(out_path, sizes):
+    """Under mpiexec: time every collective at every size (best of 8, slowest rank), by the wall clock and by
+    the CPU time the calling thread spends outside its waits (its copies, reductions and calls: the part a
+    shared machine distorts least, which the jobs report as busy); and as a job meets it ("job_*": the median
+    of 9, each called after the anchor's few milliseconds of compute, without a barrier, so the ranks arrive
+    apart and the caches are the compute's: on this 2-core machine 1.5-3x the best case; only where the ranks
+    fit the cores); rank 0 writes JSON."""
+    from .. import backend, comm as mtcomm
+    c = mtcomm.init()
+    backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
+    xp, sync = backend.xp(), backend.synchronize
+    results = {}
+    from ..comm.communicator import waiting_cpu_seconds
+    from .anchor import anchor
+    # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner
+    # already charges to the compute (its ranks / cores factor); there, the best case only
+    fits_the_cores = backend.get_device() != "cpu" or c.size <= (os.cpu_count() or 1)
+    for name in COLLECTIVES:
+        points, busy, in_job = [], [], []
+        for nbytes in sizes:
+            x = xp.ones(nbytes // 4, np.float32)
+            buf = xp.empty_like(x)
+            if name == "p2p":
+                if c.size < 2:
+                    break
+
+                def op():
+                    if c.rank == 0:
+                        c.send(x, 1, tag=7)
+                    elif c.rank == 1:
+                        c.recv(buf, 0, tag=7)
+            else:
+                fn = {"ring_all_reduce": lambda: mtcomm.ring_all_reduce(c, x),
+                      "ring_reduce_scatter": lambda: mtcomm.ring_reduce_scatter(c, x),
+                      "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
+                      "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]
+                op = fn
+            times, own = [], []
+            for _ in range(9):
+                c.barrier()
+                t, cpu = time.perf_counter(), time.thread_time() - waiting_cpu_seconds()
+                op()
+                sync()
+                times.append(time.perf_counter() - t)
+                own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
+            job = []
+            for _ in range(9 if fits_the_cores else 0):         # as a job meets it: after its compute, unaligned
+                anchor()
+                t = time.perf_counter()
+                op()
+                sync()
+                job.append(time.perf_counter() - t)
+            mine = np.array([min(times[1:]), min(own[1:]), np.median(job) if job else 0.0])   # best of 8, as the others
+            slowest = mtcomm.all_reduce(c, mine, op="max")
+            points.append((nbytes, float(slowest[0])))
+            busy.append((nbytes, float(slowest[1])))
+            in_job.append((nbytes, float(slowest[2])))
+        if points and c.rank == 0:
+            results[name] = fit_alpha_beta(points, name, c.size)
+            own_fit = fit_alpha_beta(busy, name, c.size)
+            results[name].update(busy_alpha_s=own_fit["alpha_s"], busy_beta_s_per_byte=own_fit["beta_s_per_byte"],
+                                 busy_points=own_fit["points"])
+            if fits_the_cores:
+                job_fit = fit_alpha_beta(in_job, name, c.size)
+                results[name].update(job_alpha_s=job_fit["alpha_s"], job_beta_s_per_byte=job_fit["beta_s_per_byte"],
+                                     job_points=job_fit["points"])
+    if c.size == 2:
+        from .job_overheads import measure_in_a_job
+        results["overheads"] = measure_in_a_job(c)
+    if c.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)

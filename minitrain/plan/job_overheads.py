@@ -1,0 +1,121 @@
+"""What the library's parallel wrappers cost as a real 2-rank job meets them (python -m minitrain.plan calibrate
+measures it under mpiexec; time.py charges it): DDP per step and per gradient byte, FSDP per unit, a
+pipeline's runtime per action and per byte it sends or receives, and one of its stage-to-stage messages as
+the runtime meets it (the schedule's simulator puts it between stages: plan/bubble.py). Their collectives
+run on the progress thread beside the step, their sends and receives go through MPI: several times what a
+one-rank ThreadWorld shows (plan/overheads.py).
+"""
+import time
+
+import numpy as np
+
+from .anchor import typical_over_best
+from .microbench import _best
+
+WAIT_S = 5e-4      # a pipeline stage's wait for its input, asleep in the poll, before it computes
+
+
+def measure_in_a_job(comm, repeats=30):
+    """Under mpiexec -n 2: what DDP, FSDP and a pipeline's runtime add to the CPU time a step's own thread spends
+    outside its waits (busy), beyond the plain model's: per step and per byte of gradient for DDP, per unit for
+    FSDP, per action and per byte of the activation it sends or receives for a pipeline, and what one of its
+    stage-to-stage messages takes (fixed and per byte: _pipeline_action, 2-128 KiB). Measured in a real
+    job, where DDP's and FSDP's collectives run on the progress thread beside the step's own thread and a
+    pipeline's messages go through MPI: on this 2-core machine DDP added 0.15-0.24 ms a step, FSDP 0.3-0.4 ms
+    a unit and a pipeline 90-130 us an action, several times what a one-rank ThreadWorld, whose collectives
+    move nothing, shows."""
+    from .. import nn
+    from ..autograd import Tensor
+    from ..parallel import DistributedDataParallel, FullyShardedDataParallel
+
+    def busy(module, x, y):
+        def step():
+            loss = nn.functional.cross_entropy(module(x), y)
+            for q in module.parameters():
+                q.grad = None
+            loss.backward()
+        return _best_busy(step, repeats)
+    rng = np.random.default_rng(comm.rank)
+    x, y = Tensor(rng.standard_normal((32, 64)).astype(np.float32)), rng.integers(0, 10, 32)
+    points = []
+    for width in (16, 512):
+        model = nn.MLP([64, width, width, 10])
+        plain = busy(model, x, y)
+        wrapped = busy(DistributedDataParallel(model, comm), x, y)
+        points.append((4 * model.num_parameters(), wrapped - plain))
+    (b0, t0), (b1, t1) = points
+    per_byte = max(0.0, (t1 - t0) / (b1 - b0))
+    units, x16 = 8, Tensor(rng.standard_normal((32, 16)).astype(np.float32))
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units - 1)], nn.Linear(16, 10))
+    plain = busy(model, x16, y)
+    sharded = busy(FullyShardedDataParallel(model, comm), x16, y)
+    piped = [(4 * 32 * w, *_pipeline_action(comm, repeats, w)) for w in (16, 128, 512, 1024)]
+    action, message = _line([(n, a) for n, a, _ in piped]), _line([(n, m) for n, _, m in piped])
+    mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units, *action, *message])
+    from .. import comm as mtcomm
+    slowest = mtcomm.all_reduce(comm, mine, op="max")
+    return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
+            "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
+            "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
+            "typical_job": typical_over_best(comm, 100), "typical_job_waited": typical_over_best(comm, 100, WAIT_S)}
+
+
+def _line(points):
+    """(a, b) >= 0 of t = a + b·n over [(n, t)], least squares in relative error (as calibrate's alpha-beta
+    fits: a small message counts as much as a large one); points at t = 0 (nothing measured) left out."""
+    points = [(n, t) for n, t in points if t > 0]
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
+    n, t = np.array(points, np.float64).T
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
+    if b < 0:
+        return float(np.median(t)), 0.0
+    if a < 0:
+        return 0.0, float(np.median(t / n))
+    return float(a), float(b)
+
+
+def _best_busy(fn, repeats):
+    """The least busy CPU (this thread's CPU time outside its waits for peers) of ``repeats`` calls of
+    ``fn``, after one call to warm it up."""
+    from ..comm.communicator import waiting_cpu_seconds
+    return _best(fn, repeats, lambda: None, lambda: time.thread_time() - waiting_cpu_seconds())
+
+
+def _pipeline_action(comm, repeats, width, m=8, rows=32):
+    """(busy CPU per action, seconds per message) of a two-stage 1F1B pipeline whose activations are ``rows``
+    x ``width`` floats, traced as the jobs trace it. Per action, beyond the stage's own forward and backward
+    run directly: the runtime's bookkeeping, its sends and receives (header and array, outside their waits),
+    a backward call per micro-batch, the spans. Per message: what the job's own measure reports
+    (parallel/pipeline/measure.message_costs: the latency from the send posted to the waiting receiver
+    having it: the copy, the waiter waking from its poll; posting the send and taking a message are in
+    the action's busy cost above), which the schedule's simulator puts between a stage and the next
+    (time.py). Several times a blocking receive's best case (the p2p fit): a waiter sleeps between polls."""
+    from .. import nn, trace
+    from ..autograd import Tensor
+    from ..parallel.pipeline import PipelineParallel
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 10))
+    pipe = PipelineParallel(model, comm, "1f1b", num_microbatches=m)
+    stage = pipe.stages[0]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((rows * m, width)).astype(np.float32), rng.integers(0, 10, rows * m)
+    received = [rng.standard_normal((rows, width)).astype(np.float32) for _ in range(m)]
+
+    def direct():                                  # this rank's stage alone, the same micro-batches, each
+        for i in range(m):                         # compute after a wait asleep, as the runtime's (WAIT_S)
+            time.sleep(WAIT_S)
+            if comm.rank == 0:
+                out = stage(Tensor(x[rows * i:rows * (i + 1)]))
+                time.sleep(WAIT_S)
+                out.backward(received[i])
+            else:
+                out = stage(Tensor(received[i], requires_grad=True))
+                (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
+    trace.enable(rank=comm.rank)
+    piped = _best_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), repeats)
+    from ..parallel.pipeline.measure import summarize
+    message = summarize(pipe)["message_cost_s"]            # the same on both ranks (a collective)
+    alone = _best_busy(direct, repeats)
+    trace.disable()
+    trace.tracer().events.clear()
+    return max(0.0, piped - alone) / (2 * m), message

@@ -1,0 +1,83 @@
+"""Seconds of each GPT layer on one rank, per micro-batch: forward and backward compute (plan/work.py's
+Work priced by plan/costs.py) and their communication, wall and busy: tensor parallelism's collectives
+(2 all-reduces of b·s·h per block each way, or their reduce-scatter / all-gather pairs with sequence
+parallelism: Korthikanti et al. 2022), context parallelism's exchanges and the experts' all-to-alls
+(plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
+"""
+from .alpha_beta import collective
+from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
+
+
+def gpt_layer_costs(model, layout, rows, c, machine):
+    """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, and
+    the two comms' busy parts) seconds. Tensor parallelism: g all-reduces b·s·h twice per block forward, f twice backward (SP: a
+    reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
+    key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
+           c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
+           layout.cp, layout.cp_method, layout.ep, layout.dp, bool(layout.extras.get("moe_dp_job")))
+    if key not in _LAYER_COSTS:
+        _LAYER_COSTS[key] = _gpt_layer_costs(model, layout, rows, c, machine)
+        if len(_LAYER_COSTS) > 4096:
+            _LAYER_COSTS.pop(next(iter(_LAYER_COSTS)))
+    return _LAYER_COSTS[key]
+
+
+_LAYER_COSTS = {}
+
+
+def _gpt_layer_costs(model, layout, rows, c, machine):
+    s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
+    act = rows * s * h * c.e
+    sp = layout.sequence_parallel
+    single = runs_nn_gpt(layout)                                        # nn.GPT: no f, g
+
+    def comm(busy):
+        pair = (collective(machine, "ring_reduce_scatter", act, t, t, busy=busy)
+                + collective(machine, "ring_all_gather", act, t, t, busy=busy)
+                if sp else collective(machine, "ring_all_reduce", act, t, t, busy=busy))
+        pair = 0.0 if single else pair
+        loss = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t, busy=busy) if not single else 0.0
+        # embedding (g), block (2 g forward; 2 f backward, twice with full recompute), head (loss; f backward)
+        return [(pair / (2 if sp else 1), 0.0), (2 * pair, 2 * pair * (2 if layout.recompute == "full" else 1)),
+                (loss, pair / (2 if sp else 1))]
+    device = machine.get("device", "cpu")
+    block_f, block_b = gpt_block_work(model, layout, rows, device)
+    (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, rows, device)
+    wall, own = comm(False), comm(True)
+    emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1])
+                        for i, (f, b) in enumerate(((emb_f, emb_b), (block_f, block_b), (head_f, head_b)))]
+    wall_cp, own_cp = axes_comm(model, layout, rows, machine, False), axes_comm(model, layout, rows, machine, True)
+    block = _plus(block, wall_cp[0], own_cp[0])
+    moe = block
+    if model.moe_experts:
+        moe_f, moe_b = gpt_block_work(model, layout, rows, device, moe=True)
+        moe = _plus((c.seconds(moe_f), block[1], c.seconds(moe_b), block[3], block[4], block[5]),
+                    wall_cp[1], own_cp[1])
+    return [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
+
+
+def _plus(costs, wall, own):
+    """A layer's costs with more communication (forward, backward) added, wall and busy."""
+    f, fm, b, bm, fo, bo = costs
+    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1])
+
+
+def axes_comm(model, layout, rows, machine, busy):
+    """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
+    block with its four all-to-alls added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
+    dK and dV backward; Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
+    from .experts import all_to_all_bytes, cp_block_bytes
+    c, t, ep = layout.cp, layout.tp, layout.ep
+    fwd = bwd = 0.0
+    if c > 1:
+        block = cp_block_bytes(model, layout, rows)
+        if layout.cp_method == "ring":
+            fwd = (c - 1) * collective(machine, "p2p", 2 * block, 2, c * t, busy=busy)
+            bwd = (c - 1) * collective(machine, "p2p", 4 * block, 2, c * t, busy=busy)
+        else:
+            fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy)
+    a2a = 0.0
+    if model.moe_experts and ep > 1:
+        whole = all_to_all_bytes(model, layout, rows) * ep / (ep - 1)      # the rows' bytes, to and from all
+        a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy)
+    return (fwd, bwd), (fwd + a2a, bwd + a2a)

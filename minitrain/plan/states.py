@@ -1,0 +1,42 @@
+"""Model states per rank in bytes, minitrain's way (what its ledger counts for parameters, gradients and the
+optimizer's state at rest, by ZeRO stage, precision and optimizer), and the categories memory is counted in.
+DDP holds two bucket copies of the gradients (2Ψ·b), ZeRO-1 a flat gradient and a shard scratch, ZeRO-2 a
+staging buffer of Ψ; mixed precision counts the fp32 gradients while the optimizer steps.
+"""
+from .layout import PRECISIONS
+
+CATEGORIES = ("params", "grads", "optimizer_state", "activations", "comm_buffers")
+
+
+def optimizer_bytes(n, layout):
+    """Optimizer state for n parameters: Adam's two moments (SGD's one momentum) in fp32 or fp64, plus
+    fp32 master weights under mixed precision or --offload (which puts all of it on the host)."""
+    e = PRECISIONS[layout.precision]
+    state = 4 if layout.mixed else e
+    moments = 1 if layout.optimizer == "sgd" else 2
+    return 0 if layout.offload else n * state * (moments + (1 if layout.mixed else 0))
+
+
+def fp32_step_grads(n, layout):
+    """MixedPrecisionOptimizer counts the fp32 copy of the gradients while it steps (on the host if offloaded)."""
+    return 4 * n if layout.mixed and not layout.offload else 0
+
+
+def model_states_at_rest(n, layout):
+    """``plan params``: what minitrain holds for n parameters at the optimizer step, without the
+    layer-dependent transients (ZeRO-3's gathered unit and staging buffers need the layers' sizes)."""
+    e, z, N = PRECISIONS[layout.precision], layout.zero, layout.dp
+    pad = -(-n // N) * N if z else n
+    state_n = n if z == 0 else pad // N
+    row = {"params": e * (pad // N if z == 3 else pad), "optimizer_state": optimizer_bytes(state_n, layout),
+           "grads": e * {0: n, 1: pad, 2: pad // N, 3: pad // N}[z] + fp32_step_grads(state_n, layout),
+           "activations": 0, "comm_buffers": {0: 2 * e * n, 1: e * pad // N, 2: e * pad, 3: 0}[z]}
+    if layout.offload and z == 3:                 # FSDP offload_params: shards and their gradients on the host
+        row.update(params=0, grads=0)
+    return {**{c: int(row[c]) for c in CATEGORIES}, "total": int(sum(row.values()))}
+
+
+def _one_moment(row):
+    """A row whose categories are held all at once (model states at rest, the papers' sums)."""
+    parts = {c: int(round(row.get(c, 0))) for c in CATEGORIES}
+    return {**parts, "total": sum(parts.values()), "category_peaks": dict(parts)}

@@ -1,0 +1,156 @@
+"""One step replayed as minitrain's memory ledger sees it, its peak bytes per category: step_walk for a rank
+that runs every piece on one micro-batch (forward, zero_grad, backward in reverse, the optimizer step;
+ZeRO-3 one gathered unit and two staging buffers at a time), pipeline_walk for a pipeline stage along its
+schedule's actions. What each piece keeps for backward is plan/activations.py's.
+"""
+from functools import lru_cache
+
+from .layout import PRECISIONS
+from .states import CATEGORIES, fp32_step_grads, optimizer_bytes
+
+
+def step_walk(pieces, layout, dp):
+    """Peak bytes per category, of the total, and each category at the total's peak, for a rank that runs
+    every piece on one micro-batch: forward, ``zero_grad`` (the jobs call it after forward: last step's
+    gradients are alive until then), backward in reverse, the optimizer step. ZeRO stage ``layout.zero``
+    over ``dp`` ranks."""
+    e = PRECISIONS[layout.precision]
+    z, n, N, host = layout.zero, sum(p.params for p in pieces), dp, layout.offload
+    pad = -(-n // N) * N if z else n                          # ZeRO-1/2: one flat buffer padded to N
+    unit_pad = lambda u: -(-sum(u) // N) * N                  # noqa: E731  ZeRO-3: one flat buffer per unit
+    units = [u for p in pieces for u in p.units]
+    shards = sum(unit_pad(u) for u in units) // N if z == 3 else 0
+    state_n = {0: n, 1: pad // N, 2: pad // N, 3: shards}[z]  # parameters this rank's optimizer steps
+    live = dict.fromkeys(CATEGORIES, 0)
+    peak = dict.fromkeys(CATEGORIES, 0)
+    peak_total = 0
+    at_peak = dict.fromkeys(CATEGORIES, 0)
+
+    def moment(**extra):
+        nonlocal peak_total, at_peak
+        now = {c: live[c] + extra.get(c, 0) for c in CATEGORIES}
+        for c in CATEGORIES:
+            peak[c] = max(peak[c], now[c])
+        if sum(now.values()) > peak_total:
+            peak_total, at_peak = sum(now.values()), now
+
+    # what the previous step left: parameters, optimizer state, gradients (set to None after forward)
+    live["params"] = e * {0: n, 1: pad, 2: pad, 3: (0 if host else shards) + len(units)}[z]  # + 0-d placeholders
+    live["optimizer_state"] = optimizer_bytes(state_n, layout)
+    grads_prev = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
+    live["grads"] = grads_prev
+    # (ExpertDataParallel's buckets hold the dense gradients: the experts' are reduced over their own group)
+    ddp_buckets = 0 if layout.local_sgd_every or layout.extras.get("no_ddp_buffers") else \
+        2 * e * (n - layout.extras.get("ddp_excluded_params", 0))
+    live["comm_buffers"] = {0: ddp_buckets, 1: e * pad // N, 2: e * pad, 3: 0}[z]
+    live["activations"] = sum(p.shared for p in pieces)
+    for p in pieces:                                          # forward (ZeRO-3: one unit gathered at a time)
+        if z == 3 and p.units:
+            moment(params=e * max(unit_pad(u) for u in p.units))
+        live["activations"] += p.kept
+        moment(params=e * unit_pad(p.units[-1]) if z == 3 and p.units else 0)
+    if z != 1:
+        live["grads"] -= grads_prev                           # zero_grad (ZeRO-1 zeroes its flat buffer in place)
+    staging_prev = shard_prev = 0
+    for p in reversed(pieces):                                # backward
+        below = live["activations"] - p.kept
+        live["activations"] = below + p.peak                  # recomputed: its layers' activations again
+        for q in reversed(p.parts):
+            if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
+                for u in reversed(q.units):
+                    gathered = 0 if p.unhooked else e * unit_pad(u)
+                    moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
+                    live["grads"] += 0 if host else shard_prev    # the previous unit's reduce-scatter completes
+                    staging_prev, shard_prev = e * unit_pad(u), e * unit_pad(u) // N
+            elif z == 2:
+                moment(grads=e * max(q.sizes, default=0))     # one full gradient at a time, then staged
+            else:
+                moment()
+                live["grads"] += e * q.params if z == 0 else 0
+            if q is not p:
+                live["activations"] -= q.kept
+        live["activations"] = below
+    live["grads"] = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
+    moment()
+    moment(grads=fp32_step_grads(state_n, layout))            # the optimizer step (mixed: fp32 gradients)
+    return peak, peak_total, at_peak
+
+
+def pipeline_walk(actions, chunks, layout, local_params, others):
+    """Peak bytes for one pipeline stage (per category, total, each category at the total's peak): its
+    actions in the schedule's order. A forward adds its chunk's kept activations; a backward goes through
+    its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
+    the first time, then frees the chunk. ``chunks``: chunk -> list of Pieces; ``others``: parameter
+    tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
+    worst by their sum (then by activations, so that both walks pick the same)."""
+    e = PRECISIONS[layout.precision]
+    # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
+    # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
+    # also keeps a shard of the parameters and gathers the stage once per step)
+    z = layout.zero if layout.dp > 1 else 0
+    zero1 = z >= 1
+    pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
+    g = e * pad if zero1 else 0
+    if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
+        K, F, A, G, shared = _chunk_backward(tuple(chunks[0]), 0 if zero1 else e)
+        # the worst moments are backwards: a forward never has more in flight than the next backward,
+        # and a backward holds at least its own micro-batch's kept bytes (A >= K, F >= K)
+        b_first, b_later = actions
+        act_peak = (max(b_first, b_later) - 1) * K + A
+        dyn = _worst(((b_first - 1) * K + F[0], g + F[1]), ((b_later - 1) * K + A, g + G) if b_later else (0, 0))
+        g += G
+    else:
+        kept, first, again, grads, shared = {}, {}, {}, {}, 0
+        for c, ps in chunks.items():
+            kept[c], first[c], again[c], grads[c], sh = _chunk_backward(tuple(ps), 0 if zero1 else e)
+            shared += sh
+        act = act_peak = 0
+        dyn = (0, 0)
+        seen = set()
+        split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
+        for a in actions:
+            if a.kind == "F":
+                act += kept[a.chunk]
+                act_peak, dyn = max(act_peak, act), _worst(dyn, (act, g))
+                continue
+            if split and a.kind == "B":
+                continue
+            others_act = act - kept[a.chunk]
+            fresh = a.chunk not in seen
+            act_peak = max(act_peak, others_act + again[a.chunk])
+            dyn = _worst(dyn, (others_act + first[a.chunk][0], g + first[a.chunk][1]) if fresh
+                         else (others_act + again[a.chunk], g))
+            act = others_act
+            if fresh:
+                seen.add(a.chunk)
+                g += grads[a.chunk]
+    stepped = pad // layout.dp if zero1 else local_params      # what this rank's optimizer steps
+    step_grads = fp32_step_grads(stepped, layout)
+    shard_g = e * pad // layout.dp if z >= 2 else 0             # stages 2, 3: the gradient shard
+    shard_p = e * pad // layout.dp + e if z == 3 else 0         # stage 3: the parameter shard, a 0-d placeholder
+    peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
+            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if z == 1 else 0}
+    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
+    if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
+        at_peak.update(activations=0, grads=g + step_grads + shard_g)
+    return peak, sum(at_peak.values()), at_peak
+
+
+def _worst(a, b):
+    """The heavier of two (activations, gradients) moments."""
+    return max(a, b, key=lambda m: (m[0] + m[1], m[0]))
+
+
+@lru_cache(maxsize=4096)
+def _chunk_backward(pieces, grad_bytes):
+    """A chunk's kept activations; its worst (activations, new gradients) inside its first backward and
+    its worst activations in a later one; its gradients; its step-long shared bytes."""
+    kept = below = sum(p.kept for p in pieces)
+    new, moments = 0, []
+    for p in reversed(pieces):
+        below -= p.kept
+        moments.append((below + p.peak, new))
+        new += grad_bytes * p.params
+    moments.append((0, new))
+    return (kept, max(moments, key=lambda m: (m[0] + m[1], m[0])), max(a for a, _ in moments), new,
+            sum(p.shared for p in pieces))
