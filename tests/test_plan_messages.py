@@ -85,6 +85,7 @@ def test_a_median_step_runs_at_the_anchors_median_speed(monkeypatch):
     typical = {**base, "typical_job": 1.5, "typical_alone": 1.25, "typical_job_waited": 2.0}
     assert (ptime.typical(typical, 2), ptime.typical(typical, 1), ptime.typical(typical, 2, True)) == (1.5, 1.25, 2.0)
     assert ptime.typical(base, 2) == 1.0 and ptime.typical({**typical, "typical_job": 0.5}, 2) == 1.0   # never < best
+    assert ptime.typical({**typical, "typical_job_waited": 1.2}, 2, True) == 1.5      # a stage: never < the job's
     for world, factor in ((2, 1.5), (1, 1.25)):
         model, layout = planned("mlp", world, "--hidden 256 --batch-size 128")
         plain, slow = (plan.predict(model, layout, m)["step_time_s"] for m in (base, typical))

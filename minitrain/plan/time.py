@@ -30,9 +30,13 @@ def typical(machine, world, waited=False):
     the anchor's median as a job of ``world`` ranks meets it over its best (plan/anchor.typical_over_best:
     alone, or every rank of a 2-rank job at once; ``waited``: each run after a wait asleep, as a pipeline's
     stage computes once its input has come); 1 where not calibrated so. (A job's step timer runs the same
-    anchor: a step in anchors times the calibrated anchor times this is a quiet median step.)"""
-    key = "typical_alone" if world == 1 else "typical_job_waited" if waited else "typical_job"
-    return max(1.0, machine.get(key, 1.0))
+    anchor: a step in anchors times the calibrated anchor times this is a quiet median step.) A pipeline's
+    stages (``waited``) compute at least as slowly as the ranks of any job that fills the cores: two quiet
+    calibrations' factors differ by more than the wait makes them (1.07-1.24), so the larger one counts."""
+    if world == 1:
+        return max(1.0, machine.get("typical_alone", 1.0))
+    job = machine.get("typical_job", 1.0)
+    return max(1.0, job, machine.get("typical_job_waited", job) if waited else job)
 
 
 def predict_time(model, layout, machine):
