@@ -48,7 +48,7 @@ def MPICommunicator(*args, **kwargs):  # noqa: N802  (imported lazily: mpi4py in
 
 def mpi_library():
     """The MPI library this process runs on (first line of MPI_Get_library_version)."""
-    from .mpi import mpi_library as name
+    from .launcher import mpi_library as name
     return name()
 
 

@@ -5,12 +5,14 @@ machine's link constants.
 """
 
 
-def collective(machine, name, nbytes, p, node_span=None, busy=False):
+def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compute=False):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
     measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
     rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts).
     Over one rank it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
-    waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call)."""
+    waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call). ``after_compute``:
+    called right after a layer's arithmetic, as tensor parallelism's collectives are: its Python and copies run
+    from memory, not cache (the calibrated "cold" fits, where measured: 2-3x the best case's busy CPU)."""
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
         return call
@@ -23,6 +25,9 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False):
         table = machine.get("collectives", {}).get("p2p")
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
+        if after_compute and "cold_busy_alpha_s" in fit:
+            kind = "cold_busy_" if busy else "cold_"
+            return steps * fit[kind + "alpha_s"] + sent * fit[kind + "beta_s_per_byte"]
         if busy:
             return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
         return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()

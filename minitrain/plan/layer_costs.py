@@ -31,12 +31,13 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     sp = layout.sequence_parallel
     single = runs_nn_gpt(layout)                                        # nn.GPT: no f, g
 
-    def comm(busy):
-        pair = (collective(machine, "ring_reduce_scatter", act, t, t, busy=busy)
-                + collective(machine, "ring_all_gather", act, t, t, busy=busy)
-                if sp else collective(machine, "ring_all_reduce", act, t, t, busy=busy))
+    def comm(busy):                                    # (each right after the layer's arithmetic)
+        pair = (collective(machine, "ring_reduce_scatter", act, t, t, busy=busy, after_compute=True)
+                + collective(machine, "ring_all_gather", act, t, t, busy=busy, after_compute=True)
+                if sp else collective(machine, "ring_all_reduce", act, t, t, busy=busy, after_compute=True))
         pair = 0.0 if single else pair
-        loss = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t, busy=busy) if not single else 0.0
+        loss = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t, busy=busy,
+                              after_compute=True) if not single else 0.0
         # embedding (g), block (2 g forward; 2 f backward, twice with full recompute), head (loss; f backward)
         return [(pair / (2 if sp else 1), 0.0), (2 * pair, 2 * pair * (2 if layout.recompute == "full" else 1)),
                 (loss, pair / (2 if sp else 1))]
@@ -72,12 +73,12 @@ def axes_comm(model, layout, rows, machine, busy):
     if c > 1:
         block = cp_block_bytes(model, layout, rows)
         if layout.cp_method == "ring":
-            fwd = (c - 1) * collective(machine, "p2p", 2 * block, 2, c * t, busy=busy)
-            bwd = (c - 1) * collective(machine, "p2p", 4 * block, 2, c * t, busy=busy)
+            fwd = (c - 1) * collective(machine, "p2p", 2 * block, 2, c * t, busy=busy, after_compute=True)
+            bwd = (c - 1) * collective(machine, "p2p", 4 * block, 2, c * t, busy=busy, after_compute=True)
         else:
-            fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy)
+            fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy, after_compute=True)
     a2a = 0.0
     if model.moe_experts and ep > 1:
         whole = all_to_all_bytes(model, layout, rows) * ep / (ep - 1)      # the rows' bytes, to and from all
-        a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy)
+        a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy, after_compute=True)
     return (fwd, bwd), (fwd + a2a, bwd + a2a)

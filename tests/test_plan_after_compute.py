@@ -1,0 +1,68 @@
+"""The planner prices a tensor-parallel layer's collectives as they run in a job, right after the layer's
+arithmetic (plan/alpha_beta.collective(after_compute=True): the calibrated "cold" fits), and every other
+collective at its best case. Exact checks only: how many calls, by how much; how close it comes to a job's
+clock is scripts/bench_planner.py's to say."""
+import copy
+
+import pytest
+
+from minitrain import plan
+from minitrain.plan.alpha_beta import collective
+from minitrain.plan.validate import planned
+
+EXTRA = 1e-4                       # seconds per ring step added by the cold fits below
+
+
+def without_cold():
+    """cpu-2core as calibrated before the cold fits existed: each collective at its best case only."""
+    machine = copy.deepcopy(plan.load_machine("cpu-2core"))
+    for table in machine["collectives"].values():
+        for fit in table.values():
+            for key in [k for k in fit if k.startswith("cold_")]:
+                del fit[key]
+    return machine
+
+
+def with_cold(extra=EXTRA):
+    """cpu-2core with cold fits = each collective's best case plus ``extra`` per step (wall and busy)."""
+    machine = without_cold()
+    for table in machine["collectives"].values():
+        for fit in table.values():
+            fit.update(cold_alpha_s=fit["alpha_s"] + extra, cold_beta_s_per_byte=fit["beta_s_per_byte"],
+                       cold_busy_alpha_s=fit["busy_alpha_s"] + extra,
+                       cold_busy_beta_s_per_byte=fit["busy_beta_s_per_byte"])
+    return machine
+
+
+def test_a_collective_after_compute_takes_the_cold_fit_and_only_then():
+    warm, cold = without_cold(), with_cold()
+    for busy in (False, True):
+        best = collective(cold, "ring_all_reduce", 1 << 14, 2, busy=busy)
+        assert best == collective(warm, "ring_all_reduce", 1 << 14, 2, busy=busy)
+        # a ring all-reduce at p = 2: 2 steps
+        assert collective(cold, "ring_all_reduce", 1 << 14, 2, busy=busy, after_compute=True) == pytest.approx(
+            best + 2 * EXTRA, rel=1e-12)
+        # a machine calibrated before the cold fits existed: the best case
+        assert collective(warm, "ring_all_reduce", 1 << 14, 2, busy=busy, after_compute=True) == best
+
+
+# ring steps of a step's tensor-parallel collectives at p = 2 (an all-reduce 2, a reduce-scatter or all-gather 1),
+# as plan/layer_costs.py counts them: the embedding's g and the head's f, the loss's 3 all-reduces, and per block
+# g twice forward and f twice backward (sequence parallelism: each a reduce-scatter and an all-gather)
+@pytest.mark.parametrize("options, steps", [
+    ("--tp 2 --n-embd 128", lambda layers: 2 * (1 + 1 + 3) + 2 * 4 * layers),
+    ("--tp 2 --sequence-parallel --n-embd 128", lambda layers: (1 + 1 + 2 * 3) + 2 * 4 * layers)])
+def test_each_tensor_parallel_collective_of_a_step_pays_its_cold_cost_once(options, steps):
+    model, layout = planned("gpt", 2, options)
+    warm, cold = (plan.predict(model, layout, m) for m in (without_cold(), with_cold()))
+    extra = steps(model.n_layer) * EXTRA
+    assert cold["step_time_s"]["comm"] - warm["step_time_s"]["comm"] == pytest.approx(extra, rel=1e-9)
+    assert cold["step_busy_s"] - warm["step_busy_s"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_collectives_outside_a_layer_stay_at_their_best_case():
+    for kind, world, options in (("mlp", 2, "--hidden 256"), ("mlp", 2, "--strategy zero3 --hidden 256"),
+                                 ("gpt", 2, "--zero 1"), ("gpt", 1, "")):
+        model, layout = planned(kind, world, options)
+        warm, cold = (plan.predict(model, layout, m)["step_time_s"] for m in (without_cold(), with_cold()))
+        assert cold == warm, (kind, options)
