@@ -87,12 +87,11 @@ def predict_time(model, layout, machine):
         span, idle = m * (fc + fm + bc + bm), 0.0
     compute, comm, comm_busy = m * (fc + bc), m * (fm + bm), m * (fo + bo)
 
-    def coll(name, nbytes, p, span=None, times=1.0, own_thread=True, after_compute=False):
+    def coll(name, nbytes, p, span=None, times=1.0, own_thread=True):
         """A collective of the tail: its wall time to comm; its busy part to comm_busy if this thread runs it."""
         nonlocal comm, comm_busy
-        comm += times * collective(machine, name, nbytes, p, span, after_compute=after_compute)
-        comm_busy += times * collective(machine, name, nbytes, p, span, busy=True,
-                                        after_compute=after_compute) if own_thread else 0.0
+        comm += times * collective(machine, name, nbytes, p, span)
+        comm_busy += times * collective(machine, name, nbytes, p, span, busy=True) if own_thread else 0.0
     # the step's tail: gradients reduced over dp (DDP overlaps its buckets with backward), the optimizer
     dp, z, grad_bytes, span_dp = layout.dp, layout.zero, n_local * e, layout.tp * layout.dp
     tail = Work()
@@ -117,12 +116,11 @@ def predict_time(model, layout, machine):
         tail.op("copy", shard).op("zeros", shard)            # the updated shard sent; the shard's gradient zeroed
         tail.hooks += n_tensors
     elif z == 3:                                             # per unit: gathered twice, gradients scattered
-        units = [n for n in counts if n]                     # (asynchronous: on the progress thread, each
-        # between two units' compute, on the caches the compute left: priced as a collective after compute)
+        units = [n for n in counts if n]                     # (asynchronous: on the progress thread)
         for n in units:
             size = -(-n // dp) * dp * e
-            coll("ring_all_gather", size, dp, span_dp, 2, own_thread=False, after_compute=True)
-            coll("ring_reduce_scatter", size, dp, span_dp, own_thread=False, after_compute=True)
+            coll("ring_all_gather", size, dp, span_dp, 2, own_thread=False)
+            coll("ring_reduce_scatter", size, dp, span_dp, own_thread=False)
         tail.op("copy", n_local, calls=n_tensors).op("zeros", -(-n_local // dp))   # gradients into the staging
         tail.hooks += n_tensors
         tail.units += len(units)
