@@ -12,7 +12,8 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     Over one rank it moves nothing but still costs a call. ``busy``: only what the calling thread computes outside its
     waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call). ``after_compute``:
     called right after a layer's arithmetic, as tensor parallelism's collectives are: its Python and copies run
-    from memory, not cache (the calibrated "cold" fits, where measured: 2-3x the best case's busy CPU)."""
+    from memory, not cache (the calibrated "cold_busy" fit, where measured: 2-3x the best case's busy CPU); the
+    wall is the best case's plus that much (the ranks' wait for each other is the compute's, as above)."""
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
         return call
@@ -25,9 +26,10 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
         table = machine.get("collectives", {}).get("p2p")
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
-        if after_compute and "cold_busy_alpha_s" in fit:
-            kind = "cold_busy_" if busy else "cold_"
-            return steps * fit[kind + "alpha_s"] + sent * fit[kind + "beta_s_per_byte"]
+        if after_compute and "cold_busy_alpha_s" in fit:    # its own CPU work longer by this much, wall and busy
+            cold = steps * fit["cold_busy_alpha_s"] + sent * fit["cold_busy_beta_s_per_byte"]
+            extra = max(0.0, cold - steps * fit["busy_alpha_s"] - sent * fit["busy_beta_s_per_byte"])
+            return cold if busy else steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"] + extra
         if busy:
             return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
         return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()

@@ -40,7 +40,7 @@ def _worker(out_path, sizes):
     shared machine distorts least, which the jobs report as busy); and as a job meets it ("job_*": the median
     of 9, each called after the anchor's few milliseconds of compute, without a barrier, so the ranks arrive
     apart and the caches are the compute's: on this 2-core machine 1.5-3x the best case; only where the ranks
-    fit the cores); and right after that compute with the ranks aligned ("cold_*" wall, "cold_busy_*" busy: the
+    fit the cores); and its busy CPU right after that compute with the ranks aligned ("cold_busy_*": the
     collective's own Python and copies run from memory, not cache, as a tensor-parallel layer's collectives do
     after its matmuls: 2-3x the warm busy CPU here); rank 0 writes JSON."""
     from .. import backend, comm as mtcomm
@@ -88,22 +88,21 @@ def _worker(out_path, sizes):
                 op()
                 sync()
                 job.append(time.perf_counter() - t)
-            cold, cold_own = [], []
+            cold = []
             for _ in range(9 if fits_the_cores else 0):         # right after the same compute on every rank at once
                 c.barrier()
                 anchor()
-                t, cpu = time.perf_counter(), time.thread_time() - waiting_cpu_seconds()
+                cpu = time.thread_time() - waiting_cpu_seconds()
                 op()
                 sync()
-                cold.append(time.perf_counter() - t)
-                cold_own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
+                cold.append(time.thread_time() - waiting_cpu_seconds() - cpu)
             mine = np.array([min(times[1:]), min(own[1:]), np.median(job) if job else 0.0,   # best of 8, as the others
-                             np.median(cold) if cold else 0.0, np.median(cold_own) if cold else 0.0])
+                             np.median(cold) if cold else 0.0])
             slowest = mtcomm.all_reduce(c, mine, op="max")
             points.append((nbytes, float(slowest[0])))
             busy.append((nbytes, float(slowest[1])))
             in_job.append((nbytes, float(slowest[2])))
-            after_compute.append((nbytes, float(slowest[3]), float(slowest[4])))
+            after_compute.append((nbytes, float(slowest[3])))
         if points and c.rank == 0:
             results[name] = fit_alpha_beta(points, name, c.size)
             own_fit = fit_alpha_beta(busy, name, c.size)
@@ -113,10 +112,9 @@ def _worker(out_path, sizes):
                 job_fit = fit_alpha_beta(in_job, name, c.size)
                 results[name].update(job_alpha_s=job_fit["alpha_s"], job_beta_s_per_byte=job_fit["beta_s_per_byte"],
                                      job_points=job_fit["points"])
-                for kind, at in (("cold_", 1), ("cold_busy_", 2)):
-                    fit = fit_alpha_beta([(q[0], q[at]) for q in after_compute], name, c.size)
-                    results[name].update({kind + "alpha_s": fit["alpha_s"], kind + "beta_s_per_byte": fit["beta_s_per_byte"],
-                                          kind + "points": fit["points"]})
+                cold_fit = fit_alpha_beta(after_compute, name, c.size)
+                results[name].update(cold_busy_alpha_s=cold_fit["alpha_s"],
+                                     cold_busy_beta_s_per_byte=cold_fit["beta_s_per_byte"], cold_busy_points=cold_fit["points"])
     if c.size == 2:
         from .job_overheads import measure_in_a_job
         results["overheads"] = measure_in_a_job(c)
