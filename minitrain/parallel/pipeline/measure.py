@@ -43,6 +43,11 @@ HEAD = ("start", "end", "end_wait", "dp")
 SLOT = ("c0", "c1", "r0", "r1", "s0", "s1")
 
 
+def action_slots(rows):
+    """rows (ranks, steps, fields) as (ranks, steps, actions, SLOT): each action's stamps."""
+    return rows[:, :, len(HEAD):].reshape(rows.shape[0], rows.shape[1], -1, len(SLOT))
+
+
 def senders(schedule):
     """For each (rank, action index) that receives from another rank: (sender rank, its action index)."""
     p = len(schedule)
@@ -60,9 +65,8 @@ def senders(schedule):
 def split_idle(rows, schedule, first_rank):
     """Per step and rank: the step's wall time, the bubble, and the idle time by cause (fractions
     of the step). rows: (ranks, steps, fields), the records described above."""
-    p, n_steps = rows.shape[:2]
     start, end, end_wait, dp = (rows[:, :, i] for i in range(len(HEAD)))
-    slots = rows[:, :, len(HEAD):].reshape(p, n_steps, -1, len(SLOT))
+    slots = action_slots(rows)
     c0, c1, r0, r1, s0, s1 = (slots[..., i] for i in range(len(SLOT)))
     w0 = start[first_rank]
     w1 = end.max(axis=0)
@@ -90,11 +94,11 @@ def stage_costs(rows, schedule, steps):
     p = len(schedule)
     n_virtual = 1 + max(virtual_stage(a, s, p) for s in range(p) for a in schedule[s])
     total, count = np.zeros((n_virtual, 3)), np.zeros((n_virtual, 3))
+    slots = action_slots(rows)[:, steps]
     for s in range(p):
-        slots = rows[s, steps, len(HEAD):].reshape(len(steps), -1, len(SLOT))
         for i, a in enumerate(schedule[s]):
             k, op = virtual_stage(a, s, p), "FBW".index(a.kind)
-            total[k, op] += np.sum(slots[:, i, 1] - slots[:, i, 0])
+            total[k, op] += np.sum(slots[s, :, i, 1] - slots[s, :, i, 0])
             count[k, op] += len(steps)
     mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
     return mean[:, 0], mean[:, 1], mean[:, 2]
@@ -103,7 +107,7 @@ def stage_costs(rows, schedule, steps):
 def message_costs(rows, schedule, steps):
     """(latency, send overhead, receive overhead) in seconds, as described above (0 where the
     steps had no such message)."""
-    slots = rows[:, steps, len(HEAD):].reshape(rows.shape[0], len(steps), -1, len(SLOT))
+    slots = action_slots(rows)[:, steps]
     waited, sends, taken = [], [], []
     for (r, i), (q, j) in senders(schedule).items():
         s0, s1, r0, r1 = slots[q, :, j, 4], slots[q, :, j, 5], slots[r, :, i, 2], slots[r, :, i, 3]
@@ -126,7 +130,7 @@ def _per_step(rows, schedule, steps, latency, send_overhead, receive_overhead):
     """Each step simulated with its own actions' measured durations: free messages ("free"), with
     the latency ("latent"), with the overheads too ("simulated", its shares, "total_time": the
     median); means over the steps."""
-    slots = rows[:, :, len(HEAD):].reshape(rows.shape[0], rows.shape[1], -1, len(SLOT))
+    slots = action_slots(rows)
     runs = {"free": [], "latent": [], "simulated": [], "send": [], "message_transfer": [], "waiting": [], "time": []}
     for t in steps:
         took = slots[:, t, :, 1] - slots[:, t, :, 0]
