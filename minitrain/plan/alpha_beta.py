@@ -27,15 +27,21 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
         if after_compute and "cold_busy_alpha_s" in fit:    # its own CPU work longer by this much, wall and busy
-            cold = steps * fit["cold_busy_alpha_s"] + sent * fit["cold_busy_beta_s_per_byte"]
-            extra = max(0.0, cold - steps * fit["busy_alpha_s"] - sent * fit["busy_beta_s_per_byte"])
-            return cold if busy else steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"] + extra
+            cold = fitted(fit, steps, sent, "cold_busy_")
+            extra = max(0.0, cold - fitted(fit, steps, sent, "busy_"))
+            return cold if busy else fitted(fit, steps, sent) + extra
         if busy:
-            return steps * fit["busy_alpha_s"] + sent * fit["busy_beta_s_per_byte"] if "busy_alpha_s" in fit else call
-        return steps * fit["alpha_s"] + sent * fit["beta_s_per_byte"]   # the ranks arriving apart: in typical()
+            return fitted(fit, steps, sent, "busy_") if "busy_alpha_s" in fit else call
+        return fitted(fit, steps, sent)                      # the ranks arriving apart: in typical()
     if busy:
         return call
     links = machine["links"]
     link = links["intra_node"] if node_span is not None and node_span <= machine.get("gpus_per_node", 1) \
         else links["inter_node"]
     return steps * link["alpha_s"] + sent / link["bytes_per_s"]
+
+
+def fitted(fit, steps, sent, kind=""):
+    """steps·alpha + bytes·beta of one calibrated fit: ``kind`` "" (the best case's wall), "busy_",
+    "cold_busy_" or "job_" (calibrate's fits of the same collective, plan/collective_fits.py)."""
+    return steps * fit[kind + "alpha_s"] + sent * fit[kind + "beta_s_per_byte"]

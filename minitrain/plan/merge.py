@@ -3,6 +3,7 @@ one calibration), and several calibrations of one machine merged into one (calib
 """
 import math
 
+from .alpha_beta import fitted
 from .collective_fits import COLLECTIVES
 
 
@@ -36,8 +37,7 @@ def _best_collective(machines, name, p):
     """Of several calibrations' fits of one collective at p ranks, the best case's and the in-a-job one's
     that predict the least time for 1 MiB, chosen apart (the least disturbed of each)."""
     def one_mib(fit, kind=""):
-        steps, sent = COLLECTIVES[name](int(p), 1 << 20)
-        return fit[kind + "alpha_s"] * steps + fit[kind + "beta_s_per_byte"] * sent
+        return fitted(fit, *COLLECTIVES[name](int(p), 1 << 20), kind)
     fits = [m["collectives"][name][p] for m in machines if p in m["collectives"].get(name, {})]
     out = dict(min(fits, key=one_mib))
     in_job = [fit for fit in fits if "job_alpha_s" in fit]
