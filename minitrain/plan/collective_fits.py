@@ -53,6 +53,23 @@ def _worker(out_path, sizes):
     # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner
     # already charges to the compute (its ranks / cores factor); there, the best case only
     fits_the_cores = backend.get_device() != "cpu" or c.size <= (os.cpu_count() or 1)
+
+    def timed(op, n, aligned, after_compute):
+        """(wall, busy CPU outside the waits) of n calls of op: each after a barrier (``aligned``) and/or
+        right after the anchor's compute (``after_compute``)."""
+        walls, own = [], []
+        for _ in range(n):
+            if aligned:
+                c.barrier()
+            if after_compute:
+                anchor()
+            t, cpu = time.perf_counter(), time.thread_time() - waiting_cpu_seconds()
+            op()
+            sync()
+            walls.append(time.perf_counter() - t)
+            own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
+        return walls, own
+
     for name in COLLECTIVES:
         points, busy, in_job, after_compute = [], [], [], []
         for nbytes in sizes:
@@ -73,29 +90,9 @@ def _worker(out_path, sizes):
                       "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
                       "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]
                 op = fn
-            times, own = [], []
-            for _ in range(9):
-                c.barrier()
-                t, cpu = time.perf_counter(), time.thread_time() - waiting_cpu_seconds()
-                op()
-                sync()
-                times.append(time.perf_counter() - t)
-                own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
-            job = []
-            for _ in range(9 if fits_the_cores else 0):         # as a job meets it: after its compute, unaligned
-                anchor()
-                t = time.perf_counter()
-                op()
-                sync()
-                job.append(time.perf_counter() - t)
-            cold = []
-            for _ in range(9 if fits_the_cores else 0):         # right after the same compute on every rank at once
-                c.barrier()
-                anchor()
-                cpu = time.thread_time() - waiting_cpu_seconds()
-                op()
-                sync()
-                cold.append(time.thread_time() - waiting_cpu_seconds() - cpu)
+            times, own = timed(op, 9, aligned=True, after_compute=False)
+            job, _ = timed(op, 9 if fits_the_cores else 0, aligned=False, after_compute=True)   # as a job meets it
+            _, cold = timed(op, 9 if fits_the_cores else 0, aligned=True, after_compute=True)   # all ranks at once
             mine = np.array([min(times[1:]), min(own[1:]), np.median(job) if job else 0.0,   # best of 8, as the others
                              np.median(cold) if cold else 0.0])
             slowest = mtcomm.all_reduce(c, mine, op="max")
@@ -105,16 +102,9 @@ def _worker(out_path, sizes):
             after_compute.append((nbytes, float(slowest[3])))
         if points and c.rank == 0:
             results[name] = fit_alpha_beta(points, name, c.size)
-            own_fit = fit_alpha_beta(busy, name, c.size)
-            results[name].update(busy_alpha_s=own_fit["alpha_s"], busy_beta_s_per_byte=own_fit["beta_s_per_byte"],
-                                 busy_points=own_fit["points"])
-            if fits_the_cores:
-                job_fit = fit_alpha_beta(in_job, name, c.size)
-                results[name].update(job_alpha_s=job_fit["alpha_s"], job_beta_s_per_byte=job_fit["beta_s_per_byte"],
-                                     job_points=job_fit["points"])
-                cold_fit = fit_alpha_beta(after_compute, name, c.size)
-                results[name].update(cold_busy_alpha_s=cold_fit["alpha_s"],
-                                     cold_busy_beta_s_per_byte=cold_fit["beta_s_per_byte"], cold_busy_points=cold_fit["points"])
+            for kind, measured in [("busy_", busy)] + ([("job_", in_job), ("cold_busy_", after_compute)]
+                                                        if fits_the_cores else []):
+                results[name].update({kind + k: v for k, v in fit_alpha_beta(measured, name, c.size).items()})
     if c.size == 2:
         from .job_overheads import measure_in_a_job
         results["overheads"] = measure_in_a_job(c)
