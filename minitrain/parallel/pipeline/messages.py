@@ -50,8 +50,7 @@ class StageMessages:
     def __init__(self, comm, p, v, poll=POLL):
         self.comm, self.p, self.v, self.rank, self.poll = comm, p, v, comm.rank, poll
         self.shapes = {}                   # (batch key, mb, virtual, backward) -> (dtype code, shape)
-        self.sends, self.handoff, self.posted, self.batch_key, self.counts = [], {}, {}, None, []
-        self.moving = []                   # sends not yet seen complete (progress tests the oldest)
+        self.begin(None)
         fine_timer_slack()
 
     def tag(self, mb, virtual, backward, part):
@@ -59,7 +58,8 @@ class StageMessages:
         return 4 * (mb * self.p * self.v + virtual) + 2 * int(backward) + part
 
     def begin(self, batch_key):
-        self.sends, self.handoff, self.posted, self.batch_key, self.moving = [], {}, {}, batch_key, []
+        self.sends, self.handoff, self.posted, self.batch_key = [], {}, {}, batch_key
+        self.moving = []                   # sends not yet seen complete (progress tests the oldest)
         self.counts = []                   # (direction, bytes) of the step's arrays, counted at its end
 
     def send(self, array, dest, mb, virtual, backward):
