@@ -28,7 +28,7 @@ from .errors import CollectiveTimeout, CommError
 from .flight_recorder import FlightRecorder
 from .guard import wrap
 from .host import HostTransport, _mpi, cuda_aware  # noqa: F401  (cuda_aware: this module's name too)
-from .launcher import check_launch, mpi_library  # noqa: F401  (mpi_library: this module's name too)
+from .launcher import check_launch
 from .reports import prefixed
 from .transport import default_transport
 
