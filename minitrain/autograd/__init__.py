@@ -1,5 +1,6 @@
 """A small reverse-mode autograd engine on NumPy/CuPy arrays (see engine.py for how backward runs)."""
-from .tensor import Tensor, RemovableHandle
+from .tensor import Tensor
+from .hooks import RemovableHandle
 from .creation import tensor, cat, split, zeros, ones, randn
 from .function import Function
 from .grad_mode import no_grad, enable_grad, is_grad_enabled, set_grad_enabled

@@ -4,11 +4,13 @@ A tensor made by the user is a *leaf*; a tensor made by an operation on tensors 
 grad points at that operation's node (_ctx), and backward() walks those nodes back to
 the leaves. Operators follow NumPy broadcasting; method names follow PyTorch where the two
 differ (transpose(dim0, dim1) swaps two axes, permute(*dims) reorders all of them). The functions
-that make tensors (tensor, zeros, ones, randn) and join or split them (cat, split) are creation.py's.
+that make tensors (tensor, zeros, ones, randn) and join or split them (cat, split) are creation.py's;
+register_hook and register_post_accumulate_grad_hook, which Tensor inherits, are hooks.py's.
 """
 import numpy as np
 
 from .. import backend, memory
+from .hooks import TensorHooks
 
 
 def _as_array(data, dtype=None):
@@ -35,18 +37,7 @@ def _is_float(dtype):
     return dtype.kind == "f" or dtype in backend.LOW_PRECISION
 
 
-class RemovableHandle:
-    """Returned by every register_*_hook; ``remove()`` takes the hook out again."""
-
-    def __init__(self, hooks, hook):
-        self._hooks, self._hook = hooks, hook
-
-    def remove(self):
-        if self._hook in self._hooks:
-            self._hooks.remove(self._hook)
-
-
-class Tensor:
+class Tensor(TensorHooks):
     __slots__ = ("_data", "_grad", "requires_grad", "_ctx", "_hooks", "_post_acc_hooks", "__weakref__")
     __array_ufunc__ = None        # ndarray + Tensor defers to Tensor.__radd__ and returns a Tensor
     __hash__ = object.__hash__    # tensors are dict keys by identity
@@ -152,30 +143,6 @@ class Tensor:
         """Accumulate d(self)/d(leaf) into every leaf's ``.grad``. A non-scalar tensor takes the
         gradient that arrives from elsewhere (e.g. from the next pipeline stage) as ``grad``."""
         engine.backward(self, grad, retain_graph)
-
-    def register_hook(self, fn):
-        """``fn(grad) -> None or new grad``, called when the gradient w.r.t. this tensor is computed."""
-        if not self.requires_grad:
-            raise RuntimeError("cannot register a hook on a tensor that does not require grad")
-        if self._ctx is None:
-            if self._hooks is None:
-                self._hooks = []
-            hooks = self._hooks
-        else:
-            if self._ctx._tensor_hooks is None:
-                self._ctx._tensor_hooks = []
-            hooks = self._ctx._tensor_hooks
-        hooks.append(fn)
-        return RemovableHandle(hooks, fn)
-
-    def register_post_accumulate_grad_hook(self, fn):
-        """``fn(tensor)``, called once per backward after this leaf's ``.grad`` is final."""
-        if self._ctx is not None:
-            raise RuntimeError("post-accumulate-grad hooks can only be registered on leaf tensors")
-        if self._post_acc_hooks is None:
-            self._post_acc_hooks = []
-        self._post_acc_hooks.append(fn)
-        return RemovableHandle(self._post_acc_hooks, fn)
 
     # ---- operators
     def _operand(self, other):

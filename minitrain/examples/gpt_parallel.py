@@ -43,45 +43,13 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, sample_model, scheduler_for)
+from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_report,
+                                                    expected_model_states, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
-from minitrain.parallel.context_parallel.gpt import METHODS, cp_bytes_formula
+from minitrain.parallel.context_parallel.gpt import METHODS
 from minitrain.parallel.gpt_3d import GPT3D
-
-
-MODEL_STATES = ("params", "grads", "optimizer_state")
-
-
-def expected_model_states(model):
-    """This rank's model states between steps by its layout (bytes): ZeRO's (zero_3d.py), or the stage's
-    parameters, their gradients and AdamW's two moments whole."""
-    if model.zero is not None:
-        return model.zero.expected_bytes()
-    b = sum(q.data.nbytes for q in model.parameters())
-    return {"params": b, "grads": b, "optimizer_state": 2 * b}
-
-
-def zero_memory(stage, dp, table):
-    """The JSON's "zero_memory": per rank, the model states expected by the layout beside the ledger's."""
-    return {"stage": stage, "dp": dp,
-            "expected": "ZeRO-s over dp, S = ceil(stage parameters / dp): params S·b at 3 (else padded whole), grads "
-                        "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments) at 1 to 3",
-            "ranks": [{"rank": r, "expected": dict(zip(MODEL_STATES, map(int, v[12:15]))),
-                       "measured": dict(zip(MODEL_STATES, map(int, v[2:5])))} for r, v in enumerate(table)]}
-
-
-def bubble_costs(pipe):
-    """What the bubble figure assumes: equal stages; for zb_h1 and zbv (no closed form) F = B = W per
-    chunk, the costs the runtime's formula_bubble_fraction simulates by default."""
-    return {"F": 1.0, "B": 1.0, "W": 1.0} if pipe.split_backward else None
-
-
-def bubble_line(pipe):
-    if pipe.split_backward:
-        return (f"bubble {pipe.formula_bubble_fraction():.3f} simulated (no closed form) with equal stages and "
-                f"F = B = W per chunk (forward, input-gradient and weight-gradient work)")
-    return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
 def main_parallel(args):
@@ -284,19 +252,3 @@ def main_parallel(args):
                        "step": step_by_rank[r]}
                       for r, v in enumerate(table)]})
     return 0
-
-
-def cp_report(model, args, table):
-    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step, measured (table column 15)
-    and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries computed,
-    column 16) of rank 0's cp ranks, max over mean."""
-    local = {id(q) for q in model.parameters()}
-    blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
-    rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
-    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
-                                               itemsize)
-    work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
-    return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
-            if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
-            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean())}

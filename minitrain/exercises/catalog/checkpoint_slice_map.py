@@ -2,13 +2,15 @@
 parallel columns and rows, ZeRO-3 flat shards cut mid-row, replicas written once, a 3-D tensor and
 a bias), read back into new layouts through the learner's slice map and compared, element for
 element, with minitrain's own resharding (checkpoint.Reader.read_into). The tensors hold their own
-row-major element numbers, so a wrong value says which element of the tensor landed there."""
+row-major element numbers, so a wrong value says which element of the tensor landed there.
+The layouts the cases save and load (which boxes each rank holds) are exercises/checkpoint_layouts.py's."""
 import math
 import shutil
 import tempfile
 
 import numpy as np
 
+from ..checkpoint_layouts import along, flat, grid, replicated, whole
 from ..comparing import compare
 from ..grading import Check, Mismatch
 from ..harness import run_ranks
@@ -71,56 +73,6 @@ HINTS = (
     "So with lo = max(po, o) and hi = min(po + ps, o + s): src gets slice(lo - po, hi - po), dst gets "
     "slice(lo - o, hi - o), for every axis.",
 )
-
-
-# ---------------------------------------------------------------- layouts: the boxes each rank holds
-def _split(n, parts):
-    """(start, length) of np.array_split's parts of range(n)."""
-    bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(n), parts)])
-    return [(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def along(axis, parts):
-    """Blocks along one axis (tensor parallelism: axis 1 columns, axis 0 rows), one per rank."""
-    def boxes(shape):
-        out = []
-        for start, length in _split(shape[axis], parts):
-            offsets, sizes = [0] * len(shape), list(shape)
-            offsets[axis], sizes[axis] = start, length
-            out.append([(tuple(offsets), tuple(sizes))])
-        return out
-    return boxes
-
-
-def grid(rows, cols):
-    """A rows x cols grid of blocks over the first two axes (e.g. tp over columns x pp over rows)."""
-    def boxes(shape):
-        return [[((r0, c0) + (0,) * (len(shape) - 2), (rn, cn) + tuple(shape[2:]))]
-                for r0, rn in _split(shape[0], rows) for c0, cn in _split(shape[1], cols)]
-    return boxes
-
-
-def flat(parts):
-    """ZeRO-3's flat shards: rank r holds elements [r·S, (r+1)·S) in row-major order, S = ceil(N/p),
-    as the boxes minitrain.sharded.flat_range cuts them into (up to 2·ndim - 1 per rank)."""
-    def boxes(shape):
-        from minitrain.sharded import flat_range
-        n = math.prod(shape)
-        s = -(-n // parts)
-        return [[(sl.offsets, sl.sizes) for sl in flat_range(shape, min(r * s, n), min((r + 1) * s, n))]
-                for r in range(parts)]
-    return boxes
-
-
-def replicated(copies, inner):
-    """``copies`` data-parallel replicas of the layout ``inner`` (the checkpoint writes each box once)."""
-    def boxes(shape):
-        return [b for _ in range(copies) for b in inner(shape)]
-    return boxes
-
-
-def whole(shape):
-    return [[((0,) * len(shape), tuple(shape))]]
 
 
 # ---------------------------------------------------------------- one case: save, then load through the map
