@@ -14,6 +14,8 @@ planner (minitrain/plan) both ask it, so the planner predicts the layout the job
 """
 from functools import lru_cache
 
+from ...backend import array_module
+from ...nn import Sequential
 from .schedules import default_chunks
 from .simulator import simulate
 
@@ -93,6 +95,26 @@ def stage_table(layers, bounds, costs, where):
                      "layers": [f"{i}:{type(layers[i]).__name__}" for i in part],
                      "cost": sum(costs[i] for i in part), "cost_share": sum(costs[i] for i in part) / total})
     return rows
+
+
+def own_stages(model, bounds, where, rank, names):
+    """This rank's part of the Sequential ``model`` cut at ``bounds`` and placed as ``where``:
+    ({chunk: Sequential of its virtual stage}, {chunk: virtual stage}, {parameter name: owning rank});
+    the layers other ranks own are freed (their shapes kept). names: id(parameter) -> its name."""
+    layers, stages, virtual, owner = list(model), {}, {}, {}
+    for k, (stage_rank, chunk) in enumerate(where):
+        part = layers[bounds[k]:bounds[k + 1]]
+        for layer in part:
+            for q in layer.parameters():
+                owner[names[id(q)]] = stage_rank
+        if stage_rank == rank:
+            stages[chunk], virtual[chunk] = Sequential(*part), k
+    local = {id(q) for stage in stages.values() for q in stage.parameters()}
+    xp = array_module(next(iter(model.parameters())).data)
+    for q in model.parameters():
+        if id(q) not in local:
+            q.data = xp.broadcast_to(xp.zeros((), q.dtype), q.shape)
+    return stages, virtual, owner
 
 
 def implied_bubble(schedule, stage_costs):

@@ -26,18 +26,20 @@ step returns); the schedule and the simulator show the no-flush timing of severa
 """
 import numpy as np
 
-from ... import backend, trace
+from ... import trace
 from ...autograd import Tensor, defer_weight_grads
-from ...backend import array_module, is_device_array
-from ...comm import all_reduce, all_reduce_coalesced, broadcast
+from ...backend import array_module
+from ...comm import broadcast
 from ...nn import Sequential
 from ...sharded import whole
 from . import measure
 from .messages import TAG_LIMIT, StageMessages
-from .partition import balanced_split_points, counted_costs, parameter_costs, stage_layout, stage_table
+from .partition import (balanced_split_points, counted_costs, own_stages, parameter_costs, stage_layout,
+                        stage_table)
 from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, placement, virtual_stage
 from .simulator import check_schedule, formula_bubble_fraction
 from .stamps import StepRecords
+from .step_end import all_reduce_dp_gradients, all_reduce_loss
 from .weight_stash import WeightStash
 
 __all__ = ["PipelineParallel", "balanced_split_points"]
@@ -92,22 +94,9 @@ class PipelineParallel:
         self.stage_rows = stage_table(layers, bounds, self.layer_costs, self.where)
         self.names = names = {id(q): n for n, q in model.named_parameters()}
         self.model = model
-        self.stages = {}                       # chunk -> Sequential of this rank's virtual stage
-        self.virtual = {}                      # chunk -> its virtual stage
-        self.owner = {}                        # parameter name -> rank that holds it
-        for k, (stage_rank, chunk) in enumerate(self.where):
-            part = layers[bounds[k]:bounds[k + 1]]
-            for layer in part:
-                for q in layer.parameters():
-                    self.owner[names[id(q)]] = stage_rank
-            if stage_rank == self.rank:
-                self.stages[chunk], self.virtual[chunk] = Sequential(*part), k
+        # chunk -> this rank's virtual stage (a Sequential) and its index; parameter name -> its rank
+        self.stages, self.virtual, self.owner = own_stages(model, bounds, self.where, self.rank, names)
         self._weights = {c: list(stage.parameters()) for c, stage in self.stages.items()}   # what W computes
-        local = {id(q) for stage in self.stages.values() for q in stage.parameters()}
-        xp = array_module(next(iter(model.parameters())).data)
-        for q in model.parameters():            # free the layers other ranks own (shape kept)
-            if id(q) not in local:
-                q.data = xp.broadcast_to(xp.zeros((), q.dtype), q.shape)
         if dp_comm is not None and dp_comm.size > 1:
             for q in self.dp_parameters():      # data-parallel replicas start equal
                 broadcast(dp_comm, q.data, root=0)
@@ -269,32 +258,11 @@ class PipelineParallel:
         self._step.weight_grads.pop((action.microbatch, action.chunk)).run()
 
     def _all_reduce_loss(self):
-        """The mean loss on every rank (the last stage's; 0 elsewhere): every rank leaves together."""
-        total = np.array([self._mean_loss(self._step.losses, self._step.loss_weights)])
-        return float(all_reduce(self.comm, total, op="sum")[0])
-
-    def _mean_loss(self, values, weights):
-        """The mean of the micro-batches' losses as a float (on the GPU: one synchronisation)."""
-        if not values:
-            return 0.0
-        if any(w != 1.0 / self.m for w in weights) or len(values) != self.m:     # uneven micro-batches
-            xp = array_module(values[0])
-            return backend.to_scalar((xp.stack(values).astype(np.float64) * xp.asarray(weights)).sum())
-        if is_device_array(values[0]):
-            return backend.to_scalar(array_module(values[0]).stack(values).astype(np.float64).sum()) / self.m
-        return sum(float(v) for v in values) / self.m
+        return all_reduce_loss(self.comm, self._step.losses, self._step.loss_weights, self.m)
 
     def _all_reduce_gradients(self):
-        """2D (dp x pp): the gradients averaged over the data-parallel replicas."""
         if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
-            params = self.dp_parameters()
-            if self.find_unused_parameters:       # every replica must reduce the same list
-                used = all_reduce(self.dp_comm, np.array([q.grad is not None for q in params], np.float64))
-                params = [q for q, n in zip(params, used) if n > 0]
-                for q in params:
-                    if q.grad is None:
-                        q.grad = array_module(q.data).zeros(q.shape, q.dtype)
-            all_reduce_coalesced(self.dp_comm, [q.grad for q in params if q.grad is not None], op="mean")
+            all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters)
 
     # ---- measurement (measure.py)
     def measured_bubble(self, skip_first=True):
