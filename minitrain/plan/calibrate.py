@@ -93,9 +93,11 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
                     dtype, square, repeats=3 if quick else 7, clock=clock) for _ in range(rounds)])
                 machine.setdefault("matmul_rows_flops", {}).setdefault(dtype, {})[str(th)] = _most_grid(
                     [measure_matmul_rows(dtype, repeats=3 if quick else 5, clock=clock) for _ in range(rounds)])
+                batched = [n for n in (8, 16, 32, 64, 128) if n in square or n < 16]
+                if dtype == "float16" and device == "cpu":      # no BLAS: 64 products no larger than the square's
+                    batched = [n for n in batched if 64 * n ** 3 <= max(square) ** 3]
                 machine["matmul_batched_flops"][dtype][str(th)] = _most([measure_matmul(
-                    dtype, [n for n in (8, 16, 32, 64, 128) if n in square or n < 16], repeats=3 if quick else 5,
-                    batch=64, clock=clock) for _ in range(rounds)])
+                    dtype, batched, repeats=3 if quick else 5, batch=64, clock=clock) for _ in range(rounds)])
             square, batched = machine["matmul_flops"][dtype][str(th)], machine["matmul_batched_flops"][dtype][str(th)]
             log(f"matmul {dtype} x{th} threads: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in square)
                 + " GFLOP/s; batched x64: " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in batched))
