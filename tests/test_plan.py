@@ -465,3 +465,19 @@ def test_what_the_planner_does_not_model_of_experts_is_refused_in_one_line():
     message = refused("gpt --moe-experts 4 --moe-top-k 2 --dropout 0.1")
     assert "--dropout with --moe-experts is not modelled" in message and "Traceback" not in message
     assert "Traceback" not in refused("gpt --moe-experts 4 --ep 3 --world 6")
+
+
+def test_stages_alike_share_one_walk_and_stages_with_more_in_flight_hold_more():
+    """Interior stages of the same layers are walked once per in-flight count (plan/memory.py): under 1F1B
+    stage s keeps min(m, p - s) micro-batches, so two stages of the same blocks differ by one micro-batch's
+    activations, exactly; under GPipe all keep m and are equal; each stage's dict is its own."""
+    model = plan.GPT(vocab_size=64, block_size=32, n_layer=8, n_head=2, n_embd=32)
+    base = dict(world=4, pp=4, batch_size=8, microbatches=8)
+    one_f = plan.predict(model, plan.Layout(schedule="1f1b", **base), "cpu-2core")["memory_bytes_per_stage"]
+    gpipe = plan.predict(model, plan.Layout(schedule="gpipe", **base), "cpu-2core")["memory_bytes_per_stage"]
+    kept = gpipe[1]["activations"] / 8                       # one micro-batch's kept activations in these blocks
+    assert kept > 0 and gpipe[1] == gpipe[2]
+    assert one_f[1]["activations"] - one_f[2]["activations"] == kept      # 3 in flight against 2
+    assert one_f[1]["params"] == one_f[2]["params"]
+    gpipe[1]["category_peaks"]["activations"] += 1           # the walk is shared, the answers are not
+    assert gpipe[2]["category_peaks"]["activations"] == gpipe[1]["category_peaks"]["activations"] - 1

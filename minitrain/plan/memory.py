@@ -48,15 +48,20 @@ def minitrain_memory(model, layout):
         return [_stage_result(peak, total, at_peak)]
     pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
               else gpt_pieces(model, layout, b))
-    out = []
+    out, alike = [], {}
     tensors = sum(len(x.sizes) for x in pieces)
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
-        local, mine = _count(tuple(x for ps in chunks.values() for x in ps))
-        others = tensors - mine if layout.pp > 1 else 0
         actions = (in_flight(layout.schedule, layout.pp, layout.microbatches, s) if layout.chunks == 1
                    else _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s])
-        out.append(_experts_sharded(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)), model,
-                                    layout, [x for ps in chunks.values() for x in ps]))
+        mine = tuple(tuple(ps) for ps in chunks.values())
+        key = (s,) if layout.chunks > 1 else (actions, mine)     # stages alike (same layers, as many in flight)
+        stage = alike.get(key)
+        if stage is None:
+            local, count = _count(tuple(x for ps in mine for x in ps))
+            others = tensors - count if layout.pp > 1 else 0
+            stage = alike[key] = _experts_sharded(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)),
+                                                  model, layout, [x for ps in mine for x in ps])
+        out.append({**stage, "category_peaks": dict(stage["category_peaks"])})
     return out
 
 
