@@ -36,10 +36,23 @@ def execute(path, nb):
     client.execute()
 
 
+@pytest.fixture(scope="module")
+def executed(request):
+    """The notebooks this session selected, executed two at a time, each in its own kernel (a kernel's start
+    and a notebook's Python leave the second core idle): path -> the exception it raised, or None."""
+    from concurrent.futures import ThreadPoolExecutor
+    wanted = [item.callspec.params["path"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_notebook_runs"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {path: pool.submit(lambda p: execute(p, nbformat.read(p, as_version=4)), path) for path in wanted}
+    return {path: run.exception() for path, run in runs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path):
-    execute(path, nbformat.read(path, as_version=4))
+def test_notebook_runs(path, executed):
+    if executed[path] is not None:
+        raise executed[path]
 
 
 def code_of(path):
