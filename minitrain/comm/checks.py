@@ -164,22 +164,21 @@ def main():
     big = "--big" in sys.argv
     counts = run_all(comm, mpi_comm=comm.mpi_comm)
     if big:   # 2^27 + 3 elements (512 MiB of float32 per rank), not divisible by p
-        n = (1 << 27) + 3
-        # a different small integer at every position and rank (exact in float32 in any order), so
-        # that a chunk sent to the wrong place, or summed twice, changes the result
-        x = np.arange(n, dtype=np.int32)
-        x %= 251
-        x = x.astype(np.float32)
-        x += 7 * comm.rank
+        n, period = (1 << 27) + 3, 251
+        # a different small integer at every position and rank, i % 251 + 7·rank (exact in float32 in any
+        # order), so that a chunk sent to the wrong place, or summed twice, changes the result
+        x = np.resize(np.arange(period, dtype=np.float32) + 7 * comm.rank, n)
         got = R.ring_all_reduce(comm, x)
         ref = np.empty_like(x)
         comm.mpi_comm.Allreduce(x, ref)
         assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 + 3 elements differ from MPI"
         del x, ref
-        step = 1 << 24
-        for lo in range(0, n, step):       # against the formula, a slice at a time (memory)
-            want = (np.arange(lo, min(lo + step, n)) % 251 * comm.size + 7 * sum(range(comm.size))).astype(np.float32)
-            assert np.array_equal(got[lo:lo + step], want), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at {lo}+"
+        want = (np.arange(period) * comm.size + 7 * sum(range(comm.size))).astype(np.float32)   # the formula
+        whole = n // period * period
+        rows = got[:whole].reshape(-1, period)
+        for lo in range(0, len(rows), 1 << 16):            # a block of rows at a time (memory)
+            assert (rows[lo:lo + (1 << 16)] == want).all(), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at {lo * period}+"
+        assert np.array_equal(got[whole:], want[:n - whole]), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at the end"
         counts["ring_all_reduce 2^27+3"] = 1
     print(f"rank {comm.rank} of {comm.size}: {sum(counts.values())} checks passed {counts}", flush=True)
 
