@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 
 from minitrain.testing import mpi_launcher, run_mpi
 
@@ -29,6 +30,41 @@ def job(fault, *flags, status=None):
     return out
 
 
+# The jobs that wait out a stall threshold or a timeout (2-6 s asleep each) run at once, before the tests
+# that read them: what they assert are lower bounds on the waits and what the reports name, which a job
+# beside them changes no more than the busy machine the suite must pass on.
+WAITING = {
+    "test_a_rank_that_skips_the_last_collective_and_leaves_is_named":
+        lambda: job("skip_last", "--comm-timeout", "3", status=1),       # the default 10 s works alike, slower
+    "test_a_rank_that_calls_a_different_collective_is_named_by_the_flight_recorder_without_checks":
+        lambda: job("other", "--no-check", "--comm-timeout", "2"),
+    "test_a_rank_that_sleeps_past_the_comm_timeout_is_named_and_the_job_ends_at_the_hard_timeout":
+        lambda: job("sleep", "--comm-timeout", "2"),
+    "test_the_receive_contract_holds_under_mpi_too":
+        lambda: run_mpi([sys.executable, str(pathlib.Path(__file__).parent / "programs" / "recv_contract.py")], n=2,
+                        timeout=60).stdout,
+}
+
+
+@pytest.fixture(scope="module")
+def waited(request):
+    """The selected WAITING jobs, run together: test name -> (output, None) or (None, the exception)."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = [item.originalname for item in request.session.items if getattr(item, "originalname", None) in WAITING]
+    with ThreadPoolExecutor(max_workers=len(WAITING)) as pool:
+        runs = {name: pool.submit(WAITING[name]) for name in names}
+    return {name: (None, run.exception()) if run.exception() else (run.result(), None) for name, run in runs.items()}
+
+
+@pytest.fixture
+def waited_output(request, waited):
+    """This test's WAITING job's output (its failure raised here)."""
+    out, error = waited[request.node.originalname]
+    if error is not None:
+        raise error
+    return out
+
+
 def test_a_rank_that_skips_a_collective_is_named_at_its_next_call():
     out = job("skip")
     assert re.search(r"rank 1: broadcast #\d+ shape=\(1,\) int64 8 B root=0   <-- differs", out), out
@@ -36,11 +72,11 @@ def test_a_rank_that_skips_a_collective_is_named_at_its_next_call():
     assert STALLED not in out, out
 
 
-def test_a_rank_that_skips_the_last_collective_and_leaves_is_named():
+def test_a_rank_that_skips_the_last_collective_and_leaves_is_named(waited_output):
     """The reporting rank's MPI_Abort(1) ends the job: rank 1, which has left the script, waits for it
     instead of exiting 0 first (that raced the abort: the launcher tore the job down with the reporter
     still in its grace sleep, and under load returned 0 for it)."""
-    out = job("skip_last", "--comm-timeout", "3", status=1)      # the default 10 s works alike, slower
+    out = waited_output
     assert "rank 1: has left the script" in out and "rank(s) [1] have left the script and will never call" in out, out
 
 
@@ -50,8 +86,8 @@ def test_a_rank_that_calls_a_different_collective_is_named():
     assert STALLED not in out, out
 
 
-def test_a_rank_that_calls_a_different_collective_is_named_by_the_flight_recorder_without_checks():
-    out = job("other", "--no-check", "--comm-timeout", "2")
+def test_a_rank_that_calls_a_different_collective_is_named_by_the_flight_recorder_without_checks(waited_output):
+    out = waited_output
     assert re.search(r"rank 1: in broadcast #\d+ shape=\(1000,\) float32 .*<-- differs", out), out
     assert "flight recorder report" in out and re.search(r"rank\(s\) \[1\] called broadcast #\d+", out), out
 
@@ -91,8 +127,8 @@ def test_a_rank_killed_by_sigkill_is_named_with_the_call_it_was_in():
     assert STALLED not in out, out
 
 
-def test_a_rank_that_sleeps_past_the_comm_timeout_is_named_and_the_job_ends_at_the_hard_timeout():
-    out = job("sleep", "--comm-timeout", "2")
+def test_a_rank_that_sleeps_past_the_comm_timeout_is_named_and_the_job_ends_at_the_hard_timeout(waited_output):
+    out = waited_output
     assert "warning: flight recorder report" in out and "Still waiting, up to the hard timeout (6 s)" in out, out
     assert "rank 1: computing: no call in progress" in out and "Ending the job (hard timeout)" in out, out
     waited = [float(s) for s in re.findall(r"recursive_doubling_all_reduce #\d+ has waited ([\d.]+) s", out)]
@@ -123,11 +159,10 @@ def test_a_launcher_of_another_mpi_stops_the_job_naming_both():
             assert "minitrain:" not in result.stderr                 # printed once, by rank 0
 
 
-def test_the_receive_contract_holds_under_mpi_too():
+def test_the_receive_contract_holds_under_mpi_too(waited_output):
     """MPI accepts a shorter message and garbles another dtype; minitrain refuses both, as ThreadWorld does.
     Also: a second init() starts no second death watch; a rank waits at exit for the others 3 s at most."""
-    out = run_mpi([sys.executable, str(pathlib.Path(__file__).parent / "programs" / "recv_contract.py")], n=2,
-                  timeout=60).stdout
+    out = waited_output
     cases = dict(re.findall(r"CASE (\w+)[^:]*: (.*)", out))
     assert set(cases) == {"shorter", "longer", "dtype"}, out
     assert re.search(r"\[rank 1\] recv from rank 0 \(tag 5\): the message from rank 0 has 24 bytes, but rank 1 "

@@ -177,7 +177,8 @@ def main():
         whole = n // period * period
         rows = got[:whole].reshape(-1, period)
         for lo in range(0, len(rows), 1 << 16):            # a block of rows at a time (memory)
-            assert (rows[lo:lo + (1 << 16)] == want).all(), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at {lo * period}+"
+            wrong = f"[rank {comm.rank}] 2^27 + 3 elements: wrong at {lo * period}+"
+            assert (rows[lo:lo + (1 << 16)] == want).all(), wrong
         assert np.array_equal(got[whole:], want[:n - whole]), f"[rank {comm.rank}] 2^27 + 3 elements: wrong at the end"
         counts["ring_all_reduce 2^27+3"] = 1
     print(f"rank {comm.rank} of {comm.size}: {sum(counts.values())} checks passed {counts}", flush=True)
