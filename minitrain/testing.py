@@ -225,6 +225,15 @@ def run_worker(script, n, args=(), timeout=1800):
         os.unlink(out)
 
 
+def run_together(jobs, workers):
+    """{key: fn()} run ``workers`` at a time on threads (for jobs that leave the cores idle: a kernel
+    starting, a job asleep until a timeout): key -> (its result, None) or (None, the exception it raised)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        runs = {key: pool.submit(fn) for key, fn in jobs.items()}
+    return {key: (None, run.exception()) if run.exception() else (run.result(), None) for key, run in runs.items()}
+
+
 def free_port():
     """A TCP port free on 127.0.0.1 right now (PyTorch's gloo rendezvous in the benchmarks)."""
     with socket.socket() as s:

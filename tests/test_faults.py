@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from minitrain.testing import mpi_launcher, run_mpi
+from minitrain.testing import mpi_launcher, run_mpi, run_together
 
 FAULTS = str(pathlib.Path(__file__).parent / "programs" / "comm_faults.py")
 STALLED = "has waited"          # the stall report's words: a call waited past --comm-timeout
@@ -49,11 +49,8 @@ WAITING = {
 @pytest.fixture(scope="module")
 def waited(request):
     """The selected WAITING jobs, run together: test name -> (output, None) or (None, the exception)."""
-    from concurrent.futures import ThreadPoolExecutor
     names = [item.originalname for item in request.session.items if getattr(item, "originalname", None) in WAITING]
-    with ThreadPoolExecutor(max_workers=len(WAITING)) as pool:
-        runs = {name: pool.submit(WAITING[name]) for name in names}
-    return {name: (None, run.exception()) if run.exception() else (run.result(), None) for name, run in runs.items()}
+    return run_together({name: WAITING[name] for name in names}, workers=len(WAITING))
 
 
 @pytest.fixture

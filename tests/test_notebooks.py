@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from minitrain.testing import run_together
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -39,20 +41,18 @@ def execute(path, nb):
 @pytest.fixture(scope="module")
 def executed(request):
     """The notebooks this session selected, executed two at a time, each in its own kernel (a kernel's start
-    and a notebook's Python leave the second core idle): path -> the exception it raised, or None."""
-    from concurrent.futures import ThreadPoolExecutor
+    and a notebook's Python leave the second core idle): path -> (None, None) or (None, the exception it raised)."""
     wanted = [item.callspec.params["path"] for item in request.session.items
               if getattr(item, "originalname", None) == "test_notebook_runs"]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = {path: pool.submit(lambda p: execute(p, nbformat.read(p, as_version=4)), path) for path in wanted}
-    return {path: run.exception() for path, run in runs.items()}
+    return run_together({path: lambda p=path: execute(p, nbformat.read(p, as_version=4)) for path in wanted}, workers=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, executed):
-    if executed[path] is not None:
-        raise executed[path]
+    _, error = executed[path]
+    if error is not None:
+        raise error
 
 
 def code_of(path):
