@@ -144,7 +144,7 @@ def test_the_readme_keeps_the_lines_ci_runs():
     text = README.read_text()
     after = text[text.index("<!-- test-line"):].splitlines()
     assert next(line for line in after if line.startswith("pip install")) == \
-        'pip install -e ".[dev]" && python -m pytest -q'
+        'pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile'
     assert 'pip install -e ".[dev]" && mpirun -n 4 python -m minitrain.examples.mlp' in text.splitlines()
 
 
