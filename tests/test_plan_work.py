@@ -108,7 +108,9 @@ def test_step_timer_leaves_polling_for_a_peer_out_of_the_steps_busy_cpu():
     from minitrain.comm import ThreadWorld
     waiter = ThreadWorld(2).run(_wait_for_a_late_peer)[0]
     assert waiter["step_time_min_s"] >= 0.025
-    assert waiter["step_waiting_cpu_time_s"] > 0.002                  # it yielded the core ~10 ms, then slept
+    # the ~10 ms it polled (yielding the core) before it slept is waiting, not busy: how much CPU that
+    # polling gets depends on the machine's other work (0.6 ms beside a test worker and two spinners)
+    assert waiter["step_waiting_cpu_time_s"] > 0
     assert waiter["step_busy_cpu_time_min_s"] < 0.25 * waiter["step_cpu_time_min_s"]
 
 
