@@ -1,18 +1,19 @@
 import os
 
-# Under pytest-xdist (the README's test line runs two workers) each worker shares the cores with the
-# other: a test that trains in this process would take a BLAS thread per core and wait on threads the
-# other worker keeps off the cores (a 2 s GPT test took 60 s). Each worker keeps to its share, set
-# before NumPy loads its BLAS, and inherited by the subprocesses and notebook kernels a test starts.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[_var] = _share
-
 import numpy as np
 import pytest
 
 import minitrain
+from minitrain import backend
+
+# Under pytest-xdist (the README's test line runs two workers) each worker shares the cores with the
+# other: a test that trains in this process would take a BLAS thread per core and wait on threads the
+# other worker keeps off the cores (a 2 s GPT test took 60 s). Each worker keeps to its share, as a rank
+# does (backend.limit_blas_threads), and the jobs and notebook kernels its tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = backend.default_blas_threads(ranks=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.update({var: str(_share) for var in backend.BLAS_THREAD_VARS})
+    backend.limit_blas_threads(_share)
 
 
 @pytest.fixture
