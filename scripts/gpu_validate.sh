@@ -19,7 +19,8 @@
 # Works with Open MPI (mpirun; as root it adds --allow-run-as-root) or MPICH (mpiexec); set MPIRUN
 # to choose the launcher, PYTHON the interpreter (default python3), BENCH_ARGS extra bench_gpu.py options,
 # TRANSPORT_ARGS extra bench_gpu_collectives.py options (TRANSPORT_RANKS the transport step's rank counts, "2 4"),
-# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100).
+# EPOCHS / GPT_STEPS the length of the mlp / gpt jobs (10 / 100). DRY_RUN=1 prints each job's command line instead of
+# running it (what a step would launch, checked by tests/test_scripts.py on a machine without a GPU).
 # MINITRAIN_TRANSPORT (auto | cuda-ipc | pinned-staging | cuda-aware-mpi), MINITRAIN_IPC_SYNC (event | host) and
 # MINITRAIN_BACKEND (mpi | nccl) reach every rank (under Open MPI through -x).
 set -u
@@ -39,6 +40,7 @@ EPOCHS=${EPOCHS:-10}                       # the mlp jobs' epochs (the full run:
 GPT_STEPS=${GPT_STEPS:-100}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MINITRAIN_DEVICE=cuda OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
        MKL_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+DRY_RUN=${DRY_RUN:-}
 COMM_TIMEOUT=${COMM_TIMEOUT:-40}            # the jobs' stall threshold (hard timeout 3x: first-use kernel compiles)
 
 LAUNCHER=${MPIRUN:-$(command -v mpirun || command -v mpiexec)}
@@ -66,6 +68,7 @@ run() {
   mkdir -p "$OUT/runs"
   local start=$SECONDS rc
   echo "=== $name: $*"
+  if [ -n "$DRY_RUN" ]; then printf '%s\t0\t0\n' "$name" >> "$OUT/runs.tsv"; return 0; fi
   timeout -k 10 "$RUN_TIMEOUT" "$@" > "$OUT/runs/$name.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/runs/$name.log"
@@ -120,7 +123,7 @@ step_suite() {
     mkdir -p "$OUT/suite"
     run "suite_$n" mpi "$n" tests/programs/device_suite.py "$OUT/suite" || status=1
   done
-  "$PY" tests/programs/device_suite.py --compare "$OUT/suite" "$GPUS" || status=1
+  [ -n "$DRY_RUN" ] || "$PY" tests/programs/device_suite.py --compare "$OUT/suite" "$GPUS" || status=1
   return $status
 }
 
@@ -199,9 +202,12 @@ for step in $STEPS; do
   echo "##### $step (limit $STEP_TIMEOUT s)"
   start=$SECONDS
   export -f run mpi "step_$step"
-  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS TRANSPORT_ARGS TRANSPORT_RANKS EPOCHS GPT_STEPS
+  export OUT PY RUN_TIMEOUT STEP_TIMEOUT GPUS LAUNCHER BENCH_ARGS TRANSPORT_ARGS TRANSPORT_RANKS EPOCHS GPT_STEPS \
+         COMM_TIMEOUT DRY_RUN
   LAUNCH_STR=$(printf '%q ' "${LAUNCH[@]}")
-  timeout -k 10 "$STEP_TIMEOUT" bash -c "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
+  # set -u in the step's shell too: a setting not exported to it stops the step by name instead of reaching
+  # the jobs as an empty option (seen: every job refused "--comm-timeout ''" on the H200)
+  timeout -k 10 "$STEP_TIMEOUT" bash -uc "LAUNCH=($LAUNCH_STR); step_$step" 2>&1 | tee "$OUT/$step.log"
   rc=${PIPESTATUS[0]}
   status=ok
   [ "$rc" != 0 ] && status=failed

@@ -240,6 +240,30 @@ def test_gpu_validate_runs_its_steps_and_keeps_going_after_a_failure(tmp_path):
         assert len(bench["goals"]["ring_staged_over_mpi_staged"]["by_size"]) == 2
 
 
+def test_gpu_validate_job_steps_launch_jobs_whose_options_parse(tmp_path):
+    """Every job the mlp, mlp2 and gpt steps would launch (DRY_RUN: the command lines only) is accepted by
+    that job's own parser, --comm-timeout included: on the H200 every one of them was refused because the
+    step's shell did not get COMM_TIMEOUT and passed "--comm-timeout ''"."""
+    import importlib
+    import json
+    import shlex
+    import subprocess
+    from minitrain.testing import mpiexec_path
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(tmp_path), "mlp", "mlp2", "gpt"],
+                            capture_output=True, text=True, timeout=120,
+                            env=_standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path(), DRY_RUN="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert {s: v["status"] for s, v in figures["steps"].items()} == {"mlp": "ok", "mlp2": "ok", "gpt": "ok"}
+    jobs = [line[4:].split(": ", 1) for line in result.stdout.splitlines() if line.startswith("=== ")]
+    assert len(jobs) == 16 + 22 + 13
+    for name, command in jobs:
+        argv = shlex.split(command)
+        module, args = argv[argv.index("-m") + 1], argv[argv.index("-m") + 2:]
+        assert args[args.index("--comm-timeout") + 1] == "40", name
+        importlib.import_module(module).parse_args(args)          # a refusal is SystemExit: fails the test
+
+
 def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypatch, capsys, tmp_path):
     out = tmp_path / "inference.json"
     monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--n-layer", "1", "--n-embd", "16", "--context", "32",
