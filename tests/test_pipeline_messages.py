@@ -7,6 +7,7 @@ import ctypes
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -205,3 +206,29 @@ def test_a_measured_step_is_simulated_action_by_action():
     assert sim["bubble_fraction"] == 0.5
     with_messages = simulate(schedule, message_cost=0.25, send_overhead=0.5, action_cost=lambda stage, i: took[stage, i])
     assert with_messages["total_time"] == 7.0 + 2 * (0.25 + 0.5)
+
+
+def test_a_wait_on_a_big_message_keeps_yielding_past_the_window_instead_of_sleeping(monkeypatch):
+    # 32 MiB pending: at least 32 MiB / 1 GB/s of polling (an MPI moving it in fragments moves it only
+    # while polled); the same 30 ms wait on 8 bytes sleeps after the 10 ms window. A clock the test moves
+    # (1 ms a reading) and a request done at 30 ms: no thread timing.
+    clock = [0.0]
+
+    def monotonic():
+        clock[0] += 1e-3
+        return clock[0]
+    monkeypatch.setattr(communicator_module.time, "monotonic", monotonic)
+
+    def fn(comm):
+        sleeps = []
+        comm._idle = sleeps.append
+        comm.test = lambda request, what="test": clock[0] >= request.done_at
+        slept = []
+        for n in (1, 4 << 20):
+            request = types.SimpleNamespace(buf=np.zeros(n), done_at=clock[0] + 0.030)
+            sleeps[:] = []
+            comm.wait_all([request])
+            slept.append(len(sleeps))
+        return slept
+    small, big = ThreadWorld(1, guard=False).run(fn)[0]
+    assert small > 0 and big == 0

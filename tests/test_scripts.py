@@ -264,6 +264,37 @@ def test_gpu_validate_job_steps_launch_jobs_whose_options_parse(tmp_path):
         importlib.import_module(module).parse_args(args)          # a refusal is SystemExit: fails the test
 
 
+def test_gpu_validate_starts_mps_for_ranks_that_share_a_gpu_and_stops_it(tmp_path):
+    """One GPU for the steps' ranks: the script starts a private MPS control daemon (here a stand-in for
+    nvidia-cuda-mps-control that makes and removes the control pipe), the ranks see its pipes (so the
+    transport gives no advice to start MPS), and the daemon is told to quit at the end."""
+    import json
+    import os
+    import subprocess
+    from minitrain.testing import mpiexec_path
+    bin_dir, calls = tmp_path / "bin", tmp_path / "mps_calls"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-cuda-mps-control"
+    fake.write_text('#!/bin/sh\nif [ "$1" = -d ]; then echo start >> "%s"; touch "$CUDA_MPS_PIPE_DIRECTORY/control"\n'
+                    'else echo "$(cat)" >> "%s"; rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"; fi\n' % (calls, calls))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = _standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path(), CUPY_STANDIN_IPC="1", CUPY_STANDIN_DEVICES="1",
+                       PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((out / "figures.json").read_text())["mps"] == "started for this run (1 GPU(s) for up to 4 ranks)"
+    assert calls.read_text().split() == ["start", "quit"]
+    env_log = (out / "env.log").read_text()
+    assert "GPU cuda:0" in env_log and "transport cuda-ipc (MPI is not CUDA-aware)" in env_log and "MPS" not in env_log
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
+                            text=True, timeout=300, env={**env, "MPS": "0"})
+    assert json.loads((out / "figures.json").read_text())["mps"] == "not started (MPS=0)"
+    assert "share GPU 0 without MPS" in (out / "env.log").read_text()        # ...and then the ranks say so
+
+
 def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypatch, capsys, tmp_path):
     out = tmp_path / "inference.json"
     monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--n-layer", "1", "--n-embd", "16", "--context", "32",

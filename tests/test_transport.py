@@ -51,7 +51,20 @@ def test_every_transport_moves_the_right_bytes_and_reuses_its_buffers(tmp_path, 
     pinned = entries["pinned-staging"]
     assert pinned["pinned_bytes"] > 0 and pinned["ledger_host_comm_buffers"] == pinned["pinned_bytes"]
     assert report["mpi4py_saw"] == ["numpy.ndarray"]                   # no device array ever reached MPI
-    assert "cuda-ipc (MPI is not CUDA-aware)" in output
+    assert "cuda-ipc (MPI is not CUDA-aware" in output
+    # ranks on one GPU without MPS take turns on it (a hop 142 us against 8 us under MPS, on an H200): said
+    shared = f"ranks {list(range(n))} share GPU 0 without MPS" in report["note"]
+    said = [line for line in output.splitlines() if "minitrain: device buffers move" in line]
+    assert shared == (gpus == 1) and sum("nvidia-cuda-mps-control -d" in line for line in said) == (gpus == 1)
+
+
+def test_ranks_sharing_a_gpu_under_mps_get_no_advice_to_start_it(tmp_path):
+    pipes = tmp_path / "mps"
+    pipes.mkdir()
+    (pipes / "control").touch()                 # the MPS control daemon's pipe, as nvidia-cuda-mps-control -d makes it
+    report, output = check(tmp_path, 2, CUPY_STANDIN_IPC="1", CUPY_STANDIN_DEVICES="1", CUDA_MPS_PIPE_DIRECTORY=str(pipes))
+    assert report["negotiated"] == "cuda-ipc" and report["note"] == "MPI is not CUDA-aware"
+    assert "MPS" not in output
 
 
 def test_without_cuda_ipc_the_job_stages_through_pinned_memory_and_says_why_once(tmp_path):

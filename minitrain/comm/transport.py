@@ -12,6 +12,7 @@ job's table); each implements the one interface of wire.py, and the collectives 
 NCCL is a backend of its own (nccl.py: comm.init(backend="nccl")).
 """
 import os
+import socket
 import sys
 
 from .. import backend
@@ -55,11 +56,34 @@ def setup(comm, transport=None):
         if want != "auto":
             raise ValueError(f"transport {want!r} moves device buffers: select the GPU first (MINITRAIN_DEVICE=cuda)")
         return comm
-    comm.transport, comm.transport_note = choose(comm, want)
+    comm.transport, note = choose(comm, want)
+    comm.transport_note = "; ".join(n for n in (note, shared_gpu_note(comm)) if n)
     if comm.transport_note and comm.rank == 0:
         sys.stderr.write(f"minitrain: device buffers move by {comm.transport.name} ({comm.transport_note})\n")
         sys.stderr.flush()
     return comm
+
+
+def mps_running():
+    """Whether an MPS control daemon answers here (its pipe directory: CUDA_MPS_PIPE_DIRECTORY, default
+    /tmp/nvidia-mps, holds the control pipe)."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control"))
+
+
+def shared_gpu_note(comm):
+    """What to say when ranks share a GPU without MPS (collective): the GPU then runs one process's kernels
+    at a time and switches between them, and every hop that waits for a peer's kernel or copy pays for a
+    switch (measured on an H200, two ranks: 142 us a hop against 8 us under MPS; docs/measured.md)."""
+    places = comm.mpi_comm.allgather((socket.gethostname(), backend._import_cupy().cuda.runtime.getDevice(),
+                                      mps_running()))
+    shared = [(host, device) for host, device, mps in places
+              if not mps and sum(place[:2] == (host, device) for place in places) > 1]
+    if not shared:
+        return ""
+    host, device = shared[0]
+    ranks = [r for r, place in enumerate(places) if place[:2] == (host, device)]
+    return (f"ranks {ranks} share GPU {device} without MPS: their kernels take turns on it, each hop paying for a "
+            "switch; start the MPS daemon (nvidia-cuda-mps-control -d) before the job")
 
 
 def default_transport(comm):
