@@ -295,6 +295,15 @@ def test_gpu_validate_starts_mps_for_ranks_that_share_a_gpu_and_stops_it(tmp_pat
     assert "share GPU 0 without MPS" in (out / "env.log").read_text()        # ...and then the ranks say so
 
 
+def test_probe_gpu_sharing_refuses_without_a_real_gpu_in_one_line():
+    import subprocess
+    result = subprocess.run([sys.executable, str(SCRIPTS / "probe_gpu_sharing.py")], capture_output=True, text=True,
+                            timeout=120, env=_standin_env())
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "probe_gpu_sharing: needs a real GPU with CuPy and the CUDA driver (libcuda): the CuPy stand-in"]
+
+
 def test_bench_inference_measures_waste_by_the_formula_and_every_scheme(monkeypatch, capsys, tmp_path):
     out = tmp_path / "inference.json"
     monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--n-layer", "1", "--n-embd", "16", "--context", "32",

@@ -25,7 +25,7 @@ NAME_TAG_SLOTS = 16               # ... times a few bits of the name (the last s
 YIELD_WINDOW_S, MAX_SLEEP_S = 10e-3, 1e-3    # poll with sched_yield this long, then sleep at most this
 YIELD_BYTES_PER_S = 1e9          # ... and at least bytes pending / this: an MPI that moves a big message in
                                  # fragments (Open MPI's shared memory without single copy) moves it only
-                                 # while polled; sleeping through a 32 MiB staged message made it 6x slower
+                                 # while polled: a 32 MiB staged message took 206 ms sleeping, 27 with this (H200)
 DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
 _waiting = threading.local()          # per thread: CPU seconds spent polling
