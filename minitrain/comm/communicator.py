@@ -2,11 +2,10 @@
 
 Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag (tag * 16 + dtype
 code: a message of another dtype never matches); here, once for all: send / recv / sendrecv / isend /
-irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield for 10 ms, or
-longer for a big message, then sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores
-5x slower); each collective's sequence number, whose tag no other collective uses. Around it,
-through one seam (comm.guard, seam.py), the guard (guard.py); a collective runs here or on the
-progress thread (work.py).
+irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield for 10 ms, longer
+for a big message, then sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower);
+each collective's sequence number, whose tag no other collective uses. Around it, through one seam
+(comm.guard, seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
 """
 import os
 import threading
@@ -23,17 +22,14 @@ USER_TAG_LIMIT = 1 << 15          # p2p tags a user may choose: 0 .. 32767
 COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in flight at once: far fewer)
 NAME_TAG_SLOTS = 16               # ... times a few bits of the name (the last slot: the guard's headers)
 YIELD_WINDOW_S, MAX_SLEEP_S = 10e-3, 1e-3    # poll with sched_yield this long, then sleep at most this
-YIELD_BYTES_PER_S = 1e9          # ... and at least bytes pending / this: an MPI that moves a big message in
-                                 # fragments (Open MPI's shared memory without single copy) moves it only
-                                 # while polled: a 32 MiB staged message took 206 ms sleeping, 27 with this (H200)
+YIELD_BYTES_PER_S = 1e9           # ... or bytes / this: MPI moves a big message only while polled (measured.md)
 DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
 _waiting = threading.local()          # per thread: CPU seconds spent polling
 
 
 def waiting_cpu_seconds():
-    """CPU seconds this thread has spent polling in ``wait_all``: the part of a step's CPU time that other
-    jobs on a shared machine distort most. The jobs report a step's CPU time without it."""
+    """CPU seconds this thread has spent polling in ``wait_all`` (the jobs leave it out of a step's CPU time)."""
     return getattr(_waiting, "cpu", 0.0)
 
 
@@ -45,8 +41,7 @@ def _check_buffer(a, what):          # what(): the call's name, made only for an
 
 
 class Communicator(Launcher):
-    """``timeout``: the hard limit of any wait (seconds; None: 3 x comm_timeout). ``comm_timeout``:
-    the stall threshold, after which a guard compares what the ranks are doing."""
+    """``timeout``: any wait's hard limit (s; None: 3 x comm_timeout); ``comm_timeout``: the stall threshold (a guard looks)."""
 
     guard = Unguarded()
 
@@ -135,8 +130,7 @@ class Communicator(Launcher):
             pending = [r for r in pending if not self.test(r, what)]
             if pending:
                 start, cpu, sleep = time.monotonic(), time.thread_time(), 0.0
-                if poll is None:
-                    window = max(window, sum(r.buf.nbytes for r in pending if r.buf is not None) / YIELD_BYTES_PER_S)
+                window = window if poll else max(window, sum(r.buf.nbytes for r in pending) / YIELD_BYTES_PER_S)
             while pending:
                 elapsed = time.monotonic() - start
                 if elapsed < window:
