@@ -224,11 +224,11 @@ def test_a_wait_on_a_big_message_keeps_yielding_past_the_window_instead_of_sleep
         comm._idle = sleeps.append
         comm.test = lambda request, what="test": clock[0] >= request.done_at
         slept = []
-        for n in (1, 4 << 20):
-            request = types.SimpleNamespace(buf=np.zeros(n), done_at=clock[0] + 0.030)
+        for n in (None, 1, 4 << 20):           # None: a transport's own request, which carries no buffer
+            request = types.SimpleNamespace(buf=None if n is None else np.zeros(n), done_at=clock[0] + 0.030)
             sleeps[:] = []
             comm.wait_all([request])
             slept.append(len(sleeps))
         return slept
-    small, big = ThreadWorld(1, guard=False).run(fn)[0]
-    assert small > 0 and big == 0
+    bufferless, small, big = ThreadWorld(1, guard=False).run(fn)[0]
+    assert bufferless > 0 and small > 0 and big == 0

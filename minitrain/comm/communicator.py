@@ -130,7 +130,7 @@ class Communicator(Launcher):
             pending = [r for r in pending if not self.test(r, what)]
             if pending:
                 start, cpu, sleep = time.monotonic(), time.thread_time(), 0.0
-                window = window if poll else max(window, sum(r.buf.nbytes for r in pending) / YIELD_BYTES_PER_S)
+                window = window if poll else max(window, sum(getattr(r.buf, "nbytes", 0) for r in pending) / YIELD_BYTES_PER_S)
             while pending:
                 elapsed = time.monotonic() - start
                 if elapsed < window:
