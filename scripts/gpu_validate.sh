@@ -48,10 +48,18 @@ COMM_TIMEOUT=${COMM_TIMEOUT:-40}            # the jobs' stall threshold (hard ti
 
 GPUS=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
 MPS=${MPS:-auto}
-MPS_STATE="not started (MPS=$MPS)"
+case "$MPS" in auto|0) ;; *) echo "gpu_validate.sh: MPS must be auto or 0, got '$MPS'" >&2; exit 2;; esac
 if [ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]; then
   MPS_STATE="running already"
-elif [ "$MPS" = auto ] && [ "$GPUS" -gt 0 ] && [ "$GPUS" -lt 4 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+elif [ "$MPS" = 0 ]; then
+  MPS_STATE="not started (MPS=0)"
+elif [ "$GPUS" -eq 0 ]; then
+  MPS_STATE="not needed (no GPU)"
+elif [ "$GPUS" -ge 4 ]; then
+  MPS_STATE="not needed ($GPUS GPUs for up to 4 ranks)"
+elif ! command -v nvidia-cuda-mps-control > /dev/null; then
+  MPS_STATE="not started: nvidia-cuda-mps-control not found ($GPUS GPU(s) for up to 4 ranks)"
+else
   export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
   CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/minitrain-mps.XXXXXX)     # short: the pipes are Unix sockets
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"

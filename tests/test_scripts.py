@@ -293,6 +293,12 @@ def test_gpu_validate_starts_mps_for_ranks_that_share_a_gpu_and_stops_it(tmp_pat
                             text=True, timeout=300, env={**env, "MPS": "0"})
     assert json.loads((out / "figures.json").read_text())["mps"] == "not started (MPS=0)"
     assert "share GPU 0 without MPS" in (out / "env.log").read_text()        # ...and then the ranks say so
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
+                            text=True, timeout=300, env={**env, "MPS": "yes"})
+    assert result.returncode == 2 and "MPS must be auto or 0, got 'yes'" in result.stderr
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
+                            text=True, timeout=300, env={**env, "CUPY_STANDIN_DEVICES": "4"})
+    assert json.loads((out / "figures.json").read_text())["mps"] == "not needed (4 GPUs for up to 4 ranks)"
 
 
 def test_probe_gpu_sharing_refuses_without_a_real_gpu_in_one_line():
