@@ -165,3 +165,16 @@ def test_without_nccl_the_backend_says_so(standin_gpu):
     from minitrain.comm.nccl import NCCLCommunicator, NCCLUnavailable
     with pytest.raises(NCCLUnavailable, match="CuPy found no NCCL library"):
         ThreadWorld(2).run(lambda comm: (standin_gpu.cuda.Device(comm.rank).use(), NCCLCommunicator(comm)))
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"MINITRAIN_TRANSPORT": "cuda-ipc"}, "mlp.py: error: transport 'cuda-ipc' cannot work here: cudaErrorNotSupported"),
+    ({"MINITRAIN_BACKEND": "nccl", "CUPY_STANDIN_DEVICES": "1"}, "mlp.py: error: [rank 0] NCCL cannot start"),
+], ids=["cuda-ipc where it cannot work", "nccl without NCCL"])
+def test_a_job_refuses_a_backend_or_transport_that_cannot_work_in_one_line(setting, says):
+    """As a bad option is refused: one line from rank 0, exit status 2 on every rank, no traceback."""
+    proc = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--epochs", "1", "--no-progress"], n=2,
+                   timeout=120, env=standin_env(MINITRAIN_DEVICE="cuda", **setting), check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stdout
+    assert "Traceback" not in proc.stdout

@@ -23,6 +23,10 @@ from .staging import CudaAwareMPITransport, PinnedPool, PinnedStagingTransport, 
 NAMES = ("cuda-aware-mpi", "cuda-ipc", "pinned-staging")
 
 
+class TransportUnavailable(CommError):
+    """The transport asked for cannot work here (raised on every rank: the choice is collective)."""
+
+
 # ---------------------------------------------------------------- choosing one
 def choose(comm, want="auto"):
     """(transport, note) for an MPICommunicator on the GPU; collective (every rank calls it, and all
@@ -35,7 +39,7 @@ def choose(comm, want="auto"):
         if mpi_is_cuda_aware():
             return CudaAwareMPITransport(comm), ""
         if want == "cuda-aware-mpi":
-            raise CommError("transport 'cuda-aware-mpi': this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
+            raise TransportUnavailable("transport 'cuda-aware-mpi': this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0)")
         notes.append("MPI is not CUDA-aware")
     if want in ("auto", "cuda-ipc"):
         from .ipc import negotiate
@@ -43,7 +47,7 @@ def choose(comm, want="auto"):
         if ipc is not None:
             return ipc, "; ".join(notes + ([why] if why else []))
         if want == "cuda-ipc":
-            raise CommError(f"transport 'cuda-ipc' cannot work here: {why}")
+            raise TransportUnavailable(f"transport 'cuda-ipc' cannot work here: {why}")
         notes.append(f"no CUDA IPC: {why}")
     return PinnedStagingTransport(comm), "; ".join(notes)
 

@@ -8,6 +8,7 @@ rank 0 alone before MPI starts.
 """
 import argparse
 import os
+import sys
 
 from tqdm import tqdm  # noqa: F401  (the jobs import it from here; a dependency in setup.cfg)
 
@@ -79,9 +80,17 @@ def parse_job_args(parser, argv=None):
 def init_comm(args):
     """``minitrain.comm.init`` with the job's options: check_collectives (on unless --no-check-collectives),
     stall threshold ``--comm-timeout``, hard timeout 3x that; comm.init also picks the backend and the device
-    transport (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto)."""
+    transport (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto). A backend or transport that
+    cannot work here is refused as a bad option is: one line from rank 0, exit status 2 on every rank."""
     from .. import comm
-    return comm.init(comm_timeout=args.comm_timeout, check_collectives=getattr(args, "check_collectives", True))
+    from ..comm.nccl import NCCLUnavailable
+    from ..comm.transport import TransportUnavailable
+    try:
+        return comm.init(comm_timeout=args.comm_timeout, check_collectives=getattr(args, "check_collectives", True))
+    except (NCCLUnavailable, TransportUnavailable) as e:       # raised on every rank alike
+        if launch_info()[0] == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def mpi_line():
