@@ -178,3 +178,14 @@ def test_a_job_refuses_a_backend_or_transport_that_cannot_work_in_one_line(setti
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stdout
     assert "Traceback" not in proc.stdout
+
+
+def test_ranks_share_a_gpu_by_node_and_pci_address_not_by_device_index():
+    """Ranks given different CUDA_VISIBLE_DEVICES each call their GPU 0: only the PCI address says
+    whether two of them are one GPU."""
+    from minitrain.comm.gpu_places import shared_gpus
+    node_a, node_b = 11, 22
+    assert shared_gpus([(node_a, 0x100, 0), (node_a, 0x200, 0)]) == []                  # two GPUs, both "0"
+    assert shared_gpus([(node_a, 0x100, 0), (node_b, 0x100, 0)]) == []                  # one per node
+    assert shared_gpus([(node_a, 0x100, 1), (node_a, 0x200, 0), (node_a, 0x100, 1), (node_a, 0x200, 0)]) == \
+        [([0, 2], 1), ([1, 3], 0)]

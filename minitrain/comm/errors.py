@@ -13,6 +13,10 @@ class CollectiveMismatchError(CommError):
     """Ranks called different collectives, or the same one with different arguments."""
 
 
+class Unavailable(CommError):
+    """A backend or transport asked for cannot work here (raised on every rank alike)."""
+
+
 class RankFailedError(CommError):
     """Another rank failed, so this one stopped waiting for it."""
 

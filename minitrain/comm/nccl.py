@@ -12,9 +12,7 @@ order whether they were asynchronous or not (the API of cupy.cuda.nccl: cupy_bac
 nccl.pyx at v14.2.0). Cost: NCCL's own, alpha + N·b·beta per message; the ring all-reduce moves
 2(p-1)/p·N·b bytes per rank, as NCCL's ring does.
 """
-import socket
 import threading
-import zlib
 
 import numpy as np
 
@@ -22,7 +20,8 @@ from .. import backend
 from .collectives import broadcast
 from .rings import ring_all_gather
 from .communicator import Communicator
-from .errors import CommError
+from .errors import Unavailable
+from .gpu_places import gpu_place, shared_gpus
 from .guard import wrap
 from .wire import Request, Transport
 
@@ -32,7 +31,7 @@ NCCL_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint
 NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "mean": 4}       # mean: ncclAvg (NCCL >= 2.10)
 
 
-class NCCLUnavailable(CommError):
+class NCCLUnavailable(Unavailable):
     """NCCL cannot run here: no NCCL library, or two ranks on one GPU."""
 
 
@@ -137,18 +136,13 @@ class NCCLCommunicator(Communicator):
 
     def _check_ranks(self, problem):
         """Every rank learns whether every rank has NCCL and its own GPU, and all raise alike."""
-        props = self.cupy.cuda.runtime.getDeviceProperties(self.device)
-        gpu = (props.get("pciDomainID", 0) << 16) | props.get("pciBusID", self.device) << 8 | props.get("pciDeviceID", 0)
-        mine = np.array([problem is None, zlib.crc32(socket.gethostname().encode()), gpu, self.device], np.int64)
+        mine = np.array([problem is None, *gpu_place()], np.int64)
         table = ring_all_gather(self.bootstrap, mine, total=4 * self.size).reshape(self.size, 4)
         missing = [r for r in range(self.size) if not table[r, 0]]
         if missing:
             raise NCCLUnavailable(f"[rank {self.rank}] NCCL cannot start: rank(s) {missing} have no NCCL"
                                   + (f" ({problem})" if problem else ""))
-        by_gpu = {}
-        for r in range(self.size):
-            by_gpu.setdefault((int(table[r, 1]), int(table[r, 2])), []).append(r)
-        shared = [(ranks, int(table[ranks[0], 3])) for ranks in by_gpu.values() if len(ranks) > 1]
+        shared = shared_gpus([tuple(int(v) for v in row[1:]) for row in table])
         if shared:
             ranks, device = shared[0]
             raise NCCLUnavailable(

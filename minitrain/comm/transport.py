@@ -12,18 +12,18 @@ job's table); each implements the one interface of wire.py, and the collectives 
 NCCL is a backend of its own (nccl.py: comm.init(backend="nccl")).
 """
 import os
-import socket
 import sys
 
 from .. import backend
-from .errors import CommError
+from .errors import Unavailable
+from .gpu_places import gpu_place, shared_gpus
 from .host import DevicePointerRefused, mpi_buffer, mpi_is_cuda_aware  # noqa: F401  (this module's names)
 from .staging import CudaAwareMPITransport, PinnedPool, PinnedStagingTransport, StagedRequest, _view  # noqa: F401
 
 NAMES = ("cuda-aware-mpi", "cuda-ipc", "pinned-staging")
 
 
-class TransportUnavailable(CommError):
+class TransportUnavailable(Unavailable):
     """The transport asked for cannot work here (raised on every rank: the choice is collective)."""
 
 
@@ -78,16 +78,12 @@ def shared_gpu_note(comm):
     """What to say when ranks share a GPU without MPS (collective): the GPU then runs one process's kernels
     at a time and switches between them, and every hop that waits for a peer's kernel or copy pays for a
     switch (measured on an H200, two ranks: 142 us a hop against 8 us under MPS; docs/measured.md)."""
-    places = comm.mpi_comm.allgather((socket.gethostname(), backend._import_cupy().cuda.runtime.getDevice(),
-                                      mps_running()))
-    shared = [(host, device) for host, device, mps in places
-              if not mps and sum(place[:2] == (host, device) for place in places) > 1]
-    if not shared:
-        return ""
-    host, device = shared[0]
-    ranks = [r for r, place in enumerate(places) if place[:2] == (host, device)]
-    return (f"ranks {ranks} share GPU {device} without MPS: their kernels take turns on it, each hop paying for a "
-            "switch; start the MPS daemon (nvidia-cuda-mps-control -d) before the job")
+    places = comm.mpi_comm.allgather((gpu_place(), mps_running()))
+    for ranks, device in shared_gpus([place for place, _ in places]):
+        if not all(places[r][1] for r in ranks):
+            return (f"ranks {ranks} share GPU {device} without MPS: their kernels take turns on it, each hop paying "
+                    "for a switch; start the MPS daemon (nvidia-cuda-mps-control -d) before the job")
+    return ""
 
 
 def default_transport(comm):

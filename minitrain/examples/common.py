@@ -83,11 +83,10 @@ def init_comm(args):
     transport (MINITRAIN_BACKEND, MINITRAIN_TRANSPORT; default mpi and auto). A backend or transport that
     cannot work here is refused as a bad option is: one line from rank 0, exit status 2 on every rank."""
     from .. import comm
-    from ..comm.nccl import NCCLUnavailable
-    from ..comm.transport import TransportUnavailable
+    from ..comm.errors import Unavailable
     try:
         return comm.init(comm_timeout=args.comm_timeout, check_collectives=getattr(args, "check_collectives", True))
-    except (NCCLUnavailable, TransportUnavailable) as e:       # raised on every rank alike
+    except Unavailable as e:                  # raised on every rank alike
         if launch_info()[0] == 0:
             print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
