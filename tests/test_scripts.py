@@ -282,23 +282,22 @@ def test_gpu_validate_starts_mps_for_ranks_that_share_a_gpu_and_stops_it(tmp_pat
     env = _standin_env(PYTHON=sys.executable, MPIRUN=mpiexec_path(), CUPY_STANDIN_IPC="1", CUPY_STANDIN_DEVICES="1",
                        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
-    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
-                            text=True, timeout=300, env=env)
+
+    def env_step(**extra):                      # the script's env step; its run's MPS state
+        run = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
+                             text=True, timeout=300, env={**env, **extra})
+        return run, run.returncode == 0 and json.loads((out / "figures.json").read_text())["mps"]
+    result, mps = env_step()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert json.loads((out / "figures.json").read_text())["mps"] == "started for this run (1 GPU(s) for up to 4 ranks)"
+    assert mps == "started for this run (1 GPU(s) for up to 4 ranks)"
     assert calls.read_text().split() == ["start", "quit"]
     env_log = (out / "env.log").read_text()
     assert "GPU cuda:0" in env_log and "transport cuda-ipc (MPI is not CUDA-aware)" in env_log and "MPS" not in env_log
-    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
-                            text=True, timeout=300, env={**env, "MPS": "0"})
-    assert json.loads((out / "figures.json").read_text())["mps"] == "not started (MPS=0)"
+    assert env_step(MPS="0")[1] == "not started (MPS=0)"
     assert "share GPU 0 without MPS" in (out / "env.log").read_text()        # ...and then the ranks say so
-    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
-                            text=True, timeout=300, env={**env, "MPS": "yes"})
+    result, _ = env_step(MPS="yes")
     assert result.returncode == 2 and "MPS must be auto or 0, got 'yes'" in result.stderr
-    result = subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), str(out), "env"], capture_output=True,
-                            text=True, timeout=300, env={**env, "CUPY_STANDIN_DEVICES": "4"})
-    assert json.loads((out / "figures.json").read_text())["mps"] == "not needed (4 GPUs for up to 4 ranks)"
+    assert env_step(CUPY_STANDIN_DEVICES="4")[1] == "not needed (4 GPUs for up to 4 ranks)"
 
 
 def test_probe_gpu_sharing_refuses_without_a_real_gpu_in_one_line():
