@@ -79,11 +79,10 @@ def shared_gpu_note(comm):
     at a time and switches between them, and every hop that waits for a peer's kernel or copy pays for a
     switch (measured on an H200, two ranks: 142 us a hop against 8 us under MPS; docs/measured.md)."""
     places = comm.mpi_comm.allgather((gpu_place(), mps_running()))
-    for ranks, device in shared_gpus([place for place, _ in places]):
-        if not all(places[r][1] for r in ranks):
-            return (f"ranks {ranks} share GPU {device} without MPS: their kernels take turns on it, each hop paying "
-                    "for a switch; start the MPS daemon (nvidia-cuda-mps-control -d) before the job")
-    return ""
+    shared = [f"ranks {ranks} share GPU {device}" for ranks, device in shared_gpus([place for place, _ in places])
+              if not all(places[r][1] for r in ranks)]
+    return (", ".join(shared) + " without MPS: their kernels take turns on it, each hop paying for a switch; start "
+            "the MPS daemon (nvidia-cuda-mps-control -d) before the job") if shared else ""
 
 
 def default_transport(comm):
