@@ -1,8 +1,8 @@
 """The pipeline's messages: the simulator charges a message between stages (and nothing when a
 rank hands over to itself, or when the cost is 0), the measured cost of a message is read off the
 stamps, each receive is posted one ahead and lands in its own action (losses equal one process),
-what is in flight is tested around each compute, and a pipeline receive waits by sleeping,
-never by sched_yield."""
+what is in flight is tested around each compute, and a pipeline receive yields before it sleeps only
+where every rank has a core of its own."""
 import ctypes
 import sys
 import threading
@@ -19,7 +19,8 @@ from minitrain.comm import communicator as communicator_module
 from minitrain.nn import functional as F
 from minitrain.parallel.pipeline import PipelineParallel, get_schedule, simulate
 from minitrain.parallel.pipeline.measure import message_costs
-from minitrain.parallel.pipeline.messages import POLL, StageMessages
+from minitrain.parallel.pipeline import messages as messages_module
+from minitrain.parallel.pipeline.messages import SLEEP_S, YIELD_S, StageMessages, waiting_poll
 from minitrain.parallel.pipeline.schedules import NAMES
 from test_pipeline import assert_equal_to_reference, batches, make_model, reference_run
 
@@ -154,7 +155,20 @@ def test_what_is_in_flight_is_moved_on_before_and_after_each_compute():
 
 
 # ---------------------------------------------------------------- how a receive waits
-def test_a_pipeline_receive_sleeps_and_never_yields(monkeypatch):
+def test_a_pipeline_receive_yields_first_only_where_each_rank_has_a_core(monkeypatch):
+    mpi = types.SimpleNamespace(rank=0, backend_name="mpi")
+    assert waiting_poll(mpi, ranks_here=2, cores=2) == (YIELD_S, SLEEP_S) and YIELD_S > 0
+    assert waiting_poll(mpi, ranks_here=1, cores=16) == (YIELD_S, SLEEP_S)
+    assert waiting_poll(mpi, ranks_here=3, cores=2) == (0.0, SLEEP_S)        # ranks outnumber the cores
+    assert waiting_poll(ThreadWorld(1).comms[0], ranks_here=1, cores=16) == (0.0, SLEEP_S)   # threads: one GIL
+    # by default: the launcher's count of ranks on this machine, against this process's cores
+    monkeypatch.setattr(messages_module, "usable_cores", lambda: 4)
+    for ranks, window in (("4", YIELD_S), ("5", 0.0)):
+        monkeypatch.setenv("MPI_LOCALNRANKS", ranks)
+        assert StageMessages(mpi, 2, 1).poll == (window, SLEEP_S)
+
+
+def test_a_pipeline_receive_among_threads_sleeps_and_never_yields(monkeypatch):
     yields = []
     yield_now = communicator_module.os.sched_yield
     monkeypatch.setattr(communicator_module.os, "sched_yield",
@@ -170,7 +184,7 @@ def test_a_pipeline_receive_sleeps_and_never_yields(monkeypatch):
         sleeps, idle = [], comm._idle
         comm._idle = lambda seconds: (sleeps.append(seconds), idle(seconds))
         counted = []
-        for tag, poll in ((3, POLL), (4, None)):
+        for tag, poll in ((3, StageMessages(comm, 2, 1).poll), (4, None)):
             request = comm.irecv(np.zeros(4), 0, tag)
             comm.send(np.zeros(1), 0, 10 + tag)
             before, sleeps[:] = len(yields), []
@@ -179,8 +193,26 @@ def test_a_pipeline_receive_sleeps_and_never_yields(monkeypatch):
             counted.append((len(mine), max(sleeps)))
         return counted
     pipeline, default = ThreadWorld(2).run(fn)[1]
-    assert pipeline[0] == 0 and pipeline[1] == POLL[1]
+    assert pipeline[0] == 0 and pipeline[1] == SLEEP_S
     assert default[0] > 0 and default[1] == communicator_module.MAX_SLEEP_S
+
+
+def test_a_pipeline_receive_given_a_window_yields_then_sleeps_fifty_microseconds_at_a_time(monkeypatch):
+    # the poll a rank with its own core gets: sched_yield while the window lasts, then 50 us sleeps
+    # (a clock the test moves, 0.1 ms a reading: no thread timing)
+    clock, yields = [0.0], []
+    monkeypatch.setattr(communicator_module.time, "monotonic", lambda: clock.__setitem__(0, clock[0] + 1e-4) or clock[0])
+    monkeypatch.setattr(communicator_module.os, "sched_yield", lambda: yields.append(clock[0]))
+
+    def fn(comm):
+        sleeps = []
+        comm._idle = lambda seconds: sleeps.append((clock[0], seconds))
+        comm.test = lambda request, what="test": clock[0] >= 0.005
+        comm.wait_all([types.SimpleNamespace(buf=np.zeros(1))], poll=(YIELD_S, SLEEP_S))
+        return sleeps
+    sleeps = ThreadWorld(1, guard=False).run(fn)[0]
+    assert yields and max(yields) <= YIELD_S + 2e-4 and sleeps and min(t for t, _ in sleeps) >= YIELD_S
+    assert {seconds for _, seconds in sleeps} == {SLEEP_S}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's timer slack is Linux's")

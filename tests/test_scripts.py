@@ -398,12 +398,12 @@ def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_
 def test_bench_message_cost_runs_and_times_each_side_warm_and_cold(monkeypatch, capsys, tmp_path):
     out = tmp_path / "messages.json"
     monkeypatch.setattr(sys, "argv", ["bench_message_cost.py", "--repeats", "2", "--bytes", "64", "--evict-mib", "0.1",
-                                      "--json", str(out)])
+                                      "--wait-us", "50", "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_message_cost.py"), run_name="__main__")
     text = capsys.readouterr().out
     import json
     results = json.loads(out.read_text())
     assert set(results) == {f"{lib} {side} {state}" for lib in ("minitrain", "mpi4py") for side in ("send", "recv")
-                            for state in ("warm", "cold")}
+                            for state in ("warm", "cold")} | {"latency sleeping", "latency yielding"}
     assert all(t > 0 for t in results.values())
-    assert text.count("x\n") == 4 and "one message of 64 B" in text
+    assert text.count("x\n") == 4 and "one message of 64 B" in text and "landing at a rank that waits" in text

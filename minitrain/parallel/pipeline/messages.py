@@ -16,29 +16,32 @@ irecv): the communicator's per-call check, count and record cost ~50 us a messag
 compute, where the neighbour stage waits for it (scripts/bench_message_cost.py).
 
 Waiting: a pipeline's receive is idle time in the schedule, and what it costs is how late the
-waiter runs again after the message is there. The communicator's default (sched_yield for 10 ms,
-then sleeps of up to 1 ms) burns the core while it yields and wakes up to 1 ms late after; the
-neighbour stage needs that core more than the poll. A pipeline receive sleeps at once, 50 us at a
-time, with the thread's timer slack at 1 us: Linux otherwise stretches each sleep by 50 us (a
-50 us sleep lasted 118 us, with 1 us slack 67 us; sleeps of up to 0.2 ms woke 0.14 ms after the
-message on average).
+waiter runs again after the message is there. A rank that sleeps wakes late: on this machine's
+virtual cores a message to a sleeping rank landed 40-115 us after it was sent, 17-50 us while the
+rank yielded (scripts/bench_message_cost.py, measured.md). So a receive yields (sched_yield) for
+up to 1 ms, then sleeps 50 us at a time, but only where every rank on the machine has a core of its
+own (waiting_poll): where ranks outnumber the cores, or are threads of one interpreter, the
+neighbour stage needs that core (or the GIL) more than the poll, and the receive sleeps at once.
+The thread's timer slack is 1 us: Linux otherwise stretches each sleep by 50 us (a 50 us sleep
+lasted 118 us, with 1 us slack 67 us).
 
 progress() tests one request: MPI's progress engine moves every message in flight on any test,
 so one call is enough, and each further Python-level test costs ~15 us right after a compute
 has evicted the caches.
 """
 import ctypes
+import os
 import sys
 
 import numpy as np
 
-from ...backend import array_module, bfloat16
+from ...backend import array_module, bfloat16, local_rank_count
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
     [np.dtype(bfloat16)] if bfloat16 is not None else [])
 HEADER = 10                            # dtype code, ndim, up to 8 dimensions
 TAG_LIMIT = 32768                      # tags at and above belong to the collectives
-POLL = (0.0, 5e-5)                     # wait_all: no sched_yield, sleep at most 50 us
+YIELD_S, SLEEP_S = 1e-3, 5e-5           # wait_all: sched_yield this long (a core per rank), then sleep 50 us
 TIMER_SLACK_NS = 1000
 
 
@@ -47,8 +50,9 @@ class StageMessages:
     what the shapes are cached under); send / post / recv name a message by (peer, micro-batch,
     receiving virtual stage, backward?)."""
 
-    def __init__(self, comm, p, v, poll=POLL):
-        self.comm, self.p, self.v, self.rank, self.poll = comm, p, v, comm.rank, poll
+    def __init__(self, comm, p, v, poll=None):
+        self.comm, self.p, self.v, self.rank = comm, p, v, comm.rank
+        self.poll = waiting_poll(comm) if poll is None else poll
         self.shapes = {}                   # (batch key, mb, virtual, backward) -> (dtype code, shape)
         self.begin(None)
         fine_timer_slack()
@@ -130,6 +134,25 @@ class StageMessages:
         if pending:
             self.comm.record_waits(pending, kind)
             self.comm.wait_all(pending, what, poll=self.poll)
+
+
+def waiting_poll(comm, ranks_here=None, cores=None):
+    """wait_all's (yield window, longest sleep) for a pipeline receive on ``comm``: yield first only
+    if each process has a core (ranks on this machine: the MPI launcher's count; cores: this
+    process's affinity). Ranks that are threads of one process (ThreadWorld) never yield."""
+    if getattr(comm, "backend_name", None) is None:
+        return 0.0, SLEEP_S
+    ranks_here = local_rank_count() if ranks_here is None else ranks_here
+    cores = usable_cores() if cores is None else cores
+    return (YIELD_S if ranks_here <= cores else 0.0), SLEEP_S
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def fine_timer_slack(nanoseconds=TIMER_SLACK_NS):
