@@ -17,8 +17,8 @@ compute, where the neighbour stage waits for it (scripts/bench_message_cost.py).
 
 Waiting: a pipeline's receive is idle time in the schedule, and what it costs is how late the
 waiter runs again after the message is there. A rank that sleeps wakes late: on this machine's
-virtual cores a message to a sleeping rank landed 40-115 us after it was sent, 17-50 us while the
-rank yielded (scripts/bench_message_cost.py, measured.md). So a receive yields (sched_yield) for
+virtual cores a 64 KiB message landed at a sleeping rank 31-124 us after it was sent, at a rank that
+yielded 21-45 us (scripts/bench_message_cost.py, measured.md). So a receive yields (sched_yield) for
 up to 1 ms, then sleeps 50 us at a time, but only where every rank on the machine has a core of its
 own (waiting_poll): where ranks outnumber the cores, or are threads of one interpreter, the
 neighbour stage needs that core (or the GIL) more than the poll, and the receive sleeps at once.
