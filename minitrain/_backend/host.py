@@ -1,5 +1,5 @@
-"""The host a rank runs on: its place among the ranks on this machine, the BLAS threads it may take,
-and host memory kept between steps instead of given back to the OS.
+"""The host a rank runs on: its place among the ranks on this machine, the cores it may run on, the BLAS
+threads it may take, and host memory kept between steps instead of given back to the OS.
 """
 import os
 import sys
@@ -22,6 +22,14 @@ def local_rank_count():
         if var in os.environ:
             return max(1, int(os.environ[var]))
     return 1
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity where the OS tells it, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

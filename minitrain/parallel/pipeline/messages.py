@@ -30,12 +30,11 @@ so one call is enough, and each further Python-level test costs ~15 us right aft
 has evicted the caches.
 """
 import ctypes
-import os
 import sys
 
 import numpy as np
 
-from ...backend import array_module, bfloat16, local_rank_count
+from ...backend import array_module, bfloat16, local_rank_count, usable_cores
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)] + (
     [np.dtype(bfloat16)] if bfloat16 is not None else [])
@@ -145,14 +144,6 @@ def waiting_poll(comm, ranks_here=None, cores=None):
     ranks_here = local_rank_count() if ranks_here is None else ranks_here
     cores = usable_cores() if cores is None else cores
     return (YIELD_S if ranks_here <= cores else 0.0), SLEEP_S
-
-
-def usable_cores():
-    """The cores this process may run on (its affinity where the OS tells it, else the machine's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def fine_timer_slack(nanoseconds=TIMER_SLACK_NS):
