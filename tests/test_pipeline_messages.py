@@ -197,11 +197,21 @@ def test_a_pipeline_receive_among_threads_sleeps_and_never_yields(monkeypatch):
     assert default[0] > 0 and default[1] == communicator_module.MAX_SLEEP_S
 
 
+def moving_clock(monkeypatch, tick):
+    """wait_all's clock, moved on by ``tick`` seconds at each reading (no thread timing); [now]."""
+    clock = [0.0]
+
+    def monotonic():
+        clock[0] += tick
+        return clock[0]
+    monkeypatch.setattr(communicator_module.time, "monotonic", monotonic)
+    return clock
+
+
 def test_a_pipeline_receive_given_a_window_yields_then_sleeps_fifty_microseconds_at_a_time(monkeypatch):
     # the poll a rank with its own core gets: sched_yield while the window lasts, then 50 us sleeps
-    # (a clock the test moves, 0.1 ms a reading: no thread timing)
-    clock, yields = [0.0], []
-    monkeypatch.setattr(communicator_module.time, "monotonic", lambda: clock.__setitem__(0, clock[0] + 1e-4) or clock[0])
+    # (a clock the test moves, 0.1 ms a reading)
+    clock, yields = moving_clock(monkeypatch, 1e-4), []
     monkeypatch.setattr(communicator_module.os, "sched_yield", lambda: yields.append(clock[0]))
 
     def fn(comm):
@@ -244,12 +254,7 @@ def test_a_wait_on_a_big_message_keeps_yielding_past_the_window_instead_of_sleep
     # 32 MiB pending: at least 32 MiB / 1 GB/s of polling (an MPI moving it in fragments moves it only
     # while polled); the same 30 ms wait on 8 bytes sleeps after the 10 ms window. A clock the test moves
     # (1 ms a reading) and a request done at 30 ms: no thread timing.
-    clock = [0.0]
-
-    def monotonic():
-        clock[0] += 1e-3
-        return clock[0]
-    monkeypatch.setattr(communicator_module.time, "monotonic", monotonic)
+    clock = moving_clock(monkeypatch, 1e-3)
 
     def fn(comm):
         sleeps = []
