@@ -90,6 +90,14 @@ def test_bench_pipeline_runs_the_issues_job_and_prints_its_targets(monkeypatch, 
     assert "formula" in printed and "< 1f1b" in printed
     import json
     results = json.loads(out.read_text())["2"]
+    for line in lines:                  # measured - formula = the compute's causes + the runtime's
+        row = results[f"{line[1]}/m{line[2]}"]
+        causes = row["residual_by_cause"]
+        diff, compute, runtime = (float(x) for x in line[7:10])
+        assert compute == pytest.approx(causes["stage_imbalance"] + causes["compute_spread"], abs=6e-4)
+        assert compute + runtime == pytest.approx(diff, abs=1.2e-3)
+        assert runtime == pytest.approx(row["measured_bubble_fraction"] - row["formula_bubble_fraction"] -
+                                        causes["stage_imbalance"] - causes["compute_spread"], abs=6e-4)
     for r in results.values():
         # messages only add to a simulation: stage means with and without them, and each step's own actions
         assert r["simulated_bubble_fraction_mean_costs"] >= r["simulated_bubble_fraction_free_messages"] - 1e-12
