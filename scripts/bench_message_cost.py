@@ -86,7 +86,7 @@ def main():
         return worker(args)
     from minitrain.testing import run_worker
     out = run_worker(__file__, 2, ["--repeats", args.repeats, "--bytes", args.bytes, "--evict-mib", args.evict_mib,
-                                           "--wait-us", args.wait_us])
+                                   "--wait-us", args.wait_us])
     print(f"one message of {args.bytes} B at p = 2, the caller's time (median of {args.repeats}); cold: right after "
           f"a matmul streaming {args.evict_mib:g} MiB")
     print(f"  {'call':<16} {'warm':>9} {'cold':>9} {'cold / mpi4py cold':>19}")
