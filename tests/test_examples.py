@@ -169,6 +169,9 @@ def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, flags)
     assert len(stages) == pipe["num_stages"] * pipe["chunks"] and sum(s["cost_share"] for s in stages) == \
         pytest.approx(1.0)
     assert "cost share" in result.stdout
+    # what moves the messages while a rank computes: MPI was asked, the thread runs where MPI said it must
+    assert pipe["progress_thread"] is (pipe["messages_move_without_sender"] is False)
+    assert f"pipeline progress thread {'on' if pipe['progress_thread'] else 'off'} (MPI moves" in result.stdout
     if flags[1] == "zbv":
         assert pipe["chunks"] == 2 and stages[-1]["rank"] == 0          # the V comes back to rank 0
         assert sum(pipe["stage_seconds"]["W"]) > 0

@@ -154,7 +154,7 @@ def main_pipeline(args, parser, comm):
             f"{summary['simulated_step_time_s'] * 1e3:.2f} ms simulated")
     print("  measured - formula, by cause (fraction of the step): " + ", ".join(
         f"{k} {v:+.3f}" for k, v in summary["residual_by_cause"].items()))
-    print(f"MPI: {mpi_line()}; {checks_line(args)}")
+    print(f"MPI: {mpi_line()}; {checks_line(args)}; {progress_line(pipe.progress)}")
     compared = plan_comparison(args, world, slowest, table[:, -1].max())
     show_plan(args, compared)
     report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": "pipeline",
@@ -164,7 +164,9 @@ def main_pipeline(args, parser, comm):
               "first_step": first_step, "losses": losses,
               "pipeline": {"schedule": args.schedule, "num_stages": pp, "num_microbatches": args.microbatches,
                            "chunks": chunks, "dp": args.dp, "layers": layers,
-                           "stages": pipe.stage_rows, "implied_bubble_fraction": implied, **summary},
+                           "stages": pipe.stage_rows, "implied_bubble_fraction": implied,
+                           "progress_thread": pipe.progress.enabled,
+                           "messages_move_without_sender": pipe.progress.probed, **summary},
               **slowest, "blas_threads": minitrain.backend.blas_threads(),
               "ranks": [{"rank": r, "device": devices[r],
                          "memory": {"peak": dict(zip(list(memory.CATEGORIES) + ["total"], map(int, v)))},
@@ -183,3 +185,8 @@ def main_pipeline(args, parser, comm):
                       title_measured=f"measured, last step: bubble {summary['measured_bubble_fraction_per_step'][-1]:.3f} "
                                      f"(mean over steps {summary['measured_bubble_fraction']:.3f})")
     return 0
+
+
+def progress_line(progress):
+    """What moves the pipeline's messages while a rank computes (progress.py)."""
+    return f"pipeline progress thread {'on' if progress.enabled else 'off'} ({progress.why})"

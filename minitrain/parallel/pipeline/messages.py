@@ -81,6 +81,10 @@ class StageMessages:
         self.moving.append(self.sends[-1][0])
         self.counts.append(("sent", array.nbytes))
 
+    def in_flight(self):
+        """Whether a send or a receive posted ahead may still be moving."""
+        return bool(self.moving or self.posted)
+
     def progress(self):
         """One test: of the next receive posted ahead, else of the oldest send still moving (a
         failure is left for the wait that owns the request to report)."""

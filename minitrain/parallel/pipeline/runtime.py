@@ -12,7 +12,8 @@ Why it cannot deadlock: every send is non-blocking (isend; the buffers are kept 
 of the step), a receive posted ahead never blocks, and an action's receive blocks until its
 message is there. A rank therefore only ever waits for a message that a dependency of its current
 action produces; the checker proved that the actions' dependency graph, in each stage's order,
-has no cycle. The messages (tags, headers, receives posted ahead, how to wait): messages.py.
+has no cycle. The messages (tags, headers, receives posted ahead, how to wait): messages.py;
+moving them while a rank computes, where MPI needs it: progress.py.
 
 Zero-bubble schedules (W actions): B runs out.backward(grad) inside
 autograd.defer_weight_grads(stage weights), which computes the input gradient only and queues
@@ -36,6 +37,7 @@ from . import measure
 from .messages import TAG_LIMIT, StageMessages
 from .partition import (balanced_split_points, counted_costs, own_stages, parameter_costs, stage_layout,
                         stage_table)
+from .progress import ComputeProgress
 from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, placement, virtual_stage
 from .simulator import check_schedule, formula_bubble_fraction
 from .stamps import StepRecords
@@ -55,7 +57,7 @@ class _Step:
 
 class PipelineParallel:
     def __init__(self, model, comm, schedule="1f1b", num_microbatches=None, chunks=None, split_points=None,
-                 dp_comm=None, layer_costs=None, find_unused_parameters=False, dp_excluded=()):
+                 dp_comm=None, layer_costs=None, find_unused_parameters=False, dp_excluded=(), progress_thread=None):
         if not isinstance(model, Sequential):
             raise TypeError("PipelineParallel cuts an nn.Sequential into stages")
         if num_microbatches is None or num_microbatches < 1:
@@ -102,6 +104,7 @@ class PipelineParallel:
                 broadcast(dp_comm, q.data, root=0)
         self._stash = WeightStash()            # pipedream_2bw: the weight version W(t-1)
         self.messages = StageMessages(comm, self.p, self.v)
+        self.progress = ComputeProgress(comm, progress_thread)   # where MPI moves messages only with their sender
         self._receives = [i for i, a in enumerate(self.actions) if a.recv_from not in (None, self.rank)]
         self.stamps = StepRecords(self.actions)   # the traced steps' timing (stamps.py)
 
@@ -178,7 +181,8 @@ class PipelineParallel:
         that sends one), compute it (F, B or W), send the result on (to the stage that waits for it).
         The first receive from another rank is posted at once, each next one when the one before
         it is awaited, and the messages in flight are moved on before and after each compute: while
-        an action computes, the next message can already land."""
+        an action computes, the next message can already land (and where MPI moves a message only
+        while its sender is inside MPI, a thread moves them during the compute: progress.py)."""
         self._ahead = iter(self._receives[1:])
         if self._receives:
             self._post(self.actions[self._receives[0]])
@@ -188,7 +192,8 @@ class PipelineParallel:
                 received = receive(action)
             else:
                 self.messages.progress()
-            result = compute(action, received)
+            with self.progress.during(self.messages):
+                result = compute(action, received)
             if action.send_to is not None:
                 send(action, result)
             else:

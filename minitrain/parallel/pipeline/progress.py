@@ -1,0 +1,114 @@
+"""Moving the messages while this rank computes, where MPI needs their sender inside MPI to move them.
+
+A large message (a rendezvous: above MPI's eager limit, 4 KiB to 64 KiB) moves only while one of its
+ends is inside MPI. Where MPI can copy it in one go from the receiver's side (Linux's cross-memory
+attach, CMA: the mpich wheel by default; Open MPI's shared memory with CMA or XPMEM), the receiver
+that waits for it moves it alone. Where it cannot (Open MPI with btl_vader_single_copy_mechanism=none,
+which container images often set; MPICH with CMA off), every turn of the handshake and every copied
+fragment needs the sender inside MPI too, and a sender that computes leaves its neighbour waiting
+until the compute ends: the issue's job measured a message at 2-4 ms and GPipe's bubble at 0.18
+(formula 0.059) on Open MPI 4.1.6 without CMA, against 67 us and 0.106 with it (measured.md).
+
+moves_without_sender(comm) asks MPI, once, when the pipeline is built: each rank sends 256 KiB to the
+next and stays out of MPI for 10 ms; did the message reach its waiting receiver in the first half?
+Where it did not, ComputeProgress runs a thread that, while an action computes with messages in
+flight, turns MPI's progress engine (comm.poke: an Iprobe, which touches no request, so it never
+races the main thread's tests) 20 us after the compute starts, then at doubling intervals up to
+100 us. The thread takes time slices from the compute (a 2-core machine with 2 ranks: +20% a step),
+so where MPI moves messages alone it is not started. MINITRAIN_PROGRESS_THREAD=1 / 0 (or
+PipelineParallel's progress_thread=True / False) starts it or not without asking.
+"""
+import contextlib
+import os
+import threading
+import time
+
+import numpy as np
+
+from ...comm import all_reduce
+from .messages import TAG_LIMIT, fine_timer_slack
+
+ENV = "MINITRAIN_PROGRESS_THREAD"
+PROBE_BYTES = 1 << 18                # above every shared-memory eager limit we know
+ABSENT_S = 10e-3                     # the probe's sender stays out of MPI this long
+FIRST_POLL_S, LONGEST_POLL_S = 2e-5, 1e-4
+PROBE_TAG = TAG_LIMIT - 1            # the step's messages are posted only after the probe is over
+
+
+def asked(progress_thread=None, environ=None):
+    """True / False as asked (the argument, else MINITRAIN_PROGRESS_THREAD=1 / 0); None: ask MPI."""
+    if progress_thread is not None:
+        if not isinstance(progress_thread, bool):
+            raise ValueError(f"progress_thread must be True, False or None (ask MPI), got {progress_thread!r}")
+        return progress_thread
+    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    choices = {"": None, "auto": None, "1": True, "0": False}
+    if value not in choices:
+        raise ValueError(f"{ENV} must be auto, 1 or 0, got {value!r}")
+    return choices[value]
+
+
+def moves_without_sender(comm):
+    """Whether a 256 KiB message reaches a waiting receiver while its sender stays out of MPI, on every
+    pair of neighbour ranks (r, r + 1); the same answer on every rank. Even r send first, then odd r."""
+    data, arrived = np.zeros(PROBE_BYTES // 8), True
+    for turn in (0, 1):
+        comm.barrier()
+        if comm.rank % 2 == turn and comm.rank + 1 < comm.size:
+            request = comm.isend(data, comm.rank + 1, PROBE_TAG)
+            time.sleep(ABSENT_S)                         # outside MPI: nothing here moves the message
+            comm.wait_all([request], "progress probe: send")
+        elif comm.rank % 2 != turn and comm.rank > 0:
+            request = comm.irecv(np.empty_like(data), comm.rank - 1, PROBE_TAG)
+            deadline = time.monotonic() + ABSENT_S / 2
+            while not (done := comm.test(request, "progress probe: recv")) and time.monotonic() < deadline:
+                time.sleep(5e-5)
+            arrived = arrived and done
+            if not done:
+                comm.wait_all([request], "progress probe: recv")
+    return bool(all_reduce(comm, np.array([float(arrived)]), op="min")[0])
+
+
+class ComputeProgress:
+    """``with progress.during(messages): compute()`` turns MPI's progress engine from a thread while the
+    compute runs, if this rank has messages in flight and MPI needs it (``enabled``)."""
+
+    def __init__(self, comm, progress_thread=None):
+        want = asked(progress_thread)
+        self.probed, self.why = None, f"{ENV} or progress_thread said so"   # probed: moves_without_sender's answer
+        if want is None:
+            want, self.why = False, "no MPI: messages move by themselves"
+            if getattr(comm, "backend_name", None) == "mpi" and comm.size > 1:
+                self.probed = moves_without_sender(comm)
+                want = not self.probed
+                self.why = f"MPI moves a large message {'without' if self.probed else 'only with'} its sender"
+        self.comm, self.enabled, self.polls = comm, want, 0
+        self._computing, self._go, self._idle = False, threading.Event(), contextlib.nullcontext()
+        if want:
+            threading.Thread(target=self._loop, name=f"pipeline-progress-rank{comm.rank}", daemon=True).start()
+
+    def during(self, messages):
+        return self if self.enabled and messages.in_flight() else self._idle
+
+    def __enter__(self):
+        self._computing = True
+        self._go.set()
+
+    def __exit__(self, *exc):
+        self._computing = False
+
+    def _loop(self):
+        fine_timer_slack()
+        while True:
+            self._go.wait()
+            self._go.clear()
+            delay = FIRST_POLL_S
+            while self._computing:
+                time.sleep(delay)
+                if self._computing:
+                    try:
+                        self.comm.poke()
+                    except Exception:           # the main thread's own waits report what failed
+                        return
+                    self.polls += 1
+                delay = min(2 * delay, LONGEST_POLL_S)

@@ -1,0 +1,51 @@
+"""The pipeline's progress thread under real MPI (run by tests/test_pipeline_progress.py; argv[1]:
+"thread" or "none", the forced choice). Prints what MPI answered when asked whether a message moves
+without its sender, whether a message sent just before a compute reached its waiting receiver during
+that compute, and a pipeline step with the forced choice: the thread's polls and the gradients."""
+import sys
+import time
+
+import numpy as np
+
+import minitrain as mt
+from minitrain import nn
+from minitrain.comm import init
+from minitrain.parallel.pipeline import PipelineParallel
+from minitrain.parallel.pipeline.progress import PROBE_BYTES, ComputeProgress
+
+COMPUTE_S = 0.5
+comm = init(timeout=60)
+thread = sys.argv[1] == "thread"
+asked = ComputeProgress(comm)
+print(f"rank {comm.rank}: moves without its sender {asked.probed}, thread {asked.enabled}", flush=True)
+
+forced = ComputeProgress(comm, progress_thread=thread)
+data = np.ones(PROBE_BYTES // 8)
+comm.barrier()
+if comm.rank == 0:
+    request = comm.isend(data, 1, 7)
+    with forced:
+        time.sleep(COMPUTE_S)              # a compute: outside MPI, the GIL released
+    left = time.monotonic()                # one clock for every process on this machine
+    comm.wait_all([request])
+    comm.send(np.array([left]), 1, 8)
+elif comm.rank == 1:
+    buf = np.zeros_like(data)
+    request = comm.irecv(buf, 0, 7)
+    while not comm.test(request):
+        time.sleep(5e-5)
+    arrived = time.monotonic()
+    left = np.zeros(1)
+    comm.recv(left, 0, 8)
+    assert (buf == 1).all()
+    print(f"rank 1: arrived {'during' if arrived < left[0] else 'after'} the sender's compute", flush=True)
+
+mt.set_default_dtype(np.float64)
+mt.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 4))
+pipe = PipelineParallel(model, comm, "1f1b", num_microbatches=2, progress_thread=thread)
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((256, 32)), rng.integers(0, 4, 256)
+loss = pipe.train_step(x, y, nn.functional.cross_entropy)
+digest = sum(float(np.abs(q.grad).sum()) for q in pipe.parameters())
+print(f"rank {comm.rank}: step loss {loss:.17g} grads {digest:.17g} polls {pipe.progress.polls}", flush=True)
