@@ -66,7 +66,6 @@ class Communicator(Launcher):
     def _irecv(self, buf, source, tag): raise NotImplementedError        # noqa: E704
     def _split(self, color, key): raise NotImplementedError              # noqa: E704
     def _idle(self, seconds): time.sleep(seconds)                        # noqa: E704
-    def poke(self): pass                # messages that move by themselves need no turn of a progress engine
     def abort(self, code=1): raise NotImplementedError                   # noqa: E704
 
     # ---- point-to-point (uid: the communicator's name, the same on every member)

@@ -140,12 +140,6 @@ class MPICommunicator(Communicator):
     def _irecv(self, buf, source, tag):
         return (self.device_transport() if backend.is_device_array(buf) else self.host).irecv(buf, source, tag)
 
-    def poke(self):
-        """One turn of MPI's progress engine that touches no request (an Iprobe: it receives nothing),
-        so another thread may call it while this one tests and waits (pipeline/progress.py)."""
-        MPI = _mpi()
-        self.mpi_comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-
     def _split(self, color, key):
         # a timed all-gather first: every rank has arrived, so MPI's blocking Split cannot hang
         members, _, uid = split_table(self, color, key)

@@ -11,6 +11,7 @@ import minitrain as mt
 from minitrain import nn
 from minitrain.comm import init
 from minitrain.parallel.pipeline import PipelineParallel
+from minitrain.parallel.pipeline.messages import StageMessages
 from minitrain.parallel.pipeline.progress import PROBE_BYTES, ComputeProgress
 
 COMPUTE_S = 0.5
@@ -20,20 +21,18 @@ asked = ComputeProgress(comm)
 print(f"rank {comm.rank}: moves without its sender {asked.probed}, thread {asked.enabled}", flush=True)
 
 forced = ComputeProgress(comm, progress_thread=thread)
-data = np.ones(PROBE_BYTES // 8)
+messages = StageMessages(comm, 2, 1)
+messages.begin(None)
 comm.barrier()
 if comm.rank == 0:
-    request = comm.isend(data, 1, 7)
-    with forced:
+    messages.send(np.ones(PROBE_BYTES // 8), 1, 0, 1, False)
+    with forced.during(messages):
         time.sleep(COMPUTE_S)              # a compute: outside MPI, the GIL released
     left = time.monotonic()                # one clock for every process on this machine
-    comm.wait_all([request])
+    messages.wait_for_sends()
     comm.send(np.array([left]), 1, 8)
 elif comm.rank == 1:
-    buf = np.zeros_like(data)
-    request = comm.irecv(buf, 0, 7)
-    while not comm.test(request):
-        time.sleep(5e-5)
+    buf = messages.recv(0, 0, 1, False, np)
     arrived = time.monotonic()
     left = np.zeros(1)
     comm.recv(left, 0, 8)
