@@ -67,12 +67,23 @@ class Messages:
         self.moving = moving
 
 
-def test_threads_of_one_process_are_not_asked_and_the_thread_runs_only_with_messages_in_flight(monkeypatch):
+def test_threads_of_one_process_are_not_asked_and_the_thread_runs_only_with_sends_in_flight(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     world = ThreadWorld(2)
     progress = ComputeProgress(world.comms[0])
     assert (progress.enabled, progress.probed) == (False, None) and "no MPI" in progress.why
-    assert progress.during(Messages([object()])) is not progress
+
+    def compute(action, received):
+        return action, received
+
+    assert progress.around(compute, Messages([object()])) is compute     # not enabled: the compute itself
     forced = ComputeProgress(world.comms[0], progress_thread=True)
-    assert forced.during(Messages([object()])) is forced
-    assert forced.during(Messages([])) is not forced
+    seen = []
+
+    def watched(action, received):
+        seen.append(forced._computing)
+        return action, received
+
+    assert forced.around(watched, Messages([object()]))("F", 1) == ("F", 1)
+    assert forced.around(watched, Messages([]))("B", 2) == ("B", 2)
+    assert seen == [True, False] and not forced._computing

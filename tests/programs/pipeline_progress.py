@@ -26,8 +26,7 @@ messages.begin(None)
 comm.barrier()
 if comm.rank == 0:
     messages.send(np.ones(PROBE_BYTES // 8), 1, 0, 1, False)
-    with forced.during(messages):
-        time.sleep(COMPUTE_S)              # a compute: outside MPI, the GIL released
+    forced.around(lambda action, received: time.sleep(COMPUTE_S), messages)(None, None)   # outside MPI, no GIL
     left = time.monotonic()                # one clock for every process on this machine
     messages.wait_for_sends()
     comm.send(np.array([left]), 1, 8)

@@ -20,7 +20,6 @@ version, testing for as long as anything was in flight, made 1F1B's step at m = 
 that Open MPI: measured.md), so where MPI moves messages alone there is no thread. MINITRAIN_PROGRESS_THREAD=1 / 0 (or
 PipelineParallel's progress_thread=True / False) starts it or not without asking.
 """
-import contextlib
 import os
 import threading
 import time
@@ -73,7 +72,7 @@ def moves_without_sender(comm):
 
 
 class ComputeProgress:
-    """``with progress.during(messages): compute()``: while the compute runs, a thread tests this rank's
+    """``progress.around(compute, messages)``: while the compute runs, a thread tests this rank's
     oldest send in flight (which turns MPI's progress engine for every message), after 20 us, then at
     doubling intervals up to 100 us, until no send is left moving; only if MPI needs it (``enabled``).
     The main thread touches the sends again only once the thread's test under way is over."""
@@ -88,16 +87,24 @@ class ComputeProgress:
                 want = not self.probed
                 self.why = f"MPI moves a large message {'without' if self.probed else 'only with'} its sender"
         self.comm, self.enabled, self.polls = comm, want, 0
-        self._computing, self._messages, self._idle = False, None, contextlib.nullcontext()
+        self._computing, self._messages = False, None
         self._go, self._turn = threading.Event(), threading.Lock()
         if want:
             threading.Thread(target=self._loop, name=f"pipeline-progress-rank{comm.rank}", daemon=True).start()
 
-    def during(self, messages):
-        if not (self.enabled and messages.moving):
-            return self._idle
-        self._messages = messages
-        return self
+    def around(self, compute, messages):
+        """``compute`` run with the thread testing ``messages``' sends in flight (``compute`` itself where
+        MPI moves them alone)."""
+        if not self.enabled:
+            return compute
+
+        def computing_with_sends_moved(action, received):
+            if not messages.moving:
+                return compute(action, received)
+            self._messages = messages
+            with self:
+                return compute(action, received)
+        return computing_with_sends_moved
 
     def __enter__(self):
         self._computing = True

@@ -163,7 +163,8 @@ class PipelineParallel:
         self._step = _Step(x, y, loss_fn, starts, weights, xp)
         tracer = trace.tracer()
         clock = self.stamps.clock(tracer)                   # this step's timing stamps (stamps.py)
-        self._run_actions(clock.receive(self._receive), clock.compute(self._compute), clock.send(self._send_result))
+        compute = self.progress.around(clock.compute(self._compute), self.messages)     # progress.py
+        self._run_actions(clock.receive(self._receive), compute, clock.send(self._send_result))
         wait_for_sends, all_reduce_gradients, all_reduce_loss = clock.closing(
             self.messages.wait_for_sends, self._all_reduce_gradients, self._all_reduce_loss)
         wait_for_sends()
@@ -192,8 +193,7 @@ class PipelineParallel:
                 received = receive(action)
             else:
                 self.messages.progress()
-            with self.progress.during(self.messages):
-                result = compute(action, received)
+            result = compute(action, received)
             if action.send_to is not None:
                 send(action, result)
             else:
