@@ -17,8 +17,9 @@ compute starts, then at doubling intervals up to 100 us, until none is left movi
 touches the sends again only once the thread's test under way is over (a lock), so the two never
 test one request at once. Each test takes a time slice and the GIL from the compute (a first
 version, testing for as long as anything was in flight, made 1F1B's step at m = 16 46% longer on
-that Open MPI: measured.md), so where MPI moves messages alone there is no thread. MINITRAIN_PROGRESS_THREAD=1 / 0 (or
-PipelineParallel's progress_thread=True / False) starts it or not without asking.
+that Open MPI: measured.md), so where MPI moves messages alone there is no thread.
+MINITRAIN_PROGRESS_THREAD=1 / 0 (or PipelineParallel's progress_thread=True / False) starts it or
+not without asking.
 """
 import os
 import threading
