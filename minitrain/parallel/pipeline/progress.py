@@ -10,7 +10,7 @@ until the compute ends: the issue's job measured a message at 2-4 ms and GPipe's
 (formula 0.059) on Open MPI 4.1.6 without CMA, against 67 us and 0.106 with it (measured.md).
 
 moves_without_sender(comm) asks MPI, once, when the pipeline is built: each rank sends 256 KiB to the
-next and stays out of MPI for 10 ms; did the message reach its waiting receiver in the first half?
+next and stays out of MPI for 40 ms; did the message reach its waiting receiver in the first half?
 Where it did not, ComputeProgress runs a thread that, while an action computes with sends in flight,
 tests the oldest of them (a test turns MPI's progress engine for every message) 20 us after the
 compute starts, then at doubling intervals up to 100 us, until none is left moving. The main thread
@@ -33,7 +33,8 @@ from .messages import TAG_LIMIT, fine_timer_slack
 
 ENV = "MINITRAIN_PROGRESS_THREAD"
 PROBE_BYTES = 1 << 18                # above every shared-memory eager limit we know
-ABSENT_S = 10e-3                     # the probe's sender stays out of MPI this long
+ABSENT_S = 40e-3                     # the probe's sender stays out of MPI this long (the receiver looks for
+                                     # half of it: a sender held off its core that long before its send is rare)
 FIRST_POLL_S, LONGEST_POLL_S = 2e-5, 1e-4   # (400 us: fewer tests, messages 2-5 ms late on MPICH without CMA)
 PROBE_TAG = TAG_LIMIT - 1            # the step's messages are posted only after the probe is over
 
