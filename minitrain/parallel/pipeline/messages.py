@@ -82,8 +82,8 @@ class StageMessages:
         self.counts.append(("sent", array.nbytes))
 
     def move_sends(self):
-        """One test of the oldest send still moving (progress.py's thread, while this rank computes);
-        whether a send is still moving."""
+        """One test of the oldest send still moving (progress(), and progress.py's thread while this rank
+        computes); whether a send is still moving."""
         try:
             if self.moving and self.moving[0].test():
                 del self.moving[0]
@@ -94,11 +94,11 @@ class StageMessages:
     def progress(self):
         """One test: of the next receive posted ahead, else of the oldest send still moving (a
         failure is left for the wait that owns the request to report)."""
+        if not self.posted:
+            self.move_sends()
+            return
         try:
-            if self.posted:
-                next(iter(self.posted.values()))[0].test()
-            elif self.moving and self.moving[0].test():
-                del self.moving[0]
+            next(iter(self.posted.values()))[0].test()
         except Exception:
             pass
 

@@ -88,7 +88,7 @@ class ComputeProgress:
                 self.probed = moves_without_sender(comm)
                 want = not self.probed
                 self.why = f"MPI moves a large message {'without' if self.probed else 'only with'} its sender"
-        self.comm, self.enabled, self.polls = comm, want, 0
+        self.enabled, self.polls = want, 0
         self._computing, self._messages = False, None
         self._go, self._turn = threading.Event(), threading.Lock()
         if want:
@@ -99,11 +99,11 @@ class ComputeProgress:
         MPI moves them alone)."""
         if not self.enabled:
             return compute
+        self._messages = messages
 
         def computing_with_sends_moved(action, received):
             if not messages.moving:
                 return compute(action, received)
-            self._messages = messages
             with self:
                 return compute(action, received)
         return computing_with_sends_moved
