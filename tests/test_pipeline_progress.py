@@ -2,9 +2,11 @@
 message moves while its sender stays out of MPI, and where it does not, a thread moves the messages while
 the rank computes. MPICH's single copy (CMA) on and off stands for the two kinds of MPI (Open MPI without
 CMA: btl_vader_single_copy_mechanism=none, set here too)."""
+import gc
 import pathlib
 import re
 import sys
+import time
 
 import pytest
 
@@ -37,6 +39,8 @@ def test_without_single_copy_the_thread_moves_a_message_while_its_sender_compute
     out, with_thread = run(False, thread=True)
     assert "rank 1: arrived during the sender's compute" in out, out
     assert with_thread[0][2] > 0                       # rank 0 computed with its sends in flight
+    for r in (0, 1):                                   # a process that builds many pipelines keeps no threads
+        assert f"rank {r}: thread ended with its pipeline True" in out, out
     out, without = run(False, thread=False)
     assert "rank 1: arrived after the sender's compute" in out, out      # what the thread is for
     assert without[0][2] == 0 and without[1][2] == 0
@@ -63,8 +67,11 @@ def test_the_thread_is_asked_for_by_argument_or_environment():
 
 
 class Messages:
-    def __init__(self, moving):
-        self.moving = moving
+    def __init__(self, sends, moving=False):
+        self.moving, self.still_moving = sends, moving
+
+    def move_sends(self):
+        return self.still_moving
 
 
 def test_threads_of_one_process_are_not_asked_and_the_thread_runs_only_with_sends_in_flight(monkeypatch):
@@ -87,3 +94,17 @@ def test_threads_of_one_process_are_not_asked_and_the_thread_runs_only_with_send
     assert forced.around(watched, Messages([object()]))("F", 1) == ("F", 1)
     assert forced.around(watched, Messages([]))("B", 2) == ("B", 2)
     assert seen == [True, False] and not forced._computing
+
+
+def test_the_thread_ends_when_its_compute_progress_is_collected():
+    world = ThreadWorld(2)
+    progress = ComputeProgress(world.comms[0], progress_thread=True)
+    thread = progress.thread
+    assert thread.is_alive()
+    progress.around(lambda action, received: time.sleep(0.05), Messages([object()], moving=True))("F", None)
+    assert progress.polls > 0                          # the thread held the object while it tested
+    del progress
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert ComputeProgress(world.comms[0], progress_thread=False).thread is None

@@ -135,6 +135,15 @@ def test_a_job_keeps_to_the_blas_threads_the_environment_asks_for():
     assert backend.default_blas_threads(ranks=1, cores=2, environ={"OMP_NUM_THREADS": ""}) == 2
 
 
+def test_a_rank_bound_to_one_core_takes_one_blas_thread(monkeypatch):
+    from minitrain._backend import host
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: {3}, raising=False)   # mpirun's binding
+    assert backend.default_blas_threads(ranks=2, environ={}) == 1
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert backend.default_blas_threads(ranks=2, environ={}) == 8
+
+
 def test_an_op_without_a_measured_cost_is_its_passes_over_memory():
     """The datasheet machine (no ops table): each pass at the elementwise rate, one launch per pass."""
     a100 = load_machine("a100-80gb")

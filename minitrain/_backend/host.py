@@ -36,10 +36,13 @@ BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 
 
 def default_blas_threads(ranks=None, cores=None, environ=None):
-    """BLAS threads a rank takes: cores / ranks on this machine, never more than OMP_NUM_THREADS (or
-    OPENBLAS_ / MKL_NUM_THREADS) asks for, as PyTorch keeps to it. (The planner predicts with the same rule.)"""
+    """BLAS threads a rank takes: the cores it may run on / the ranks on this machine, never more than
+    OMP_NUM_THREADS (or OPENBLAS_ / MKL_NUM_THREADS) asks for, as PyTorch keeps to it. (The planner
+    predicts with the same rule.) The cores are the process's affinity, not the machine's: a launcher
+    that binds each rank to a core (Open MPI does for 2 ranks) leaves it one thread, not cores / ranks
+    on that one core."""
     environ = os.environ if environ is None else environ
-    threads = max(1, (cores or os.cpu_count() or 1) // (ranks or local_rank_count()))
+    threads = max(1, (cores or usable_cores()) // (ranks or local_rank_count()))
     for var in BLAS_THREAD_VARS:
         value = environ.get(var, "").strip()
         if value.isdigit() and int(value) >= 1:

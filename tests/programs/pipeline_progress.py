@@ -1,7 +1,9 @@
 """The pipeline's progress thread under real MPI (run by tests/test_pipeline_progress.py; argv[1]:
 "thread" or "none", the forced choice). Prints what MPI answered when asked whether a message moves
 without its sender, whether a message sent just before a compute reached its waiting receiver during
-that compute, and a pipeline step with the forced choice: the thread's polls and the gradients."""
+that compute, a pipeline step with the forced choice (the thread's polls and the gradients), and
+whether the pipeline's thread ends once the pipeline is gone."""
+import gc
 import sys
 import time
 
@@ -47,3 +49,10 @@ x, y = rng.standard_normal((256, 32)), rng.integers(0, 4, 256)
 loss = pipe.train_step(x, y, nn.functional.cross_entropy)
 digest = sum(float(np.abs(q.grad).sum()) for q in pipe.parameters())
 print(f"rank {comm.rank}: step loss {loss:.17g} grads {digest:.17g} polls {pipe.progress.polls}", flush=True)
+
+thread_of_the_pipeline = pipe.progress.thread
+del pipe
+gc.collect()
+if thread_of_the_pipeline is not None:
+    thread_of_the_pipeline.join(10)
+    print(f"rank {comm.rank}: thread ended with its pipeline {not thread_of_the_pipeline.is_alive()}", flush=True)

@@ -24,6 +24,7 @@ not without asking.
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -90,9 +91,12 @@ class ComputeProgress:
                 self.why = f"MPI moves a large message {'without' if self.probed else 'only with'} its sender"
         self.enabled, self.polls = want, 0
         self._computing, self._messages = False, None
-        self._go, self._turn = threading.Event(), threading.Lock()
-        if want:
-            threading.Thread(target=self._loop, name=f"pipeline-progress-rank{comm.rank}", daemon=True).start()
+        self._go, self._turn, self.thread = threading.Event(), threading.Lock(), None
+        if want:                               # the thread holds this object weakly: it ends when the pipeline goes
+            self.thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._go), daemon=True,
+                                           name=f"pipeline-progress-rank{comm.rank}")
+            weakref.finalize(self, self._go.set)
+            self.thread.start()
 
     def around(self, compute, messages):
         """``compute`` run with the thread testing ``messages``' sends in flight (``compute`` itself where
@@ -117,19 +121,28 @@ class ComputeProgress:
         with self._turn:                       # a test under way ends before this thread tests the sends
             pass
 
-    def _loop(self):
-        backend.bind_thread()                  # the rank's GPU: a device transport's test may touch it
-        fine_timer_slack()
-        while True:
-            self._go.wait()
-            self._go.clear()
-            delay = FIRST_POLL_S
-            while self._computing:
-                time.sleep(delay)
-                with self._turn:
-                    if not self._computing:
-                        break
-                    self.polls += 1
-                    if not self._messages.move_sends():
-                        break
-                delay = min(2 * delay, LONGEST_POLL_S)
+    def _move_sends_while_computing(self):
+        delay = FIRST_POLL_S
+        while self._computing:
+            time.sleep(delay)
+            with self._turn:
+                if not self._computing:
+                    return
+                self.polls += 1
+                if not self._messages.move_sends():
+                    return
+            delay = min(2 * delay, LONGEST_POLL_S)
+
+
+def _serve(owner, go):
+    """The thread: woken for each compute with sends in flight, until its ComputeProgress is collected."""
+    backend.bind_thread()                      # the rank's GPU: a device transport's test may touch it
+    fine_timer_slack()
+    while True:
+        go.wait()
+        go.clear()
+        progress = owner()
+        if progress is None:
+            return
+        progress._move_sends_while_computing()
+        del progress                           # asleep, the thread keeps no pipeline alive
