@@ -3,6 +3,8 @@ stage-to-stage message goes to the schedule's simulator, between virtual stages 
 CPU work of a job's median step is the calibrated best case times the anchor's median over its best.
 Exact checks only (what is passed where, by how much it scales); how close it comes to a job's clock is
 scripts/bench_planner.py's to say."""
+import time
+
 import pytest
 
 from minitrain import plan
@@ -109,3 +111,20 @@ def test_a_line_through_the_messages():
     assert a == pytest.approx(1e-4, rel=1e-9) and b == pytest.approx(2e-9, rel=1e-9)
     assert job_overheads._line([(2048, 3e-4), (16384, 2e-4), (131072, 1e-4)]) == (2e-4, 0.0)   # falling: the median
     assert job_overheads._line([(2048, 0.0), (16384, 2e-4), (65536, 0.0)]) == (2e-4, 0.0)    # 0: no receiver waited
+
+
+def test_a_pipeline_action_cost_seen_only_at_the_largest_activation_is_priced_per_byte():
+    """One 128 KiB point is a per-byte cost of the runtime's actions, not ~100 us on every action of a small job."""
+    assert job_overheads._line([(2048, 0.0), (16384, 0.0), (131072, 1e-4)], alone="per_byte") == (0.0, 1e-4 / 131072)
+    assert job_overheads._line([(2048, 0.0), (131072, 1e-4)]) == (1e-4, 0.0)      # a message: its latency
+
+
+def test_a_wrappers_cost_is_the_median_of_back_to_back_pairs():
+    """Each pair's busy CPU difference, not each half's best: 2 ms of work less 1 ms of work, whatever the load."""
+    def burn(seconds):
+        def work():
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+        return work
+    assert job_overheads._paired_busy(burn(2e-3), burn(1e-3), 9) == pytest.approx(1e-3, abs=4e-4)

@@ -50,7 +50,7 @@ def measure_in_a_job(comm, repeats=30):
     plain = busy(model, x16, y)
     sharded = busy(FullyShardedDataParallel(model, comm), x16, y)
     piped = [(4 * 32 * w, *_pipeline_action(comm, repeats, w)) for w in (16, 128, 512, 1024)]
-    action, message = _line([(n, a) for n, a, _ in piped]), _line([(n, m) for n, _, m in piped])
+    action, message = _line([(n, a) for n, a, _ in piped], alone="per_byte"), _line([(n, m) for n, _, m in piped])
     mine = np.array([max(0.0, t0 - per_byte * b0), per_byte, max(0.0, sharded - plain) / units, *action, *message])
     from .. import comm as mtcomm
     slowest = mtcomm.all_reduce(comm, mine, op="max")
@@ -60,11 +60,16 @@ def measure_in_a_job(comm, repeats=30):
             "typical_job": typical_over_best(comm, 100), "typical_job_waited": typical_over_best(comm, 100, WAIT_S)}
 
 
-def _line(points):
+def _line(points, alone="per_call"):
     """(a, b) >= 0 of t = a + b·n over [(n, t)], least squares in relative error (as calibrate's alpha-beta
-    fits: a small message counts as much as a large one); points at t = 0 (nothing measured) left out."""
+    fits: a small message counts as much as a large one); points at t = 0 (nothing measured) left out. A
+    point left alone is a per-call cost (a message's latency) or, ``alone="per_byte"``, a per-byte one (a
+    runtime's cost that shows only at the largest activation: taken per call, one 128 KiB point priced
+    every action of a small job at ~100 us, 1.3-1.6x its step)."""
     points = [(n, t) for n, t in points if t > 0]
     if len(points) < 2:
+        if points and alone == "per_byte":
+            return 0.0, points[0][1] / points[0][0]
         return (points[0][1] if points else 0.0), 0.0
     n, t = np.array(points, np.float64).T
     (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
@@ -73,6 +78,20 @@ def _line(points):
     if a < 0:
         return 0.0, float(np.median(t / n))
     return float(a), float(b)
+
+
+def _paired_busy(fn, baseline, repeats):
+    """The median over ``repeats`` pairs, run back to back, of ``fn``'s busy CPU less ``baseline``'s (after one
+    warm-up call of each): a slow spell of the machine slows both halves of a pair alike. (The difference
+    of each one's best of 30 read 0 or 100 us an action from one calibration to the next.)"""
+    from ..comm.communicator import waiting_cpu_seconds
+
+    def busy(f):
+        t = time.thread_time() - waiting_cpu_seconds()
+        f()
+        return time.thread_time() - waiting_cpu_seconds() - t
+    fn(), baseline()
+    return float(np.median([busy(fn) - busy(baseline) for _ in range(repeats)]))
 
 
 def _best_busy(fn, repeats):
@@ -112,10 +131,9 @@ def _pipeline_action(comm, repeats, width, m=8, rows=32):
                 out = stage(Tensor(received[i], requires_grad=True))
                 (nn.functional.cross_entropy(out, y[rows * i:rows * (i + 1)]) * (1.0 / m)).backward()
     trace.enable(rank=comm.rank)
-    piped = _best_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), repeats)
+    extra = _paired_busy(lambda: pipe.train_step(x, y, nn.functional.cross_entropy), direct, repeats)
     from ..parallel.pipeline.measure import summarize
     message = summarize(pipe)["message_cost_s"]            # the same on both ranks (a collective)
-    alone = _best_busy(direct, repeats)
     trace.disable()
     trace.tracer().events.clear()
-    return max(0.0, piped - alone) / (2 * m), message
+    return max(0.0, extra) / (2 * m), message
