@@ -178,3 +178,17 @@ def test_a_recomputed_forward_pays_its_python_without_recording_it():
     assert [f.nodes + f.unrecorded for f, _ in redone] == [f.nodes + (j in (0, 3)) for j, (f, _) in
                                                            enumerate(layers)]   # last one not recomputed
     assert [f.unrecorded for f, _ in redone] == [f.nodes if j < 6 else 0 for j, (f, _) in enumerate(layers)]
+
+
+@pytest.mark.parametrize("options, moe", [("--n-layer 3 --n-embd 32 --block-size 16", 0),
+                                          ("--n-layer 2 --n-embd 32 --block-size 16 --moe-experts 4", 4)])
+def test_the_planner_counts_the_gpts_parameter_tensors_one_by_one(options, moe):
+    """The optimizer, the clip and the accumulation of the gradients pay per tensor: the planner's tensors per
+    layer are the model's, in its order (ln weight and bias apart: 15 tensors on gpt --pp 2's last stage, not 8)."""
+    from minitrain import nn
+    from minitrain.plan.counts import _layer_sizes
+    from minitrain.plan.validate import planned
+    model, layout = planned("gpt", 1, options)
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=model.vocab_size, block_size=model.block_size, n_layer=model.n_layer,
+                              n_head=4, n_embd=model.n_embd, moe_experts=moe))
+    assert [x for layer in _layer_sizes(model, layout) for x in layer] == [q.size for q in gpt.parameters()]

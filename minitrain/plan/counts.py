@@ -54,16 +54,17 @@ def predict_nodes(model, layout, machine=None):
 
 
 def _layer_sizes(model, layout):
-    """Each layer's parameter tensors (element counts), as the pipeline cuts the layers."""
+    """Each layer's parameter tensors (element counts), as the pipeline cuts the layers: one entry per tensor
+    (the optimizer, the clip and the gradients' accumulation pay per tensor), as GPT3D's stages hold them."""
     if model.kind == "mlp":
         return [[i * o, o] if k == "linear" else [] for k, i, o in model.modules()]
     from .experts import moe_mlp_sizes
     h, t, v, f = model.n_embd, layout.tp, -(-model.vocab_size // layout.tp), model.ffn
-    attention = [2 * h, 3 * h * h // t + 3 * h // t, h * h // t + h, 2 * h]
-    block = attention + [h * f // t + f // t, f * h // t + h]
+    attention = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h]      # ln_1, qkv, proj (its bias whole), ln_2
+    block = attention + [h * f // t, f // t, f * h // t, h]
     moe = attention + moe_mlp_sizes(model, layout) if model.moe_experts else block
     return ([[v * h, model.block_size * h]] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)]
-            + [[2 * h, v * h]])
+            + [[h, h, v * h]])
 
 
 def _mlp_works(model, layout, rows):
