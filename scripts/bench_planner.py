@@ -139,6 +139,13 @@ def main():
             (machine, others) = with_others_share(lambda: calibrated(os.path.join(tmp, "machine.json")))
             print(f"calibrated this machine once ({time.perf_counter() - start:.0f} s; other processes "
                   f"{others:.0%} of the cores meanwhile)", flush=True)
+            print("  its median step over the best case: alone {typical_alone:.3f}, in a job {typical_job:.3f}, a "
+                  "pipeline stage after a wait {typical_job_waited:.3f}; a pipeline action {a:.1f} us + {b:.2g} s/byte; "
+                  "a stage-to-stage message {c:.1f} us".format(
+                      a=machine.get("pipeline_action_s", 0) * 1e6, b=machine.get("pipeline_action_byte_s", 0),
+                      c=machine.get("pipeline_message_s", 0) * 1e6,
+                      **{k: machine.get(k, 1.0) for k in ("typical_alone", "typical_job", "typical_job_waited")}),
+                  flush=True)
     else:
         machine = load_machine(args.machine)
     results, runs = [], validate.RUNS

@@ -128,3 +128,11 @@ def test_a_wrappers_cost_is_the_median_of_back_to_back_pairs():
                 pass
         return work
     assert job_overheads._paired_busy(burn(2e-3), burn(1e-3), 9) == pytest.approx(1e-3, abs=4e-4)
+
+
+def test_a_slow_spell_in_one_series_of_the_anchor_is_outvoted(monkeypatch):
+    """calibrate's typical_job and typical_job_waited: the median of three series, not the one series a spell
+    of the machine slowed (it priced every pipeline 1.4x)."""
+    series = iter([1.10, 1.20, 1.50, 1.45, 1.12, 1.18])       # (job, waited) in turn; the second pair slowed
+    monkeypatch.setattr(job_overheads, "typical_over_best", lambda comm, repeats, sleep=0.0: next(series))
+    assert job_overheads._typical_in_a_job(None) == {"typical_job": 1.12, "typical_job_waited": 1.20}
