@@ -136,3 +136,25 @@ def test_a_slow_spell_in_one_series_of_the_anchor_is_outvoted(monkeypatch):
     series = iter([1.10, 1.20, 1.50, 1.45, 1.12, 1.18])       # (job, waited) in turn; the second pair slowed
     monkeypatch.setattr(job_overheads, "typical_over_best", lambda comm, repeats, sleep=0.0: next(series))
     assert job_overheads._typical_in_a_job(None) == {"typical_job": 1.12, "typical_job_waited": 1.20}
+
+
+def _scaled_job_fits(machine, k):
+    """A copy of ``machine`` whose collectives' in-a-job fits are k times its own (k None: no such fits)."""
+    out = {**machine, "collectives": {}}
+    for name, table in machine["collectives"].items():
+        out["collectives"][name] = {p: {key: (v * k if key.startswith("job_") and isinstance(v, float) else v) for key, v in fit.items()
+                                        if k is not None or not key.startswith("job_")} for p, fit in table.items()}
+    return out
+
+
+def test_fsdp_collectives_on_the_progress_thread_are_priced_as_a_job_meets_them():
+    """ZeRO-3's gathers and scatters run on the progress thread beside the compute: the calibrated in-a-job fit
+    prices them (all of the step's comm), the best case where none was measured; ZeRO-1's own collectives keep
+    the best case."""
+    machine = plan.load_machine("cpu-2core")
+    zero3 = planned("mlp", 2, "--strategy zero3 --recompute full --layers 4 --hidden 256")
+    comm = {k: ptime.predict_time(*zero3, _scaled_job_fits(machine, k))["comm"] for k in (1.0, 2.0, None)}
+    assert comm[2.0] == pytest.approx(2 * comm[1.0], rel=1e-12) and comm[None] < comm[1.0]
+    zero1 = planned("mlp", 2, "--strategy zero1 --hidden 256")
+    assert ptime.predict_time(*zero1, _scaled_job_fits(machine, 2.0))["comm"] == \
+        ptime.predict_time(*zero1, _scaled_job_fits(machine, 1.0))["comm"]

@@ -5,7 +5,7 @@ machine's link constants.
 """
 
 
-def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compute=False):
+def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compute=False, in_job=False):
     """Seconds of one collective over p ranks (calibrated alpha/beta of that algorithm at the nearest
     measured p, its best case: the wait for a rank that arrives late is the compute's, priced at the slowest
     rank's median pace, typical(); else the machine's link constants with the ring's step and byte counts).
@@ -13,7 +13,10 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     waits (its copies, reductions and calls; calibrated alike; a datasheet machine: the call). ``after_compute``:
     called right after a layer's arithmetic, as tensor parallelism's collectives are: its Python and copies run
     from memory, not cache (the calibrated "cold_busy" fit, where measured: 2-3x the best case's busy CPU); the
-    wall is the best case's plus that much (the ranks' wait for each other is the compute's, as above)."""
+    wall is the best case's plus that much (the ranks' wait for each other is the compute's, as above).
+    ``in_job``: run on the progress thread while the ranks compute (FSDP's gathers and scatters), at the calibrated
+    "job_" fit where measured (ranks unaligned, after a compute: 2-3x the best case on a 2-core machine, and
+    ZeRO-3 + recomputation's step waited 1.5 ms for collectives the best case priced at 0.67 ms: measured.md)."""
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
         return call
@@ -32,6 +35,8 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
             return cold if busy else fitted(fit, steps, sent) + extra
         if busy:
             return fitted(fit, steps, sent, "busy_") if "busy_alpha_s" in fit else call
+        if in_job and "job_alpha_s" in fit:
+            return fitted(fit, steps, sent, "job_")
         return fitted(fit, steps, sent)                      # the ranks arriving apart: in typical()
     if busy:
         return call

@@ -88,9 +88,10 @@ def predict_time(model, layout, machine):
     compute, comm, comm_busy = m * (fc + bc), m * (fm + bm), m * (fo + bo)
 
     def coll(name, nbytes, p, span=None, times=1.0, own_thread=True):
-        """A collective of the tail: its wall time to comm; its busy part to comm_busy if this thread runs it."""
+        """A collective of the tail: its wall time to comm; its busy part to comm_busy if this thread runs it.
+        One on the progress thread beside the compute is priced as a job meets it (alpha_beta.collective)."""
         nonlocal comm, comm_busy
-        comm += times * collective(machine, name, nbytes, p, span)
+        comm += times * collective(machine, name, nbytes, p, span, in_job=not own_thread)
         comm_busy += times * collective(machine, name, nbytes, p, span, busy=True) if own_thread else 0.0
     # the step's tail: gradients reduced over dp (DDP overlaps its buckets with backward), the optimizer
     dp, z, grad_bytes, span_dp = layout.dp, layout.zero, n_local * e, layout.tp * layout.dp
