@@ -90,25 +90,27 @@ def _line(points, alone="per_call"):
     return float(a), float(b)
 
 
+def _busy_cpu():
+    """This thread's CPU time outside its waits for peers (what the jobs' step timer calls busy)."""
+    from ..comm.communicator import waiting_cpu_seconds
+    return time.thread_time() - waiting_cpu_seconds()
+
+
 def _paired_busy(fn, baseline, repeats):
     """The median over ``repeats`` pairs, run back to back, of ``fn``'s busy CPU less ``baseline``'s (after one
     warm-up call of each): a slow spell of the machine slows both halves of a pair alike. (The difference
     of each one's best of 30 read 0 or 100 us an action from one calibration to the next.)"""
-    from ..comm.communicator import waiting_cpu_seconds
-
     def busy(f):
-        t = time.thread_time() - waiting_cpu_seconds()
+        t = _busy_cpu()
         f()
-        return time.thread_time() - waiting_cpu_seconds() - t
+        return _busy_cpu() - t
     fn(), baseline()
     return float(np.median([busy(fn) - busy(baseline) for _ in range(repeats)]))
 
 
 def _best_busy(fn, repeats):
-    """The least busy CPU (this thread's CPU time outside its waits for peers) of ``repeats`` calls of
-    ``fn``, after one call to warm it up."""
-    from ..comm.communicator import waiting_cpu_seconds
-    return _best(fn, repeats, lambda: None, lambda: time.thread_time() - waiting_cpu_seconds())
+    """The least busy CPU of ``repeats`` calls of ``fn``, after one call to warm it up."""
+    return _best(fn, repeats, lambda: None, _busy_cpu)
 
 
 def _pipeline_action(comm, repeats, width, m=8, rows=32):
