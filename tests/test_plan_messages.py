@@ -9,7 +9,7 @@ import pytest
 
 from minitrain import plan
 from minitrain.parallel.pipeline import get_schedule, simulate
-from minitrain.plan import job_overheads
+from minitrain.plan import collective_fits, job_overheads
 from minitrain.plan import time as ptime
 from minitrain.plan.bubble import _simulated
 from minitrain.plan.validate import planned
@@ -136,6 +136,25 @@ def test_a_slow_spell_in_one_series_of_the_anchor_is_outvoted(monkeypatch):
     series = iter([1.10, 1.20, 1.50, 1.45, 1.12, 1.18])       # (job, waited) in turn; the second pair slowed
     monkeypatch.setattr(job_overheads, "typical_over_best", lambda comm, repeats, sleep=0.0: next(series))
     assert job_overheads._typical_in_a_job(None) == {"typical_job": 1.12, "typical_job_waited": 1.20}
+    spread = [(1.10, 1.20), (1.50, 1.45), (1.12, 1.18)]        # taken by calibrate between its rounds
+    assert job_overheads._typical_in_a_job(None, spread) == {"typical_job": 1.12, "typical_job_waited": 1.20}
+
+
+def test_a_spell_in_one_round_of_the_in_a_job_collectives_is_outvoted():
+    """calibrate's in-a-job timings: each key measured once per round, every key in turn before the next round
+    (one key's rounds seconds apart), the lowest round kept; a spell that slows the second round does not
+    price the collective."""
+    order, rounds = [], iter(range(100))
+    spell = {("ring_all_gather", 4096): [(1e-4, 9e-5), (3e-4, 2e-4), (1.2e-4, 8e-5)],
+             ("ring_all_gather", 65536): [(2e-4, 1e-4), (6e-4, 5e-4), (1.8e-4, 1.1e-4)]}
+
+    def measure(key):
+        order.append(key)
+        return spell[key][len([k for k in order if k == key]) - 1]
+    lowest = collective_fits.lowest_of_rounds(list(spell), measure, 3, lambda: order.append(next(rounds)))
+    assert lowest == {("ring_all_gather", 4096): (1e-4, 8e-5), ("ring_all_gather", 65536): (1.8e-4, 1e-4)}
+    keys = list(spell)
+    assert order == [*keys, 0, *keys, 1, *keys, 2]           # every key in a round, then the next round
 
 
 def _scaled_job_fits(machine, k):

@@ -34,6 +34,9 @@ def fit_alpha_beta(points, name, p):
             "points": [[int(n), float(s)] for n, s in points]}
 
 
+ROUNDS = 3     # in-a-job rounds, each over every collective and size in turn, taken seconds apart
+
+
 def _worker(out_path, sizes):
     """Under mpiexec: time every collective at every size (best of 8, slowest rank), by the wall clock and by
     the CPU time the calling thread spends outside its waits (its copies, reductions and calls: the part a
@@ -42,7 +45,11 @@ def _worker(out_path, sizes):
     apart and the caches are the compute's: on this 2-core machine 1.5-3x the best case; only where the ranks
     fit the cores); and its busy CPU right after that compute with the ranks aligned ("cold_busy_*": the
     collective's own Python and copies run from memory, not cache, as a tensor-parallel layer's collectives do
-    after its matmuls: 2-3x the warm busy CPU here); rank 0 writes JSON."""
+    after its matmuls: 2-3x the warm busy CPU here); rank 0 writes JSON. The in-a-job medians are the lowest of
+    ROUNDS rounds, each over every collective and size, so that they are taken seconds apart: a spell of
+    another load on one core lasts 0.3-1 s here, and two rounds of one size 30 ms apart both fell in one (a
+    2-rank all-gather's in-a-job fixed cost read 106-335 us over four calibrations, and priced ZeRO-3 3.7x its
+    step). Between rounds, one series of the anchor for typical_job (job_overheads._typical_in_a_job)."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
     backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
@@ -50,6 +57,7 @@ def _worker(out_path, sizes):
     results = {}
     from ..comm.communicator import waiting_cpu_seconds
     from .anchor import anchor
+    from .job_overheads import measure_in_a_job, typical_series
     # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner
     # already charges to the compute (its ranks / cores factor); there, the best case only
     fits_the_cores = backend.get_device() != "cpu" or c.size <= (os.cpu_count() or 1)
@@ -70,47 +78,62 @@ def _worker(out_path, sizes):
             own.append(time.thread_time() - waiting_cpu_seconds() - cpu)
         return walls, own
 
-    for name in COLLECTIVES:
-        points, busy, in_job, after_compute = [], [], [], []
-        for nbytes in sizes:
-            x = xp.ones(nbytes // 4, np.float32)
-            buf = xp.empty_like(x)
-            if name == "p2p":
-                if c.size < 2:
-                    break
+    arrays = {n: (xp.ones(n // 4, np.float32), xp.empty(n // 4, np.float32)) for n in sizes}
+    names = [name for name in COLLECTIVES if name != "p2p" or c.size >= 2]
+    ops = {(name, n): _op(c, mtcomm, name, *arrays[n]) for name in names for n in sizes}
+    best = {key: timed(op, 9, aligned=True, after_compute=False) for key, op in ops.items()}
 
-                def op():
-                    if c.rank == 0:
-                        c.send(x, 1, tag=7)
-                    elif c.rank == 1:
-                        c.recv(buf, 0, tag=7)
-            else:
-                fn = {"ring_all_reduce": lambda: mtcomm.ring_all_reduce(c, x),
-                      "ring_reduce_scatter": lambda: mtcomm.ring_reduce_scatter(c, x),
-                      "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
-                      "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]
-                op = fn
-            times, own = timed(op, 9, aligned=True, after_compute=False)
-            job, _ = timed(op, 9 if fits_the_cores else 0, aligned=False, after_compute=True)   # as a job meets it
-            _, cold = timed(op, 9 if fits_the_cores else 0, aligned=True, after_compute=True)   # all ranks at once
-            again, _ = timed(op, 9 if fits_the_cores else 0, aligned=False, after_compute=True)
-            # a job's median: the lower of two rounds taken apart (one round in a slow spell of the machine
-            # read a 2-rank all-gather's fixed cost 2.8x the other calibrations' and priced ZeRO-3 1.4x its step)
-            mine = np.array([min(times[1:]), min(own[1:]), min(np.median(job), np.median(again)) if job else 0.0,
-                             np.median(cold) if cold else 0.0])                               # best of 8, as the others
-            slowest = mtcomm.all_reduce(c, mine, op="max")
-            points.append((nbytes, float(slowest[0])))
-            busy.append((nbytes, float(slowest[1])))
-            in_job.append((nbytes, float(slowest[2])))
-            after_compute.append((nbytes, float(slowest[3])))
-        if points and c.rank == 0:
+    def in_a_job(key):
+        job, _ = timed(ops[key], 9, aligned=False, after_compute=True)     # as a job meets it
+        _, own = timed(ops[key], 9, aligned=True, after_compute=True)      # all ranks at once
+        return float(np.median(job)), float(np.median(own))
+    typical = []
+    lowest = lowest_of_rounds(list(ops), in_a_job, ROUNDS if fits_the_cores else 0,
+                              lambda: typical.append(typical_series(c)) if c.size == 2 else None)
+    for name in names:
+        points, busy, job_points, cold_points = [], [], [], []
+        for n in sizes:
+            times, own = best[name, n]
+            mine = np.array([min(times[1:]), min(own[1:]), *lowest.get((name, n), (0.0, 0.0))])
+            slowest = mtcomm.all_reduce(c, mine, op="max")                # best of 8, as the others
+            points.append((n, float(slowest[0])))
+            busy.append((n, float(slowest[1])))
+            job_points.append((n, float(slowest[2])))
+            cold_points.append((n, float(slowest[3])))
+        if c.rank == 0:
             results[name] = fit_alpha_beta(points, name, c.size)
-            for kind, measured in [("busy_", busy)] + ([("job_", in_job), ("cold_busy_", after_compute)]
+            for kind, measured in [("busy_", busy)] + ([("job_", job_points), ("cold_busy_", cold_points)]
                                                         if fits_the_cores else []):
                 results[name].update({kind + k: v for k, v in fit_alpha_beta(measured, name, c.size).items()})
     if c.size == 2:
-        from .job_overheads import measure_in_a_job
-        results["overheads"] = measure_in_a_job(c)
+        results["overheads"] = measure_in_a_job(c, typical_runs=typical or None)
     if c.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
+
+
+def lowest_of_rounds(keys, measure, rounds, between):
+    """{key: the lowest over ``rounds`` rounds of each figure measure(key) returns}: each round measures every
+    key in turn, then calls ``between``, so that one key's rounds are taken seconds apart and a spell of
+    another load lasts through one of them, not all."""
+    lowest = {}
+    for _ in range(rounds):
+        for key in keys:
+            lowest[key] = tuple(np.minimum(lowest.get(key, np.inf), measure(key)))
+        between()
+    return lowest
+
+
+def _op(c, mtcomm, name, x, buf):
+    """One call of the collective ``name`` on x (p2p: rank 0 sends x to rank 1's buf)."""
+    if name == "p2p":
+        def op():
+            if c.rank == 0:
+                c.send(x, 1, tag=7)
+            elif c.rank == 1:
+                c.recv(buf, 0, tag=7)
+        return op
+    return {"ring_all_reduce": lambda: mtcomm.ring_all_reduce(c, x),
+            "ring_reduce_scatter": lambda: mtcomm.ring_reduce_scatter(c, x),
+            "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
+            "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]

@@ -15,7 +15,7 @@ from .microbench import _best
 WAIT_S = 5e-4      # a pipeline stage's wait for its input, asleep in the poll, before it computes
 
 
-def measure_in_a_job(comm, repeats=30):
+def measure_in_a_job(comm, repeats=30, typical_runs=None):
     """Under mpiexec -n 2: what DDP, FSDP and a pipeline's runtime add to the CPU time a step's own thread spends
     outside its waits (busy), beyond the plain model's: per step and per byte of gradient for DDP, per unit for
     FSDP, per action and per byte of the activation it sends or receives for a pipeline, and what one of its
@@ -57,15 +57,21 @@ def measure_in_a_job(comm, repeats=30):
     return {"ddp_step_s": float(slowest[0]), "ddp_byte_s": float(slowest[1]), "fsdp_unit_s": float(slowest[2]),
             "pipeline_action_s": float(slowest[3]), "pipeline_action_byte_s": float(slowest[4]),
             "pipeline_message_s": float(slowest[5]), "pipeline_message_byte_s": float(slowest[6]),
-            **_typical_in_a_job(comm)}
+            **_typical_in_a_job(comm, typical_runs)}
 
 
-def _typical_in_a_job(comm, series=3):
-    """typical_job and typical_job_waited (anchor.typical_over_best on both ranks at once, without and with a wait
-    asleep before each run), each the median of ``series`` series taken in turn: one series of 100 runs read 1.06
-    to 1.21 from one calibration to the next, and a spell of the machine that slows a single series (one
-    calibration priced every pipeline 1.4x its busy CPU) is outvoted by the other two."""
-    runs = [(typical_over_best(comm, 100), typical_over_best(comm, 100, WAIT_S)) for _ in range(series)]
+def typical_series(comm):
+    """One series each of anchor.typical_over_best on both ranks at once, without and with a wait asleep
+    before each run: (job, waited)."""
+    return typical_over_best(comm, 100), typical_over_best(comm, 100, WAIT_S)
+
+
+def _typical_in_a_job(comm, runs=None, series=3):
+    """typical_job and typical_job_waited, each the median of its series (``runs``: taken by the caller, seconds
+    apart; else ``series`` taken here in turn): one series of 100 runs read 1.06 to 1.21 from one calibration to
+    the next, and a spell of the machine that slows a single series (one calibration priced every pipeline 1.4x
+    its busy CPU) is outvoted by the other two."""
+    runs = runs or [typical_series(comm) for _ in range(series)]
     job, waited = np.median(np.array(runs), axis=0)
     return {"typical_job": float(job), "typical_job_waited": float(waited)}
 
