@@ -14,11 +14,11 @@ EXTRA = 1e-4                       # seconds per ring step added by the cold fit
 
 
 def without_cold():
-    """cpu-2core as calibrated before the cold fits existed: each collective at its best case only."""
+    """cpu-2core as calibrated before the cold and in-a-job fits existed: each collective at its best case only."""
     machine = copy.deepcopy(plan.load_machine("cpu-2core"))
     for table in machine["collectives"].values():
         for fit in table.values():
-            for key in [k for k in fit if k.startswith("cold_")]:
+            for key in [k for k in fit if k.startswith(("cold_", "job_"))]:
                 del fit[key]
     return machine
 
@@ -42,6 +42,23 @@ def test_a_collective_after_compute_takes_the_cold_fit_and_only_then():
             best + 2 * EXTRA, rel=1e-12)
         # a machine calibrated before the cold fits existed: the best case
         assert collective(warm, "ring_all_reduce", 1 << 14, 2, busy=busy, after_compute=True) == best
+
+
+def test_a_collective_after_compute_takes_at_least_its_in_a_job_wall():
+    """Its wall: the larger of the best case plus the cold CPU work and the in-a-job fit (ranks arriving apart,
+    each waiting for the other's jitter); its busy CPU stays the cold fit's."""
+    machine = with_cold()
+    for fit in machine["collectives"]["ring_all_reduce"].values():
+        fit.update(job_alpha_s=fit["alpha_s"] + 3 * EXTRA, job_beta_s_per_byte=fit["beta_s_per_byte"])
+    cold, best = with_cold(), collective(machine, "ring_all_reduce", 1 << 14, 2)
+    assert collective(machine, "ring_all_reduce", 1 << 14, 2, after_compute=True) == pytest.approx(
+        best + 2 * 3 * EXTRA, rel=1e-12)
+    assert collective(machine, "ring_all_reduce", 1 << 14, 2, busy=True, after_compute=True) == collective(
+        cold, "ring_all_reduce", 1 << 14, 2, busy=True, after_compute=True)
+    for fit in machine["collectives"]["ring_all_reduce"].values():      # below the cold wall: the cold wall
+        fit.update(job_alpha_s=fit["alpha_s"] + EXTRA / 2)
+    assert collective(machine, "ring_all_reduce", 1 << 14, 2, after_compute=True) == pytest.approx(
+        best + 2 * EXTRA, rel=1e-12)
 
 
 # ring steps of a step's tensor-parallel collectives at p = 2 (an all-reduce 2, a reduce-scatter or all-gather 1),
