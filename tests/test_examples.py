@@ -118,7 +118,8 @@ def test_gpt_recompute_modes_train_identically(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, flags", [("zero1", []), ("zero2", ["--precision", "bf16"]),
-                                             ("zero3", ["--offload"])])
+                                             ("zero3", ["--offload"]),
+                                             ("zero3", ["--recompute", "full", "--layers", "4"])])
 def test_zero_strategies_train_and_report_the_formula_memory(tmp_path, strategy, flags):
     out = tmp_path / "mlp.json"
     run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", strategy,

@@ -238,6 +238,39 @@ def test_fsdp_frees_gathered_units_between_forward_and_backward():
         assert gathers == 2 * units                          # once in forward, once in backward
 
 
+def test_fsdp_with_recomputation_gathers_each_unit_twice_and_frees_it_between():
+    """checkpoint_sequential as the model's forward, run through the wrapper (the mlp job's --recompute full):
+    each unit gathered once in forward and once more in backward (by its recomputation or by its own backward,
+    not also by a prefetch in forward order that a recomputation inside backward does not need), the units
+    freed after the forward, and the gradients those of the run without recomputation."""
+    from minitrain.parallel import checkpoint_sequential
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        out = []
+        for recompute in (False, True):
+            tracker = memory.MemoryTracker()
+            with memory.use_tracker(tracker):
+                mt.manual_seed(0)
+                model = nn.MLP([64, 96, 80, 72, 10])          # 7 modules: 3 segments, the last not checkpointed
+                if recompute:
+                    model.forward = lambda x, model=model: checkpoint_sequential(model, None, x)
+                fsdp = FullyShardedDataParallel(model, comm)
+                shards = sum(u.flat.shard_size for u in fsdp.units)
+                x = np.random.default_rng(comm.rank).standard_normal((4, 64))
+                comm.stats.reset()
+                loss = F.cross_entropy(fsdp(mt.Tensor(x)), np.zeros(4, np.int64))
+                after_forward = tracker.live["params"]
+                loss.backward()
+                grads = [q.grad.copy() for q in fsdp.parameters()]
+                out.append((shards, after_forward, comm.stats["ring_all_gather"]["calls"], len(fsdp.units), grads))
+        return out
+    for (shards, after, gathers, units, grads), (_, after_r, gathers_r, _, grads_r) in ThreadWorld(2).run(fn):
+        assert gathers == gathers_r == 2 * units
+        assert after <= 8 * shards + 8 * units and after_r <= 8 * shards + 8 * units    # only the shards alive
+        assert all(np.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, grads_r))
+
+
 def test_the_formula_code_reproduces_the_papers_table():
     import runpy
     import pathlib

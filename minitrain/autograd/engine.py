@@ -68,6 +68,11 @@ def queue_callback(fn):
     _callbacks.queue.append(fn)
 
 
+def in_backward():
+    """Is a backward running on this thread? (A forward now is a recomputation: activation checkpointing.)"""
+    return _callbacks.queue is not None
+
+
 def backward(root, grad=None, retain_graph=False):
     """Accumulate the gradient of ``root`` into every leaf it depends on (see the module docstring)."""
     outermost = _callbacks.depth == 0

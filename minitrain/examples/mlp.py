@@ -142,12 +142,12 @@ def _main(argv=None):
         return checkpointing.fail(comm, e)
     memory.reset_peak()
 
+    if args.recompute == "full":            # the model's own forward: every wrapper runs it in its call (FSDP
+        model.forward = lambda x: checkpoint_sequential(model, None, x)   # under its hooks that free the units)
+
     def forward(x):
         x = x.to(dtype)                     # mixed precision: compute in fp16/bf16, loss in fp32
-        if args.recompute == "full":        # DDP's hooks are on the parameters: it works unchanged
-            out = checkpoint_sequential(model, None, x)
-        else:
-            out = wrapped(x)
+        out = wrapped(x)
         return out.float() if mixed else out    # fp64 stays fp64 (the loss included)
     forward, opt.step = traced(forward, "forward"), traced(opt.step, "optimizer")   # the timeline's phases
     offload = offload_activations() if args.offload_activations else None

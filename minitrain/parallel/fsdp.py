@@ -20,7 +20,7 @@ largest gathered unit or two and their gradients. Tied weights must live in one 
 import contextlib
 
 from .. import backend, memory
-from ..autograd.engine import queue_callback
+from ..autograd.engine import in_backward, queue_callback
 from ..autograd.graph import saved_tensors_hooks
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
@@ -186,7 +186,9 @@ class FullyShardedDataParallel(FSDPStateDicts):
 
     def _before_forward(self, unit, next_unit):
         unit.gather()
-        if self.prefetch and next_unit is not None:    # its all-gather overlaps this unit's forward
+        # its all-gather overlaps this unit's forward; not in a recomputation inside backward, where the
+        # next unit in forward order has had its backward already (PyTorch's FSDP prefetches there neither)
+        if self.prefetch and next_unit is not None and not in_backward():
             next_unit.prefetch()
 
     def _check_no_tied_across_units(self, owner):
