@@ -129,3 +129,28 @@ def test_ddp_with_recomputation_still_synchronises_once(float64):
         return comm.stats["ring_all_reduce"]["calls"], len(ddp.buckets)
     for calls, buckets in ThreadWorld(2).run(fn):
         assert calls == buckets
+
+
+def test_fsdp_inside_offload_activations_still_offloads_them(float64):
+    """FSDP's own saved-tensor hooks (a gathered unit's weights saved as references) sit inside the job's
+    offload_activations and pass every other saved array on to it: the same activations leave the device as
+    without FSDP, and come back for the backward."""
+    from minitrain.parallel import FullyShardedDataParallel
+
+    def fn(comm):
+        out = []
+        for wrap in (False, True):
+            tracker = memory.MemoryTracker()              # (it knows the parameters: they are not offloaded)
+            with memory.use_tracker(tracker):
+                mt.manual_seed(0)
+                model = deep_mlp(4, width=16)
+                fsdp = FullyShardedDataParallel(model, comm) if wrap else None
+                x = mt.Tensor(np.random.default_rng(comm.rank).standard_normal((4, 16)))
+                with offload_activations() as moved:
+                    loss = (fsdp or model)(x).sum()
+                loss.backward()
+            out.append((moved.bytes_offloaded, moved.bytes_restored, tracker.peak()["activations"]))
+        return out
+    for (plain_moved, _, _), (moved, restored, peak) in ThreadWorld(2).run(fn):
+        assert moved == restored == plain_moved > 0        # every activation, none of the weights
+        assert peak == 0                                   # the device keeps none of them

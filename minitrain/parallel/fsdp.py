@@ -21,7 +21,7 @@ import contextlib
 
 from .. import backend, memory
 from ..autograd.engine import in_backward, queue_callback
-from ..autograd.graph import saved_tensors_hooks
+from ..autograd.graph import current_saved_tensors_hooks, saved_tensors_hooks
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
 from . import accounting
@@ -211,15 +211,15 @@ class FullyShardedDataParallel(FSDPStateDicts):
                 return unit
         return None
 
-    def _pack(self, a):
+    def _pack(self, a, outer=None):
         unit = self._unit_holding(a)
-        if unit is None:
-            return a
+        if unit is None:              # an activation: the enclosing hooks' (offload_activations), if any
+            return outer[0](a) if outer else a
         return _UnitRef(unit, backend.byte_offset(a, unit.flat.data), a.shape, a.strides)
 
-    def _unpack(self, x):
+    def _unpack(self, x, outer=None):
         if not isinstance(x, _UnitRef):
-            return x
+            return outer[1](x) if outer else x
         if self.prefetch and x.unit.flat.data is None:
             # backward runs the units in reverse: fetch the one before while this one computes
             i = self.units.index(x.unit)
@@ -231,7 +231,8 @@ class FullyShardedDataParallel(FSDPStateDicts):
     def __call__(self, *args, **kwargs):
         if self._root is not None:
             self._root.gather()
-        with saved_tensors_hooks(self._pack, self._unpack):
+        outer = current_saved_tensors_hooks()        # only the innermost hooks run: these pass the rest on
+        with saved_tensors_hooks(lambda a: self._pack(a, outer), lambda x: self._unpack(x, outer)):
             out = self.module(*args, **kwargs)
         if self._root is not None:
             self._root.release()
