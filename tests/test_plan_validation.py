@@ -49,3 +49,20 @@ def test_graph_nodes_of_a_step_are_the_planners_count(results):
     """The Work the time model charges holds the nodes the engine records (the rank that records the most)."""
     for res in results:
         assert res["nodes"]["measured"] == res["nodes"]["predicted"], (res["name"], res["nodes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    "--epochs 1 --strategy zero3 --recompute full",                      # 2 segments: the last begins with a Linear
+    "--epochs 1 --strategy zero3 --recompute full --layers 5 --hidden 33 --precision fp16"])   # 3, odd sizes
+def test_zero3_with_recomputation_peaks_where_the_planner_walks(options, monkeypatch):
+    """FSDP with checkpoint_sequential: a recomputed segment's units stay gathered from its recomputation to
+    their reduce-scatters, the last segment's are gathered again one by one, and its first Linear's input goes
+    with that Linear's backward; every rank's ledger peak, every category, to the placeholders' bytes."""
+    from minitrain.plan.states import CATEGORIES
+    monkeypatch.setitem(validate.RUNS, "probe", ("mlp", 2, options))
+    res = validate.run("probe", "cpu-2core", timeout=120)
+    for r in res["ranks"]:
+        predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
+        for c in (*CATEGORIES, "total"):
+            assert abs(predicted[c] - r["measured"][c]) <= 64, (c, predicted[c], r["measured"][c])

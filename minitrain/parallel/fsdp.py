@@ -179,7 +179,7 @@ class FullyShardedDataParallel(FSDPStateDicts):
             unit.module.register_forward_pre_hook(lambda m, args, u=unit, n=nxt: self._before_forward(u, n))
         for unit in self.units:
             if unit.module is not module:
-                unit.module.register_forward_hook(lambda m, args, out, u=unit: u.release())
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u))
             for q in unit.trainable:
                 q.register_post_accumulate_grad_hook(lambda q, u=unit: self._grad_ready(q, u))
         self._root = next((u for u in self.units if u.module is module), None)
@@ -190,6 +190,12 @@ class FullyShardedDataParallel(FSDPStateDicts):
         # next unit in forward order has had its backward already (PyTorch's FSDP prefetches there neither)
         if self.prefetch and next_unit is not None and not in_backward():
             next_unit.prefetch()
+
+    def _after_forward(self, unit):
+        # a recomputation inside backward saved views of the gathered unit (these hooks are not on there): it
+        # stays gathered, as the ledger then sees, until its gradients are reduce-scattered
+        if not in_backward():
+            unit.release()
 
     def _check_no_tied_across_units(self, owner):
         for unit in self.units:

@@ -28,8 +28,10 @@ class Piece:
         self.peak = kept if peak is None else peak
         self.sizes = [q for u in self.units for q in u]
         self.params = sum(self.sizes)
-        self.unhooked = False      # run outside FSDP's wrapper: its saved weights are views, not re-gathered
+        self.unhooked = False      # recomputed in backward, outside FSDP's hooks: its saved weights are views of
+        #                            its units, gathered by the recomputation and kept until their reduce-scatter
         self.parts = [self]        # a recomputed segment: the layers its backward goes through
+        self.input_freed_first = 0  # bytes of kept that its first part's backward frees (before its gradients)
 
 
 def mlp_pieces(model, layout, rows, in_pipeline=False):
@@ -73,6 +75,8 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
         if i == k - 1:         # the last segment runs plain (as in PyTorch): a Linear first saves its input
             first = entering if modules[lo][0] == "linear" else 0
             segments.append(Piece(f"segment{i}", units, 0 if layout.offload_activations else inner + first))
+            # that input is the checkpointed segment's output, saved by this Linear alone: its backward frees it
+            segments[-1].input_freed_first = 0 if layout.offload_activations else first
             continue
         # checkpointed: keeps its input; backward recomputes it outside any offload context
         if layout.offload_activations:       # only the recomputed Linear's re-saved input is on the device
@@ -82,7 +86,7 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
             segments.append(Piece(f"segment{i}", units, entering, peak=entering + inner))
     for i, segment in enumerate(segments):
         segment.parts = pieces[bounds[i]:bounds[i + 1]]
-        segment.unhooked = True    # the job calls checkpoint_sequential on the bare model: FSDP's hooks bypassed
+        segment.unhooked = i < k - 1       # (the last runs plain, inside FSDP's call: re-gathered unit by unit)
     return segments
 
 

@@ -55,13 +55,18 @@ def step_walk(pieces, layout, dp):
     for p in reversed(pieces):                                # backward
         below = live["activations"] - p.kept
         live["activations"] = below + p.peak                  # recomputed: its layers' activations again
-        for q in reversed(p.parts):
+        held = list(p.units) if p.unhooked else None          # gathered by the recomputation, each kept
+        for q in reversed(p.parts):                           # until its reduce-scatter
             if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
+                if q is p.parts[0]:                           # (its staging is made once its node has run)
+                    live["activations"] -= p.input_freed_first
                 for u in reversed(q.units):
-                    gathered = 0 if p.unhooked else e * unit_pad(u)
+                    gathered = e * (sum(unit_pad(v) for v in held) if held is not None else unit_pad(u))
                     moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
                     live["grads"] += 0 if host else shard_prev    # the previous unit's reduce-scatter completes
                     staging_prev, shard_prev = e * unit_pad(u), e * unit_pad(u) // N
+                    if held is not None:
+                        held.remove(u)
             elif z == 2:
                 moment(grads=e * max(q.sizes, default=0))     # one full gradient at a time, then staged
             else:
