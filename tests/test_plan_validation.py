@@ -54,11 +54,14 @@ def test_graph_nodes_of_a_step_are_the_planners_count(results):
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     "--epochs 1 --strategy zero3 --recompute full",                      # 2 segments: the last begins with a Linear
-    "--epochs 1 --strategy zero3 --recompute full --layers 5 --hidden 33 --precision fp16"])   # 3, odd sizes
-def test_zero3_with_recomputation_peaks_where_the_planner_walks(options, monkeypatch):
-    """FSDP with checkpoint_sequential: a recomputed segment's units stay gathered from its recomputation to
-    their reduce-scatters, the last segment's are gathered again one by one, and its first Linear's input goes
-    with that Linear's backward; every rank's ledger peak, every category, to the placeholders' bytes."""
+    "--epochs 1 --strategy zero3 --recompute full --layers 5 --hidden 33 --precision fp16",   # 3, odd sizes
+    "--epochs 1 --strategy zero3 --layers 1"])                           # the batch saved by the first Linear alone
+def test_zero3_peaks_where_the_planner_walks(options, monkeypatch):
+    """FSDP's backward: a unit's staging is made once its node has run, when what that node alone saved is gone
+    (the first Linear's input, the loss's arrays); with checkpoint_sequential, a recomputed segment's units stay
+    gathered from its recomputation to their reduce-scatters, the last segment's are gathered again one by one,
+    and its first Linear's input goes with that Linear's backward. Every rank's ledger peak, every category, to
+    the placeholders' bytes."""
     from minitrain.plan.states import CATEGORIES
     monkeypatch.setitem(validate.RUNS, "probe", ("mlp", 2, options))
     res = validate.run("probe", "cpu-2core", timeout=120)

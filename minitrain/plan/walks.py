@@ -57,9 +57,12 @@ def step_walk(pieces, layout, dp):
         live["activations"] = below + p.peak                  # recomputed: its layers' activations again
         held = list(p.units) if p.unhooked else None          # gathered by the recomputation, each kept
         for q in reversed(p.parts):                           # until its reduce-scatter
+            # a unit's staging is made once its node has run: what that node alone saved is gone by then (not
+            # in a recomputed segment, whose input the checkpoint holds through the segment's backward)
+            early = z == 3 and bool(q.units) and not p.unhooked
+            if early:
+                live["activations"] -= q.kept + (p.input_freed_first if q is p.parts[0] else 0)
             if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
-                if q is p.parts[0]:                           # (its staging is made once its node has run)
-                    live["activations"] -= p.input_freed_first
                 for u in reversed(q.units):
                     gathered = e * (sum(unit_pad(v) for v in held) if held is not None else unit_pad(u))
                     moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
@@ -72,7 +75,7 @@ def step_walk(pieces, layout, dp):
             else:
                 moment()
                 live["grads"] += e * q.params if z == 0 else 0
-            if q is not p:
+            if q is not p and not early:
                 live["activations"] -= q.kept
         live["activations"] = below
     live["grads"] = {0: e * n, 1: e * pad, 2: e * pad // N, 3: 0 if host else e * shards}[z]
