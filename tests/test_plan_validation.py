@@ -69,3 +69,13 @@ def test_zero3_peaks_where_the_planner_walks(options, monkeypatch):
         predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
         for c in (*CATEGORIES, "total"):
             assert abs(predicted[c] - r["measured"][c]) <= 64, (c, predicted[c], r["measured"][c])
+
+
+@pytest.mark.slow
+def test_a_context_parallel_run_is_validated_against_its_own_stage(monkeypatch):
+    """validate.run on a --cp job: a stage's ranks are dp x cp x tp (the mesh dp x pp x cp x tp), its memory
+    the planner's for that stage, within 5%."""
+    monkeypatch.setitem(validate.RUNS, "probe", ("gpt", 2, "--steps 3 --sample-chars 1 --cp 2"))
+    res = validate.run("probe", "cpu-2core", timeout=120)
+    assert [r["rank"] for r in res["ranks"]] == [0, 1]
+    assert validate.memory_error(res) <= 0.05

@@ -81,7 +81,7 @@ def run(name, machine=None, timeout=300):
     cores = machine.get("cores") or 1
     slowdown = (report["anchor_cpu_time_s"] / machine["anchor_cpu_time_s"]
                 if report.get("anchor_cpu_time_s") and machine.get("anchor_cpu_time_s") else 1.0)
-    per_stage = layout.dp * layout.tp
+    per_stage = layout.dp * layout.tp * layout.cp                      # a stage's ranks: pp is outermost
     ranks, stages = [], {}
     for r in report["ranks"]:
         stage = predicted["memory_bytes_per_stage"][r["rank"] // per_stage]
