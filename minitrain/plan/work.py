@@ -129,7 +129,8 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         blocks = -(-(layout.cp + 1) // 2)
         S = S * blocks
     core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
-    core_f.nodes += 4                                 # k's transpose, two MatMuls, the Softmax
+    ring = layout.cp > 1 and layout.cp_method != "ulysses"
+    core_f.nodes += 1 if ring else 4                  # k's transpose, two MatMuls, the Softmax (ring: one node)
     core_b.matmul(q, kv, d, heads, times=blocks).matmul(d, q, kv, heads, times=blocks).op("softmax.backward", S)
     core_b.matmul(q, d, kv, heads, times=blocks).matmul(q, kv, d, heads, times=blocks)
     if drop:
@@ -137,6 +138,8 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         core_b.op("dropout.backward", S)
 
     fwd, bwd = Work(), Work()
+    if layout.cp > 1 and layout.cp_method == "ulysses":
+        fwd.nodes += 4                                # q, k, v to heads, the output back to the sequence
     for _ in range(2):                                # ln_1, ln_2 and the residual adds around them
         fwd.op("layer_norm", Er).op("add", Er)
         bwd.op("layer_norm.backward", Er).op("add", Er)          # the residual's gradient meets the branch's
