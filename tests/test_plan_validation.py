@@ -83,3 +83,13 @@ def test_a_context_parallel_run_is_validated_against_its_own_stage(monkeypatch, 
     assert [r["rank"] for r in res["ranks"]] == [0, 1]
     assert validate.memory_error(res) <= 0.01
     assert res["nodes"]["measured"] == res["nodes"]["predicted"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [4, 2])
+def test_an_expert_parallel_steps_graph_nodes_are_the_planners_count(monkeypatch, experts):
+    """--ep 2: the rows go through two all-to-alls, and with several experts on a rank are reordered each way."""
+    monkeypatch.setitem(validate.RUNS, "probe", ("gpt", 2, f"--steps 3 --sample-chars 1 --dp 2 --moe-experts {experts}"
+                                                          " --ep 2"))
+    res = validate.run("probe", "cpu-2core", timeout=120)
+    assert res["nodes"]["measured"] == res["nodes"]["predicted"]

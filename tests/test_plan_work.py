@@ -35,6 +35,29 @@ def test_the_gpts_graph_nodes_are_the_planners_count(recompute):
     assert _recorded(step) == predict_nodes(GPT(11, 8, 3, 2, 16), layout)
 
 
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_an_moe_gpts_graph_nodes_are_the_planners_count(recompute):
+    """An MoE layer's nodes (plan/experts.py): the router, the rows split by expert and joined, each expert's
+    three, combine's six, the aux loss's five and the loss adding it (every expert given rows, as the planner's
+    balanced routing has it; full recomputation: the aux loss's scaler too). 4 experts, top-2, every other layer."""
+    minitrain.manual_seed(0)
+    config = dict(vocab_size=11, block_size=8, n_layer=4, n_head=2, n_embd=16, moe_experts=4, moe_every=2)
+    gpt = nn.GPT(nn.GPTConfig(**config, recompute=recompute))
+    idx = np.random.default_rng(0).integers(0, 11, (4, 8))
+
+    def step():
+        loss = gpt(idx, idx)[1]
+        gpt.zero_grad()
+        loss.backward()
+    loads = []
+    for block in gpt.h:
+        if hasattr(block.mlp, "num_experts"):
+            block.mlp.register_forward_hook(lambda m, a, o: loads.append(min(m.stats["load"].tolist())))
+    layout = Layout(batch_size=4, recompute=recompute or "none")
+    assert _recorded(step) == predict_nodes(GPT(11, 8, 4, 2, 16, moe_experts=4, moe_every=2), layout)
+    assert min(loads) > 0                         # (the case the count is for: no expert without rows)
+
+
 @pytest.mark.parametrize("sizes, recompute, precision", [
     ((64, 32, 32, 10), "none", "fp32"), ((64, 32, 32, 32, 32, 10), "full", "fp32"), ((64, 32, 10), "none", "fp16")])
 def test_the_mlps_graph_nodes_are_the_planners_count(sizes, recompute, precision):

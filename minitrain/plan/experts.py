@@ -223,6 +223,12 @@ def experts_work(model, layout, rows):
         one_b.op("gelu.backward", n * f // t)
         fwd.add(one_f, times=count)
         bwd.add(one_b, times=count)
-    fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += 5   # cat, combine
+    # graph nodes beyond the router's, the experts' and the four above (x reshaped, softmax, the gates' and the
+    # rows' gathers): the rows split by expert and joined again (expert parallelism: the two all-to-alls, and
+    # with several local experts a reorder each way); combine's join, gather, two reshapes, product and sum;
+    # the aux loss's reshape, mean, two products and sum; y reshaped back; the model's loss adding the aux loss
+    joins = E + 1 if layout.ep == 1 else 2 + local + (3 if local > 1 else 0)
+    scaler = 1 if layout.recompute == "full" else 0    # the aux loss seeded in backward (AuxLossAutoScaler)
+    fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += joins + 13 + scaler
     bwd.op("copy", M * h, count=2).op("embedding.backward", N * k * h).op("add", N * k * h, count=2)
     return fwd, bwd
