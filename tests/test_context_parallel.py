@@ -318,3 +318,26 @@ def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_r
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed["first_step"] == 5
     np.testing.assert_allclose(resumed["losses"], reports["ring"]["losses"][5:], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_planners_ring_attention_work_is_the_chunk_pairs_each_rank_computes(p):
+    """plan/work.ring_attention_work counts, per rank, the zig-zag chunk pairs the ring computes: its score
+    products times their entries are the entries the ring reports (count=), and its sends one sendrecv an array
+    passed on (2 forward, 4 + 2 backward a hop) are the ring's bytes."""
+    from minitrain.plan.work import ring_attention_work
+    B, H, D, per_rank = 2, 3, 5, 4
+    _, results, block = run_ring(p, "zigzag", B, H, D, per_rank)
+    c = per_rank // 2
+    fwd, _ = ring_attention_work(B * H, per_rank, D, p)
+    pairs = sum(1 for mm in fwd.mm if mm == (c, D, c, B * H))
+    for _, _, sent, counted in results:
+        assert counted == pairs * B * H * c * c
+        assert sent == ((p - 1) * 2 + (p - 1) * 4 + 2) * block
+    if p in (2, 4):                      # the planner prices those sendrecvs one by one (1 s each here)
+        from minitrain.plan.layer_costs import axes_comm
+        from minitrain.plan.validate import planned
+        model, layout = planned("gpt", p, f"--cp {p} --n-head 4")
+        link = {"alpha_s": 1.0, "bytes_per_s": 1e30}
+        (fwd_s, bwd_s), _ = axes_comm(model, layout, 2, {"links": {"intra_node": link, "inter_node": link}}, False)
+        assert (fwd_s, bwd_s) == ((p - 1) * 2, (p - 1) * 4 + 2)

@@ -66,15 +66,15 @@ def _plus(costs, wall, own):
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
     block with its four all-to-alls added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
-    dK and dV backward; Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
+    dK and dV backward and a last of dK and dV, a sendrecv each array; Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
     from .experts import all_to_all_bytes, cp_block_bytes
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:
         block = cp_block_bytes(model, layout, rows)
-        if layout.cp_method == "ring":
-            fwd = (c - 1) * collective(machine, "p2p", 2 * block, 2, c * t, busy=busy, after_compute=True)
-            bwd = (c - 1) * collective(machine, "p2p", 4 * block, 2, c * t, busy=busy, after_compute=True)
+        if layout.cp_method == "ring":             # one sendrecv per array passed on (ring.py's _pass_on)
+            one = collective(machine, "p2p", block, 2, c * t, busy=busy, after_compute=True)
+            fwd, bwd = (c - 1) * 2 * one, ((c - 1) * 4 + 2) * one    # K, V; K, V, dK, dV, and dK, dV home
         else:
             fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy, after_compute=True)
     a2a = 0.0

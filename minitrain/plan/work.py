@@ -128,11 +128,14 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
     elif layout.cp > 1:                               # ring: (cp+1)/2 causal blocks of s/cp keys (zig-zag)
         blocks = -(-(layout.cp + 1) // 2)
         S = S * blocks
-    core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
     ring = layout.cp > 1 and layout.cp_method != "ulysses"
-    core_f.nodes += 1 if ring else 4                  # k's transpose, two MatMuls, the Softmax (ring: one node)
-    core_b.matmul(q, kv, d, heads, times=blocks).matmul(d, q, kv, heads, times=blocks).op("softmax.backward", S)
-    core_b.matmul(q, d, kv, heads, times=blocks).matmul(q, kv, d, heads, times=blocks)
+    if ring:                                          # one node; its online softmax chunk pair by chunk pair
+        core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
+    else:
+        core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
+        core_f.nodes += 4                             # k's transpose, two MatMuls, the Softmax
+        core_b.matmul(q, kv, d, heads, times=blocks).matmul(d, q, kv, heads, times=blocks).op("softmax.backward", S)
+        core_b.matmul(q, d, kv, heads, times=blocks).matmul(q, kv, d, heads, times=blocks)
     if drop:
         core_f.op("dropout", S).nodes += 1
         core_b.op("dropout.backward", S)
@@ -192,6 +195,34 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         fwd.nodes, fwd.unrecorded = 1, fwd.unrecorded + fwd.nodes
     from .activations import gpt_block_bytes
     fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows, moe)[0]
+    return fwd, bwd
+
+
+def ring_attention_work(heads, s, d, cp):
+    """(forward, backward) Work of parallel/context_parallel/ring.py on one rank: ``heads`` (rows x heads)
+    queries of s = T/cp positions in two zig-zag chunks of c = s/2; per chunk pair it computes (the causal
+    ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
+    exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
+    dK; the heads' rows of m, l and o are small. One graph node."""
+    from ..parallel.context_parallel.ring import _mask_kind
+    from ..parallel.context_parallel.zigzag import chunks_per_rank
+    mine, _ = chunks_per_rank("zigzag", cp, 0)
+    kinds = [_mask_kind(i, j, True) for step in range(cp) for i in mine
+             for j in chunks_per_rank("zigzag", cp, -step % cp)[0]]
+    pairs, diagonal = sum(k != "skip" for k in kinds), kinds.count("diagonal")
+    c = s // 2
+    P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
+    fwd, bwd = Work(), Work()
+    fwd.matmul(c, d, c, heads, times=pairs).matmul(c, c, d, heads, times=pairs)
+    fwd.elementwise("simple", P, 2 * pairs + diagonal).elementwise("transcendental", P, pairs)
+    fwd.elementwise("reduce", P, 2 * pairs).elementwise("simple", O, 2 * pairs)
+    fwd.elementwise("simple", R, 6 * pairs).elementwise("transcendental", R, pairs)
+    fwd.elementwise("simple", O + R, 2).op("copy", 2 * (O + R))      # o / l, m + log l, both concatenated
+    fwd.nodes += 1
+    bwd.matmul(c, d, c, heads, times=2 * pairs).matmul(c, c, d, heads, times=3 * pairs)
+    bwd.elementwise("simple", P, 4 * pairs + diagonal).elementwise("transcendental", P, pairs)
+    bwd.elementwise("inplace", O, 3 * pairs).elementwise("simple", O, 2 * pairs)
+    bwd.elementwise("reduce", 2 * O, 1).op("zeros", 3 * O * 2)      # delta; dq, dk, dv zeroed
     return fwd, bwd
 
 
