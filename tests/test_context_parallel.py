@@ -322,10 +322,10 @@ def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_r
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_the_planners_ring_attention_work_is_the_chunk_pairs_each_rank_computes(p):
-    """plan/work.ring_attention_work counts, per rank, the zig-zag chunk pairs the ring computes: its score
+    """plan/experts.ring_attention_work counts, per rank, the zig-zag chunk pairs the ring computes: its score
     products times their entries are the entries the ring reports (count=), and its sends one sendrecv an array
     passed on (2 forward, 4 + 2 backward a hop) are the ring's bytes."""
-    from minitrain.plan.work import ring_attention_work
+    from minitrain.plan.experts import ring_attention_work
     B, H, D, per_rank = 2, 3, 5, 4
     _, results, block = run_ring(p, "zigzag", B, H, D, per_rank)
     c = per_rank // 2
@@ -341,3 +341,19 @@ def test_the_planners_ring_attention_work_is_the_chunk_pairs_each_rank_computes(
         link = {"alpha_s": 1.0, "bytes_per_s": 1e30}
         (fwd_s, bwd_s), _ = axes_comm(model, layout, 2, {"links": {"intra_node": link, "inter_node": link}}, False)
         assert (fwd_s, bwd_s) == ((p - 1) * 2, (p - 1) * 4 + 2)
+
+
+def test_a_ring_attention_steps_chunk_pairs_are_charged_their_calibrated_python():
+    """plan calibrate's ring_pair_s (the Python and small-array calls of one chunk pair, beyond the arithmetic)
+    is charged once per pair each way: a --cp 2 step of 2 layers computes 5 pairs a layer each way (zig-zag)."""
+    import copy
+    from minitrain import plan
+    from minitrain.plan.validate import planned
+    model, layout = planned("gpt", 2, "--cp 2")
+    machine = copy.deepcopy(plan.load_machine("cpu-2core"))
+    from minitrain.plan.time import typical
+    base = plan.predict(model, layout, {**machine, "ring_pair_s": 0.0})["step_busy_s"]
+    more = plan.predict(model, layout, {**machine, "ring_pair_s": 1e-3})["step_busy_s"]
+    assert more - base == pytest.approx(model.n_layer * 2 * 5 * 1e-3 * typical(machine, 2), rel=1e-9)
+    assert plan.predict(model, layout, machine)["step_busy_s"] > base       # the committed constant is charged
+

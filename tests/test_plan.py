@@ -372,7 +372,7 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
         assert all(a >= 0 and b >= 0 and a + b > 0 for a, b in machine["ops"][dtype].values())
     for key in ("numpy_call_s", "autograd_node_s", "optimizer_param_s", "collective_call_s",
                 "trace_span_s", "ddp_step_s", "fsdp_unit_s", "anchor_cpu_time_s",
-                "typical_alone", "typical_job", "typical_job_waited"):
+                "typical_alone", "typical_job", "typical_job_waited", "ring_pair_s"):
         assert machine[key] > 0, key
     # a pipeline's action and message: lines a + b·bytes fitted with a, b >= 0 (a = 0 where the intercept came
     # out negative: a quick calibration's small sizes measured cheapest per byte), positive for a message

@@ -118,6 +118,9 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         machine["typical_alone"] = min(typical_over_best() for _ in range(rounds))
         fits = [measure_node_overheads(machine, clock=clock) for _ in range(rounds)]   # a pair: the best round's
         machine.update(min(fits, key=lambda f: 54 * f["autograd_node_s"] + 29 * f["leaf_grad_s"]))
+        from .overheads import measure_ring_pair
+        machine.update(min((measure_ring_pair(machine, clock=clock) for _ in range(rounds)),
+                           key=lambda f: f["ring_pair_s"]))
     machine["fresh_memory_s_per_byte"] = fresh
     if device == "cuda":
         import cupy

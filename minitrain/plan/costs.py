@@ -2,7 +2,7 @@
 (one product on the rows x width grid, a batch of them on its own curve), each op at its calibrated cost per
 call and per element (plan/ops.py), plain elementwise passes per element, the engine's Python per graph node
 and per parameter given a gradient, the library's own bookkeeping (DDP's hooks, FSDP's units, traced spans,
-a pipeline's actions) and the first touch of new memory.
+a pipeline's actions, ring attention's chunk pairs) and the first touch of new memory.
 """
 import math
 
@@ -80,7 +80,7 @@ class Costs:
         t += work.fresh * self.m.get("fresh_memory_s_per_byte", 0.0) if self.fresh else 0.0
         t += (work.hooks * self.m.get("ddp_param_s", 0.0) + work.units * self.m.get("fsdp_unit_s", 0.0)
               + work.spans * self.m.get("trace_span_s", 0.0)
-              + work.actions * self.m.get("pipeline_action_s", 0.0))
+              + work.actions * self.m.get("pipeline_action_s", 0.0) + work.ring_pairs * self.m.get("ring_pair_s", 0.0))
         return self.slowdown * t
 
 

@@ -232,3 +232,33 @@ def experts_work(model, layout, rows):
     fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += joins + 13 + scaler
     bwd.op("copy", M * h, count=2).op("embedding.backward", N * k * h).op("add", N * k * h, count=2)
     return fwd, bwd
+
+
+def ring_attention_work(heads, s, d, cp):
+    """(forward, backward) Work of parallel/context_parallel/ring.py on one rank: ``heads`` (rows x heads)
+    queries of s = T/cp positions in two zig-zag chunks of c = s/2; per chunk pair it computes (the causal
+    ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
+    exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
+    dK; the heads' rows of m, l and o are small. One graph node."""
+    from ..parallel.context_parallel.ring import _mask_kind
+    from ..parallel.context_parallel.zigzag import chunks_per_rank
+    mine, _ = chunks_per_rank("zigzag", cp, 0)
+    kinds = [_mask_kind(i, j, True) for step in range(cp) for i in mine
+             for j in chunks_per_rank("zigzag", cp, -step % cp)[0]]
+    pairs, diagonal = sum(k != "skip" for k in kinds), kinds.count("diagonal")
+    c = s // 2
+    P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
+    from .work import Work
+    fwd, bwd = Work(), Work()
+    fwd.ring_pairs = bwd.ring_pairs = pairs          # their Python beyond the arithmetic: calibrated per pair
+    fwd.matmul(c, d, c, heads, times=pairs).matmul(c, c, d, heads, times=pairs)
+    fwd.elementwise("simple", P, 2 * pairs + diagonal).elementwise("transcendental", P, pairs)
+    fwd.elementwise("reduce", P, 2 * pairs).elementwise("simple", O, 2 * pairs)
+    fwd.elementwise("simple", R, 6 * pairs).elementwise("transcendental", R, pairs)
+    fwd.elementwise("simple", O + R, 2).op("copy", 2 * (O + R))      # o / l, m + log l, both concatenated
+    fwd.nodes += 1
+    bwd.matmul(c, d, c, heads, times=2 * pairs).matmul(c, c, d, heads, times=3 * pairs)
+    bwd.elementwise("simple", P, 4 * pairs + diagonal).elementwise("transcendental", P, pairs)
+    bwd.elementwise("inplace", O, 3 * pairs).elementwise("simple", O, 2 * pairs)
+    bwd.elementwise("reduce", 2 * O, 1).op("zeros", 3 * O * 2)      # delta; dq, dk, dv zeroed
+    return fwd, bwd

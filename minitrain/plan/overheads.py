@@ -112,3 +112,30 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
     if node <= 0 or leaf < 0:                  # a disturbed measurement: all of it per node
         node, leaf = max(r1, 0.0) / n1, 0.0
     return {"autograd_node_s": float(node), "leaf_grad_s": float(leaf)}
+
+
+def measure_ring_pair(machine, repeats=30, clock=time.thread_time):
+    """The Python and small-array NumPy calls of one chunk pair of ring attention (parallel/context_parallel/
+    ring.py), beyond the arithmetic plan/experts.ring_attention_work prices at ``machine``'s costs: its
+    forward and backward on one rank (zig-zag: 3 pairs each way, nothing to pass on), at the GPT job's sizes
+    (16 rows x 4 heads, 16 positions, head width 16). Measured here, ~70 us a pair: a dozen NumPy calls on
+    strided chunk views of 4,096-entry blocks, each several times the calibrated bare call."""
+    from ..autograd import Tensor
+    from ..comm import ThreadWorld
+    from ..parallel.context_parallel import ring_attention
+    from .costs import Costs
+    from .experts import ring_attention_work
+    heads, s, d = 64, 16, 16
+    fwd, bwd = ring_attention_work(heads, s, d, 1)
+    counted = Costs({**machine, "ring_pair_s": 0.0}, "fp32", 1, 1.0, fresh=False)
+    priced = counted.seconds(fwd) + counted.seconds(bwd)
+    rng = np.random.default_rng(0)
+    q, k, v, grad = (rng.standard_normal((16, 4, s, d)).astype(np.float32) for _ in range(4))
+
+    def run(comm):
+        def step():
+            leaves = [Tensor(a, requires_grad=True) for a in (q, k, v)]
+            ring_attention(*leaves, comm, layout="zigzag").backward(grad)
+        return _best(step, repeats, lambda: None, clock)
+    measured = ThreadWorld(1).run(run)[0]
+    return {"ring_pair_s": max(0.0, measured - priced) / (fwd.ring_pairs + bwd.ring_pairs)}

@@ -17,11 +17,11 @@ class Work:
     recorded, ``unrecorded`` (ops run without recording a node: under no_grad, a recomputed segment's first
     forward; their Python, the modules' and the ops' calls, is a node's), ``leaves`` (parameters given their first
     gradient of the step), new memory touched (``fresh`` bytes), and the Python of DDP's hooks per parameter,
-    FSDP's per unit, traced spans and pipeline actions."""
+    FSDP's per unit, traced spans, pipeline actions and ring attention's chunk pairs."""
 
     def __init__(self):
         self.mm, self.ops, self.ew, self.nodes, self.calls, self.fresh = [], {}, {}, 0, 0, 0.0
-        self.leaves = self.hooks = self.units = self.spans = self.actions = self.unrecorded = 0
+        self.leaves = self.hooks = self.units = self.spans = self.actions = self.unrecorded = self.ring_pairs = 0
 
     def matmul(self, m, k, n, batch=1, times=1):
         self.mm += [(m, k, n, batch)] * times
@@ -47,7 +47,8 @@ class Work:
             entry[1] += c * times
         for key, n in other.ew.items():
             self.ew[key] = self.ew.get(key, 0) + n * times
-        for name in ("nodes", "calls", "fresh", "leaves", "hooks", "units", "spans", "actions", "unrecorded"):
+        for name in ("nodes", "calls", "fresh", "leaves", "hooks", "units", "spans", "actions", "unrecorded",
+                     "ring_pairs"):
             setattr(self, name, getattr(self, name) + getattr(other, name) * times)
         return self
 
@@ -130,6 +131,7 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         S = S * blocks
     ring = layout.cp > 1 and layout.cp_method != "ulysses"
     if ring:                                          # one node; its online softmax chunk pair by chunk pair
+        from .experts import ring_attention_work
         core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
     else:
         core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
@@ -195,34 +197,6 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         fwd.nodes, fwd.unrecorded = 1, fwd.unrecorded + fwd.nodes
     from .activations import gpt_block_bytes
     fwd.fresh = gpt_block_bytes(model, replace(layout, recompute="none"), rows, moe)[0]
-    return fwd, bwd
-
-
-def ring_attention_work(heads, s, d, cp):
-    """(forward, backward) Work of parallel/context_parallel/ring.py on one rank: ``heads`` (rows x heads)
-    queries of s = T/cp positions in two zig-zag chunks of c = s/2; per chunk pair it computes (the causal
-    ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
-    exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
-    dK; the heads' rows of m, l and o are small. One graph node."""
-    from ..parallel.context_parallel.ring import _mask_kind
-    from ..parallel.context_parallel.zigzag import chunks_per_rank
-    mine, _ = chunks_per_rank("zigzag", cp, 0)
-    kinds = [_mask_kind(i, j, True) for step in range(cp) for i in mine
-             for j in chunks_per_rank("zigzag", cp, -step % cp)[0]]
-    pairs, diagonal = sum(k != "skip" for k in kinds), kinds.count("diagonal")
-    c = s // 2
-    P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
-    fwd, bwd = Work(), Work()
-    fwd.matmul(c, d, c, heads, times=pairs).matmul(c, c, d, heads, times=pairs)
-    fwd.elementwise("simple", P, 2 * pairs + diagonal).elementwise("transcendental", P, pairs)
-    fwd.elementwise("reduce", P, 2 * pairs).elementwise("simple", O, 2 * pairs)
-    fwd.elementwise("simple", R, 6 * pairs).elementwise("transcendental", R, pairs)
-    fwd.elementwise("simple", O + R, 2).op("copy", 2 * (O + R))      # o / l, m + log l, both concatenated
-    fwd.nodes += 1
-    bwd.matmul(c, d, c, heads, times=2 * pairs).matmul(c, c, d, heads, times=3 * pairs)
-    bwd.elementwise("simple", P, 4 * pairs + diagonal).elementwise("transcendental", P, pairs)
-    bwd.elementwise("inplace", O, 3 * pairs).elementwise("simple", O, 2 * pairs)
-    bwd.elementwise("reduce", 2 * O, 1).op("zeros", 3 * O * 2)      # delta; dq, dk, dv zeroed
     return fwd, bwd
 
 
