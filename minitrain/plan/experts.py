@@ -242,13 +242,13 @@ def ring_attention_work(heads, s, d, cp):
     dK; the heads' rows of m, l and o are small. One graph node."""
     from ..parallel.context_parallel.ring import _mask_kind
     from ..parallel.context_parallel.zigzag import chunks_per_rank
+    from .work import Work
     mine, _ = chunks_per_rank("zigzag", cp, 0)
     kinds = [_mask_kind(i, j, True) for step in range(cp) for i in mine
              for j in chunks_per_rank("zigzag", cp, -step % cp)[0]]
     pairs, diagonal = sum(k != "skip" for k in kinds), kinds.count("diagonal")
     c = s // 2
     P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
-    from .work import Work
     fwd, bwd = Work(), Work()
     fwd.ring_pairs = bwd.ring_pairs = pairs          # their Python beyond the arithmetic: calibrated per pair
     fwd.matmul(c, d, c, heads, times=pairs).matmul(c, c, d, heads, times=pairs)

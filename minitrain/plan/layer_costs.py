@@ -66,7 +66,8 @@ def _plus(costs, wall, own):
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
     block with its four all-to-alls added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
-    dK and dV backward and a last of dK and dV, a sendrecv each array; Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
+    dK and dV backward and a last of dK and dV, a sendrecv each array; Ulysses: four all-to-alls each way. The
+    ep ranks are consecutive dp ranks."""
     from .experts import all_to_all_bytes, cp_block_bytes
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0

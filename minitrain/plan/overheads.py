@@ -118,7 +118,7 @@ def measure_ring_pair(machine, repeats=30, clock=time.thread_time):
     """The Python and small-array NumPy calls of one chunk pair of ring attention (parallel/context_parallel/
     ring.py), beyond the arithmetic plan/experts.ring_attention_work prices at ``machine``'s costs: its
     forward and backward on one rank (zig-zag: 3 pairs each way, nothing to pass on), at the GPT job's sizes
-    (16 rows x 4 heads, 16 positions, head width 16). Measured here, ~70 us a pair: a dozen NumPy calls on
+    (16 rows x 4 heads, 16 positions, head width 16). Measured here, ~50 us a pair: a dozen NumPy calls on
     strided chunk views of 4,096-entry blocks, each several times the calibrated bare call."""
     from ..autograd import Tensor
     from ..comm import ThreadWorld

@@ -122,22 +122,18 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
     batched, d, at = device == "cpu", h // a, a // t
     drop = bool(model.dropout)
     core_f, core_b = Work(), Work()                   # softmax(q k^T / sqrt(d) + mask) v, and its backward
-    q, kv, heads, blocks = s, s, rows * at, 1         # queries x keys per product, products, times
+    q, kv, heads = s, s, rows * at                    # queries x keys per product, products
     if layout.cp > 1 and layout.cp_method == "ulysses":
         q = kv = model.block_size                     # a/cp heads over the whole sequence
         heads, S = rows * at // layout.cp, rows * at // layout.cp * q * q
-    elif layout.cp > 1:                               # ring: (cp+1)/2 causal blocks of s/cp keys (zig-zag)
-        blocks = -(-(layout.cp + 1) // 2)
-        S = S * blocks
-    ring = layout.cp > 1 and layout.cp_method != "ulysses"
-    if ring:                                          # one node; its online softmax chunk pair by chunk pair
-        from .experts import ring_attention_work
+    if layout.cp > 1 and layout.cp_method != "ulysses":   # ring: one node, its online softmax pair by pair
+        from .experts import ring_attention_work          # (no dropout under cp: refused)
         core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
     else:
-        core_f.matmul(q, d, kv, heads, times=blocks).op("softmax", S).matmul(q, kv, d, heads, times=blocks)
+        core_f.matmul(q, d, kv, heads).op("softmax", S).matmul(q, kv, d, heads)
         core_f.nodes += 4                             # k's transpose, two MatMuls, the Softmax
-        core_b.matmul(q, kv, d, heads, times=blocks).matmul(d, q, kv, heads, times=blocks).op("softmax.backward", S)
-        core_b.matmul(q, d, kv, heads, times=blocks).matmul(q, kv, d, heads, times=blocks)
+        core_b.matmul(q, kv, d, heads).matmul(d, q, kv, heads).op("softmax.backward", S)
+        core_b.matmul(q, d, kv, heads).matmul(q, kv, d, heads)
     if drop:
         core_f.op("dropout", S).nodes += 1
         core_b.op("dropout.backward", S)
