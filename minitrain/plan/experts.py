@@ -240,13 +240,10 @@ def ring_attention_work(heads, s, d, cp):
     ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
     exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
     dK; the heads' rows of m, l and o are small. One graph node."""
-    from ..parallel.context_parallel.ring import _mask_kind
-    from ..parallel.context_parallel.zigzag import chunks_per_rank
+    from ..parallel.context_parallel.ring import _pairs
     from .work import Work
-    mine, _ = chunks_per_rank("zigzag", cp, 0)
-    kinds = [_mask_kind(i, j, True) for step in range(cp) for i in mine
-             for j in chunks_per_rank("zigzag", cp, -step % cp)[0]]
-    pairs, diagonal = sum(k != "skip" for k in kinds), kinds.count("diagonal")
+    kinds = [kind for step in range(cp) for _, _, kind in _pairs("zigzag", cp, 0, step, True)]
+    pairs, diagonal = len(kinds), kinds.count("diagonal")
     c = s // 2
     P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
     fwd, bwd = Work(), Work()

@@ -55,8 +55,9 @@ def step_walk(pieces, layout, dp):
     for p in reversed(pieces):                                # backward
         below = live["activations"] - p.kept
         live["activations"] = below + p.peak                  # recomputed: its layers' activations again
-        held = list(p.units) if p.unhooked else None          # gathered by the recomputation, each kept
-        for q in reversed(p.parts):                           # until its reduce-scatter
+        # gathered by the recomputation, each unit kept until its reduce-scatter
+        held = e * sum(unit_pad(u) for u in p.units) if p.unhooked else None
+        for q in reversed(p.parts):
             # a unit's staging is made once its node has run: what that node alone saved is gone by then (not
             # in a recomputed segment, whose input the checkpoint holds through the segment's backward)
             early = z == 3 and bool(q.units) and not p.unhooked
@@ -64,12 +65,12 @@ def step_walk(pieces, layout, dp):
                 live["activations"] -= q.kept + (p.input_freed_first if q is p.parts[0] else 0)
             if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
                 for u in reversed(q.units):
-                    gathered = e * (sum(unit_pad(v) for v in held) if held is not None else unit_pad(u))
+                    gathered = held if held is not None else e * unit_pad(u)
                     moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
                     live["grads"] += 0 if host else shard_prev    # the previous unit's reduce-scatter completes
                     staging_prev, shard_prev = e * unit_pad(u), e * unit_pad(u) // N
                     if held is not None:
-                        held.remove(u)
+                        held -= e * unit_pad(u)
             elif z == 2:
                 moment(grads=e * max(q.sizes, default=0))     # one full gradient at a time, then staged
             else:

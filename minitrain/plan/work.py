@@ -121,15 +121,16 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
     E, Er, Et, S = rows * s * h, rows * s * h / r, rows * s * h / t, rows * (a // t) * s * s
     batched, d, at = device == "cpu", h // a, a // t
     drop = bool(model.dropout)
-    core_f, core_b = Work(), Work()                   # softmax(q k^T / sqrt(d) + mask) v, and its backward
+    ulysses = layout.cp > 1 and layout.cp_method == "ulysses"
     q, kv, heads = s, s, rows * at                    # queries x keys per product, products
-    if layout.cp > 1 and layout.cp_method == "ulysses":
+    if ulysses:
         q = kv = model.block_size                     # a/cp heads over the whole sequence
         heads, S = rows * at // layout.cp, rows * at // layout.cp * q * q
-    if layout.cp > 1 and layout.cp_method != "ulysses":   # ring: one node, its online softmax pair by pair
-        from .experts import ring_attention_work          # (no dropout under cp: refused)
+    if layout.cp > 1 and not ulysses:                 # ring: one node, its online softmax pair by pair
+        from .experts import ring_attention_work      # (no dropout under cp: refused)
         core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
-    else:
+    else:                                             # softmax(q k^T / sqrt(d) + mask) v, and its backward
+        core_f, core_b = Work(), Work()
         core_f.matmul(q, d, kv, heads).op("softmax", S).matmul(q, kv, d, heads)
         core_f.nodes += 4                             # k's transpose, two MatMuls, the Softmax
         core_b.matmul(q, kv, d, heads).matmul(d, q, kv, heads).op("softmax.backward", S)
@@ -139,7 +140,7 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         core_b.op("dropout.backward", S)
 
     fwd, bwd = Work(), Work()
-    if layout.cp > 1 and layout.cp_method == "ulysses":
+    if ulysses:
         fwd.nodes += 4                                # q, k, v to heads, the output back to the sequence
     for _ in range(2):                                # ln_1, ln_2 and the residual adds around them
         fwd.op("layer_norm", Er).op("add", Er)

@@ -61,9 +61,8 @@ def _chunk(x, i, n):
     return x[:, :, i * c:(i + 1) * c]
 
 
-def _pairs(layout, comm, step, causal):
-    """(my piece i, their piece j, mask kind) for every chunk pair computed at this ring step."""
-    p, r = comm.size, comm.rank
+def _pairs(layout, p, r, step, causal):
+    """(my piece i, their piece j, mask kind) for every chunk pair rank r of p computes at this ring step."""
     mine, _ = chunks_per_rank(layout, p, r)
     theirs, _ = chunks_per_rank(layout, p, (r - step) % p)    # whose keys and values we hold now
     for i, qc in enumerate(mine):
@@ -85,7 +84,7 @@ class RingAttention(Function):
         o = [xp.zeros_like(_chunk(q, i, n)) for i in range(n)]
         kb, vb, computed = k, v, 0
         for step in range(p):
-            for i, j, kind in _pairs(layout, comm, step, causal):
+            for i, j, kind in _pairs(layout, comm.size, comm.rank, step, causal):
                 s = _scores(_chunk(q, i, n), _chunk(kb, j, n), scale, kind, xp)
                 m_new = xp.maximum(m[i], s.max(axis=-1, keepdims=True))
                 correction = xp.exp(m[i] - m_new)
@@ -113,7 +112,7 @@ class RingAttention(Function):
         dq = xp.zeros_like(q)
         kb, vb, dkb, dvb = k, v, xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
         for step in range(p):
-            for i, j, kind in _pairs(ctx.layout, comm, step, ctx.causal):
+            for i, j, kind in _pairs(ctx.layout, comm.size, comm.rank, step, ctx.causal):
                 qi, doi, kj, vj = _chunk(q, i, n), _chunk(do, i, n), _chunk(kb, j, n), _chunk(vb, j, n)
                 prob = xp.exp(_scores(qi, kj, scale, kind, xp) - _chunk(lse, i, n))
                 _chunk(dvb, j, n)[...] += xp.swapaxes(prob, -1, -2) @ doi
