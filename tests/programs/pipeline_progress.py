@@ -1,8 +1,8 @@
 """The pipeline's progress thread under real MPI (run by tests/test_pipeline_progress.py; argv[1]:
 "thread" or "none", the forced choice). Prints what MPI answered when asked whether a message moves
 without its sender, whether a message sent just before a compute reached its waiting receiver during
-that compute, a pipeline step with the forced choice (the thread's polls and the gradients), and
-whether the pipeline's thread ends once the pipeline is gone."""
+that compute, a pipeline step with the forced choice (the thread's polls and the gradients), the thread's
+polls in nine steps, and whether the pipeline's thread ends once the pipeline is gone."""
 import gc
 import sys
 import time
@@ -17,6 +17,7 @@ from minitrain.parallel.pipeline.messages import StageMessages
 from minitrain.parallel.pipeline.progress import PROBE_BYTES, ComputeProgress
 
 COMPUTE_S = 0.5
+MORE_STEPS = 8
 comm = init(timeout=60)
 thread = sys.argv[1] == "thread"
 asked = ComputeProgress(comm)
@@ -49,6 +50,9 @@ x, y = rng.standard_normal((256, 32)), rng.integers(0, 4, 256)
 loss = pipe.train_step(x, y, nn.functional.cross_entropy)
 digest = sum(float(np.abs(q.grad).sum()) for q in pipe.parameters())
 print(f"rank {comm.rank}: step loss {loss:.17g} grads {digest:.17g} polls {pipe.progress.polls}", flush=True)
+for _ in range(MORE_STEPS):                # a poll needs the thread on a core within a compute of ~1 ms: on a
+    pipe.train_step(x, y, nn.functional.cross_entropy)   # loaded machine one step may see none, nine do
+print(f"rank {comm.rank}: polls in {1 + MORE_STEPS} steps {pipe.progress.polls}", flush=True)
 
 thread_of_the_pipeline = pipe.progress.thread
 del pipe
