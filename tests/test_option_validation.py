@@ -137,6 +137,15 @@ def test_the_block_size_must_fit_the_corpus():
     assert status == 2 and "error: argument --block-size: must be at most" in err and "Traceback" not in err
 
 
+def test_the_batch_must_fit_the_training_split():
+    """A batch bigger than the data would be the whole split each step, not the size asked for."""
+    status, err = _run("minitrain.examples.mlp", ["--batch-size", "1439", "--strategy", "pipeline"])
+    assert status == 2 and "Traceback" not in err, err
+    assert "error: argument --batch-size: must be at most 1438 (the digits' training split has 1438 samples), " \
+           "got 1439" in err, err
+    assert mlp.parse_args(["--batch-size", "1438"])[0].batch_size == 1438
+
+
 def _model_at(path):
     model = nn.MLP([64, 32, 32, 10])
     checkpoint.load(path, None, model, strict=False)

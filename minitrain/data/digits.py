@@ -24,6 +24,14 @@ def _digits_csv():
     return path
 
 
+SAMPLES = 1797                          # the 8x8 digits: 1,797 images
+
+
+def train_rows(test_fraction=0.2):
+    """The training split's size (load_digits' x_train rows)."""
+    return SAMPLES - int(round(SAMPLES * test_fraction))
+
+
 def load_digits(test_fraction=0.2, seed=0, dtype=None):
     """Returns (x_train, y_train, x_test, y_test): float features (n, 64), int64 labels."""
     with gzip.open(_digits_csv(), "rt") as f:
