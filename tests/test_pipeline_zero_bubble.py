@@ -206,6 +206,28 @@ def test_the_measured_bubble_is_split_into_causes_that_add_up(schedule):
             assert summary["formula_bubble_fraction"] == pytest.approx(1 / 5)
 
 
+def test_the_bubble_of_a_batch_size_leaves_the_other_batches_out_even_past_the_records_kept(monkeypatch):
+    from minitrain.parallel.pipeline import stamps
+    monkeypatch.setattr(stamps, "MAX_RECORDS", 3)       # kept: the first step and the last two
+    init = make_model(4).state_dict()
+    rows = [8, 5, 5, 8, 5, 8]
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = make_model(4)
+        model.load_state_dict(init)
+        pipe = PipelineParallel(model, comm, "1f1b", 4)
+        trace.enable(rank=comm.rank)
+        for (x, y), n in zip(batches(len(rows)), rows):
+            pipe.train_step(x[:n], y[:n], F.cross_entropy)
+        return pipe.measured_bubble(global_rows=8), pipe.measured_bubble(global_rows=6), pipe.measured_bubble()
+    for eights, none_of_that_size, every in ThreadWorld(2).run(fn):
+        assert (eights["steps_measured"], eights["steps_left_out"]) == (1, 1)       # steps 4 (5 rows) and 5 (8)
+        assert (none_of_that_size["steps_measured"], none_of_that_size["steps_left_out"]) == (2, 0)   # all kept
+        assert (every["steps_measured"], every["steps_left_out"]) == (2, 0)
+        assert eights["measured_bubble_fraction"] == pytest.approx(eights["measured_bubble_fraction_per_step"][-1])
+
+
 def test_the_timeline_draws_simulated_above_measured_with_a_legend_that_covers_nothing(tmp_path):
     import matplotlib
     matplotlib.use("Agg")

@@ -10,7 +10,7 @@ layers and cost share (an uneven cut is reported with the bubble it implies). D 
 replicas of the pipeline each take 1/D of every global batch (uneven where D or the micro-batches
 do not divide it: each micro-batch's loss is weighted by its rows). At the end rank 0 reports the
 measured bubble (measure.py: per rank, the step's time outside its own F/B/W work over the step's
-wall time, mean over ranks and over the steps after the first) beside the formula, with the
+wall time, mean over ranks and over the full batches after the first) beside the formula, with the
 residual per cause; --plot draws the schedule simulated with the measured F, B, W times above the
 measured last step, on one time axis.
 """
@@ -118,7 +118,7 @@ def main_pipeline(args, parser, comm):
     # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
     losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)
               .reshape(world, steps).mean(axis=0)]
-    summary = pipe.measured_bubble()                 # over this pipeline's ranks and steps
+    summary = pipe.measured_bubble(global_rows=args.batch_size)   # this pipeline's ranks, its full batches
     if args.trace:
         trace.save_chrome(args.trace, comm)
     all_events = trace.gather_events(comm)
@@ -144,7 +144,9 @@ def main_pipeline(args, parser, comm):
     print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)})")
     low, high = summary["measured_bubble_fraction_spread"]
-    print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first; per step {low:.3f}..{high:.3f}): "
+    short = f", {summary['steps_left_out']} short batch(es) left out" if summary["steps_left_out"] else ""
+    print(f"bubble (mean over ranks, {summary['steps_measured']} steps after the first{short}; "
+          f"per step {low:.3f}..{high:.3f}): "
           f"measured {summary['measured_bubble_fraction']:.3f}   formula {formula:.3f}   simulated with each action's "
           f"measured time and the message costs (latency {summary['message_cost_s'] * 1e3:.2f} ms, send "
           f"{summary['message_send_overhead_s'] * 1e3:.2f} ms, receive {summary['message_receive_overhead_s'] * 1e3:.2f} ms) "

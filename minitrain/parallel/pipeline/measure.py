@@ -6,7 +6,9 @@ step's wall time is the pipeline's: from the first stage entering the step (noth
 before: every other stage waits for its activations) to the last rank leaving it (the step ends
 with an all-reduce of the loss, so all leave together). Reported: the mean over ranks, averaged
 over the steps after the first (the first allocates the buffers and learns the message shapes;
-it is reported on its own).
+it is reported on its own) and, given the job's batch size, over its full batches alone: an epoch's
+short last batch cuts smaller micro-batches, whose fixed costs weigh more (its step figures leave
+it out too).
 
 Every rank's idle time is split, exactly, into causes, from the runtime's timestamps of each
 action's compute, receive and send, matching each receive with the neighbour's send (one clock
@@ -157,8 +159,9 @@ def _gather(pipe, records):
     return ring_all_gather(pipe.comm, mine.ravel(), total=mine.size * pipe.p).reshape(pipe.p, *mine.shape)
 
 
-def summarize(pipe, skip_first=True, last_only=False):
-    """The job's "pipeline" figures from every traced step (a collective over pipe.comm)."""
+def summarize(pipe, skip_first=True, last_only=False, global_rows=None):
+    """The job's "pipeline" figures from every traced step (a collective over pipe.comm); global_rows:
+    only the steps of batches that size, where there is one after the first (the same on every rank)."""
     if not pipe.step_records:
         raise RuntimeError(f"[rank {pipe.rank}] no traced pipeline step: call trace.enable() before train_step")
     rows = _gather(pipe, pipe.step_records)
@@ -167,6 +170,9 @@ def summarize(pipe, skip_first=True, last_only=False):
         steps = [n_steps - 1]
     else:
         steps = list(range(1, n_steps)) if skip_first and n_steps > 1 else list(range(n_steps))
+    sized = [i for i in steps if pipe.stamps.batch_rows[i] == global_rows]
+    left_out = len(steps) - len(sized) if global_rows is not None and sized else 0
+    steps = sized if left_out else steps
     wall, bubble, causes = split_idle(rows, pipe.schedule, pipe.where[0][0])
     f, b, w = stage_costs(rows, pipe.schedule, steps)
     latency, send_overhead, receive_overhead = message_costs(rows, pipe.schedule, steps)
@@ -203,6 +209,7 @@ def summarize(pipe, skip_first=True, last_only=False):
             "message_receive_overhead_s": receive_overhead,
             "residual_by_cause": {k: float(v) for k, v in residual.items()},
             "steps_measured": len(steps),
+            "steps_left_out": left_out,
             "step_time_s": float(np.median(wall[steps])),
             "simulated_step_time_s": actual["total_time"],
             "stage_seconds": {"F": f.tolist(), "B": b.tolist(), "W": w.tolist()}}

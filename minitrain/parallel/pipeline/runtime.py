@@ -173,7 +173,7 @@ class PipelineParallel:
         if self.schedule_name == "pipedream_2bw":
             self._stash.swap_out(self.parameters(), current)
         if tracer.enabled:
-            self.stamps.record(tracer, clock)
+            self.stamps.record(tracer, clock, global_rows)
         self._step = None
         return total
 
@@ -270,11 +270,12 @@ class PipelineParallel:
             all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters)
 
     # ---- measurement (measure.py)
-    def measured_bubble(self, skip_first=True):
+    def measured_bubble(self, skip_first=True, global_rows=None):
         """The measured bubble of the traced steps beside the formula and the residual per cause
-        (a collective over the pipeline: every rank's records are gathered). See measure.py."""
+        (a collective over the pipeline: every rank's records are gathered). global_rows: only the
+        steps of batches that size (a job's full batches, not an epoch's short last one). See measure.py."""
         self.stamps.resolve_device_times()
-        return measure.summarize(self, skip_first=skip_first)
+        return measure.summarize(self, skip_first=skip_first, global_rows=global_rows)
 
     def measured_bubble_fraction(self):
         """Per rank, the measured bubble of the last traced step (a collective over the pipeline)."""

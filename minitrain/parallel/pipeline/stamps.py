@@ -79,27 +79,30 @@ class StepRecords:
         self.index = {id(a): i for i, a in enumerate(actions)}
         assert len(self.index) == len(actions), "an action object appears twice in a rank's schedule"
         self.rows = []                      # per traced step: this rank's timestamps (measure.py)
+        self.batch_rows = []                # per traced step: its batch's rows (global_rows)
         self.device_records = []            # GPU: per traced step, the CUDA events of its compute
         self.device_reference = None        # GPU: (first CUDA event, its host time)
 
     def clock(self, tracer):
         return StepClock(self.index, events=tracer.enabled)
 
-    def record(self, tracer, step):
-        """Keep this step's stamps for measured_bubble() and write them into the trace. On the GPU
-        the compute spans carry their CUDA events: their device times replace the host's when read
-        (resolve_device_times)."""
+    def record(self, tracer, step, batch_rows):
+        """Keep this step's stamps and its batch's rows for measured_bubble(), and write them into the
+        trace. On the GPU the compute spans carry their CUDA events: their device times replace the
+        host's when read (resolve_device_times)."""
         stamps, end, device_times = step.stamps, step.end, step.device_times
         sent_wait, dp, loss = end[1] - end[0], end[2] - end[1], end[3] - end[2]
         flat = [t for times in stamps for t in times]
         self.rows.append(np.array([step.start, end[3], sent_wait + loss, dp] + flat))
         self.device_records.append(device_times)
+        self.batch_rows.append(batch_rows)
         if device_times and self.device_reference is None:
             index, first, _ = device_times[0]
             self.device_reference = (first, stamps[index][0])    # the device clock's zero, in host time
         if len(self.rows) > MAX_RECORDS:
             del self.rows[1]                    # keep the first step (reported on its own) and the last ones
             del self.device_records[1]
+            del self.batch_rows[1]
         cuda = {index: (first, last) for index, first, last in device_times}
         tracer.add("pipeline step", "step", step.start, end[3], {})
         for index, (action, times) in enumerate(zip(self.actions, stamps)):
