@@ -180,16 +180,21 @@ def test_split_idle_on_a_hand_made_step():
     assert sum(causes.values())[:, 0] == pytest.approx(bubble[:, 0])
 
 
+def traced_pipeline(comm, init, schedule):
+    """A float64 pipeline of make_model(4) from ``init``, m = 4, with this rank's trace on."""
+    mt.set_default_dtype(np.float64)
+    model = make_model(4)
+    model.load_state_dict(init)
+    trace.enable(rank=comm.rank)
+    return PipelineParallel(model, comm, schedule, 4)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
 def test_the_measured_bubble_is_split_into_causes_that_add_up(schedule):
     init = make_model(4).state_dict()
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model(4)
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, schedule, 4)
-        trace.enable(rank=comm.rank)
+        pipe = traced_pipeline(comm, init, schedule)
         for x, y in batches(3):
             pipe.train_step(x, y, F.cross_entropy)
         ops = [e["args"]["op"] for e in trace.events() if e.get("args", {}).get("op")]
@@ -213,11 +218,7 @@ def test_the_bubble_of_a_batch_size_leaves_the_other_batches_out_even_past_the_r
     rows = [8, 5, 5, 8, 5, 8]
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model(4)
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, "1f1b", 4)
-        trace.enable(rank=comm.rank)
+        pipe = traced_pipeline(comm, init, "1f1b")
         for (x, y), n in zip(batches(len(rows)), rows):
             pipe.train_step(x[:n], y[:n], F.cross_entropy)
         return pipe.measured_bubble(global_rows=8), pipe.measured_bubble(global_rows=6), pipe.measured_bubble()
@@ -235,11 +236,7 @@ def test_the_timeline_draws_simulated_above_measured_with_a_legend_that_covers_n
     init = make_model(4).state_dict()
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model(4)
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, "zb_h1", 4)
-        trace.enable(rank=comm.rank)
+        pipe = traced_pipeline(comm, init, "zb_h1")
         x, y = batches(1)[0]
         pipe.train_step(x, y, F.cross_entropy)
         return trace.events(), pipe.schedule
