@@ -24,10 +24,9 @@ from minitrain import cli, memory, nn, optim
 from minitrain.backend import LOW_PRECISION, bfloat16
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
-from minitrain.data.digits import train_rows
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqdm
-from minitrain.examples.mlp_common import layout, nothing_left, resume
+from minitrain.examples.mlp_common import check_values, layout, nothing_left, resume
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
 from minitrain.examples.options import refuse_unsupported
@@ -77,12 +76,7 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "mlp")
-    if args.batch_size > train_rows():
-        p.error(f"argument --batch-size: must be at most {train_rows()} (the digits' training split has "
-                f"{train_rows()} samples), got {args.batch_size}")
-    if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
-        p.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local SGD's "
-                f"replicas agree only right after an averaging, and a checkpoint holds one model")
+    check_values(p, args)
     args.lr = {"adam": 1e-3, "sgd": 0.1}[args.optimizer] if args.lr is None else args.lr
     checkpointing.check_resume(p, args)
     return args, p

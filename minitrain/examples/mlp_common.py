@@ -1,14 +1,27 @@
 """What the MLP job's two halves share (mlp.py: every data-parallel strategy; mlp_pipeline.py: the
-pipelines): how a run is laid out (the checkpoint's manifest), the global loss of every step, the
-test accuracy, and the answer of a resumed run with nothing left to train.
+pipelines): the values checked across options, how a run is laid out (the checkpoint's manifest),
+the global loss of every step, the test accuracy, and the answer of a resumed run with nothing left
+to train.
 """
 import numpy as np
 
 import minitrain
 from minitrain import backend
 from minitrain import comm as mtcomm
+from minitrain.data.digits import train_rows
 from minitrain.examples import checkpointing
 from minitrain.examples.report import write_json
+
+
+def check_values(parser, args):
+    """What one option's type cannot check: a batch above the training split (it would be the whole split
+    each step, not the size asked for); local SGD's checkpoints only where its replicas agree."""
+    if args.batch_size > train_rows():
+        parser.error(f"argument --batch-size: must be at most {train_rows()} (the digits' training split has "
+                     f"{train_rows()} samples), got {args.batch_size}")
+    if args.strategy == "local_sgd" and args.save_every is not None and args.save_every % args.sync_every:
+        parser.error(f"--save-every {args.save_every} must be a multiple of --sync-every {args.sync_every}: local "
+                     f"SGD's replicas agree only right after an averaging, and a checkpoint holds one model")
 
 
 def layout(args, world, stage):
