@@ -515,6 +515,17 @@ def test_inspect_prints_the_manifest_as_a_table(saved, capsys):
     assert main(["verify", saved]) == 0 and "every checksum matches" in capsys.readouterr().out
 
 
+def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(saved, tmp_path, capsys):
+    from minitrain.checkpoint.__main__ import main
+    assert main(["list", os.path.dirname(saved)]) == 0 and "step        2" in capsys.readouterr().out
+    for command in ("list", "inspect", "verify"):                 # a typo is not an empty listing
+        assert main([command, str(tmp_path / "typo")]) == 2
+        assert f"error: {tmp_path / 'typo'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["list", str(tmp_path / "empty")]) == 1
+    assert f"no complete checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the optimizers' own state dicts
 def test_mixed_precision_zero_and_fsdp_load_their_state_dicts(float64):
     def body(comm):

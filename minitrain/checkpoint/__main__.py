@@ -1,7 +1,8 @@
 """python -m minitrain.checkpoint inspect DIR: the manifest as a table (tensors, shapes, dtypes,
 pieces, bytes; layout, step, files). verify DIR reads every piece and checks its CRC-32.
 list DIR: every complete checkpoint in DIR, oldest first. DIR may be a save directory (its
-newest checkpoint is shown) or one checkpoint."""
+newest checkpoint is shown) or one checkpoint. Exit status 1 where DIR holds no complete checkpoint,
+2 where DIR is not there or a checkpoint is damaged."""
 import argparse
 import os
 import sys
@@ -36,13 +37,19 @@ def main(argv=None):
                              "list: every complete checkpoint, oldest first")
     parser.add_argument("directory", metavar="DIR", help="a save directory (its newest checkpoint) or one checkpoint")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.directory):
+        print(f"error: {args.directory}: no such directory", file=sys.stderr)
+        return 2
     try:
         if args.command == "list":
-            for step, _, path in list_checkpoints(args.directory):
+            found = list_checkpoints(args.directory)
+            for step, _, path in found:
                 print(f"step {step:>8}  {path}")
             for name in damaged_step_folders(args.directory):
                 print(f"damaged: {os.path.join(args.directory, name)} has no manifest.json", file=sys.stderr)
-            return 0
+            if not found:
+                print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
+            return 0 if found else 1
         path = latest(args.directory)
         if path is None:
             print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
