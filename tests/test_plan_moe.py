@@ -91,6 +91,20 @@ def test_memory_with_expert_parallelism_is_the_job_s_ledger_within_5_percent(tmp
                 assert predicted["memory_bytes"]["total"] == pytest.approx(peak["total"], rel=0.01)
 
 
+def test_the_job_plans_its_own_routing_s_load(tmp_path):
+    """The default GPT with 4 experts over ep 2 routes unevenly (the busiest rank takes 1.5-1.7x an even share
+    in its first steps): the job asks the planner at its measured load, within 5% of its heaviest rank, where
+    even routing is 18% below."""
+    out = tmp_path / "moe.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--steps", "6", "--sample-chars", "1", "--no-progress",
+             "--dp", "2", "--moe-experts", "4", "--ep", "2", "--json", out], n=2, timeout=300)
+    report = json.loads(out.read_text())
+    compared, heaviest = report["planner"], max(r["memory"]["peak"]["total"] for r in report["ranks"])
+    assert 1.3 < compared["moe_load"] <= 2
+    assert compared["predicted"]["memory_bytes"] == pytest.approx(heaviest, rel=0.05)
+    assert compared["predicted"]["memory_bytes_even_routing"] < 0.9 * heaviest
+
+
 def test_memory_with_context_parallelism_is_the_job_s_ledger_within_1_percent(tmp_path):
     """A dense GPT over cp ranks (GPT3D): ring (zig-zag) and Ulysses, with tp and under a pipeline; Ulysses
     keeps what one process keeps on a/cp heads, the ring its log-sum-exp and output in place of the scores
@@ -231,6 +245,22 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert "nearest valid --cp: 2 or 4" in refused(f"{sizes} --world 8 --cp 8 --cp-method ulysses")  # cp | heads
     assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
     assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1
+    assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 2.5")
+    assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 0.5")
+    assert "needs --ep above 1" in refused(f"{sizes} --moe-experts 4 --world 2 --moe-load 1.5")
+
+
+def test_a_routing_s_load_adds_the_rows_the_busiest_rank_takes_beyond_an_even_share():
+    """--moe-load L: the busiest ep rank's experts take L x the routed rows M, so every value kept per routed
+    row (the experts' input h, their hidden 3f', the regroup's h: 2 experts a rank) grows by (L - 1)·M."""
+    base = ["gpt", *JOB, "--ep", "2", "--world", "2", "--json"]
+    even, double = (json.loads(cli(base + extra)) for extra in ([], ["--moe-load", "2"]))
+    M, h, f = 4 * 32 * 2, 32, 4 * 32                      # 4 sequences of 32 tokens a rank, top-2
+    assert double["category_peaks"]["activations"] - even["category_peaks"]["activations"] == 2 * 8 * M * (h + 3 * f + h)
+    assert double["layout"]["moe_load"] == 2
+    machine, layout = plan.load_machine(), plan.Layout(world=2, dp=2, ep=2, batch_size=16)
+    busy = [plan.predict(MOE, replace(layout, moe_load=load), machine)["step_busy_s"] for load in (1.0, 2.0, 1.0)]
+    assert busy[0] < busy[1] and busy[2] == busy[0]       # the busiest rank's experts work through more rows
 
 
 @pytest.mark.parametrize("options", [

@@ -103,6 +103,22 @@ def all_to_all_step(ep_comm, ep_layers, before):
     return all_to_all_sent(ep_comm) - before, formula
 
 
+def routing_step(ep_layers):
+    """One step's routed rows (taken by this rank's experts, sent by this rank) over its expert-parallel layers
+    (their counts restart for the next step)."""
+    taken, sent = sum(layer.rows_received for layer in ep_layers), sum(layer.rows_sent for layer in ep_layers)
+    for layer in ep_layers:
+        layer.rows_received = layer.rows_sent = 0
+    return taken, sent
+
+
+def routing_load(comm, routing, ep):
+    """The busiest rank's routed rows over an even share, its most loaded step (what the planner's --moe-load
+    takes; 1 without ep): each rank routes as many rows as it sends, the even share (a collective)."""
+    mine = max((taken / sent for taken, sent in routing if sent), default=1.0) if ep > 1 else 1.0
+    return min(float(all_reduce(comm, np.array([mine]), op="max")[0]), ep)
+
+
 def all_to_all_summary(comm, a2a, ep):
     """From each rank's (measured, formula) all-to-all bytes per step: the busiest rank's mean over steps of
     each, the (rank, step, measured | formula) table, and the report's line (a collective on ``comm``)."""

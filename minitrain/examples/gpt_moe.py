@@ -27,8 +27,8 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_step, moe_summary, nothing_left, sample_model,
-                                           scheduler_for)
+                                           gpt_config, layout, moe_step, moe_summary, nothing_left, routing_load,
+                                           routing_step, sample_model, scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
@@ -95,7 +95,7 @@ def main_moe_dp(args):
     memory.reset_peak()
     B = args.batch_size
     rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
-    losses, moe, a2a = [], [], []                                      # a2a: (measured, formula) bytes per step
+    losses, moe, a2a, routing = [], [], [], []                         # a2a: (measured, formula) bytes per step
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"dp{dp} moe", unit="step")
     comm.barrier()
@@ -120,6 +120,7 @@ def main_moe_dp(args):
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
         moe.append(moe_step(model, comm))
         a2a.append(all_to_all_step(ep_comm, ep_layers, sent_before))
+        routing.append(routing_step(ep_layers))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -131,6 +132,7 @@ def main_moe_dp(args):
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     memory_by_rank = gather_memory(comm, watch.persistent)
     a2a_measured, a2a_formula, a2a_by_rank, a2a_line = all_to_all_summary(comm, a2a, ep)   # (rank, step, 2)
+    load = routing_load(comm, routing, ep)
     full = global_model()
     if rank != 0:
         return 0
@@ -147,7 +149,7 @@ def main_moe_dp(args):
     print(moe_line)
     print(a2a_line)
     compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
-                               vocab_size=corpus.vocab_size)
+                               vocab_size=corpus.vocab_size, moe_load=load)
     show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))

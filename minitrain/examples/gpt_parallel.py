@@ -42,7 +42,8 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_summary, nothing_left, sample_model, scheduler_for)
+                                           gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
+                                           sample_model, scheduler_for)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_report,
                                                     expected_model_states, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
@@ -115,7 +116,7 @@ def main_parallel(args):
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
         del state
     memory.reset_peak()
-    losses, moe, a2a = [], [], []                            # a2a: (measured, formula) all-to-all bytes per step
+    losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
     ep_layers = [layer for layer in model.moe_layers if model.ep > 1]
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
@@ -145,6 +146,7 @@ def main_parallel(args):
         if model.moe_layers:
             moe.append(model.moe_statistics)
         a2a.append(all_to_all_step(model.ep_comm, ep_layers, a2a_before))   # this rank's stage's layers
+        routing.append(routing_step(ep_layers))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -165,6 +167,7 @@ def main_parallel(args):
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
+    load = routing_load(comm, routing, args.ep)
     state = model.full_state_dict()
     cp_block = cp_report(model, args, table)
     if rank != 0:
@@ -220,7 +223,8 @@ def main_parallel(args):
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
           + ")")
-    compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size)
+    compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
+                               moe_load=load)
     show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))

@@ -136,10 +136,11 @@ def write_json(path, report):
         json.dump(report, f, indent=2)
 
 
-def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None):
+def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0):
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan), for the
     JSON (always) and the planner line (--show-plan): ``steps`` is the slowest rank's StepTimer summary; the
-    planner is told the BLAS threads this process runs with. Time is compared as plan/validate.py compares it:
+    planner is told the BLAS threads this process runs with and, under expert parallelism, the run's routing
+    (``moe_load``: its busiest rank's routed rows over an even share; the memory at even routing beside). Time is compared as plan/validate.py compares it:
     the step's busy CPU time in units of the anchor (which the machine's other jobs slow alike) against the
     planner's compute and its collectives' own work; the wall clock beside (also in anchors)."""
     from .. import backend, plan
@@ -148,14 +149,16 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None)
                          else plan.gpt_from_args(args, world, vocab_size))
         layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0})
         machine = plan.load_machine()
-        predicted = plan.predict(model, layout, machine)
+        even = plan.predict(model, layout, machine)["memory_bytes"]["total"] if moe_load != 1 else None
+        predicted = plan.predict(model, plan.Layout(**{**layout.fields(), "moe_load": moe_load}), machine)
     except plan.LayoutError as e:
         return {"kind": kind, "world": world, "refused": str(e)}
     from ..plan.time import typical
     anchor = machine.get("anchor_cpu_time_s", 0.0) * typical(machine, world)   # as a job's step meets it
-    return {"kind": kind, "world": world, "threads": layout.threads,
+    return {"kind": kind, "world": world, "threads": layout.threads, "moe_load": moe_load,
             "predicted": {"step_busy_s": predicted["step_busy_s"], "step_time_s": predicted["step_time_s"]["total"],
-                          "memory_bytes": predicted["memory_bytes"]["total"]},
+                          "memory_bytes": predicted["memory_bytes"]["total"],
+                          **({"memory_bytes_even_routing": even} if even is not None else {})},
             "measured": {"step_busy_in_anchors_s": steps["step_busy_per_anchor"] * anchor,
                          "step_busy_fastest_s": steps["step_busy_cpu_time_min_s"],
                          "step_time_s": steps["step_time_s"],
@@ -178,8 +181,10 @@ def planner_line(compared):
     return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step busy CPU "
             f"{predicted['step_busy_s'] * 1e3:.2f} ms predicted, {measured}; wall "
             f"{predicted['step_time_s'] * 1e3:.2f} ms predicted, {got['step_time_s'] * 1e3:.2f} ms measured "
-            f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted, "
-            f"{fmt_bytes(got['memory_bytes'])} measured")
+            f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
+            + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest expert-parallel rank took that share of "
+               f"the routed rows; {fmt_bytes(predicted['memory_bytes_even_routing'])} at even routing)"
+               if "memory_bytes_even_routing" in predicted else "") + f", {fmt_bytes(got['memory_bytes'])} measured")
 
 
 def show_plan(args, compared):

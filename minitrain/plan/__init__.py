@@ -98,6 +98,7 @@ def gpt_from_args(args, world, vocab_size):
     moe_dp = bool(experts) and tp == pp == cp == 1 and args.microbatches == 1 and (world > 1 or dp > 1)
     parallel = not moe_dp and (world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1)
     layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
+                    moe_load=getattr(args, "moe_load", 1.0) or 1.0,
                     cp_method=getattr(args, "cp_method", "ring") or "ring",
                     zero=getattr(args, "zero", 0) or 0, sequence_parallel=args.sequence_parallel,
                     recompute=args.recompute, schedule=args.schedule, microbatches=args.microbatches,

@@ -117,14 +117,14 @@ def gpt_pieces(model, layout, rows, single_process=False):
     """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
     return list(_gpt_pieces(model, rows, single_process, layout.tp, layout.sequence_parallel, layout.recompute,
                             layout.precision, layout.batch_size, layout.offload_activations, layout.cp,
-                            layout.cp_method, layout.ep, layout.dp))
+                            layout.cp_method, layout.ep, layout.dp, layout.moe_load))
 
 
 @lru_cache(maxsize=256)
 def _gpt_pieces(model, rows, single_process, *key):
     from .experts import moe_mlp_sizes
     layout = Layout(**dict(zip(("tp", "sequence_parallel", "recompute", "precision", "batch_size",
-                                "offload_activations", "cp", "cp_method", "ep", "dp"), key)))
+                                "offload_activations", "cp", "cp_method", "ep", "dp", "moe_load"), key)))
     e = PRECISIONS[layout.precision]
     s, h, t, V = model.block_size // layout.cp, model.n_embd, layout.tp, model.vocab_size
     r = t if layout.sequence_parallel else 1

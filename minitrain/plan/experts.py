@@ -15,10 +15,11 @@ What an MoE layer keeps for backward, counted as the ledger counts it (tests/tes
 it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
 M·h, each expert's hidden 3·M·f' (c_fc's output, GELU's saved input and output) — a dense MLP's
 13·N·h at f = 4h — the combine's gathered rows N·k·h, the balancing loss's 2·E per group and its
-scalar. Under ep a rank's experts take the rows the all-to-all brings (M at balance: the planner plans
-the balanced case; a real routing moves a few percent of the activations between ranks, measured in
-tests/test_plan_moe.py) and, holding more than one expert, regroup them expert by expert (a gather:
-M·h more).
+scalar. Under ep a rank's experts take the rows the all-to-all brings, M at balance and M·L on the
+busiest rank of a routing whose load is L (--moe-load: the busiest rank's routed rows over an even share,
+the data's to decide: the jobs measure their run's and plan at it; an untrained router sends the
+default GPT's busiest rank 1.6x its share), and, holding more than one expert, regroup them expert by
+expert (a gather: M·h more). Its step is the busiest rank's: its experts' work grows by L too.
 
 Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
@@ -61,6 +62,12 @@ def check_axes(model, layout):
         valid = [d for d in range(1, layout.dp + 1) if layout.dp % d == 0 and (not E or E % d == 0)]
         raise LayoutError(f"--ep {ep} does not divide --dp {layout.dp} (experts are sharded over blocks of ep "
                           f"consecutive dp ranks); nearest valid --ep: {_valid(ep, valid)}")
+    if layout.moe_load != 1 and ep == 1:
+        raise LayoutError(f"--moe-load {layout.moe_load:g} needs --ep above 1: with --ep 1 one rank takes every routed "
+                          f"row; leave --moe-load out")
+    if not 1 <= layout.moe_load <= ep:
+        raise LayoutError(f"--moe-load {layout.moe_load:g} is the busiest expert-parallel rank's share of the routed "
+                          f"rows over an even one: between 1 and --ep {ep}")
     if not E:
         return
     if E % ep:
@@ -112,12 +119,25 @@ def expert_params_per_rank(model, layout):
 def routed_rows(model, layout, rows):
     """M: rows a rank's experts take for ``rows`` sequences of s/cp tokens: N·k dropless, at most the
     capacity E·G·ceil(C·(N/G)·k/E) over its G groups. At balance a rank receives what it sends."""
-    N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
+    return min(rows * local_tokens(model, layout) * model.moe_top_k, expert_capacity(model, layout, rows))
+
+
+def expert_capacity(model, layout, rows):
+    """The rows E experts take at most from ``rows`` sequences, E·G·ceil(C·(N/G)·k/E) (inf dropless)."""
     if model.moe_capacity_factor is None:
-        return N * k
-    groups = local_groups(model, layout)
-    per_group = math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
-    return min(N * k, E * groups * per_group)
+        return math.inf
+    N, k, E, groups = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts, local_groups(model, layout)
+    return E * groups * math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
+
+
+def received_rows(model, layout, rows):
+    """Rows this rank's experts take: routed_rows, times moe_load under ep (the busiest rank's share of the
+    routed rows over an even one; a routing's load is the data's, so the jobs measure it), at most the
+    capacity of the experts (all ep ranks' choices for them)."""
+    M = routed_rows(model, layout, rows)
+    if layout.ep == 1 or layout.moe_load == 1:
+        return M
+    return min(math.ceil(M * layout.moe_load), expert_capacity(model, layout, rows))
 
 
 def local_groups(model, layout):
@@ -126,10 +146,11 @@ def local_groups(model, layout):
 
 
 def moe_kept_values(model, layout, rows):
-    """Values an MoE layer keeps for backward (module docstring), for ``rows`` sequences on one rank."""
+    """Values an MoE layer keeps for backward (module docstring), for ``rows`` sequences on one rank (the
+    busiest, under ep: M its received_rows)."""
     N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
     r = layout.tp if layout.sequence_parallel else 1
-    M, f = routed_rows(model, layout, rows), model.expert_ffn
+    M, f = received_rows(model, layout, rows), model.expert_ffn
     groups = local_groups(model, layout)
     shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
     received = M * h if layout.ep > 1 and E // layout.ep > 1 else 0     # regrouped expert by expert: a gather
@@ -203,7 +224,7 @@ def experts_work(model, layout, rows):
     the shared experts on every token. The all-to-alls are communication (time.py prices them)."""
     from .work import Work, _linear, _linear_backward
     N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
-    M, f, local, t = routed_rows(model, layout, rows), model.expert_ffn, E // layout.ep, 1   # replicated on tp
+    M, f, local, t = received_rows(model, layout, rows), model.expert_ffn, E // layout.ep, 1   # replicated on tp
     fwd, bwd = Work(), Work()
     _linear(fwd, N, 1, h, E, False, bias=False)
     _linear_backward(bwd, N, 1, h, E, False, bias=False)

@@ -14,7 +14,7 @@ def gpt_layer_costs(model, layout, rows, c, machine):
     reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
            c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
-           layout.cp, layout.cp_method, layout.ep, layout.dp, bool(layout.extras.get("moe_dp_job")))
+           layout.cp, layout.cp_method, layout.ep, layout.dp, layout.moe_load, bool(layout.extras.get("moe_dp_job")))
     if key not in _LAYER_COSTS:
         _LAYER_COSTS[key] = _gpt_layer_costs(model, layout, rows, c, machine)
         if len(_LAYER_COSTS) > 4096:

@@ -123,6 +123,7 @@ class Layout:
     cp: int = 1                         # context parallelism: the sequence over cp ranks (plan/experts.py)
     cp_method: str = "ring"             # ring (zig-zag: 2cp chunks) | ulysses
     ep: int = 1                         # expert parallelism: E/ep experts per rank, ep | dp
+    moe_load: float = 1.0               # ep: the busiest rank's routed rows over an even share (1: balanced)
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -139,7 +140,7 @@ class Layout:
         if self.cp > 1:
             parts.append(f"cp{self.cp} {self.cp_method}")
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + (f" load {self.moe_load:g}" if self.moe_load != 1 else ""))
         if self.zero:
             parts.append(f"zero{self.zero}" + ("+offload" if self.offload else ""))
         if self.recompute != "none":
@@ -159,7 +160,7 @@ class Layout:
                 "micro_batch_size": self.micro_batch_size, "schedule": self.schedule, "chunks": self.chunks,
                 "offload": self.offload, "offload_activations": self.offload_activations,
                 "precision": self.precision, "batch_size": self.batch_size, "world": self.world, "threads": self.threads,
-                "cp": self.cp, "cp_method": self.cp_method, "ep": self.ep}
+                "cp": self.cp, "cp_method": self.cp_method, "ep": self.ep, "moe_load": self.moe_load}
 
 
 def divisors(n):
