@@ -27,7 +27,8 @@ def run(tmp_path, *args):
 
 
 def test_every_scheme_gives_the_same_tokens_and_reports_memory_by_the_formulas(tmp_path, capsys):
-    reports = {c: run(tmp_path, "--cache", c, "--block-size", "5") for c in ("none", "contiguous", "paged")}
+    reports = {c: run(tmp_path, "--cache", c, *(["--block-size", "5"] if c == "paged" else []))
+               for c in ("none", "contiguous", "paged")}
     tokens = reports["none"]["tokens"]
     assert len(tokens) == 5 and all(len(t) == 9 for t in tokens)
     per_token = 2 * 2 * 32 * 8                                       # 2 · n_layer · n_embd · itemsize (fp64)
@@ -75,7 +76,8 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
     assert swap["blocks_swapped"] == swap["blocks_swapped_in"] > 0 and swap["preemptions"] > 0
     assert recompute["blocks_swapped"] == 0 and recompute["preemptions"] > 0 and recompute["recomputed_tokens"] > 0
     assert swap["kv_ledger_peak"] <= 8 * 4 * base["kv_bytes_per_token"]
-    shared = [run(tmp_path, "--cache", c, "--block-size", "3", "--shared-prefix", "6") for c in ("none", "paged")]
+    shared = [run(tmp_path, "--cache", c, *(["--block-size", "3"] if c == "paged" else []), "--shared-prefix", "6")
+              for c in ("none", "paged")]
     assert shared[0]["tokens"] == shared[1]["tokens"] and shared[1]["shared_tokens"] >= 6 * 4
     sampled = [run(tmp_path, "--cache", c, "--temperature", "0.8", "--top-k", "10", "--seed", "3")
                for c in ("none", "paged")]
@@ -87,6 +89,8 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
     (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
     (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: prompts of up to 31 tokens fit"),
     (["--max-prompt-len", "35"], "at most 5 new tokens fit after it"),
+    (["--max-prompt-len", "45", "--max-new-tokens", "40"],
+     "longer than the context of 40 tokens, which --max-new-tokens 40 alone fills: give fewer new tokens"),
     (["--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
     (["--cache", "ring"], "invalid choice"),
 ])

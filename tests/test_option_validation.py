@@ -114,6 +114,9 @@ REFUSED = [  # (module, argv, the option refused, the setting it is refused with
     ("generate", ["--checkpoint", "DIR", "--train-steps", "5"], "--train-steps", "--checkpoint"),
     ("generate", ["--checkpoint", "DIR", "--lr", "1e-3"], "--lr", "--checkpoint"),
     ("generate", ["--top-k", "5"], "--top-k", "--temperature 0"),
+    ("generate", ["--cache", "contiguous", "--preempt", "recompute"], "--preempt", "--cache contiguous"),
+    ("generate", ["--cache", "none", "--block-size", "8"], "--block-size", "--cache none"),
+    ("generate", ["--preempt", "recompute"], "--preempt", "no --device-memory"),
 ]
 
 

@@ -70,9 +70,12 @@ def parse_args(argv=None):
         p.error(f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
     longest = args.shared_prefix + args.max_prompt_len
     if longest > args.context:
+        room = args.context - args.max_new_tokens
         p.error(f"a prompt of {longest} tokens (--shared-prefix {args.shared_prefix} + --max-prompt-len "
-                f"{args.max_prompt_len}) is longer than the context of {args.context} tokens: prompts of up to "
-                f"{args.context - args.max_new_tokens} tokens fit with --max-new-tokens {args.max_new_tokens}")
+                f"{args.max_prompt_len}) is longer than the context of {args.context} tokens"
+                + (f": prompts of up to {room} tokens fit with --max-new-tokens {args.max_new_tokens}" if room > 0 else
+                   f", which --max-new-tokens {args.max_new_tokens} alone fills: give fewer new tokens or a longer "
+                   f"--context"))
     if longest + args.max_new_tokens > args.context:
         p.error(f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceed the context "
                 f"of {args.context} tokens: at most {args.context - longest} new tokens fit after it")

@@ -118,6 +118,12 @@ def refuse_generate(parser, args, given):
         for option in ("--train-steps", "--batch-size", "--lr"):
             if option in given:
                 cli.refuse(parser, option, "--checkpoint", "the model is loaded from the checkpoint, not trained")
+    for option, why in (("--block-size", "only the paged cache has blocks"),
+                        ("--preempt", "only the paged cache preempts sequences")):
+        if option in given and args.cache != "paged":
+            cli.refuse(parser, option, f"--cache {args.cache}", why)
+    if "--preempt" in given and args.device_memory is None:
+        cli.refuse(parser, "--preempt", "no --device-memory", "without a capacity no sequence is ever preempted")
     if "--top-k" in given and args.temperature == 0:
         cli.refuse(parser, "--top-k", "--temperature 0", "greedy decoding takes the likeliest token; "
                                                          "give --temperature > 0 to sample among the top k")
