@@ -259,8 +259,11 @@ def test_a_routing_s_load_adds_the_rows_the_busiest_rank_takes_beyond_an_even_sh
     assert double["category_peaks"]["activations"] - even["category_peaks"]["activations"] == 2 * 8 * M * (h + 3 * f + h)
     assert double["layout"]["moe_load"] == 2
     machine, layout = plan.load_machine(), plan.Layout(world=2, dp=2, ep=2, batch_size=16)
-    busy = [plan.predict(MOE, replace(layout, moe_load=load), machine)["step_busy_s"] for load in (1.0, 2.0, 1.0)]
+    runs = [plan.predict(MOE, replace(layout, moe_load=load), machine) for load in (1.0, 2.0, 1.0)]
+    busy = [run["step_busy_s"] for run in runs]
     assert busy[0] < busy[1] and busy[2] == busy[0]       # the busiest rank's experts work through more rows
+    comm = [run["step_time_s"]["comm"] for run in runs]
+    assert comm[0] < comm[1] and comm[2] == comm[0]       # and its all-to-alls bring and send back more
 
 
 @pytest.mark.parametrize("options", [

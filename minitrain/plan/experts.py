@@ -19,7 +19,7 @@ scalar. Under ep a rank's experts take the rows the all-to-all brings, M at bala
 busiest rank of a routing whose load is L (--moe-load: the busiest rank's routed rows over an even share,
 the data's to decide: the jobs measure their run's and plan at it; an untrained router sends the
 default GPT's busiest rank 1.6x its share), and, holding more than one expert, regroup them expert by
-expert (a gather: M·h more). Its step is the busiest rank's: its experts' work grows by L too.
+expert (a gather: M·h more). Its step is the busiest rank's: its experts' work and its all-to-alls grow by L too.
 
 Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
