@@ -93,6 +93,14 @@ def nonneg_float(text):
     return value
 
 
+def largest_mib(text):
+    """The largest message of a sweep that starts at 1 KiB, in MiB: at least 1/1024."""
+    value = _real(text)
+    if not value >= 1 / 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1/1024 MiB (the sizes start at 1 KiB), got {text}")
+    return value
+
+
 def probability(text):
     """A dropout probability, in [0, 1) (1 would drop everything and divide by zero)."""
     value = _real(text)

@@ -131,10 +131,10 @@ def fmt(n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2, help="ranks saving and loading (mpiexec -n)")
-    ap.add_argument("--hidden", type=int, default=2048, help="width of each layer")
-    ap.add_argument("--layers", type=int, default=4, help="hidden x hidden layers")
-    ap.add_argument("--repeats", type=int, default=3, help="saves and loads timed (the median is kept)")
+    ap.add_argument("--ranks", type=cli.positive_int, default=2, help="ranks saving and loading (mpiexec -n)")
+    ap.add_argument("--hidden", type=cli.positive_int, default=2048, help="width of each layer")
+    ap.add_argument("--layers", type=cli.positive_int, default=4, help="hidden x hidden layers")
+    ap.add_argument("--repeats", type=cli.positive_int, default=3, help="saves and loads timed (the median is kept)")
     ap.add_argument("--dir", help="where to write (default: a temporary directory)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)

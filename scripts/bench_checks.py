@@ -106,11 +106,11 @@ def worker(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=int, default=4, help="ranks (one mpiexec launch)")
-    ap.add_argument("--steps", type=int, default=100, help="steps (and 1 KiB all-reduces) per configuration and round")
-    ap.add_argument("--big-reps", type=int, default=10, help="big all-reduces per configuration and round")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds; each measures every configuration once")
-    ap.add_argument("--mib", type=float, default=16, help="size of the big (bandwidth-bound) all-reduce, MiB")
+    ap.add_argument("--ranks", type=cli.positive_int, default=4, help="ranks (one mpiexec launch)")
+    ap.add_argument("--steps", type=cli.positive_int, default=100, help="steps (and 1 KiB all-reduces) per configuration and round")
+    ap.add_argument("--big-reps", type=cli.positive_int, default=10, help="big all-reduces per configuration and round")
+    ap.add_argument("--rounds", type=cli.positive_int, default=5, help="rounds; each measures every configuration once")
+    ap.add_argument("--mib", type=cli.positive_float, default=16, help="size of the big (bandwidth-bound) all-reduce, MiB")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()

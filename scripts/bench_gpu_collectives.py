@@ -123,13 +123,13 @@ def init(check_collectives):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--max-mib", type=float, default=256, help="largest message, MiB (sizes from 1 KiB, x4 steps)")
+    ap.add_argument("--max-mib", type=cli.largest_mib, default=256, help="largest message, MiB (sizes from 1 KiB, x4 steps)")
     ap.add_argument("--configs", nargs="*", default=["ring/cuda-ipc", "ring/cuda-ipc/host", "ring/pinned-staging",
                                                     "ring/cuda-aware-mpi", "mpi/staged", "mpi/device", "nccl"],
                     help="what to measure: ring/TRANSPORT[/host], mpi/staged, mpi/device, nccl (those that cannot "
                          "run here are named with the reason)")
-    ap.add_argument("--min-time", type=float, default=0.3, help="seconds measured per point (3 blocks)")
-    ap.add_argument("--max-reps", type=int, default=200, help="calls per block at most")
+    ap.add_argument("--min-time", type=cli.positive_float, default=0.3, help="seconds measured per point (3 blocks)")
+    ap.add_argument("--max-reps", type=cli.positive_int, default=200, help="calls per block at most")
     ap.add_argument("--check-collectives", action="store_true",
                     help="compare every call's arguments across ranks first (issue 15's check)")
     ap.add_argument("--tiny", action="store_true", help="CI: 1 KiB and 16 KiB, one call per block")

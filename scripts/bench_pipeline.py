@@ -249,19 +249,19 @@ def plot(all_results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
-    ap.add_argument("--steps", type=int, default=6, help="steps per configuration (the first is not measured)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration (the quietest is reported)")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SHARE",
+    ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
+    ap.add_argument("--steps", type=cli.positive_int, default=6, help="steps per configuration (the first is not measured)")
+    ap.add_argument("--repeat", type=cli.positive_int, default=1, help="runs per configuration (the quietest is reported)")
+    ap.add_argument("--wait-quiet", type=cli.nonneg_float, default=0.0, metavar="SHARE",
                     help="before each run, wait until other processes use less than SHARE of the cores (0: do not wait)")
-    ap.add_argument("--quiet-timeout", type=float, default=120.0, help="... but no longer than this, in seconds")
-    ap.add_argument("--width", type=int, default=1024, help="W of the 8 Linear(W, W) blocks")
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="values of m")
+    ap.add_argument("--quiet-timeout", type=cli.positive_float, default=120.0, help="... but no longer than this, in seconds")
+    ap.add_argument("--width", type=cli.positive_int, default=1024, help="W of the 8 Linear(W, W) blocks")
+    ap.add_argument("--microbatches", type=cli.positive_int, nargs="+", default=[4, 8, 16], help="values of m")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES, help="the schedules to run")
     ap.add_argument("--plot", metavar="PNG", help="draw the bubbles beside the formula (default: no plot)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--job", action="store_true", help="run the issue's mlp pipeline job (p = 2) instead of the model here")
-    ap.add_argument("--epochs", type=int, default=3, help="--job: the job's epochs")
+    ap.add_argument("--epochs", type=cli.positive_int, default=3, help="--job: the job's epochs")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

@@ -124,13 +124,13 @@ def main():
     how.add_argument("--calibrate", action="store_true",
                      help="calibrate this machine once first and predict from that (default: --machine)")
     ap.add_argument("--repeat", type=cli.positive_int, default=1, help="runs of each (default: 1)")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SHARE",
+    ap.add_argument("--wait-quiet", type=cli.nonneg_float, default=0.0, metavar="SHARE",
                     help="before each run, wait until other processes use less than SHARE of the cores "
                          "(default: 0, no wait)")
-    ap.add_argument("--quiet-timeout", type=float, default=60.0, help="... but no longer than this, in seconds")
-    ap.add_argument("--epochs", type=int, help="mlp runs: this many epochs (default: the runs')")
-    ap.add_argument("--steps", type=int, help="gpt runs: this many steps (default: the runs')")
-    ap.add_argument("--search-repeats", type=int, default=3, help="timed searches, the best kept (0: none)")
+    ap.add_argument("--quiet-timeout", type=cli.positive_float, default=60.0, help="... but no longer than this, in seconds")
+    ap.add_argument("--epochs", type=cli.positive_int, help="mlp runs: this many epochs (default: the runs')")
+    ap.add_argument("--steps", type=cli.positive_int, help="gpt runs: this many steps (default: the runs')")
+    ap.add_argument("--search-repeats", type=cli.nonneg_int, default=3, help="timed searches, the best kept (0: none)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
     if args.calibrate:

@@ -63,11 +63,11 @@ def launch(t, sp, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes: one mpiexec launch each")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps (the median is kept)")
-    ap.add_argument("--n-embd", type=int, default=256, help="embedding width")
-    ap.add_argument("--block", type=int, default=128, help="sequence length")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--tp", type=cli.positive_int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes: one mpiexec launch each")
+    ap.add_argument("--steps", type=cli.positive_int, default=6, help="timed steps (the median is kept)")
+    ap.add_argument("--n-embd", type=cli.positive_int, default=256, help="embedding width")
+    ap.add_argument("--block", type=cli.positive_int, default=128, help="sequence length")
+    ap.add_argument("--batch", type=cli.positive_int, default=8, help="sequences per step")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--sp", action="store_true", help=argparse.SUPPRESS)

@@ -174,15 +174,15 @@ def plot(results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="one mpiexec launch per p and configuration")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is kept)")
+    ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="one mpiexec launch per p and configuration")
+    ap.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps (the median is kept)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG",
                     help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them)")
     ap.add_argument("--plot", metavar="PNG", help="draw model-state memory per rank (default: no plot)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=cli.nonneg_int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return (torch_worker if args.config.startswith("torch") else minitrain_worker)(args)

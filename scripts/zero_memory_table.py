@@ -13,8 +13,8 @@ PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--params", type=float, default=7.5e9, help="the model's parameters")
-    ap.add_argument("--ranks", type=int, default=64, help="data-parallel GPUs")
+    ap.add_argument("--params", type=cli.positive_float, default=7.5e9, help="the model's parameters")
+    ap.add_argument("--ranks", type=cli.positive_int, default=64, help="data-parallel GPUs")
     args = ap.parse_args()
     print(f"model states per rank, Ψ = {args.params:.3g}, N = {args.ranks}, mixed-precision Adam (2 + 2 + 12 bytes)")
     print(f"{'stage':<22}{'params':>10}{'grads':>10}{'optimizer':>11}{'total':>10}{'paper':>9}")

@@ -415,3 +415,31 @@ def test_bench_message_cost_runs_and_times_each_side_warm_and_cold(monkeypatch, 
                             for state in ("warm", "cold")} | {"latency sleeping", "latency yielding"}
     assert all(t > 0 for t in results.values())
     assert text.count("x\n") == 4 and "one message of 64 B" in text and "landing at a rank that waits" in text
+
+
+def _counted_options():
+    """(script, option) for every option of a script that takes a positive number."""
+    import re
+    found = []
+    for path in sorted(SCRIPTS.glob("*.py")):
+        for option in re.findall(r'add_argument\("(--[a-z-]+)", type=cli\.(?:positive_int|positive_float|largest_mib)',
+                                 path.read_text()):
+            found.append((path.name, option))
+    return found
+
+
+@pytest.mark.parametrize("script, option", _counted_options())
+def test_a_script_refuses_a_count_of_zero_in_one_argparse_line(script, option, monkeypatch, capsys):
+    """A benchmark given 0 ranks, steps or MiB stops while parsing, not with a traceback after a launch."""
+    monkeypatch.setattr(sys, "argv", [script, option, "0"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument {option}: must be" in err and "Traceback" not in err, err
+
+
+def test_every_number_a_script_takes_is_checked_while_parsing():
+    import re
+    loose = [(path.name, m.group(0)) for path in sorted(SCRIPTS.glob("*.py"))
+             for m in re.finditer(r'add_argument\("--[a-z-]+",[^)]*type=(int|float)\b', path.read_text())]
+    assert not loose, loose                        # cli.positive_int and its kin say what was wrong, in one line
