@@ -27,9 +27,13 @@ def _digits_csv():
 SAMPLES = 1797                          # the 8x8 digits: 1,797 images
 
 
+def _test_rows(n, test_fraction):
+    return int(round(n * test_fraction))
+
+
 def train_rows(test_fraction=0.2):
-    """The training split's size (load_digits' x_train rows)."""
-    return SAMPLES - int(round(SAMPLES * test_fraction))
+    """The training split's size (load_digits' x_train rows), without reading the data."""
+    return SAMPLES - _test_rows(SAMPLES, test_fraction)
 
 
 def load_digits(test_fraction=0.2, seed=0, dtype=None):
@@ -39,6 +43,6 @@ def load_digits(test_fraction=0.2, seed=0, dtype=None):
     x = (table[:, :-1] / 16.0).astype(dtype or backend.get_default_dtype())
     y = table[:, -1].astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = _test_rows(len(x), test_fraction)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]

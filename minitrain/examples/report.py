@@ -140,17 +140,19 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None,
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan), for the
     JSON (always) and the planner line (--show-plan): ``steps`` is the slowest rank's StepTimer summary; the
     planner is told the BLAS threads this process runs with and, under expert parallelism, the run's routing
-    (``moe_load``: its busiest rank's routed rows over an even share; the memory at even routing beside). Time is compared as plan/validate.py compares it:
-    the step's busy CPU time in units of the anchor (which the machine's other jobs slow alike) against the
-    planner's compute and its collectives' own work; the wall clock beside (also in anchors)."""
+    (``moe_load``: its busiest rank's routed rows over an even share; the memory at even routing beside).
+    Time is compared as plan/validate.py compares it: the step's busy CPU time in units of the anchor (which
+    the machine's other jobs slow alike) against the planner's compute and its collectives' own work; the
+    wall clock beside (also in anchors)."""
     from .. import backend, plan
     try:
         model, layout = (plan.mlp_from_args(args, world) if kind == "mlp"
                          else plan.gpt_from_args(args, world, vocab_size))
-        layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0})
+        layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0, "moe_load": moe_load})
         machine = plan.load_machine()
-        even = plan.predict(model, layout, machine)["memory_bytes"]["total"] if moe_load != 1 else None
-        predicted = plan.predict(model, plan.Layout(**{**layout.fields(), "moe_load": moe_load}), machine)
+        predicted = plan.predict(model, layout, machine)
+        balanced = plan.Layout(**{**layout.fields(), "moe_load": 1.0})
+        even = plan.predict(model, balanced, machine)["memory_bytes"]["total"] if moe_load != 1 else None
     except plan.LayoutError as e:
         return {"kind": kind, "world": world, "refused": str(e)}
     from ..plan.time import typical

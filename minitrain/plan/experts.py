@@ -126,7 +126,8 @@ def expert_capacity(model, layout, rows):
     """The rows E experts take at most from ``rows`` sequences, E·G·ceil(C·(N/G)·k/E) (inf dropless)."""
     if model.moe_capacity_factor is None:
         return math.inf
-    N, k, E, groups = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts, local_groups(model, layout)
+    N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
+    groups = local_groups(model, layout)
     return E * groups * math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
 
 
@@ -153,8 +154,8 @@ def moe_kept_values(model, layout, rows):
     M, f = received_rows(model, layout, rows), model.expert_ffn
     groups = local_groups(model, layout)
     shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
-    received = M * h if layout.ep > 1 and E // layout.ep > 1 else 0     # regrouped expert by expert: a gather
-    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared + received
+    regrouped = M * h if layout.ep > 1 and E // layout.ep > 1 else 0    # expert by expert: a gather
+    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared + regrouped
 
 
 def dense_mlp_values(model, layout, rows):
@@ -173,10 +174,12 @@ def attention_core_values(model, layout, rows):
 
 
 def all_to_all_bytes(model, layout, rows):
-    """Bytes one of an MoE layer's all-to-alls sends to other ranks: M rows of h, (ep-1)/ep of them away
-    (four per layer and micro-batch: dispatch and combine, forward and backward)."""
+    """Bytes one of an MoE layer's all-to-alls moves between the busiest rank and the others: the rows its
+    experts take (M at balance, M·moe_load on the busiest rank: dispatch brings them, combine sends them back),
+    (ep-1)/ep of them from or to other ranks (four per layer and micro-batch: dispatch and combine, forward
+    and backward)."""
     e = PRECISIONS[layout.precision]
-    return routed_rows(model, layout, rows) * model.n_embd * e * (layout.ep - 1) / layout.ep
+    return received_rows(model, layout, rows) * model.n_embd * e * (layout.ep - 1) / layout.ep
 
 
 def cp_block_bytes(model, layout, rows):

@@ -5,7 +5,6 @@ parallelism: Korthikanti et al. 2022), context parallelism's exchanges and the e
 (plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
 """
 from .alpha_beta import collective
-from .layout import PRECISIONS
 from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
 
 
@@ -69,7 +68,7 @@ def axes_comm(model, layout, rows, machine, busy):
     block with its four all-to-alls added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
     dK and dV backward and a last of dK and dV, a sendrecv each array; Ulysses: four all-to-alls each way. The
     ep ranks are consecutive dp ranks."""
-    from .experts import cp_block_bytes, received_rows
+    from .experts import all_to_all_bytes, cp_block_bytes
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:
@@ -81,8 +80,6 @@ def axes_comm(model, layout, rows, machine, busy):
             fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy, after_compute=True)
     a2a = 0.0
     if model.moe_experts and ep > 1:
-        # the rows' bytes, to and from all: the busiest rank's experts take moe_load x an even share (dispatch
-        # brings them, combine sends them back), so its exchanges last that much longer than its own sends
-        whole = received_rows(model, layout, rows) * model.n_embd * PRECISIONS[layout.precision]
+        whole = all_to_all_bytes(model, layout, rows) * ep / (ep - 1)      # the rows' bytes, to and from all
         a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy, after_compute=True)
     return (fwd, bwd), (fwd + a2a, bwd + a2a)
