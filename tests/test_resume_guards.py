@@ -134,3 +134,16 @@ def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path):
     refused(mlp, MLP + ["--save-dir", d, "--resume", "--hidden", 8], "sizes = [64, 16, 16, 10] (--hidden / --layers)")
     status, _, err = run(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7, OVERRIDE])
     assert status == 0 and "Traceback" not in err, err
+
+
+def test_a_constant_schedule_warms_up_for_the_steps_asked_and_not_unasked(tmp_path):
+    """--lr-schedule constant with --warmup-steps 3 rises lr/3, 2lr/3, lr, then stays; without it, lr from the
+    start (30 steps, where cosine's default warm-up would be 3)."""
+    lr = 3e-3
+    for warmup, expected in ((["--warmup-steps", 3], [2 / 3, 1.0, 1.0]), ([], [1.0, 1.0, 1.0])):
+        d = tmp_path / f"constant{len(warmup)}"
+        status, _, err = run(gpt, GPT + ["--steps", 30, "--lr-schedule", "constant", "--save-dir", d, "--save-every", 1]
+                             + warmup)
+        assert status == 0, err
+        assert [schedule_at(d, step)["_last_lr"][0] for step in (1, 2, 30)] == pytest.approx(
+            [lr * f for f in expected], rel=1e-12)

@@ -57,8 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=cli.probability, default=0.0, help="dropout probability")
     p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
-                   help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine))")
-    p.add_argument("--warmup-steps", type=cli.nonneg_int, default=None, help="default: steps // 10, at most 100")
+                   help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine)); "
+                   "constant: linear warm-up, then --lr (Megatron's constant decay style)")
+    p.add_argument("--warmup-steps", type=cli.nonneg_int, default=None,
+                   help="steps of linear warm-up (default: steps // 10, at most 100, with cosine; 0 with constant)")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="parameters' and activations' dtype")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
     p.add_argument("--sample-chars", type=cli.nonneg_int, default=200, help="characters sampled from the trained model")
@@ -113,7 +115,7 @@ def parse_args(argv=None):
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "gpt")
     if args.warmup_steps is None:
-        args.warmup_steps = min(100, args.steps // 10)
+        args.warmup_steps = min(100, args.steps // 10) if args.lr_schedule == "cosine" else 0
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     if args.tp > 1 and args.n_head % args.tp:

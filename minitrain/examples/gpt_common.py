@@ -25,8 +25,9 @@ def estimate_loss(model, corpus, args, rng, batches=4):
 
 
 def scheduler_for(opt, args):
-    """The GPT's schedule: linear warm-up then cosine to lr/10 (PyTorch: the same LambdaLR)."""
-    factor = warmup_cosine(args.warmup_steps, args.steps) if args.lr_schedule == "cosine" else (lambda step: 1.0)
+    """The GPT's schedule: linear warm-up then cosine to lr/10, or (constant) to lr itself: a cosine from 1 to 1
+    (PyTorch: the same LambdaLR)."""
+    factor = warmup_cosine(args.warmup_steps, args.steps, min_ratio=0.1 if args.lr_schedule == "cosine" else 1.0)
     return LambdaLR(opt, factor)
 
 
