@@ -69,6 +69,12 @@ def main_parallel(args):
             sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
                              f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
+    if args.microbatches > args.batch_size // dp:      # a micro-batch of no rows: work for nothing, never asked for
+        if rank == 0:
+            sys.stderr.write(f"error: --microbatches {args.microbatches} exceeds the {args.batch_size // dp} rows a "
+                             f"replica's batch has (--batch-size {args.batch_size} over {dp} replicas): some micro-"
+                             f"batches would be empty\n")
+        return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size, dp)

@@ -48,6 +48,10 @@ def main_pipeline(args, parser, comm):
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp
+    if args.microbatches > args.batch_size // args.dp:    # a micro-batch of no rows: work for nothing, never asked for
+        _fail(parser, comm, f"--microbatches {args.microbatches} exceeds the {args.batch_size // args.dp} rows a "
+                            f"replica's batch has (--batch-size {args.batch_size} over --dp {args.dp}): some "
+                            f"micro-batches would be empty")
     try:
         chunks = default_chunks(args.schedule, args.chunks)
     except ValueError as e:
