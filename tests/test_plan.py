@@ -160,6 +160,9 @@ def test_every_gpt_pipeline_the_job_runs_is_planned(args):
 def test_the_planner_refuses_what_the_pipeline_job_refuses():
     assert "--recompute is not supported with --strategy pipeline" in refused(
         "mlp --strategy pipeline --recompute full --world 2")
+    assert "--microbatches 17 exceeds the 16 rows of the largest replica's batch" in refused(
+        "gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 17")
+    assert cli("gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 16")["layout"]["microbatches"] == 16
 
 
 def test_device_memory_decides_fits():

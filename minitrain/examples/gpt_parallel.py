@@ -40,7 +40,8 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import (checks_line, device_code, init_comm, microbatches_error, mpi_line, tqdm,
+                                      transport_name)
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            sample_model, scheduler_for)
@@ -69,11 +70,9 @@ def main_parallel(args):
             sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
                              f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
-    if args.microbatches > args.batch_size // dp:      # a micro-batch of no rows: work for nothing, never asked for
+    if args.microbatches > -(-args.batch_size // dp):    # the largest replica's rows: beyond them every micro-batch is empty
         if rank == 0:
-            sys.stderr.write(f"error: --microbatches {args.microbatches} exceeds the {args.batch_size // dp} rows a "
-                             f"replica's batch has (--batch-size {args.batch_size} over {dp} replicas): some micro-"
-                             f"batches would be empty\n")
+            sys.stderr.write(f"error: {microbatches_error(args.microbatches, args.batch_size, dp)}\n")
         return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()

@@ -26,7 +26,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, device_code, microbatches_error, mpi_line, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
@@ -48,10 +48,8 @@ def main_pipeline(args, parser, comm):
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp
-    if args.microbatches > args.batch_size // args.dp:    # a micro-batch of no rows: work for nothing, never asked for
-        _fail(parser, comm, f"--microbatches {args.microbatches} exceeds the {args.batch_size // args.dp} rows a "
-                            f"replica's batch has (--batch-size {args.batch_size} over --dp {args.dp}): some "
-                            f"micro-batches would be empty")
+    if args.microbatches > -(-args.batch_size // args.dp):   # beyond the largest replica's rows: empty micro-batches
+        _fail(parser, comm, microbatches_error(args.microbatches, args.batch_size, args.dp))
     try:
         chunks = default_chunks(args.schedule, args.chunks)
     except ValueError as e:

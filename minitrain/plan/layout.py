@@ -194,6 +194,10 @@ def check(model, layout):
                 f"--tp {t} does not divide --world {n}; nearest valid --tp: {_choices(_nearest(t, divisors(n)))}")
         raise LayoutError(f"dp x pp x tp must equal the world size: {d} x {p} x {t} = {d * p * t} != --world {n} "
                           f"({hint}; or --world {d * p * t})")
+    if layout.microbatches > -(-layout.batch_size // d):     # as the jobs refuse it: every further one is empty
+        raise LayoutError(f"--microbatches {layout.microbatches} exceeds the {-(-layout.batch_size // d)} rows of the "
+                          f"largest replica's batch (--batch-size {layout.batch_size} over dp {d}): micro-batches "
+                          f"beyond them would be empty")
     if layout.precision not in PRECISIONS:
         raise LayoutError(f"unknown precision {layout.precision!r}: expected one of {sorted(PRECISIONS)}")
     if layout.zero not in (0, 1, 2, 3):
