@@ -236,6 +236,8 @@ def test_show_stub_and_a_missing_file_on_the_command_line(tmp_path):
     assert cli("stub", "ddp_buckets", str(dest)).returncode == 0 and dest.read_text() == get("ddp_buckets").stub
     refused = cli("stub", "ddp_buckets", str(dest))
     assert refused.returncode == 2 and "--force" in refused.stderr
+    into = cli("stub", "ddp_buckets", str(tmp_path))                  # a folder: the file goes in it, as cp puts it
+    assert into.returncode == 0 and (tmp_path / "ddp_buckets.py").read_text() == get("ddp_buckets").stub
     missing = cli_process("check", "ddp_buckets", str(tmp_path / "nope.py"))
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
     unknown = cli("show", "ring_allreduce")

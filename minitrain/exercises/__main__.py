@@ -101,6 +101,8 @@ def cmd_stub(args, progress):
     import pathlib
     e = get(args.name)
     dest = pathlib.Path(args.dest)
+    if dest.is_dir():                    # as cp does: into the folder, under the exercise's name
+        dest = dest / f"{e.name}.py"
     if dest.exists() and not args.force:
         print(f"{dest} exists; not overwriting it (pass --force to replace it)", file=sys.stderr)
         return 2
@@ -199,7 +201,7 @@ def main(argv=None):
     group.add_argument("--all", action="store_true", help="show every hint")
     p = sub.add_parser("stub", help="write the exercise's starting file to DEST", **plain)
     p.add_argument("name", metavar="NAME", help=NAME_HELP)
-    p.add_argument("dest", metavar="DEST", help="where to write it, e.g. mine.py")
+    p.add_argument("dest", metavar="DEST", help="where to write it, e.g. mine.py (a folder: NAME.py in it)")
     p.add_argument("--force", action="store_true", help="overwrite DEST if it exists (default: refuse)")
     for command, text, path_help in (("check", "grade your file with the library's own tests",
                                       "your file (no default: required unless --reference)"),
