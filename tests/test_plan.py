@@ -487,3 +487,16 @@ def test_stages_alike_share_one_walk_and_stages_with_more_in_flight_hold_more():
     assert one_f[1]["params"] == one_f[2]["params"]
     gpipe[1]["category_peaks"]["activations"] += 1           # the walk is shared, the answers are not
     assert gpipe[2]["category_peaks"]["activations"] == gpipe[1]["category_peaks"]["activations"] - 1
+
+
+def test_a_machine_file_that_is_not_one_is_refused_in_one_line(tmp_path):
+    """plan, validate and calibrate --merge: a missing machine, a file that is not JSON, and JSON without the
+    constants each end in one error line naming the file (exit status 2), never a traceback."""
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "empty.json").write_text("{}")
+    cases = [(tmp_path / "none.json", "no machine"), (tmp_path / "broken.json", "cannot read the machine"),
+             (tmp_path / "empty.json", "is not a machine's constants (no name, device, matmul_flops")]
+    for path, said in cases:
+        for argv in (f"mlp --machine {path}", f"validate --runs ddp-2 --machine {path}", f"calibrate --merge {path}"):
+            message = refused(argv)
+            assert said in message and str(path) in message and "Traceback" not in message, (argv, message)

@@ -20,7 +20,7 @@ from .papers import korthikanti_layer_bytes
 from .states import CATEGORIES
 from .counts import flops_per_iteration
 from .time import predict_time
-from .calibrate import load_machine
+from .calibrate import MachineError, load_machine
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes
 
@@ -115,5 +115,5 @@ def corpus_vocab_size():
 
 
 __all__ = ["GPT", "MLP", "Params", "Layout", "LayoutError", "check", "layouts", "predict", "predict_memory",
-           "predict_time", "flops_per_iteration", "korthikanti_layer_bytes", "load_machine", "mlp_from_args",
+           "predict_time", "flops_per_iteration", "korthikanti_layer_bytes", "load_machine", "MachineError", "mlp_from_args",
            "gpt_from_args", "corpus_vocab_size", "CATEGORIES"]

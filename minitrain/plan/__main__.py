@@ -19,8 +19,8 @@ import sys
 import time
 
 from .. import cli
-from . import (Layout, LayoutError, Params, check, corpus_vocab_size, gpt_from_args, layouts, load_machine,
-               mlp_from_args, predict)
+from . import (Layout, LayoutError, MachineError, Params, check, corpus_vocab_size, gpt_from_args, layouts,
+               load_machine, mlp_from_args, predict)
 from .configs import NAMED
 from .layout import PRECISIONS, SCHEDULES
 
@@ -243,7 +243,7 @@ def main(argv=None):
             out = predict(model, layout, machine, args.accounting, args.device_memory)
     except LayoutError as e:
         p.exit(2, f"{p.prog} {args.command}: error: impossible layout: {e}\n")
-    except FileNotFoundError as e:
+    except MachineError as e:
         p.exit(2, f"{p.prog} {args.command}: error: {e}\n")
     if args.json:
         text = json.dumps(out, indent=1)

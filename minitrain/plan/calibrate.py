@@ -49,6 +49,14 @@ DEFAULT_PATH = pathlib.Path(os.environ.get("MINITRAIN_CACHE", pathlib.Path.home(
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
+class MachineError(ValueError):
+    """A machine that is not there, or a file that is not a machine's constants (the CLIs say it in one line)."""
+
+
+REQUIRED = ("name", "device", "matmul_flops", "elementwise_s_per_element", "numpy_call_s", "autograd_node_s",
+            "fresh_memory_s_per_byte")          # what every machine file has, measured (calibrate) or from a datasheet
+
+
 def load_machine(name=None):
     """A machine's constants: a path, a committed name (``cpu-2core``, ``a100-80gb``), or by default the
     calibration at ~/.cache/minitrain/machine.json if there is one, else ``cpu-2core``."""
@@ -59,10 +67,18 @@ def load_machine(name=None):
         path = MACHINES / f"{name}.json"
     if not path.exists():
         known = sorted(p.stem for p in MACHINES.glob("*.json"))
-        raise FileNotFoundError(f"no machine {name!r}: give a JSON path or one of {known} "
-                                f"(python -m minitrain.plan calibrate writes {DEFAULT_PATH})")
-    with open(path) as f:
-        return json.load(f)
+        raise MachineError(f"no machine {name!r}: give a JSON path or one of {known} "
+                           f"(python -m minitrain.plan calibrate writes {DEFAULT_PATH})")
+    try:
+        with open(path) as f:
+            machine = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MachineError(f"cannot read the machine {str(path)!r}: {e}") from None
+    missing = [key for key in REQUIRED if key not in machine] if isinstance(machine, dict) else list(REQUIRED)
+    if missing:
+        raise MachineError(f"{str(path)!r} is not a machine's constants (no {', '.join(missing)}): python -m "
+                           f"minitrain.plan calibrate writes one")
+    return machine
 
 
 def calibrate(ranks=(2, 4), quick=False, log=print):
@@ -193,8 +209,12 @@ def main(argv=None):
     if any(r < 2 for r in args.ranks):
         p.error("--ranks: collectives need at least 2 ranks")
     if args.merge:
-        machine = merge([load_machine(path) for path in args.merge],
-                        load_machine(args.comm_only) if args.comm_only else None)
+        try:
+            machines = [load_machine(path) for path in args.merge]
+            comm_only = load_machine(args.comm_only) if args.comm_only else None
+        except MachineError as e:
+            p.error(str(e))
+        machine = merge(machines, comm_only)
     else:
         machine = calibrate(args.ranks, args.quick)
     if args.name:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from . import CATEGORIES, load_machine, predict
+from . import CATEGORIES, MachineError, load_machine, predict
 from .counts import predict_nodes
 from .time import typical
 
@@ -166,7 +166,10 @@ def main(argv=None):
     p.add_argument("--machine", help="machine constants (default as for plan)")
     p.add_argument("--json", metavar="PATH", help="write every run's figures (default: none written)")
     args = p.parse_args(argv)
-    machine = load_machine(args.machine)
+    try:
+        machine = load_machine(args.machine)
+    except MachineError as e:
+        p.error(str(e))
     results = []
     for name in args.runs:
         results.append(run(name, machine))
