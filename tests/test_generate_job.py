@@ -150,6 +150,28 @@ def test_the_job_serves_what_the_gpt_job_saved(tmp_path, capsys):
     gc.collect()
 
 
+def test_a_checkpoint_is_served_at_its_own_sizes_and_precision_unless_told_otherwise(tmp_path, capsys):
+    """The gpt job's defaults saved (fp32, context 32), then generate --checkpoint DIR with no model option:
+    the checkpoint's sizes and precision, as vLLM takes a model's config and dtype; an option given that differs
+    is still refused by name; without --checkpoint the serving job's own defaults (fp64, context 64)."""
+    from minitrain.examples import gpt as gpt_job
+    ck = tmp_path / "ck"
+    assert gpt_job.main(["--steps", "1", "--n-embd", "32", "--n-layer", "1", "--no-progress", "--sample-chars", "1",
+                         "--save-dir", str(ck)]) == 0
+    out = tmp_path / "served.json"
+    assert generate.main(["--checkpoint", str(ck), "--num-prompts", "2", "--max-prompt-len", "8", "--max-new-tokens",
+                          "4", "--json", str(out)]) == 0
+    served = json.loads(out.read_text())
+    assert (served["precision"], served["context"], served["n_layer"], served["n_embd"]) == ("fp32", 32, 1, 32)
+    assert served["param_bytes"] == served["num_params"] * 4
+    assert generate.main(["--checkpoint", str(ck), "--n-head", "2", "--max-prompt-len", "8", "--max-new-tokens",
+                          "4"]) == 2
+    assert "n_head = 4 (--n-head), this one 2" in capsys.readouterr().err
+    args = generate.parse_args([])
+    assert (args.precision, args.context, args.n_layer, args.n_head, args.n_embd) == ("fp64", 64, 2, 4, 64)
+    gc.collect()
+
+
 @pytest.mark.slow
 def test_the_job_serves_a_mixture_of_experts_the_gpt_job_saved(tmp_path, capsys):
     """An MoE checkpoint is served with its experts (from the manifest), dropless: the tokens are the

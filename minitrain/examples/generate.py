@@ -29,7 +29,7 @@ from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import checks_line, init_comm, job_parser, launch_info, mpi_line, parse_job_args
 from minitrain.examples.report import fmt_bytes, write_json
-from minitrain.examples.checkpointing import check_model
+from minitrain.examples.serving_checkpoint import checkpoint_experts, fill_model_options, load_checkpoint
 from minitrain.examples.options import refuse_unsupported
 from minitrain.inference import CACHES, LLMEngine
 
@@ -45,8 +45,8 @@ def parse_args(argv=None):
                    help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
-    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp64",
-                   help="fp64 (default): every scheme gives the same logits to 1e-10")
+    p.add_argument("--precision", choices=["fp32", "fp64"], default=None,
+                   help="fp64 (default; with --checkpoint, the checkpoint's): every scheme gives the same logits to 1e-10")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")
@@ -55,16 +55,21 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt-len", type=cli.positive_int, default=24, help="longest prompt, in tokens")
     p.add_argument("--shared-prefix", type=cli.nonneg_int, default=0,
                    help="every prompt starts with the same N tokens; the paged cache shares their blocks")
-    p.add_argument("--context", type=cli.positive_int, default=64, help="the model's context (its block_size)")
-    p.add_argument("--n-layer", type=cli.positive_int, default=2, help="transformer blocks")
-    p.add_argument("--n-head", type=cli.positive_int, default=4, help="attention heads")
-    p.add_argument("--n-embd", type=cli.positive_int, default=64, help="embedding width")
+    p.add_argument("--context", type=cli.positive_int, default=None,
+                   help="the model's context (its block_size) (default: 64; with --checkpoint, the checkpoint's)")
+    p.add_argument("--n-layer", type=cli.positive_int, default=None,
+                   help="transformer blocks (default: 2; with --checkpoint, the checkpoint's)")
+    p.add_argument("--n-head", type=cli.positive_int, default=None,
+                   help="attention heads (default: 4; with --checkpoint, the checkpoint's)")
+    p.add_argument("--n-embd", type=cli.positive_int, default=None,
+                   help="embedding width (default: 64; with --checkpoint, the checkpoint's)")
     p.add_argument("--train-steps", type=cli.nonneg_int, default=100, help="brief training before serving (0: none)")
     p.add_argument("--batch-size", type=cli.positive_int, default=8, help="training batch")
     p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="learning rate of the brief training")
     p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
     p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
     args = parse_job_args(p, argv)
+    fill_model_options(args)
     refuse_unsupported(p, args, argv, "generate")
     if args.max_prompt_len < args.min_prompt_len:
         p.error(f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
@@ -93,41 +98,6 @@ def make_prompts(corpus, args):
     lengths = rng.integers(args.min_prompt_len, args.max_prompt_len + 1, size=args.num_prompts)
     starts = rng.integers(args.shared_prefix, len(corpus.val) - args.max_prompt_len, size=args.num_prompts)
     return [[int(t) for t in prefix + list(corpus.val[s:s + n])] for s, n in zip(starts, lengths)]
-
-
-def checkpoint_experts(directory):
-    """The mixture of experts the gpt job saved in ``directory`` (--moe-experts, --moe-top-k, --moe-every
-    from its manifest), served dropless: a capacity drops tokens by what else is in the batch, so the
-    same prompt would continue differently beside other prompts (Mixtral and vLLM serve without one).
-    {} for a dense model or no checkpoint (load_checkpoint says so)."""
-    from minitrain import checkpoint
-    try:
-        path = checkpoint.find_latest(directory)
-        model = checkpoint.read_manifest(path).get("layout", {}).get("model", {}) if path else {}
-    except checkpoint.CheckpointError:
-        return {}
-    if not model.get("moe_experts"):
-        return {}
-    return {key: model[key] for key in ("moe_experts", "moe_top_k", "moe_every", "moe_aux_loss_coef") if key in model}
-
-
-def load_checkpoint(model, directory):
-    """Load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
-    --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
-    only: any layout the gpt job saved from (dp, tp, pp) is resharded to this one process."""
-    from minitrain import checkpoint
-    try:
-        path = checkpoint.find_latest(directory)
-        if path is None:
-            raise ValueError(f"no checkpoint in {directory}")
-        config = model.config
-        check_model(checkpoint.read_manifest(path).get("layout", {}), {
-            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
-            "block_size": config.block_size, "vocab_size": config.vocab_size}, {"block_size": "--context"})
-        checkpoint.load(path, None, model, strict=False)
-    except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
-        raise ValueError(f"--checkpoint {directory}: {e}") from None
-    return path
 
 
 def train(model, corpus, args):
