@@ -78,7 +78,9 @@ def test_the_json_moe_block_and_the_table_line(tmp_path):
 @pytest.mark.parametrize("extra, needle", [
     (["--moe-top-k", 5], "--moe-top-k 5 exceeds --moe-experts 4"),
     (["--moe-every", 3], "--moe-every 3 exceeds --n-layer 2"),
-    (["--moe-groups", 3], "--batch-size 4 does not split into --moe-groups 3"),
+    (["--moe-groups", 3], "--batch-size 4 does not split into --moe-groups 3 groups of whole rows\n"),
+    (["--dp", 2, "--microbatches", 3], "--batch-size 4 does not split into --moe-groups 6 groups of whole rows (its "
+                                       "default: one per data-parallel replica and micro-batch)"),
     (["--moe-groups", 3, "--dp", 2], "--moe-groups 3 is not a multiple of the 2 data-parallel replicas"),
     (["--moe-capacity-factor", 0], "argument --moe-capacity-factor: must be > 0"),
     (["--moe-experts", -1], "argument --moe-experts: must be >= 0"),

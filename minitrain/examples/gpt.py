@@ -163,7 +163,8 @@ def check_moe(p, args):
         p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas"
                 + (f" x {m} micro-batches (each routes whole groups)" if m > 1 else ""))
     if args.batch_size % groups:
-        p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows")
+        p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows"
+                + ("" if args.moe_groups else " (its default: one per data-parallel replica and micro-batch)"))
     if args.moe_experts % args.ep:
         p.error(f"--ep {args.ep} does not divide --moe-experts {args.moe_experts}: each rank holds E/ep whole experts")
     if dp % args.ep:
