@@ -98,7 +98,6 @@ def mpi_line():
     return mpi_library()
 
 
-
 def microbatches_error(microbatches, batch_size, dp):
     """The jobs' refusal of micro-batches beyond a full batch's rows: a replica's batch is cut into m micro-batches
     (a row apart where they do not divide it); past the largest replica's rows every further one is empty."""

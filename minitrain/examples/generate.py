@@ -28,9 +28,9 @@ import minitrain
 from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
 from minitrain.examples.common import checks_line, init_comm, job_parser, launch_info, mpi_line, parse_job_args
+from minitrain.examples.options import refuse_unsupported
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.examples.serving_checkpoint import checkpoint_experts, fill_model_options, load_checkpoint
-from minitrain.examples.options import refuse_unsupported
 from minitrain.inference import CACHES, LLMEngine
 
 
@@ -46,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
     p.add_argument("--precision", choices=["fp32", "fp64"], default=None,
-                   help="fp64 (default; with --checkpoint, the checkpoint's): every scheme gives the same logits to 1e-10")
+                   help="fp64 (default; with --checkpoint, the checkpoint's): every scheme gives the same logits "
+                   "to 1e-10")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")

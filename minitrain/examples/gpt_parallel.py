@@ -70,7 +70,7 @@ def main_parallel(args):
             sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
                              f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
-    if args.microbatches > -(-args.batch_size // dp):    # the largest replica's rows: beyond them every micro-batch is empty
+    if args.microbatches > -(-args.batch_size // dp):    # beyond the largest replica's rows: empty micro-batches
         if rank == 0:
             sys.stderr.write(f"error: {microbatches_error(args.microbatches, args.batch_size, dp)}\n")
         return 2

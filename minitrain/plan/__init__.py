@@ -115,5 +115,5 @@ def corpus_vocab_size():
 
 
 __all__ = ["GPT", "MLP", "Params", "Layout", "LayoutError", "check", "layouts", "predict", "predict_memory",
-           "predict_time", "flops_per_iteration", "korthikanti_layer_bytes", "load_machine", "MachineError", "mlp_from_args",
-           "gpt_from_args", "corpus_vocab_size", "CATEGORIES"]
+           "predict_time", "flops_per_iteration", "korthikanti_layer_bytes", "load_machine", "MachineError",
+           "mlp_from_args", "gpt_from_args", "corpus_vocab_size", "CATEGORIES"]
