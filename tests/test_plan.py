@@ -359,7 +359,8 @@ def test_the_time_model_does_the_matmuls_the_flops_count_counts(recompute):
 def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
     """``plan calibrate --quick``: every constant measured and positive (matmul rates square, by rows and
     batched; the library's ops; the Python per node, per parameter, of DDP, FSDP and a pipeline's action in a
-    2-rank job; the anchor), alpha/beta fitted for each collective at p = 2 under mpiexec, wall and busy;
+    2-rank job; the anchor), alpha/beta fitted for each collective at p = 2 under mpiexec (the experts' and
+    Ulysses' all_to_all_single among them), wall and busy;
     and as a job meets it; predictions from that file; two calibrations merge into their best."""
     out = tmp_path / "machine.json"
     with contextlib.redirect_stdout(io.StringIO()):
@@ -383,7 +384,7 @@ def test_calibrate_measures_this_machine_and_the_planner_uses_it(tmp_path):
         assert machine[line + "_s"] >= 0 and machine[line + "_byte_s"] >= 0, line
         assert machine[line + "_s"] + machine[line + "_byte_s"] * 32768 > 0, line
     assert machine["leaf_grad_s"] >= 0      # 0 where a disturbed measurement put it all per node (1 in 6 here)
-    for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast"):
+    for name in ("p2p", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "all_to_all"):
         fit = machine["collectives"][name]["2"]
         assert fit["alpha_s"] > 0 and fit["beta_s_per_byte"] > 0 and len(fit["points"]) >= 4
         assert fit["busy_alpha_s"] > 0 and fit["busy_beta_s_per_byte"] > 0

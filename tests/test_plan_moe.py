@@ -10,6 +10,7 @@ import json
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from minitrain import plan
@@ -103,6 +104,24 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     assert 1.3 < compared["moe_load"] <= 2
     assert compared["predicted"]["memory_bytes"] == pytest.approx(heaviest, rel=0.05)
     assert compared["predicted"]["memory_bytes_even_routing"] < 0.9 * heaviest
+    # the step is the median step: priced at the median step's load, which the planner's CLI prices alike
+    assert 1 <= compared["moe_load_step"] < compared["moe_load"]
+    at_step = json.loads(cli(["gpt", "--steps", "6", "--dp", "2", "--moe-experts", "4", "--ep", "2", "--world", "2",
+                              "--threads", str(compared["threads"]), "--moe-load", repr(compared["moe_load_step"]),
+                              "--json"]))
+    assert compared["predicted"]["step_busy_s"] == at_step["step_busy_s"]
+
+
+def test_the_busiest_rank_s_load_of_the_peak_step_and_of_the_median_step():
+    """gpt_common.routing_load: per step the busiest rank's rows taken over sent (an even share), clipped to
+    [1, ep]; the most loaded step's for memory, the median step's for the step's time."""
+    from minitrain.comm import ThreadWorld
+    from minitrain.examples.gpt_common import routing_load
+    routing = {0: [(12, 10), (10, 10), (30, 10), (11, 10)], 1: [(8, 10), (10, 10), (0, 10), (9, 10)]}
+    loads = ThreadWorld(2).run(lambda comm: routing_load(comm, routing[comm.rank], 2))
+    for peak, step in loads:                  # the busiest per step: 1.2, 1.0, 3.0 (clipped to 2), 1.1
+        assert peak == 2 and step == pytest.approx(1.15)
+    assert routing_load(None, [(30, 10)], 1) == (1.0, 1.0)
 
 
 def test_memory_with_context_parallelism_is_the_job_s_ledger_within_1_percent(tmp_path):
@@ -186,6 +205,8 @@ def test_more_ep_shards_the_experts_bytes_exactly_by_the_formula(zero):
 
 
 def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
+    """Each of the four all-to-alls of a layer moves the routed rows' (ep-1)/ep; the forward's split sizes
+    before them (expert_parallel_moe.split_sizes) are a fifth."""
     for k in (1, 2, 4):
         model = replace(MOE, moe_top_k=k)
         for ep in (2, 4):
@@ -194,7 +215,9 @@ def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
             assert experts.all_to_all_bytes(model, layout, 2) == tokens * k * 64 * 2 * (ep - 1) / ep
             machine = plan.load_machine("a100-80gb")
             (_, _), (f, b) = axes_comm(model, layout, 2, machine, False)
-            assert f == b == 2 * collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
+            assert b == 2 * collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
+            # the forward first exchanges its split sizes: the (ep, E/ep) int64 count table, an all-to-all
+            assert f == b + collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep)
 
 
 def test_context_parallelism_divides_the_activations_by_cp():
@@ -323,3 +346,48 @@ def main_args(argv):
     from minitrain.plan.__main__ import parser
     from minitrain.plan.configs import NAMED
     return parser(defaults=NAMED[argv[-1]]).parse_args(argv)
+
+
+def test_the_planner_prices_each_collective_the_expert_data_parallel_step_runs():
+    """After backward, ExpertDataParallel reduces the experts' gradients as one array and their used-flags over
+    the expert data-parallel group, and clips by a sum of squares over the ep group: at dp 4, ep 2 (groups of
+    2 each), the calls, groups and bytes the planner prices (plan/time.py's expert_dp_collectives) are the ones
+    that run (4 threads, the job's model and wrappers)."""
+    from minitrain import nn
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
+    from minitrain.parallel.expert_parallel_moe import shard_experts
+    from minitrain.plan.time import expert_dp_collectives
+    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_every=1)
+    x = np.arange(32).reshape(4, 8) % 16
+
+    def step(comm):
+        ep_comm, expert_dp_comm = expert_parallel_groups(comm, 2)
+        model = nn.GPT(nn.GPTConfig(**config))
+        shard_experts(model, ep_comm)
+        ddp = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm)
+        ddp(x[comm.rank:comm.rank + 1], x[comm.rank:comm.rank + 1])[1].backward()
+        for c in (ep_comm, expert_dp_comm):
+            c.stats.reset()
+        ddp.reduce_expert_gradients()
+        ddp.clip_grad_norm_(1.0)
+        calls = [sum(e["calls"] for e in c.stats.by_name.values()) for c in (expert_dp_comm, ep_comm)]
+        return calls, sum(p.data.nbytes for p in ddp.experts), len(ddp.experts)
+    for calls, nbytes, tensors in ThreadWorld(4).run(step):
+        planned = expert_dp_collectives(plan.GPT(**config), plan.Layout(world=4, dp=4, ep=2, batch_size=4))
+        assert planned == [("ring_all_reduce", nbytes, 2), ("ring_all_reduce", 8 * tensors, 2), ("ring_all_reduce", 8, 2)]
+        assert calls == [2, 1]                          # two over the expert data-parallel group, one over ep
+
+
+def test_each_collective_of_the_expert_data_parallel_step_adds_its_own_cpu_to_the_step(monkeypatch):
+    """predict() charges every (name, bytes, ranks) of expert_dp_collectives to the step's busy CPU: one more in
+    the list adds exactly that collective's busy part (a data-parallel MoE job under ep)."""
+    from minitrain.plan import time as plan_time
+    machine, model = plan.load_machine("cpu-2core"), plan.GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2,
+                                                               n_embd=32, moe_experts=4)
+    layout = plan.Layout(world=4, dp=4, ep=2, batch_size=8, extras={"moe_dp_job": True})
+    before = plan.predict(model, layout, machine)["step_busy_s"]
+    listed = plan_time.expert_dp_collectives
+    monkeypatch.setattr(plan_time, "expert_dp_collectives", lambda m, l: listed(m, l) + [("ring_all_reduce", 8, 2)])
+    after = plan.predict(model, layout, machine)["step_busy_s"]
+    assert after - before == pytest.approx(collective(machine, "ring_all_reduce", 8, 2, 4, busy=True), rel=1e-9)

@@ -114,10 +114,14 @@ def routing_step(ep_layers):
 
 
 def routing_load(comm, routing, ep):
-    """The busiest rank's routed rows over an even share, its most loaded step (what the planner's --moe-load
-    takes; 1 without ep): each rank routes as many rows as it sends, the even share (a collective)."""
-    mine = max((taken / sent for taken, sent in routing if sent), default=1.0) if ep > 1 else 1.0
-    return min(float(all_reduce(comm, np.array([mine]), op="max")[0]), ep)
+    """(peak, step): the busiest rank's routed rows over an even share in the run's most loaded step (what its
+    memory must hold: the planner's --moe-load) and in its median step (what the median step's time meets); 1
+    without ep. Each rank routes as many rows as it sends, the even share (a collective)."""
+    if ep == 1 or not routing:
+        return 1.0, 1.0
+    mine = np.array([taken / sent if sent else 0.0 for taken, sent in routing])
+    busiest = np.clip(all_reduce(comm, mine, op="max"), 1.0, ep)      # per step, the busiest rank's
+    return float(busiest.max()), float(np.median(busiest))
 
 
 def all_to_all_summary(comm, a2a, ep):

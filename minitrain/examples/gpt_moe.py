@@ -149,7 +149,7 @@ def main_moe_dp(args):
     print(moe_line)
     print(a2a_line)
     compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
-                               vocab_size=corpus.vocab_size, moe_load=load)
+                               vocab_size=corpus.vocab_size, moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))

@@ -229,7 +229,7 @@ def main_parallel(args):
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
           + ")")
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
-                               moe_load=load)
+                               moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
     sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
                                                  top_k=20, rng=np.random.default_rng(args.seed))

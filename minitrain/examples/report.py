@@ -136,11 +136,12 @@ def write_json(path, report):
         json.dump(report, f, indent=2)
 
 
-def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0):
+def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0, moe_load_step=None):
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan), for the
     JSON (always) and the planner line (--show-plan): ``steps`` is the slowest rank's StepTimer summary; the
     planner is told the BLAS threads this process runs with and, under expert parallelism, the run's routing
-    (``moe_load``: its busiest rank's routed rows over an even share; the memory at even routing beside).
+    (its busiest rank's routed rows over an even share: the memory at ``moe_load``, the most loaded step's,
+    with even routing's beside; the step at ``moe_load_step``, the median step's, as the step is the median).
     Time is compared as plan/validate.py compares it: the step's busy CPU time in units of the anchor (which
     the machine's other jobs slow alike) against the planner's compute and its collectives' own work; the
     wall clock beside (also in anchors)."""
@@ -151,6 +152,11 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None,
         layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0, "moe_load": moe_load})
         machine = plan.load_machine()
         predicted = plan.predict(model, layout, machine)
+        moe_load_step = moe_load if moe_load_step is None else moe_load_step
+        if moe_load_step != moe_load:
+            step_layout = plan.Layout(**{**layout.fields(), "moe_load": moe_load_step})
+            predicted["step_busy_s"], predicted["step_time_s"] = (
+                plan.predict(model, step_layout, machine)[k] for k in ("step_busy_s", "step_time_s"))
         balanced = plan.Layout(**{**layout.fields(), "moe_load": 1.0})
         even = plan.predict(model, balanced, machine)["memory_bytes"]["total"] if moe_load != 1 else None
     except plan.LayoutError as e:
@@ -158,6 +164,7 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None,
     from ..plan.time import typical
     anchor = machine.get("anchor_cpu_time_s", 0.0) * typical(machine, world)   # as a job's step meets it
     return {"kind": kind, "world": world, "threads": layout.threads, "moe_load": moe_load,
+            "moe_load_step": moe_load_step,
             "predicted": {"step_busy_s": predicted["step_busy_s"], "step_time_s": predicted["step_time_s"]["total"],
                           "memory_bytes": predicted["memory_bytes"]["total"],
                           **({"memory_bytes_even_routing": even} if even is not None else {})},
@@ -185,7 +192,8 @@ def planner_line(compared):
             f"{predicted['step_time_s'] * 1e3:.2f} ms predicted, {got['step_time_s'] * 1e3:.2f} ms measured "
             f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
             + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest expert-parallel rank took that share of "
-               f"the routed rows; {fmt_bytes(predicted['memory_bytes_even_routing'])} at even routing)"
+               f"the routed rows in its most loaded step, {compared['moe_load_step']:.3g} in its median step, where "
+               f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at even routing)"
                if "memory_bytes_even_routing" in predicted else "") + f", {fmt_bytes(got['memory_bytes'])} measured")
 
 

@@ -16,6 +16,7 @@ COLLECTIVES = {
     "ring_reduce_scatter": lambda p, n: (p - 1, (p - 1) / p * n),
     "ring_all_gather": lambda p, n: (p - 1, (p - 1) / p * n),
     "broadcast": lambda p, n: (math.ceil(math.log2(p)), math.ceil(math.log2(p)) * n),
+    "all_to_all": lambda p, n: (p - 1, (p - 1) / p * n),      # pairwise exchange: p-1 rounds (alltoallv.py)
 }
 
 
@@ -133,7 +134,9 @@ def _op(c, mtcomm, name, x, buf):
             elif c.rank == 1:
                 c.recv(buf, 0, tag=7)
         return op
-    return {"ring_all_reduce": lambda: mtcomm.ring_all_reduce(c, x),
+    rows = x[:x.size // c.size * c.size].reshape(c.size, -1)    # p equal blocks, as Ulysses and the experts send
+    return {"all_to_all": lambda: mtcomm.all_to_all_single(c, rows, [1] * c.size, [1] * c.size),
+            "ring_all_reduce": lambda: mtcomm.ring_all_reduce(c, x),
             "ring_reduce_scatter": lambda: mtcomm.ring_reduce_scatter(c, x),
             "ring_all_gather": lambda: mtcomm.ring_all_gather(c, x[:x.size // c.size], total=x.size // c.size * c.size),
             "broadcast": lambda: mtcomm.broadcast(c, buf, root=0)}[name]

@@ -129,8 +129,14 @@ def predict_time(model, layout, machine):
         # the routed experts' gradients over the dp/ep ranks holding the same experts, the rest over all
         cp, rest = layout.cp, dp // layout.ep * layout.cp
         coll("ring_all_reduce", grad_bytes - n_experts * e, dp * cp, span_dp * cp)
-        if n_experts and rest > 1:
+        moe_dp = n_experts and layout.ep > 1 and layout.extras.get("moe_dp_job")
+        if n_experts and rest > 1 and not moe_dp:
             coll("ring_all_reduce", n_experts * e, rest, span_dp * cp)
+        if moe_dp:              # the experts' gradients concatenated, reduced, each divided by dp (one call a tensor)
+            for name, nbytes, ranks in expert_dp_collectives(model, layout):
+                coll(name, nbytes, ranks, span_dp * cp)
+            tail.op("copy", n_experts).elementwise("simple", n_experts, 1, calls=False)
+            tail.calls += expert_tensors(model, layout)
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
@@ -152,6 +158,21 @@ def predict_time(model, layout, machine):
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
             "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy,
             "busy": compute / turns + comm_busy}
+
+
+def expert_tensors(model, layout):
+    """Routed experts' parameter tensors on a rank: c_fc's and c_proj's weight and bias, E/ep per MoE layer."""
+    return 4 * model.num_moe_layers() * (model.moe_experts // layout.ep)
+
+
+def expert_dp_collectives(model, layout):
+    """(name, bytes, ranks) of what expert_data_parallel.py runs after a data-parallel MoE job's backward under
+    ep: the experts' gradients all-reduced as one array over the dp/ep ranks holding the same experts (a call even
+    over one rank), one float64 used-flag per tensor alike; clip_grad_norm_'s sum of squares over the ep ranks."""
+    from .experts import expert_params_per_rank
+    rest, e = layout.dp // layout.ep, PRECISIONS[layout.precision]
+    return [("ring_all_reduce", expert_params_per_rank(model, layout) * e, rest),
+            ("ring_all_reduce", 8 * expert_tensors(model, layout), rest), ("ring_all_reduce", 8, layout.ep)]
 
 
 def _largest_activation(model, layout):
