@@ -65,9 +65,9 @@ def _plus(costs, wall, own):
 
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
-    block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py). Ring: cp-1 hops of K and V forward, of K, V,
-    dK and dV backward and a last of dK and dV, a sendrecv each array; Ulysses: four all-to-alls each way. The
-    ep ranks are consecutive dp ranks."""
+    block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py). Ring:
+    cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
+    Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
     from .experts import all_to_all_bytes, cp_block_bytes
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
@@ -84,5 +84,6 @@ def axes_comm(model, layout, rows, machine, busy):
         a2a = 2 * collective(machine, "all_to_all", whole, ep, ep * c * t, busy=busy, after_compute=True)
         # before the forward's dispatch, the split sizes: the (ep, E/ep) int64 count table, an equal-block
         # all-to-all (expert_parallel_moe.split_sizes; the backward's all-to-alls reverse the same splits)
-        counts = collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep * c * t, busy=busy, after_compute=True)
+        counts = collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep * c * t, busy=busy,
+                            after_compute=True)
     return (fwd, bwd), (fwd + a2a + counts, bwd + a2a)
