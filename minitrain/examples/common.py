@@ -96,10 +96,3 @@ def mpi_line():
     """The MPI the job ran on, for its table (MPI_Get_library_version, never a fixed string)."""
     from ..comm import mpi_library
     return mpi_library()
-
-
-def microbatches_error(microbatches, batch_size, dp):
-    """The jobs' refusal of micro-batches beyond a full batch's rows: a replica's batch is cut into m micro-batches
-    (a row apart where they do not divide it); past the largest replica's rows every further one is empty."""
-    return (f"--microbatches {microbatches} exceeds the {-(-batch_size // dp)} rows of the largest replica's batch "
-            f"(--batch-size {batch_size} over {dp} data-parallel replica(s)): micro-batches beyond them would be empty")

@@ -40,8 +40,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import (checks_line, device_code, init_comm, microbatches_error, mpi_line, tqdm,
-                                      transport_name)
+from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            sample_model, scheduler_for)
@@ -52,6 +51,7 @@ from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather
 from minitrain.parallel import offload_activations
 from minitrain.parallel.context_parallel.gpt import METHODS
 from minitrain.parallel.gpt_3d import GPT3D
+from minitrain.plan.layout import empty_microbatches
 
 
 def main_parallel(args):
@@ -70,9 +70,10 @@ def main_parallel(args):
             sys.stderr.write(f"error: --dp {dp} x --pp {pp}{cp_text} x --tp {tp} = {dp * pp * cp * tp} ranks, but this "
                              f"job has {world} (mpirun -n {dp * pp * cp * tp})\n")
         return 2
-    if args.microbatches > -(-args.batch_size // dp):    # beyond the largest replica's rows: empty micro-batches
+    empty = empty_microbatches(args.microbatches, args.batch_size, dp)
+    if empty:
         if rank == 0:
-            sys.stderr.write(f"error: {microbatches_error(args.microbatches, args.batch_size, dp)}\n")
+            sys.stderr.write(f"error: {empty}\n")
         return 2
     minitrain.manual_seed(args.seed)
     corpus = load_text()

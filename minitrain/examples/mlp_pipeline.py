@@ -26,13 +26,14 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, microbatches_error, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, device_code, mpi_line, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
 from minitrain.parallel.pipeline.partition import format_stage_table
 from minitrain.parallel.pipeline.schedules import default_chunks
+from minitrain.plan.layout import empty_microbatches
 
 
 def _fail(parser, comm, message):
@@ -48,8 +49,9 @@ def main_pipeline(args, parser, comm):
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp
-    if args.microbatches > -(-args.batch_size // args.dp):   # beyond the largest replica's rows: empty micro-batches
-        _fail(parser, comm, microbatches_error(args.microbatches, args.batch_size, args.dp))
+    empty = empty_microbatches(args.microbatches, args.batch_size, args.dp)
+    if empty:
+        _fail(parser, comm, empty)
     try:
         chunks = default_chunks(args.schedule, args.chunks)
     except ValueError as e:

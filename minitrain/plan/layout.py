@@ -176,6 +176,17 @@ def _choices(values):
     return " or ".join(str(v) for v in values)
 
 
+def empty_microbatches(microbatches, batch_size, dp):
+    """Why m micro-batches per replica leave some empty on every replica, or None: a replica's batch is cut into
+    m (a row apart where they do not divide it), so past the largest replica's ceil(batch / dp) rows each further
+    one has none. The jobs and check() refuse it; a batch that dp or m does not divide stays exact."""
+    rows = -(-batch_size // dp)
+    if microbatches <= rows:
+        return None
+    return (f"--microbatches {microbatches} exceeds the {rows} rows of the largest replica's batch (--batch-size "
+            f"{batch_size} over {dp} data-parallel replica(s)): micro-batches beyond them would be empty")
+
+
 def check(model, layout):
     """Raise LayoutError naming the first constraint the layout breaks and the nearest valid choices."""
     d, p, t, n, c = layout.dp, layout.pp, layout.tp, layout.world, layout.cp
@@ -194,10 +205,9 @@ def check(model, layout):
                 f"--tp {t} does not divide --world {n}; nearest valid --tp: {_choices(_nearest(t, divisors(n)))}")
         raise LayoutError(f"dp x pp x tp must equal the world size: {d} x {p} x {t} = {d * p * t} != --world {n} "
                           f"({hint}; or --world {d * p * t})")
-    if layout.microbatches > -(-layout.batch_size // d):     # as the jobs refuse it: every further one is empty
-        raise LayoutError(f"--microbatches {layout.microbatches} exceeds the {-(-layout.batch_size // d)} rows of the "
-                          f"largest replica's batch (--batch-size {layout.batch_size} over dp {d}): micro-batches "
-                          f"beyond them would be empty")
+    empty = empty_microbatches(layout.microbatches, layout.batch_size, d)     # as the jobs refuse it
+    if empty:
+        raise LayoutError(empty)
     if layout.precision not in PRECISIONS:
         raise LayoutError(f"unknown precision {layout.precision!r}: expected one of {sorted(PRECISIONS)}")
     if layout.zero not in (0, 1, 2, 3):
