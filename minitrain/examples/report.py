@@ -8,6 +8,7 @@ work (the anchor it runs between steps: step_timer.py) and an epoch's short last
 compute + exposed communication is the step, and no column is larger than the step it is part of:
 each step's communication is the union of its spans, clipped to the step.
 """
+import functools
 import json
 from contextlib import contextmanager
 
@@ -149,23 +150,22 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None,
     try:
         model, layout = (plan.mlp_from_args(args, world) if kind == "mlp"
                          else plan.gpt_from_args(args, world, vocab_size))
-        layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0, "moe_load": moe_load})
+        layout = plan.Layout(**{**layout.fields(), "threads": backend.blas_threads() or 0})
         machine = plan.load_machine()
-        predicted = plan.predict(model, layout, machine)
+
+        @functools.lru_cache(maxsize=None)           # each load predicted once (equal loads: one prediction)
+        def at(load):
+            return plan.predict(model, plan.Layout(**{**layout.fields(), "moe_load": load}), machine)
         moe_load_step = moe_load if moe_load_step is None else moe_load_step
-        if moe_load_step != moe_load:
-            step_layout = plan.Layout(**{**layout.fields(), "moe_load": moe_load_step})
-            predicted["step_busy_s"], predicted["step_time_s"] = (
-                plan.predict(model, step_layout, machine)[k] for k in ("step_busy_s", "step_time_s"))
-        balanced = plan.Layout(**{**layout.fields(), "moe_load": 1.0})
-        even = plan.predict(model, balanced, machine)["memory_bytes"]["total"] if moe_load != 1 else None
+        predicted, step = at(moe_load), at(moe_load_step)
+        even = at(1.0)["memory_bytes"]["total"] if moe_load != 1 else None
     except plan.LayoutError as e:
         return {"kind": kind, "world": world, "refused": str(e)}
     from ..plan.time import typical
     anchor = machine.get("anchor_cpu_time_s", 0.0) * typical(machine, world)   # as a job's step meets it
     return {"kind": kind, "world": world, "threads": layout.threads, "moe_load": moe_load,
             "moe_load_step": moe_load_step,
-            "predicted": {"step_busy_s": predicted["step_busy_s"], "step_time_s": predicted["step_time_s"]["total"],
+            "predicted": {"step_busy_s": step["step_busy_s"], "step_time_s": step["step_time_s"]["total"],
                           "memory_bytes": predicted["memory_bytes"]["total"],
                           **({"memory_bytes_even_routing": even} if even is not None else {})},
             "measured": {"step_busy_in_anchors_s": steps["step_busy_per_anchor"] * anchor,
