@@ -87,11 +87,13 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
-    (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: prompts of up to 31 tokens fit"),
+    (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: --max-prompt-len 31 fits with --max-new-tokens 9"),
     (["--max-prompt-len", "35"], "at most 5 new tokens fit after it"),
     (["--max-prompt-len", "45", "--max-new-tokens", "40"],
      "longer than the context of 40 tokens, which --max-new-tokens 40 alone fills: give fewer new tokens"),
     (["--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
+    (["--shared-prefix", "39"], "--shared-prefix 39 leaves no room in the context of 40 tokens"),
+    (["--context", "1"], "a context of 1 token holds no prompt token beside a new one"),
     (["--cache", "ring"], "invalid choice"),
 ])
 def test_bad_options_are_refused_with_what_fits(args, message, capsys):
@@ -169,6 +171,30 @@ def test_a_checkpoint_is_served_at_its_own_sizes_and_precision_unless_told_other
     assert "n_head = 4 (--n-head), this one 2" in capsys.readouterr().err
     args = generate.parse_args([])
     assert (args.precision, args.context, args.n_layer, args.n_head, args.n_embd) == ("fp64", 64, 2, 4, 64)
+    assert (args.min_prompt_len, args.max_prompt_len, args.max_new_tokens) == (4, 24, 32)
+    gc.collect()
+
+
+def test_lengths_not_given_fit_the_context_and_lengths_given_are_kept(tmp_path):
+    """The gpt job's checkpoint has a context of 32, shorter than the serving defaults' 24 + 32 tokens: with no
+    length given the job serves it (32 -> 16 new tokens, prompts up to 16), a length given is kept and the
+    other fitted beside it, and one that cannot fit is still refused (test_bad_options_are_refused...)."""
+    from minitrain.examples import gpt as gpt_job
+    ck = tmp_path / "ck"
+    assert gpt_job.main(["--steps", "1", "--n-embd", "32", "--n-layer", "1", "--no-progress", "--sample-chars", "1",
+                         "--save-dir", str(ck)]) == 0
+    out = tmp_path / "served.json"
+    assert generate.main(["--checkpoint", str(ck), "--num-prompts", "3", "--json", str(out)]) == 0
+    served = json.loads(out.read_text())
+    assert served["context"] == 32 and served["max_new_tokens"] == 16
+    assert max(served["prompt_lengths"]) <= 16 and min(served["prompt_lengths"]) >= 4
+    fitted = lambda *a: [(x.min_prompt_len, x.max_prompt_len, x.max_new_tokens)       # noqa: E731
+                         for x in [generate.parse_args([*a, "--train-steps", "0"])]][0]
+    assert fitted("--context", "32") == (4, 16, 16)
+    assert fitted("--context", "32", "--max-new-tokens", "30") == (2, 2, 30)
+    assert fitted("--context", "32", "--max-prompt-len", "10") == (4, 10, 22)
+    assert fitted("--context", "32", "--shared-prefix", "8") == (4, 12, 12)
+    assert fitted("--context", "200") == (4, 24, 32)
     gc.collect()
 
 

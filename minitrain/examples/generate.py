@@ -1,13 +1,15 @@
 """The serving job: train the small GPT briefly, then generate for a set of prompts with a KV cache.
 
     python -m minitrain.examples.generate [--cache none|contiguous|paged] [--block-size 16] [--max-batch 8]
-        [--num-prompts 8] [--max-new-tokens 32] [--device-memory BYTES] [--preempt swap|recompute]
+        [--num-prompts 8] [--max-new-tokens N] [--device-memory BYTES] [--preempt swap|recompute]
         [--precision fp64|fp32] [--temperature 0] [--top-k K] [--seed 0] [--json PATH]
     mpirun -n 2 python -m minitrain.examples.generate --tp 2 ...
 
 Prompts of mixed lengths (--min/--max-prompt-len, after --shared-prefix common tokens) are cut
 from the corpus's validation text; each gets --max-new-tokens tokens (temperature 0: greedy;
 sequence i samples from its own generator seeded (seed, i), so every scheme gives the same tokens).
+Lengths not given fit the model's context (a checkpoint's may be short): 32 new tokens and prompts of
+4-24 tokens, or half the context each where that is less.
 --device-memory is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
 kv_cache). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; kv_bytes_reserved = the largest KV
@@ -40,7 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=cli.positive_int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--max-batch", type=cli.positive_int, default=8, help="sequences decoded together at most")
     p.add_argument("--num-prompts", type=cli.positive_int, default=8, help="requests to serve")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=32, help="tokens generated per request")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=None,
+                   help="tokens generated per request (default: 32, or half the context after --shared-prefix "
+                   "where that is less)")
     p.add_argument("--device-memory", type=cli.positive_int, default=None, metavar="BYTES",
                    help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
@@ -52,8 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")
     p.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel ranks (run under mpirun -n TP)")
-    p.add_argument("--min-prompt-len", type=cli.positive_int, default=4, help="shortest prompt, in tokens")
-    p.add_argument("--max-prompt-len", type=cli.positive_int, default=24, help="longest prompt, in tokens")
+    p.add_argument("--min-prompt-len", type=cli.positive_int, default=None,
+                   help="shortest prompt, in tokens (default: 4, or --max-prompt-len where that is less)")
+    p.add_argument("--max-prompt-len", type=cli.positive_int, default=None,
+                   help="longest prompt, in tokens (default: 24, or what the context leaves beside the new tokens "
+                   "where that is less)")
     p.add_argument("--shared-prefix", type=cli.nonneg_int, default=0,
                    help="every prompt starts with the same N tokens; the paged cache shares their blocks")
     p.add_argument("--context", type=cli.positive_int, default=None,
@@ -72,14 +79,20 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     fill_model_options(args)
     refuse_unsupported(p, args, argv, "generate")
+    default_lengths(args)
     if args.max_prompt_len < args.min_prompt_len:
         p.error(f"--max-prompt-len {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
     longest = args.shared_prefix + args.max_prompt_len
+    if args.context < 2:
+        p.error(f"a context of {args.context} token holds no prompt token beside a new one: it takes at least 2")
+    if args.shared_prefix + 1 >= args.context:
+        p.error(f"--shared-prefix {args.shared_prefix} leaves no room in the context of {args.context} tokens for "
+                f"a prompt's own token and a new one")
     if longest > args.context:
-        room = args.context - args.max_new_tokens
+        room = args.context - args.shared_prefix - args.max_new_tokens
         p.error(f"a prompt of {longest} tokens (--shared-prefix {args.shared_prefix} + --max-prompt-len "
                 f"{args.max_prompt_len}) is longer than the context of {args.context} tokens"
-                + (f": prompts of up to {room} tokens fit with --max-new-tokens {args.max_new_tokens}" if room > 0 else
+                + (f": --max-prompt-len {room} fits with --max-new-tokens {args.max_new_tokens}" if room > 0 else
                    f", which --max-new-tokens {args.max_new_tokens} alone fills: give fewer new tokens or a longer "
                    f"--context"))
     if longest + args.max_new_tokens > args.context:
@@ -90,6 +103,19 @@ def parse_args(argv=None):
     if args.n_head % args.tp:
         p.error(f"--n-head {args.n_head} is not divisible by --tp {args.tp}: each rank takes whole heads")
     return args
+
+
+def default_lengths(args):
+    """The lengths not given, fitted to the context (the checkpoint's, which may be shorter than 64): new
+    tokens 32 or half of what --shared-prefix leaves, prompts 24 or the rest, the shortest 4 or the longest.
+    Lengths given are kept as given (parse_args refuses them where they do not fit)."""
+    room = args.context - args.shared_prefix
+    if args.max_new_tokens is None:
+        args.max_new_tokens = max(1, min(32, room // 2 if args.max_prompt_len is None else room - args.max_prompt_len))
+    if args.max_prompt_len is None:
+        args.max_prompt_len = max(1, min(24, room - args.max_new_tokens))
+    if args.min_prompt_len is None:
+        args.min_prompt_len = min(4, args.max_prompt_len)
 
 
 def make_prompts(corpus, args):
