@@ -12,6 +12,7 @@ import minitrain
 from minitrain import nn
 from minitrain.data import load_text
 from minitrain.examples import generate
+from minitrain.examples.serving_checkpoint import ServedCheckpoint, load_checkpoint
 from minitrain.testing import run_mpi
 
 SMALL = ["--train-steps", "2", "--n-embd", "32", "--n-head", "4", "--context", "40", "--num-prompts", "5",
@@ -198,6 +199,29 @@ def test_lengths_not_given_fit_the_context_and_lengths_given_are_kept(tmp_path):
     gc.collect()
 
 
+def test_one_checkpoint_gives_the_sizes_and_the_weights_while_newer_ones_are_saved(tmp_path):
+    """The serving job pins the newest checkpoint at start-up: a gpt job that saves a newer one meanwhile
+    (here it resumes for a second step) changes neither what the job was built from nor the weights it loads."""
+    from minitrain import checkpoint
+    from minitrain.examples import gpt as gpt_job
+    ck, common = tmp_path / "ck", ["--n-layer", "1", "--n-embd", "32", "--no-progress", "--sample-chars", "1",
+                                   "--save-dir"]
+    assert gpt_job.main(["--steps", "1", *common, str(ck)]) == 0
+    args = generate.parse_args(["--checkpoint", str(ck)])
+    assert gpt_job.main(["--steps", "2", *common, str(ck), "--resume", "--use-checkpoint-opt-param-scheduler"]) == 0
+    newest = checkpoint.find_latest(ck)
+    assert newest != args.served.path and str(args.served.path).endswith("step-00000001")
+    model = lambda: nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=args.context,  # noqa: E731
+                                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    minitrain.set_default_dtype(np.float32 if args.precision == "fp32" else np.float64)
+    served, latest = model(), model()
+    assert load_checkpoint(served, args.served) == args.served.path
+    checkpoint.load(newest, None, latest, strict=False)
+    assert not all(np.array_equal(p.data, q.data) for p, q in zip(served.parameters(), latest.parameters()))
+    minitrain.set_default_dtype(np.float64)
+    gc.collect()
+
+
 @pytest.mark.slow
 def test_the_job_serves_a_mixture_of_experts_the_gpt_job_saved(tmp_path, capsys):
     """An MoE checkpoint is served with its experts (from the manifest), dropless: the tokens are the
@@ -210,9 +234,9 @@ def test_the_job_serves_a_mixture_of_experts_the_gpt_job_saved(tmp_path, capsys)
                          "--moe-experts", "4", "--moe-top-k", "2", "--moe-every", "2", "--moe-capacity-factor", "0.25",
                          *model]) == 0
     report = run(tmp_path, "--checkpoint", str(tmp_path / "ck"), "--cache", "paged", "--block-size", "4")
-    served = generate.checkpoint_experts(tmp_path / "ck")     # dropless: no capacity, one group
+    served = generate.checkpoint_experts(ServedCheckpoint(tmp_path / "ck"))    # dropless: no capacity, one group
     assert served == {"moe_experts": 4, "moe_top_k": 2, "moe_every": 2, "moe_aux_loss_coef": 0.01}
-    assert generate.checkpoint_experts(tmp_path / "none") == {}
+    assert generate.checkpoint_experts(ServedCheckpoint(tmp_path / "none")) == {}
     minitrain.set_default_dtype(np.float64)
     gpt = nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=40, n_layer=2, n_head=4, n_embd=32,
                               **served))

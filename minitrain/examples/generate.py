@@ -175,7 +175,7 @@ def _main(args):
     corpus = load_text()
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.context, n_layer=args.n_layer,
                           n_head=args.n_head, n_embd=args.n_embd,
-                          **(checkpoint_experts(args.checkpoint) if args.checkpoint else {}))
+                          **checkpoint_experts(args.served))
     gpt = nn.GPT(config)
     num_params = gpt.num_parameters()
     losses, source = [], "untrained"
@@ -184,7 +184,7 @@ def _main(args):
     # threshold for another's training; tensor_parallelize then broadcasts rank 0's weights
     try:
         if args.checkpoint:
-            source = f"checkpoint {load_checkpoint(gpt, args.checkpoint)}"
+            source = f"checkpoint {load_checkpoint(gpt, args.served)}"
         elif args.train_steps:
             losses = train(gpt, corpus, args)
             source = f"trained {args.train_steps} steps, loss {np.mean(losses[:5]):.3f} -> {np.mean(losses[-5:]):.3f}"

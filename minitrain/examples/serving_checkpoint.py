@@ -4,6 +4,8 @@ As vLLM reads a model's configuration and dtype from its checkpoint, `generate -
 --context, --n-layer, --n-head, --n-embd and --precision from the newest checkpoint's manifest where
 the command line leaves them out; given, they must be the checkpoint's (check_model names each that
 differs; a dtype that differs is refused by the load). Without --checkpoint the job's own defaults apply.
+The checkpoint is found once (ServedCheckpoint): a gpt job still saving cannot hand this job the sizes of
+one checkpoint and the weights of the next.
 """
 from minitrain import checkpoint
 from minitrain.examples.checkpointing import check_model
@@ -13,20 +15,29 @@ SIZES = {"context": ("block_size", 64), "n_layer": ("n_layer", 2), "n_head": ("n
 DEFAULT_PRECISION = "fp64"
 
 
-def saved_layout(directory):
-    """The layout the newest complete checkpoint in ``directory`` was saved with; {} where there is none
-    (load_checkpoint then says so)."""
-    try:
-        path = checkpoint.find_latest(directory)
-        return checkpoint.read_manifest(path).get("layout", {}) if path else {}
-    except checkpoint.CheckpointError:
-        return {}
+class ServedCheckpoint:
+    """The newest complete checkpoint in ``directory``, found and its manifest read once, at start-up: the
+    sizes, the experts and the weights all come from that one, even while the gpt job goes on saving
+    newer ones. path None where there is none or it cannot be read (``error`` says why; load_checkpoint
+    reports it, after the options are checked)."""
+
+    def __init__(self, directory):
+        self.directory, self.path, self.layout, self.error = directory, None, {}, None
+        try:
+            self.path = checkpoint.find_latest(directory)
+            if self.path is None:
+                self.error = f"no checkpoint in {directory}"
+            else:
+                self.layout = checkpoint.read_manifest(self.path).get("layout", {})
+        except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
+            self.path, self.error = None, f"--checkpoint {directory}: {e}"
 
 
 def fill_model_options(args):
     """The options the command line left out (None): the checkpoint's where --checkpoint names one, else
-    the job's defaults."""
-    saved = saved_layout(args.checkpoint) if args.checkpoint else {}
+    the job's defaults. Sets args.served (the ServedCheckpoint, or None)."""
+    args.served = ServedCheckpoint(args.checkpoint) if args.checkpoint else None
+    saved = args.served.layout if args.served else {}
     for option, (key, default) in SIZES.items():
         if getattr(args, option) is None:
             setattr(args, option, saved.get("model", {}).get(key, default))
@@ -34,30 +45,29 @@ def fill_model_options(args):
         args.precision = saved.get("precision", DEFAULT_PRECISION)
 
 
-def checkpoint_experts(directory):
-    """The mixture of experts the gpt job saved in ``directory`` (--moe-experts, --moe-top-k, --moe-every
-    from its manifest), served dropless: a capacity drops tokens by what else is in the batch, so the
-    same prompt would continue differently beside other prompts (Mixtral and vLLM serve without one).
-    {} for a dense model or no checkpoint (load_checkpoint says so)."""
-    model = saved_layout(directory).get("model", {})
+def checkpoint_experts(served):
+    """The mixture of experts the gpt job saved (--moe-experts, --moe-top-k, --moe-every from the
+    manifest of ``served``, a ServedCheckpoint), served dropless: a capacity drops tokens by what else is
+    in the batch, so the same prompt would continue differently beside other prompts (Mixtral and vLLM
+    serve without one). {} for a dense model or no checkpoint (load_checkpoint says so)."""
+    model = served.layout.get("model", {}) if served else {}
     if not model.get("moe_experts"):
         return {}
     return {key: model[key] for key in ("moe_experts", "moe_top_k", "moe_every", "moe_aux_loss_coef") if key in model}
 
 
-def load_checkpoint(model, directory):
-    """Load the newest checkpoint the gpt job saved in ``directory`` into ``model`` (same
+def load_checkpoint(model, served):
+    """Load the checkpoint ``served`` pinned (a ServedCheckpoint) into ``model`` (same
     --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
     only: any layout the gpt job saved from (dp, tp, pp) is resharded to this one process."""
+    if served.path is None:
+        raise ValueError(served.error)
+    config = model.config
     try:
-        path = checkpoint.find_latest(directory)
-        if path is None:
-            raise ValueError(f"no checkpoint in {directory}")
-        config = model.config
-        check_model(checkpoint.read_manifest(path).get("layout", {}), {
+        check_model(served.layout, {
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
             "block_size": config.block_size, "vocab_size": config.vocab_size}, {"block_size": "--context"})
-        checkpoint.load(path, None, model, strict=False)
+        checkpoint.load(served.path, None, model, strict=False)
     except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
-        raise ValueError(f"--checkpoint {directory}: {e}") from None
-    return path
+        raise ValueError(f"--checkpoint {served.directory}: {e}") from None
+    return served.path
