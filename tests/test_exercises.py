@@ -70,6 +70,22 @@ def test_the_learning_path_has_sixteen_exercises_and_four_bugs_to_hunt():
     assert len(set(NAMES)) == len(NAMES) and len({e.order for e in all_exercises()}) == len(NAMES)
 
 
+def test_each_exercise_points_to_the_notebook_its_readme_row_teaches_it_in():
+    """`list` and `show` send a learner to the exercise's NOTEBOOK; the README's capability table names, on the
+    row that links the exercise, the notebooks that teach it (by number): the two must agree."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    taught = {}
+    for row in readme.splitlines():
+        cells = row.split(" | ")
+        if row.startswith("| ") and len(cells) == 5:
+            for name in re.findall(r"\[(\w+)\]\(minitrain/exercises/catalog/", cells[4]):
+                taught[name] = set(re.findall(r"\b(\d\d)\b", cells[3]))
+    assert len(taught) >= 20, "the README's capability table no longer links the exercises"
+    wrong = {e.name: (e.notebook, sorted(taught[e.name])) for e in all_exercises()
+             if e.name in taught and (e.notebook or "")[:2] not in taught[e.name]}
+    assert not wrong, f"exercise -> (its NOTEBOOK, the README row's notebooks): {wrong}"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_each_exercise_is_complete_and_reads_as_plain_text(name):
     e = get(name)

@@ -8,7 +8,7 @@ from ..debugging import load_program, program_checks, run_report
 TITLE = "debug: a data-parallel training loop that hangs on two ranks"
 ORDER = 200
 KIND = "debug"
-NOTEBOOK = "02_collectives"
+NOTEBOOK = "13_debugging_hangs"
 DEFINES = "train"
 STEPS, BATCH, FEATURES, LR = 4, 12, 3, 0.1
 

@@ -14,7 +14,7 @@ from ..oracles import traffic, world_checks
 TITLE = "Ulysses' two all-to-alls: sequence-sharded to head-sharded around attention, and back"
 ORDER = 196
 KIND = "implement"
-NOTEBOOK = "14_experts"
+NOTEBOOK = "15_long_context"
 DEFINES = ("seq_to_heads", "heads_to_seq")
 
 STUB = '''"""Exercise ulysses_all_to_all: context parallelism with DeepSpeed-Ulysses (Jacobs et al. 2023).

@@ -12,7 +12,7 @@ from ..oracles import causal_blocks, causal_pairs, zigzag_indices
 TITLE = "the zig-zag split: which tokens each rank holds so that causal attention's work is even"
 ORDER = 197
 KIND = "implement"
-NOTEBOOK = "14_experts"
+NOTEBOOK = "15_long_context"
 DEFINES = "zigzag_indices"
 TOLERANCE = 0.05            # the causal work of every rank within 5% of the mean
 
