@@ -521,6 +521,9 @@ def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(sav
     for command in ("list", "inspect", "verify"):                 # a typo is not an empty listing
         assert main([command, str(tmp_path / "typo")]) == 2
         assert f"error: {tmp_path / 'typo'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert main(["inspect", str(tmp_path / "a_file")]) == 2
+    assert f"error: {tmp_path / 'a_file'}: a file, not a directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["list", str(tmp_path / "empty")]) == 1
     assert f"no complete checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err

@@ -38,7 +38,8 @@ def main(argv=None):
     parser.add_argument("directory", metavar="DIR", help="a save directory (its newest checkpoint) or one checkpoint")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
-        print(f"error: {args.directory}: no such directory", file=sys.stderr)
+        what = "a file, not a directory" if os.path.exists(args.directory) else "no such directory"
+        print(f"error: {args.directory}: {what}", file=sys.stderr)
         return 2
     try:
         if args.command == "list":
