@@ -55,7 +55,9 @@ def test_graph_nodes_of_a_step_are_the_planners_count(results):
 @pytest.mark.parametrize("options", [
     "--epochs 1 --strategy zero3 --recompute full",                      # 2 segments: the last begins with a Linear
     "--epochs 1 --strategy zero3 --recompute full --layers 5 --hidden 33 --precision fp16",   # 3, odd sizes
-    "--epochs 1 --strategy zero3 --layers 1"])                           # the batch saved by the first Linear alone
+    "--epochs 1 --strategy zero3 --layers 1",                            # the batch saved by the first Linear alone
+    "--epochs 1 --strategy zero3 --recompute full --offload-activations",    # on the device: the recomputation's
+    "--epochs 1 --strategy ddp --recompute full --offload-activations --layers 5 --hidden 33"])
 def test_zero3_peaks_where_the_planner_walks(options, monkeypatch):
     """FSDP's backward: a unit's staging is made once its node has run, when what that node alone saved is gone
     (the first Linear's input, the loss's arrays); with checkpoint_sequential, a recomputed segment's units stay
@@ -69,6 +71,29 @@ def test_zero3_peaks_where_the_planner_walks(options, monkeypatch):
         predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
         for c in (*CATEGORIES, "total"):
             assert abs(predicted[c] - r["measured"][c]) <= 64, (c, predicted[c], r["measured"][c])
+        assert min(r["predicted"][c] for c in CATEGORIES) >= 0, r["predicted"]     # the peak moment's bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, options", [
+    (1, "--recompute full"), (1, "--recompute selective"),
+    (2, "--tp 2 --n-embd 128 --recompute selective"), (2, "--pp 2 --microbatches 2 --recompute full"),
+    (2, "--dp 2 --zero 3 --recompute selective")])
+def test_offloaded_activations_leave_on_the_device_what_the_recomputation_saves(ranks, options, monkeypatch):
+    """--offload-activations with recomputation: what forward saves goes to the host, what a block's backward
+    recomputes is on the device through that backward (its attention core and the q, k, v it saves with
+    selective, after the gradients of the block's MLP are made; the whole block with full), in the one-process
+    job and in the parallel one, whose backward runs inside the offload. Every rank's ledger peak, every
+    category and the total, within 0.1%."""
+    from minitrain.plan.states import CATEGORIES
+    monkeypatch.setitem(validate.RUNS, "probe", ("gpt", ranks, f"--steps 4 --sample-chars 1 --offload-activations "
+                                                                f"{options}"))
+    res = validate.run("probe", "cpu-2core", timeout=120)
+    for r in res["ranks"]:
+        predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
+        for c in (*CATEGORIES, "total"):
+            assert abs(predicted[c] - r["measured"][c]) <= max(64, 1e-3 * r["measured"][c]), (c, predicted, r["measured"])
+        assert r["measured"]["activations"] > 0 and min(r["predicted"][c] for c in CATEGORIES) >= 0
 
 
 @pytest.mark.slow

@@ -113,6 +113,25 @@ def test_offload_moves_activations_off_the_device_and_back(float64, x):
     assert moved.bytes_offloaded == moved.bytes_restored > 0
 
 
+def test_a_recomputation_inside_offload_keeps_what_it_saves_on_the_device(float64, x):
+    """Backward run inside offload_activations (a pipeline's train_step does): the checkpointed segments'
+    inputs go to the host, what their recomputation saves stays on the device for the backward that needs
+    it at once (as PyTorch's checkpoint keeps it itself), counted by the ledger, never moved away and back."""
+    tracker = memory.MemoryTracker()
+    with memory.use_tracker(tracker):
+        model = deep_mlp(6)                     # its parameters in this ledger: offload leaves them alone
+        with offload_activations() as moved:
+            out = checkpoint_sequential(model, 3, x)
+            out.sum().backward()
+    segment_inputs = 2 * x.data.nbytes          # the first two segments' inputs; the last runs plain
+    last = 2 * 2 * x.data.nbytes                # its two blocks: Linear's input and ReLU's output each
+    assert moved.bytes_offloaded == segment_inputs + last
+    assert moved.bytes_restored == moved.bytes_offloaded
+    # one segment recomputed at a time: its input (saved again by its first Linear), each ReLU's output (the
+    # next Linear saves that same array)
+    assert tracker.peak()["activations"] == 3 * x.data.nbytes
+
+
 def test_ddp_with_recomputation_still_synchronises_once(float64):
     # a post-accumulate hook firing inside a checkpoint's inner backward must not end DDP's step early
     def fn(comm):

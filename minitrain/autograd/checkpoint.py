@@ -15,6 +15,7 @@ from .. import random
 from ..backend import array_module
 from .function import Function
 from .grad_mode import enable_grad, is_grad_enabled, no_grad
+from .graph import no_saved_tensors_hooks
 from .tensor import Tensor
 
 
@@ -40,7 +41,7 @@ class _Checkpoint(Function):
         now = random.get_state()
         random.set_state(ctx.rng_state)          # replay fn's random draws (dropout masks)
         try:
-            with enable_grad():
+            with enable_grad(), no_saved_tensors_hooks():     # kept on the device for this backward (graph.py)
                 out = ctx.fn(*leaves, **ctx.kwargs)
         finally:
             random.set_state(now)

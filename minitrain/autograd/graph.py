@@ -4,7 +4,11 @@ Inside with saved_tensors_hooks(pack, unpack): every array an operation saves fo
 is replaced by pack(array); backward calls unpack(packed) to get it back. Activation
 offload (pack = copy to host), memory accounting and recomputation are built on this.
 Unlike PyTorch, pack and unpack see raw xp arrays, not tensors: minitrain's Functions save arrays.
+A recomputation (checkpoint's backward) runs with no hooks at all: what it saves is needed on the device
+at once, by the backward that asked for it, so an outer offload must not move it away and back (as in
+PyTorch, whose checkpoint keeps what its recomputation saves itself).
 """
+import contextlib
 import threading
 
 
@@ -20,6 +24,16 @@ def current_saved_tensors_hooks():
     """The innermost (pack, unpack) pair, or None."""
     stack = _hooks.stack
     return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def no_saved_tensors_hooks():
+    """No hooks inside (those outside come back after): checkpoint's recomputation."""
+    outer, _hooks.stack = _hooks.stack, []
+    try:
+        yield
+    finally:
+        _hooks.stack = outer
 
 
 class saved_tensors_hooks:

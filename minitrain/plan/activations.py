@@ -21,17 +21,24 @@ class Piece:
     of tensors' element counts, tp shards), what it keeps for backward per micro-batch (``kept``), its own
     bytes at the worst moment of its backward (``peak``: more than kept when it is recomputed), and
     ``shared``: bytes held once per step whatever the micro-batch count (an array that every
-    micro-batch's slice is a view of)."""
+    micro-batch's slice is a view of); ``moments``: see __init__."""
 
-    def __init__(self, name, units, kept, peak=None, shared=0):
+    def __init__(self, name, units, kept, peak=None, shared=0, moments=None):
         self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
         self.peak = kept if peak is None else peak
+        self._moments = moments
         self.sizes = [q for u in self.units for q in u]
         self.params = sum(self.sizes)
         self.unhooked = False      # recomputed in backward, outside FSDP's hooks: its saved weights are views of
         #                            its units, gathered by the recomputation and kept until their reduce-scatter
         self.parts = [self]        # a recomputed segment: the layers its backward goes through
         self.input_freed_first = 0  # bytes of kept that its first part's backward frees (before its gradients)
+
+    @property
+    def moments(self):
+        """The moments of its backward: (its bytes, its parameters whose gradients are made by then); one, at
+        its peak, unless given (a block recomputing its attention core midway, after its MLP's gradients)."""
+        return [(self.peak, 0)] if self._moments is None else self._moments
 
 
 def mlp_pieces(model, layout, rows, in_pipeline=False):
@@ -84,6 +91,9 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
             segments.append(Piece(f"segment{i}", units, 0, peak=peak))
         else:
             segments.append(Piece(f"segment{i}", units, entering, peak=entering + inner))
+    if layout.offload_activations:         # the last segment's layers save to the host: none of it to free here
+        for p in pieces[bounds[k - 1]:]:
+            p.kept = p.peak = 0
     for i, segment in enumerate(segments):
         segment.parts = pieces[bounds[i]:bounds[i + 1]]
         segment.unhooked = i < k - 1       # (the last runs plain, inside FSDP's call: re-gathered unit by unit)
@@ -91,8 +101,10 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
 
 
 def gpt_block_bytes(model, layout, b, moe=False):
-    """(kept, peak) bytes of one transformer block for a micro-batch of b rows (see module docstring); s/cp
-    tokens of each row under context parallelism, an MoE layer's MLP with ``moe`` (plan/experts.py)."""
+    """(kept, peak, at_core) bytes of one transformer block for a micro-batch of b rows (see module docstring);
+    s/cp tokens of each row under context parallelism, an MoE layer's MLP with ``moe`` (plan/experts.py).
+    at_core: with selective recomputation, the bytes while the attention core is recomputed, midway through the
+    block's backward, when the gradients of its MLP, ln_2 and c_proj are made (else None)."""
     from .experts import attention_core_values, dense_mlp_values, moe_kept_values
     e = PRECISIONS[layout.precision]
     s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
@@ -105,12 +117,19 @@ def gpt_block_bytes(model, layout, b, moe=False):
             + (2 * s * b * h / r if model.dropout else 0))
     # (ring attention's K, V, dK and dV in transit in its backward are transients inside one op, which the
     # ledger does not track, as it does not track a matmul's: it measured a --cp 2 step equal without them)
+    if layout.offload_activations:
+        # what forward saves goes to the host; what backward recomputes runs outside the offload context, so it
+        # is on the device through the block's backward: the whole block (full), the attention core and the
+        # q, k, v it saves, views of the qkv buffer (selective)
+        if layout.recompute == "selective":
+            return 0, e * (3 * s * b * h / t + core), e * (3 * s * b * h / t + core)
+        return 0, e * full if layout.recompute == "full" else 0, None
     if layout.recompute == "full":
         kept = s * b * h / r
-        return e * kept, e * (kept + full)
+        return e * kept, e * (kept + full), None
     if layout.recompute == "selective":
-        return e * (full - core), e * max(full - core, attn_in + core)
-    return e * full, e * full
+        return e * (full - core), e * max(full - core, attn_in + core), e * (attn_in + core)
+    return e * full, e * full, None
 
 
 def gpt_pieces(model, layout, rows, single_process=False):
@@ -129,7 +148,7 @@ def _gpt_pieces(model, rows, single_process, *key):
     s, h, t, V = model.block_size // layout.cp, model.n_embd, layout.tp, model.vocab_size
     r = t if layout.sequence_parallel else 1
     v_pad = -(-V // t) * t
-    kept, peak = gpt_block_bytes(model, layout, rows)
+    kept, peak, at_core = gpt_block_bytes(model, layout, rows)
     emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
     head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
     targets = layout.batch_size * s * INT64             # y: the global batch's array (a replica's rows: a view)
@@ -142,12 +161,14 @@ def _gpt_pieces(model, rows, single_process, *key):
     attention = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h]
     block = attention + [h * f // t, f // t, f * h // t, h]
     if layout.offload_activations:
-        kept = peak = emb_kept = emb_shared = head_kept = targets = 0
-    one_block = Piece("block", [block], kept, peak)            # every block alike: one object, L times
-    moe_kept, moe_peak = gpt_block_bytes(model, layout, rows, moe=True) if model.moe_experts else (0, 0)
-    if layout.offload_activations:
-        moe_kept = moe_peak = 0
-    moe_block = Piece("moe_block", [attention + moe_mlp_sizes(model, layout)], moe_kept, moe_peak) \
+        emb_kept = emb_shared = head_kept = targets = 0
+    def block_piece(name, mlp, kept, peak, at_core):
+        made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
+        moments = None if at_core is None else [(kept, 0), (at_core, made)]
+        return Piece(name, [attention + mlp], kept, peak, moments=moments)
+
+    one_block = block_piece("block", block[len(attention):], kept, peak, at_core)    # every block alike: L times
+    moe_block = block_piece("moe_block", moe_mlp_sizes(model, layout), *gpt_block_bytes(model, layout, rows, moe=True)) \
         if model.moe_experts else None
     blocks = [moe_block if model.is_moe_layer(i) else one_block for i in range(model.n_layer)]
     return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared)]

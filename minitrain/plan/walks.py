@@ -64,6 +64,8 @@ def step_walk(pieces, layout, dp):
             if early:
                 live["activations"] -= q.kept + (p.input_freed_first if q is p.parts[0] else 0)
             if z == 3:      # per unit: gathered again, one full gradient, its staging beside the previous one's
+                if not q.units:     # a layer without parameters (ReLU): the recomputed segment's units still held
+                    moment(params=held or 0, comm_buffers=staging_prev)
                 for u in reversed(q.units):
                     gathered = held if held is not None else e * unit_pad(u)
                     moment(params=gathered, grads=e * max(u), comm_buffers=e * unit_pad(u) + staging_prev)
@@ -73,8 +75,9 @@ def step_walk(pieces, layout, dp):
                         held -= e * unit_pad(u)
             elif z == 2:
                 moment(grads=e * max(q.sizes, default=0))     # one full gradient at a time, then staged
-            else:
-                moment()
+            else:           # each moment of its backward, with the gradients it has made by then (z = 0 creates them)
+                for act, made in (q.moments if q is p else ((p.peak, 0),)):
+                    moment(activations=act - p.peak, grads=e * made if z == 0 else 0)
                 live["grads"] += e * q.params if z == 0 else 0
             if q is not p and not early:
                 live["activations"] -= q.kept
@@ -158,7 +161,7 @@ def _chunk_backward(pieces, grad_bytes):
     new, moments = 0, []
     for p in reversed(pieces):
         below -= p.kept
-        moments.append((below + p.peak, new))
+        moments += [(below + act, new + grad_bytes * made) for act, made in p.moments]
         new += grad_bytes * p.params
     moments.append((0, new))
     return (kept, max(moments, key=lambda m: (m[0] + m[1], m[0])), max(a for a, _ in moments), new,
