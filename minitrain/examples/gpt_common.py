@@ -105,23 +105,27 @@ def all_to_all_step(ep_comm, ep_layers, before):
 
 
 def routing_step(ep_layers):
-    """One step's routed rows (taken by this rank's experts, sent by this rank) over its expert-parallel layers
+    """One step's routed rows per expert-parallel layer: [(taken by this rank's experts, sent by this rank)]
     (their counts restart for the next step)."""
-    taken, sent = sum(layer.rows_received for layer in ep_layers), sum(layer.rows_sent for layer in ep_layers)
+    rows = [(layer.rows_received, layer.rows_sent) for layer in ep_layers]
     for layer in ep_layers:
         layer.rows_received = layer.rows_sent = 0
-    return taken, sent
+    return rows
 
 
-def routing_load(comm, routing, ep):
+def routing_load(comm, routing, ep, per_layer=False):
     """(peak, step): the busiest rank's routed rows over an even share in the run's most loaded step (what its
     memory must hold: the planner's --moe-load) and in its median step (what the median step's time meets); 1
-    without ep. Each rank routes as many rows as it sends, the even share (a collective)."""
+    without ep. A step's load is its layers' rows together, as every layer's activations are held at once; the
+    peak's, with ``per_layer`` (full recomputation: one block's activations at a time), its busiest layer's.
+    Each rank routes as many rows as it sends, the even share (a collective)."""
     if ep == 1 or not routing:
         return 1.0, 1.0
-    mine = np.array([taken / sent if sent else 0.0 for taken, sent in routing])
-    busiest = np.clip(all_reduce(comm, mine, op="max"), 1.0, ep)      # per step, the busiest rank's
-    return float(busiest.max()), float(np.median(busiest))
+    ratio = lambda taken, sent: taken / sent if sent else 0.0          # noqa: E731
+    together = [ratio(sum(t for t, _ in step), sum(s for _, s in step)) for step in routing]
+    busiest_layer = [max((ratio(t, s) for t, s in step), default=0.0) for step in routing]
+    busiest = np.clip(all_reduce(comm, np.array([together, busiest_layer]), op="max"), 1.0, ep)   # per step
+    return float(busiest[1 if per_layer else 0].max()), float(np.median(busiest[0]))
 
 
 def all_to_all_summary(comm, a2a, ep):

@@ -132,7 +132,7 @@ def main_moe_dp(args):
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     memory_by_rank = gather_memory(comm, watch.persistent)
     a2a_measured, a2a_formula, a2a_by_rank, a2a_line = all_to_all_summary(comm, a2a, ep)   # (rank, step, 2)
-    load = routing_load(comm, routing, ep)
+    load = routing_load(comm, routing, ep, per_layer=args.recompute == "full")
     full = global_model()
     if rank != 0:
         return 0

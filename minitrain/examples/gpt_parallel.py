@@ -173,7 +173,7 @@ def main_parallel(args):
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
-    load = routing_load(comm, routing, args.ep)
+    load = routing_load(comm, routing, args.ep, per_layer=args.recompute == "full")
     state = model.full_state_dict()
     cp_block = cp_report(model, args, table)
     if rank != 0:

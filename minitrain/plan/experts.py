@@ -18,8 +18,9 @@ M·h, each expert's hidden 3·M·f' (c_fc's output, GELU's saved input and outpu
 scalar. Under ep a rank's experts take the rows the all-to-all brings, M at balance and M·L on the
 busiest rank of a routing whose load is L (--moe-load: the busiest rank's routed rows over an even share,
 the data's to decide: the jobs measure their run's and plan at it; an untrained router sends the
-default GPT's busiest rank 1.6x its share), and, holding more than one expert, regroup them expert by
-expert (a gather: M·h more). Its step is the busiest rank's: its experts' work and its all-to-alls grow by L too.
+default GPT's busiest rank 1.6x its share); holding more than one expert, it regroups them expert by
+expert, a gather whose copy is what the experts' c_fc keep (the rows the all-to-all brought are not kept:
+still M·h in all). Its step is the busiest rank's: its experts' work and its all-to-alls grow by L too.
 
 Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
 cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
@@ -154,8 +155,7 @@ def moe_kept_values(model, layout, rows):
     M, f = received_rows(model, layout, rows), model.expert_ffn
     groups = local_groups(model, layout)
     shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
-    regrouped = M * h if layout.ep > 1 and E // layout.ep > 1 else 0    # expert by expert: a gather
-    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared + regrouped
+    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared
 
 
 def dense_mlp_values(model, layout, rows):
