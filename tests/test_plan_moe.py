@@ -176,6 +176,22 @@ def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_5_perc
                 assert stage["category_peaks"][c] == pytest.approx(rank["memory"]["peak"][c], rel=0.05), (name, c)
 
 
+@pytest.mark.parametrize("ranks, zero", [(2, 1), (4, 1), (2, 2), (4, 2), (2, 3)])
+def test_zero_with_experts_under_ep_is_planned_as_the_job_runs_it(monkeypatch, ranks, zero):
+    """--zero with --ep: the job trains GPT3D (not nn.GPT under DDP, which has no ZeRO), the dense states over
+    dp, the experts' over the dp/ep ranks that hold the same experts; ZeRO-1's reduce-scatter lands in a shard
+    of each, ZeRO-2/3 drop the dense full gradient before the experts' shard is made (ExpertZero). 2 experts
+    top-2: every token goes to both, so the routing is even. Every category of every rank to the byte (ZeRO-3's
+    0-d placeholders aside)."""
+    from minitrain.plan import validate
+    options = f"--steps 3 --sample-chars 1 --dp {ranks} --moe-experts 2 --ep 2 --zero {zero}"
+    monkeypatch.setitem(validate.RUNS, "probe", ("gpt", ranks, options))
+    for r in validate.run("probe", "cpu-2core", timeout=120)["ranks"]:
+        predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
+        for c in (*STATES, "comm_buffers", "activations", "total"):
+            assert abs(predicted[c] - r["measured"][c]) <= 64, (c, predicted, r["measured"])
+
+
 def test_memory_with_experts_under_tp_and_pp_is_the_job_s_ledger_within_5_percent(tmp_path):
     """GPT3D with MoE layers replicated on the tp ranks: tp 2, pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2."""
     runs = {"tp": (["--tp", "2"], 2), "pp": (["--pp", "2", "--microbatches", "2"], 2),

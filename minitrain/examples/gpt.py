@@ -44,6 +44,7 @@ from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
 from minitrain.parallel import offload_activations
+from minitrain.plan import runs_moe_on_dp
 
 
 def parse_args(argv=None):
@@ -183,8 +184,8 @@ def _main(argv=None):
     args = parse_args(argv)
     _, launched = launch_info()
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
-    if args.moe_experts and (launched > 1 or (args.dp or 1) > 1) and args.tp == args.pp == args.microbatches == 1 \
-            and not args.zero and not (args.ep > 1 and args.save_dir):    # GPT3D: ZeRO, experts' checkpoints
+    if runs_moe_on_dp(args.moe_experts, launched, args.dp or 1, args.tp, args.pp, args.cp, args.microbatches, args.zero,
+                      args.ep, args.save_dir):                     # the planner routes it alike
         from minitrain.examples.gpt_moe import main_moe_dp
         return main_moe_dp(args)
     if launched > 1 or args.tp > 1 or args.pp > 1 or args.cp > 1 or (args.dp or 1) > 1 or args.microbatches > 1 or args.zero:

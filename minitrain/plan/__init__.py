@@ -82,6 +82,14 @@ def mlp_from_args(args, world):
                          local_sgd_every=args.sync_every if args.strategy == "local_sgd" else 0, **common)
 
 
+def runs_moe_on_dp(experts, world, dp, tp, pp, cp, microbatches, zero, ep, save_dir):
+    """Whether the GPT job (examples/gpt.py, which asks this) trains its MoE GPT as nn.GPT itself under DDP
+    (examples/gpt_moe.py) rather than as GPT3D: on more than one rank, without tp, pp, cp, micro-batches or
+    ZeRO, and without checkpoints under ep (GPT3D saves the experts by their global names)."""
+    return (bool(experts) and (world > 1 or dp > 1) and tp == pp == cp == microbatches == 1 and not zero
+            and not (ep > 1 and save_dir))
+
+
 def gpt_from_args(args, world, vocab_size):
     """(model, layout) of ``python -m minitrain.examples.gpt`` with these options on ``world`` ranks
     (zero / precision / optimizer: the planner's own options, with the job's defaults)."""
@@ -94,8 +102,8 @@ def gpt_from_args(args, world, vocab_size):
         expert_hidden=getattr(args, "expert_hidden", 0) or 0, moe_shared=getattr(args, "moe_shared", 0) or 0)
     model = GPT(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                 n_embd=args.n_embd, dropout=args.dropout, ffn_hidden=getattr(args, "ffn_hidden", 0) or 0, **moe)
-    # as examples/gpt.py routes it: MoE without tp, pp, cp or micro-batches is nn.GPT itself, under DDP
-    moe_dp = bool(experts) and tp == pp == cp == 1 and args.microbatches == 1 and (world > 1 or dp > 1)
+    moe_dp = runs_moe_on_dp(experts, world, dp, tp, pp, cp, args.microbatches, getattr(args, "zero", 0), ep,
+                            getattr(args, "save_dir", None))
     parallel = not moe_dp and (world > 1 or tp > 1 or pp > 1 or dp > 1 or args.microbatches > 1)
     layout = Layout(world=world, batch_size=args.batch_size, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
                     moe_load=getattr(args, "moe_load", 1.0) or 1.0,

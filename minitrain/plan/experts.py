@@ -191,15 +191,15 @@ def zero_expert_extra(model, layout, moe_blocks):
     """Bytes a rank holds beyond ZeRO over dp for its ``moe_blocks`` MoE blocks' routed experts, whose
     states ZeRO shards over the dp/ep ranks holding the same experts instead (0 without ZeRO or ep)."""
     z, dp, ep = layout.zero, layout.dp, layout.ep
-    extra = {"params": 0, "grads": 0, "optimizer_state": 0}
+    extra = {"params": 0, "grads": 0, "optimizer_state": 0, "comm_buffers": 0}
     if not z or ep == 1 or not moe_blocks:
         return extra
     n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
     e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
     extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
-    extra["grads"] = (fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout)
-                      + (e * (wide - narrow) if z >= 2 else 0))
+    extra["grads"] = fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout)    # stages 2, 3: memory.py
     extra["params"] = e * (wide - narrow) if z == 3 else 0
+    extra["comm_buffers"] = e * (wide - narrow) if z == 1 else 0      # ZeRO-1's reduce-scatter lands in a shard
     return extra
 
 

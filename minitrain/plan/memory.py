@@ -12,9 +12,10 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .activations import gpt_pieces, mlp_pieces
-from .experts import expert_params_per_rank, zero_expert_extra
+from .experts import expert_params, expert_params_per_rank, zero_expert_extra
 from .papers import paper_memory
 from .stages import _schedule, in_flight, stage_chunks
+from .layout import PRECISIONS
 from .states import CATEGORIES, _one_moment, model_states_at_rest
 from .walks import pipeline_walk, step_walk
 
@@ -75,7 +76,28 @@ def _experts_sharded(stage, model, layout, pieces):
         stage[c] += n
         stage["category_peaks"][c] += n
         stage["total"] += n
+    if layout.zero >= 2:
+        _expert_gradient_shards(stage, model, layout, pieces)
     return stage
+
+
+def _expert_gradient_shards(stage, model, layout, pieces):
+    """ZeRO-2/3 under ep (parallel/expert_parallel_3d.py's ExpertZero): the dense gradient is reduce-scattered
+    over dp and its full buffer dropped, then the experts' over dp/ep into a wider shard. The gradients' peak
+    is the larger of those two moments, not the stage's whole flat gradient beside its dp shard (the walk's);
+    the step's peak gains the experts' wider shard where it is the optimizer step, or is that moment itself."""
+    e, dp, ep = PRECISIONS[layout.precision], layout.dp, layout.ep
+    local = sum(x.params for x in pieces)
+    n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // ep) * expert_params(model)
+    dense_shard, wide, pad = -(-(local - n) // dp), -(-n // (dp // ep)), -(-local // dp) * dp
+    reduce_peak = e * max(local + dense_shard, dense_shard + n + wide)
+    stage["category_peaks"]["grads"] += reduce_peak - e * (pad + pad // dp)
+    if not stage["activations"]:                      # the peak is the optimizer step: the shards alone
+        shards = e * (dense_shard + wide - pad // dp)
+        stage["grads"], stage["total"] = stage["grads"] + shards, stage["total"] + shards
+    others = stage["total"] - stage["grads"] - stage["activations"]
+    if others + reduce_peak > stage["total"]:         # the reduce-scatters, activations freed
+        stage.update(grads=reduce_peak, activations=0, total=others + reduce_peak)
 
 
 def _no_buffers(layout):
