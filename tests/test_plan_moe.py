@@ -95,13 +95,15 @@ def test_memory_with_expert_parallelism_is_the_job_s_ledger_within_5_percent(tmp
 def test_the_job_plans_its_own_routing_s_load(tmp_path):
     """The default GPT with 4 experts over ep 2 routes unevenly (the busiest rank takes 1.5-1.7x an even share
     in its first steps): the job asks the planner at its measured load, which then counts its heaviest rank's
-    ledger (within 0.1%), where even routing is 18% below. With full recomputation one block's activations are
-    held at a time: the job plans at its busiest layer's load, as if every layer were that busy (the planner
-    cannot know which will be): at or above the heaviest rank, within 5%."""
-    out, full = tmp_path / "moe.json", tmp_path / "full.json"
+    ledger (within 0.1%), where even routing is 18% below; a capacity's drops make it below 1, as counted.
+    With full recomputation one block's activations are held at a time: the job plans at its busiest layer's
+    load, as if every layer were that busy (the planner cannot know which will be): at or above the heaviest
+    rank, within 5%."""
+    out, full, capped = tmp_path / "moe.json", tmp_path / "full.json", tmp_path / "capped.json"
     job = ["--steps", "6", "--sample-chars", "1", "--no-progress", "--dp", "2", "--moe-experts", "4", "--ep", "2"]
     calls = "; ".join(f"assert gpt.main({job + extra + ['--json', str(path)]!r}) == 0"
-                      for path, extra in ((out, []), (full, ["--recompute", "full"])))
+                      for path, extra in ((out, []), (full, ["--recompute", "full"]),
+                                          (capped, ["--ep", "1", "--moe-capacity-factor", "1.0"])))
     run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; {calls}"], n=2, timeout=300)
     report = json.loads(out.read_text())
     compared, heaviest = report["planner"], max(r["memory"]["peak"]["total"] for r in report["ranks"])
@@ -112,6 +114,11 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     heaviest_full = max(r["memory"]["peak"]["total"] for r in recomputed["ranks"])
     assert recomputed["planner"]["moe_load"] > compared["moe_load"]          # one layer busier than the two
     assert heaviest_full <= recomputed["planner"]["predicted"]["memory_bytes"] <= 1.05 * heaviest_full
+    # a capacity on one rank's experts: they take the rows kept, fewer than routed (a load below 1)
+    dropping = json.loads(capped.read_text())
+    heaviest_capped = max(r["memory"]["peak"]["total"] for r in dropping["ranks"])
+    assert dropping["planner"]["moe_load"] < 1
+    assert dropping["planner"]["predicted"]["memory_bytes"] == pytest.approx(heaviest_capped, rel=1e-3)
     # the step is the median step: priced at the median step's load, which the planner's CLI prices alike
     assert 1 <= compared["moe_load_step"] < compared["moe_load"]
     at_step = json.loads(cli(["gpt", "--steps", "6", "--dp", "2", "--moe-experts", "4", "--ep", "2", "--world", "2",
@@ -121,21 +128,27 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
 
 
 def test_the_busiest_rank_s_load_of_the_peak_step_and_of_the_median_step():
-    """gpt_common.routing_load: per step the busiest rank's rows taken over sent (an even share), clipped to
-    [1, ep]; the most loaded step's for memory, the median step's for the step's time. A step's rows are its
-    layers' together, or for the peak with per_layer (full recomputation) its busiest layer's."""
+    """gpt_common.routing_load: per step the busiest rank's rows its experts took over its own routed rows,
+    at most ep; for memory the most loaded step after the first (whose end makes the optimizer's state), for
+    the step's time the median step. A step's rows are its layers' together, or for the peak with per_layer
+    (full recomputation) its busiest layer's. A capacity that drops rows makes it below 1."""
     from minitrain.comm import ThreadWorld
     from minitrain.examples.gpt_common import routing_load
-    routing = {0: [[(12, 10)], [(10, 10)], [(30, 10)], [(11, 10)]], 1: [[(8, 10)], [(10, 10)], [(0, 10)], [(9, 10)]]}
+    routing = {0: [[(40, 10)], [(12, 10)], [(10, 10)], [(30, 10)], [(11, 10)]],
+               1: [[(0, 10)], [(8, 10)], [(10, 10)], [(0, 10)], [(9, 10)]]}
     loads = ThreadWorld(2).run(lambda comm: routing_load(comm, routing[comm.rank], 2))
-    for peak, step in loads:                  # the busiest per step: 1.2, 1.0, 3.0 (clipped to 2), 1.1
-        assert peak == 2 and step == pytest.approx(1.15)
-    assert routing_load(None, [[(30, 10)]], 1) == (1.0, 1.0)
-    two_layers = {0: [[(8, 5), (2, 5)], [(6, 5), (6, 5)]], 1: [[(2, 5), (8, 5)], [(4, 5), (4, 5)]]}
+    for peak, step in loads:                  # per step 4 (at most 2), 1.2, 1.0, 3 (at most 2), 1.1
+        assert peak == 2 and step == pytest.approx(1.2)
+    first_only = {0: [[(40, 10)], [(12, 10)]], 1: [[(0, 10)], [(8, 10)]]}
+    assert ThreadWorld(2).run(lambda comm: routing_load(comm, first_only[comm.rank], 2))[0][0] == 1.2
+    assert routing_load(None, [], 1) == (1.0, 1.0)
+    dropped = [[(9, 10)], [(7, 10)], [(8, 10)]]                              # one rank, a capacity
+    assert routing_load(None, dropped, 1) == (0.8, 0.8)
+    two_layers = {0: [[(1, 1)], [(8, 5), (2, 5)], [(6, 5), (6, 5)]], 1: [[(1, 1)], [(2, 5), (8, 5)], [(4, 5), (4, 5)]]}
     together = ThreadWorld(2).run(lambda comm: routing_load(comm, two_layers[comm.rank], 2))
     busiest_layer = ThreadWorld(2).run(lambda comm: routing_load(comm, two_layers[comm.rank], 2, per_layer=True))
-    assert together == [(1.2, pytest.approx(1.1))] * 2            # per step 1.0 and 1.2 (rank 0's second)
-    assert busiest_layer == [(1.6, pytest.approx(1.1))] * 2       # 8/5 in a layer; the time's load unchanged
+    assert together == [(1.2, pytest.approx(1.0))] * 2            # per step 1.0 and 1.2 (rank 0's third)
+    assert busiest_layer == [(1.6, pytest.approx(1.0))] * 2       # 8/5 in a layer; the time's load unchanged
 
 
 def test_memory_with_context_parallelism_is_the_job_s_ledger_within_1_percent(tmp_path):
@@ -299,8 +312,12 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
     assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1
     assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 2.5")
-    assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 0.5")
-    assert "needs --ep above 1" in refused(f"{sizes} --moe-experts 4 --world 2 --moe-load 1.5")
+    assert "between 1 and --ep 2 (below 1 only where a capacity factor drops rows)" in refused(
+        f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 0.5")
+    assert "between 0 and 1" in refused(f"{sizes} --moe-experts 4 --world 2 --moe-capacity-factor 1 --moe-load 1.5")
+    assert "a load of 1; leave --moe-load out" in refused(f"{sizes} --moe-experts 4 --world 2 --moe-load 1.5")
+    for fine in ("--ep 2 --moe-load 0.5", "--moe-load 0.8"):                # drops: fewer rows than routed
+        assert json.loads(cli(f"{sizes} --moe-experts 4 --world 2 --moe-capacity-factor 1 {fine} --json".split()))
 
 
 def test_a_routing_s_load_adds_the_rows_the_busiest_rank_takes_beyond_an_even_share():

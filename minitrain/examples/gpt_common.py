@@ -104,28 +104,33 @@ def all_to_all_step(ep_comm, ep_layers, before):
     return all_to_all_sent(ep_comm) - before, formula
 
 
-def routing_step(ep_layers):
-    """One step's routed rows per expert-parallel layer: [(taken by this rank's experts, sent by this rank)]
-    (their counts restart for the next step)."""
-    rows = [(layer.rows_received, layer.rows_sent) for layer in ep_layers]
-    for layer in ep_layers:
-        layer.rows_received = layer.rows_sent = 0
+def routing_step(moe_layers):
+    """One step's rows per MoE layer of this rank: [(rows its experts took, its routed choices N·k)] (their
+    counts restart for the next step)."""
+    rows = [(layer.rows_taken, layer.rows_routed) for layer in moe_layers]
+    for layer in moe_layers:
+        layer.rows_taken = layer.rows_routed = 0
     return rows
 
 
 def routing_load(comm, routing, ep, per_layer=False):
-    """(peak, step): the busiest rank's routed rows over an even share in the run's most loaded step (what its
-    memory must hold: the planner's --moe-load) and in its median step (what the median step's time meets); 1
-    without ep. A step's load is its layers' rows together, as every layer's activations are held at once; the
-    peak's, with ``per_layer`` (full recomputation: one block's activations at a time), its busiest layer's.
-    Each rank routes as many rows as it sends, the even share (a collective)."""
-    if ep == 1 or not routing:
+    """(peak, step): the busiest rank's experts' rows over its own routed rows in the run's most loaded step
+    (what its memory must hold: the planner's --moe-load) and in its median step (what the median step's
+    time meets): above 1 where ep brings it more than an even share, below where a capacity drops rows. A
+    step's load is its layers' rows together, as every layer's activations are held at once; the peak's, with
+    ``per_layer`` (full recomputation: one block's activations at a time), its busiest layer's. The peak
+    leaves the first step out where there are others: the optimizer's state is made at its end, so the run's
+    memory peaks in a later step (the planner's moment), whose routing has moved. 1 with no MoE layer (a
+    collective)."""
+    if not routing:
         return 1.0, 1.0
-    ratio = lambda taken, sent: taken / sent if sent else 0.0          # noqa: E731
-    together = [ratio(sum(t for t, _ in step), sum(s for _, s in step)) for step in routing]
-    busiest_layer = [max((ratio(t, s) for t, s in step), default=0.0) for step in routing]
-    busiest = np.clip(all_reduce(comm, np.array([together, busiest_layer]), op="max"), 1.0, ep)   # per step
-    return float(busiest[1 if per_layer else 0].max()), float(np.median(busiest[0]))
+    ratio = lambda taken, routed: taken / routed if routed else 0.0        # noqa: E731
+    together = [ratio(sum(t for t, _ in step), sum(r for _, r in step)) for step in routing]
+    busiest_layer = [max((ratio(t, r) for t, r in step), default=0.0) for step in routing]
+    mine = np.array([together, busiest_layer])
+    busiest = np.minimum(mine if comm is None else all_reduce(comm, mine, op="max"), ep)     # per step
+    whole = busiest[:, 1:] if busiest.shape[1] > 1 else busiest          # the steps with every model state
+    return float(whole[1 if per_layer else 0].max()), float(np.median(busiest[0]))
 
 
 def all_to_all_summary(comm, a2a, ep):

@@ -27,8 +27,8 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_step, moe_summary, nothing_left, routing_load,
-                                           routing_step, sample_model, scheduler_for)
+                                           gpt_config, layout, moe_layers, moe_step, moe_summary, nothing_left,
+                                           routing_load, routing_step, sample_model, scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
@@ -120,7 +120,7 @@ def main_moe_dp(args):
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
         moe.append(moe_step(model, comm))
         a2a.append(all_to_all_step(ep_comm, ep_layers, sent_before))
-        routing.append(routing_step(ep_layers))
+        routing.append(routing_step(moe_layers(model)))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

@@ -152,7 +152,7 @@ def main_parallel(args):
         if model.moe_layers:
             moe.append(model.moe_statistics)
         a2a.append(all_to_all_step(model.ep_comm, ep_layers, a2a_before))   # this rank's stage's layers
-        routing.append(routing_step(ep_layers))
+        routing.append(routing_step(model.moe_layers))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

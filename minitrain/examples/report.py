@@ -140,9 +140,9 @@ def write_json(path, report):
 def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0, moe_load_step=None):
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan), for the
     JSON (always) and the planner line (--show-plan): ``steps`` is the slowest rank's StepTimer summary; the
-    planner is told the BLAS threads this process runs with and, under expert parallelism, the run's routing
-    (its busiest rank's routed rows over an even share: the memory at ``moe_load``, the most loaded step's,
-    with even routing's beside; the step at ``moe_load_step``, the median step's, as the step is the median).
+    planner is told the BLAS threads this process runs with and, with experts, the run's routing (its busiest
+    rank's experts' rows over its own routed rows: the memory at ``moe_load``, the most loaded step's, with a
+    load of 1 beside; the step at ``moe_load_step``, the median step's, as the step is the median).
     Time is compared as plan/validate.py compares it: the step's busy CPU time in units of the anchor (which
     the machine's other jobs slow alike) against the planner's compute and its collectives' own work; the
     wall clock beside (also in anchors)."""
@@ -191,9 +191,9 @@ def planner_line(compared):
             f"{predicted['step_busy_s'] * 1e3:.2f} ms predicted, {measured}; wall "
             f"{predicted['step_time_s'] * 1e3:.2f} ms predicted, {got['step_time_s'] * 1e3:.2f} ms measured "
             f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
-            + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest expert-parallel rank took that share of "
-               f"the routed rows in its most loaded step, {compared['moe_load_step']:.3g} in its median step, where "
-               f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at even routing)"
+            + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest rank's experts took that many rows per "
+               f"row it routed in its most loaded step, {compared['moe_load_step']:.3g} in its median step, where "
+               f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at a load of 1)"
                if "memory_bytes_even_routing" in predicted else "") + f", {fmt_bytes(got['memory_bytes'])} measured")
 
 

@@ -50,10 +50,12 @@ class MoE(Module):
         self.experts = ModuleList([FeedForward(_ExpertShape(n_embd, bias, dropout)) for _ in range(num_experts)])
         self.aux_loss, self.stats = None, None
         self.aux_loss_scale = None     # None: the model adds aux_loss to its loss; s: seeded in backward
+        self.rows_routed = self.rows_taken = 0    # N·k choices, and the rows its experts took (capacity: fewer)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                   # (N, C): every token of the batch
+        self.rows_routed += x.shape[0] * self.top_k                    # (the jobs read and reset the counts)
         probs = F.softmax(self.router(x), axis=-1)                     # (N, E)
         choices, gates = self.route(probs)
         plan = plan_dispatch(choices, self.num_experts, self.capacity(x.shape[0]), self.groups)
@@ -78,6 +80,7 @@ class MoE(Module):
 
     def run_experts(self, rows, counts):
         """Expert i on its counts[i] consecutive rows (an expert with none is skipped)."""
+        self.rows_taken += sum(counts)
         pieces = rows.split(counts, axis=0)
         return cat([expert(piece) for expert, piece, n in zip(self.experts, pieces, counts) if n], axis=0)
 

@@ -40,8 +40,9 @@ def expert_range(num_experts, comm):
 class ExpertParallelMoE(MoE):
     """``moe``'s router and its experts ``expert_range(E, comm)``, the others left out; the same forward as
     nn.MoE but for run_experts. ``all_to_all_bytes_formula``: what the all-to-alls of the forwards so far
-    send from this rank, forward and backward, computed from their split sizes; ``rows_sent`` and
-    ``rows_received``: the routed rows of the forwards so far, sent and taken (the job resets them)."""
+    send from this rank, forward and backward, computed from their split sizes; ``rows_routed`` and
+    ``rows_taken`` (nn.MoE's): this rank's routed choices and the rows its experts took from every rank, in
+    the forwards so far (the job resets them)."""
 
     def __init__(self, moe, comm):
         Module.__init__(self)
@@ -55,7 +56,7 @@ class ExpertParallelMoE(MoE):
         self.router = moe.router
         self.experts = ModuleList([moe.experts[e] for e in expert_range(E, comm)])
         self.aux_loss, self.stats, self.all_to_all_bytes_formula = None, None, 0
-        self.rows_sent = self.rows_received = 0
+        self.rows_routed = self.rows_taken = 0
 
     def split_sizes(self, counts):
         """(send, receive, table): rows to each rank, rows from each rank, and table[i, l], the rows rank i
@@ -70,7 +71,7 @@ class ExpertParallelMoE(MoE):
         send, receive, table = self.split_sizes(counts)
         self.all_to_all_bytes_formula += all_to_all_bytes(send, receive, comm.rank,
                                                           rows.shape[1] * rows.data.itemsize, rows.requires_grad)
-        self.rows_sent, self.rows_received = self.rows_sent + sum(send), self.rows_received + sum(receive)
+        self.rows_taken += sum(receive)
         received = AllToAll.apply(rows, comm, receive, send)     # source-major, then expert
         if not sum(receive):    # no row here: the (0, C) rows carry the graph, so this rank joins both backwards
             return AllToAll.apply(received, comm, send, receive)

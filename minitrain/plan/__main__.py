@@ -109,7 +109,8 @@ def add_gpt(p):
                       help="ring attention (zig-zag) or DeepSpeed-Ulysses' all-to-alls")
     axes.add_argument("--ep", type=_positive, default=1, help="expert-parallel ranks (divides dp): E/ep experts each")
     axes.add_argument("--moe-load", type=cli.positive_float, default=1.0,
-                      help="ep: the busiest rank's routed rows over an even share, 1 to ep (the jobs print their run's)")
+                      help="the busiest rank's experts' rows over its own routed rows: 1 to ep, below 1 where a "
+                           "capacity drops rows (the jobs print their run's)")
     axes.add_argument("--moe-experts", type=cli.nonneg_int, default=0, help="experts per MoE layer (0: dense)")
     axes.add_argument("--moe-top-k", type=_positive, default=2, help="experts each token is routed to")
     axes.add_argument("--moe-capacity-factor", type=cli.positive_float, default=None,

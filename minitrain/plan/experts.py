@@ -15,10 +15,11 @@ What an MoE layer keeps for backward, counted as the ledger counts it (tests/tes
 it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
 M·h, each expert's hidden 3·M·f' (c_fc's output, GELU's saved input and output) — a dense MLP's
 13·N·h at f = 4h — the combine's gathered rows N·k·h, the balancing loss's 2·E per group and its
-scalar. Under ep a rank's experts take the rows the all-to-all brings, M at balance and M·L on the
-busiest rank of a routing whose load is L (--moe-load: the busiest rank's routed rows over an even share,
-the data's to decide: the jobs measure their run's and plan at it; an untrained router sends the
-default GPT's busiest rank 1.6x its share); holding more than one expert, it regroups them expert by
+scalar. Under ep a rank's experts take the rows the all-to-all brings, M at balance and N·k·L on the
+busiest rank of a routing whose load is L (--moe-load: the busiest rank's experts' rows over its own
+routed rows N·k, the data's to decide: the jobs measure their run's and plan at it; an untrained router
+sends the default GPT's busiest rank 1.6x its share; a capacity that drops rows makes it less, below 1
+with one rank's experts); holding more than one expert, it regroups them expert by
 expert, a gather whose copy is what the experts' c_fc keep (the rows the all-to-all brought are not kept:
 still M·h in all). Its step is the busiest rank's: its experts' work and its all-to-alls grow by L too.
 
@@ -63,12 +64,14 @@ def check_axes(model, layout):
         valid = [d for d in range(1, layout.dp + 1) if layout.dp % d == 0 and (not E or E % d == 0)]
         raise LayoutError(f"--ep {ep} does not divide --dp {layout.dp} (experts are sharded over blocks of ep "
                           f"consecutive dp ranks); nearest valid --ep: {_valid(ep, valid)}")
-    if layout.moe_load != 1 and ep == 1:
-        raise LayoutError(f"--moe-load {layout.moe_load:g} needs --ep above 1: with --ep 1 one rank takes every routed "
-                          f"row; leave --moe-load out")
-    if not 1 <= layout.moe_load <= ep:
-        raise LayoutError(f"--moe-load {layout.moe_load:g} is the busiest expert-parallel rank's share of the routed "
-                          f"rows over an even one: between 1 and --ep {ep}")
+    dropless = model.moe_capacity_factor is None
+    if dropless and ep == 1 and layout.moe_load != 1:
+        raise LayoutError(f"--moe-load {layout.moe_load:g} with --ep 1 and no capacity factor: one rank's experts take "
+                          f"every routed row, a load of 1; leave --moe-load out")
+    if not 0 < layout.moe_load <= ep or (dropless and layout.moe_load < 1):
+        raise LayoutError(f"--moe-load {layout.moe_load:g} is the busiest rank's experts' rows over its own routed "
+                          f"rows: between {1 if dropless else 0} and {'--ep ' if ep > 1 else ''}{ep}"
+                          + (" (below 1 only where a capacity factor drops rows)" if dropless else ""))
     if not E:
         return
     if E % ep:
@@ -133,13 +136,14 @@ def expert_capacity(model, layout, rows):
 
 
 def received_rows(model, layout, rows):
-    """Rows this rank's experts take: routed_rows, times moe_load under ep (the busiest rank's share of the
-    routed rows over an even one; a routing's load is the data's, so the jobs measure it), at most the
+    """Rows this rank's experts take: routed_rows at a load of 1, else its own routed rows N·k times moe_load
+    (the busiest rank's experts' rows over its routed ones: above 1 where ep sends it more than an even share,
+    below where a capacity drops rows; a routing's load is the data's, so the jobs measure it), at most the
     capacity of the experts (all ep ranks' choices for them)."""
-    M = routed_rows(model, layout, rows)
-    if layout.ep == 1 or layout.moe_load == 1:
-        return M
-    return min(math.ceil(M * layout.moe_load), expert_capacity(model, layout, rows))
+    if layout.moe_load == 1:
+        return routed_rows(model, layout, rows)
+    routed = rows * local_tokens(model, layout) * model.moe_top_k
+    return min(math.ceil(routed * layout.moe_load), expert_capacity(model, layout, rows))
 
 
 def local_groups(model, layout):

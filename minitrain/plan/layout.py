@@ -123,7 +123,7 @@ class Layout:
     cp: int = 1                         # context parallelism: the sequence over cp ranks (plan/experts.py)
     cp_method: str = "ring"             # ring (zig-zag: 2cp chunks) | ulysses
     ep: int = 1                         # expert parallelism: E/ep experts per rank, ep | dp
-    moe_load: float = 1.0               # ep: the busiest rank's routed rows over an even share (1: balanced)
+    moe_load: float = 1.0               # the busiest rank's experts' rows over its routed rows (1: even, dropless)
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
