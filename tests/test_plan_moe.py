@@ -142,6 +142,8 @@ def test_the_busiest_rank_s_load_of_the_peak_step_and_of_the_median_step():
     first_only = {0: [[(40, 10)], [(12, 10)]], 1: [[(0, 10)], [(8, 10)]]}
     assert ThreadWorld(2).run(lambda comm: routing_load(comm, first_only[comm.rank], 2))[0][0] == 1.2
     assert routing_load(None, [], 1) == (1.0, 1.0)
+    dense = ThreadWorld(2).run(lambda comm: routing_load(comm, [[], [], []], 1))      # no MoE layer anywhere
+    assert dense == [(1.0, 1.0)] * 2
     dropped = [[(9, 10)], [(7, 10)], [(8, 10)]]                              # one rank, a capacity
     assert routing_load(None, dropped, 1) == (0.8, 0.8)
     two_layers = {0: [[(1, 1)], [(8, 5), (2, 5)], [(6, 5), (6, 5)]], 1: [[(1, 1)], [(2, 5), (8, 5)], [(4, 5), (4, 5)]]}

@@ -121,7 +121,7 @@ def routing_load(comm, routing, ep, per_layer=False):
     ``per_layer`` (full recomputation: one block's activations at a time), its busiest layer's. The peak
     leaves the first step out where there are others: the optimizer's state is made at its end, so the run's
     memory peaks in a later step (the planner's moment), whose routing has moved. 1 with no MoE layer (a
-    collective)."""
+    collective: every rank calls it, a stage without MoE layers with empty steps)."""
     if not routing:
         return 1.0, 1.0
     ratio = lambda taken, routed: taken / routed if routed else 0.0        # noqa: E731
@@ -129,6 +129,8 @@ def routing_load(comm, routing, ep, per_layer=False):
     busiest_layer = [max((ratio(t, r) for t, r in step), default=0.0) for step in routing]
     mine = np.array([together, busiest_layer])
     busiest = np.minimum(mine if comm is None else all_reduce(comm, mine, op="max"), ep)     # per step
+    if not busiest.any():                                               # no MoE layer routed a row
+        return 1.0, 1.0
     whole = busiest[:, 1:] if busiest.shape[1] > 1 else busiest          # the steps with every model state
     return float(whole[1 if per_layer else 0].max()), float(np.median(busiest[0]))
 
