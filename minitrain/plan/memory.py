@@ -51,19 +51,28 @@ def minitrain_memory(model, layout):
               else gpt_pieces(model, layout, b))
     out, alike = [], {}
     tensors = sum(len(x.sizes) for x in pieces)
+    sizes = microbatch_rows(layout)
+    every_action = layout.chunks > 1 or sizes is not None     # else the schedule's in-flight counts say it all
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
-        actions = (in_flight(layout.schedule, layout.pp, layout.microbatches, s) if layout.chunks == 1
-                   else _schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s])
+        actions = (_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s] if every_action
+                   else in_flight(layout.schedule, layout.pp, layout.microbatches, s))
         mine = tuple(tuple(ps) for ps in chunks.values())
-        key = (s,) if layout.chunks > 1 else (actions, mine)     # stages alike (same layers, as many in flight)
+        key = (s,) if every_action else (actions, mine)     # stages alike (same layers, as many in flight)
         stage = alike.get(key)
         if stage is None:
             local, count = _count(tuple(x for ps in mine for x in ps))
             others = tensors - count if layout.pp > 1 else 0
-            stage = alike[key] = _experts_sharded(_stage_result(*pipeline_walk(actions, chunks, layout, local, others)),
-                                                  model, layout, [x for ps in mine for x in ps])
+            walked = pipeline_walk(actions, chunks, layout, local, others, sizes)
+            stage = alike[key] = _experts_sharded(_stage_result(*walked), model, layout, [x for ps in mine for x in ps])
         out.append({**stage, "category_peaks": dict(stage["category_peaks"])})
     return out
+
+
+def microbatch_rows(layout):
+    """The heaviest replica's micro-batches' rows, as the jobs cut them: the replica's ceil(batch / dp) rows,
+    the first rows % m micro-batches one more (None where they are equal)."""
+    rows, m = -(-layout.batch_size // layout.dp), layout.microbatches
+    return None if rows % m == 0 else tuple(rows // m + (1 if i < rows % m else 0) for i in range(m))
 
 
 def _experts_sharded(stage, model, layout, pieces):

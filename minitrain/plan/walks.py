@@ -88,13 +88,15 @@ def step_walk(pieces, layout, dp):
     return peak, peak_total, at_peak
 
 
-def pipeline_walk(actions, chunks, layout, local_params, others):
+def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     """Peak bytes for one pipeline stage (per category, total, each category at the total's peak): its
     actions in the schedule's order. A forward adds its chunk's kept activations; a backward goes through
     its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
     the first time, then frees the chunk. ``chunks``: chunk -> list of Pieces; ``others``: parameter
     tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
-    worst by their sum (then by activations, so that both walks pick the same)."""
+    worst by their sum (then by activations, so that both walks pick the same). ``sizes``: the micro-batches'
+    rows where a batch is cut unevenly (the first ones one row more; the pieces count the largest; then
+    ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
     e = PRECISIONS[layout.precision]
     # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
     # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
@@ -121,17 +123,18 @@ def pipeline_walk(actions, chunks, layout, local_params, others):
         seen = set()
         split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
         for a in actions:
+            w = sizes[a.microbatch] / sizes[0] if sizes else 1       # its rows over the largest's
             if a.kind == "F":
-                act += kept[a.chunk]
+                act += w * kept[a.chunk]
                 act_peak, dyn = max(act_peak, act), _worst(dyn, (act, g))
                 continue
             if split and a.kind == "B":
                 continue
-            others_act = act - kept[a.chunk]
+            others_act = act - w * kept[a.chunk]
             fresh = a.chunk not in seen
-            act_peak = max(act_peak, others_act + again[a.chunk])
-            dyn = _worst(dyn, (others_act + first[a.chunk][0], g + first[a.chunk][1]) if fresh
-                         else (others_act + again[a.chunk], g))
+            act_peak = max(act_peak, others_act + w * again[a.chunk])
+            dyn = _worst(dyn, (others_act + w * first[a.chunk][0], g + first[a.chunk][1]) if fresh
+                         else (others_act + w * again[a.chunk], g))
             act = others_act
             if fresh:
                 seen.add(a.chunk)
