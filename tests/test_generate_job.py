@@ -195,6 +195,7 @@ def test_lengths_not_given_fit_the_context_and_lengths_given_are_kept(tmp_path):
     assert fitted("--context", "32", "--max-new-tokens", "30") == (2, 2, 30)
     assert fitted("--context", "32", "--max-prompt-len", "10") == (4, 10, 22)
     assert fitted("--context", "32", "--shared-prefix", "8") == (4, 12, 12)
+    assert fitted("--shared-prefix", "8") == (4, 24, 32)                 # 8 + 24 + 32 = 64: the defaults fit
     assert fitted("--context", "200") == (4, 24, 32)
     gc.collect()
 

@@ -106,12 +106,16 @@ def parse_args(argv=None):
 
 
 def default_lengths(args):
-    """The lengths not given, fitted to the context (the checkpoint's, which may be shorter than 64): new
-    tokens 32 or half of what --shared-prefix leaves, prompts 24 or the rest, the shortest 4 or the longest.
+    """The lengths not given, fitted to the context (the checkpoint's, which may be shorter than 64): 32 new
+    tokens and prompts up to 24 where both fit after --shared-prefix, else half of what it leaves each; the one
+    not given beside one given, what that leaves (at most 32 / 24); the shortest prompt 4 or the longest.
     Lengths given are kept as given (parse_args refuses them where they do not fit)."""
     room = args.context - args.shared_prefix
     if args.max_new_tokens is None:
-        args.max_new_tokens = max(1, min(32, room // 2 if args.max_prompt_len is None else room - args.max_prompt_len))
+        if args.max_prompt_len is not None:
+            args.max_new_tokens = max(1, min(32, room - args.max_prompt_len))
+        else:
+            args.max_new_tokens = 32 if 24 + 32 <= room else max(1, room // 2)
     if args.max_prompt_len is None:
         args.max_prompt_len = max(1, min(24, room - args.max_new_tokens))
     if args.min_prompt_len is None:
