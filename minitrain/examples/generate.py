@@ -106,10 +106,9 @@ def parse_args(argv=None):
 
 
 def default_lengths(args):
-    """The lengths not given, fitted to the context (the checkpoint's, which may be shorter than 64): 32 new
-    tokens and prompts up to 24 where both fit after --shared-prefix, else half of what it leaves each; the one
-    not given beside one given, what that leaves (at most 32 / 24); the shortest prompt 4 or the longest.
-    Lengths given are kept as given (parse_args refuses them where they do not fit)."""
+    """Lengths not given, fitted to the context (a checkpoint's may be short): 32 new tokens and prompts up to 24
+    where both fit after --shared-prefix, else half of the room each, or beside a length given what it leaves;
+    the shortest prompt 4 or the longest. Lengths given are kept (parse_args refuses those that cannot fit)."""
     room = args.context - args.shared_prefix
     if args.max_new_tokens is None:
         if args.max_prompt_len is not None:
