@@ -9,7 +9,7 @@ Prompts of mixed lengths (--min/--max-prompt-len, after --shared-prefix common t
 from the corpus's validation text; each gets --max-new-tokens tokens (temperature 0: greedy;
 sequence i samples from its own generator seeded (seed, i), so every scheme gives the same tokens).
 Lengths not given fit the model's context (a checkpoint's may be short): 32 new tokens and prompts of
-4-24 tokens, or half the context each where that is less.
+4-24 tokens where they fit after the shared prefix, else half of the room each.
 --device-memory is the teaching device's capacity per rank: parameters plus KV blocks (memory.py's
 kv_cache). Memory figures are per rank (the tensor-parallel ranks hold equal shares, tp x in all):
 kv_bytes_per_token = 2 · n_layer · (n_embd / tp) · itemsize; kv_bytes_reserved = the largest KV
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=cli.positive_int, default=8, help="requests to serve")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=None,
                    help="tokens generated per request (default: 32, or half the context after --shared-prefix "
-                   "where that is less)")
+                   "where 24 + 32 do not fit)")
     p.add_argument("--device-memory", type=cli.positive_int, default=None, metavar="BYTES",
                    help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
