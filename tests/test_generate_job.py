@@ -88,7 +88,8 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
-    (["--max-prompt-len", "45"], "is longer than the context of 40 tokens: --max-prompt-len 31 fits with --max-new-tokens 9"),
+    (["--max-prompt-len", "45"],
+     "is longer than the context of 40 tokens: --max-prompt-len 31 fits with --max-new-tokens 9"),
     (["--max-prompt-len", "35"], "at most 5 new tokens fit after it"),
     (["--max-prompt-len", "45", "--max-new-tokens", "40"],
      "longer than the context of 40 tokens, which --max-new-tokens 40 alone fills: give fewer new tokens"),

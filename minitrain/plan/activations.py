@@ -162,14 +162,15 @@ def _gpt_pieces(model, rows, single_process, *key):
     block = attention + [h * f // t, f // t, f * h // t, h]
     if layout.offload_activations:
         emb_kept = emb_shared = head_kept = targets = 0
+
     def block_piece(name, mlp, kept, peak, at_core):
         made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
         moments = None if at_core is None else [(kept, 0), (at_core, made)]
         return Piece(name, [attention + mlp], kept, peak, moments=moments)
 
     one_block = block_piece("block", block[len(attention):], kept, peak, at_core)    # every block alike: L times
-    moe_block = block_piece("moe_block", moe_mlp_sizes(model, layout), *gpt_block_bytes(model, layout, rows, moe=True)) \
-        if model.moe_experts else None
+    moe_block = (block_piece("moe_block", moe_mlp_sizes(model, layout), *gpt_block_bytes(model, layout, rows, moe=True))
+                 if model.moe_experts else None)
     blocks = [moe_block if model.is_moe_layer(i) else one_block for i in range(model.n_layer)]
     return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared)]
                  + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
