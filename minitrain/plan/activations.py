@@ -122,7 +122,8 @@ def gpt_block_bytes(model, layout, b, moe=False):
         # is on the device through the block's backward: the whole block (full), the attention core and the
         # q, k, v it saves, views of the qkv buffer (selective)
         if layout.recompute == "selective":
-            return 0, e * (3 * s * b * h / t + core), e * (3 * s * b * h / t + core)
+            recomputed = e * (3 * s * b * h / t + core)
+            return 0, recomputed, recomputed
         return 0, e * full if layout.recompute == "full" else 0, None
     if layout.recompute == "full":
         kept = s * b * h / r

@@ -11,11 +11,12 @@ model states plan/states.py's.
 from dataclasses import replace
 from functools import lru_cache
 
+from ..parallel.pipeline.schedules import microbatch_sizes
 from .activations import gpt_pieces, mlp_pieces
 from .experts import expert_params, expert_params_per_rank, zero_expert_extra
+from .layout import PRECISIONS
 from .papers import paper_memory
 from .stages import _schedule, in_flight, stage_chunks
-from .layout import PRECISIONS
 from .states import CATEGORIES, _one_moment, model_states_at_rest
 from .walks import pipeline_walk, step_walk
 
@@ -72,7 +73,7 @@ def microbatch_rows(layout):
     """The heaviest replica's micro-batches' rows, as the jobs cut them: the replica's ceil(batch / dp) rows,
     the first rows % m micro-batches one more (None where they are equal)."""
     rows, m = -(-layout.batch_size // layout.dp), layout.microbatches
-    return None if rows % m == 0 else tuple(rows // m + (1 if i < rows % m else 0) for i in range(m))
+    return None if rows % m == 0 else tuple(microbatch_sizes(rows, m))
 
 
 def _experts_sharded(stage, model, layout, pieces):

@@ -38,7 +38,7 @@ from .messages import TAG_LIMIT, StageMessages
 from .partition import (balanced_split_points, counted_costs, own_stages, parameter_costs, stage_layout,
                         stage_table)
 from .progress import ComputeProgress
-from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, placement, virtual_stage
+from .schedules import SPLIT_BACKWARD, default_chunks, get_schedule, microbatch_sizes, placement, virtual_stage
 from .simulator import check_schedule, formula_bubble_fraction
 from .stamps import StepRecords
 from .step_end import all_reduce_dp_gradients, all_reduce_loss
@@ -152,7 +152,7 @@ class PipelineParallel:
         n = len(y)
         dp = self.dp_comm.size if self.dp_comm is not None else 1
         global_rows = n * dp if global_rows is None else global_rows
-        sizes = [n // self.m + (1 if i < n % self.m else 0) for i in range(self.m)]
+        sizes = microbatch_sizes(n, self.m)
         starts = np.cumsum([0] + sizes).tolist()
         weights = [1.0 / self.m if size * self.m * dp == global_rows else size * dp / global_rows for size in sizes]
         params = self.parameters()

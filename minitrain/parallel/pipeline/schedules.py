@@ -191,6 +191,12 @@ NAMES = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "pipedrea
 SPLIT_BACKWARD = ("zb_h1", "zbv")             # schedules with W actions
 
 
+def microbatch_sizes(rows, m):
+    """The rows of each of m micro-batches of a batch of ``rows``, as the runtime cuts it: the first rows % m
+    one row more (with rows < m, some empty)."""
+    return [rows // m + (1 if i < rows % m else 0) for i in range(m)]
+
+
 def default_chunks(name, chunks=None):
     """Model chunks per stage: chunks for interleaved_1f1b (default 1), 2 for zbv, else 1."""
     if name == "zbv":
