@@ -119,8 +119,7 @@ def _load(e, args):
     if args.reference:
         return e.reference(), "minitrain's own implementation"
     if not args.path:
-        raise LoadError("give the path of your file (or --reference to grade "
-                        "minitrain's own implementation)")
+        raise LoadError("give the path of your file (or --reference to grade minitrain's own implementation)")
     return e.load(args.path), args.path
 
 
