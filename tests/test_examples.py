@@ -103,6 +103,14 @@ def test_mlp_recompute_and_offload_keep_the_result_and_report_it(tmp_path, flags
     assert (b["bytes_offloaded_per_step"] > 0) == ("--offload-activations" in flags)
 
 
+def test_gpt_samples_nothing_when_asked_for_no_characters(capsys):
+    assert gpt.main(["--steps", "1", "--no-progress", "--sample-chars", "0", "--n-layer", "1", "--n-embd", "16"]) == 0
+    assert "sample:" not in capsys.readouterr().out
+    assert gpt.main(["--steps", "1", "--no-progress", "--sample-chars", "3", "--n-layer", "1", "--n-embd", "16"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.split("sample:\n")[1].split("\n")[0]) == len("def ") + 3   # the prompt and the characters asked
+
+
 def test_gpt_recompute_modes_train_identically(tmp_path):
     reports = {}
     for mode in ("none", "selective", "full"):

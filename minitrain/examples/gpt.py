@@ -250,10 +250,10 @@ def _main(argv=None):
     steps = watch.timer.summary()
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
           f"val loss {initial_val:.3f} -> {final_val:.3f}; {1 / steps['step_time_s']:.1f} steps/s (steady state)")
-    context = corpus.encode("def ")[None, :]
-    sample = sample_model(model, config).generate(context, args.sample_chars, temperature=0.8, top_k=20,
-                            rng=np.random.default_rng(args.seed))
-    print("sample:\n" + corpus.decode(sample[0]))
+    if args.sample_chars:
+        sample = sample_model(model, config).generate(corpus.encode("def ")[None, :], args.sample_chars,
+                                                      temperature=0.8, top_k=20, rng=np.random.default_rng(args.seed))
+        print("sample:\n" + corpus.decode(sample[0]))
     print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
     moe_block, moe_line = moe_summary(moe) if moe else (None, None)

@@ -232,9 +232,10 @@ def main_parallel(args):
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
                                moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
-    sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
-                                                 top_k=20, rng=np.random.default_rng(args.seed))
-    print("sample:\n" + corpus.decode(sample[0]))
+    if args.sample_chars:
+        sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars,
+                                                     temperature=0.8, top_k=20, rng=np.random.default_rng(args.seed))
+        print("sample:\n" + corpus.decode(sample[0]))
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": strategy,
