@@ -310,6 +310,9 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert "--ep 4 does not divide --dp 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 4")   # ep | dp
     assert "has none" in refused(f"{sizes} --world 2 --ep 2")
     assert "2 x --cp 8" in refused(f"{sizes} --world 8 --cp 8")                                     # 2cp | s
+    assert refused(f"{sizes} --world 8 --cp 8").endswith("nearest valid --cp: 2 or 4\n")          # | world too
+    assert refused(f"{sizes} --world 10 --cp 10").endswith("nearest valid --cp: 1 or 2\n")    # not 4: 4 ∤ 10
+    assert refused("gpt --block-size 15 --world 2 --cp 2").endswith("nearest valid --cp: 1\n")     # odd: no ring
     assert "nearest valid --cp: 2 or 4" in refused(f"{sizes} --world 8 --cp 8 --cp-method ulysses")  # cp | heads
     assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
     assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1

@@ -40,7 +40,7 @@ zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choi
 """
 import math
 
-from .layout import LayoutError, PRECISIONS
+from .layout import LayoutError, PRECISIONS, _choices, _nearest
 from .states import fp32_step_grads, optimizer_bytes
 
 
@@ -49,13 +49,13 @@ def check_axes(model, layout):
     c, ep, E, s = layout.cp, layout.ep, model.moe_experts, model.block_size
     if layout.cp_method not in ("ring", "ulysses"):
         raise LayoutError(f"--cp-method must be ring or ulysses, got {layout.cp_method!r}")
-    heads = model.n_head // layout.tp
+    heads, room = model.n_head // layout.tp, layout.world // (layout.pp * layout.tp)   # cp x dp fill the room
     if c > 1 and layout.cp_method == "ring" and s % (2 * c):
-        valid = [d for d in range(1, s + 1) if s % (2 * d) == 0]
+        valid = [1] + [d for d in range(2, room + 1) if room % d == 0 and s % (2 * d) == 0]   # 1: no zig-zag
         raise LayoutError(f"--block-size {s} is not divisible by 2 x --cp {c} (ring attention's zig-zag: two chunks "
                           f"per rank); nearest valid --cp: {_valid(c, valid)}")
     if c > 1 and layout.cp_method == "ulysses" and (s % c or heads % c):
-        valid = [d for d in range(1, s + 1) if s % d == 0 and heads % d == 0]
+        valid = [d for d in range(1, room + 1) if room % d == 0 and s % d == 0 and heads % d == 0]
         raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {heads} heads per tp "
                           f"rank; nearest valid --cp: {_valid(c, valid)}")
     if ep > 1 and not E:
@@ -91,8 +91,7 @@ def check_axes(model, layout):
 
 
 def _valid(value, valid):
-    near = sorted(sorted(set(valid), key=lambda v: (abs(v - value), v))[:2])
-    return " or ".join(str(v) for v in near)
+    return _choices(_nearest(value, valid))
 
 
 def local_tokens(model, layout):
