@@ -196,5 +196,11 @@ def reset_peak():
 
 
 def set_device_capacity(nbytes):
-    """Give the current tracker a capacity in bytes (None: unlimited)."""
-    tracker().capacity = None if nbytes is None else int(nbytes)
+    """Give the current tracker a capacity in bytes (None: unlimited). DeviceOutOfMemory if what is already on
+    the device exceeds it (a capacity below the model's own states would otherwise fail later, on whatever
+    allocation came next)."""
+    t = tracker()
+    if nbytes is not None and t.live_total > nbytes:
+        raise DeviceOutOfMemory(f"what is already on the device, {t.live_total:,} bytes ({t._live_summary()}), "
+                                f"exceeds the device capacity of {int(nbytes):,} bytes")
+    t.capacity = None if nbytes is None else int(nbytes)

@@ -120,6 +120,23 @@ def test_teaching_device_raises_when_full(tracker):
     memory.set_device_capacity(None)
 
 
+def test_a_capacity_below_what_is_already_on_the_device_is_refused_when_set(tracker):
+    layer = nn.Linear(100, 100)           # 40,400 bytes of params
+    with pytest.raises(memory.DeviceOutOfMemory, match="40,400 bytes .params=40,400., exceeds .* 40,399 bytes"):
+        memory.set_device_capacity(40_399)
+    assert tracker.capacity is None       # refused: nothing set
+    memory.set_device_capacity(40_400)    # exactly what is there: fits
+    memory.set_device_capacity(None)
+    del layer
+
+
+def test_a_job_given_less_device_memory_than_its_model_says_so_before_training(capsys):
+    from minitrain.examples import mlp
+    assert mlp.main(["--no-progress", "--epochs", "1", "--hidden", "32", "--device-memory", "1000"]) == 3
+    err = capsys.readouterr().err
+    assert "[rank 0] ddp does not fit the device: what is already on the device" in err and "params=" in err
+
+
 def test_each_thread_can_keep_its_own_account():
     results = {}
 

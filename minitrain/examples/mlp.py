@@ -130,7 +130,10 @@ def _main(argv=None):
         opt = optimizer_for(wrapped.parameters(), comm)
     args.dtype = dtype
     if args.device_memory is not None:      # from here on: building the full model before sharding is not
-        memory.set_device_capacity(args.device_memory)       # counted (PyTorch's meta-device initialisation)
+        try:                                                 # counted (PyTorch's meta-device initialisation)
+            memory.set_device_capacity(args.device_memory)
+        except memory.DeviceOutOfMemory as e:
+            return _does_not_fit(args, comm, e)
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
     loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
 
@@ -157,11 +160,7 @@ def _main(argv=None):
     try:
         train(args, loader, wrapped, opt, forward, offload or contextlib.nullcontext(), bar, watch, run, ckpt)
     except memory.DeviceOutOfMemory as e:
-        sys.stderr.write(f"[rank {rank}] {args.strategy} does not fit the device: {e}\n")
-        sys.stderr.flush()
-        if world > 1:
-            comm.abort(3)
-        return 3
+        return _does_not_fit(args, comm, e)
     run.elapsed = time.perf_counter() - start
     bar.close()
     if args.strategy == "local_sgd" and wrapped.steps % args.sync_every:
@@ -192,6 +191,16 @@ def train(args, loader, wrapped, opt, forward, offload, bar, watch, run, ckpt):
             if run.steps % 10 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}", epoch=epoch)
             ckpt.after_step(run.first_step + run.steps)
+
+
+def _does_not_fit(args, comm, error):
+    """--device-memory too small: this rank says why; a rank alone in that would leave the others waiting, so
+    the job aborts."""
+    sys.stderr.write(f"[rank {comm.rank}] {args.strategy} does not fit the device: {error}\n")
+    sys.stderr.flush()
+    if comm.size > 1:
+        comm.abort(3)
+    return 3
 
 
 if __name__ == "__main__":
