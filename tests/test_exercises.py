@@ -179,6 +179,14 @@ def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
     assert re.search(r"spins.py line [34]", results[0].explanation)
 
 
+def test_a_file_whose_top_level_code_never_ends_is_stopped_at_import(tmp_path):
+    path = tmp_path / "tests_at_top.py"
+    path.write_text("def ring_all_reduce(comm, x, op='sum'):\n    return x\n\nwhile True:\n    pass\n")
+    with pytest.raises(LoadError, match=r"importing .*tests_at_top.py did not finish within 0.5 s") as err:
+        load(path, "ring_all_reduce", limit=0.5)
+    assert re.search(r"tests_at_top.py line [45]", str(err.value)) and 'if __name__ == "__main__"' in str(err.value)
+
+
 def test_a_hand_in_that_calls_sys_exit_or_raises_is_reported_not_fatal(tmp_path):
     path = tmp_path / "exits.py"
     path.write_text("import sys\n\ndef softmax_backward(out, grad, axis=-1):\n    sys.exit(3)\n")

@@ -71,9 +71,10 @@ def current_frames():
             gc.enable()
 
 
-def call_with_limit(fn, impl, limit):
+def call_with_limit(fn, impl, limit, what="your code"):
     """``fn(impl)`` on a daemon thread; a call still running after ``limit`` seconds is stopped and
-    reported (StopGrading, with the line it was running), so no hand-in can hang the grader."""
+    reported (StopGrading: ``what`` did not finish, and the line it was running), so no hand-in can hang
+    the grader."""
     box = {}
 
     def target():
@@ -90,7 +91,7 @@ def call_with_limit(fn, impl, limit):
         at = where(traceback.extract_stack(frame)) if frame is not None else "an unknown line"
         stop_thread(thread.ident)
         thread.join(2.0)
-        raise StopGrading(f"your code did not finish within {limit:g} s (an endless loop?); it was running at "
+        raise StopGrading(f"{what} did not finish within {limit:g} s (an endless loop?); it was running at "
                           f"{at}. Grading stopped here.")
     if "error" in box:
         raise box["error"]

@@ -5,12 +5,13 @@ import importlib.util
 import pathlib
 import sys
 
-from .grading import LoadError, where
+from .grading import CHECK_LIMIT_S, LoadError, StopGrading, call_with_limit, where
 
 
-def load(path, names):
+def load(path, names, limit=CHECK_LIMIT_S):
     """Import the learner's file and return the object(s) named ``names`` (a str or a tuple).
-    Raises LoadError with a clear message for every way this can go wrong."""
+    Raises LoadError with a clear message for every way this can go wrong, an import that runs longer
+    than ``limit`` seconds included."""
     path = pathlib.Path(path)
     if not path.exists():
         raise LoadError(f"cannot read {path}: no such file (write one with "
@@ -34,10 +35,13 @@ def load(path, names):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module        # dataclasses and pickling look modules up by name
-    try:
-        spec.loader.exec_module(module)
+    try:        # the file's own top-level code runs too: bounded like a check, so none can hang the grader
+        call_with_limit(spec.loader.exec_module, module, limit, what=f"importing {path}")
     except KeyboardInterrupt:
         raise
+    except StopGrading as e:
+        raise LoadError(f"{e} (the grader imports the file, which runs its top-level code: keep your own "
+                        f"tests under if __name__ == \"__main__\":)") from None
     except BaseException as e:
         raise LoadError(f"{path} raised {type(e).__name__} while being imported: {e}\n"
                         f"  at {where(e.__traceback__)}") from None
