@@ -357,8 +357,9 @@ def test_the_options_the_job_gains_this_round_are_planned(options):
         if flag in options + " ":
             assert str(lay[name]) == options.split(flag)[1].split()[0], name
 
-    for schedule in ("zb_h1", "zbv"):        # parsed as the job's, refused for the GPT in one line (not modelled)
-        assert "not " + schedule in refused(f"gpt --pp 2 --world 2 --microbatches 4 --n-layer 4 --schedule {schedule}")
+    for schedule in ("zb_h1", "zbv"):        # the job's zero-bubble schedules, planned
+        result = json.loads(cli(f"gpt --pp 2 --world 2 --microbatches 4 --n-layer 4 --schedule {schedule} --json".split()))
+        assert result["layout"]["schedule"] == schedule and result["layout"]["chunks"] == (2 if schedule == "zbv" else 1)
 
 
 # ---------------------------------------------------------------- the search

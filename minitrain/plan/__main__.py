@@ -97,7 +97,7 @@ def add_gpt(p):
     p.add_argument("--pp", type=_positive, default=1, help="pipeline stages")
     p.add_argument("--dp", type=_positive, default=None, help="default: world / (pp·tp)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"], default="1f1b",
-                   help="pipeline schedule (with --pp; zb_h1 and zbv are the job's, refused here)")
+                   help="pipeline schedule (with --pp)")
     p.add_argument("--microbatches", type=_positive, default=1, help="micro-batches per replica and step")
     p.add_argument("--chunks", type=_positive, default=None,
                    help="virtual stages per rank (interleaved_1f1b; default: 1; zbv is always 2)")

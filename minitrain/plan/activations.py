@@ -6,7 +6,9 @@ array once, by the buffer that owns it (a Linear after a ReLU saves the ReLU's o
 are views of one batch count that batch once). A transformer block saves sbh(4 + 16/t) + as²b/t + 2sb
 values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel/gpt.py); selective recomputation
 drops the as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
-SP) and holds the whole block again in its backward.
+SP) and holds the whole block again in its backward. In a zero-bubble schedule a block's B frees what only the
+input gradients need (the attention core, q, k, v, GELU's input, dropout's masks) and leaves for W the inputs its
+nodes with weights saved: 9sbh + 2sb values at t = 1, with or without recomputation (``gpt_block_deferred``).
 """
 from functools import lru_cache
 
@@ -21,11 +23,14 @@ class Piece:
     of tensors' element counts, tp shards), what it keeps for backward per micro-batch (``kept``), its own
     bytes at the worst moment of its backward (``peak``: more than kept when it is recomputed), and
     ``shared``: bytes held once per step whatever the micro-batch count (an array that every
-    micro-batch's slice is a view of); ``moments``: see __init__."""
+    micro-batch's slice is a view of); ``moments``: see __init__. ``deferred``: what it holds from its B to its W
+    in a zero-bubble schedule (the saved inputs of the nodes with a weight, which W computes on: autograd/deferred.py;
+    the others are freed by B), kept unless given."""
 
-    def __init__(self, name, units, kept, peak=None, shared=0, moments=None):
+    def __init__(self, name, units, kept, peak=None, shared=0, moments=None, deferred=None):
         self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
         self.peak = kept if peak is None else peak
+        self.deferred = kept if deferred is None else deferred
         self._moments = moments
         self.sizes = [q for u in self.units for q in u]
         self.params = sum(self.sizes)
@@ -62,12 +67,13 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
     loss = rows * model.sizes[-1] * loss_e + (0 if in_pipeline else rows * INT64)
     pieces[-1].kept += loss + (e if in_pipeline else 0)     # log-softmax (+ targets; pipeline: loss / m)
     pieces[-1].peak = pieces[-1].kept
+    pieces[-1].deferred = pieces[-1].kept - loss - (e if in_pipeline else 0)   # the loss's own: freed by B
     if in_pipeline:
         pieces[-1].shared += -(-layout.batch_size // layout.dp) * INT64      # targets: views of the local batch
     if layout.recompute != "full" or in_pipeline:
         if layout.offload_activations:
             for p in pieces:
-                p.kept = p.peak = p.shared = 0
+                p.kept = p.peak = p.shared = p.deferred = 0
         return pieces
     n = len(modules)
     k = default_segments(n)
@@ -133,6 +139,29 @@ def gpt_block_bytes(model, layout, b, moe=False):
     return e * full, e * full, None
 
 
+def gpt_block_deferred(model, layout, b, moe=False):
+    """Bytes one transformer block holds from its B to its W in a zero-bubble schedule: the saved inputs of its
+    nodes with weights (ln_1's and ln_2's x̂ and 1/σ, c_attn's, c_proj's and the MLP's two Linears' inputs; an MoE
+    layer's router, experts and shared experts), whatever the recomputation (a recomputed block's B re-saves
+    them; on the device under an offload, as the recomputation runs without the offload's hooks); 0 for a
+    block that is not recomputed under an offload (its saves are on the host)."""
+    from .experts import received_rows
+    if layout.offload_activations and layout.recompute != "full":
+        return 0
+    e = PRECISIONS[layout.precision]
+    s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
+    r = t if layout.sequence_parallel else 1
+    N = s * b
+    ln = N * h / r + N / r
+    attention = 2 * ln + N * h / r + N * h / t
+    if moe:
+        M, f = received_rows(model, layout, b), model.expert_ffn
+        mlp = N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f)
+    else:
+        mlp = N * h / r + N * model.ffn / t
+    return e * (attention + mlp)
+
+
 def gpt_pieces(model, layout, rows, single_process=False):
     """[embedding, block 0..L-1, head] as GPT3D lays the tensor-parallel GPT out for the pipeline."""
     return list(_gpt_pieces(model, rows, single_process, layout.tp, layout.sequence_parallel, layout.recompute,
@@ -149,7 +178,6 @@ def _gpt_pieces(model, rows, single_process, *key):
     s, h, t, V = model.block_size // layout.cp, model.n_embd, layout.tp, model.vocab_size
     r = t if layout.sequence_parallel else 1
     v_pad = -(-V // t) * t
-    kept, peak, at_core = gpt_block_bytes(model, layout, rows)
     emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
     head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
     targets = layout.batch_size * s * INT64             # y: the global batch's array (a replica's rows: a view)
@@ -164,14 +192,20 @@ def _gpt_pieces(model, rows, single_process, *key):
     if layout.offload_activations:
         emb_kept = emb_shared = head_kept = targets = 0
 
-    def block_piece(name, mlp, kept, peak, at_core):
+    def block_piece(name, mlp, moe):
+        kept, peak, at_core = gpt_block_bytes(model, layout, rows, moe)
         made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
         moments = None if at_core is None else [(kept, 0), (at_core, made)]
-        return Piece(name, [attention + mlp], kept, peak, moments=moments)
+        return Piece(name, [attention + mlp], kept, peak, moments=moments,
+                     deferred=gpt_block_deferred(model, layout, rows, moe))
 
-    one_block = block_piece("block", block[len(attention):], kept, peak, at_core)    # every block alike: L times
-    moe_block = (block_piece("moe_block", moe_mlp_sizes(model, layout), *gpt_block_bytes(model, layout, rows, moe=True))
-                 if model.moe_experts else None)
+    one_block = block_piece("block", block[len(attention):], False)    # every block alike: L times
+    moe_block = block_piece("moe_block", moe_mlp_sizes(model, layout), True) if model.moe_experts else None
     blocks = [moe_block if model.is_moe_layer(i) else one_block for i in range(model.n_layer)]
-    return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared)]
-                 + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets)])
+    # B frees the embedding's dropout and the head's logits (the loss's); the lookups' indices, ln_f and the
+    # head's input stay for W
+    emb_deferred = 0 if layout.offload_activations else emb_kept - (e * rows * s * h / r if model.dropout else 0)
+    head_deferred = 0 if layout.offload_activations else e * (2 * rows * s * h / r + rows * s / r)
+    return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared,
+                        deferred=emb_deferred)]
+                 + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets, deferred=head_deferred)])

@@ -243,9 +243,9 @@ def check(model, layout):
 
 def _check_gpt(model, layout):
     t, p, v = layout.tp, layout.pp, layout.chunks
-    if p > 1 and layout.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise LayoutError(f"the planner models the GPT's pipeline under gpipe, 1f1b or interleaved_1f1b, not "
-                          f"{layout.schedule} (it models every schedule for the MLP job)")
+    if p > 1 and layout.schedule in ("naive", "pipedream_2bw"):
+        raise LayoutError(f"the GPT job's pipeline runs gpipe, 1f1b, interleaved_1f1b, zb_h1 or zbv, not "
+                          f"{layout.schedule} (the MLP job runs every schedule)")
     if model.n_embd % model.n_head:
         raise LayoutError(f"--n-embd {model.n_embd} is not divisible by --n-head {model.n_head}: nearest valid "
                           f"--n-head {_choices(_nearest(model.n_head, divisors(model.n_embd)))}")

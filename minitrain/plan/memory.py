@@ -53,7 +53,8 @@ def minitrain_memory(model, layout):
     out, alike = [], {}
     tensors = sum(len(x.sizes) for x in pieces)
     sizes = microbatch_rows(layout)
-    every_action = layout.chunks > 1 or sizes is not None     # else the schedule's in-flight counts say it all
+    # else the schedule's in-flight counts say it all (not for zero-bubble schedules: B and W free apart)
+    every_action = layout.chunks > 1 or sizes is not None or layout.schedule in ("zb_h1", "zbv")
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
         actions = (_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s] if every_action
                    else in_flight(layout.schedule, layout.pp, layout.microbatches, s))

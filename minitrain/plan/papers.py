@@ -64,8 +64,10 @@ def paper_memory(model, layout):
             worst = bytes_of[0] * max(in_flight(layout.schedule, layout.pp, layout.microbatches, st))
         else:
             act = worst = 0
+            frees = "W" if any(a.kind == "W" for a in schedule[st]) else "B"   # zero-bubble: held until W
             for action in schedule[st]:
-                act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
+                if action.kind in ("F", frees):
+                    act += bytes_of[action.chunk] if action.kind == "F" else -bytes_of[action.chunk]
                 worst = max(worst, act)
         row = {**{c: states.get(c, 0) for c in CATEGORIES}, "activations": worst, "comm_buffers": 0}
         out.append(_one_moment(row))

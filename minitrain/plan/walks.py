@@ -114,14 +114,15 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
         dyn = _worst(((b_first - 1) * K + F[0], g + F[1]), ((b_later - 1) * K + A, g + G) if b_later else (0, 0))
         g += G
     else:
-        kept, first, again, grads, shared = {}, {}, {}, {}, 0
+        kept, first, again, grads, shared, split_b, split_w = {}, {}, {}, {}, 0, {}, {}
         for c, ps in chunks.items():
             kept[c], first[c], again[c], grads[c], sh = _chunk_backward(tuple(ps), 0 if zero1 else e)
+            split_b[c], split_w[c] = _chunk_split(tuple(ps), 0 if zero1 else e)
             shared += sh
         act = act_peak = 0
         dyn = (0, 0)
         seen = set()
-        split = any(a.kind == "W" for a in actions)       # zero-bubble: activations live until W
+        split = any(a.kind == "W" for a in actions)       # zero-bubble: B and W free apart
         for a in actions:
             w = sizes[a.microbatch] / sizes[0] if sizes else 1       # its rows over the largest's
             if a.kind == "F":
@@ -129,6 +130,21 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
                 act_peak, dyn = max(act_peak, act), _worst(dyn, (act, g))
                 continue
             if split and a.kind == "B":
+                # zero-bubble B: input gradients only; what the weights' nodes saved stays for W (no gradient yet)
+                others_act = act - w * kept[a.chunk]
+                worst, held = split_b[a.chunk]
+                act_peak = max(act_peak, others_act + w * worst)
+                dyn = _worst(dyn, (others_act + w * worst, g))
+                act = others_act + w * held
+                continue
+            if a.kind == "W":           # the weights' gradients, made as what B left is freed, node by node
+                fresh = a.chunk not in seen
+                for freed, made in split_w[a.chunk]:
+                    dyn = _worst(dyn, (act - w * freed, g + (made if fresh else 0)))
+                act -= w * split_w[a.chunk][-1][0]
+                if fresh:
+                    seen.add(a.chunk)
+                    g += grads[a.chunk]
                 continue
             others_act = act - w * kept[a.chunk]
             fresh = a.chunk not in seen
@@ -154,6 +170,26 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
 def _worst(a, b):
     """The heavier of two (activations, gradients) moments."""
     return max(a, b, key=lambda m: (m[0] + m[1], m[0]))
+
+
+@lru_cache(maxsize=4096)
+def _chunk_split(pieces, grad_bytes):
+    """A chunk's backward split in B and W (zero-bubble schedules): B's worst activations and what it leaves
+    for W (each piece's ``deferred``, held once its B has passed); W's moments (deferred bytes freed, gradient
+    bytes made so far), piece by piece in B's order."""
+    below = sum(p.kept for p in pieces)
+    held, worst = 0, []
+    for p in reversed(pieces):
+        below -= p.kept
+        worst += [below + held + act for act, _ in p.moments]
+        held += p.deferred
+    worst.append(held)
+    freed = made = 0
+    moments = [(0, 0)]
+    for p in reversed(pieces):
+        freed, made = freed + p.deferred, made + grad_bytes * p.params
+        moments.append((freed, made))
+    return (max(worst), held), tuple(moments)
 
 
 @lru_cache(maxsize=4096)
