@@ -60,7 +60,7 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
             kept = rows * i * e if first else 0
             shared = 0
             if j == 0 and in_pipeline:                      # micro-batches are views of the local batch
-                kept, shared = 0, -(-layout.batch_size // layout.dp) * i * e    # the heaviest replica
+                kept, shared = 0, layout.replica_rows * i * e    # the heaviest replica
             pieces.append(Piece(f"linear{j // 2}", [[i * o, o]], kept, shared=shared))
         else:
             pieces.append(Piece(f"relu{j // 2}", [], rows * o * e))
@@ -69,7 +69,7 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
     pieces[-1].peak = pieces[-1].kept
     pieces[-1].deferred = pieces[-1].kept - loss - (e if in_pipeline else 0)   # the loss's own: freed by B
     if in_pipeline:
-        pieces[-1].shared += -(-layout.batch_size // layout.dp) * INT64      # targets: views of the local batch
+        pieces[-1].shared += layout.replica_rows * INT64      # targets: views of the local batch
     if layout.recompute != "full" or in_pipeline:
         if layout.offload_activations:
             for p in pieces:

@@ -127,6 +127,11 @@ class Layout:
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
+    def replica_rows(self):
+        """The heaviest replica's rows: a batch that dp does not divide gives the first replicas one more."""
+        return -(-self.batch_size // self.dp)
+
+    @property
     def micro_batch_size(self):
         """The largest micro-batch: the jobs cut a batch that dp x micro-batches do not divide unevenly."""
         return -(-self.batch_size // (self.dp * self.microbatches))

@@ -73,7 +73,7 @@ def minitrain_memory(model, layout):
 def microbatch_rows(layout):
     """The heaviest replica's micro-batches' rows, as the jobs cut them: the replica's ceil(batch / dp) rows,
     the first rows % m micro-batches one more (None where they are equal)."""
-    rows, m = -(-layout.batch_size // layout.dp), layout.microbatches
+    rows, m = layout.replica_rows, layout.microbatches
     return None if rows % m == 0 else tuple(microbatch_sizes(rows, m))
 
 
