@@ -26,7 +26,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqdm
-from minitrain.examples.mlp_common import check_values, layout, nothing_left, resume
+from minitrain.examples.mlp_common import check_values, does_not_fit, layout, nothing_left, resume
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
 from minitrain.examples.options import refuse_unsupported
@@ -133,7 +133,7 @@ def _main(argv=None):
         try:                                                 # counted (PyTorch's meta-device initialisation)
             memory.set_device_capacity(args.device_memory)
         except memory.DeviceOutOfMemory as e:
-            return _does_not_fit(args, comm, e)
+            return does_not_fit(args, comm, e)
     sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
     loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
 
@@ -160,7 +160,7 @@ def _main(argv=None):
     try:
         train(args, loader, wrapped, opt, forward, offload or contextlib.nullcontext(), bar, watch, run, ckpt)
     except memory.DeviceOutOfMemory as e:
-        return _does_not_fit(args, comm, e)
+        return does_not_fit(args, comm, e)
     run.elapsed = time.perf_counter() - start
     bar.close()
     if args.strategy == "local_sgd" and wrapped.steps % args.sync_every:
@@ -191,16 +191,6 @@ def train(args, loader, wrapped, opt, forward, offload, bar, watch, run, ckpt):
             if run.steps % 10 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}", epoch=epoch)
             ckpt.after_step(run.first_step + run.steps)
-
-
-def _does_not_fit(args, comm, error):
-    """--device-memory too small: this rank says why; a rank alone in that would leave the others waiting, so
-    the job aborts."""
-    sys.stderr.write(f"[rank {comm.rank}] {args.strategy} does not fit the device: {error}\n")
-    sys.stderr.flush()
-    if comm.size > 1:
-        comm.abort(3)
-    return 3
 
 
 if __name__ == "__main__":

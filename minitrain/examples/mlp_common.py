@@ -1,8 +1,10 @@
 """What the MLP job's two halves share (mlp.py: every data-parallel strategy; mlp_pipeline.py: the
 pipelines): the values checked across options, how a run is laid out (the checkpoint's manifest),
-the global loss of every step, the test accuracy, and the answer of a resumed run with nothing left
-to train.
+the global loss of every step, the test accuracy, the answer of a resumed run with nothing left
+to train, and a device too small for the run.
 """
+import sys
+
 import numpy as np
 
 import minitrain
@@ -80,3 +82,13 @@ def resume(args, comm, wrapped, opt, loader, layout):
         optimizer_key=f"optimizer.rank{comm.rank}" if local_sgd else "optimizer")
     # local SGD's optimizer states are per replica; it may also start from a common one
     return ckpt, ckpt.start_step(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
+
+
+def does_not_fit(args, comm, error):
+    """--device-memory too small (memory.DeviceOutOfMemory): this rank says why and, as the others would wait
+    for it, the job aborts; the exit status is 3."""
+    sys.stderr.write(f"[rank {comm.rank}] {args.strategy} does not fit the device: {error}\n")
+    sys.stderr.flush()
+    if comm.size > 1:
+        comm.abort(3)
+    return 3

@@ -8,7 +8,7 @@ values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel/g
 drops the as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
 SP) and holds the whole block again in its backward. In a zero-bubble schedule a block's B frees what only the
 input gradients need (the attention core, q, k, v, GELU's input, dropout's masks) and leaves for W the inputs its
-nodes with weights saved: 9sbh + 2sb values at t = 1, with or without recomputation (``gpt_block_deferred``).
+nodes with weights saved: 9sbh + 2sb values at t = 1, with or without recomputation (gpt_block_deferred).
 """
 from functools import lru_cache
 
