@@ -8,7 +8,7 @@ values, with SP 20sbh/t + as²b/t + 2sb/t (derived in parallel/tensor_parallel/g
 drops the as²b/t of the attention core, full recomputation keeps the block's input only (sbh, sbh/t with
 SP) and holds the whole block again in its backward. In a zero-bubble schedule a block's B frees what only the
 input gradients need (the attention core, q, k, v, GELU's input, dropout's masks) and leaves for W the inputs its
-nodes with weights saved: 9sbh + 2sb values at t = 1, with or without recomputation (gpt_block_deferred).
+nodes with weights saved: 9sbh + 2sb values at t = 1, with or without recomputation (gpt_block_w_nodes).
 """
 from functools import lru_cache
 
@@ -25,19 +25,25 @@ class Piece:
     ``shared``: bytes held once per step whatever the micro-batch count (an array that every
     micro-batch's slice is a view of); ``moments``: see __init__. ``deferred``: what it holds from its B to its W
     in a zero-bubble schedule (the saved inputs of the nodes with a weight, which W computes on: autograd/deferred.py;
-    the others are freed by B), kept unless given."""
+    the others are freed by B), kept unless given; ``w_nodes``: those nodes in W's order (B's), each as (bytes it
+    frees, parameters it makes gradients for): one unless given."""
 
-    def __init__(self, name, units, kept, peak=None, shared=0, moments=None, deferred=None):
+    def __init__(self, name, units, kept, peak=None, shared=0, moments=None, deferred=None, w_nodes=None):
         self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
         self.peak = kept if peak is None else peak
         self.deferred = kept if deferred is None else deferred
         self._moments = moments
         self.sizes = [q for u in self.units for q in u]
         self.params = sum(self.sizes)
+        self._w_nodes = w_nodes
         self.unhooked = False      # recomputed in backward, outside FSDP's hooks: its saved weights are views of
         #                            its units, gathered by the recomputation and kept until their reduce-scatter
         self.parts = [self]        # a recomputed segment: the layers its backward goes through
         self.input_freed_first = 0  # bytes of kept that its first part's backward frees (before its gradients)
+
+    @property
+    def w_nodes(self):
+        return self._w_nodes or [(self.deferred, self.params)]
 
     @property
     def moments(self):
@@ -139,27 +145,26 @@ def gpt_block_bytes(model, layout, b, moe=False):
     return e * full, e * full, None
 
 
-def gpt_block_deferred(model, layout, b, moe=False):
-    """Bytes one transformer block holds from its B to its W in a zero-bubble schedule: the saved inputs of its
-    nodes with weights (ln_1's and ln_2's x̂ and 1/σ, c_attn's, c_proj's and the MLP's two Linears' inputs; an MoE
-    layer's router, experts and shared experts), whatever the recomputation (a recomputed block's B re-saves
-    them; on the device under an offload, as the recomputation runs without the offload's hooks); 0 for a
-    block that is not recomputed under an offload (its saves are on the host)."""
+def gpt_block_w_nodes(model, layout, b, mlp_params, moe=False):
+    """A transformer block's nodes with weights in W's order (its B's: the MLP's c_proj and c_fc, ln_2, c_proj,
+    c_attn, ln_1; an MoE layer's experts, shared experts and router as one), each as (the bytes of the inputs it
+    saved, held from the block's B to its W in a zero-bubble schedule, its parameters): x̂ and 1/σ, or a Linear's
+    input. Whatever the recomputation (a recomputed block's B saves them again; on the device under an offload,
+    as the recomputation runs without the offload's hooks); nothing held for a block not recomputed under an
+    offload (its saves are on the host)."""
     from .experts import received_rows
-    if layout.offload_activations and layout.recompute != "full":
-        return 0
-    e = PRECISIONS[layout.precision]
+    e = 0 if layout.offload_activations and layout.recompute != "full" else PRECISIONS[layout.precision]
     s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     r = t if layout.sequence_parallel else 1
     N = s * b
-    ln = N * h / r + N / r
-    attention = 2 * ln + N * h / r + N * h / t
+    ln = (e * (N * h / r + N / r), 2 * h)
     if moe:
         M, f = received_rows(model, layout, b), model.expert_ffn
-        mlp = N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f)
+        mlp = [(e * (N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f)), sum(mlp_params))]
     else:
-        mlp = N * h / r + N * model.ffn / t
-    return e * (attention + mlp)
+        f = model.ffn
+        mlp = [(e * N * f / t, f * h // t + h), (e * N * h / r, h * f // t + f // t)]
+    return mlp + [ln, (e * N * h / t, h * h // t + h), (e * N * h / r, 3 * h * h // t + 3 * h // t), ln]
 
 
 def gpt_pieces(model, layout, rows, single_process=False):
@@ -196,16 +201,19 @@ def _gpt_pieces(model, rows, single_process, *key):
         kept, peak, at_core = gpt_block_bytes(model, layout, rows, moe)
         made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
         moments = None if at_core is None else [(kept, 0), (at_core, made)]
-        return Piece(name, [attention + mlp], kept, peak, moments=moments,
-                     deferred=gpt_block_deferred(model, layout, rows, moe))
+        w_nodes = gpt_block_w_nodes(model, layout, rows, mlp, moe)
+        return Piece(name, [attention + mlp], kept, peak, moments=moments, deferred=sum(x for x, _ in w_nodes),
+                     w_nodes=w_nodes)
 
     one_block = block_piece("block", block[len(attention):], False)    # every block alike: L times
     moe_block = block_piece("moe_block", moe_mlp_sizes(model, layout), True) if model.moe_experts else None
     blocks = [moe_block if model.is_moe_layer(i) else one_block for i in range(model.n_layer)]
-    # B frees the embedding's dropout and the head's logits (the loss's); the lookups' indices, ln_f and the
-    # head's input stay for W
-    emb_deferred = 0 if layout.offload_activations else emb_kept - (e * rows * s * h / r if model.dropout else 0)
-    head_deferred = 0 if layout.offload_activations else e * (2 * rows * s * h / r + rows * s / r)
+    # B frees the embedding's dropout and the head's logits (the loss's); W's nodes: the position lookup, then the
+    # token lookup (their indices), and the head's Linear (its input), then ln_f (x̂ and 1/σ)
+    held = 0 if layout.offload_activations else 1
+    emb_nodes = [(held * s / r * INT64, model.block_size * h), (held * rows * s * INT64, v_pad * h // t)]
+    head_nodes = [(held * e * rows * s * h / r, v_pad * h // t), (held * e * (rows * s * h / r + rows * s / r), 2 * h)]
     return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared,
-                        deferred=emb_deferred)]
-                 + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets, deferred=head_deferred)])
+                        deferred=sum(x for x, _ in emb_nodes), w_nodes=emb_nodes)]
+                 + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets,
+                                   deferred=sum(x for x, _ in head_nodes), w_nodes=head_nodes)])

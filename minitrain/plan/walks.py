@@ -177,7 +177,7 @@ def _worst(a, b):
 def _chunk_split(pieces, grad_bytes):
     """A chunk's backward split in B and W (zero-bubble schedules): B's worst activations and what it leaves
     for W (each piece's ``deferred``, held once its B has passed); W's moments (deferred bytes freed, gradient
-    bytes made so far), piece by piece in B's order."""
+    bytes made so far), node by node in B's order (``Piece.w_nodes``)."""
     below = sum(p.kept for p in pieces)
     held, worst = 0, []
     for p in reversed(pieces):
@@ -188,8 +188,9 @@ def _chunk_split(pieces, grad_bytes):
     freed = made = 0
     moments = [(0, 0)]
     for p in reversed(pieces):
-        freed, made = freed + p.deferred, made + grad_bytes * p.params
-        moments.append((freed, made))
+        for node_freed, node_params in p.w_nodes:   # a node frees what it saved, then its gradients are made
+            freed, made = freed + node_freed, made + grad_bytes * node_params
+            moments.append((freed, made))
     return (max(worst), held), tuple(moments)
 
 
