@@ -142,8 +142,9 @@ def predict_time(model, layout, machine):
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
         compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
-    if layout.schedule in ("zb_h1", "zbv") and p > 1:        # W visits each node with a weight a second time
-        tail.nodes += m * n_tensors                          # (a tensor's node: one per parameter tensor)
+    if layout.schedule in ("zb_h1", "zbv") and p > 1:        # W visits each node with a weight a second time:
+        tail.nodes += m * n_tensors                          # as a graph node per parameter tensor (a Linear's or a
+        #   LayerNorm's node makes two gradients: B's test of every node and W's second call, measured in jobs)
     state_n = n_local if z == 0 else -(-n_local // dp)
     tail.add(optimizer_work(state_n, n_tensors if z == 0 else 1, layout))
     if m > 1:                                                 # later micro-batches add into the gradients
