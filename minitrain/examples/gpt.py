@@ -39,7 +39,7 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
 from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
-                                          sample_model, scheduler_for)
+                                          print_sample, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -250,10 +250,7 @@ def _main(argv=None):
     steps = watch.timer.summary()
     print(f"train loss {head:.3f} (first 10 steps) -> {tail:.3f} (last 10); "
           f"val loss {initial_val:.3f} -> {final_val:.3f}; {1 / steps['step_time_s']:.1f} steps/s (steady state)")
-    if args.sample_chars:
-        sample = sample_model(model, config).generate(corpus.encode("def ")[None, :], args.sample_chars,
-                                                      temperature=0.8, top_k=20, rng=np.random.default_rng(args.seed))
-        print("sample:\n" + corpus.decode(sample[0]))
+    print_sample(model, config, corpus, args)
     print(f"recompute: {args.recompute}; peak saved activations {fmt_bytes(peak['activations'])}"
           + (f"; offloaded {fmt_bytes(offload.bytes_offloaded / len(losses))} per step" if offload else ""))
     moe_block, moe_line = moe_summary(moe) if moe else (None, None)

@@ -146,7 +146,15 @@ def all_to_all_summary(comm, a2a, ep):
     return measured, formula, table, line
 
 
-def sample_model(model, config):
+def print_sample(model, config, corpus, args):
+    """The trained model's continuation of "def ": --sample-chars characters (none asked, nothing sampled)."""
+    if args.sample_chars:
+        sample = _sample_model(model, config).generate(corpus.encode("def ")[None, :], args.sample_chars,
+                                                       temperature=0.8, top_k=20, rng=np.random.default_rng(args.seed))
+        print("sample:\n" + corpus.decode(sample[0]))
+
+
+def _sample_model(model, config):
     """A model to sample from: capacity groups need whole groups of tokens, a cached decode step has one, so
     a model with groups > 1 samples from its copy counting capacity over the step's tokens."""
     if not config.moe_experts or config.moe_groups == 1:

@@ -28,7 +28,7 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_layers, moe_step, moe_summary, nothing_left,
-                                           routing_load, routing_step, sample_model, scheduler_for)
+                                           routing_load, routing_step, print_sample, scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, offload_activations
@@ -151,9 +151,7 @@ def main_moe_dp(args):
     compared = plan_comparison(args, world, slowest, max(m["peak"]["total"] for m in memory_by_rank), kind="gpt",
                                vocab_size=corpus.vocab_size, moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
-    sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars, temperature=0.8,
-                                                 top_k=20, rng=np.random.default_rng(args.seed))
-    print("sample:\n" + corpus.decode(sample[0]))
+    print_sample(full, config, corpus, args)
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": "dp",

@@ -43,7 +43,7 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
-                                           sample_model, scheduler_for)
+                                           print_sample, scheduler_for)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_report,
                                                     expected_model_states, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
@@ -232,10 +232,7 @@ def main_parallel(args):
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
                                moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
-    if args.sample_chars:
-        sample = sample_model(full, config).generate(corpus.encode("def ")[None, :], args.sample_chars,
-                                                     temperature=0.8, top_k=20, rng=np.random.default_rng(args.seed))
-        print("sample:\n" + corpus.decode(sample[0]))
+    print_sample(full, config, corpus, args)
     if args.json:
         write_json(args.json, {
             "world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": strategy,
