@@ -93,8 +93,8 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     actions in the schedule's order. A forward adds its chunk's kept activations; a backward goes through
     its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
     the first time, then frees the chunk; split in B and W (zero-bubble schedules), B frees all but each piece's
-    ``deferred`` bytes and makes no gradient, W frees those and makes them. ``chunks``: chunk -> list of Pieces; ``others``: parameter
-    tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
+    ``deferred`` bytes and makes no gradient, W frees those and makes them. ``chunks``: chunk -> list of
+    Pieces; ``others``: parameter tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
     worst by their sum (then by activations, so that both walks pick the same). ``sizes``: the micro-batches'
     rows where a batch is cut unevenly (the first ones one row more; the pieces count the largest; then
     ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
