@@ -380,6 +380,29 @@ def test_search_keeps_to_the_constraints_of_every_axis():
     assert {ep for _, ep in seen} == {1, 2, 4, 8} and {cp for cp, _ in seen} == {1, 2, 4, 8, 16}
 
 
+def test_search_tries_the_zero_bubble_schedules_and_finds_the_fastest_of_every_schedule():
+    """--search tries ZB-H1 and ZB-V in place of 1F1B on the pipelined layouts that could beat the fastest found
+    (not every layout: minutes at 512 devices). A 1.3B-like GPT on 16 devices of 2 GiB: the fastest of every layout
+    under every schedule (enumerated here) is a zero-bubble one, and the search finds it; 1F1B's is slower."""
+    model = plan.GPT(vocab_size=51200, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
+    base, machine, capacity = plan.Layout(world=16, batch_size=16, precision="bf16"), plan.load_machine("a100-80gb"), 2 ** 31
+    ranked = search(model, base, machine, "minitrain", capacity)
+    best = None
+    for lay in plan.layouts(model, 16, 16, precision="bf16", cps={1, 2}):
+        for variant in [lay] + ([replace(lay, schedule="zb_h1"), replace(lay, schedule="zbv", chunks=2)] if lay.pp > 1
+                                else []):
+            try:
+                r = plan.predict(model, variant, machine, device_memory=capacity, per_stage=False, time_if_unfit=False)
+            except plan.LayoutError:
+                continue
+            if r["fits"] and (best is None or r["step_time_s"]["total"] < best["step_time_s"]["total"]):
+                best = r
+    assert best["layout"]["schedule"] in ("zb_h1", "zbv")
+    assert ranked[0]["describe"] == best["describe"] and ranked[0]["step_time_s"] == best["step_time_s"]
+    as_1f1b = [r for r in ranked if r["describe"] == best["describe"].replace(" zbv v=2", " 1f1b").replace(" zb_h1", " 1f1b")]
+    assert as_1f1b and as_1f1b[0]["step_time_s"]["total"] > best["step_time_s"]["total"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, eps", [("mixtral-8x7b", {4, 8}), ("deepseek-v3", {16, 32, 64, 128, 256})])
 def test_named_configurations_on_1024_gpus_pick_a_sane_layout(name, eps):
