@@ -188,22 +188,25 @@ def search(model, base, machine, accounting, device_memory):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
                                                 "microbatches": m, "schedule": schedule, "chunks": 1,
                                                 "recompute": "none", "offload": False, "offload_activations": False}))
-    results = []
-    for layout in candidates:
-        try:
-            check(model, layout)
-        except LayoutError:
-            continue
-        result = predict(model, layout, machine, accounting, device_memory, per_stage=False, time_if_unfit=False)
-        if result["fits"]:
-            results.append((layout, result))
+    fitting = lambda layout: _fitting(model, layout, machine, accounting, device_memory)     # noqa: E731
+    results = [(layout, r) for layout, r in ((x, fitting(x)) for x in candidates) if r is not None]
     if model.kind == "gpt":
-        results += _zero_bubble(model, results, machine, accounting, device_memory)
+        results += _zero_bubble(results, fitting)
     key = (lambda r: r["memory_bytes"]["total"]) if model.kind == "params" else (lambda r: r["step_time_s"]["total"])
     return sorted((r for _, r in results), key=key)
 
 
-def _zero_bubble(model, results, machine, accounting, device_memory, tries=16):
+def _fitting(model, layout, machine, accounting, device_memory):
+    """The prediction for a valid layout that fits, else None."""
+    try:
+        check(model, layout)
+    except LayoutError:
+        return None
+    result = predict(model, layout, machine, accounting, device_memory, per_stage=False, time_if_unfit=False)
+    return result if result["fits"] else None
+
+
+def _zero_bubble(results, fitting, tries=16):
     """ZB-H1 and ZB-V in place of 1F1B, for the pipelined layouts whose compute and communication alone (a
     zero-bubble schedule's least: it keeps them and adds W's second visit) beat the fastest step found so far,
     the ``tries`` most promising. (Every layout under every schedule would take minutes at 512 devices.)"""
@@ -218,12 +221,8 @@ def _zero_bubble(model, results, machine, accounting, device_memory, tries=16):
             continue
         for schedule, chunks in (("zb_h1", 1), ("zbv", 2)):
             variant = replace(layout, schedule=schedule, chunks=chunks)
-            try:
-                check(model, variant)
-            except LayoutError:
-                continue
-            result = predict(model, variant, machine, accounting, device_memory, per_stage=False, time_if_unfit=False)
-            if result["fits"]:
+            result = fitting(variant)
+            if result is not None:
                 found.append((variant, result))
                 fastest = min(fastest, result["step_time_s"]["total"])
     return found
