@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 
 from .. import cli
+from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
 from . import (Layout, LayoutError, MachineError, Params, check, corpus_vocab_size, gpt_from_args, layouts,
                load_machine, mlp_from_args, predict)
 from .configs import NAMED
@@ -219,8 +220,8 @@ def _zero_bubble(results, fitting, tries=16):
     for layout, r in pipelined[:tries]:
         if least(r) >= fastest:
             continue
-        for schedule, chunks in (("zb_h1", 1), ("zbv", 2)):
-            variant = replace(layout, schedule=schedule, chunks=chunks)
+        for schedule in SPLIT_BACKWARD:
+            variant = replace(layout, schedule=schedule, chunks=default_chunks(schedule))
             result = fitting(variant)
             if result is not None:
                 found.append((variant, result))

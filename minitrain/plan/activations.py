@@ -25,13 +25,14 @@ class Piece:
     ``shared``: bytes held once per step whatever the micro-batch count (an array that every
     micro-batch's slice is a view of); ``moments``: see __init__. ``deferred``: what it holds from its B to its W
     in a zero-bubble schedule (the saved inputs of the nodes with a weight, which W computes on: autograd/deferred.py;
-    the others are freed by B), kept unless given; ``w_nodes``: those nodes in W's order (B's), each as (bytes it
-    frees, parameters it makes gradients for): one unless given."""
+    the others are freed by B), kept unless given (or the sum of ``w_nodes``); ``w_nodes``: those nodes in W's
+    order (B's), each as (bytes it frees, parameters it makes gradients for): one unless given."""
 
     def __init__(self, name, units, kept, peak=None, shared=0, moments=None, deferred=None, w_nodes=None):
         self.name, self.units, self.kept, self.shared = name, [list(u) for u in units if u], kept, shared
         self.peak = kept if peak is None else peak
-        self.deferred = kept if deferred is None else deferred
+        self.deferred = (sum(freed for freed, _ in w_nodes) if w_nodes else
+                         kept if deferred is None else deferred)
         self._moments = moments
         self.sizes = [q for u in self.units for q in u]
         self.params = sum(self.sizes)
@@ -202,8 +203,7 @@ def _gpt_pieces(model, rows, single_process, *key):
         made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
         moments = None if at_core is None else [(kept, 0), (at_core, made)]
         w_nodes = gpt_block_w_nodes(model, layout, rows, mlp, moe)
-        return Piece(name, [attention + mlp], kept, peak, moments=moments, deferred=sum(x for x, _ in w_nodes),
-                     w_nodes=w_nodes)
+        return Piece(name, [attention + mlp], kept, peak, moments=moments, w_nodes=w_nodes)
 
     one_block = block_piece("block", block[len(attention):], False)    # every block alike: L times
     moe_block = block_piece("moe_block", moe_mlp_sizes(model, layout), True) if model.moe_experts else None
@@ -214,6 +214,6 @@ def _gpt_pieces(model, rows, single_process, *key):
     emb_nodes = [(held * s / r * INT64, model.block_size * h), (held * rows * s * INT64, v_pad * h // t)]
     head_nodes = [(held * e * rows * s * h / r, v_pad * h // t), (held * e * (rows * s * h / r + rows * s / r), 2 * h)]
     return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared,
-                        deferred=sum(x for x, _ in emb_nodes), w_nodes=emb_nodes)]
+                        w_nodes=emb_nodes)]
                  + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets,
-                                   deferred=sum(x for x, _ in head_nodes), w_nodes=head_nodes)])
+                                   w_nodes=head_nodes)])

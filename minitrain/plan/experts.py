@@ -53,17 +53,17 @@ def check_axes(model, layout):
     if c > 1 and layout.cp_method == "ring" and s % (2 * c):
         valid = [1] + [d for d in range(2, room + 1) if room % d == 0 and s % (2 * d) == 0]   # 1: no zig-zag
         raise LayoutError(f"--block-size {s} is not divisible by 2 x --cp {c} (ring attention's zig-zag: two chunks "
-                          f"per rank); nearest valid --cp: {_valid(c, valid)}")
+                          f"per rank); nearest valid --cp: {_choices(_nearest(c, valid))}")
     if c > 1 and layout.cp_method == "ulysses" and (s % c or heads % c):
         valid = [d for d in range(1, room + 1) if room % d == 0 and s % d == 0 and heads % d == 0]
         raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {heads} heads per tp "
-                          f"rank; nearest valid --cp: {_valid(c, valid)}")
+                          f"rank; nearest valid --cp: {_choices(_nearest(c, valid))}")
     if ep > 1 and not E:
         raise LayoutError(f"--ep {ep} shards experts, but the model has none (--moe-experts 0): --ep 1")
     if layout.dp % ep:
         valid = [d for d in range(1, layout.dp + 1) if layout.dp % d == 0 and (not E or E % d == 0)]
         raise LayoutError(f"--ep {ep} does not divide --dp {layout.dp} (experts are sharded over blocks of ep "
-                          f"consecutive dp ranks); nearest valid --ep: {_valid(ep, valid)}")
+                          f"consecutive dp ranks); nearest valid --ep: {_choices(_nearest(ep, valid))}")
     dropless = model.moe_capacity_factor is None
     if dropless and ep == 1 and layout.moe_load != 1:
         raise LayoutError(f"--moe-load {layout.moe_load:g} with --ep 1 and no capacity factor: one rank's experts take "
@@ -75,8 +75,9 @@ def check_axes(model, layout):
     if not E:
         return
     if E % ep:
+        valid = [d for d in range(1, E + 1) if E % d == 0 and layout.dp % d == 0]
         raise LayoutError(f"--ep {ep} does not divide --moe-experts {E}; nearest valid --ep: "
-                          f"{_valid(ep, [d for d in range(1, E + 1) if E % d == 0 and layout.dp % d == 0])}")
+                          f"{_choices(_nearest(ep, valid))}")
     if not 1 <= model.moe_top_k <= E:
         raise LayoutError(f"--moe-top-k {model.moe_top_k} must be between 1 and --moe-experts {E}")
     if not 1 <= model.moe_every <= model.n_layer:
@@ -88,10 +89,6 @@ def check_axes(model, layout):
     if layout.sequence_parallel:
         raise LayoutError("--sequence-parallel with --moe-experts: the experts route whole sequences on every tp rank "
                           "(the job refuses it too): leave --sequence-parallel out")
-
-
-def _valid(value, valid):
-    return _choices(_nearest(value, valid))
 
 
 def local_tokens(model, layout):

@@ -11,7 +11,7 @@ model states plan/states.py's.
 from dataclasses import replace
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import microbatch_sizes
+from ..parallel.pipeline.schedules import SPLIT_BACKWARD, microbatch_sizes
 from .activations import gpt_pieces, mlp_pieces
 from .experts import expert_params, expert_params_per_rank, zero_expert_extra
 from .layout import PRECISIONS
@@ -54,7 +54,7 @@ def minitrain_memory(model, layout):
     tensors = sum(len(x.sizes) for x in pieces)
     sizes = microbatch_rows(layout)
     # else the schedule's in-flight counts say it all (not for zero-bubble schedules: B and W free apart)
-    every_action = layout.chunks > 1 or sizes is not None or layout.schedule in ("zb_h1", "zbv")
+    every_action = layout.chunks > 1 or sizes is not None or layout.schedule in SPLIT_BACKWARD
     for s, chunks in enumerate(stage_chunks(pieces, layout)):
         actions = (_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s] if every_action
                    else in_flight(layout.schedule, layout.pp, layout.microbatches, s))

@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..backend import default_blas_threads
+from ..parallel.pipeline.schedules import SPLIT_BACKWARD
 from .alpha_beta import collective
 from .bubble import _bubble, _sig, _simulated
 from .costs import Costs
@@ -142,7 +143,7 @@ def predict_time(model, layout, machine):
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
         compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
-    if layout.schedule in ("zb_h1", "zbv") and p > 1:        # W visits each node with a weight a second time:
+    if layout.schedule in SPLIT_BACKWARD and p > 1:        # W visits each node with a weight a second time:
         tail.nodes += m * n_tensors                          # as a graph node per parameter tensor (a Linear's or a
         #   LayerNorm's node makes two gradients: B's test of every node and W's second call, measured in jobs)
     state_n = n_local if z == 0 else -(-n_local // dp)

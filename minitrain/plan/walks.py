@@ -94,10 +94,10 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
     the first time, then frees the chunk; split in B and W (zero-bubble schedules), B frees all but each piece's
     ``deferred`` bytes and makes no gradient, W frees those and makes them. ``chunks``: chunk -> list of
-    Pieces; ``others``: parameter tensors of other stages (0-d placeholders). The moments are (activations, gradients) pairs, the
-    worst by their sum (then by activations, so that both walks pick the same). ``sizes``: the micro-batches'
-    rows where a batch is cut unevenly (the first ones one row more; the pieces count the largest; then
-    ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
+    Pieces; ``others``: parameter tensors of other stages (0-d placeholders). The moments are (activations,
+    gradients) pairs, the worst by their sum (then by activations, so that both walks pick the same).
+    ``sizes``: the micro-batches' rows where a batch is cut unevenly (the first ones one row more; the pieces
+    count the largest; then ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
     e = PRECISIONS[layout.precision]
     # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
     # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
@@ -116,14 +116,15 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
         g += G
     else:
         kept, first, again, grads, shared, split_b, split_w = {}, {}, {}, {}, 0, {}, {}
+        split = any(a.kind == "W" for a in actions)       # zero-bubble: B and W free apart
         for c, ps in chunks.items():
             kept[c], first[c], again[c], grads[c], sh = _chunk_backward(tuple(ps), 0 if zero1 else e)
-            split_b[c], split_w[c] = _chunk_split(tuple(ps), 0 if zero1 else e)
+            if split:
+                split_b[c], split_w[c] = _chunk_split(tuple(ps), 0 if zero1 else e)
             shared += sh
         act = act_peak = 0
         dyn = (0, 0)
         seen = set()
-        split = any(a.kind == "W" for a in actions)       # zero-bubble: B and W free apart
         for a in actions:
             w = sizes[a.microbatch] / sizes[0] if sizes else 1       # its rows over the largest's
             if a.kind == "F":
