@@ -184,3 +184,52 @@ def causal_blocks(positions, seq_len, blocks):
     attention's unit): block (i, j) for every query block i it holds and every key block j <= i."""
     held = np.unique(np.asarray(positions, dtype=np.int64) // (seq_len // blocks))
     return int(np.sum(held + 1))
+
+
+# ---------------------------------------------------------------- the paged KV cache
+class RecordingBlockPool:
+    """A block pool as the paged KV cache's BlockPool: allocate() hands out the lowest free block,
+    refcount, copy, release, share; each block keeps what was written into it (offset -> label), so
+    that a grader can read a sequence back through its table."""
+
+    def __init__(self, num_blocks=64):
+        self.refcount = np.zeros(num_blocks, dtype=np.int64)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.contents, self.log = {}, []
+
+    def allocate(self):
+        if not self.free:
+            raise Mismatch(f"the pool's {len(self.refcount)} blocks are all taken: blocks are allocated that no "
+                           "token needs, or never released")
+        b = self.free.pop()
+        self.refcount[b], self.contents[b] = 1, {}
+        self.log.append(("allocate", b))
+        return b
+
+    def copy(self, src, dst):
+        src, dst = _block_id(src, "pool.copy's src"), _block_id(dst, "pool.copy's dst")
+        self.log.append(("copy", src, dst))
+        self.contents[dst] = dict(self.contents.get(src, {}))
+
+    def release(self, b):
+        b = _block_id(b, "pool.release's block")
+        if self.refcount[b] < 1:
+            raise Mismatch(f"pool.release({b}): block {b} is held by no table (refcount 0): released twice, or "
+                           "never allocated")
+        self.refcount[b] -= 1
+        self.log.append(("release", b))
+        if self.refcount[b] == 0:
+            self.free.append(b)
+
+    def share(self, b):
+        self.refcount[b] += 1
+
+    def held(self):
+        return len(self.refcount) - len(self.free)
+
+
+def _block_id(b, what):
+    try:
+        return int(b)
+    except (TypeError, ValueError):
+        raise Mismatch(f"{what} is {b!r}, expected a block id (an int)") from None

@@ -14,7 +14,7 @@ import numpy as np
 from .. import backend, memory
 from ..nn.generation import ContiguousKVCache, KVCache, release_entries
 
-__all__ = ["BlockPool", "PagedKVCache", "ContiguousKVCache", "NoFreeBlocks"]
+__all__ = ["BlockPool", "PagedKVCache", "ContiguousKVCache", "NoFreeBlocks", "append_slots"]
 
 
 class NoFreeBlocks(MemoryError):
@@ -98,6 +98,24 @@ class BlockPool:
         self.k[:, blocks] = backend.to_device(k, device)
         self.v[:, blocks] = backend.to_device(v, device)
         self.drop_host(key)
+
+
+def append_slots(table, start, num_new, block_size, pool):
+    """vLLM's append_slots (Kwon et al. 2023, sec. 4.3, Figs. 6 and 8): make a sequence's block
+    ``table`` (changed in place) hold its tokens start .. start + num_new - 1, and return where each
+    goes, (physical block, offset) in order. A logical block past the table's end takes a fresh block
+    from the pool when its first token comes, never ahead (a sequence wastes less than one block); a
+    block shared with other sequences (refcount > 1) that a new token writes into is copied first,
+    and the copy replaces it in this table (copy-on-write): the others keep reading theirs."""
+    for i in range(start // block_size, (start + num_new - 1) // block_size + 1):
+        if i == len(table):
+            table.append(pool.allocate())
+        elif pool.refcount[table[i]] > 1:
+            fresh = pool.allocate()
+            pool.copy(table[i], fresh)
+            pool.release(table[i])
+            table[i] = fresh
+    return [(table[p // block_size], p % block_size) for p in range(start, start + num_new)]
 
 
 class PagedKVCache(KVCache):
@@ -202,27 +220,20 @@ class PagedKVCache(KVCache):
         super().select(seq_ids)
 
     def _make_room(self, num_new):
-        """Blocks on demand; copy-on-write of a shared block about to be written."""
+        """Every sequence's slots for its new tokens (append_slots: blocks on demand, copy-on-write)."""
         for s in self.batch:
-            start, table = self.lengths[s], self.tables[s]
-            if start + num_new > self.max_len:
-                raise ValueError(f"sequence {s} would reach {start + num_new} tokens, past max_len {self.max_len}")
-            for i in range(start // self.block_size, (start + num_new - 1) // self.block_size + 1):
-                if i == len(table):
-                    table.append(self.pool.allocate())
-                elif self.pool.refcount[table[i]] > 1:
-                    fresh = self.pool.allocate()
-                    self.pool.copy(table[i], fresh)
-                    self.pool.release(table[i])
-                    table[i] = fresh
+            if self.lengths[s] + num_new > self.max_len:
+                raise ValueError(f"sequence {s} would reach {self.lengths[s] + num_new} tokens, past max_len "
+                                 f"{self.max_len}")
+        self._slots = [append_slots(self.tables[s], self.lengths[s], num_new, self.block_size, self.pool)
+                       for s in self.batch]
 
     def _prepare(self, starts, num_new):
         bs = self.block_size
-        pos = starts[:, None] + np.arange(num_new)                           # (B, T)
         tables = [self.tables[s] for s in self.batch]
-        write_blocks = np.array([[tables[b][p // bs] for p in row] for b, row in enumerate(pos)])
-        self._write_blocks = self._on_device(write_blocks.reshape(-1))
-        self._write_offsets = self._on_device((pos % bs).reshape(-1))
+        slots = np.array([slot for row in self._slots for slot in row], dtype=np.int64).reshape(-1, 2)
+        self._write_blocks = self._on_device(slots[:, 0])
+        self._write_offsets = self._on_device(slots[:, 1])
         width = max(len(t) for t in tables)
         padded = np.zeros((len(tables), width), dtype=np.int64)              # block 0 pads: masked out
         for b, t in enumerate(tables):
