@@ -35,6 +35,18 @@ def _scores(q, k, scale, mask_kind, xp):
     return s
 
 
+def online_softmax_step(m, l, o, s, v):
+    """Fold one block of scores ``s`` (..., rows, keys) and its values ``v`` (..., keys, D) into a
+    query block's running max ``m``, sum ``l`` (..., rows, 1) and unnormalised output ``o`` (Milakov &
+    Gimelshein 2018): returns (m', l', o'), after which o' / l' is the softmax over every key folded so
+    far, times its values. What was summed against e^-m is rescaled by e^(m - m') when the max rises."""
+    xp = array_module(s)
+    m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+    correction = xp.exp(m - m_new)
+    e = xp.exp(s - m_new)
+    return m_new, l * correction + e.sum(axis=-1, keepdims=True), o * correction + e @ v
+
+
 def _mask_kind(q_chunk, k_chunk, causal):
     """How query chunk ``q_chunk`` sees key chunk ``k_chunk`` (chunk indices along the sequence)."""
     if not causal or k_chunk < q_chunk:
@@ -86,12 +98,7 @@ class RingAttention(Function):
         for step in range(p):
             for i, j, kind in _pairs(layout, comm.size, comm.rank, step, causal):
                 s = _scores(_chunk(q, i, n), _chunk(kb, j, n), scale, kind, xp)
-                m_new = xp.maximum(m[i], s.max(axis=-1, keepdims=True))
-                correction = xp.exp(m[i] - m_new)
-                e = xp.exp(s - m_new)
-                l[i] = l[i] * correction + e.sum(axis=-1, keepdims=True)
-                o[i] = o[i] * correction + e @ _chunk(vb, j, n)
-                m[i] = m_new
+                m[i], l[i], o[i] = online_softmax_step(m[i], l[i], o[i], s, _chunk(vb, j, n))
                 computed += s.size
             if step < p - 1:
                 kb, vb = _pass_on(comm, [kb, vb], xp)
