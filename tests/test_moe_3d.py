@@ -3,7 +3,8 @@ float64, losses and parameters within 1e-10 relative, and the step's MoE figures
 tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe,
 1F1B, interleaved, zero-bubble; 2 and 4 micro-batches), tp x pp and dp x pp, dropless and with a
 capacity factor counted over the same GShard groups (one process given moe_groups G = the run's), with
-and without full recomputation. In-process (ThreadWorld) for the model; the job's --json under mpiexec
+and without full recomputation, and under context parallelism (dropless: each cp rank routes its own
+tokens, the balancing loss's fractions counted over every rank's). In-process (ThreadWorld) for the model; the job's --json under mpiexec
 at 2 and 4 ranks against one process's job; a checkpoint of tp x pp resumed in one process."""
 import dataclasses
 import json
@@ -57,7 +58,7 @@ def run_3d(comm, config, init, mesh, steps=STEPS, **kwargs):
     gpt = nn.GPT(config)
     gpt.load_state_dict(init)
     model = GPT3D(gpt, comm, **mesh, **kwargs)
-    opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = model.optimizer(optim.SGD, lr=0.5, momentum=0.9)          # with ZeRO, on this rank's shard
     losses, stats = [], []
     for x, y in data(steps=steps):
         model.zero_grad()
@@ -89,6 +90,10 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
                                    dict(moe_groups=2, recompute="full")),
     "dp2 tp2 capacity recompute full": (dict(dp=2, tp=2), dict(), dict(moe_groups=2, moe_capacity_factor=1.0,
                                                                        recompute="full")),
+    # context parallelism: each cp rank routes its own tokens (dropless); f counted over the whole group
+    "cp2 ring": (dict(cp=2), dict(), {}),
+    "cp2 ulysses dp2 zero2": (dict(cp=2, dp=2), dict(cp_method="ulysses", zero=2), dict(moe_groups=4)),
+    "cp2 pp2 zb_h1 m2": (dict(cp=2, pp=2), dict(schedule="zb_h1", num_microbatches=2), dict(moe_groups=2)),
 }
 
 
@@ -107,7 +112,7 @@ def assert_trains_as_one_process(mesh, kwargs, moe):
     expected, expected_losses, expected_stats = reference_run(dataclasses.replace(config, recompute=None), init)
     if moe.get("moe_capacity_factor"):
         assert sum(s[1] for s in expected_stats) > 0          # tokens were dropped: the groups matter
-    size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1)
+    size = mesh.get("dp", 1) * mesh.get("pp", 1) * mesh.get("tp", 1) * mesh.get("cp", 1)
     for state, losses, stats in ThreadWorld(size).run(run_3d, config, init, mesh, **kwargs):
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
         assert [s[1] for s in stats] == [s[1] for s in expected_stats]

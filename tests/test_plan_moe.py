@@ -156,10 +156,13 @@ def test_the_busiest_rank_s_load_of_the_peak_step_and_of_the_median_step():
 def test_memory_with_context_parallelism_is_the_job_s_ledger_within_1_percent(tmp_path):
     """A dense GPT over cp ranks (GPT3D): ring (zig-zag) and Ulysses, with tp and under a pipeline; Ulysses
     keeps what one process keeps on a/cp heads, the ring its log-sum-exp and output in place of the scores
-    (its blocks in transit are not the ledger's). Every rank's stage."""
+    (its blocks in transit are not the ledger's); and experts under cp, each rank routing its s/cp tokens.
+    Every rank's stage."""
     dense = JOB[:JOB.index("--moe-experts")] + ["--n-embd", "64", "--n-head", "4", "--block-size", "64"]
+    experts = JOB[JOB.index("--moe-experts"):]
     runs = {"ring": (["--cp", "2"], 2), "ulysses": (["--cp", "2", "--cp-method", "ulysses"], 2),
-            "ring_tp": (["--cp", "2", "--tp", "2"], 4), "ring_pp": (["--cp", "2", "--pp", "2", "--microbatches", "2"], 4)}
+            "ring_tp": (["--cp", "2", "--tp", "2"], 4), "ring_pp": (["--cp", "2", "--pp", "2", "--microbatches", "2"], 4),
+            "ring_experts": (["--cp", "2"] + experts, 2)}
     for name, (extra, n) in runs.items():
         argv = dense + extra + ["--json", str(tmp_path / name)]
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,

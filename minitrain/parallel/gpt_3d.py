@@ -132,9 +132,13 @@ class GPT3D:
                                  f"over dp x pp x tp only)")
             self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
+        if self.moe_layers and cp > 1 and gpt.config.moe_capacity_factor is not None:
+            raise ValueError(f"[rank {comm.rank}] a capacity factor with cp = {cp}: not supported yet (capacity ranks "
+                             "a group's choices first come, first served, over tokens the cp ranks hold apart)")
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
             layer.record_step = True
+            layer.token_comm = self.mesh.comm("cp") if cp > 1 else None   # each routes its tokens; f over the row's
         self.moe_statistics = None
         self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
@@ -205,15 +209,15 @@ class GPT3D:
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
-            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp"))
+            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp_cp"))
             loss += self.moe_statistics[2]
         return loss
 
     def _unused_experts(self):
         """ids of this rank's expert parameters that no token of the global batch chose this step (the loads
-        summed over pp and dp): one process leaves their grad None, and AdamW skips them."""
+        summed over pp, dp and cp): one process leaves their grad None, and AdamW skips them."""
         loads = np.stack([layer.step_row()[:-2] for layer in self.moe_layers]).reshape(-1)
-        loads = all_reduce(self.mesh.comm("dp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
+        loads = all_reduce(self.mesh.comm("dp_cp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
         loads = loads.reshape(len(self.moe_layers), -1)
         first = [getattr(layer, "first_expert", 0) for layer in self.moe_layers]     # ep > 1: its own experts
         return {id(q) for layer, row, f in zip(self.moe_layers, loads, first) for l, expert in enumerate(layer.experts)
