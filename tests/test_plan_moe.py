@@ -471,3 +471,31 @@ def test_each_collective_of_the_expert_data_parallel_step_adds_its_own_cpu_to_th
     monkeypatch.setattr(plan_time, "expert_dp_collectives", lambda m, l: listed(m, l) + [("ring_all_reduce", 8, 2)])
     after = plan.predict(model, layout, machine)["step_busy_s"]
     assert after - before == pytest.approx(collective(machine, "ring_all_reduce", 8, 2, 4, busy=True), rel=1e-9)
+
+
+def test_under_cp_each_moe_layer_sums_its_balancing_counts_once_and_the_planner_prices_that_all_reduce():
+    """Experts under cp (GPT3D, each rank routing its own tokens): a step's only collectives on the cp
+    communicator besides the ring's messages are one all-reduce per MoE layer and micro-batch of its G x E
+    counts; the planner adds exactly that all-reduce to the MoE block's forward (plan/layer_costs.py)."""
+    import minitrain as mt
+    from minitrain import nn
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.gpt_3d import GPT3D
+    from minitrain.plan.layer_costs import axes_comm
+    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_groups=2)
+    x = np.arange(32).reshape(4, 8) % 16
+
+    def step(comm):
+        mt.set_default_dtype(np.float64)
+        model = GPT3D(nn.GPT(nn.GPTConfig(**config)), comm, cp=2)
+        cp = model.mesh.comm("cp")
+        cp.stats.reset()
+        model.train_step(x, x)
+        return {name: (e["calls"], e["bytes_sent"]) for name, e in cp.stats.by_name.items() if e["calls"]}
+    for collectives in ThreadWorld(2).run(step):
+        assert collectives == {"recursive_doubling_all_reduce": (2, 2 * 2 * 4 * 8)}     # 2 layers: G 2 x E 4, fp64
+    machine = plan.load_machine("cpu-2core")
+    layout = plan.Layout(world=2, cp=2, batch_size=4, precision="fp64")
+    (dense, _), (moe, _) = axes_comm(plan.GPT(**config), layout, 4, machine, busy=False)
+    assert moe - dense == pytest.approx(collective(machine, "ring_all_reduce", 2 * 4 * 8, 2, 2, after_compute=True),
+                                        rel=1e-12)

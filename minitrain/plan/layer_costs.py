@@ -5,6 +5,7 @@ parallelism: Korthikanti et al. 2022), context parallelism's exchanges and the e
 (plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
 """
 from .alpha_beta import collective
+from .layout import PRECISIONS
 from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
 
 
@@ -65,10 +66,11 @@ def _plus(costs, wall, own):
 
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
-    block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py). Ring:
+    block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py), and under
+    cp its balancing loss's counts summed over the cp ranks. Ring:
     cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
     Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
-    from .experts import all_to_all_bytes, cp_block_bytes
+    from .experts import all_to_all_bytes, cp_block_bytes, local_groups
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:
@@ -86,4 +88,7 @@ def axes_comm(model, layout, rows, machine, busy):
         # all-to-all (expert_parallel_moe.split_sizes; the backward's all-to-alls reverse the same splits)
         counts = collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep * c * t, busy=busy,
                             after_compute=True)
+    if model.moe_experts and c > 1:     # the balancing loss's counts, summed over the cp ranks (G x E numbers)
+        counts += collective(machine, "ring_all_reduce", local_groups(model, layout) * model.moe_experts
+                             * PRECISIONS[layout.precision], c, c * t, busy=busy, after_compute=True)
     return (fwd, bwd), (fwd + a2a + counts, bwd + a2a)
