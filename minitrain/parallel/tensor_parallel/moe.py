@@ -22,7 +22,7 @@ work: the block's forward redone in backward records the graph that its first, g
 did not. The reported figures are accumulated here per step and gathered over the stages and
 replicas by GPT3D (moe_step_statistics).
 
-Context parallelism (``token_comm``, the cp ranks): each rank routes the tokens it holds, which is
+Context parallelism (token_comm, the cp ranks): each rank routes the tokens it holds, which is
 exact where routing is per token (dropless: no capacity ranks one token against another), as
 Megatron-Core routes a cp rank's own tokens. The balancing loss is not per token: f, the fraction of a
 group's choices per expert, is counted over the whole group, its counts summed over the cp ranks (an
