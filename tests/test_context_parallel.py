@@ -294,8 +294,6 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
     (["--cp-method", "ulysses"], "--cp-method is not supported with --cp 1"),
     (["--cp", 2, "--dropout", 0.1], "--dropout is not supported with --cp 2"),
     (["--cp", 2, "--recompute", "selective"], "--recompute selective is not supported with --cp 2"),
-    (["--cp", 2, "--moe-experts", 2, "--moe-capacity-factor", 1.25],
-     "--moe-capacity-factor 1.25 is not supported with --cp 2 (not supported yet: capacity ranks a group's choices"),
     (["--cp", 2, "--moe-experts", 2, "--ep", 2], "--ep 2 is not supported with --cp 2"),
     (["--cp", 0], "argument --cp: must be >= 1"),
     (["--cp", 2, "--cp-method", "striped"], "argument --cp-method: invalid choice: 'striped'"),

@@ -3,8 +3,8 @@ float64, losses and parameters within 1e-10 relative, and the step's MoE figures
 tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe,
 1F1B, interleaved, zero-bubble; 2 and 4 micro-batches), tp x pp and dp x pp, dropless and with a
 capacity factor counted over the same GShard groups (one process given moe_groups G = the run's), with
-and without full recomputation, and under context parallelism (dropless: each cp rank routes its own
-tokens, the balancing loss's fractions counted over every rank's). In-process (ThreadWorld) for the model; the job's --json under mpiexec
+and without full recomputation, and under context parallelism (each cp rank routes its own tokens; the
+balancing loss's fractions and a capacity counted over every rank's). In-process (ThreadWorld) for the model; the job's --json under mpiexec
 at 2 and 4 ranks against one process's job; a checkpoint of tp x pp resumed in one process."""
 import dataclasses
 import json
@@ -90,8 +90,11 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
                                    dict(moe_groups=2, recompute="full")),
     "dp2 tp2 capacity recompute full": (dict(dp=2, tp=2), dict(), dict(moe_groups=2, moe_capacity_factor=1.0,
                                                                        recompute="full")),
-    # context parallelism: each cp rank routes its own tokens (dropless); f counted over the whole group
+    # context parallelism: each cp rank routes its own tokens; f and a capacity counted over the whole group
     "cp2 ring": (dict(cp=2), dict(), {}),
+    "cp2 ring capacity": (dict(cp=2), dict(), dict(moe_capacity_factor=1.0)),
+    "cp2 ulysses dp2 capacity groups 4": (dict(cp=2, dp=2), dict(cp_method="ulysses"),
+                                          dict(moe_groups=4, moe_capacity_factor=0.75)),
     "cp2 ulysses dp2 zero2": (dict(cp=2, dp=2), dict(cp_method="ulysses", zero=2), dict(moe_groups=4)),
     "cp2 pp2 zb_h1 m2": (dict(cp=2, pp=2), dict(schedule="zb_h1", num_microbatches=2), dict(moe_groups=2)),
 }

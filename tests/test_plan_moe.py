@@ -98,12 +98,15 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     ledger (within 0.1%), where even routing is 18% below; a capacity's drops make it below 1, as counted.
     With full recomputation one block's activations are held at a time: the job plans at its busiest layer's
     load, as if every layer were that busy (the planner cannot know which will be): at or above the heaviest
-    rank, within 5%."""
+    rank, within 5%. A capacity under cp: the same, on the rank whose tokens kept the most rows."""
     out, full, capped = tmp_path / "moe.json", tmp_path / "full.json", tmp_path / "capped.json"
+    capped_cp = tmp_path / "capped_cp.json"
     job = ["--steps", "6", "--sample-chars", "1", "--no-progress", "--dp", "2", "--moe-experts", "4", "--ep", "2"]
     calls = "; ".join(f"assert gpt.main({job + extra + ['--json', str(path)]!r}) == 0"
                       for path, extra in ((out, []), (full, ["--recompute", "full"]),
-                                          (capped, ["--ep", "1", "--moe-capacity-factor", "1.0"])))
+                                          (capped, ["--ep", "1", "--moe-capacity-factor", "1.0"]),
+                                          (capped_cp, ["--ep", "1", "--dp", "1", "--cp", "2",
+                                                       "--moe-capacity-factor", "1.0"])))
     run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; {calls}"], n=2, timeout=300)
     report = json.loads(out.read_text())
     compared, heaviest = report["planner"], max(r["memory"]["peak"]["total"] for r in report["ranks"])
@@ -119,6 +122,11 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     heaviest_capped = max(r["memory"]["peak"]["total"] for r in dropping["ranks"])
     assert dropping["planner"]["moe_load"] < 1
     assert dropping["planner"]["predicted"]["memory_bytes"] == pytest.approx(heaviest_capped, rel=1e-3)
+    # and over cp ranks, which plan the group's drops together: each rank's experts take its tokens' kept rows
+    dropping_cp = json.loads(capped_cp.read_text())
+    assert dropping_cp["planner"]["moe_load"] < 1 and dropping_cp["moe"]["tokens_dropped"] > 0
+    assert dropping_cp["planner"]["predicted"]["memory_bytes"] == pytest.approx(
+        max(r["memory"]["peak"]["total"] for r in dropping_cp["ranks"]), rel=1e-3)
     # the step is the median step: priced at the median step's load, which the planner's CLI prices alike
     assert 1 <= compared["moe_load_step"] < compared["moe_load"]
     at_step = json.loads(cli(["gpt", "--steps", "6", "--dp", "2", "--moe-experts", "4", "--ep", "2", "--world", "2",
@@ -473,16 +481,19 @@ def test_each_collective_of_the_expert_data_parallel_step_adds_its_own_cpu_to_th
     assert after - before == pytest.approx(collective(machine, "ring_all_reduce", 8, 2, 4, busy=True), rel=1e-9)
 
 
-def test_under_cp_each_moe_layer_sums_its_balancing_counts_once_and_the_planner_prices_that_all_reduce():
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_under_cp_each_moe_layer_sums_its_balancing_counts_once_and_the_planner_prices_what_it_sends(capacity):
     """Experts under cp (GPT3D, each rank routing its own tokens): a step's only collectives on the cp
-    communicator besides the ring's messages are one all-reduce per MoE layer and micro-batch of its G x E
-    counts; the planner adds exactly that all-reduce to the MoE block's forward (plan/layer_costs.py)."""
+    communicator besides the ring's messages are, per MoE layer and micro-batch, one all-reduce of its G x E
+    counts and, with a capacity, one all-gather of every rank's choices (N·k integers); the planner adds
+    exactly those to the MoE block's forward (plan/layer_costs.py)."""
     import minitrain as mt
     from minitrain import nn
     from minitrain.comm import ThreadWorld
     from minitrain.parallel.gpt_3d import GPT3D
     from minitrain.plan.layer_costs import axes_comm
-    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_groups=2)
+    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_groups=2,
+                  moe_capacity_factor=capacity)
     x = np.arange(32).reshape(4, 8) % 16
 
     def step(comm):
@@ -492,10 +503,14 @@ def test_under_cp_each_moe_layer_sums_its_balancing_counts_once_and_the_planner_
         cp.stats.reset()
         model.train_step(x, x)
         return {name: (e["calls"], e["bytes_sent"]) for name, e in cp.stats.by_name.items() if e["calls"]}
-    for collectives in ThreadWorld(2).run(step):
-        assert collectives == {"recursive_doubling_all_reduce": (2, 2 * 2 * 4 * 8)}     # 2 layers: G 2 x E 4, fp64
+    choices = 4 * 4 * 2 * 8                            # a rank's: 4 rows x 4 positions x k = 2, int64
+    for collectives in ThreadWorld(2).run(step):       # 2 layers: G 2 x E 4 counts, fp64; the choices, p - 1 = 1 hop
+        assert collectives == {"recursive_doubling_all_reduce": (2, 2 * 2 * 4 * 8),
+                               **({"ring_all_gather": (2, 2 * choices)} if capacity else {})}
     machine = plan.load_machine("cpu-2core")
     layout = plan.Layout(world=2, cp=2, batch_size=4, precision="fp64")
     (dense, _), (moe, _) = axes_comm(plan.GPT(**config), layout, 4, machine, busy=False)
-    assert moe - dense == pytest.approx(collective(machine, "ring_all_reduce", 2 * 4 * 8, 2, 2, after_compute=True),
-                                        rel=1e-12)
+    priced = collective(machine, "ring_all_reduce", 2 * 4 * 8, 2, 2, after_compute=True)
+    if capacity:
+        priced += collective(machine, "ring_all_gather", 2 * choices, 2, 2, after_compute=True)
+    assert moe - dense == pytest.approx(priced, rel=1e-12)

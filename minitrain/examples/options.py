@@ -89,9 +89,6 @@ def refuse_cp(parser, args, given):
                                             "process's, and ring attention has no attention dropout"),
             (f"--recompute {args.recompute}", args.recompute != "none",
              "the recomputed attention would replay its ring or all-to-alls in backward"),
-            (f"--moe-capacity-factor {args.moe_capacity_factor}", args.moe_experts > 0 and args.moe_capacity_factor
-             is not None, "not supported yet: capacity ranks a group's choices first come, first served, over tokens "
-                          "the cp ranks hold apart (dropless experts route each token on its own rank)"),
             (f"--ep {args.ep}", args.ep > 1, "not supported yet: experts are sharded over dp x pp x tp only")):
         if asked:
             cli.refuse(parser, option, setting, why)

@@ -58,7 +58,7 @@ class MoE(Module):
         self.rows_routed += x.shape[0] * self.top_k                    # (the jobs read and reset the counts)
         probs = F.softmax(self.router(x), axis=-1)                     # (N, E)
         choices, gates = self.route(probs)
-        plan = plan_dispatch(choices, self.num_experts, self.capacity(x.shape[0]), self.groups)
+        plan = self.plan(choices, shape)
         y = combine(self.run_experts(dispatch(x, plan), plan.counts), gates, plan)
         self.aux_loss = self.load_balancing_loss(probs, plan)
         self.stats = {"load": plan.routed.sum(axis=0), "dropped": plan.dropped, "aux_loss": self.aux_loss.data}
@@ -74,6 +74,11 @@ class MoE(Module):
         if self.normalize_gates:
             gates = gates / gates.sum(axis=-1, keepdims=True)
         return choices, gates
+
+    def plan(self, choices, shape):
+        """Where each choice goes: plan_dispatch over this layer's groups, at its capacity (``shape``: the
+        input's, (..., C); a layer whose tokens are spread over ranks plans with theirs)."""
+        return plan_dispatch(choices, self.num_experts, self.capacity(choices.shape[0]), self.groups)
 
     def capacity(self, num_tokens):
         return capacity(self.capacity_factor, num_tokens // self.groups, self.top_k, self.num_experts)

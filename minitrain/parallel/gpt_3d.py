@@ -59,7 +59,7 @@ from ..nn import Module, Sequential
 from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .pipeline.schedules import default_chunks
-from .context_parallel.gpt import context_parallelize, sequence_positions
+from .context_parallel.gpt import METHODS as CP_LAYOUTS, context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
 from .expert_data_parallel import reduce_expert_gradients
@@ -132,13 +132,11 @@ class GPT3D:
                                  f"over dp x pp x tp only)")
             self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
-        if self.moe_layers and cp > 1 and gpt.config.moe_capacity_factor is not None:
-            raise ValueError(f"[rank {comm.rank}] a capacity factor with cp = {cp}: not supported yet (capacity ranks "
-                             "a group's choices first come, first served, over tokens the cp ranks hold apart)")
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
             layer.record_step = True
-            layer.token_comm = self.mesh.comm("cp") if cp > 1 else None   # each routes its tokens; f over the row's
+            if cp > 1:                     # each routes its tokens; f and a capacity over the group's on every cp rank
+                layer.token_comm, layer.token_layout = self.mesh.comm("cp"), CP_LAYOUTS[cp_method]
         self.moe_statistics = None
         self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))

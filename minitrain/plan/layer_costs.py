@@ -67,10 +67,10 @@ def _plus(costs, wall, own):
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
     block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py), and under
-    cp its balancing loss's counts summed over the cp ranks. Ring:
+    cp its balancing loss's counts summed over the cp ranks (with a capacity, the choices gathered too). Ring:
     cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
     Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
-    from .experts import all_to_all_bytes, cp_block_bytes, local_groups
+    from .experts import all_to_all_bytes, cp_block_bytes, local_groups, local_tokens
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:
@@ -91,4 +91,7 @@ def axes_comm(model, layout, rows, machine, busy):
     if model.moe_experts and c > 1:     # the balancing loss's counts, summed over the cp ranks (G x E numbers)
         counts += collective(machine, "ring_all_reduce", local_groups(model, layout) * model.moe_experts
                              * PRECISIONS[layout.precision], c, c * t, busy=busy, after_compute=True)
+        if model.moe_capacity_factor is not None:     # and the choices of every rank's tokens, to plan a capacity
+            whole = 8 * rows * local_tokens(model, layout) * c * model.moe_top_k
+            counts += collective(machine, "ring_all_gather", whole, c, c * t, busy=busy, after_compute=True)
     return (fwd, bwd), (fwd + a2a + counts, bwd + a2a)

@@ -22,19 +22,16 @@ work: the block's forward redone in backward records the graph that its first, g
 did not. The reported figures are accumulated here per step and gathered over the stages and
 replicas by GPT3D (moe_step_statistics).
 
-Context parallelism (token_comm, the cp ranks): each rank routes the tokens it holds, which is
-exact where routing is per token (dropless: no capacity ranks one token against another), as
-Megatron-Core routes a cp rank's own tokens. The balancing loss is not per token: f, the fraction of a
-group's choices per expert, is counted over the whole group, its counts summed over the cp ranks (an
-all-reduce of G x E numbers); P stays each rank's own mean, so that the cp ranks' losses, averaged as
-their cross-entropies are, hold the group's E · sum f · P once and its exact gradient.
+Context parallelism (token_comm, the cp ranks): each rank routes the tokens it holds; the balancing
+loss's fractions and a capacity are counted over a group's tokens on every cp rank (context_parallel/moe.py).
 """
 import numpy as np
 
 from ... import backend
-from ...autograd import Tensor, is_grad_enabled
+from ...autograd import is_grad_enabled
 from ...comm import all_reduce
 from ...nn.moe import MoE
+from ..context_parallel.moe import balancing_loss, plan_for_rank
 
 
 class ReplicatedMoE(MoE):
@@ -44,22 +41,23 @@ class ReplicatedMoE(MoE):
     forward that records a graph adds its figures (load, dropped, aux_loss · scale) to the step's, until
     reset_step(). (Under full recomputation that is the forward redone in backward: counted once.)"""
 
+    token_comm = None       # context parallelism: the ranks holding the rest of each row (GPT3D sets it)
+    token_layout = None     # and how the sequence is laid out over them (context_parallel/moe.py)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.record_step = False
-        self.token_comm = None             # context parallelism: the ranks holding the rest of each row
         self.reset_step()
 
     def load_balancing_loss(self, probs, plan):
-        """nn.MoE's, with f counted over every cp rank's tokens of each group (see the module docstring)."""
         if self.token_comm is None or self.token_comm.size == 1:
             return super().load_balancing_loss(probs, plan)
-        xp, (G, E) = backend.array_module(probs.data), (self.groups, self.num_experts)
-        S = probs.shape[0] // G                                                    # this rank's tokens per group
-        routed = all_reduce(self.token_comm, xp.ascontiguousarray(plan.routed, dtype=probs.dtype), op="sum")
-        f = Tensor(routed / (S * self.token_comm.size * self.top_k))            # (G, E), the whole group's
-        P = probs.reshape(G, S, E).mean(axis=1)
-        return (P * f).sum() * (self.aux_loss_coef * E / G)
+        return balancing_loss(self, probs, plan, self.token_comm)
+
+    def plan(self, choices, shape):
+        if self.token_comm is None or self.token_comm.size == 1 or self.capacity_factor is None:
+            return super().plan(choices, shape)                # dropless: each rank's tokens on their own
+        return plan_for_rank(self, choices, shape, self.token_comm, self.token_layout)
 
     def reset_step(self):
         self.step_figures = []

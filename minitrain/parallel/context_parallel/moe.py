@@ -1,0 +1,53 @@
+"""Experts under context parallelism: each cp rank holds s/cp positions of every row and routes the
+tokens it holds, as Megatron-Core does. Routing, the experts and combine act token by token; two
+things do not, and both are counted over a group's tokens on every cp rank:
+
+- The balancing loss's f, the fraction of a group's choices that went to each expert: the ranks sum
+  their counts (an all-reduce of G x E numbers) and each keeps its own mean P, so that their losses,
+  averaged as their cross-entropies are, hold the group's E · sum f · P once (balancing_loss).
+- A capacity (GShard): an expert takes at most C of a group's choices, first choices of all its tokens
+  before second ones, each in token order (row by row, position by position). The ranks all-gather
+  their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
+  keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes.
+"""
+from ...backend import array_module, to_host
+from ...comm import all_reduce, ring_all_gather
+from ...nn.moe_dispatch import DispatchPlan, plan_dispatch
+from .zigzag import positions_of
+
+
+def balancing_loss(moe, probs, plan, comm):
+    """Switch's alpha · E · sum_i f_i · P_i per group, f over the group's choices on every rank of ``comm``."""
+    from ...autograd import Tensor
+    xp, (G, E) = array_module(probs.data), (moe.groups, moe.num_experts)
+    S = probs.shape[0] // G                                                    # this rank's tokens per group
+    routed = all_reduce(comm, xp.ascontiguousarray(plan.routed, dtype=probs.dtype), op="sum")
+    f = Tensor(routed / (S * comm.size * moe.top_k))                          # (G, E), the whole group's
+    P = probs.reshape(G, S, E).mean(axis=1)
+    return (P * f).sum() * (moe.aux_loss_coef * E / G)
+
+
+def plan_for_rank(moe, choices, shape, comm, layout):
+    """This rank's part of the dispatch one process plans for the rows' whole sequences: ``choices`` (N, k)
+    of this rank's tokens, ``shape`` (rows, positions held, C), ``layout`` the sequence's over the ranks."""
+    xp, (N, k), E, p = array_module(choices), choices.shape, moe.num_experts, comm.size
+    b, s = shape[0], shape[1]
+    T = s * p
+    gathered = ring_all_gather(comm, xp.ascontiguousarray(choices), total=N * k * p).reshape(p, b, s, k)
+    whole = xp.empty((b, T, k), dtype=choices.dtype)
+    for r in range(p):
+        whole[:, xp.asarray(positions_of(T, p, r, layout))] = gathered[r]
+    plan = plan_dispatch(whole.reshape(-1, k), E, moe.capacity(b * T), moe.groups)
+    # the whole plan's tokens (row · T + position) that are this rank's, as its own token indices
+    mine = xp.asarray(positions_of(T, p, comm.rank, layout))
+    local = xp.full(b * T, -1, dtype=plan.token.dtype)
+    local[(xp.arange(b)[:, None] * T + mine[None, :]).reshape(-1)] = xp.arange(N)
+    token = local[plan.token]
+    kept = token >= 0
+    slot = (token * k + plan.slot % k)[kept]             # expert by expert, in the whole plan's order
+    expert = xp.repeat(xp.arange(E), plan.counts)[kept]         # (CuPy takes the repeats as a host list)
+    counts = to_host(xp.bincount(expert, minlength=E)).tolist()
+    groups = xp.arange(N) // (N // moe.groups)            # this rank's tokens of each group, counted here
+    routed = xp.bincount((groups[:, None] * E + choices).reshape(-1), minlength=moe.groups * E)
+    return DispatchPlan(token=slot // k, slot=slot, counts=counts, routed=routed.reshape(moe.groups, E),
+                        dropped=N * k - sum(counts), num_tokens=N, top_k=k)
