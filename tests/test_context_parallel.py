@@ -294,7 +294,7 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
     (["--cp-method", "ulysses"], "--cp-method is not supported with --cp 1"),
     (["--cp", 2, "--dropout", 0.1], "--dropout is not supported with --cp 2"),
     (["--cp", 2, "--recompute", "selective"], "--recompute selective is not supported with --cp 2"),
-    (["--cp", 2, "--moe-experts", 2, "--ep", 2], "--ep 2 is not supported with --cp 2"),
+    (["--cp", 2, "--moe-experts", 2, "--ep", 2], "--ep 2 does not divide the 1 data-parallel ranks"),
     (["--cp", 0], "argument --cp: must be >= 1"),
     (["--cp", 2, "--cp-method", "striped"], "argument --cp-method: invalid choice: 'striped'"),
     (["--cp", 2], "--pp 1 x --cp 2 x --tp 1 = 2 ranks per replica do not divide this job's 1 ranks"),

@@ -4,7 +4,7 @@ tokens dropped, balancing loss) gathered from every stage equal one process's, o
 1F1B, interleaved, zero-bubble; 2 and 4 micro-batches), tp x pp and dp x pp, dropless and with a
 capacity factor counted over the same GShard groups (one process given moe_groups G = the run's), with
 and without full recomputation, and under context parallelism (each cp rank routes its own tokens; the
-balancing loss's fractions and a capacity counted over every rank's). In-process (ThreadWorld) for the model; the job's --json under mpiexec
+balancing loss's fractions and a capacity counted over every rank's; with ep, experts sharded too). In-process (ThreadWorld) for the model; the job's --json under mpiexec
 at 2 and 4 ranks against one process's job; a checkpoint of tp x pp resumed in one process."""
 import dataclasses
 import json
@@ -97,6 +97,9 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
                                           dict(moe_groups=4, moe_capacity_factor=0.75)),
     "cp2 ulysses dp2 zero2": (dict(cp=2, dp=2), dict(cp_method="ulysses", zero=2), dict(moe_groups=4)),
     "cp2 pp2 zb_h1 m2": (dict(cp=2, pp=2), dict(schedule="zb_h1", num_microbatches=2), dict(moe_groups=2)),
+    # and the experts sharded over ep: the ep groups of every cp coordinate hold the same experts (expert-dp)
+    "cp2 dp2 ep2 capacity": (dict(cp=2, dp=2), dict(ep=2), dict(moe_groups=2, moe_capacity_factor=1.0)),
+    "cp2 ulysses dp2 ep2 zero1": (dict(cp=2, dp=2), dict(ep=2, cp_method="ulysses", zero=1), dict(moe_groups=2)),
 }
 
 

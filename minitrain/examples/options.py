@@ -88,8 +88,7 @@ def refuse_cp(parser, args, given):
             ("--dropout", args.dropout > 0, "each context-parallel rank would draw its chunk's masks, not one "
                                             "process's, and ring attention has no attention dropout"),
             (f"--recompute {args.recompute}", args.recompute != "none",
-             "the recomputed attention would replay its ring or all-to-alls in backward"),
-            (f"--ep {args.ep}", args.ep > 1, "not supported yet: experts are sharded over dp x pp x tp only")):
+             "the recomputed attention would replay its ring or all-to-alls in backward")):
         if asked:
             cli.refuse(parser, option, setting, why)
 

@@ -127,10 +127,9 @@ class GPT3D:
         self.model.reduce_replicated_grads_in_backward = False     # once per step, below
         self.ep, self.ep_comm, self.expert_dp_comm, self.experts = ep, None, None, []
         if ep > 1:                                                  # expert_parallel_3d.py
-            if cp > 1:
-                raise ValueError(f"[rank {comm.rank}] ep = {ep} with cp = {cp}: not supported yet (experts are sharded "
-                                 f"over dp x pp x tp only)")
             self.ep_comm, self.expert_dp_comm, _, self.experts = shard_experts_3d(self.model, self.mesh.comm("dp"), ep)
+            if cp > 1:              # the same experts are held by the ep groups of every cp coordinate too
+                self.expert_dp_comm = self.mesh.comm("dp_cp").split(self.mesh.coordinate("dp") % ep)
         self.moe_layers = [block.mlp for block in self.model.h if isinstance(block.mlp, ReplicatedMoE)]
         for layer in self.moe_layers:      # a micro-batch's share of the groups; its loss weighs 1/m
             layer.groups, layer.aux_loss_scale = self.groups // (dp * num_microbatches), 1.0 / num_microbatches
@@ -201,7 +200,7 @@ class GPT3D:
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
-            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp)
+            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp)
         if self.zero is not None:
             self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's

@@ -34,10 +34,10 @@ sequence (its score matrix kept, as one process keeps it; the head-sharded q, k,
 sequence-sharded ones' place, the same size). Parameters are replicated over cp: gradients are reduced
 over dp·cp ranks. Measured against the job (h-cp's GPT3D): Ulysses the ledger's count, ring within 1.5%.
 
-Experts under cp: each rank routes its s/cp tokens, as the GPT job runs them (ep 1; the balancing loss's
+Experts under cp: each rank routes its s/cp tokens, as the GPT job runs them (the balancing loss's
 fractions summed over the cp ranks, G x E numbers; with a capacity the ranks' choices all-gathered, N·k
-integers, to plan the group's drops as one process does). ep > 1 with cp > 1 is planned as Megatron-Core
-runs it (the named models at scale need it), though the job refuses it yet.
+integers, to plan the group's drops as one process does; under ep the ep groups of every cp coordinate
+hold the same experts, reduced over dp/ep x cp ranks).
 Not modelled (refused in one line): dropout with experts, sequence parallelism with experts (the job
 refuses it too); the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
 zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.

@@ -9,6 +9,8 @@ things do not, and both are counted over a group's tokens on every cp rank:
   before second ones, each in token order (row by row, position by position). The ranks all-gather
   their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
   keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes.
+Under expert parallelism the ep groups (blocks of ep dp ranks) of every cp coordinate hold the same experts, so
+an expert's gradient is summed over dp/ep x cp ranks (GPT3D's expert data-parallel group).
 """
 from ...backend import array_module, to_host
 from ...comm import all_reduce, ring_all_gather
