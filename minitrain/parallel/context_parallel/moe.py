@@ -9,9 +9,10 @@ things do not, and both are counted over a group's tokens on every cp rank:
   before second ones, each in token order (row by row, position by position). The ranks all-gather
   their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
   keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes.
-Under expert parallelism the ep groups (blocks of ep dp ranks) of every cp coordinate hold the same experts, so
-an expert's gradient is summed over dp/ep x cp ranks (GPT3D's expert data-parallel group).
+Under expert parallelism the ep groups (blocks of ep dp ranks) of every cp coordinate hold the same
+experts, so an expert's gradient is summed over dp/ep x cp ranks (GPT3D's expert data-parallel group).
 """
+from ...autograd import Tensor
 from ...backend import array_module, to_host
 from ...comm import all_reduce, ring_all_gather
 from ...nn.moe_dispatch import DispatchPlan, plan_dispatch
@@ -20,7 +21,6 @@ from .zigzag import positions_of
 
 def balancing_loss(moe, probs, plan, comm):
     """Switch's alpha · E · sum_i f_i · P_i per group, f over the group's choices on every rank of ``comm``."""
-    from ...autograd import Tensor
     xp, (G, E) = array_module(probs.data), (moe.groups, moe.num_experts)
     S = probs.shape[0] // G                                                    # this rank's tokens per group
     routed = all_reduce(comm, xp.ascontiguousarray(plan.routed, dtype=probs.dtype), op="sum")
