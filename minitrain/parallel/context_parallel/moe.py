@@ -36,12 +36,13 @@ def plan_for_rank(moe, choices, shape, comm, layout):
     b, s = shape[0], shape[1]
     T = s * p
     gathered = ring_all_gather(comm, xp.ascontiguousarray(choices), total=N * k * p).reshape(p, b, s, k)
+    places = [xp.asarray(positions_of(T, p, r, layout)) for r in range(p)]    # each rank's positions, in its order
     whole = xp.empty((b, T, k), dtype=choices.dtype)
     for r in range(p):
-        whole[:, xp.asarray(positions_of(T, p, r, layout))] = gathered[r]
+        whole[:, places[r]] = gathered[r]
     plan = plan_dispatch(whole.reshape(-1, k), E, moe.capacity(b * T), moe.groups)
     # the whole plan's tokens (row · T + position) that are this rank's, as its own token indices
-    mine = xp.asarray(positions_of(T, p, comm.rank, layout))
+    mine = places[comm.rank]
     local = xp.full(b * T, -1, dtype=plan.token.dtype)
     local[(xp.arange(b)[:, None] * T + mine[None, :]).reshape(-1)] = xp.arange(N)
     token = local[plan.token]
