@@ -357,3 +357,14 @@ def test_a_ring_attention_steps_chunk_pairs_are_charged_their_calibrated_python(
     assert more - base == pytest.approx(model.n_layer * 2 * 5 * 1e-3 * typical(machine, 2), rel=1e-9)
     assert plan.predict(model, layout, machine)["step_busy_s"] > base       # the committed constant is charged
 
+
+
+@pytest.mark.parametrize("extra, groups", [(["--batch-size", 1], None), (["--moe-groups", 1], 1)])
+def test_experts_under_cp_count_the_data_parallel_replicas_without_the_cp_ranks(monkeypatch, extra, groups):
+    """2 ranks at --cp 2 are one replica: its default --moe-groups is 1 (a batch of one row routes), and 1 group is
+    a multiple of its replicas (both were refused, the cp ranks counted as replicas)."""
+    from minitrain.examples import gpt
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    args = gpt.parse_args([str(a) for a in JOB + ["--cp", 2, "--moe-experts", 4] + extra])
+    assert args.cp == 2 and args.moe_groups == groups
