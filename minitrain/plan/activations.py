@@ -177,7 +177,7 @@ def gpt_pieces(model, layout, rows, single_process=False):
 
 @lru_cache(maxsize=256)
 def _gpt_pieces(model, rows, single_process, *key):
-    from .experts import moe_mlp_sizes
+    from .experts import moe_backward_moments, moe_mlp_sizes
     layout = Layout(**dict(zip(("tp", "sequence_parallel", "recompute", "precision", "batch_size",
                                 "offload_activations", "cp", "cp_method", "ep", "dp", "moe_load"), key)))
     e = PRECISIONS[layout.precision]
@@ -202,6 +202,10 @@ def _gpt_pieces(model, rows, single_process, *key):
         kept, peak, at_core = gpt_block_bytes(model, layout, rows, moe)
         made = sum(attention[4:]) + sum(mlp)        # c_proj, ln_2 and the MLP: their gradients come first
         moments = None if at_core is None else [(kept, 0), (at_core, made)]
+        if moe and not layout.offload_activations:   # the MLP's backward comes first: its experts one by one
+            start = peak if layout.recompute == "full" else kept
+            inside = [(start - e * freed, made) for freed, made in moe_backward_moments(model, layout, rows)]
+            moments = [(start, 0)] + inside + (moments or [])[1:]
         w_nodes = gpt_block_w_nodes(model, layout, rows, mlp, moe)
         return Piece(name, [attention + mlp], kept, peak, moments=moments, w_nodes=w_nodes)
 

@@ -162,6 +162,25 @@ def moe_kept_values(model, layout, rows):
     return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared
 
 
+def moe_backward_moments(model, layout, rows):
+    """An MoE layer's backward as the ledger meets it: (values freed, parameters whose gradients are made) after
+    each node that matters. First the balancing loss and the combine free their saved fractions, gates and
+    gathered rows; then the routed experts, last first (each at M/E' rows, as balance gives): c_proj frees its
+    input and makes its gradients, GELU frees its two, c_fc makes its gradients, and the last c_fc frees the
+    dispatched rows (one array, the experts' inputs views of it). Where an expert's gradients outweigh what
+    it frees (few tokens a rank), the layer's worst moment is the last expert's c_proj, not its start or end."""
+    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    M, f, own = received_rows(model, layout, rows), model.expert_ffn, model.moe_experts // layout.ep
+    freed, made = N * k * h + N * k + 2 * E * local_groups(model, layout) + 1, 0
+    moments, per_expert = [(freed, made)], M / own
+    for last in [False] * (own - 1) + [True]:
+        freed, made = freed + per_expert * f, made + f * h + h                          # c_proj
+        moments.append((freed, made))
+        freed, made = freed + 2 * per_expert * f + (M * h if last else 0), made + h * f + f   # GELU, c_fc
+        moments.append((freed, made))
+    return moments
+
+
 def dense_mlp_values(model, layout, rows):
     """Values the dense MLP keeps: its input, c_fc's output and GELU's two (3·N·f/t)."""
     N, t = rows * local_tokens(model, layout), layout.tp
