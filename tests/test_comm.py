@@ -10,7 +10,8 @@ import pytest
 
 from minitrain import trace
 from minitrain.comm import (DeviceMesh, MeshError,
-                            ThreadWorld, all_reduce, all_reduce_coalesced, broadcast, chunk_bounds, naive_all_reduce,
+                            ThreadWorld, all_reduce, all_reduce_coalesced, all_to_all, broadcast, chunk_bounds,
+                            naive_all_reduce, reduce,
                             recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
                             ring_reduce_scatter)
 from minitrain.comm.checks import run_all
@@ -234,6 +235,22 @@ def test_out_buffers_are_filled_in_place_and_checked():
     for out, gathered in ThreadWorld(3).run(fn):
         np.testing.assert_array_equal(out, 3 * np.arange(10.0) + 3)
         np.testing.assert_array_equal(gathered, out)
+
+
+@pytest.mark.parametrize("collective", [all_reduce, ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast,
+                                        reduce, naive_all_reduce, recursive_doubling_all_reduce, all_to_all])
+@pytest.mark.parametrize("value", [2.0, [1.0, 2.0]])
+def test_a_collective_refuses_what_is_not_an_array_by_name_on_every_rank(collective, value):
+    """As torch.distributed refuses what is not a Tensor: a clear TypeError on the rank that called it, not an
+    AttributeError from inside the algorithm (or a wait for ranks that were refused)."""
+    def fn(comm):
+        with pytest.raises(TypeError, match=rf"\[rank {comm.rank}\] {collective.__name__}: expected an array "
+                                            rf"\(NumPy or CuPy\), got {type(value).__name__}"):
+            collective(comm, value)
+        with pytest.raises(TypeError, match="all_reduce_coalesced: expected an array"):
+            all_reduce_coalesced(comm, [np.ones(2), value])
+        return True
+    assert ThreadWorld(2).run(fn) == [True, True]
 
 
 def test_reduce_scatter_with_uneven_bounds():

@@ -21,7 +21,7 @@ place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 import numpy as np
 
 from ..backend import array_module
-from .reductions import check_op, check_out, combine, finish_mean, flat_view, output_buffer
+from .reductions import check_array, check_op, check_out, combine, finish_mean, flat_view, output_buffer
 from .rings import ring_all_gather, ring_all_reduce
 
 # all_reduce(algorithm="auto") uses recursive doubling below AUTO_CROSSOVER_BYTES·p/2 and the ring
@@ -51,6 +51,7 @@ def _broadcast_body(comm, tag, x, root):
 def broadcast(comm, x, root=0, async_op=False):
     """Copy root's ``x`` into every rank's ``x`` (in place; every rank passes a buffer of the same
     shape and dtype) along a binomial tree: ceil(log2 p) rounds."""
+    check_array(comm, x, "broadcast")
     if not 0 <= root < comm.size:
         raise ValueError(f"broadcast: root {root} is not in a world of size {comm.size}")
     if not x.flags.c_contiguous:
@@ -80,6 +81,7 @@ def _reduce_body(comm, tag, x, root, op):
 
 def reduce(comm, x, root=0, op="sum", async_op=False):
     """The reduction of all ranks' ``x`` on ``root`` (None on the others), along a binomial tree."""
+    check_array(comm, x, "reduce")
     check_op(op, x.dtype)
     if not 0 <= root < comm.size:
         raise ValueError(f"reduce: root {root} is not in a world of size {comm.size}")
@@ -111,6 +113,7 @@ def _naive_body(comm, tag, x, op, root, result):
 def naive_all_reduce(comm, x, op="sum", root=0, out=None, async_op=False):
     """Everyone sends everything to the root, which reduces and sends the result back to each:
     the root moves 2(p-1)·N·b bytes, serially. The contrast that motivates the ring."""
+    check_array(comm, x, "naive_all_reduce")
     check_op(op, x.dtype)
     if not 0 <= root < comm.size:
         raise ValueError(f"naive_all_reduce: root {root} is not in a world of size {comm.size}")
@@ -153,6 +156,7 @@ def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
     """log2(p) rounds, each exchanging the whole vector with the partner rank r XOR 2^k; ranks
     beyond the largest power of two fold in first and get the result last. Few messages, many
     bytes: the right choice for small messages, where latency (alpha) dominates."""
+    check_array(comm, x, "recursive_doubling_all_reduce")
     check_op(op, x.dtype)
     check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
@@ -174,6 +178,7 @@ def _all_to_all_body(comm, tag, x):
 def all_to_all(comm, x, async_op=False):
     """Block j of ``x`` (x split into p equal blocks along axis 0) goes to rank j; block j of the
     result came from rank j (MPI_Alltoall). (p-1) messages of N/p elements per rank."""
+    check_array(comm, x, "all_to_all")
     if x.ndim == 0 or x.shape[0] % comm.size:
         raise ValueError(f"all_to_all: the first axis ({x.shape[:1]}) must divide into {comm.size} equal blocks")
     header = {"shape": x.shape, "dtype": x.dtype}
@@ -222,6 +227,7 @@ def all_reduce(comm, x, op="sum", algorithm="auto", out=None, async_op=False):
     """All-reduce choosing the algorithm: ``auto`` takes recursive doubling for small messages
     (latency-bound: below AUTO_CROSSOVER_BYTES·p/2) and the ring above (bandwidth-bound).
     ``out`` receives the result in a buffer the caller reuses (every algorithm, async too)."""
+    check_array(comm, x, "all_reduce")
     check_algorithm(algorithm)
     if algorithm == "auto":
         small = x.nbytes < AUTO_CROSSOVER_BYTES * max(1, comm.size // 2)
@@ -236,6 +242,8 @@ def all_reduce_coalesced(comm, arrays, op="sum", algorithm="auto"):
     arrays = list(arrays)
     if not arrays:
         return arrays
+    for a in arrays:
+        check_array(comm, a, "all_reduce_coalesced")
     if len({a.dtype for a in arrays}) != 1:
         raise TypeError(f"[rank {comm.rank}] all_reduce_coalesced: one dtype per call, got "
                         f"{sorted({str(a.dtype) for a in arrays})}")

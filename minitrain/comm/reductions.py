@@ -16,6 +16,13 @@ def chunk_bounds(n, p):
     return bounds
 
 
+def check_array(comm, x, name):
+    """A collective moves an array's buffer (NumPy's or CuPy's): anything else is refused by name, as
+    torch.distributed refuses what is not a Tensor, before any rank waits for it."""
+    if not all(hasattr(x, a) for a in ("nbytes", "dtype", "shape", "flags")):
+        raise TypeError(f"[rank {comm.rank}] {name}: expected an array (NumPy or CuPy), got {type(x).__name__}")
+
+
 def check_op(op, dtype):
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}: expected one of {OPS}")

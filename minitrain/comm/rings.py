@@ -11,7 +11,7 @@ fills out=) and leaves the input untouched; async_op=True returns a Work (work.p
 import numpy as np
 
 from ..backend import array_module
-from .reductions import check_op, check_out, chunk_bounds, combine, finish_mean, flat_view, output_buffer
+from .reductions import check_array, check_op, check_out, chunk_bounds, combine, finish_mean, flat_view, output_buffer
 
 
 def _sendrecv_reduce(comm, sendbuf, dest, recvbuf, source, tag, own, op):
@@ -29,6 +29,7 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     """Every rank gets the reduction of all ranks' ``x`` (same shape everywhere): ring
     reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank.
     Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
+    check_array(comm, x, "ring_all_reduce")
     check_op(op, x.dtype)
     check_out(comm, "ring_all_reduce", out, x.shape, x)
 
@@ -67,6 +68,7 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
     (p-1) steps; (N - |chunk r|)·b bytes sent per rank; working memory two chunks.
     ``bounds`` (p+1 offsets) gives another partition: chunk r = [bounds[r], bounds[r+1]) (as
     MPI_Reduce_scatter's counts; ZeRO-2 uses it for the slices of a bucket each rank owns)."""
+    check_array(comm, x, "ring_reduce_scatter")
     check_op(op, x.dtype)
     _check_bounds(comm, bounds, x.size)
     bounds = chunk_bounds(x.size, comm.size) if bounds is None else list(bounds)
@@ -110,6 +112,7 @@ def ring_all_gather(comm, shard, total=None, out=None, async_op=False):
     (as np.array_split makes them); pass ``total`` when the full length is known, otherwise the
     lengths are exchanged first (``out`` then needs ``total``). (p-1) steps; (N - |chunk r+1|)·b
     bytes sent per rank."""
+    check_array(comm, shard, "ring_all_gather")
     _check_gather(comm, shard, total, out)
 
     def ring(comm, tag):
