@@ -137,3 +137,12 @@ def test_the_vocab_parallel_loss_refuses_targets_of_another_shape():
         with pytest.raises(ValueError, match=r"need integer targets of shape \(2, 4\), got int64 \(8,\)"):
             model.loss(logits, np.zeros(8, np.int64))
     ThreadWorld(2).run(fn)
+
+
+@pytest.mark.parametrize("index", [-1, 5, 7])
+def test_an_embedding_index_outside_the_table_is_an_index_error_not_another_row(index):
+    """As torch.nn.Embedding: NumPy's indexing would read -1 as the last row and say nothing."""
+    table = nn.Embedding(5, 3)
+    with pytest.raises(IndexError, match=rf"embedding: indices must lie in \[0, 5\), found {min(index, 0)}\.\.{max(index, 2)}"):
+        table(np.array([[0, 2], [index, 1]]) if index > 0 else np.array([[index, 2], [0, 1]]))
+    np.testing.assert_array_equal(table(np.array([4, 0])).data, table.weight.data[[4, 0]])

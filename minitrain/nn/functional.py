@@ -84,9 +84,14 @@ def mse_loss(input, target):
 
 
 def embedding(indices, weight):
+    """weight[indices]. An index outside [0, num_embeddings) is an IndexError where checking is free (indices on
+    the host), as torch.nn.Embedding's: NumPy would read -1 as the last row. Indices already on the GPU are not
+    read back (a synchronisation a step), as cross_entropy's targets."""
     indices = _raw(indices)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"embedding: indices must be integers, got {indices.dtype}")
+    if not backend.is_device_array(indices):
+        ops.check_targets(indices.reshape(-1), _raw(weight).shape[0], "embedding", "indices")
     indices = _integers_beside(indices, _raw(weight), "indices", "embedding")
     return ops.Embedding.apply(indices, weight)
 

@@ -65,8 +65,8 @@ class LogSoftmax(Function):
         return g - array_module(out).exp(out) * g.sum(axis=ctx.axis, keepdims=True)
 
 
-def check_targets(t, classes):
-    """IndexError unless every target lies in [0, classes). On device arrays this reads the targets'
+def check_targets(t, classes, call="cross_entropy", what="targets"):
+    """IndexError unless every target (or index) lies in [0, classes). On device arrays this reads their
     range back (one counted copy, a synchronisation): the device path does it only when asked
     (cross_entropy's validate_targets=True)."""
     if not t.size:
@@ -76,7 +76,7 @@ def check_targets(t, classes):
     else:
         lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= classes:
-        raise IndexError(f"cross_entropy: targets must lie in [0, {classes}), found {lo}..{hi}")
+        raise IndexError(f"{call}: {what} must lie in [0, {classes}), found {lo}..{hi}")
 
 
 _rows = {}     # (n, module, GPU) -> arange(n) on that GPU: the targets' row indices, made once per size
