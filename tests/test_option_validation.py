@@ -104,6 +104,7 @@ REFUSED = [  # (module, argv, the option refused, the setting it is refused with
     ("mlp", ["--strategy", "pipeline", "--offload"], "--offload", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--offload-activations"], "--offload-activations", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--device-memory", "100000"], "--device-memory", "--strategy pipeline"),
+    ("mlp", ["--strategy", "pipeline", "--precision", "bf16"], "--precision", "--strategy pipeline"),
     ("mlp", ["--dp", "2"], "--dp", "--strategy ddp"),
     ("mlp", ["--strategy", "zero3", "--microbatches", "8"], "--microbatches", "--strategy zero3"),
     ("mlp", ["--schedule", "gpipe"], "--schedule", "--strategy ddp"),

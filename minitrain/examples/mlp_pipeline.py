@@ -44,8 +44,6 @@ def _fail(parser, comm, message):
 
 def main_pipeline(args, parser, comm):
     world, rank = comm.size, comm.rank
-    if args.precision not in ("fp32", "fp64"):
-        _fail(parser, comm, "--strategy pipeline runs in fp32 or fp64 (mixed precision is wired into ZeRO and DDP)")
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp

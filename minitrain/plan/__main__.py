@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from .. import cli
 from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
-from . import (Layout, LayoutError, MachineError, Params, check, corpus_vocab_size, gpt_from_args, layouts,
-               load_machine, mlp_from_args, predict)
+from . import (MLP_PIPELINE_PRECISIONS, Layout, LayoutError, MachineError, Params, check, corpus_vocab_size,
+               gpt_from_args, layouts, load_machine, mlp_from_args, predict)
 from .configs import NAMED
 from .layout import PRECISIONS, SCHEDULES
 
@@ -183,7 +183,8 @@ def search(model, base, machine, accounting, device_memory):
         for strategy in ("ddp", "zero1", "zero2", "zero3"):
             candidates.append(Layout(**{**base.fields(), "dp": base.world, "pp": 1, "zero": int(strategy[-1])
                                         if strategy != "ddp" else 0, "microbatches": 1}))
-        for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
+        pipelines = base.precision in MLP_PIPELINE_PRECISIONS
+        for dp in (d for d in range(1, base.world + 1) if pipelines and base.world % d == 0 and base.world // d > 1):
             for m in (1, 2, 4, 8, 16):
                 for schedule in ("gpipe", "1f1b", "zb_h1"):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,
