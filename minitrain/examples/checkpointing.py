@@ -40,7 +40,7 @@ OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-o
 
 def add_arguments(parser):
     group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
+    group.add_argument("--save-dir", type=cli.output_folder, metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
     group.add_argument("--save-every", type=cli.positive_int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --save-dir, on any layout "
