@@ -101,13 +101,13 @@ def test_a_value_out_of_range_stops_with_one_argparse_line(module, prefix, parse
     assert len(errors) == 1 and f"error: argument {option}" in errors[0], err
 
 
-PATHS = {cli.output_file: ["{missing}/out.json", "{folder}"], cli.output_image: ["{missing}/step.png", "{folder}/step.xyz"],
-         cli.output_folder: ["{file}", "{file}/ckpt"], plan_json_path: ["{missing}/plan.json", "{folder}"]}
+PATHS = {cli.output_file: ["{missing}/out.json", "{folder}"], plan_json_path: ["{missing}/plan.json", "{folder}"],
+         cli.output_image: ["{missing}/step.png", "{folder}/step.xyz"], cli.output_folder: ["{file}", "{file}/ckpt"]}
 
 
 def _path_options():
-    return [pytest.param(module, prefix, action.option_strings[0], value, id=f"{parser.prog} {action.option_strings[0]} "
-                                                                           f"{value}")
+    return [pytest.param(module, prefix, action.option_strings[0], value,
+                         id=f"{parser.prog} {action.option_strings[0]} {value}")
             for module, prefix, parser in PARSERS for action in parser._actions for value in PATHS.get(action.type, [])]
 
 
@@ -126,9 +126,9 @@ def test_a_path_the_run_could_not_write_stops_it_before_any_work(tmp_path, modul
 def test_every_path_a_command_line_writes_is_checked_while_parsing():
     options = {(module.split(".")[-1], *prefix, action.option_strings[0]) for module, prefix, parser in PARSERS
                for action in parser._actions if action.type in PATHS}
-    assert options == {("mlp", "--json"), ("mlp", "--trace"), ("mlp", "--plot"), ("mlp", "--save-dir"), ("gpt", "--json"),
-                       ("gpt", "--save-dir"), ("generate", "--json"), ("__main__", "mlp", "--json"),
-                       ("__main__", "gpt", "--json"), ("__main__", "params", "--json")}
+    assert options == {("mlp", "--json"), ("mlp", "--trace"), ("mlp", "--plot"), ("mlp", "--save-dir"),
+                       ("gpt", "--json"), ("gpt", "--save-dir"), ("generate", "--json"),
+                       ("__main__", "mlp", "--json"), ("__main__", "gpt", "--json"), ("__main__", "params", "--json")}
     assert cli.output_folder(str(pathlib.Path(__file__).parent / "new" / "nested"))     # made when saved
 
 

@@ -54,7 +54,8 @@ def add_common(p, precision="fp32"):
                    help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
     p.add_argument("--device-memory", type=cli.positive_float, default=None, metavar="BYTES",
                    help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
-    p.add_argument("--json", nargs="?", const="-", type=_json_path, metavar="PATH", help="print JSON (or write it to PATH; default: a table)")
+    p.add_argument("--json", nargs="?", const="-", type=_json_path, metavar="PATH",
+                   help="print JSON (or write it to PATH; default: a table)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
     p.add_argument("--top", type=_positive, default=10, help="--search: how many to print (JSON: all)")
     p.add_argument("--threads", type=_positive, default=None,
