@@ -92,9 +92,14 @@ def check_resume(parser, args):
                              f"checkpoint, or another --save-dir (a save never writes into an existing step folder)")
             return
         path = checkpoint.latest(args.save_dir)
-        saved = path and checkpoint.read_manifest(path).get("scalars", {}).get("job", {}).get("training")
+        manifest = checkpoint.read_manifest(path) if path else {}
+        saved = manifest.get("scalars", {}).get("job", {}).get("training")
     except CheckpointError as e:
         parser.error(f"--resume: {e}")
+    optimizer = manifest.get("layout", {}).get("optimizer")
+    if optimizer and getattr(args, "optimizer", optimizer) != optimizer:      # named first: --lr's default follows it
+        parser.error(f"--resume: {path} was trained with --optimizer {optimizer} (this command line: "
+                     f"{args.optimizer}): its optimizer state cannot carry over; resume with --optimizer {optimizer}")
     if not saved:
         return
     differ = _differences(saved, training_settings(args))
