@@ -10,10 +10,12 @@ reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks e
 Values are checked while parsing: type=cli.positive_int, nonneg_int, positive_float, nonneg_float or
 probability refuses a value out of range with argparse's one line and exit status 2, before any work
 (tests/test_option_validation.py gives every numeric option of every parser such values).
-given_options tells which options a command line set, so a job can refuse one it would ignore.
+output_file, output_image and output_folder refuse, the same way, a path the run could not write when it
+ends. given_options tells which options a command line set, so a job can refuse one it would ignore.
 """
 import argparse
 import math
+import os
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -107,6 +109,50 @@ def probability(text):
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+# ---------------------------------------------------------------- paths a command writes when it ends
+# Checked while parsing too: a file the run would write at its end (--json, --trace, --plot) or a folder it
+# saves into (--save-dir) must be writable before the run starts, not found wanting after it.
+def _writable_folder(folder, text):
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder" if os.path.exists(folder)
+                                         else f"cannot write {text}: there is no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} is not writable")
+
+
+def output_file(text):
+    """A file written when the run ends: not a folder, in a folder that exists and is writable."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name in it")
+    _writable_folder(os.path.dirname(os.path.abspath(text)), text)
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the file is read-only")
+    return text
+
+
+def output_image(text):
+    """An image written when the run ends (matplotlib's savefig): an output_file whose extension names a
+    format matplotlib writes (none: PNG)."""
+    output_file(text)
+    extension = os.path.splitext(text)[1][1:].lower()
+    if extension:
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if extension not in formats:
+            raise argparse.ArgumentTypeError(f"cannot draw {text}: matplotlib writes {', '.join(sorted(formats))}, "
+                                             f"not {extension}")
+    return text
+
+
+def output_folder(text):
+    """A folder saved into (made if missing, as os.makedirs does): a folder, or made in a writable one."""
+    path = os.path.abspath(text)
+    while not os.path.exists(path):               # the nearest one that exists holds the new folders
+        path = os.path.dirname(path)
+    _writable_folder(path, text)
+    return text
 
 
 def given_options(parser, argv):

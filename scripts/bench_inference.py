@@ -6,7 +6,7 @@
 1. Waste, every prompt running at once: reserved vs used KV bytes when the reservation peaked, beside
    the formulas: contiguous wastes sum(context - length) tokens, paged at most (block_size - 1) per
    sequence (exactly the empty slots of each last block).
-2. Throughput (generated tokens/s, median of --repeats) vs --max-batch for no cache, contiguous and
+2. Throughput (generated tokens/s, median of --repeats) vs the max batch (--batches) for no cache, contiguous and
    paged, with the ratio to no cache at the same batch: the KV cache's speed-up.
 3. The paged read: one layer's write + gather through the block table vs the contiguous cache's read,
    for a batch of sequences of the prompts' lengths (the price of the simple gather kernel).
@@ -36,7 +36,7 @@ def parse_args():
     p.add_argument("--max-prompt-len", type=cli.positive_int, default=64, help="longest prompt, in tokens")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=32, help="tokens generated per request")
     p.add_argument("--batches", type=cli.positive_int, nargs="+", default=[1, 2, 4, 8, 16],
-                   help="the --max-batch values of the throughput runs")
+                   help="the engine's max batch (sequences decoded together) in each throughput run")
     p.add_argument("--block-sizes", type=cli.positive_int, nargs="+", default=[1, 4, 16, 64], help="paged block sizes of the waste runs")
     p.add_argument("--block-size", type=cli.positive_int, default=16, help="paged block size in the throughput runs")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="the model's dtype")

@@ -48,6 +48,18 @@ def test_every_option_has_help_that_shows_its_default(options):
     assert not missing, "options without help or without their default:\n" + "\n".join(missing)
 
 
+def test_every_option_a_help_text_names_is_one_its_command_takes(options):
+    """A help text that names an option (--steps) names one of its own command's, not another job's."""
+    taken = {}
+    for row in options:
+        if "option" in row and not row.get("subcommand"):
+            taken.setdefault(row["prog"], set()).update(row["option"].split("/"))
+    foreign = [f"{row['prog']} {row['option']}: {name}" for row in options
+               if "option" in row and not row.get("subcommand")
+               for name in sorted(set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", row["help"])) - taken[row["prog"]])]
+    assert not foreign, foreign
+
+
 def test_help_and_descriptions_are_plain_text(options):
     marked = [f"{row['prog']} {row.get('option', '(description)')}" for row in options
               if MARKUP.search(row.get("help", "") + row.get("description", ""))]

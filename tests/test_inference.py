@@ -194,6 +194,14 @@ def test_bad_inputs_are_refused_saying_what_fits(gpt):
         PagedKVCache.for_model(gpt, block_size=-2)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], 3)
+    for bad in (-1, 13, 2.5):         # as torch.nn.Embedding: no id read as another row (-1: the last)
+        with pytest.raises(ValueError, match=rf"prompt 1 holds {bad}, not a token id: ids are integers in \[0, 13\)"):
+            engine.generate([[1], [2, bad]], 3)
+    assert engine.generate(np.array([[1, 12]]), 2).tokens == engine.generate([[1, 12]], 2).tokens
+    with pytest.raises(ValueError, match="no prompts: give at least one"):
+        engine.generate([], 3)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        engine.generate([[1]], 3, temperature=float("nan"))
     tracker = memory.tracker()
     old = tracker.capacity
     memory.set_device_capacity(tracker.live_total + 5 * 4 * bytes_per_token())   # 5 blocks: 20 tokens

@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import io
 import json
+import pathlib
 import sys
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 from minitrain import checkpoint, cli, nn
 from minitrain.examples import gpt, mlp
+from minitrain.plan.__main__ import _json_path as plan_json_path
 from minitrain.testing import run_mpi
 
 PROGRAMS = {"minitrain.examples.mlp": [], "minitrain.examples.gpt": [], "minitrain.examples.generate": [],
@@ -99,11 +101,43 @@ def test_a_value_out_of_range_stops_with_one_argparse_line(module, prefix, parse
     assert len(errors) == 1 and f"error: argument {option}" in errors[0], err
 
 
+PATHS = {cli.output_file: ["{missing}/out.json", "{folder}"], plan_json_path: ["{missing}/plan.json", "{folder}"],
+         cli.output_image: ["{missing}/step.png", "{folder}/step.xyz"], cli.output_folder: ["{file}", "{file}/ckpt"]}
+
+
+def _path_options():
+    return [pytest.param(module, prefix, action.option_strings[0], value,
+                         id=f"{parser.prog} {action.option_strings[0]} {value}")
+            for module, prefix, parser in PARSERS for action in parser._actions for value in PATHS.get(action.type, [])]
+
+
+@pytest.mark.parametrize("module, prefix, option, value", _path_options())
+def test_a_path_the_run_could_not_write_stops_it_before_any_work(tmp_path, module, prefix, option, value):
+    """--json, --trace, --plot, --save-dir: written when the run ends, so checked while parsing (a missing
+    folder, a folder given for a file, a format matplotlib does not write, a file given for a folder)."""
+    (tmp_path / "a-file").write_text("")
+    path = value.format(missing=tmp_path / "missing", folder=tmp_path, file=tmp_path / "a-file")
+    status, err = _run(module, prefix + [option, path])
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert status == 2 and "Traceback" not in err, err
+    assert len(errors) == 1 and f"error: argument {option}: " in errors[0], err
+
+
+def test_every_path_a_command_line_writes_is_checked_while_parsing():
+    options = {(module.split(".")[-1], *prefix, action.option_strings[0]) for module, prefix, parser in PARSERS
+               for action in parser._actions if action.type in PATHS}
+    assert options == {("mlp", "--json"), ("mlp", "--trace"), ("mlp", "--plot"), ("mlp", "--save-dir"),
+                       ("gpt", "--json"), ("gpt", "--save-dir"), ("generate", "--json"),
+                       ("__main__", "mlp", "--json"), ("__main__", "gpt", "--json"), ("__main__", "params", "--json")}
+    assert cli.output_folder(str(pathlib.Path(__file__).parent / "new" / "nested"))     # made when saved
+
+
 REFUSED = [  # (module, argv, the option refused, the setting it is refused with)
     ("mlp", ["--strategy", "pipeline", "--recompute", "full"], "--recompute", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--offload"], "--offload", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--offload-activations"], "--offload-activations", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--device-memory", "100000"], "--device-memory", "--strategy pipeline"),
+    ("mlp", ["--strategy", "pipeline", "--precision", "bf16"], "--precision", "--strategy pipeline"),
     ("mlp", ["--dp", "2"], "--dp", "--strategy ddp"),
     ("mlp", ["--strategy", "zero3", "--microbatches", "8"], "--microbatches", "--strategy zero3"),
     ("mlp", ["--schedule", "gpipe"], "--schedule", "--strategy ddp"),

@@ -133,11 +133,14 @@ def test_the_jobs_equal_one_process_on_every_step_the_last_partial_batch_include
         ("gpt_tp2_pp2", "gpt", f"{GPT} --batch-size 5 --tp 2 --pp 2 --microbatches 3"),
         ("gpt_dp2_tp2", "gpt", f"{GPT} --batch-size 3 --dp 2 --tp 2 --microbatches 2"),
         ("gpt_dp2_pp2", "gpt", f"{GPT} --batch-size 5 --dp 2 --pp 2 --microbatches 2"),
-        ("gpt_dp4", "gpt", f"{GPT} --batch-size 3")])
+        ("gpt_dp4", "gpt", f"{GPT} --batch-size 3"),
+        ("pipeline_dp2", "mlp", f"{MLP} --strategy pipeline --dp 2 --microbatches 3")])
     assert [s for s, _, _ in checkpoint.list_checkpoints(ckpt)] == [7, 14, 21, 28, 30]
     for name, ref in (("zero3x4", adam), ("gpt_tp2_pp2", gpt5), ("gpt_dp2_tp2", gpt3), ("gpt_dp2_pp2", gpt5),
-                      ("gpt_dp4", gpt3)):
+                      ("gpt_dp4", gpt3), ("pipeline_dp2", adam)):
         assert_equal_steps(four[name], ref, name)
+    for name in ("zero3x4", "pipeline_dp2"):      # the global batch's loss, not rank 0's replica's share
+        assert four[name]["final_loss"] == pytest.approx(adam["final_loss"], rel=RTOL), name
     second = tmp_path / "ckpt-x3"
     shutil.copytree(ckpt, second)
     keep_until(ckpt, 14)                     # the last step of the first epoch (15 steps of 100, 100, ..., 38)

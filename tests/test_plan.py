@@ -160,6 +160,11 @@ def test_every_gpt_pipeline_the_job_runs_is_planned(args):
 def test_the_planner_refuses_what_the_pipeline_job_refuses():
     assert "--recompute is not supported with --strategy pipeline" in refused(
         "mlp --strategy pipeline --recompute full --world 2")
+    assert "--precision bf16 is not supported with --strategy pipeline" in refused(
+        "mlp --strategy pipeline --precision bf16 --world 2")
+    ranked = cli("mlp --world 4 --precision fp16 --search")          # nor does the search offer one
+    assert ranked and all(r["layout"]["pp"] == 1 for r in ranked)
+    assert any(r["layout"]["pp"] > 1 for r in cli("mlp --world 4 --precision fp32 --search"))
     assert "--microbatches 17 exceeds the 16 rows of the largest replica's batch" in refused(
         "gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 17")
     assert cli("gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 16")["layout"]["microbatches"] == 16

@@ -132,6 +132,9 @@ def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path):
     keep_until(d, 1)
     refused(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7], "--seed 0 (this command line: 7)")
     refused(mlp, MLP + ["--save-dir", d, "--resume", "--hidden", 8], "sizes = [64, 16, 16, 10] (--hidden / --layers)")
+    # another optimizer is named as the cause, not the learning rate its default brings (0.1 for sgd)
+    refused(mlp, MLP + ["--save-dir", d, "--resume", "--optimizer", "sgd"], "trained with --optimizer adam (this "
+            "command line: sgd): its optimizer state cannot carry over; resume with --optimizer adam")
     status, _, err = run(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7, OVERRIDE])
     assert status == 0 and "Traceback" not in err, err
 

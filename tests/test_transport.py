@@ -170,14 +170,27 @@ def test_without_nccl_the_backend_says_so(standin_gpu):
         ThreadWorld(2).run(lambda comm: (standin_gpu.cuda.Device(comm.rank).use(), NCCLCommunicator(comm)))
 
 
-@pytest.mark.parametrize("setting, says", [
-    ({"MINITRAIN_TRANSPORT": "cuda-ipc"}, "mlp.py: error: transport 'cuda-ipc' cannot work here: cudaErrorNotSupported"),
-    ({"MINITRAIN_BACKEND": "nccl", "CUPY_STANDIN_DEVICES": "1"}, "mlp.py: error: [rank 0] NCCL cannot start"),
-], ids=["cuda-ipc where it cannot work", "nccl without NCCL"])
-def test_a_job_refuses_a_backend_or_transport_that_cannot_work_in_one_line(setting, says):
-    """As a bad option is refused: one line from rank 0, exit status 2 on every rank, no traceback."""
+@pytest.mark.parametrize("gpu, setting, says", [
+    (True, {"MINITRAIN_TRANSPORT": "cuda-ipc"},
+     "mlp.py: error: transport 'cuda-ipc' cannot work here: cudaErrorNotSupported"),
+    (True, {"MINITRAIN_BACKEND": "nccl", "CUPY_STANDIN_DEVICES": "1"}, "mlp.py: error: [rank 0] NCCL cannot start"),
+    (False, {"MINITRAIN_BACKEND": "nccl"}, "mlp.py: error: backend 'nccl' moves device buffers by CuPy's NCCL "
+                                           "binding: device 'cuda' needs CuPy"),
+    (False, {"MINITRAIN_BACKEND": "gloo"}, "mlp.py: error: unknown backend 'gloo': expected 'mpi' or 'nccl'"),
+    (False, {"MINITRAIN_TRANSPORT": "pinned-staging"},
+     "mlp.py: error: transport 'pinned-staging' moves device buffers: select the GPU first (MINITRAIN_DEVICE=cuda)"),
+    (True, {"MINITRAIN_TRANSPORT": "nvlink"}, "mlp.py: error: unknown transport 'nvlink': expected auto or one of"),
+], ids=["cuda-ipc where it cannot work", "nccl without NCCL", "nccl without CuPy", "an unknown backend",
+        "a transport on the CPU", "an unknown transport"])
+def test_a_job_refuses_a_backend_or_transport_that_cannot_work_in_one_line(gpu, setting, says, tmp_path):
+    """As a bad option is refused: one line from rank 0, exit status 2 on every rank, no traceback (on the CPU:
+    a machine without CuPy, whatever this one has)."""
+    (tmp_path / "cupy.py").write_text("raise ImportError('no CuPy on this machine')\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = standin_env(MINITRAIN_DEVICE="cuda", **setting) if gpu else {"MINITRAIN_DEVICE": "", "PYTHONPATH": path,
+                                                                      **setting}
     proc = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--epochs", "1", "--no-progress"], n=2,
-                   timeout=120, env=standin_env(MINITRAIN_DEVICE="cuda", **setting), check=False)
+                   timeout=120, env=env, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stdout
     assert "Traceback" not in proc.stdout

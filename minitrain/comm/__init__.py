@@ -37,7 +37,8 @@ def init(timeout=None, limit_threads=True, *, comm_timeout=DEFAULT_COMM_TIMEOUT,
         from .nccl import NCCLCommunicator
         return NCCLCommunicator(comm)
     if backend != "mpi":
-        raise ValueError(f"unknown backend {backend!r}: expected 'mpi' or 'nccl'")
+        from .errors import Unavailable
+        raise Unavailable(f"unknown backend {backend!r}: expected 'mpi' or 'nccl'")
     return setup(comm, transport)
 
 

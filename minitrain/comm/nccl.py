@@ -118,7 +118,10 @@ class NCCLCommunicator(Communicator):
         wrap(self, **{k: v for k, v in options.items() if k != "comm_timeout"})
         self.bootstrap = bootstrap
         self.world_size = getattr(bootstrap, "world_size", bootstrap.size)
-        cupy = self.cupy = backend._import_cupy()
+        try:
+            cupy = self.cupy = backend._import_cupy()
+        except RuntimeError as e:                    # no CuPy: the same on every rank
+            raise NCCLUnavailable(f"backend 'nccl' moves device buffers by CuPy's NCCL binding: {e}") from None
         self.device = cupy.cuda.runtime.getDevice()
         try:
             nccl, problem = nccl_module(), None

@@ -56,9 +56,12 @@ def setup(comm, transport=None):
     """Give an MPICommunicator its device transport (on the GPU; on the CPU only host arrays move).
     ``transport``: None reads MINITRAIN_TRANSPORT (default auto). A fallback is said once, on rank 0."""
     want = transport or os.environ.get("MINITRAIN_TRANSPORT") or "auto"
+    if want not in ("auto",) + NAMES:
+        raise TransportUnavailable(f"unknown transport {want!r}: expected auto or one of {NAMES}")
     if backend.get_device() != "cuda":
         if want != "auto":
-            raise ValueError(f"transport {want!r} moves device buffers: select the GPU first (MINITRAIN_DEVICE=cuda)")
+            raise TransportUnavailable(f"transport {want!r} moves device buffers: select the GPU first "
+                                       f"(MINITRAIN_DEVICE=cuda)")
         return comm
     comm.transport, note = choose(comm, want)
     comm.transport_note = "; ".join(n for n in (note, shared_gpu_note(comm)) if n)

@@ -39,19 +39,23 @@ OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-o
 
 
 def add_arguments(parser):
+    """The checkpoint options, after the job's own (their help names the job's schedule options)."""
+    settings = [option for option in TRAINING.values() if option in parser._option_string_actions]
+    length = "--steps" if "--steps" in settings else "--epochs"
     group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save-dir", metavar="DIR", help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
+    group.add_argument("--save-dir", type=cli.output_folder, metavar="DIR",
+                       help="save sharded checkpoints in DIR (DIR/step-NNNNNNNN; default: no checkpoints)")
     group.add_argument("--save-every", type=cli.positive_int, metavar="N", help="save after every N steps and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in --save-dir, on any layout "
                             "(none there: start from step 0)")
     which = group.add_mutually_exclusive_group()
     which.add_argument(OVERRIDE, action="store_true",
-                       help="with --resume: train with this command line's --steps, --lr, --lr-schedule, "
-                            "--warmup-steps and --seed where they differ from the checkpoint's")
+                       help=f"with --resume: train with this command line's {', '.join(settings[:-1])} and "
+                            f"{settings[-1]} where they differ from the checkpoint's")
     which.add_argument(USE_CHECKPOINT, action="store_true",
                        help="with --resume: keep the checkpoint's schedule, learning rate and seed where this "
-                            "command line's differ (--steps still says how long to train)")
+                            f"command line's differ ({length} still says how long to train)")
 
 
 def check_arguments(parser, args):
@@ -88,9 +92,14 @@ def check_resume(parser, args):
                              f"checkpoint, or another --save-dir (a save never writes into an existing step folder)")
             return
         path = checkpoint.latest(args.save_dir)
-        saved = path and checkpoint.read_manifest(path).get("scalars", {}).get("job", {}).get("training")
+        manifest = checkpoint.read_manifest(path) if path else {}
+        saved = manifest.get("scalars", {}).get("job", {}).get("training")
     except CheckpointError as e:
         parser.error(f"--resume: {e}")
+    optimizer = manifest.get("layout", {}).get("optimizer")
+    if optimizer and getattr(args, "optimizer", optimizer) != optimizer:      # named first: --lr's default follows it
+        parser.error(f"--resume: {path} was trained with --optimizer {optimizer} (this command line: "
+                     f"{args.optimizer}): its optimizer state cannot carry over; resume with --optimizer {optimizer}")
     if not saved:
         return
     differ = _differences(saved, training_settings(args))

@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=cli.positive_int, default=8, help="training batch")
     p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="learning rate of the brief training")
     p.add_argument("--checkpoint", metavar="DIR", help="load the GPT from the gpt job's checkpoint in DIR instead of training (default: train)")
-    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--json", type=cli.output_file, metavar="PATH",
+                   help="write the run's figures as JSON (default: none written)")
     args = parse_job_args(p, argv)
     fill_model_options(args)
     refuse_unsupported(p, args, argv, "generate")

@@ -66,11 +66,14 @@ def parse_args(argv=None):
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
-    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--json", type=cli.output_file, metavar="PATH",
+                   help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
-    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (all ranks) of the last steps (default: none)")
-    p.add_argument("--plot", metavar="PNG", help="draw the timeline of the last step (default: none)")
+    p.add_argument("--trace", type=cli.output_file, metavar="PATH",
+                   help="write a Chrome trace (all ranks) of the last steps (default: none)")
+    p.add_argument("--plot", type=cli.output_image, metavar="PNG",
+                   help="draw the timeline of the last step (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     checkpointing.add_arguments(p)
     args = parse_job_args(p, argv)

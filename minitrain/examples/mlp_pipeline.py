@@ -44,8 +44,6 @@ def _fail(parser, comm, message):
 
 def main_pipeline(args, parser, comm):
     world, rank = comm.size, comm.rank
-    if args.precision not in ("fp32", "fp64"):
-        _fail(parser, comm, "--strategy pipeline runs in fp32 or fp64 (mixed precision is wired into ZeRO and DDP)")
     if world % args.dp:
         _fail(parser, comm, f"--dp {args.dp} does not divide the {world} ranks into pipelines")
     pp = world // args.dp
@@ -122,6 +120,7 @@ def main_pipeline(args, parser, comm):
     # the global loss of each step: the replicas' mean (each pipeline's ranks all hold their replica's)
     losses = [float(v) for v in mtcomm.ring_all_gather(comm, np.asarray(losses, np.float64), total=world * steps)
               .reshape(world, steps).mean(axis=0)]
+    final_loss = losses[-1]                          # the global batch's, not this rank's replica's share
     summary = pipe.measured_bubble(global_rows=args.batch_size)   # this pipeline's ranks, its full batches
     if args.trace:
         trace.save_chrome(args.trace, comm)
@@ -143,7 +142,7 @@ def main_pipeline(args, parser, comm):
         accuracy = float((full(minitrain.Tensor(x_test)).numpy().argmax(1) == y_test).mean())
     formula = summary["formula_bubble_fraction"]
     samples = args.batch_size / slowest["step_time_s"]
-    print(f"\nfinal loss {loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s (steady state)   "
+    print(f"\nfinal loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s (steady state)   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)})")
@@ -164,7 +163,7 @@ def main_pipeline(args, parser, comm):
     compared = plan_comparison(args, world, slowest, table[:, -1].max())
     show_plan(args, compared)
     report = {"world_size": world, "mpi_library": mpi_line(), "comm_timeout": args.comm_timeout, "check_collectives": args.check_collectives, "strategy": "pipeline",
-              "transport": transport_name(comm), "num_params": psi, "final_loss": loss,
+              "transport": transport_name(comm), "num_params": psi, "final_loss": final_loss,
               "test_accuracy": accuracy, "samples_per_second": samples, "steps": steps, "elapsed_seconds": elapsed,
               "steady_state": watch.steady_state(), "planner": compared,
               "first_step": first_step, "losses": losses,

@@ -8,6 +8,7 @@ command line gives it (whatever its value, found by cli.given_options) or, for a
 means "none" (a flag, --recompute none, --device-memory unset), when it asks for something.
 """
 from .. import cli
+from ..plan import MLP_PIPELINE_PRECISIONS
 
 MLP_PIPELINE_ONLY = ("--schedule", "--microbatches", "--chunks", "--dp")
 #: what the pipeline job does not apply, when asked for, and why
@@ -21,6 +22,9 @@ MLP_NOT_IN_PIPELINE = (
      "the pipeline's activations cross ranks as messages and are not parked on the host"),
     ("--device-memory", lambda a: a.device_memory is not None,
      "every rank builds the whole model before keeping its stages, and the job sets no device capacity"),
+    ("--precision", lambda a: a.precision not in MLP_PIPELINE_PRECISIONS,
+     "each stage runs in fp32 or fp64; mixed precision (fp32 master weights, loss scaling) is wired into ddp, "
+     "local_sgd and the ZeRO stages"),
 )
 BUCKETED = ("ddp", "zero1", "zero2")
 

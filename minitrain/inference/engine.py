@@ -77,11 +77,20 @@ class LLMEngine:
 
     # ---- inputs and memory
     def check_prompts(self, prompts, max_new_tokens):
+        """Each prompt a list of token ids in [0, vocab_size) (as torch.nn.Embedding: an id -1 would read the
+        last row, 1.5 row 1), with room for the new tokens in the context."""
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if not prompts:
+            raise ValueError("no prompts: give at least one (a list of token ids)")
+        vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            bad = [t for t in p if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"prompt {i} holds {bad[0]}, not a token id: ids are integers in [0, {vocab}) "
+                                 f"(the model's vocabulary)")
             if len(p) > self.context:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the model's context of "
                                  f"{self.context} tokens: prompts of up to {self.context - max_new_tokens} tokens "
@@ -127,9 +136,10 @@ class LLMEngine:
 
     # ---- the loop
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0, record_logits=False):
-        prompts = [[int(t) for t in p] for p in prompts]
+        prompts = [list(p) for p in prompts]
         self.check_prompts(prompts, max_new_tokens)
-        if temperature < 0 or (top_k is not None and top_k < 1):
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not temperature >= 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"temperature must be >= 0 (0 is greedy) and top_k >= 1, got {temperature}, {top_k}")
         cache = self.make_cache(max(len(p) for p in prompts) + max_new_tokens)
         tracker = memory.tracker()

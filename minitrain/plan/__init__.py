@@ -23,6 +23,7 @@ from .time import predict_time
 from .calibrate import MachineError, load_machine
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10          # the mlp job's data: 8x8 digits, 10 classes
+MLP_PIPELINE_PRECISIONS = ("fp32", "fp64")          # the mlp job's pipeline has no mixed precision
 
 
 def predict(model, layout, machine=None, accounting="minitrain", device_memory=None, per_stage=True,
@@ -72,7 +73,8 @@ def mlp_from_args(args, world):
                   bucket_cap_mb=args.bucket_cap_mb, threads=getattr(args, "threads", 0) or 0)
     if pipeline:                           # the pipeline job: fp32/fp64, no offload, no recompute (it refuses them)
         for option, asked in (("--recompute", args.recompute != "none"), ("--offload", args.offload),
-                              ("--offload-activations", args.offload_activations)):
+                              ("--offload-activations", args.offload_activations),
+                              (f"--precision {args.precision}", args.precision not in MLP_PIPELINE_PRECISIONS)):
             if asked:
                 raise LayoutError(f"{option} is not supported with --strategy pipeline (the job refuses it too)")
         return model, Layout(dp=args.dp, pp=pp, microbatches=args.microbatches,

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from .. import cli
 from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
-from . import (Layout, LayoutError, MachineError, Params, check, corpus_vocab_size, gpt_from_args, layouts,
-               load_machine, mlp_from_args, predict)
+from . import (MLP_PIPELINE_PRECISIONS, Layout, LayoutError, MachineError, Params, check, corpus_vocab_size,
+               gpt_from_args, layouts, load_machine, mlp_from_args, predict)
 from .configs import NAMED
 from .layout import PRECISIONS, SCHEDULES
 
@@ -41,6 +41,11 @@ IGNORED_TYPES = {"--epochs": cli.positive_int, "--steps": cli.positive_int, "--l
                  "--sample-chars": cli.nonneg_int, "--warmup-steps": cli.nonneg_int}
 
 
+def _json_path(text):
+    """--json's PATH: '-' is standard output, any other a file written at the end."""
+    return text if text == "-" else cli.output_file(text)
+
+
 def add_common(p, precision="fp32"):
     p.add_argument("--world", type=_positive, default=1, help="ranks (mpirun -n N)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=precision,
@@ -49,7 +54,8 @@ def add_common(p, precision="fp32"):
                    help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
     p.add_argument("--device-memory", type=cli.positive_float, default=None, metavar="BYTES",
                    help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="print JSON (or write it to PATH; default: a table)")
+    p.add_argument("--json", nargs="?", const="-", type=_json_path, metavar="PATH",
+                   help="print JSON (or write it to PATH; default: a table)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
     p.add_argument("--top", type=_positive, default=10, help="--search: how many to print (JSON: all)")
     p.add_argument("--threads", type=_positive, default=None,
@@ -183,7 +189,8 @@ def search(model, base, machine, accounting, device_memory):
         for strategy in ("ddp", "zero1", "zero2", "zero3"):
             candidates.append(Layout(**{**base.fields(), "dp": base.world, "pp": 1, "zero": int(strategy[-1])
                                         if strategy != "ddp" else 0, "microbatches": 1}))
-        for dp in (d for d in range(1, base.world + 1) if base.world % d == 0 and base.world // d > 1):
+        pipelines = base.precision in MLP_PIPELINE_PRECISIONS
+        for dp in (d for d in range(1, base.world + 1) if pipelines and base.world % d == 0 and base.world // d > 1):
             for m in (1, 2, 4, 8, 16):
                 for schedule in ("gpipe", "1f1b", "zb_h1"):
                     candidates.append(Layout(**{**base.fields(), "dp": dp, "pp": base.world // dp, "zero": 0,

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
+from .. import cli
 from . import CATEGORIES, MachineError, load_machine, predict
 from .counts import predict_nodes
 from .time import typical
@@ -164,7 +165,8 @@ def main(argv=None):
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
                    help=f"the jobs to run and compare, any of {', '.join(RUNS)} (default: all of them)")
     p.add_argument("--machine", help="machine constants (default as for plan)")
-    p.add_argument("--json", metavar="PATH", help="write every run's figures (default: none written)")
+    p.add_argument("--json", type=cli.output_file, metavar="PATH",
+                   help="write every run's figures (default: none written)")
     args = p.parse_args(argv)
     try:
         machine = load_machine(args.machine)
