@@ -19,8 +19,12 @@ What the jobs decide (README, "Checkpoints"):
   refused before anything is loaded: another job or precision, another optimizer, another global
   batch (the data order is the global batch's), local SGD's per-replica optimizer states on another
   layout, PipeDream-2BW's stashed weights W(t-1) under another schedule.
+* A --save-dir no save could write into (a file, or a file above it; a read-only file system) is refused
+  while parsing, before the steps it was meant to keep.
 """
+import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -62,6 +66,24 @@ def check_arguments(parser, args):
     for option in (OVERRIDE, USE_CHECKPOINT):
         if getattr(args, option[2:].replace("-", "_")) and not args.resume:
             parser.error(f"{option} needs --resume (it says which settings a resumed run takes)")
+    if args.save_dir:
+        check_writable(parser, args.save_dir)
+
+
+def check_writable(parser, directory):
+    """Refuse a --save-dir the first save could not create or write into (a file, a read-only file system),
+    before any work rather than after the steps it was meant to keep: its nearest existing folder must take
+    a file (a temporary one, removed at once: nothing is left behind by a refused job)."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"--save-dir {directory}: {existing} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        parser.error(f"--save-dir {directory}: cannot write in {existing} ({e.strerror or e})")
 
 
 def training_settings(args):
