@@ -158,7 +158,7 @@ def check_moe(p, args):
         p.error(f"--moe-top-k {args.moe_top_k} exceeds --moe-experts {args.moe_experts}")
     if args.moe_every > args.n_layer:
         p.error(f"--moe-every {args.moe_every} exceeds --n-layer {args.n_layer}: no block would be an MoE layer")
-    dp = args.dp or max(1, launch_info()[1] // (args.tp * args.pp))
+    dp = args.dp or max(1, launch_info()[1] // (args.tp * args.pp * args.cp))
     m = args.microbatches
     groups = args.moe_groups or dp * m
     if groups % (dp * m):
