@@ -9,11 +9,14 @@ reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks e
 
 Values are checked while parsing: type=cli.positive_int, nonneg_int, positive_float, nonneg_float or
 probability refuses a value out of range with argparse's one line and exit status 2, before any work
-(tests/test_option_validation.py gives every numeric option of every parser such values).
+(tests/test_option_validation.py gives every numeric option of every parser such values); type=output_file
+refuses a file the command could not write at its end.
 given_options tells which options a command line set, so a job can refuse one it would ignore.
 """
 import argparse
 import math
+import os
+import tempfile
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -107,6 +110,23 @@ def probability(text):
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def output_file(text):
+    """A file the command writes when it ends (--json PATH): its folder must exist and take a file (probed with
+    a temporary one, removed at once), so that a run is not lost to a path it could never have written."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{folder} is not a directory" if os.path.exists(folder)
+                                         else f"no directory {folder} to write {os.path.basename(text)} in")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write in {folder} ({e.strerror or e})") from None
+    return text
 
 
 def given_options(parser, argv):

@@ -108,7 +108,7 @@ def parse_args(argv=None):
                      help="expert-parallel ranks: each block of EP consecutive data-parallel ranks holds every expert "
                           "once, E/EP per rank, tokens dispatched by all-to-all (EP divides the data-parallel ranks "
                           "and --moe-experts)")
-    p.add_argument("--json", metavar="PATH", help="write the run's figures as JSON (default: none written)")
+    p.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
                    "step (busy CPU and wall clock, in anchor units) and memory; always in --json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
