@@ -98,7 +98,8 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     ledger (within 0.1%), where even routing is 18% below; a capacity's drops make it below 1, as counted.
     With full recomputation one block's activations are held at a time: the job plans at its busiest layer's
     load, as if every layer were that busy (the planner cannot know which will be): at or above the heaviest
-    rank, within 5%. A capacity under cp: the same, on the rank whose tokens kept the most rows."""
+    rank, within 5%. A capacity under cp: the same, on the rank whose tokens kept the most rows; and the cp bytes
+    its "cp" block reports are attention's (== the formula), the experts' routing counted beside them."""
     out, full, capped = tmp_path / "moe.json", tmp_path / "full.json", tmp_path / "capped.json"
     capped_cp = tmp_path / "capped_cp.json"
     job = ["--steps", "6", "--sample-chars", "1", "--no-progress", "--dp", "2", "--moe-experts", "4", "--ep", "2"]
@@ -127,6 +128,12 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     assert dropping_cp["planner"]["moe_load"] < 1 and dropping_cp["moe"]["tokens_dropped"] > 0
     assert dropping_cp["planner"]["predicted"]["memory_bytes"] == pytest.approx(
         max(r["memory"]["peak"]["total"] for r in dropping_cp["ranks"]), rel=1e-3)
+    # its "cp" block: attention's bytes are their formula's; the experts' routing is counted beside them, per
+    # layer (2) an all-gather of the rank's choices (16 rows x 16 positions x k 2, int64) and an all-reduce of
+    # the group's 4 counts (fp32)
+    cp = dropping_cp["cp"]
+    assert cp["bytes_per_step"] == cp["bytes_formula"] > 0
+    assert cp["experts_bytes_per_step"] == 2 * (16 * 16 * 2 * 8 + 4 * 4)
     # the step is the median step: priced at the median step's load, which the planner's CLI prices alike
     assert 1 <= compared["moe_load_step"] < compared["moe_load"]
     at_step = json.loads(cli(["gpt", "--steps", "6", "--dp", "2", "--moe-experts", "4", "--ep", "2", "--world", "2",

@@ -15,9 +15,9 @@ pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stag
 and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
-(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's bytes on the cp
-communicator per step (measured) beside the formula from the sizes, and the attention work of rank
-0's cp ranks, max over mean (score entries each computed).
+(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's attention bytes on the
+cp communicator per step (measured) beside the formula from the sizes (with experts, their routing's
+bytes there beside), and the attention work of rank 0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
 its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
@@ -44,7 +44,7 @@ from minitrain.examples.common import checks_line, device_code, init_comm, mpi_l
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for)
-from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_report,
+from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
                                                     expected_model_states, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
@@ -133,7 +133,7 @@ def main_parallel(args):
             c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()
     sent_before = bytes_sent()
-    cp_sent_before = model.mesh.comm("cp").stats.bytes_sent
+    cp_sent_before = cp_bytes_sent(model.mesh.comm("cp"))
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     watch = StepWatch()
@@ -163,13 +163,13 @@ def main_parallel(args):
         return nothing_left(args, first_step, rank, world)
     steps = len(losses)
     sent_per_step = (bytes_sent() - sent_before) / steps
-    cp_sent_per_step = (model.mesh.comm("cp").stats.bytes_sent - cp_sent_before) / steps
+    cp_sent_per_step = (cp_bytes_sent(model.mesh.comm("cp")) - cp_sent_before) / steps     # attention's, the experts'
     cp_computed = sum(core.computed for core in model.cp_cores)
     peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
-                    cp_sent_per_step, cp_computed, device_code()], np.float64)
+                    cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -204,8 +204,10 @@ def main_parallel(args):
                                                                                  table[0, 2:5])) + " (rank 0)")
     if cp > 1:
         print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
-              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step (formula "
-              f"{fmt_bytes(cp_block['bytes_formula'])}); attention work max/mean over its cp ranks "
+              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step for attention (formula "
+              f"{fmt_bytes(cp_block['bytes_formula'])})" + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}"
+              f"/step for the experts' routing" if "experts_bytes_per_step" in cp_block else "")
+              + f"; attention work max/mean over its cp ranks "
               f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))

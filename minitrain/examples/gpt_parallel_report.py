@@ -42,10 +42,23 @@ def bubble_line(pipe):
     return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
+#: what the attention cores send on the cp communicator: the ring's K/V blocks as point-to-point messages, Ulysses'
+#: all-to-alls. The rest there is the experts' routing (context_parallel/moe.py: each MoE layer's all-reduce of
+#: its balancing counts, with a capacity an all-gather of the choices), which the attention formula leaves out.
+ATTENTION_CALLS = ("p2p", "all_to_all_single", "all_to_all")
+
+
+def cp_bytes_sent(comm):
+    """[attention's, the experts' routing's] bytes this rank has sent so far on the cp communicator ``comm``."""
+    attention = sum(entry["bytes_sent"] for name, entry in comm.stats.by_name.items() if name in ATTENTION_CALLS)
+    return np.array([attention, comm.stats.bytes_sent - attention], np.float64)
+
+
 def cp_report(model, args, table):
-    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step, measured (table column 15)
-    and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries computed,
-    column 16) of rank 0's cp ranks, max over mean."""
+    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step by attention, measured (table
+    column 15) and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries
+    computed, column 16) of rank 0's cp ranks, max over mean; with experts, what their routing sent there
+    (column 17)."""
     local = {id(q) for q in model.parameters()}
     blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
     rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
@@ -55,4 +68,5 @@ def cp_report(model, args, table):
     work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
     return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
             if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
-            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean())}
+            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean()),
+            **({"experts_bytes_per_step": float(table[0, 17])} if model.moe_layers and args.cp > 1 else {})}
