@@ -45,7 +45,7 @@ from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
-                                                    expected_model_states, zero_memory)
+                                                    expected_model_states, layer_bytes_formula, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -169,7 +169,8 @@ def main_parallel(args):
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
-                    cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], device_code()], np.float64)
+                    cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], layer_bytes_formula(model, args),
+                    device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -181,13 +182,9 @@ def main_parallel(args):
     full = nn.GPT(config)
     full.load_state_dict(state)
     final_val = estimate_loss(full, corpus, args, val_rng)
-    B, T, C = args.batch_size, args.block_size, args.n_embd
+    B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
-    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    # 2 all-reduces (or RS + AG pairs) forward; an MoE block 1 (its experts are replicated), over the blocks
-    all_reduces = np.mean([1 if config.is_moe_layer(i) else 2 for i in range(config.n_layer)])
-    formula = all_reduces * 2 * (tp - 1) / tp * b * T * C * itemsize
-    measured_layer = table[~np.isnan(table[:, 1]), 1]
+    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18]]   # the first rank with blocks: measured, formula
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
@@ -223,11 +220,12 @@ def main_parallel(args):
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
-        layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
-        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+        layer, formula = ("-", "-") if np.isnan(v[1]) else (fmt_bytes(v[1]), fmt_bytes(v[18]))
+        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {formula:>10} "
               + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
-          " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
+          " for one micro-batch, the mean over its blocks and micro-batches; formula: Megatron's 2 all-reduces\n"
+          " of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes, with this replica's mean micro-batch of b rows and T/cp positions;\n"
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
           + ")")
@@ -254,8 +252,8 @@ def main_parallel(args):
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
-            "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
-            "bytes_per_layer_forward_formula": formula,
+            "bytes_per_layer_forward": float(measured_layer[0, 0]) if len(measured_layer) else None,
+            "bytes_per_layer_forward_formula": float(measured_layer[0, 1]) if len(measured_layer) else None,
             "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
                                   "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}},

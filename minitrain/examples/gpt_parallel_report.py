@@ -54,13 +54,33 @@ def cp_bytes_sent(comm):
     return np.array([attention, comm.stats.bytes_sent - attention], np.float64)
 
 
+def local_blocks(model):
+    """The indices of the transformer blocks on this rank's pipeline stage(s)."""
+    local = {id(q) for q in model.parameters()}
+    return [i for i, b in enumerate(model.model.h) if any(id(q) in local for q in b.parameters())]
+
+
+def layer_bytes_formula(model, args):
+    """Megatron's bytes one block's forward sends on this rank's tensor-parallel communicator, as the job's hooks
+    average them over this rank's blocks and its replica's micro-batches: 2 all-reduces (or RS + AG pairs), an
+    MoE block 1 (its experts replicated), each 2(t-1)/t of a micro-batch's rows·(T/cp)·C; NaN without blocks."""
+    blocks = local_blocks(model)
+    if not blocks:
+        return np.nan
+    d, dp, tp = model.mesh.coordinate("dp"), model.dp, model.tp
+    rows = args.batch_size // dp + (1 if d < args.batch_size % dp else 0)       # this replica's (GPT3D's cut)
+    all_reduces = np.mean([1 if model.model.config.is_moe_layer(i) else 2 for i in blocks])
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    return (all_reduces * 2 * (tp - 1) / tp * rows / args.microbatches * (args.block_size // args.cp) * args.n_embd
+            * itemsize)
+
+
 def cp_report(model, args, table):
     """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step by attention, measured (table
     column 15) and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries
     computed, column 16) of rank 0's cp ranks, max over mean; with experts, what their routing sent there
     (column 17)."""
-    local = {id(q) for q in model.parameters()}
-    blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
+    blocks = len(local_blocks(model))
     rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
     formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
