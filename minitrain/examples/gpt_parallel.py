@@ -120,6 +120,7 @@ def main_parallel(args):
                 resumed = nn.GPT(config)
             resumed.load_state_dict(state)
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
+            del resumed                                       # not held through the run (rank 0's ledger)
         del state
     memory.reset_peak()
     losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
