@@ -198,7 +198,9 @@ def test_memory_with_zero_on_the_gpt_s_dp_axis_is_the_job_s_ledger_within_a_tent
             "z3_tp": (["--zero", "3", "--dp", "2", "--tp", "2"], 4),
             "z2_pp": (["--zero", "2", "--dp", "2", "--pp", "2", "--microbatches", "2"], 4),
             # over dp x cp (each cp rank holds the same parameters), and over one replica too (a ZeRO of one)
-            "z1_cp": (["--zero", "1", "--cp", "2"], 2), "z3_pp_one_replica": (["--zero", "3", "--pp", "2"], 2)}
+            "z1_cp": (["--zero", "1", "--cp", "2"], 2), "z3_pp_one_replica": (["--zero", "3", "--pp", "2"], 2),
+            # activations on the host: the step's peak is the gradients' reduce-scatter (full buffer and shard)
+            "z3_offload_activations": (["--zero", "3", "--dp", "2", "--offload-activations"], 2)}
     for name, (extra, n) in runs.items():
         argv = dense + extra + ["--json", str(tmp_path / name)]
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; assert gpt.main({argv!r}) == 0"], n=n,

@@ -165,7 +165,7 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
             "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // N if z == 1 else 0}
     at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
-    if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
+    if g + step_grads + shard_g > sum(dyn) + shared:           # the optimizer step: its activations are freed
         at_peak.update(activations=0, grads=g + step_grads + shard_g)
     return peak, sum(at_peak.values()), at_peak
 
