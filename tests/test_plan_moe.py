@@ -142,6 +142,17 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     assert compared["predicted"]["step_busy_s"] == at_step["step_busy_s"]
 
 
+def test_one_process_plans_the_rows_its_capacity_kept(tmp_path):
+    """One process with a capacity: its experts take fewer rows than routed (a load below 1), which the job
+    hands the planner as the multi-rank jobs do: the prediction is its ledger's (within 0.1%)."""
+    from minitrain.examples import gpt
+    out = tmp_path / "one.json"
+    assert gpt.main(JOB + ["--moe-capacity-factor", "1.0", "--json", str(out)]) == 0
+    compared = json.loads(out.read_text())["planner"]
+    assert compared["moe_load"] < 1
+    assert compared["predicted"]["memory_bytes"] == pytest.approx(compared["measured"]["memory_bytes"], rel=1e-3)
+
+
 def test_the_busiest_rank_s_load_of_the_peak_step_and_of_the_median_step():
     """gpt_common.routing_load: per step the busiest rank's rows its experts took over its own routed rows,
     at most ep; for memory the most loaded step after the first (whose end makes the optimizer's state), for
