@@ -276,6 +276,19 @@ def test_the_step_s_zero_collectives_span_the_dp_x_cp_replicas(monkeypatch, zero
     assert not {("ring_reduce_scatter", 2), ("ring_all_gather", 2)} & set(calls)
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_recomputation_under_cp_sends_the_forward_s_blocks_again_in_backward(method):
+    """The recomputed core (selective) or block (full) runs its ring or all-to-alls again in backward: the
+    planner adds the forward's communication to the backward's (the job's bytes: test_context_parallel)."""
+    model = plan.GPT(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    machine = plan.load_machine("cpu-2core")
+    (fwd, bwd), _ = axes_comm(model, plan.Layout(world=2, cp=2, cp_method=method, batch_size=4), 4, machine, False)
+    for recompute in ("selective", "full"):
+        layout = plan.Layout(world=2, cp=2, cp_method=method, batch_size=4, recompute=recompute)
+        (fwd_again, bwd_again), _ = axes_comm(model, layout, 4, machine, False)
+        assert fwd_again == fwd > 0 and bwd_again == pytest.approx(bwd + fwd, rel=1e-12)
+
+
 def test_memory_with_experts_under_tp_and_pp_is_the_job_s_ledger_within_5_percent(tmp_path):
     """GPT3D with MoE layers replicated on the tp ranks: tp 2, pp 2 (1F1B, 2 micro-batches), dp 2 x tp 2."""
     runs = {"tp": (["--tp", "2"], 2), "pp": (["--pp", "2", "--microbatches", "2"], 2),

@@ -84,7 +84,7 @@ def cp_report(model, args, table):
     rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
     formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
-                                               itemsize)
+                                               itemsize, args.recompute)
     work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
     return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
             if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),

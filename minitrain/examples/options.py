@@ -84,13 +84,9 @@ def refuse_cp(parser, args, given):
             cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
         return
     setting = f"--cp {args.cp}"
-    for option, asked, why in (
-            ("--dropout", args.dropout > 0, "each context-parallel rank would draw its chunk's masks, not one "
-                                            "process's, and ring attention has no attention dropout"),
-            (f"--recompute {args.recompute}", args.recompute != "none",
-             "the recomputed attention would replay its ring or all-to-alls in backward")):
-        if asked:
-            cli.refuse(parser, option, setting, why)
+    if args.dropout > 0:
+        cli.refuse(parser, "--dropout", setting, "each context-parallel rank would draw its chunk's masks, not one "
+                                                  "process's, and ring attention has no attention dropout")
 
 
 def refuse_gpt(parser, args, given):
