@@ -26,7 +26,7 @@ each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.p
 is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
 "all_to_all_bytes_formula" from the split sizes used (as the data-parallel MoE job reports them); with
 --zero the experts have a ZeRO of their own over the dp replicas that hold the same experts. Checkpoints
-save each expert under its global name, so --ep runs resume on any layout (not yet with --ep and --zero).
+save each expert under its global name, so --ep runs resume on any layout (with --zero too).
 """
 import contextlib
 import sys

@@ -73,9 +73,6 @@ def refuse_moe(parser, args, given):
 def refuse_ep(parser, args, given):
     if "--ep" in given and not args.moe_experts:
         cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
-    if args.ep > 1 and args.zero and args.save_dir:
-        cli.refuse(parser, "--save-dir", f"--ep {args.ep} --zero {args.zero}", "not supported yet: the experts' ZeRO "
-                   "and the dense parameters' are two optimizers, which the checkpoint does not merge into one")
 
 
 def refuse_cp(parser, args, given):
