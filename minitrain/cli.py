@@ -16,6 +16,7 @@ ends. given_options tells which options a command line set, so a job can refuse 
 import argparse
 import math
 import os
+import tempfile
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -115,11 +116,17 @@ def probability(text):
 # Checked while parsing too: a file the run would write at its end (--json, --trace, --plot) or a folder it
 # saves into (--save-dir) must be writable before the run starts, not found wanting after it.
 def _writable_folder(folder, text):
+    """A folder that takes a file: probed with a temporary one, removed at once (os.access says yes to root on a
+    read-only file system, /proc among them)."""
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder" if os.path.exists(folder)
                                          else f"cannot write {text}: there is no folder {folder}")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} takes no file "
+                                         f"({e.strerror or e})") from None
 
 
 def output_file(text):

@@ -229,7 +229,10 @@ def test_gpt_3d_refuses_what_context_parallelism_cannot_split():
 JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 4, "--block-size", 16,
        "--batch-size", 4, "--sample-chars", 4, "--steps", 10]
 LAUNCHES = {   # ranks -> {name: extra options}
-    2: {"ring": ["--cp", 2], "ulysses": ["--cp", 2, "--cp-method", "ulysses"]},
+    2: {"ring": ["--cp", 2], "ulysses": ["--cp", 2, "--cp-method", "ulysses"],
+        # recomputation replays the ring's or the all-to-alls' forward in backward
+        "ring recompute full": ["--cp", 2, "--recompute", "full"],
+        "ulysses recompute selective": ["--cp", 2, "--cp-method", "ulysses", "--recompute", "selective"]},
     4: {"ring cp4": ["--cp", 4], "ulysses cp4": ["--cp", 4, "--cp-method", "ulysses"],
         "ring dp2": ["--cp", 2, "--dp", 2], "ring tp2": ["--cp", 2, "--tp", 2],
         "ring pp2": ["--cp", 2, "--pp", 2, "--microbatches", 2],
@@ -266,6 +269,7 @@ def test_the_gpt_job_with_cp_trains_with_one_process_s_losses(job_runs, name):
     reports, one, _ = job_runs
     report = reports[name]
     assert report["cp"]["size"] == (4 if "cp4" in name else 2) and report["cp_method"] == name.split()[0]
+    assert report["recompute"] == next((w for w in ("full", "selective") if w in name.split()), "none")
     assert len(report["losses"]) == len(one["losses"]) == 10
     np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
 
@@ -279,8 +283,8 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
     assert cp["compute_max_over_mean"] <= 1.05
     # by hand, rank 0: 2 blocks (1 with pp 2) x its replica's rows x T/cp x (C/tp) x 8 bytes x the method's factor
     blocks, rows, width = (1 if "pp2" in name else 2), (2 if "dp2" in name else 4), (16 if "tp2" in name else 32)
-    p = cp["size"]
-    factor = 8 * (p - 1) / p if cp["method"] == "ulysses" else 6 * p - 4
+    p, again = cp["size"], "recompute" in name                 # recomputed: the forward's sent again
+    factor = (12 if again else 8) * (p - 1) / p if cp["method"] == "ulysses" else 6 * p - 4 + 2 * (p - 1) * again
     assert cp["bytes_per_step"] == blocks * rows * 16 // p * width * 8 * factor
 
 
@@ -293,7 +297,6 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
      "--block-size 20 / --cp 2 is not divisible by --tp 4 (sequence parallelism"),
     (["--cp-method", "ulysses"], "--cp-method is not supported with --cp 1"),
     (["--cp", 2, "--dropout", 0.1], "--dropout is not supported with --cp 2"),
-    (["--cp", 2, "--recompute", "selective"], "--recompute selective is not supported with --cp 2"),
     (["--cp", 2, "--moe-experts", 2, "--ep", 2], "--ep 2 does not divide the 1 data-parallel ranks"),
     (["--cp", 0], "argument --cp: must be >= 1"),
     (["--cp", 2, "--cp-method", "striped"], "argument --cp-method: invalid choice: 'striped'"),

@@ -221,6 +221,26 @@ def test_gpt_trains_tensor_parallel_and_counts_megatrons_bytes(tmp_path, flags):
     assert report["recompute"] == ("full" if flags else "none") and report["dropout"] == (0.1 if flags else 0.0)
 
 
+def test_gpt_job_s_megatron_bytes_formula_is_each_rank_s_blocks_micro_batches_and_positions(tmp_path):
+    """The formula beside the measured tp bytes per block forward counts what the measuring rank's hooks see:
+    its stage's blocks (tp2 x pp2, 3 blocks, an MoE layer every 2nd: stage 0 holds a dense block and an MoE
+    one, 1.5 all-reduces a block, not the model's 5/3), its mean micro-batch (3 rows in 2: 1.5 rows, not the
+    largest's 2) and its T/cp positions (cp 2: 8 of 16)."""
+    runs = {"tp2 pp2 moe": ["--tp", "2", "--pp", "2", "--microbatches", "2", "--n-layer", "3", "--moe-experts", "4",
+                            "--moe-every", "2"],
+            "tp2 cp2 uneven": ["--tp", "2", "--cp", "2", "--microbatches", "2", "--batch-size", "3"]}
+    job = ["--no-progress", "--precision", "fp64", "--steps", "2", "--n-embd", "32", "--block-size", "16",
+           "--batch-size", "4", "--sample-chars", "0"]
+    calls = "; ".join(f"assert gpt.main({job + extra + ['--json', str(tmp_path / name)]!r}) == 0"
+                      for name, extra in runs.items())
+    run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; {calls}"], n=4, timeout=180)
+    bytes_per_row = 2 * (2 - 1) / 2 * 16 * 32 * 8                       # one all-reduce of a row, whole sequence
+    for name, all_reduces, rows, positions in (("tp2 pp2 moe", 1.5, 2, 1), ("tp2 cp2 uneven", 2, 1.5, 1 / 2)):
+        report = json.loads((tmp_path / name).read_text())
+        assert report["bytes_per_layer_forward"] == report["bytes_per_layer_forward_formula"], name
+        assert report["bytes_per_layer_forward"] == all_reduces * rows * positions * bytes_per_row, name
+
+
 @pytest.mark.slow
 def test_gpt_3d_job_trains_as_one_process_does(tmp_path):
     """dp 2 x pp 2 x tp 2 with sequence parallelism on 8 ranks: the same training batches, the same

@@ -260,7 +260,6 @@ def test_ep1_reports_zero_all_to_all_bytes(tmp_path):
     (["--ep", 2], "--ep 2 does not divide the 1 data-parallel ranks"),
     (["--ep", 4, "--dp", 2], "--ep 4 does not divide the 2 data-parallel ranks"),
     (["--ep", 4, "--dp", 2, "--cp", 2], "--ep 4 does not divide the 2 data-parallel ranks"),
-    (["--ep", 2, "--dp", 2, "--zero", 1, "--save-dir", "ckpt"], "--save-dir is not supported with --ep 2 --zero 1"),
     (["--ep", 2, "--moe-experts", 0], "--ep is not supported with --moe-experts 0"),
     (["--ep", 0], "argument --ep: must be >= 1"),
 ])

@@ -238,3 +238,14 @@ def test_a_zero_checkpoint_with_experts_resumes_in_one_process(tmp_path, zero):
     resumed = resume(1, ["--moe-groups", "2"], "one")
     assert resumed["first_step"] == 3
     np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0)
+
+
+def test_a_checkpoint_of_ep2_with_zero_3_resumes_in_one_process_and_under_ep2_zero_1(tmp_path):
+    """The experts' ZeRO and the dense parameters' save as one optimizer (its shards cut across the logical
+    tensors, each expert under its global name) and load back into either, or into one process's AdamW."""
+    whole, resume = checkpoint_then_resume(tmp_path, 4, ["--ep", "2", "--zero", "3"], ["--moe-groups", "4"])
+    for n, options, name in ((1, ["--moe-groups", "4"], "one"), (2, ["--ep", "2", "--zero", "1", "--moe-groups", "4"],
+                                                                  "dp2 ep2 zero1")):
+        resumed = resume(n, options, name)
+        assert resumed["first_step"] == 3
+        np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0, err_msg=name)

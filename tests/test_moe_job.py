@@ -118,3 +118,14 @@ def test_a_step_s_figures_are_the_largest_load_ratio_over_layers_the_drops_and_a
     ratio, dropped, aux = moe_step(model)
     assert ratio == max(ratios) and dropped == sum(s["tokens_dropped"] for s in stats) > 0
     assert aux == pytest.approx(sum(s["aux_loss"] for s in stats), rel=1e-12)
+
+
+def test_under_cp_the_groups_are_checked_against_the_dp_replicas_not_the_ranks(monkeypatch):
+    """mpirun -n 4 ... --cp 2: 2 data-parallel replicas, so 2 default groups (6 rows split) and --moe-groups 2
+    is a multiple of them; the checks once counted 4 replicas and refused both."""
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    assert gpt.parse_args([str(a) for a in MOE + ["--cp", 2, "--batch-size", 6]]).cp == 2
+    assert gpt.parse_args([str(a) for a in MOE + ["--cp", 2, "--moe-groups", 2]]).moe_groups == 2
+    refused(gpt, MOE + ["--cp", 2, "--moe-groups", 3], "--moe-groups 3 is not a multiple of the 2 data-parallel replicas")
+    refused(gpt, MOE + ["--cp", 2, "--ep", 4], "--ep 4 does not divide the 2 data-parallel ranks")

@@ -26,7 +26,8 @@ PROGRAMS = {"minitrain.examples.mlp": [], "minitrain.examples.gpt": [], "minitra
 #: per validated type: values it must refuse
 OUT_OF_RANGE = {cli.positive_int: ["0", "-3", "1.5", "x"], cli.nonneg_int: ["-1", "x"],
                 cli.positive_float: ["0", "-1", "nan", "inf"], cli.nonneg_float: ["-1", "nan"],
-                cli.probability: ["1.0", "1.5", "-0.1"]}
+                cli.probability: ["1.0", "1.5", "-0.1"],
+                cli.output_file: [".", "no-such-folder/out.json"]}   # a file written at the end: a folder, none
 
 
 class Captured(Exception):

@@ -123,6 +123,17 @@ def test_the_override_options_need_resume(tmp_path):
     refused(gpt, GPT + ["--steps", 2, OVERRIDE], f"{OVERRIDE} needs --resume")
 
 
+@pytest.mark.parametrize("job, argv", [(gpt, GPT + ["--steps", 2]), (mlp, ["--no-progress", "--epochs", 1])])
+def test_a_save_dir_no_save_could_write_is_refused_before_the_first_step(tmp_path, job, argv):
+    """Not after the run, by the last save's traceback: a file where the folder should be, or above it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for save_dir in (blocker, blocker / "ckpt"):
+        status, out, err = run(job, argv + ["--save-dir", save_dir])
+        assert status == 2 and out == "" and "Traceback" not in err, err
+        assert f"error: argument --save-dir: cannot write {save_dir}: {blocker} is not a folder\n" in err, err
+    assert os.listdir(tmp_path) == ["a-file"]
+
 MLP = ["--no-progress", "--precision", "fp64", "--hidden", "16", "--epochs", "1", "--batch-size", "512"]
 
 

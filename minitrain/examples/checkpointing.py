@@ -19,6 +19,8 @@ What the jobs decide (README, "Checkpoints"):
   refused before anything is loaded: another job or precision, another optimizer, another global
   batch (the data order is the global batch's), local SGD's per-replica optimizer states on another
   layout, PipeDream-2BW's stashed weights W(t-1) under another schedule.
+* A --save-dir no save could write into (a file, or a file above it; a read-only file system) is refused
+  while parsing, before the steps it was meant to keep.
 """
 import sys
 

@@ -15,9 +15,9 @@ pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stag
 and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
-(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's bytes on the cp
-communicator per step (measured) beside the formula from the sizes, and the attention work of rank
-0's cp ranks, max over mean (score entries each computed).
+(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's attention bytes on the
+cp communicator per step (measured) beside the formula from the sizes (with experts, their routing's
+bytes there beside), and the attention work of rank 0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
 its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
@@ -26,7 +26,7 @@ each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.p
 is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
 "all_to_all_bytes_formula" from the split sizes used (as the data-parallel MoE job reports them); with
 --zero the experts have a ZeRO of their own over the dp replicas that hold the same experts. Checkpoints
-save each expert under its global name, so --ep runs resume on any layout (not yet with --ep and --zero).
+save each expert under its global name, so --ep runs resume on any layout (with --zero too).
 """
 import contextlib
 import sys
@@ -44,8 +44,8 @@ from minitrain.examples.common import checks_line, device_code, init_comm, mpi_l
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for)
-from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_report,
-                                                    expected_model_states, zero_memory)
+from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
+                                                    expected_model_states, layer_bytes_formula, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -120,6 +120,7 @@ def main_parallel(args):
                 resumed = nn.GPT(config)
             resumed.load_state_dict(state)
             initial_val = estimate_loss(resumed, corpus, args, val_rng)
+            del resumed                                       # not held through the run (rank 0's ledger)
         del state
     memory.reset_peak()
     losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
@@ -133,7 +134,7 @@ def main_parallel(args):
             c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()
     sent_before = bytes_sent()
-    cp_sent_before = model.mesh.comm("cp").stats.bytes_sent
+    cp_sent_before = cp_bytes_sent(model.mesh.comm("cp"))
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     watch = StepWatch()
@@ -163,13 +164,14 @@ def main_parallel(args):
         return nothing_left(args, first_step, rank, world)
     steps = len(losses)
     sent_per_step = (bytes_sent() - sent_before) / steps
-    cp_sent_per_step = (model.mesh.comm("cp").stats.bytes_sent - cp_sent_before) / steps
+    cp_sent_per_step = (cp_bytes_sent(model.mesh.comm("cp")) - cp_sent_before) / steps     # attention's, the experts'
     cp_computed = sum(core.computed for core in model.cp_cores)
     peak, persistent = memory.peak(), watch.persistent
     row = np.array([sent_per_step, float(np.mean(layer_bytes)) if layer_bytes else np.nan,
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
-                    cp_sent_per_step, cp_computed, device_code()], np.float64)
+                    cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], layer_bytes_formula(model, args),
+                    device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -181,13 +183,9 @@ def main_parallel(args):
     full = nn.GPT(config)
     full.load_state_dict(state)
     final_val = estimate_loss(full, corpus, args, val_rng)
-    B, T, C = args.batch_size, args.block_size, args.n_embd
+    B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
-    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    # 2 all-reduces (or RS + AG pairs) forward; an MoE block 1 (its experts are replicated), over the blocks
-    all_reduces = np.mean([1 if config.is_moe_layer(i) else 2 for i in range(config.n_layer)])
-    formula = all_reduces * 2 * (tp - 1) / tp * b * T * C * itemsize
-    measured_layer = table[~np.isnan(table[:, 1]), 1]
+    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18]]   # the first rank with blocks: measured, formula
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
@@ -204,8 +202,10 @@ def main_parallel(args):
                                                                                  table[0, 2:5])) + " (rank 0)")
     if cp > 1:
         print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
-              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step (formula "
-              f"{fmt_bytes(cp_block['bytes_formula'])}); attention work max/mean over its cp ranks "
+              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step for attention (formula "
+              f"{fmt_bytes(cp_block['bytes_formula'])})" + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}"
+              f"/step for the experts' routing" if "experts_bytes_per_step" in cp_block else "")
+              + f"; attention work max/mean over its cp ranks "
               f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
           + (", activations offloaded" if args.offload_activations else ""))
@@ -221,11 +221,12 @@ def main_parallel(args):
     print(f"\n{'rank':>4} {'device':>7} {'sent/step':>10} {'fwd/layer':>10} {'formula':>10} {'params':>10} "
           f"{'grads':>10} {'optimizer':>10} {'peak act.':>10} {'peak':>10}")
     for r, v in enumerate(table):
-        layer = "-" if np.isnan(v[1]) else fmt_bytes(v[1])
-        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {fmt_bytes(formula):>10} "
+        layer, formula = ("-", "-") if np.isnan(v[1]) else (fmt_bytes(v[1]), fmt_bytes(v[18]))
+        print(f"{r:>4} {device_name(v[-1]):>7} {fmt_bytes(v[0]):>10} {layer:>10} {formula:>10} "
               + " ".join(f"{fmt_bytes(x):>10}" for x in v[2:7]))
     print("(fwd/layer: bytes sent on the tensor-parallel communicator inside one transformer block's forward\n"
-          " for one micro-batch; formula: Megatron's 2 all-reduces of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes;\n"
+          " for one micro-batch, the mean over its blocks and micro-batches; formula: Megatron's 2 all-reduces\n"
+          " of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes, with this replica's mean micro-batch of b rows and T/cp positions;\n"
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
           + ")")
@@ -252,8 +253,8 @@ def main_parallel(args):
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
-            "bytes_per_layer_forward": float(measured_layer[0]) if len(measured_layer) else None,
-            "bytes_per_layer_forward_formula": formula,
+            "bytes_per_layer_forward": float(measured_layer[0, 0]) if len(measured_layer) else None,
+            "bytes_per_layer_forward_formula": float(measured_layer[0, 1]) if len(measured_layer) else None,
             "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
                                   "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}},

@@ -42,17 +42,51 @@ def bubble_line(pipe):
     return f"bubble by the formula {pipe.formula_bubble_fraction():.3f}"
 
 
-def cp_report(model, args, table):
-    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step, measured (table column 15)
-    and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries computed,
-    column 16) of rank 0's cp ranks, max over mean."""
+#: what the attention cores send on the cp communicator: the ring's K/V blocks as point-to-point messages, Ulysses'
+#: all-to-alls. The rest there is the experts' routing (context_parallel/moe.py: each MoE layer's all-reduce of
+#: its balancing counts, with a capacity an all-gather of the choices), which the attention formula leaves out.
+ATTENTION_CALLS = ("p2p", "all_to_all_single", "all_to_all")
+
+
+def cp_bytes_sent(comm):
+    """[attention's, the experts' routing's] bytes this rank has sent so far on the cp communicator ``comm``."""
+    attention = sum(entry["bytes_sent"] for name, entry in comm.stats.by_name.items() if name in ATTENTION_CALLS)
+    return np.array([attention, comm.stats.bytes_sent - attention], np.float64)
+
+
+def local_blocks(model):
+    """The indices of the transformer blocks on this rank's pipeline stage(s)."""
     local = {id(q) for q in model.parameters()}
-    blocks = sum(1 for b in model.model.h if any(id(q) in local for q in b.parameters()))
+    return [i for i, b in enumerate(model.model.h) if any(id(q) in local for q in b.parameters())]
+
+
+def layer_bytes_formula(model, args):
+    """Megatron's bytes one block's forward sends on this rank's tensor-parallel communicator, as the job's hooks
+    average them over this rank's blocks and its replica's micro-batches: 2 all-reduces (or RS + AG pairs), an
+    MoE block 1 (its experts replicated), each 2(t-1)/t of a micro-batch's rows·(T/cp)·C; NaN without blocks."""
+    blocks = local_blocks(model)
+    if not blocks:
+        return np.nan
+    d, dp, tp = model.mesh.coordinate("dp"), model.dp, model.tp
+    rows = args.batch_size // dp + (1 if d < args.batch_size % dp else 0)       # this replica's (GPT3D's cut)
+    all_reduces = np.mean([1 if model.model.config.is_moe_layer(i) else 2 for i in blocks])
+    itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
+    return (all_reduces * 2 * (tp - 1) / tp * rows / args.microbatches * (args.block_size // args.cp) * args.n_embd
+            * itemsize)
+
+
+def cp_report(model, args, table):
+    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step by attention, measured (table
+    column 15) and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries
+    computed, column 16) of rank 0's cp ranks, max over mean; with experts, what their routing sent there
+    (column 17)."""
+    blocks = len(local_blocks(model))
     rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
     formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
-                                               itemsize)
+                                               itemsize, args.recompute)
     work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
     return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
             if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
-            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean())}
+            "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean()),
+            **({"experts_bytes_per_step": float(table[0, 17])} if model.moe_layers and args.cp > 1 else {})}

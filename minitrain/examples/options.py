@@ -77,9 +77,6 @@ def refuse_moe(parser, args, given):
 def refuse_ep(parser, args, given):
     if "--ep" in given and not args.moe_experts:
         cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
-    if args.ep > 1 and args.zero and args.save_dir:
-        cli.refuse(parser, "--save-dir", f"--ep {args.ep} --zero {args.zero}", "not supported yet: the experts' ZeRO "
-                   "and the dense parameters' are two optimizers, which the checkpoint does not merge into one")
 
 
 def refuse_cp(parser, args, given):
@@ -88,13 +85,9 @@ def refuse_cp(parser, args, given):
             cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
         return
     setting = f"--cp {args.cp}"
-    for option, asked, why in (
-            ("--dropout", args.dropout > 0, "each context-parallel rank would draw its chunk's masks, not one "
-                                            "process's, and ring attention has no attention dropout"),
-            (f"--recompute {args.recompute}", args.recompute != "none",
-             "the recomputed attention would replay its ring or all-to-alls in backward")):
-        if asked:
-            cli.refuse(parser, option, setting, why)
+    if args.dropout > 0:
+        cli.refuse(parser, "--dropout", setting, "each context-parallel rank would draw its chunk's masks, not one "
+                                                  "process's, and ring attention has no attention dropout")
 
 
 def refuse_gpt(parser, args, given):

@@ -145,6 +145,24 @@ class ExpertZero:
         if self.experts is not None:
             self.experts.load_state_dict(state_dict["experts"])
 
+    # ---- checkpoints: one optimizer's logical tensors and scalars, whatever layout reads them back
+    def shard_placements(self, placements):
+        """Stage 3's parameters: each part's shard, cut across the logical tensors (Zero3D's)."""
+        return [(z.shard, z.shard_placements(placements)) for z in self.parts]
+
+    def sharded_state_dict(self, placements):
+        """The two optimizers' states as one's: their tensors (the experts' names and the dense ones differ),
+        the dense's hyper-parameters (a scheduler sets both alike) and both's per-parameter counters."""
+        (tensors, scalars), *more = [z.sharded_state_dict(placements) for z in self.parts]
+        for other_tensors, other in more:
+            tensors = {**tensors, **other_tensors}
+            scalars = {**scalars, "param_state": {**scalars["param_state"], **other["param_state"]}}
+        return tensors, scalars
+
+    def load_sharded_state_dict(self, reader, placements, scalars):
+        for z in self.parts:                 # each reads its own parameters' pieces and counters
+            z.load_sharded_state_dict(reader, placements, scalars)
+
     def _each(name):
         def call(self):
             for z in self.parts:

@@ -255,9 +255,6 @@ class GPT3D:
         the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
         slices; the checkpoint writes those once. With ep > 1 each expert is whole under its global name
         (h.i.mlp.experts.e.*) on the ranks that hold it."""
-        if isinstance(self.zero, ExpertZero):
-            raise ValueError("a checkpoint of ep > 1 with ZeRO: the experts' and the dense parameters' ZeRO are two "
-                             "optimizers (not supported yet)")
         t, r = self.tp, self.mesh.coordinate("tp")
         vocab = self.model.config.vocab_size
         local = {id(q) for q in self.pipe.parameters()}
@@ -283,5 +280,8 @@ class GPT3D:
                 pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
             placements.append((q, [(name, s) for s in pieces]))
         if self.zero is not None and self.zero.stage == 3:       # the parameters are the shard, cut across them
-            return [(self.zero.shard, self.zero.shard_placements({id(q): pieces for q, pieces in placements}))]
+            by_id = {id(q): pieces for q, pieces in placements}
+            if isinstance(self.zero, ExpertZero):                 # two shards: the dense and the experts'
+                return self.zero.shard_placements(by_id)
+            return [(self.zero.shard, self.zero.shard_placements(by_id))]
         return placements

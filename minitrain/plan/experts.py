@@ -211,9 +211,9 @@ def cp_block_bytes(model, layout, rows):
 
 
 def zero_expert_extra(model, layout, moe_blocks):
-    """Bytes a rank holds beyond ZeRO over dp for its ``moe_blocks`` MoE blocks' routed experts, whose
-    states ZeRO shards over the dp/ep ranks holding the same experts instead (0 without ZeRO or ep)."""
-    z, dp, ep = layout.zero, layout.dp, layout.ep
+    """Bytes a rank holds beyond ZeRO over dp (x cp) for its ``moe_blocks`` MoE blocks' routed experts, whose
+    states ZeRO shards over the dp/ep (x cp) ranks holding the same experts instead (0 without ZeRO or ep)."""
+    z, dp, ep = layout.zero, layout.zero_ranks, layout.ep
     extra = {"params": 0, "grads": 0, "optimizer_state": 0, "comm_buffers": 0}
     if not z or ep == 1 or not moe_blocks:
         return extra

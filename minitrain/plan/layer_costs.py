@@ -69,7 +69,8 @@ def axes_comm(model, layout, rows, machine, busy):
     block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py), and under
     cp its balancing loss's counts summed over the cp ranks (with a capacity, the choices gathered too). Ring:
     cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
-    Ulysses: four all-to-alls each way. The ep ranks are consecutive dp ranks."""
+    Ulysses: four all-to-alls each way; recomputation sends the forward's again in backward. The ep ranks are
+    consecutive dp ranks."""
     from .experts import all_to_all_bytes, cp_block_bytes, local_groups, local_tokens
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
@@ -80,6 +81,8 @@ def axes_comm(model, layout, rows, machine, busy):
             fwd, bwd = (c - 1) * 2 * one, ((c - 1) * 4 + 2) * one    # K, V; K, V, dK, dV, and dK, dV home
         else:
             fwd = bwd = 4 * collective(machine, "all_to_all", block, c, c * t, busy=busy, after_compute=True)
+        if layout.recompute != "none":             # the recomputed core (selective) or block (full) sends it again
+            bwd += fwd
     a2a = counts = 0.0
     if model.moe_experts and ep > 1:
         whole = all_to_all_bytes(model, layout, rows) * ep / (ep - 1)      # the rows' bytes, to and from all

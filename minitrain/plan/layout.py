@@ -132,6 +132,12 @@ class Layout:
         return -(-self.batch_size // self.dp)
 
     @property
+    def zero_ranks(self):
+        """The ranks ZeRO shards a stage's states over: its dp x cp replicas (GPT3D's; a cp rank holds the same
+        parameters and takes its share of every row)."""
+        return self.dp * self.cp
+
+    @property
     def micro_batch_size(self):
         """The largest micro-batch: the jobs cut a batch that dp x micro-batches do not divide unevenly."""
         return -(-self.batch_size // (self.dp * self.microbatches))

@@ -94,10 +94,11 @@ def _experts_sharded(stage, model, layout, pieces):
 
 def _expert_gradient_shards(stage, model, layout, pieces):
     """ZeRO-2/3 under ep (parallel/expert_parallel_3d.py's ExpertZero): the dense gradient is reduce-scattered
-    over dp and its full buffer dropped, then the experts' over dp/ep into a wider shard. The gradients' peak
-    is the larger of those two moments, not the stage's whole flat gradient beside its dp shard (the walk's);
-    the step's peak gains the experts' wider shard where it is the optimizer step, or is that moment itself."""
-    e, dp, ep = PRECISIONS[layout.precision], layout.dp, layout.ep
+    over dp (x cp) and its full buffer dropped, then the experts' over dp/ep (x cp) into a wider shard. The
+    gradients' peak is the larger of those two moments, not the stage's whole flat gradient beside its dp
+    shard (the walk's); the step's peak gains the experts' wider shard where it is the optimizer step, or is
+    that moment itself."""
+    e, dp, ep = PRECISIONS[layout.precision], layout.zero_ranks, layout.ep
     local = sum(x.params for x in pieces)
     n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // ep) * expert_params(model)
     dense_shard, wide, pad = -(-(local - n) // dp), -(-n // (dp // ep)), -(-local // dp) * dp

@@ -99,12 +99,13 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     ``sizes``: the micro-batches' rows where a batch is cut unevenly (the first ones one row more; the pieces
     count the largest; then ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
     e = PRECISIONS[layout.precision]
-    # ZeRO on the stage (parallel/zero_3d.py): a flat gradient buffer of the whole stage through the step
-    # (stage 1 keeps it between steps, 2 and 3 a shard of it, which the reduce-scatter lands in; stage 3
-    # also keeps a shard of the parameters and gathers the stage once per step)
-    z = layout.zero if layout.dp > 1 else 0
+    # ZeRO on the stage (parallel/zero_3d.py), over its dp x cp replicas (one too: a communicator of one): a
+    # flat gradient buffer of the whole stage through the step (stage 1 keeps it between steps, 2 and 3 a shard
+    # of it, which the reduce-scatter lands in; stage 3 also keeps a shard of the parameters and gathers the
+    # stage once per step)
+    z, N = layout.zero, layout.zero_ranks
     zero1 = z >= 1
-    pad = -(-local_params // layout.dp) * layout.dp if zero1 else local_params
+    pad = -(-local_params // N) * N if zero1 else local_params
     g = e * pad if zero1 else 0
     if len(chunks) == 1 and not isinstance(actions, list):     # one chunk: the schedule's in-flight counts
         K, F, A, G, shared = _chunk_backward(tuple(chunks[0]), 0 if zero1 else e)
@@ -157,14 +158,14 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
             if fresh:
                 seen.add(a.chunk)
                 g += grads[a.chunk]
-    stepped = pad // layout.dp if zero1 else local_params      # what this rank's optimizer steps
+    stepped = pad // N if zero1 else local_params              # what this rank's optimizer steps
     step_grads = fp32_step_grads(stepped, layout)
-    shard_g = e * pad // layout.dp if z >= 2 else 0             # stages 2, 3: the gradient shard
-    shard_p = e * pad // layout.dp + e if z == 3 else 0         # stage 3: the parameter shard, a 0-d placeholder
+    shard_g = e * pad // N if z >= 2 else 0                     # stages 2, 3: the gradient shard
+    shard_p = e * pad // N + e if z == 3 else 0                 # stage 3: the parameter shard, a 0-d placeholder
     peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
-            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // layout.dp if z == 1 else 0}
+            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // N if z == 1 else 0}
     at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
-    if g + step_grads > sum(dyn) + shared:                     # the optimizer step: its activations are freed
+    if g + step_grads + shard_g > sum(dyn) + shared:           # the optimizer step: its activations are freed
         at_peak.update(activations=0, grads=g + step_grads + shard_g)
     return peak, sum(at_peak.values()), at_peak
 

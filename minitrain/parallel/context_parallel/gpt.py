@@ -42,10 +42,7 @@ def context_parallelize(model, comm, method="ring"):
     returns the cores (their ``computed`` counters). A clear error for what does not split."""
     if method not in METHODS:
         raise ValueError(f"unknown context-parallel method {method!r}: expected one of {tuple(METHODS)[:2]}")
-    config = model.config
-    if comm.size > 1 and config.recompute not in (None, "none"):
-        raise ValueError(f"recompute={config.recompute!r} with context parallelism is not built: the recomputed "
-                         "attention would replay its ring or all-to-alls in backward")
+    config = model.config           # (recomputation replays the core's forward, its ring or all-to-alls too)
     if comm.size > 1 and config.dropout:
         raise ValueError(f"dropout={config.dropout} with context parallelism is not built: each cp rank would draw "
                          "its chunk's masks, not one process's (and ring attention has no attention dropout)")
@@ -65,12 +62,16 @@ def sequence_positions(seq_len, comm, method="ring"):
     return positions_of(seq_len, comm.size, comm.rank, METHODS[method])
 
 
-def cp_bytes_formula(method, cp, seq_len, width, itemsize):
+def cp_bytes_formula(method, cp, seq_len, width, itemsize, recompute="none"):
     """Bytes one cp rank sends per row of the batch and per block, forward and backward, with ``width``
     = its heads x head size (n_embd / tp). Ring: (6cp - 4) blocks of (T/cp)·width (K, V forward cp-1 times;
     K, V, dK, dV backward cp-1 times; dK, dV home once). Ulysses: 4 all-to-alls forward (q, k, v, output)
-    and 4 backward, each (cp-1)/cp of (T/cp)·width."""
+    and 4 backward, each (cp-1)/cp of (T/cp)·width. Recomputation (full: the block, selective: the attention
+    core) sends the forward's again in backward: 2(cp-1) more blocks, or 4 more all-to-alls."""
     block = seq_len // cp * width * itemsize
     if cp == 1:
         return 0
-    return (6 * cp - 4) * block if method.startswith("ring") else 8 * (cp - 1) * block // cp
+    again = recompute not in (None, "none")
+    if method.startswith("ring"):
+        return (6 * cp - 4 + (2 * (cp - 1) if again else 0)) * block
+    return (12 if again else 8) * (cp - 1) * block // cp
