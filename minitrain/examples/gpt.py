@@ -39,8 +39,8 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_step, moe_summary, nothing_left,
-                                          print_sample, scheduler_for)
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_layers, moe_step, moe_summary,
+                                          nothing_left, print_sample, routing_load, routing_step, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -219,7 +219,8 @@ def _main(argv=None):
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
     watch = StepWatch()
-    moe = []
+    moe, routing = [], []                                    # routing: the rows the experts took, per step
+    routing_step(moe_layers(model))                          # (not the validation's)
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         with watch.step():
@@ -236,6 +237,7 @@ def _main(argv=None):
         losses.append(loss.item())
         if config.moe_experts:
             moe.append(moe_step(model))
+            routing.append(routing_step(moe_layers(model)))
         ckpt.after_step(step + 1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -260,7 +262,9 @@ def _main(argv=None):
         print(moe_line)
     print("memory on rank 0 (model states at the optimizer step; peak over the run):")
     print(memory_table(watch.persistent, peak))
-    compared = plan_comparison(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size)
+    load = routing_load(None, routing, 1, per_layer=args.recompute == "full")     # a capacity's drops: below 1
+    compared = plan_comparison(args, 1, steps, peak["total"], kind="gpt", vocab_size=corpus.vocab_size,
+                               moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
     if args.json:
         write_json(args.json, {
