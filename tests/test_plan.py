@@ -160,7 +160,7 @@ def test_every_gpt_pipeline_the_job_runs_is_planned(args):
 def test_the_planner_refuses_what_the_pipeline_job_refuses():
     assert "--recompute is not supported with --strategy pipeline" in refused(
         "mlp --strategy pipeline --recompute full --world 2")
-    assert "--precision bf16 is not supported with --strategy pipeline" in refused(
+    assert "--precision is not supported with --strategy pipeline (each stage runs in fp32 or fp64" in refused(
         "mlp --strategy pipeline --precision bf16 --world 2")
     ranked = cli("mlp --world 4 --precision fp16 --search")          # nor does the search offer one
     assert ranked and all(r["layout"]["pp"] == 1 for r in ranked)
@@ -168,6 +168,20 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     assert "--microbatches 17 exceeds the 16 rows of the largest replica's batch" in refused(
         "gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 17")
     assert cli("gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 16")["layout"]["microbatches"] == 16
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ("mlp --strategy ddp --schedule gpipe --world 2", "--schedule is not supported with --strategy ddp"),
+    ("mlp --strategy zero3 --sync-every 2 --world 2", "--sync-every is not supported with --strategy zero3"),
+    ("mlp --strategy zero3 --bucket-cap-mb 5 --world 2", "--bucket-cap-mb is not supported with --strategy zero3"),
+    ("gpt --cp 2 --dropout 0.1 --world 2", "--dropout is not supported with --cp 2"),
+    ("gpt --pp 1 --schedule zbv --world 2", "--schedule is not supported with --pp 1"),
+])
+def test_the_planner_refuses_an_option_its_job_would_refuse_not_plans_without_it(argv, needle):
+    """The job's own rules (examples/options.py), so that a layout is never planned with an option silently dropped;
+    the job's corpus does not bound a planned GPT's sizes (any GPT by its sizes)."""
+    assert needle in refused(argv)
+    assert cli("gpt --block-size 100000 --vocab-size 256 --world 2")["layout"]["world"] == 2
 
 
 def test_device_memory_decides_fits():

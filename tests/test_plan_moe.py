@@ -395,7 +395,7 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     sizes = "gpt --n-head 4 --n-embd 64 --block-size 24"
     assert "nearest valid --ep: 1 or 2" in refused(f"{sizes} --moe-experts 4 --world 6 --ep 3")      # ep | E
     assert "--ep 4 does not divide --dp 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 4")   # ep | dp
-    assert "has none" in refused(f"{sizes} --world 2 --ep 2")
+    assert "--ep is not supported with --moe-experts 0" in refused(f"{sizes} --world 2 --ep 2")   # the job's rule
     assert "2 x --cp 8" in refused(f"{sizes} --world 8 --cp 8")                                     # 2cp | s
     assert refused(f"{sizes} --world 8 --cp 8").endswith("nearest valid --cp: 2 or 4\n")          # | world too
     assert refused(f"{sizes} --world 10 --cp 10").endswith("nearest valid --cp: 1 or 2\n")    # not 4: 4 ∤ 10

@@ -92,6 +92,11 @@ def refuse_cp(parser, args, given):
 
 def refuse_gpt(parser, args, given):
     refuse_longer_than_the_corpus(parser, "--block-size", args.block_size, ("train", "val"))
+    refuse_gpt_layout(parser, args, given)
+
+
+def refuse_gpt_layout(parser, args, given):
+    """What the GPT job refuses of a layout, whatever its sizes (the planner refuses the same)."""
     refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
     refuse_cp(parser, args, given)
@@ -126,8 +131,10 @@ def refuse_generate(parser, args, given):
 
 
 RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt, "generate": refuse_generate}
+#: what python -m minitrain.plan mlp|gpt refuses: the jobs' rules for a layout (a planned GPT may be any size)
+LAYOUT_RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt_layout}
 
 
-def refuse_unsupported(parser, args, argv, job):
+def refuse_unsupported(parser, args, argv, job, rules=RULES):
     """Stop with one line (exit 2) if ``argv`` asks ``job`` for something it cannot apply."""
-    RULES[job](parser, args, cli.given_options(parser, argv))
+    rules[job](parser, args, cli.given_options(parser, argv))

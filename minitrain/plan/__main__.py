@@ -153,6 +153,7 @@ def parser(defaults=None):
     add_common(g)
     if defaults:
         g.set_defaults(**defaults)
+    top.jobs = {"mlp": m, "gpt": g}
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
     p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
@@ -269,6 +270,9 @@ def main(argv=None):
     if getattr(args, "model", None):              # the named sizes as defaults: options given beside them win
         p = parser(defaults=NAMED[args.model])
         args = p.parse_args(argv)
+    if args.command in p.jobs:                    # what the job would refuse, or ignore, is not planned either
+        from ..examples.options import LAYOUT_RULES, refuse_unsupported
+        refuse_unsupported(p.jobs[args.command], args, argv[1:], args.command, LAYOUT_RULES)
     try:
         machine = load_machine(args.machine)
         model, layout = model_and_layout(args)
