@@ -225,7 +225,7 @@ def main(argv=None):
     p.add_argument("--steps", type=cli.positive_int, default=10, help="steps per timed block")
     p.add_argument("--blocks", type=cli.positive_int, default=5, help="timed blocks (the median is kept)")
     p.add_argument("--unfused-timing", action="store_true", help="also time minitrain with MINITRAIN_FUSE=0")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    p.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes, args.mlp, args.steps, args.blocks = ["tiny"], ["mlp tiny"], 2, 2

@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--epochs", type=cli.positive_int, help="mlp runs: this many epochs (default: the runs')")
     ap.add_argument("--steps", type=cli.positive_int, help="gpt runs: this many steps (default: the runs')")
     ap.add_argument("--search-repeats", type=cli.nonneg_int, default=3, help="timed searches, the best kept (0: none)")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
     if args.calibrate:
         with tempfile.TemporaryDirectory() as tmp:
