@@ -129,6 +129,10 @@ def main():
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit("the anchor is PyTorch's DistributedDataParallel: pip install -e '.[oracle]'") from None
     results = {}
     from minitrain.testing import mpi_library_name
     print(f"MPI: {mpi_library_name()}; PyTorch: gloo")

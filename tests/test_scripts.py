@@ -479,3 +479,11 @@ def test_bench_zero_refuses_a_torch_anchor_asked_for_without_torch(monkeypatch, 
         runpy.run_path(str(SCRIPTS / "bench_zero.py"), run_name="__main__")
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "torch_ddp run(s) PyTorch, which is not installed" in err, err
+
+
+def test_bench_ddp_without_torch_stops_before_any_launch(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)             # import torch raises ImportError
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--ranks", "1", "--steps", "1", "--local-sgd"])
+    with pytest.raises(SystemExit, match="the anchor is PyTorch"):
+        runpy.run_path(str(SCRIPTS / "bench_ddp.py"), run_name="__main__")
+    assert "MPI:" not in capsys.readouterr().out
