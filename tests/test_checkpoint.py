@@ -529,6 +529,22 @@ def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(sav
     assert f"no complete checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err
 
 
+def test_the_tool_marks_a_checkpoint_whose_rank_files_are_missing_or_cut_and_lists_one_checkpoint(saved, capsys):
+    from minitrain.checkpoint.__main__ import main
+    assert main(["list", saved]) == 0                             # one checkpoint, not a save directory
+    assert capsys.readouterr().out.split() == ["step", "2", saved]
+    os.remove(os.path.join(saved, "rank-00001.safetensors"))     # a partial copy
+    with open(os.path.join(saved, "rank-00000.safetensors"), "r+b") as f:
+        f.truncate(100)
+    assert main(["list", os.path.dirname(saved)]) == 2
+    out = capsys.readouterr().out
+    assert "step        1" in out and "(incomplete" not in out.splitlines()[0]
+    assert (f"{saved}  (incomplete: rank-00000.safetensors has 100 bytes, the manifest says" in out
+            and "; rank-00001.safetensors is missing)" in out)
+    assert main(["inspect", os.path.dirname(saved)]) == 2
+    assert f"error: {saved} is incomplete: rank-00000.safetensors has 100 bytes" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the optimizers' own state dicts
 def test_mixed_precision_zero_and_fsdp_load_their_state_dicts(float64):
     def body(comm):

@@ -76,6 +76,21 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
+def file_problems(directory, manifest=None):
+    """What is wrong with the rank files of the checkpoint in ``directory``, found by their sizes alone
+    (a partial copy, a lost or truncated file), one line each; [] where every file is there at its size.
+    Their bytes are checked by reading them (``python -m minitrain.checkpoint verify``)."""
+    manifest = manifest or read_manifest(directory)
+    problems = []
+    for name, info in sorted(manifest["files"].items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(path) != info["bytes"]:
+            problems.append(f"{name} has {os.path.getsize(path)} bytes, the manifest says {info['bytes']}")
+    return problems
+
+
 STEP_FOLDER = re.compile(r"step-\d+$")
 
 
