@@ -266,6 +266,20 @@ def main():
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    given = cli.given_options(ap, None)
+    if args.job:
+        for option, why in (("--ranks", "the job runs at p = 2"), ("--steps", "the job runs --epochs"),
+                            ("--plot", "the job's runs are not drawn")):
+            if option in given:
+                cli.refuse(ap, option, "--job", why)
+    elif "--epochs" in given:
+        cli.refuse(ap, "--epochs", "the model here (no --job)", "it runs --steps; --epochs is the job's")
+    if "interleaved_1f1b" in args.schedules:
+        for p in [2] if args.job else args.ranks:
+            odd = [m for m in args.microbatches if m % p]
+            if odd:
+                ap.error(f"argument --microbatches: interleaved_1f1b takes m divisible by p, and m = {odd[0]} at "
+                         f"p = {p} is not (leave interleaved_1f1b out of --schedules, or give other values of m)")
     if args.job:
         results = run_job(args)
         print(f"the mlp job at p = 2, hidden {args.width}, batch 256, {args.epochs} epochs; the run of median "

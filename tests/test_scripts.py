@@ -462,6 +462,10 @@ def test_every_file_a_script_writes_is_checked_while_parsing():
     ("bench_inference.py", ["--n-head", "3"], "argument --n-embd: 128 is not a multiple of --n-head 3"),
     ("bench_inference.py", ["--context", "64"], "(--max-prompt-len 64) + --max-new-tokens 32 exceed --context 64"),
     ("bench_recompute.py", ["--json", "{tmp}/no/x.json"], "argument --json: cannot write"),
+    ("bench_pipeline.py", ["--job", "--ranks", "4"], "--ranks is not supported with --job (the job runs at p = 2)"),
+    ("bench_pipeline.py", ["--job", "--plot", "{tmp}/b.png"], "--plot is not supported with --job"),
+    ("bench_pipeline.py", ["--epochs", "2"], "--epochs is not supported with the model here (no --job)"),
+    ("bench_pipeline.py", ["--ranks", "4", "--microbatches", "6"], "interleaved_1f1b takes m divisible by p, and m = 6"),
 ])
 def test_a_script_refuses_what_its_run_cannot_do_in_one_argparse_line(script, argv, message, monkeypatch, capsys,
                                                                         tmp_path):
