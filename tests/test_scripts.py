@@ -466,6 +466,9 @@ def test_every_file_a_script_writes_is_checked_while_parsing():
     ("bench_pipeline.py", ["--job", "--plot", "{tmp}/b.png"], "--plot is not supported with --job"),
     ("bench_pipeline.py", ["--epochs", "2"], "--epochs is not supported with the model here (no --job)"),
     ("bench_pipeline.py", ["--ranks", "4", "--microbatches", "6"], "interleaved_1f1b takes m divisible by p, and m = 6"),
+    ("bench_gpu.py", ["--tiny", "--steps", "5"], "--steps is not supported with --tiny"),
+    ("bench_gpu.py", ["--mlp", "mlp bigg"], "argument --mlp: invalid choice: 'mlp bigg'"),
+    ("bench_gpu_collectives.py", ["--tiny", "--max-mib", "1"], "--max-mib is not supported with --tiny"),
 ])
 def test_a_script_refuses_what_its_run_cannot_do_in_one_argparse_line(script, argv, message, monkeypatch, capsys,
                                                                         tmp_path):
