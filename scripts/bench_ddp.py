@@ -129,6 +129,8 @@ def main():
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    if max(args.ranks) == 1 and args.local_sgd and "--local-sgd" in cli.given_options(ap, None):
+        cli.refuse(ap, "--local-sgd", "--ranks 1", "local SGD averages the replicas of 2 or more ranks")
     try:
         import torch  # noqa: F401
     except ImportError:
