@@ -467,6 +467,7 @@ def test_every_file_a_script_writes_is_checked_while_parsing():
     ("bench_pipeline.py", ["--epochs", "2"], "--epochs is not supported with the model here (no --job)"),
     ("bench_pipeline.py", ["--ranks", "4", "--microbatches", "6"], "interleaved_1f1b takes m divisible by p, and m = 6"),
     ("bench_ddp.py", ["--ranks", "1", "--local-sgd", "4"], "--local-sgd is not supported with --ranks 1"),
+    ("bench_planner.py", ["--machine", "bogus"], "argument --machine: no machine 'bogus'"),
     ("bench_gpu.py", ["--tiny", "--steps", "5"], "--steps is not supported with --tiny"),
     ("bench_gpu.py", ["--mlp", "mlp bigg"], "argument --mlp: invalid choice: 'mlp bigg'"),
     ("bench_gpu_collectives.py", ["--tiny", "--max-mib", "1"], "--max-mib is not supported with --tiny"),
