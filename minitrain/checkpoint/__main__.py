@@ -45,18 +45,22 @@ def main(argv=None):
         return 2
     try:
         if args.command == "list":
+            unreadable = []
             if os.path.exists(os.path.join(args.directory, MANIFEST)):             # one checkpoint itself
                 manifest = read_manifest(args.directory)
                 found = [(int(manifest["step"]), manifest["created"], args.directory)]
             else:
-                found = list_checkpoints(args.directory)
-            damaged = False
+                found = list_checkpoints(args.directory, unreadable)
+                for path, error in unreadable:
+                    print(f"damaged: {path}: {error}", file=sys.stderr)
+            damaged = bool(unreadable)
             for step, _, path in found:
                 problems = file_problems(path)
                 print(f"step {step:>8}  {path}" + (f"  (incomplete: {'; '.join(problems)})" if problems else ""))
                 damaged = damaged or bool(problems)
             for name in damaged_step_folders(args.directory):
                 print(f"damaged: {os.path.join(args.directory, name)} has no manifest.json", file=sys.stderr)
+                damaged = True
             if not found:
                 print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
             return 2 if damaged else 0 if found else 1

@@ -61,17 +61,25 @@ def read_manifest(directory):
     return manifest
 
 
-def list_checkpoints(directory):
+def list_checkpoints(directory, unreadable=None):
     """Every complete checkpoint under ``directory`` as (step, created, path), oldest first. A
     checkpoint is complete when its manifest exists; temporary directories of an interrupted save
-    have none and are skipped. The order comes from the manifests, never from directory names."""
+    have none and are skipped. The order comes from the manifests, never from directory names.
+    A manifest that cannot be read raises CheckpointError, or with a list ``unreadable`` is appended
+    to it as (path, the error) and the others are still listed."""
     found = []
     if not os.path.isdir(directory):
         return found
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
-            manifest = read_manifest(path)
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError as e:
+                if unreadable is None:
+                    raise
+                unreadable.append((path, e))
+                continue
             found.append((int(manifest["step"]), float(manifest["created"]), path))
     return sorted(found)
 
