@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--max-mib", type=cli.largest_mib, default=16, help="largest size, MiB (from 1 KiB, x4 steps)")
     ap.add_argument("--repeats", type=cli.positive_int, default=101, help="most repeats of each mode per size")
     ap.add_argument("--min-time", type=cli.positive_float, default=3.0, help="seconds per mode and size (fewer repeats if slow)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--threads", type=cli.positive_int, default=1, help="BLAS / torch threads for both")
     p.add_argument("--repeats", type=cli.positive_int, default=50, help="timed steps per model and round")
     p.add_argument("--rounds", type=cli.positive_int, default=3, help="alternate the two libraries this many times")
-    p.add_argument("--plot", metavar="PNG", help="draw the step times (default: no plot)")
+    p.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw the step times (default: no plot)")
     args = p.parse_args(argv)
     try:
         import torch

@@ -135,8 +135,8 @@ def main():
     ap.add_argument("--hidden", type=cli.positive_int, default=2048, help="width of each layer")
     ap.add_argument("--layers", type=cli.positive_int, default=4, help="hidden x hidden layers")
     ap.add_argument("--repeats", type=cli.positive_int, default=3, help="saves and loads timed (the median is kept)")
-    ap.add_argument("--dir", help="where to write (default: a temporary directory)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--dir", type=cli.output_folder, help="where to write (default: a temporary directory)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

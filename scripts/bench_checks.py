@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--big-reps", type=cli.positive_int, default=10, help="big all-reduces per configuration and round")
     ap.add_argument("--rounds", type=cli.positive_int, default=5, help="rounds; each measures every configuration once")
     ap.add_argument("--mib", type=cli.positive_float, default=16, help="size of the big (bandwidth-bound) all-reduce, MiB")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

@@ -147,8 +147,8 @@ def main():
     ap.add_argument("--check-collectives", action="store_true",
                     help="compare every collective's arguments across ranks first (the jobs' default; off here: "
                          "the table measures the algorithms)")
-    ap.add_argument("--plot", metavar="PNG", help="draw time and bus bandwidth per size (default: no plot)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw time and bus bandwidth per size (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:

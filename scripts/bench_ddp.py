@@ -116,7 +116,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[1, 2], help="one mpiexec launch per p")
     ap.add_argument("--steps", type=cli.positive_int, default=30, help="timed steps per model")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="which models (local SGD runs on the last one)")
     ap.add_argument("--local-sgd", type=cli.positive_int, nargs="*", default=[1, 4, 8], metavar="K",
@@ -129,6 +129,12 @@ def main():
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    if max(args.ranks) == 1 and args.local_sgd and "--local-sgd" in cli.given_options(ap, None):
+        cli.refuse(ap, "--local-sgd", "--ranks 1", "local SGD averages the replicas of 2 or more ranks")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit("the anchor is PyTorch's DistributedDataParallel: pip install -e '.[oracle]'") from None
     results = {}
     from minitrain.testing import mpi_library_name
     print(f"MPI: {mpi_library_name()}; PyTorch: gloo")

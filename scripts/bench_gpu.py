@@ -220,14 +220,17 @@ def fmt_ms(s):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--sizes", nargs="*", default=["big", "mid", "small"], choices=list(GPT_SIZES), help="GPT sizes")
-    p.add_argument("--mlp", nargs="*", default=["mlp big", "mlp digits"], help="MLP sizes (names with spaces)")
+    p.add_argument("--mlp", nargs="*", default=["mlp big", "mlp digits"], choices=list(MLP_SIZES),
+                   help="MLP sizes (names with spaces)")
     p.add_argument("--tiny", action="store_true", help="CI: the tiny GPT and MLP, 2 steps")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="steps per timed block")
     p.add_argument("--blocks", type=cli.positive_int, default=5, help="timed blocks (the median is kept)")
     p.add_argument("--unfused-timing", action="store_true", help="also time minitrain with MINITRAIN_FUSE=0")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    p.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     args = p.parse_args(argv)
     if args.tiny:
+        for option in sorted(cli.given_options(p, argv) & {"--sizes", "--mlp", "--steps", "--blocks"}):
+            cli.refuse(p, option, "--tiny", "--tiny sets the sizes, 2 steps and 2 blocks")
         args.sizes, args.mlp, args.steps, args.blocks = ["tiny"], ["mlp tiny"], 2, 2
     try:
         backend.set_device("cuda")

@@ -133,8 +133,11 @@ def main(argv=None):
     ap.add_argument("--check-collectives", action="store_true",
                     help="compare every call's arguments across ranks first (issue 15's check)")
     ap.add_argument("--tiny", action="store_true", help="CI: 1 KiB and 16 KiB, one call per block")
-    ap.add_argument("--json", metavar="PATH", help="write the results there (default: no file)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results there (default: no file)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        for option in sorted(cli.given_options(ap, argv) & {"--max-mib", "--min-time", "--max-reps"}):
+            cli.refuse(ap, option, "--tiny", "--tiny sets the sizes, 1 KiB and 16 KiB, and one call per block")
     args.sizes = [1024 << (2 * k) for k in range(20) if (1024 << (2 * k)) <= args.max_mib * (1 << 20)]
     if args.tiny:
         args.sizes, args.min_time, args.max_reps = [1024, 16384], 0.0, 1

@@ -43,8 +43,16 @@ def parse_args():
     p.add_argument("--repeats", type=cli.positive_int, default=2, help="throughput runs per point (the median is kept)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the weights and the prompts")
     p.add_argument("--threads", type=cli.positive_int, default=None, help="BLAS threads (default: cores / ranks)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
-    return p.parse_args()
+    p.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
+    args = p.parse_args()
+    if args.max_prompt_len < args.min_prompt_len:
+        p.error(f"argument --max-prompt-len: {args.max_prompt_len} is below --min-prompt-len {args.min_prompt_len}")
+    if args.n_embd % args.n_head:
+        p.error(f"argument --n-embd: {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    if args.max_prompt_len + args.max_new_tokens > args.context:
+        p.error(f"the longest prompt (--max-prompt-len {args.max_prompt_len}) + --max-new-tokens "
+                f"{args.max_new_tokens} exceed --context {args.context}")
+    return args
 
 
 def timed(engine, prompts, args, repeats):

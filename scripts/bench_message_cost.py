@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--bytes", type=cli.positive_int, default=65536, help="the message's size (a multiple of 4)")
     ap.add_argument("--evict-mib", type=cli.positive_float, default=16.0, help="MiB the matmul before a 'cold' call streams")
     ap.add_argument("--wait-us", type=cli.nonneg_float, default=300.0, help="how long after the receiver starts waiting the sender sends")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 1 or args.bytes < 4 or args.bytes % 4 or args.evict_mib <= 0 or \

@@ -258,14 +258,28 @@ def main():
     ap.add_argument("--width", type=cli.positive_int, default=1024, help="W of the 8 Linear(W, W) blocks")
     ap.add_argument("--microbatches", type=cli.positive_int, nargs="+", default=[4, 8, 16], help="values of m")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES, help="the schedules to run")
-    ap.add_argument("--plot", metavar="PNG", help="draw the bubbles beside the formula (default: no plot)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw the bubbles beside the formula (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--job", action="store_true", help="run the issue's mlp pipeline job (p = 2) instead of the model here")
     ap.add_argument("--epochs", type=cli.positive_int, default=3, help="--job: the job's epochs")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    given = cli.given_options(ap, None)
+    if args.job:
+        for option, why in (("--ranks", "the job runs at p = 2"), ("--steps", "the job runs --epochs"),
+                            ("--plot", "the job's runs are not drawn")):
+            if option in given:
+                cli.refuse(ap, option, "--job", why)
+    elif "--epochs" in given:
+        cli.refuse(ap, "--epochs", "the model here (no --job)", "it runs --steps; --epochs is the job's")
+    if "interleaved_1f1b" in args.schedules:
+        for p in [2] if args.job else args.ranks:
+            odd = [m for m in args.microbatches if m % p]
+            if odd:
+                ap.error(f"argument --microbatches: interleaved_1f1b takes m divisible by p, and m = {odd[0]} at "
+                         f"p = {p} is not (leave interleaved_1f1b out of --schedules, or give other values of m)")
     if args.job:
         results = run_job(args)
         print(f"the mlp job at p = 2, hidden {args.width}, batch 256, {args.epochs} epochs; the run of median "

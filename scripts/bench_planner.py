@@ -37,6 +37,7 @@ import time
 
 from minitrain import cli
 from minitrain.plan import load_machine, validate
+from minitrain.plan.calibrate import MachineError
 from minitrain.plan.__main__ import main as plan_main
 from minitrain.testing import wait_for_quiet, with_others_share
 
@@ -131,7 +132,7 @@ def main():
     ap.add_argument("--epochs", type=cli.positive_int, help="mlp runs: this many epochs (default: the runs')")
     ap.add_argument("--steps", type=cli.positive_int, help="gpt runs: this many steps (default: the runs')")
     ap.add_argument("--search-repeats", type=cli.nonneg_int, default=3, help="timed searches, the best kept (0: none)")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
     if args.calibrate:
         with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +148,10 @@ def main():
                       **{k: machine.get(k, 1.0) for k in ("typical_alone", "typical_job", "typical_job_waited")}),
                   flush=True)
     else:
-        machine = load_machine(args.machine)
+        try:
+            machine = load_machine(args.machine)
+        except MachineError as e:
+            ap.error(f"argument --machine: {e}")
     results, runs = [], validate.RUNS
     validate.RUNS = shortened(every, args.epochs, args.steps)          # validate.run reads its options there
     try:

@@ -75,8 +75,8 @@ def main():
     ap.add_argument("--layers", type=cli.positive_int, nargs="+", default=[4, 8, 16, 32, 64], help="MLP depths n")
     ap.add_argument("--repeats", type=cli.positive_int, default=5, help="timed steps (the median is kept)")
     ap.add_argument("--threads", type=cli.positive_int, default=1, help="BLAS threads")
-    ap.add_argument("--plot", metavar="PNG", help="draw peak memory and time vs segments (default: no plot)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw peak memory and time vs segments (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     args = ap.parse_args()
     with threadpool_limits(limits=args.threads):
         rows = mlp_rows(args.layers, args.repeats)

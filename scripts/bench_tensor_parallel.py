@@ -19,6 +19,8 @@ import numpy as np
 
 from minitrain import cli
 
+N_HEAD = 8
+
 
 def worker(args):
     import minitrain as mt
@@ -28,7 +30,7 @@ def worker(args):
     comm = init()
     t, r = comm.size, comm.rank
     mt.manual_seed(0)
-    config = nn.GPTConfig(vocab_size=96, block_size=args.block, n_layer=4, n_head=8, n_embd=args.n_embd)
+    config = nn.GPTConfig(vocab_size=96, block_size=args.block, n_layer=4, n_head=N_HEAD, n_embd=args.n_embd)
     gpt = nn.GPT(config)
     model = tensor_parallelize(gpt, comm, sequence_parallel=args.sp) if t > 1 else gpt
     opt = optim.AdamW(model.parameters(), lr=1e-3)
@@ -63,28 +65,38 @@ def launch(t, sp, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--tp", type=cli.positive_int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes: one mpiexec launch each")
+    ap.add_argument("--tp", type=cli.positive_int, nargs="+", default=[1, 2, 4],
+                    help="tensor-parallel sizes: one mpiexec launch each; tp=1, the speed-up's anchor, runs first "
+                         "whether listed or not")
     ap.add_argument("--steps", type=cli.positive_int, default=6, help="timed steps (the median is kept)")
     ap.add_argument("--n-embd", type=cli.positive_int, default=256, help="embedding width")
     ap.add_argument("--block", type=cli.positive_int, default=128, help="sequence length")
     ap.add_argument("--batch", type=cli.positive_int, default=8, help="sequences per step")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--sp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
+    if args.n_embd % N_HEAD:
+        ap.error(f"argument --n-embd: must be a multiple of the {N_HEAD} heads, got {args.n_embd}")
+    for t in args.tp:
+        for what, n in ((f"the {N_HEAD} heads", N_HEAD), (f"--n-embd {args.n_embd}", args.n_embd),
+                        (f"--block {args.block} (sequence parallelism splits it)", args.block)):
+            if n % t:
+                ap.error(f"argument --tp: {t} does not divide {what}")
+    tps = [1] + [t for t in dict.fromkeys(args.tp) if t != 1]
     results = {}
     base = None
     from minitrain.testing import mpi_library_name
     print(f"MPI: {mpi_library_name()}")
     print(f"{'config':<10} {'step':>9} {'speed-up':>9} {'fwd bytes/layer':>16} {'formula':>10} {'peak activations':>17}")
-    for t in args.tp:
+    for t in tps:
         for sp in ((False, True) if t > 1 else (False,)):
             r = launch(t, sp, args)
             name = f"tp={t}" + ("+sp" if sp else "")
             results[name] = r
-            base = base or r["step"]
+            base = base or r["step"]                       # tp=1: the first launch
             formula = 2 * 2 * (t - 1) / t * args.batch * args.block * args.n_embd * 4
             r["formula"] = formula
             print(f"{name:<10} {r['step'] * 1e3:>7.1f}ms {base / r['step']:>8.2f}x {r['layer_bytes'] / 2**20:>13.3f}MiB "

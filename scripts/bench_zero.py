@@ -19,6 +19,7 @@ read off the trace's spans over the timed steps (a collective its waiter runs co
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -176,10 +177,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="one mpiexec launch per p and configuration")
     ap.add_argument("--steps", type=cli.positive_int, default=20, help="timed steps (the median is kept)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG",
-                    help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them)")
-    ap.add_argument("--plot", metavar="PNG", help="draw model-state memory per rank (default: no plot)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none written)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG", choices=CONFIGS + ANCHORS,
+                    help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them; the torch_ anchors where "
+                         f"PyTorch is installed)")
+    ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw model-state memory per rank (default: no plot)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=cli.nonneg_int, default=0, help=argparse.SUPPRESS)
@@ -189,6 +191,10 @@ def main():
     try:
         import torch  # noqa: F401
     except ImportError:
+        asked = [c for c in args.configs if c in ANCHORS]
+        if "--configs" in cli.given_options(ap, sys.argv[1:]) and asked:
+            ap.error(f"argument --configs: {', '.join(asked)} run(s) PyTorch, which is not installed "
+                     f"(pip install -e '.[oracle]')")
         args.configs = [c for c in args.configs if c not in ANCHORS]
     results = {}
     for p in args.ranks:

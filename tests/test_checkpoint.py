@@ -529,6 +529,33 @@ def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(sav
     assert f"no complete checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err
 
 
+def test_the_tool_marks_a_checkpoint_whose_rank_files_are_missing_or_cut_and_lists_one_checkpoint(saved, capsys):
+    from minitrain.checkpoint.__main__ import main
+    assert main(["list", saved]) == 0                             # one checkpoint, not a save directory
+    assert capsys.readouterr().out.split() == ["step", "2", saved]
+    older = os.path.join(os.path.dirname(saved), "step-00000001")
+    os.remove(os.path.join(older, "manifest.json"))               # a step folder that lost its manifest
+    assert main(["list", os.path.dirname(saved)]) == 2
+    out, err = capsys.readouterr()
+    assert out.split() == ["step", "2", saved] and f"damaged: {older} has no manifest.json" in err
+    os.remove(os.path.join(saved, "rank-00001.safetensors"))     # a partial copy
+    with open(os.path.join(saved, "rank-00000.safetensors"), "r+b") as f:
+        f.truncate(100)
+    assert main(["list", saved]) == 2
+    assert (f"{saved}  (incomplete: rank-00000.safetensors has 100 bytes, the manifest says" in
+            capsys.readouterr().out)
+    assert main(["list", os.path.dirname(saved)]) == 2
+    assert "; rank-00001.safetensors is missing)" in capsys.readouterr().out
+    assert main(["inspect", saved]) == 2
+    assert f"error: {saved} is incomplete: rank-00000.safetensors has 100 bytes" in capsys.readouterr().err
+    with open(os.path.join(saved, "manifest.json"), "w") as f:    # a manifest cut short: named, not fatal
+        f.write('{"format')
+    assert main(["list", os.path.dirname(saved)]) == 2
+    out, err = capsys.readouterr()
+    assert f"damaged: {saved}: checkpoint manifest {saved}/manifest.json is not valid JSON" in err
+    assert f"no complete checkpoint in {os.path.dirname(saved)}" in err and out == ""
+
+
 # ---------------------------------------------------------------- the optimizers' own state dicts
 def test_mixed_precision_zero_and_fsdp_load_their_state_dicts(float64):
     def body(comm):

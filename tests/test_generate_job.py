@@ -126,8 +126,17 @@ def test_tensor_parallel_job_generates_the_tokens_of_one_process(tmp_path):
 
 
 def test_the_checkpoint_hook_refuses_clearly_when_there_is_nothing_to_load(tmp_path, capsys):
-    assert generate.main([*SERVE, "--checkpoint", str(tmp_path / "none")]) == 2
-    assert "no checkpoint in" in capsys.readouterr().err
+    from minitrain.examples import mlp
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("")
+    assert mlp.main(["--epochs", "1", "--hidden", "8", "--batch-size", "512", "--no-progress",
+                     "--save-dir", str(tmp_path / "mlp")]) == 0
+    capsys.readouterr()
+    for folder, message in (("none", "none: no such directory"), ("empty", "no checkpoint in"),
+                            ("a_file", "a_file: a file, not a directory"),
+                            ("mlp", "was saved by the mlp job; this job serves the gpt job's checkpoints")):
+        assert generate.main([*SERVE, "--checkpoint", str(tmp_path / folder)]) == 2
+        assert message in capsys.readouterr().err, folder
     gc.collect()
 
 

@@ -108,7 +108,8 @@ def test_bench_pipeline_runs_the_issues_job_and_prints_its_targets(monkeypatch, 
 
 def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp_path):
     out = tmp_path / "tp.json"
-    monkeypatch.setattr(sys, "argv", ["bench_tensor_parallel.py", "--tp", "1", "2", "--steps", "2", "--n-embd", "32",
+    # tp=1 is not listed: the speed-up's anchor is measured in the same run all the same
+    monkeypatch.setattr(sys, "argv", ["bench_tensor_parallel.py", "--tp", "2", "--steps", "2", "--n-embd", "32",
                                       "--block", "16", "--batch", "2", "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_tensor_parallel.py"), run_name="__main__")
     printed = capsys.readouterr().out
@@ -116,6 +117,7 @@ def test_bench_tensor_parallel_measures_megatrons_bytes(monkeypatch, capsys, tmp
     assert "tp=2+sp" in printed and f"MPI: {mpi_library_name()}" in printed
     import json
     results = json.loads(out.read_text())
+    assert list(results) == ["tp=1", "tp=2", "tp=2+sp"] and "tp=1" in printed.splitlines()[2]
     for name in ("tp=2", "tp=2+sp"):
         assert results[name]["layer_bytes"] == results[name]["formula"] == 2 * 2 * (1 / 2) * 2 * 16 * 32 * 4
 
@@ -443,3 +445,54 @@ def test_every_number_a_script_takes_is_checked_while_parsing():
     loose = [(path.name, m.group(0)) for path in sorted(SCRIPTS.glob("*.py"))
              for m in re.finditer(r'add_argument\("--[a-z-]+",[^)]*type=(int|float)\b', path.read_text())]
     assert not loose, loose                        # cli.positive_int and its kin say what was wrong, in one line
+
+
+def test_every_file_a_script_writes_is_checked_while_parsing():
+    import re
+    loose = [(path.name, m.group(1)) for path in sorted(SCRIPTS.glob("*.py"))
+             for m in re.finditer(r'add_argument\("(--json|--plot|--dir)",(?:(?!type=)[^)])*\)', path.read_text())]
+    assert not loose, loose                        # cli.output_file / output_image / output_folder: before the run
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_tensor_parallel.py", ["--tp", "3"], "argument --tp: 3 does not divide the 8 heads"),
+    ("bench_tensor_parallel.py", ["--tp", "2", "--block", "9"], "argument --tp: 2 does not divide --block 9"),
+    ("bench_zero.py", ["--configs", "zero4"], "argument --configs: invalid choice: 'zero4'"),
+    ("bench_inference.py", ["--min-prompt-len", "10", "--max-prompt-len", "2"], "2 is below --min-prompt-len 10"),
+    ("bench_inference.py", ["--n-head", "3"], "argument --n-embd: 128 is not a multiple of --n-head 3"),
+    ("bench_inference.py", ["--context", "64"], "(--max-prompt-len 64) + --max-new-tokens 32 exceed --context 64"),
+    ("bench_recompute.py", ["--json", "{tmp}/no/x.json"], "argument --json: cannot write"),
+    ("bench_pipeline.py", ["--job", "--ranks", "4"], "--ranks is not supported with --job (the job runs at p = 2)"),
+    ("bench_pipeline.py", ["--job", "--plot", "{tmp}/b.png"], "--plot is not supported with --job"),
+    ("bench_pipeline.py", ["--epochs", "2"], "--epochs is not supported with the model here (no --job)"),
+    ("bench_pipeline.py", ["--ranks", "4", "--microbatches", "6"], "interleaved_1f1b takes m divisible by p, and m = 6"),
+    ("bench_ddp.py", ["--ranks", "1", "--local-sgd", "4"], "--local-sgd is not supported with --ranks 1"),
+    ("bench_planner.py", ["--machine", "bogus"], "argument --machine: no machine 'bogus'"),
+    ("bench_gpu.py", ["--tiny", "--steps", "5"], "--steps is not supported with --tiny"),
+    ("bench_gpu.py", ["--mlp", "mlp bigg"], "argument --mlp: invalid choice: 'mlp bigg'"),
+    ("bench_gpu_collectives.py", ["--tiny", "--max-mib", "1"], "--max-mib is not supported with --tiny"),
+])
+def test_a_script_refuses_what_its_run_cannot_do_in_one_argparse_line(script, argv, message, monkeypatch, capsys,
+                                                                        tmp_path):
+    monkeypatch.setattr(sys, "argv", [script] + [a.format(tmp=tmp_path) for a in argv])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_bench_zero_refuses_a_torch_anchor_asked_for_without_torch(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)             # import torch raises ImportError
+    monkeypatch.setattr(sys, "argv", ["bench_zero.py", "--configs", "zero1", "torch_ddp"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(SCRIPTS / "bench_zero.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "torch_ddp run(s) PyTorch, which is not installed" in err, err
+
+
+def test_bench_ddp_without_torch_stops_before_any_launch(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)             # import torch raises ImportError
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--ranks", "1", "--steps", "1", "--local-sgd"])
+    with pytest.raises(SystemExit, match="the anchor is PyTorch"):
+        runpy.run_path(str(SCRIPTS / "bench_ddp.py"), run_name="__main__")
+    assert "MPI:" not in capsys.readouterr().out

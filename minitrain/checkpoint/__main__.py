@@ -1,15 +1,17 @@
 """python -m minitrain.checkpoint inspect DIR: the manifest as a table (tensors, shapes, dtypes,
 pieces, bytes; layout, step, files). verify DIR reads every piece and checks its CRC-32.
-list DIR: every complete checkpoint in DIR, oldest first. DIR may be a save directory (its
-newest checkpoint is shown) or one checkpoint. Exit status 1 where DIR holds no complete checkpoint,
-2 where DIR is not there or a checkpoint is damaged."""
+list DIR: every checkpoint in DIR, oldest first, one whose rank files are missing or of another size
+marked incomplete. DIR may be a save directory (its newest checkpoint is shown) or one checkpoint.
+Exit status 1 where DIR holds no complete checkpoint, 2 where DIR is not there or a checkpoint is
+damaged."""
 import argparse
 import os
 import sys
 
 from .. import cli
 from .core import Reader
-from .manifest import damaged_step_folders, describe, latest, list_checkpoints, read_manifest
+from .manifest import (MANIFEST, damaged_step_folders, describe, file_problems, latest, list_checkpoints,
+                       read_manifest)
 from .storage import CheckpointError
 
 
@@ -34,7 +36,7 @@ def main(argv=None):
                                      formatter_class=cli.HelpFormatter)
     parser.add_argument("command", choices=["inspect", "verify", "list"],
                         help="inspect: the manifest as a table; verify: read every piece and check its CRC-32; "
-                             "list: every complete checkpoint, oldest first")
+                             "list: every checkpoint, oldest first (incomplete ones marked)")
     parser.add_argument("directory", metavar="DIR", help="a save directory (its newest checkpoint) or one checkpoint")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
@@ -43,14 +45,25 @@ def main(argv=None):
         return 2
     try:
         if args.command == "list":
-            found = list_checkpoints(args.directory)
+            unreadable = []
+            if os.path.exists(os.path.join(args.directory, MANIFEST)):             # one checkpoint itself
+                manifest = read_manifest(args.directory)
+                found = [(int(manifest["step"]), manifest["created"], args.directory)]
+            else:
+                found = list_checkpoints(args.directory, unreadable)
+                for path, error in unreadable:
+                    print(f"damaged: {path}: {error}", file=sys.stderr)
+            damaged = bool(unreadable)
             for step, _, path in found:
-                print(f"step {step:>8}  {path}")
+                problems = file_problems(path)
+                print(f"step {step:>8}  {path}" + (f"  (incomplete: {'; '.join(problems)})" if problems else ""))
+                damaged = damaged or bool(problems)
             for name in damaged_step_folders(args.directory):
                 print(f"damaged: {os.path.join(args.directory, name)} has no manifest.json", file=sys.stderr)
+                damaged = True
             if not found:
                 print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
-            return 0 if found else 1
+            return 2 if damaged else 0 if found else 1
         path = latest(args.directory)
         if path is None:
             print(f"no complete checkpoint in {args.directory}", file=sys.stderr)
@@ -59,6 +72,10 @@ def main(argv=None):
             if os.path.abspath(path) != os.path.abspath(args.directory):
                 print(f"(the newest of {len(list_checkpoints(args.directory))} checkpoint(s) in {args.directory})")
             print(describe(path))
+            problems = file_problems(path)
+            if problems:
+                print(f"error: {path} is incomplete: {'; '.join(problems)}", file=sys.stderr)
+                return 2
         else:
             pieces, nbytes = verify(path)
             print(f"{path}: {pieces} pieces, {nbytes:,} bytes: every checksum matches")

@@ -61,19 +61,42 @@ def read_manifest(directory):
     return manifest
 
 
-def list_checkpoints(directory):
+def list_checkpoints(directory, unreadable=None):
     """Every complete checkpoint under ``directory`` as (step, created, path), oldest first. A
     checkpoint is complete when its manifest exists; temporary directories of an interrupted save
-    have none and are skipped. The order comes from the manifests, never from directory names."""
+    have none and are skipped. The order comes from the manifests, never from directory names.
+    A manifest that cannot be read raises CheckpointError, or with a list ``unreadable`` is appended
+    to it as (path, the error) and the others are still listed."""
     found = []
     if not os.path.isdir(directory):
         return found
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
-            manifest = read_manifest(path)
+            try:
+                manifest = read_manifest(path)
+            except CheckpointError as e:
+                if unreadable is None:
+                    raise
+                unreadable.append((path, e))
+                continue
             found.append((int(manifest["step"]), float(manifest["created"]), path))
     return sorted(found)
+
+
+def file_problems(directory, manifest=None):
+    """What is wrong with the rank files of the checkpoint in ``directory``, found by their sizes alone
+    (a partial copy, a lost or truncated file), one line each; [] where every file is there at its size.
+    Their bytes are checked by reading them (``python -m minitrain.checkpoint verify``)."""
+    manifest = manifest or read_manifest(directory)
+    problems = []
+    for name, info in sorted(manifest["files"].items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(path) != info["bytes"]:
+            problems.append(f"{name} has {os.path.getsize(path)} bytes, the manifest says {info['bytes']}")
+    return problems
 
 
 STEP_FOLDER = re.compile(r"step-\d+$")

@@ -7,6 +7,8 @@ differs; a dtype that differs is refused by the load). Without --checkpoint the 
 The checkpoint is found once (ServedCheckpoint): a gpt job still saving cannot hand this job the sizes of
 one checkpoint and the weights of the next.
 """
+import os
+
 from minitrain import checkpoint
 from minitrain.examples.checkpointing import check_model
 
@@ -23,6 +25,10 @@ class ServedCheckpoint:
 
     def __init__(self, directory):
         self.directory, self.path, self.layout, self.error = directory, None, {}, None
+        if not os.path.isdir(directory):
+            self.error = f"--checkpoint {directory}: " + ("a file, not a directory" if os.path.exists(directory)
+                                                         else "no such directory")
+            return
         try:
             self.path = checkpoint.find_latest(directory)
             if self.path is None:
@@ -31,6 +37,9 @@ class ServedCheckpoint:
                 self.layout = checkpoint.read_manifest(self.path).get("layout", {})
         except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
             self.path, self.error = None, f"--checkpoint {directory}: {e}"
+        if self.layout.get("job", "gpt") != "gpt":
+            self.path, self.error = None, (f"--checkpoint {directory}: {self.path} was saved by the "
+                                           f"{self.layout['job']} job; this job serves the gpt job's checkpoints")
 
 
 def fill_model_options(args):

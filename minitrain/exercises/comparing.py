@@ -19,6 +19,19 @@ def on_gpu():
     return backend.get_device() == "cuda"
 
 
+def alias_problem(got, given, what, name):
+    """An explanation when the learner returned ``given`` itself or a view of it where the contract asks
+    for a new array (typically a shortcut at p = 1), else None: the caller keeps both and may change one."""
+    same = got is given
+    if not same and type(got) is type(given) and hasattr(got, "size") and got.size and given.size:
+        share = getattr(backend.array_module(given), "shares_memory", None)
+        same = share is not None and bool(share(got, given))
+    if same:
+        return (f"{what}: the result is {name} itself (or a view of it): return a NEW array, as the contract "
+                f"says (the caller keeps {name} and may change one without the other)")
+    return None
+
+
 def to_learner(a):
     """A fresh copy of the host array ``a`` where the learner's code runs: on the GPU when the device
     is cuda (an explicit, counted host -> device copy), else on the host."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
-from .comparing import as_array, compare, host
+from .comparing import alias_problem, as_array, compare, host
 from .grading import Check, Mismatch, Skipped
 from .harness import run_ranks
 
@@ -51,9 +51,12 @@ def check_reduction(comm, got, x, before, n, dtype, op, name, keep=None):
     """``got`` must be the reduction over the ranks (or, with ``keep(full) -> part``, this rank's part)."""
     p, r = comm.size, comm.rank
     case = f"rank {r} of {p}, {name}(n={n}, {dtype}, op={op!r})"
-    x, before = host(x), host(before)
+    given, x, before = x, host(x), host(before)
     if not np.array_equal(x, before):
         raise Mismatch(f"{case}: your function modified its input x; return a new array instead")
+    aliased = alias_problem(got, given, case, "the input x")
+    if aliased:
+        raise Mismatch(aliased)
     got = as_array(got, case)
     full = expected_reduction(p, n, dtype, op)
     want = full if keep is None else keep(full)

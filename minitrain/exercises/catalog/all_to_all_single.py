@@ -3,7 +3,7 @@ et al. 2005's pairwise exchange) bit for bit at p = 1..4: uneven and zero-size s
 number and rows with extra axes; and the traffic: at most p-1 messages per rank."""
 import numpy as np
 
-from ..comparing import as_array, compare, to_learner
+from ..comparing import alias_problem, as_array, compare, to_learner
 from ..grading import Mismatch
 from ..oracles import traffic, world_checks
 
@@ -94,7 +94,11 @@ def _exact(comm, impl):
             out_sizes = [sizes[i][r] for i in range(p)]
             case = (f"rank {r} of {p}, all_to_all_single(x of shape {x.shape}, output_split_sizes={out_sizes}, "
                     f"input_split_sizes={sizes[r]}, {dtype})")
-            got = as_array(impl(comm, x, out_sizes, list(sizes[r])), case)
+            result = impl(comm, x, out_sizes, list(sizes[r]))
+            aliased = alias_problem(result, x, case, "x")
+            if aliased:
+                raise Mismatch(aliased)
+            got = as_array(result, case)
             want = _expected(sizes, r, tail, dtype)
             if got.dtype != want.dtype:
                 raise Mismatch(f"{case}: returned dtype {got.dtype}, expected {want.dtype} (x's)")

@@ -1,8 +1,8 @@
 """Grader: the learner's DynamicLossScaler: unscale_ divides in place and finds inf and NaN; on a
-scripted run of clean and overflowing steps the scale follows PyTorch's GradScaler rule (and
-torch._amp_update_scale_ itself where torch is installed); and a float16 training run driven by it
-skips the same steps, ends with the same scale and bit-identical weights as minitrain's
-MixedPrecisionOptimizer."""
+scripted run of clean and overflowing steps, under two settings of the factors and the interval,
+the scale follows PyTorch's GradScaler rule (and torch._amp_update_scale_ itself where torch is
+installed); and a float16 training run driven by it skips the same steps, ends with the same scale
+and bit-identical weights as minitrain's MixedPrecisionOptimizer."""
 import numpy as np
 
 from ..comparing import compare, to_learner
@@ -35,9 +35,10 @@ growth_interval=2000) with
 The training loop (the grader's) skips the optimizer step when unscale_ returned True.
 
 The test to pass: unscale_ on finite, inf, -inf and NaN gradients; the scale along a scripted run
-of clean and overflowing steps equals PyTorch's GradScaler rule (torch._amp_update_scale_ when
-torch is installed); a float16 training run with it skips the same steps and ends with the same
-scale and the same weights, bit for bit, as minitrain's MixedPrecisionOptimizer.
+of clean and overflowing steps, with two settings of the factors and the interval, equals PyTorch's
+GradScaler rule (torch._amp_update_scale_ when torch is installed); a float16 training run with it
+skips the same steps and ends with the same scale and the same weights, bit for bit, as minitrain's
+MixedPrecisionOptimizer.
 
 On the GPU: MINITRAIN_DEVICE=cuda python -m minitrain.exercises check dynamic_loss_scaling mine.py
 hands your code CuPy arrays; make new arrays with xp = minitrain.backend.array_module(x), not np.
@@ -110,22 +111,29 @@ def _torch_rule(script, init, growth, backoff, interval):
     return out
 
 
+#: (growth_factor, backoff_factor, growth_interval): PyTorch's defaults, then other factors, so that a
+#: scaler which doubles and halves whatever it was given is caught
+SETTINGS = ((2.0, 0.5, 3), (4.0, 0.25, 2))
+
+
 def _scripted(impl):
-    scaler = impl(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-    got = []
-    for overflow in SCRIPT:
-        scaler.update(overflow)
-        got.append(float(scaler.scale))
-    want = _rule(SCRIPT, 2.0 ** 16, 2.0, 0.5, 3)
-    if has_torch():
-        oracle = _torch_rule(SCRIPT, 2.0 ** 16, 2.0, 0.5, 3)
-        assert oracle == want, f"the grader's rule {want} differs from torch's {oracle}"
-    if got != want:
-        step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        steps = ", ".join("overflow" if o else "clean" for o in SCRIPT[:step + 1])
-        raise Mismatch(f"growth_interval=3, steps: {steps}: after step {step} the scale is {got[step]:g}, "
-                       f"expected {want[step]:g} (GradScaler's rule; the whole run: expected "
-                       f"{[int(s) for s in want]}, got {[int(s) if s == int(s) else s for s in got]})")
+    for growth, backoff, interval in SETTINGS:
+        scaler = impl(init_scale=2.0 ** 16, growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
+        got = []
+        for overflow in SCRIPT:
+            scaler.update(overflow)
+            got.append(float(scaler.scale))
+        want = _rule(SCRIPT, 2.0 ** 16, growth, backoff, interval)
+        if has_torch():
+            oracle = _torch_rule(SCRIPT, 2.0 ** 16, growth, backoff, interval)
+            assert oracle == want, f"the grader's rule {want} differs from torch's {oracle}"
+        if got != want:
+            step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            steps = ", ".join("overflow" if o else "clean" for o in SCRIPT[:step + 1])
+            raise Mismatch(f"growth_factor={growth:g}, backoff_factor={backoff:g}, growth_interval={interval}, "
+                           f"steps: {steps}: after step {step} the scale is {got[step]:g}, expected {want[step]:g} "
+                           f"(GradScaler's rule, with the factors the scaler was given; the whole run: expected "
+                           f"{[int(s) for s in want]}, got {[int(s) if s == int(s) else s for s in got]})")
 
 
 def _train(make_optimizer, steps=12):

@@ -5,7 +5,7 @@ import numpy as np
 
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, rank_input
 
-from ..comparing import as_array, compare, to_learner
+from ..comparing import alias_problem, as_array, compare, to_learner
 from ..grading import Mismatch
 from ..oracles import traffic, world_checks
 
@@ -69,7 +69,11 @@ def _exact(comm, impl):
             full = rank_input(99, n, dtype)
             shard = to_learner(np.array_split(full, p)[r])
             case = f"rank {r} of {p}, ring_all_gather(shard of {shard.size}, total={n}, {dtype})"
-            got = as_array(impl(comm, shard, n), case)
+            result = impl(comm, shard, n)
+            aliased = alias_problem(result, shard, case, "the shard")
+            if aliased:
+                raise Mismatch(aliased)
+            got = as_array(result, case)
             if got.dtype != full.dtype:
                 raise Mismatch(f"{case}: returned dtype {got.dtype}, expected {full.dtype} (the shard's)")
             problem = compare(got, full, case, exact=True, chunks=p)

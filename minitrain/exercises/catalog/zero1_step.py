@@ -1,8 +1,8 @@
-"""Grader: the learner's ZeRO-1 step, three steps of SGD with momentum at p = 1..4 on flat
-parameters of awkward lengths (1, 3, 13, 50), against one process stepping on the averaged
-gradient (minitrain's SGD, float64, 1e-12) and against minitrain's ZeroRedundancyOptimizer(stage=1);
-the optimizer state must be this rank's padded shard only, and the traffic one reduce-scatter plus
-one all-gather (an all-reduce of the gradient on top fails)."""
+"""Grader: the learner's ZeRO-1 step, three steps of SGD with momentum (lr and momentum other than
+the defaults) at p = 1..4 on flat parameters of awkward lengths (1, 3, 13, 50), against one process
+stepping on the averaged gradient (minitrain's SGD, float64, 1e-12) and against minitrain's
+ZeroRedundancyOptimizer(stage=1); the optimizer state must be this rank's padded shard only, and the
+traffic one reduce-scatter plus one all-gather (an all-reduce of the gradient on top fails)."""
 import numpy as np
 
 from ..comparing import compare, host, to_learner
@@ -15,7 +15,8 @@ KIND = "implement"
 NOTEBOOK = "04_zero"
 DEFINES = "zero1_step"
 LENGTHS = (1, 3, 13, 50)
-STEPS, LR, MOMENTUM = 3, 0.1, 0.9
+#: not zero1_step's defaults (0.1, 0.9): a step that ignores its lr and momentum arguments fails
+STEPS, LR, MOMENTUM = 3, 0.05, 0.8
 
 STUB = '''"""Exercise zero1_step: ZeRO stage 1 (Rajbhandari et al. 2020, section 5.1): each rank keeps
 the optimizer state of 1/p of the parameters only.
@@ -39,8 +40,8 @@ Write zero1_step(comm, params, grad, state, lr=0.1, momentum=0.9):
 Communicate with minitrain.comm.ring_reduce_scatter(comm, x, op=...) (rank r gets chunk r of
 np.array_split) and minitrain.comm.ring_all_gather(comm, shard, total=...).
 
-The test to pass: three steps at p = 1, 2, 3, 4 for N = 1, 3, 13, 50: the parameters on every rank
-equal one process stepping SGD on the averaged gradient, and minitrain's ZeroRedundancyOptimizer
+The test to pass: three steps (lr=0.05, momentum=0.8) at p = 1, 2, 3, 4 for N = 1, 3, 13, 50: the
+parameters on every rank equal one process stepping SGD on the averaged gradient, and minitrain's ZeroRedundancyOptimizer
 (stage 1), to 1e-12; state["momentum"] is this rank's shard; the traffic is one reduce-scatter
 and one all-gather, (p-1)·S elements each.
 
@@ -128,7 +129,8 @@ def _check(impl, p, part):
             if part in ("one process", "library"):
                 oracle = "one process's SGD on the averaged gradient" if part == "one process" else \
                     "minitrain's ZeroRedundancyOptimizer(stage=1)"
-                problem = compare(params, want, f"{where}: parameters after {STEPS} steps vs {oracle}",
+                problem = compare(params, want, f"{where}: parameters after {STEPS} steps (lr={LR}, momentum={MOMENTUM}) "
+                                  f"vs {oracle}",
                                   chunks=p if n >= p else None)
                 if problem:
                     owner = ""
