@@ -39,7 +39,11 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, params, optimizer_class, loss_scale="auto", all_reduce_found_inf=None, init_scale=2.0 ** 16,
                  growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, **defaults):
-        self.params = [q for q in params if q.requires_grad]
+        params = list(params)
+        # parameters, or PyTorch's parameter groups (dicts with "params" and per-group options)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = [{**g, "params": [q for q in g["params"] if q.requires_grad]} for g in groups]
+        self.params = [q for g in groups for q in g["params"]]
         if not self.params:
             raise ValueError("MixedPrecisionOptimizer: no parameter requires grad")
         dtypes = {q.dtype for q in self.params}
@@ -68,7 +72,9 @@ class MixedPrecisionOptimizer:
                 self.masters.append(master)
             # the masters' bytes leave the tracker with this optimizer (as Optimizer's state does)
             weakref.finalize(self, _release, self._tracker, [("master", id(self), id(m)) for m in self.masters])
-            self.optimizer = optimizer_class(self.masters, **defaults)
+            master_of = {id(q): m for q, m in zip(self.params, self.masters)}
+            self.optimizer = optimizer_class([{**g, "params": [master_of[id(q)] for q in g["params"]]} for g in groups],
+                                             **defaults)
         self.param_groups = self.optimizer.param_groups
 
     def _placement(self):
