@@ -137,13 +137,24 @@ class DistributedDataParallel:
             return
         if not self._pending:                       # first gradient of this backward
             self._pending = True
+            self._next_bucket = 0
             queue_callback(self._finish)
         bucket, i = self._bucket_of[id(param)]
         start, end = bucket.offsets[i]
         bucket.flat[start:end] = param.grad.reshape(-1)
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self):
+        """Launch complete buckets in bucket order, never past an incomplete one: every rank must
+        issue the same all-reduces in the same order, and a parameter that one rank used and
+        another did not completes its bucket on the first rank alone (PyTorch's next_bucket rule)."""
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
             self._launch(bucket)
+            self._next_bucket += 1
 
     def _launch(self, bucket):
         if self.find_unused_parameters:
@@ -155,13 +166,12 @@ class DistributedDataParallel:
 
     def _finish(self):
         """End of backward: launch open buckets (missing gradients count as zeros), wait, write back."""
-        for bucket in self.buckets:
-            if bucket.work is None:
-                for i in range(len(bucket.params)):
-                    if i not in bucket.ready:
-                        start, end = bucket.offsets[i]
-                        bucket.flat[start:end] = 0
-                self._launch(bucket)
+        for bucket in self.buckets[self._next_bucket:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    start, end = bucket.offsets[i]
+                    bucket.flat[start:end] = 0
+            self._launch(bucket)
         self._wait_for_buckets()
         self._pending = False
 

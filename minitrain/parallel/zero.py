@@ -145,6 +145,7 @@ class ZeroRedundancyOptimizer:
     def _grad_ready(self, q):
         if not self._pending:
             self._pending = True
+            self._next_bucket = 0
             # gradients add up over backward calls until zero_grad (PyTorch): a second backward
             # reduce-scatters into a scratch shard, added to the shard's gradient at the end
             self._accumulating = self.shard.grad is not None
@@ -157,8 +158,12 @@ class ZeroRedundancyOptimizer:
         self.staging[lo:hi] = q.grad.reshape(-1)
         q.grad = None                               # stage 2: the full gradient is not kept
         bucket["ready"].add(id(q))
-        if len(bucket["ready"]) == len(bucket["params"]):
-            self._launch(bucket)
+        # complete buckets go in bucket order, never past an incomplete one: every rank must issue
+        # the same reduce-scatters in the same order, even where ranks used different parameters
+        while self._next_bucket < len(self.buckets) and len(self.buckets[self._next_bucket]["ready"]) == \
+                len(self.buckets[self._next_bucket]["params"]):
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
 
     def _launch(self, bucket):
         a, b = bucket["range"]
@@ -172,13 +177,12 @@ class ZeroRedundancyOptimizer:
                                              bounds=bounds, async_op=True)
 
     def _finish_backward(self):
-        for bucket in self.buckets:
-            if bucket["work"] is None:              # parameters without a gradient count as zeros
-                for q in bucket["params"]:
-                    if id(q) not in bucket["ready"]:
-                        lo, hi = self.flat.offsets[id(q)]
-                        self.staging[lo:hi] = 0
-                self._launch(bucket)
+        for bucket in self.buckets[self._next_bucket:]:   # parameters without a gradient count as zeros
+            for q in bucket["params"]:
+                if id(q) not in bucket["ready"]:
+                    lo, hi = self.flat.offsets[id(q)]
+                    self.staging[lo:hi] = 0
+            self._launch(bucket)
         with trace.span("wait for reduce-scatter", kind="comm"):
             for bucket in self.buckets:
                 bucket["work"].wait()
