@@ -310,3 +310,36 @@ def test_fsdp_prefetches_the_next_units_all_gather_during_this_units_forward():
         return seen, late
     for seen, late in ThreadWorld(2).run(fn):
         assert seen == [True] * 3 and late == [False] * 3
+
+
+def test_fsdp_eval_under_no_grad_matches_the_model_frees_every_unit_and_keeps_training_exact(float64):
+    """PyTorch's inference idiom on FSDP: ``eval()``, a forward under no_grad (no backward follows),
+    ``train()``; then ``zero_grad(set_to_none=False)`` keeps zeroed shard gradients, and training
+    still equals one process."""
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        fsdp = FullyShardedDataParallel(model, comm)
+        reference = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        reference.load_state_dict(fsdp.full_state_dict())
+        opt, ref_opt = optim.SGD(fsdp.parameters(), lr=0.1), optim.SGD(reference.parameters(), lr=0.1)
+        p, r = comm.size, comm.rank
+        for step, (x, y) in enumerate(batches(2, 4 * p)):
+            assert fsdp.eval() is fsdp and not model.training
+            with mt.no_grad():
+                out = fsdp(mt.Tensor(x))
+            np.testing.assert_allclose(out.data, reference.eval()(mt.Tensor(x)).data, rtol=1e-12)
+            assert all(u.flat.data is None for u in fsdp.units)
+            fsdp.train(), reference.train()
+            model[1].p = reference[1].p = 0.0                # dropout off: the same numbers on shards
+            opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad()
+            F.cross_entropy(fsdp(mt.Tensor(x[r::p])), y[r::p]).backward()
+            F.cross_entropy(reference(mt.Tensor(x)), y).backward()
+            opt.step(), ref_opt.step()
+            fsdp.zero_grad(set_to_none=False)
+            assert all(q.grad is not None and not q.grad.any() for q in fsdp.parameters())
+        full = fsdp.full_state_dict()
+        for name, q in reference.named_parameters():
+            np.testing.assert_allclose(full[name], q.data, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} {name}")
+    ThreadWorld(2).run(fn)

@@ -274,10 +274,16 @@ class FullyShardedDataParallel(FSDPStateDicts):
     def parameters(self):
         return [u.shard for u in self.units if u.trainable]
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         for u in self.units:
-            u.shard.grad = None
+            if set_to_none:
+                u.shard.grad = None
+            elif u.shard.grad is not None:
+                u.shard.grad[...] = 0
 
     def train(self, mode=True):
         self.module.train(mode)
         return self
+
+    def eval(self):
+        return self.train(False)
