@@ -45,6 +45,20 @@ def test_param_groups_take_their_own_lr(float64):
     np.testing.assert_allclose(w2.data, 0.5)
 
 
+def test_add_param_group_takes_the_defaults_and_refuses_a_parameter_already_in_a_group(float64):
+    """PyTorch's fine-tuning idiom: unfreeze a layer and add it to the optimizer with its own lr."""
+    w1, w2 = nn.Parameter(np.ones(2)), nn.Parameter(np.ones(2))
+    opt = optim.SGD([w1], lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": w2, "lr": 0.5})
+    assert opt.param_groups[1]["momentum"] == 0.9 and opt.param_groups[1]["params"] == [w2]
+    w1.grad, w2.grad = np.ones(2), np.ones(2)
+    opt.step()
+    np.testing.assert_allclose(w1.data, 0.9)
+    np.testing.assert_allclose(w2.data, 0.5)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [w1]})
+
+
 def test_zero_grad_sets_none_or_zeros():
     w = nn.Parameter(np.ones(2, dtype=np.float32))
     opt = optim.SGD([w], lr=0.1)
