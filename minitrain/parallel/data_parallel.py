@@ -114,6 +114,12 @@ class DistributedDataParallel:
     def state_dict(self):
         return self.module.state_dict()
 
+    def load_state_dict(self, state_dict, strict=True):
+        return self.module.load_state_dict(state_dict, strict)
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad(set_to_none)
+
     def train(self, mode=True):
         self.module.train(mode)
         return self
