@@ -133,7 +133,7 @@ def test_bytes_per_step_are_two_psi(stage):
 from minitrain.parallel import FullyShardedDataParallel  # noqa: E402
 
 
-def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
+def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None, clip=None):
     mt.set_default_dtype(np.float64)
     mt.manual_seed(comm.rank)
     model = (model_fn or (lambda: nn.MLP([6, 13, 11, 3])))()
@@ -147,6 +147,9 @@ def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
         F.cross_entropy(reference(mt.Tensor(x)), y).backward()
         opt.zero_grad()
         F.cross_entropy(fsdp(mt.Tensor(x[r::p])), y[r::p]).backward()
+        if clip is not None:
+            assert fsdp.clip_grad_norm_(clip) == pytest.approx(optim.clip_grad_norm_(reference.parameters(), clip),
+                                                               rel=1e-12)
         ref_opt.step()
         opt.step()
         full = fsdp.full_state_dict()
@@ -158,6 +161,10 @@ def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
 def test_fsdp_equals_single_process(p, opt, float64):
     ThreadWorld(p).run(run_fsdp, *opt)
+
+
+def test_fsdp_clips_by_the_norm_of_the_whole_gradient(float64):
+    ThreadWorld(3).run(run_fsdp, *ADAM, 2, None, 0.05)
 
 
 def test_fsdp_on_the_gpt_equals_single_process(float64):

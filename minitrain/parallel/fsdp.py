@@ -25,6 +25,7 @@ from ..autograd.graph import current_saved_tensors_hooks, saved_tensors_hooks
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
 from . import accounting
+from .clip import clip_sharded_grad_norm_, sum_of_squares
 from .flat_buffer import FlatParamBuffer
 from .fsdp_state import FSDPStateDicts
 
@@ -280,6 +281,13 @@ class FullyShardedDataParallel(FSDPStateDicts):
                 u.shard.grad = None
             elif u.shard.grad is not None:
                 u.shard.grad[...] = 0
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the L2 norm of the whole gradient, the shards' squares summed across ranks (as
+        PyTorch's FSDP.clip_grad_norm_; optim.clip_grad_norm_ on the shards would use one rank's part)."""
+        shards = self.parameters()
+        return clip_sharded_grad_norm_(shards, max_norm, sum_of_squares(q.grad for q in shards if q.grad is not None),
+                                       [self.comm])
 
     def train(self, mode=True):
         self.module.train(mode)
