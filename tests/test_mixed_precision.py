@@ -60,6 +60,21 @@ def test_master_weights_step_exactly_like_fp32_adam_on_the_unscaled_gradient(dty
     assert opt.loss_scale == (2.0 ** 16 if dtype == np.float16 else 1.0)
 
 
+def test_clipping_uses_the_norm_of_the_unscaled_gradient():
+    """With fp16's loss scale S = 2**16 the gradients are S times too large (and S·g squared
+    overflows fp16): opt.clip_grad_norm_ clips by the true norm, summed in float64."""
+    mt.manual_seed(0)
+    model = nn.MLP([30, 16, 10]).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, lr=1e-2)
+    x, y = data()
+    opt.scale(F.cross_entropy(model(mt.Tensor(x).to(np.float16)).float(), y)).backward()
+    true = [q.grad.astype(np.float64) / opt.loss_scale for q in model.parameters()]
+    want = np.sqrt(sum((g * g).sum() for g in true))
+    assert opt.clip_grad_norm_(want / 4) == pytest.approx(want, rel=1e-12)
+    after = np.sqrt(sum((q.grad.astype(np.float64) ** 2).sum() for q in model.parameters())) / opt.loss_scale
+    assert after == pytest.approx(want / 4, rel=1e-2)          # clipped in fp16: rounding only
+
+
 def test_dynamic_loss_scale_skips_overflow_backs_off_and_grows():
     model = nn.Linear(4, 2).to(np.float16)
     opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, lr=0.1, growth_interval=2)

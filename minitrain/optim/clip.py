@@ -23,6 +23,17 @@ def grad_norm_squared(parameters):
     return total
 
 
+def sum_of_squares(arrays):
+    """The sum of the arrays' squared entries in float64, as a one-element array on their device
+    (host when there are none): what this rank adds to the global norm's square."""
+    arrays = list(arrays)
+    total = (array_module(arrays[0]) if arrays else np).zeros(1)
+    for a in arrays:
+        a64 = a.astype(np.float64)
+        total += (a64 * a64).sum()
+    return total
+
+
 def clip_grad_norm_(parameters, max_norm, total_norm=None):
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the
     norm before clipping. ``total_norm`` may be passed when it was computed elsewhere (across shards)."""

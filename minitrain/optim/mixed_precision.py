@@ -23,6 +23,7 @@ inf/NaN) and returns its maximum over the ranks, e.g. lambda flag: all_reduce(co
 The optimizer receives the reduction and imports no communication (optim sits below comm's users).
 """
 import contextlib
+import math
 import weakref
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from .. import backend, kernels, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
+from .clip import clip_grad_norm_, sum_of_squares
 from .optimizer import _release
 
 
@@ -83,6 +85,17 @@ class MixedPrecisionOptimizer:
     def scale(self, loss):
         """The loss times the current scale: call ``.backward()`` on this."""
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the norm of the true gradient: the gradients are the loss scale S times too large,
+        so the norm is theirs over S (squares summed in float64: S·g overflows in fp16 when squared).
+        optim.clip_grad_norm_ on the parameters would clip by S times the norm (PyTorch: the
+        GradScaler's unscale_ first). Returns the norm."""
+        params = [q for q in self.params if q.grad is not None]
+        square = sum_of_squares(q.grad for q in params)
+        total = (array_module(square).sqrt(square[0]) if backend.is_device_array(square)
+                 else math.sqrt(float(square[0]))) / self.loss_scale
+        return clip_grad_norm_(params, max_norm, total_norm=total)
 
     def _found_inf(self):
         grads = [q.grad for q in self.params if q.grad is not None]
