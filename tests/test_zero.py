@@ -350,3 +350,27 @@ def test_fsdp_eval_under_no_grad_matches_the_model_frees_every_unit_and_keeps_tr
         for name, q in reference.named_parameters():
             np.testing.assert_allclose(full[name], q.data, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} {name}")
     ThreadWorld(2).run(fn)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_zero_grad_instead_of_the_optimizers_equals_one_process(stage, float64):
+    """PyTorch scripts often call model.zero_grad(): stage 2's shard gradient must not carry the last
+    step's into this one, nor stage 1's flat buffer the gradient of a layer this step did not use."""
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        mt.manual_seed(comm.rank)
+        model = Toy()
+        zero = ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, stage=stage, bucket_cap_mb=0.001, lr=0.1)
+        reference = Toy()
+        reference.load_state_dict(model.state_dict())
+        ref_opt = optim.SGD([q for q in reference.parameters() if q.requires_grad], lr=0.1)
+        p, r = comm.size, comm.rank
+        for step, (x, y) in enumerate(batches(3, 4 * p)):
+            model.zero_grad()
+            reference.zero_grad()
+            F.cross_entropy(model(mt.Tensor(x[r::p]), step == 0), y[r::p]).backward()
+            F.cross_entropy(reference(mt.Tensor(x), step == 0), y).backward()
+            zero.step()
+            ref_opt.step()
+            assert_same(model, reference, f"rank {r} stage {stage} step {step}")
+    ThreadWorld(2).run(fn)

@@ -42,7 +42,10 @@ class ZeroRedundancyOptimizer:
     whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
     single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
     PyTorch: several backward calls before ``step()`` add up until ``zero_grad()`` (stage 2 adds each
-    backward's reduce-scattered shard to the shard's gradient)."""
+    backward's reduce-scattered shard to the shard's gradient); ``model.zero_grad()`` works as well.
+    Stage 2 differs in one case: its gradient does not outlive ``step()`` (the parameters' full
+    gradients are freed, so nothing else could reset it), where PyTorch keeps adding across steps
+    that no zero_grad separates."""
 
     def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, loss_scale="auto",
                  offload=False, **defaults):
@@ -113,7 +116,9 @@ class ZeroRedundancyOptimizer:
     def _point_grads_at_flat(self):
         for q in self.flat.params:
             view = self.flat.view(q, self.flat_grad)
-            if q.grad is not None and q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
+            if q.grad is None:                      # model.zero_grad() set it None, and no gradient came
+                view[...] = 0
+            elif q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
                 view[...] = q.grad                  # a gradient made elsewhere (model.zero_grad() set None)
             q.grad = view
 
@@ -140,6 +145,7 @@ class ZeroRedundancyOptimizer:
         self._tracker.add("comm_buffers", ("zero2_staging", id(self)), self.staging.nbytes)
         self._pending = False
         self._accumulating = False
+        self._stepped = False                       # a step since the last backward: start a new gradient
         self._scratch = None
 
     def _grad_ready(self, q):
@@ -148,7 +154,8 @@ class ZeroRedundancyOptimizer:
             self._next_bucket = 0
             # gradients add up over backward calls until zero_grad (PyTorch): a second backward
             # reduce-scatters into a scratch shard, added to the shard's gradient at the end
-            self._accumulating = self.shard.grad is not None
+            self._accumulating = self.shard.grad is not None and not self._stepped
+            self._stepped = False
             if self._accumulating and self._scratch is None:
                 self._scratch = array_module(self.shard_grad).zeros_like(self.shard_grad)
                 self._tracker.add("comm_buffers", ("zero2_scratch", id(self)), self._scratch.nbytes)
@@ -230,8 +237,13 @@ class ZeroRedundancyOptimizer:
         self.optimizer.step()                       # updates the shard, a view of the flat buffer
         with trace.span("all-gather parameters", kind="comm"):
             ring_all_gather(self.comm, self.flat.shard().copy(), total=self.flat.padded, out=self.flat.data)
+        # the step consumes the shard's gradient: stage 1 reduce-scatters afresh at the next step, and
+        # stage 2's next backward starts a new one into the same buffer (the full gradients are gone,
+        # so model.zero_grad() could not reset it; DeepSpeed's engine does the same)
         if self.stage == 1:
             self._set_shard_grad(None)
+        else:
+            self._stepped = True
 
     def state_dict(self):
         return self.optimizer.state_dict()
