@@ -83,6 +83,21 @@ def test_clip_grad_norm_uses_the_global_norm(float64):
     np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
 
 
+def test_clip_grad_norm_takes_pytorchs_positional_norm_type_and_refuses_other_norms(float64):
+    """PyTorch's third argument is norm_type: clip_grad_norm_(params, 1.0, 2) is the L2 norm (it
+    once set the total norm to 2, so nothing was measured), another norm is refused, and
+    error_if_nonfinite raises on inf."""
+    a, b = nn.Parameter(np.zeros(1)), nn.Parameter(np.zeros(1))
+    a.grad, b.grad = np.array([3.0]), np.array([4.0])
+    assert optim.clip_grad_norm_([a, b], 1.0, 2) == pytest.approx(5.0)
+    np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_type=inf"):
+        optim.clip_grad_norm_([a, b], 1.0, float("inf"))
+    a.grad[0] = np.inf
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optim.clip_grad_norm_([a, b], 1.0, error_if_nonfinite=True)
+
+
 def test_bad_hyper_parameters_are_rejected():
     w = nn.Parameter(np.ones(2))
     with pytest.raises(ValueError):
