@@ -95,6 +95,14 @@ def test_no_sync_accumulation_equals_the_big_batch(p, float64):
     assert results[0][0] == 2
 
 
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_gradient_accumulated_under_no_sync_reaches_the_step_when_the_synced_backward_skips_it(find_unused,
+                                                                                                  float64):
+    """A layer used in a no_sync micro-batch but not in the last (synced) one: its accumulated local
+    gradient is what it contributes to the reduction (PyTorch's reducer copies a defined .grad)."""
+    ThreadWorld(2).run(run_equivalence, 0.001, SGD, 2, 3, find_unused, (0, 3, 5))
+
+
 def test_unused_parameters_keep_none_like_one_process(float64):
     # "sometimes" is used in step 1 only: with find_unused_parameters it gets no grad in steps 0 and 2,
     # so Adam leaves it alone exactly as the single process does

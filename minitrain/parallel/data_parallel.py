@@ -52,7 +52,8 @@ class DistributedDataParallel:
     ``bucket_cap_mb``: bucket size cap in MiB (PyTorch's default is 25). ``broadcast_from``: the
     rank whose initial parameters every replica copies at wrap time. Frozen parameters
     (``requires_grad=False``) are left out of the buckets; a parameter that gets no gradient in
-    a step contributes zeros (so no rank ever waits for a bucket that cannot complete), and with
+    a backward contributes the gradient it holds (accumulated under ``no_sync``) or zeros (so no rank
+    ever waits for a bucket that cannot complete; buckets reduce in one order on every rank), and with
     ``find_unused_parameters=True`` a parameter that no rank used keeps ``grad = None``, exactly
     as in single-process training. A Parameter shared by two modules (tied weights) appears
     once in ``parameters()``, so it is reduced once, with the sum of both uses. ``algorithm``: the
@@ -164,19 +165,20 @@ class DistributedDataParallel:
 
     def _launch(self, bucket):
         if self.find_unused_parameters:
-            used = np.zeros(len(bucket.params), np.float64)
-            used[list(bucket.ready)] = 1.0
+            # used: a gradient this backward, or one accumulated since zero_grad (under no_sync)
+            used = np.array([float(i in bucket.ready or q.grad is not None) for i, q in enumerate(bucket.params)])
             bucket.used_work = all_reduce(self.comm, used, op="sum", async_op=True)
         bucket.work = all_reduce(self.comm, bucket.flat, op="mean", algorithm=self.algorithm,
                                  out=bucket.reduced, async_op=True)
 
     def _finish(self):
-        """End of backward: launch open buckets (missing gradients count as zeros), wait, write back."""
+        """End of backward: launch open buckets, wait, write back. A parameter this backward did not
+        reach contributes the gradient it holds (accumulated under no_sync), or zeros (PyTorch's rule)."""
         for bucket in self.buckets[self._next_bucket:]:
-            for i in range(len(bucket.params)):
+            for i, q in enumerate(bucket.params):
                 if i not in bucket.ready:
                     start, end = bucket.offsets[i]
-                    bucket.flat[start:end] = 0
+                    bucket.flat[start:end] = 0 if q.grad is None else q.grad.reshape(-1)
             self._launch(bucket)
         self._wait_for_buckets()
         self._pending = False
