@@ -374,3 +374,16 @@ def test_model_zero_grad_instead_of_the_optimizers_equals_one_process(stage, flo
             ref_opt.step()
             assert_same(model, reference, f"rank {r} stage {stage} step {step}")
     ThreadWorld(2).run(fn)
+
+
+def test_a_unit_mixing_frozen_and_trainable_parameters_is_refused():
+    """Its shard is one optimizer parameter, stepped whole: AdamW's weight decay moved the frozen bias."""
+    def fn(comm):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        model[2].bias.requires_grad = False
+        with pytest.raises(ValueError, match=r"unit 2 mixes frozen parameters \(2.bias\) with trainable ones"):
+            FullyShardedDataParallel(model, comm)
+        for q in model[2].parameters():               # a whole frozen unit is fine
+            q.requires_grad = False
+        assert len(FullyShardedDataParallel(model, comm).parameters()) == 1
+    ThreadWorld(2).run(fn)

@@ -150,17 +150,11 @@ class DistributedDataParallel:
         start, end = bucket.offsets[i]
         bucket.flat[start:end] = param.grad.reshape(-1)
         bucket.ready.add(i)
-        self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self):
-        """Launch complete buckets in bucket order, never past an incomplete one: every rank must
-        issue the same all-reduces in the same order, and a parameter that one rank used and
-        another did not completes its bucket on the first rank alone (PyTorch's next_bucket rule)."""
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
+        # complete buckets launch in bucket order, never past an incomplete one: every rank issues the
+        # same all-reduces in one order, even where ranks used different parameters (PyTorch's rule)
+        while self._next_bucket < len(self.buckets) and len(self.buckets[self._next_bucket].ready) == \
+                len(self.buckets[self._next_bucket].params):
+            self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
 
     def _launch(self, bucket):

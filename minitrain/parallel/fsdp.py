@@ -143,6 +143,19 @@ def default_units(module):
     return units
 
 
+def check_units(units, root, names, owner):
+    """Tied weights in one unit; each unit frozen or trainable whole (its shard is stepped whole)."""
+    for unit in units:
+        frozen = [names[id(q)] for q in unit.params if not q.requires_grad]
+        if frozen and unit.trainable:
+            raise ValueError(f"FullyShardedDataParallel: unit {unit.name} mixes frozen parameters ({', '.join(frozen)})"
+                             f" with trainable ones; freeze whole units or choose units (auto_wrap) that part them")
+        for q in unit.module.parameters() if unit.module is not root else ():
+            if owner.get(id(q)) != unit.name:
+                raise ValueError(f"FullyShardedDataParallel: parameter {names[id(q)]} is shared by "
+                                 f"units {owner.get(id(q))} and {unit.name}; tied weights must live in one unit")
+
+
 @accounting.fsdp                 # the wait for its reduce-scatters is a trace span: see accounting.py
 class FullyShardedDataParallel(FSDPStateDicts):
     """``FullyShardedDataParallel(model, comm)``: shard every unit's parameters over ``comm``.
@@ -172,7 +185,7 @@ class FullyShardedDataParallel(FSDPStateDicts):
         rest = [q for q in module.parameters() if id(q) not in owner]
         if rest:
             self.units.append(_Unit("root", module, rest, comm, offload_params))
-        self._check_no_tied_across_units(owner)
+        check_units(self.units, module, names, owner)
         self._pending = False
         layers = [u for u in self.units if u.module is not module]     # in forward order
         for i, unit in enumerate(layers):
@@ -197,15 +210,6 @@ class FullyShardedDataParallel(FSDPStateDicts):
         # stays gathered, as the ledger then sees, until its gradients are reduce-scattered
         if not in_backward():
             unit.release()
-
-    def _check_no_tied_across_units(self, owner):
-        for unit in self.units:
-            if unit.module is self.module:
-                continue
-            for q in unit.module.parameters():
-                if owner.get(id(q)) != unit.name:
-                    raise ValueError(f"FullyShardedDataParallel: parameter {self.names[id(q)]} is shared by "
-                                     f"units {owner.get(id(q))} and {unit.name}; tied weights must live in one unit")
 
     # ---- forward: saved views of gathered units become references
     def _unit_holding(self, array):
@@ -283,8 +287,7 @@ class FullyShardedDataParallel(FSDPStateDicts):
                 u.shard.grad[...] = 0
 
     def clip_grad_norm_(self, max_norm):
-        """Clip by the L2 norm of the whole gradient, the shards' squares summed across ranks (as
-        PyTorch's FSDP.clip_grad_norm_; optim.clip_grad_norm_ on the shards would use one rank's part)."""
+        """By the whole gradient's norm, the shards' squares summed across ranks (PyTorch FSDP's method)."""
         shards = self.parameters()
         return clip_sharded_grad_norm_(shards, max_norm, sum_of_squares(q.grad for q in shards if q.grad is not None),
                                        [self.comm])

@@ -34,13 +34,14 @@ class ZeroRedundancyOptimizer:
     communication: do not wrap the model in DistributedDataParallel. Call ``zero_grad()``,
     ``loss.backward()``, ``step()`` as with any optimizer. ``params`` may be parameter groups (dicts with
     per-group options such as lr and weight_decay, as in PyTorch): each group is one contiguous range
-    of the flat buffer, and the shard is cut where the groups meet into one piece per group. ``clip_grad_norm_(max_norm)`` clips by the
-    norm of the *full* gradient, computed across the shards. Frozen parameters are left out.
+    of the flat buffer, and the shard is cut where the groups meet into one piece per group.
+    ``clip_grad_norm_(max_norm)`` clips by the norm of the *full* gradient, computed across the
+    shards. Frozen parameters are left out.
     float16/bfloat16 parameters get fp32 master weights (and a loss scale for fp16: backward on
     ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
-    whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
-    single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
+    whole shard, so it cannot skip part of it (momentum or weight decay still moves such a
+    parameter, where a single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
     PyTorch: several backward calls before ``step()`` add up until ``zero_grad()`` (stage 2 adds each
     backward's reduce-scattered shard to the shard's gradient); ``model.zero_grad()`` works as well.
     Stage 2 differs in one case: its gradient does not outlive ``step()`` (the parameters' full
@@ -264,7 +265,8 @@ class ZeroRedundancyOptimizer:
             names[id(q)] = name
         if len(self.pieces) == 1:
             return {id(self.shard): self.flat.shard_slices(names)}
-        return {id(piece): self.flat.shard_slices(names, lo, hi) for piece, (lo, hi) in zip(self.pieces, self._piece_ranges)}
+        return {id(piece): self.flat.shard_slices(names, lo, hi)
+                for piece, (lo, hi) in zip(self.pieces, self._piece_ranges)}
 
     def sharded_state_dict(self, placements):
         """The shard optimizer's state (moments, fp32 masters) as slices of the parameters' logical tensors."""
