@@ -41,9 +41,10 @@ class ZeroRedundancyOptimizer:
     ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
     whole shard, so it cannot skip part of it (momentum or weight decay still moves such a
-    parameter, where a single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
-    PyTorch: several backward calls before ``step()`` add up until ``zero_grad()`` (stage 2 adds each
-    backward's reduce-scattered shard to the shard's gradient); ``model.zero_grad()`` works as well.
+    parameter, where a single-process optimizer would skip it; DeepSpeed does the same). Gradient
+    accumulation follows PyTorch: several backward calls before ``step()`` add up until
+    ``zero_grad()`` (stage 2 adds each backward's reduce-scattered shard to the shard's gradient);
+    ``model.zero_grad()`` works as well.
     Stage 2 differs in one case: its gradient does not outlive ``step()`` (the parameters' full
     gradients are freed, so nothing else could reset it), where PyTorch keeps adding across steps
     that no zero_grad separates."""
