@@ -24,6 +24,20 @@ def groups(model, trainable_only=False):
             {**GROUP_OPTIONS[1], "params": [q for n, q in named if not n.endswith("weight")]}]
 
 
+def test_a_group_may_hold_one_parameter_not_in_a_list_and_none_may_be_in_two(float64):
+    def fn(comm):
+        a, b = mt.nn.Parameter(np.ones(3)), mt.nn.Parameter(np.ones(2))
+        zero = ZeroRedundancyOptimizer([{"params": a}, {"params": b, "lr": 0.5}], optim.SGD, comm, lr=0.1)
+        a.grad, b.grad = np.ones(3), np.ones(2)
+        zero.step()
+        with pytest.raises(ValueError, match="more than one parameter group"):
+            ZeroRedundancyOptimizer([{"params": [a]}, {"params": [a, b]}], optim.SGD, comm, lr=0.1)
+        return a.data, b.data
+    for a, b in ThreadWorld(2).run(fn):
+        np.testing.assert_allclose(a, 0.9)
+        np.testing.assert_allclose(b, 0.5)
+
+
 def toy():
     model = Toy()
     for q in model.sometimes.parameters():           # unused: ZeRO would step it with a zero gradient

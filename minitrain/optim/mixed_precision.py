@@ -44,7 +44,8 @@ class MixedPrecisionOptimizer:
         params = list(params)
         # parameters, or PyTorch's parameter groups (dicts with "params" and per-group options)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-        groups = [{**g, "params": [q for q in g["params"] if q.requires_grad]} for g in groups]
+        groups = [{**g, "params": [q for q in ([g["params"]] if hasattr(g["params"], "shape") else g["params"])
+                                   if q.requires_grad]} for g in groups]
         self.params = [q for g in groups for q in g["params"]]
         if not self.params:
             raise ValueError("MixedPrecisionOptimizer: no parameter requires grad")

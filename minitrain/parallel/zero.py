@@ -281,7 +281,7 @@ def _param_groups(params):
     """Parameters, or PyTorch's parameter groups (dicts with "params" and per-group options), as groups."""
     params = list(params)
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    groups = [{**g, "params": list(g["params"])} for g in groups]
+    groups = [{**g, "params": [g["params"]] if hasattr(g["params"], "shape") else list(g["params"])} for g in groups]
     seen = set()
     for g in groups:
         for q in g["params"]:
