@@ -91,7 +91,12 @@ class MixedPrecisionOptimizer:
         """Clip by the norm of the true gradient: the gradients are the loss scale S times too large,
         so the norm is theirs over S (squares summed in float64: S·g overflows in fp16 when squared).
         optim.clip_grad_norm_ on the parameters would clip by S times the norm (PyTorch: the
-        GradScaler's unscale_ first). Returns the norm."""
+        GradScaler's unscale_ first). Returns the norm. For whole parameters (one process, DDP's
+        replicas); shards (all_reduce_found_inf given) clip with their strategy's method."""
+        if self.all_reduce_found_inf is not None:
+            raise ValueError("MixedPrecisionOptimizer.clip_grad_norm_ sees this rank's parameters only, and these are "
+                             "shards (all_reduce_found_inf was given): clip with the strategy's clip_grad_norm_ "
+                             "(FSDP: fsdp.clip_grad_norm_(max_norm, loss_scale=opt.loss_scale))")
         params = [q for q in self.params if q.grad is not None]
         square = sum_of_squares(q.grad for q in params)
         total = (array_module(square).sqrt(square[0]) if backend.is_device_array(square)

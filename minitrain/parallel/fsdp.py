@@ -286,11 +286,11 @@ class FullyShardedDataParallel(FSDPStateDicts):
             elif u.shard.grad is not None:
                 u.shard.grad[...] = 0
 
-    def clip_grad_norm_(self, max_norm):
-        """By the whole gradient's norm, the shards' squares summed across ranks (PyTorch FSDP's method)."""
+    def clip_grad_norm_(self, max_norm, loss_scale=1.0):
+        """By the whole gradient's norm, squares summed across ranks; ``loss_scale``: a mixed-precision S."""
         shards = self.parameters()
         return clip_sharded_grad_norm_(shards, max_norm, sum_of_squares(q.grad for q in shards if q.grad is not None),
-                                       [self.comm])
+                                       [self.comm], loss_scale=loss_scale)
 
     def train(self, mode=True):
         self.module.train(mode)
