@@ -95,6 +95,14 @@ def test_no_sync_accumulation_equals_the_big_batch(p, float64):
     assert results[0][0] == 2
 
 
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_gradient_accumulated_under_no_sync_reaches_the_step_when_the_synced_backward_skips_it(find_unused,
+                                                                                                  float64):
+    """A layer used in a no_sync micro-batch but not in the last (synced) one: its accumulated local
+    gradient is what it contributes to the reduction (PyTorch's reducer copies a defined .grad)."""
+    ThreadWorld(2).run(run_equivalence, 0.001, SGD, 2, 3, find_unused, (0, 3, 5))
+
+
 def test_unused_parameters_keep_none_like_one_process(float64):
     # "sometimes" is used in step 1 only: with find_unused_parameters it gets no grad in steps 0 and 2,
     # so Adam leaves it alone exactly as the single process does
@@ -183,3 +191,28 @@ def test_data_parallel_single_process_equals_one_replica(float64):
     assert dp.stats["replicate_bytes"] == 3 * 2 * psi * 8
     assert dp.stats["reduce_bytes"] == 3 * 2 * used * 8
     assert dp.stats["scatter_bytes"] == 3 * 16 * 6 * 8 and dp.stats["gather_bytes"] == 3 * 16 * 3 * 8
+
+
+def test_ddp_has_the_module_methods_a_training_loop_calls(float64):
+    """ddp.zero_grad(set_to_none=False) (kept zeroed buffers the reduction writes into),
+    ddp.load_state_dict, ddp.eval(): still one process on the global batch."""
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model, reference = Toy(), Toy()
+        ddp = DistributedDataParallel(model, comm, bucket_cap_mb=0.0005)
+        ddp.load_state_dict(reference.state_dict())
+        opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        p, r = comm.size, comm.rank
+        for step, (x, y) in enumerate(batches(3, 4 * p)):
+            assert ddp.eval() is ddp and not model.training
+            ddp.train()
+            ddp.zero_grad(set_to_none=False)
+            if step:                                     # the previous step's buffers, zeroed
+                assert all(q.grad is not None and not q.grad.any() for q in model.parameters() if q.requires_grad)
+            reference.zero_grad()
+            F.cross_entropy(ddp(mt.Tensor(x[r::p])), y[r::p]).backward()
+            F.cross_entropy(reference(mt.Tensor(x)), y).backward()
+            opt.step(), ref_opt.step()
+            assert_same(model, reference, f"rank {r} step {step}")
+    ThreadWorld(2).run(fn)

@@ -60,6 +60,49 @@ def test_master_weights_step_exactly_like_fp32_adam_on_the_unscaled_gradient(dty
     assert opt.loss_scale == (2.0 ** 16 if dtype == np.float16 else 1.0)
 
 
+def test_clipping_uses_the_norm_of_the_unscaled_gradient():
+    """With fp16's loss scale S = 2**16 the gradients are S times too large (and S·g squared
+    overflows fp16): opt.clip_grad_norm_ clips by the true norm, summed in float64."""
+    mt.manual_seed(0)
+    model = nn.MLP([30, 16, 10]).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, lr=1e-2)
+    x, y = data()
+    opt.scale(F.cross_entropy(model(mt.Tensor(x).to(np.float16)).float(), y)).backward()
+    true = [q.grad.astype(np.float64) / opt.loss_scale for q in model.parameters()]
+    want = np.sqrt(sum((g * g).sum() for g in true))
+    assert opt.clip_grad_norm_(want / 4) == pytest.approx(want, rel=1e-12)
+    after = np.sqrt(sum((q.grad.astype(np.float64) ** 2).sum() for q in model.parameters())) / opt.loss_scale
+    assert after == pytest.approx(want / 4, rel=1e-2)          # clipped in fp16: rounding only
+
+
+def test_fsdp_clips_fp16_shards_by_the_unscaled_norm_and_their_optimizer_refuses_to():
+    """Shards need the norm summed across ranks: fsdp.clip_grad_norm_(max_norm, loss_scale=S) gives what
+    one process's opt.clip_grad_norm_ gives (every rank has the same data: the reduced shards are exact);
+    the shards' MixedPrecisionOptimizer, which sees one rank's part, refuses."""
+    x, y = data()
+
+    def loss_of(model, opt):
+        return opt.scale(F.cross_entropy(model(mt.Tensor(x).to(np.float16)).float(), y))
+
+    def fn(comm):
+        mt.set_default_dtype(np.float32)
+        mt.manual_seed(0)
+        fsdp = FullyShardedDataParallel(nn.MLP([30, 16, 10]).to(np.float16), comm)
+        opt = optim.MixedPrecisionOptimizer(fsdp.parameters(), optim.SGD, loss_scale=256.0, lr=0.1,
+                                            all_reduce_found_inf=found_inf_on_any_rank(comm))
+        loss_of(fsdp, opt).backward()
+        with pytest.raises(ValueError, match="shards"):
+            opt.clip_grad_norm_(1e-3)
+        return fsdp.clip_grad_norm_(1e-3, loss_scale=opt.loss_scale)
+    mt.set_default_dtype(np.float32)
+    mt.manual_seed(0)
+    model = nn.MLP([30, 16, 10]).to(np.float16)
+    opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, loss_scale=256.0, lr=0.1)
+    loss_of(model, opt).backward()
+    want = opt.clip_grad_norm_(1e-3)
+    assert ThreadWorld(2).run(fn) == pytest.approx([want, want], rel=1e-12)
+
+
 def test_dynamic_loss_scale_skips_overflow_backs_off_and_grows():
     model = nn.Linear(4, 2).to(np.float16)
     opt = optim.MixedPrecisionOptimizer(model.parameters(), optim.SGD, lr=0.1, growth_interval=2)

@@ -45,6 +45,20 @@ def test_param_groups_take_their_own_lr(float64):
     np.testing.assert_allclose(w2.data, 0.5)
 
 
+def test_add_param_group_takes_the_defaults_and_refuses_a_parameter_already_in_a_group(float64):
+    """PyTorch's fine-tuning idiom: unfreeze a layer and add it to the optimizer with its own lr."""
+    w1, w2 = nn.Parameter(np.ones(2)), nn.Parameter(np.ones(2))
+    opt = optim.SGD([w1], lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": w2, "lr": 0.5})
+    assert opt.param_groups[1]["momentum"] == 0.9 and opt.param_groups[1]["params"] == [w2]
+    w1.grad, w2.grad = np.ones(2), np.ones(2)
+    opt.step()
+    np.testing.assert_allclose(w1.data, 0.9)
+    np.testing.assert_allclose(w2.data, 0.5)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [w1]})
+
+
 def test_zero_grad_sets_none_or_zeros():
     w = nn.Parameter(np.ones(2, dtype=np.float32))
     opt = optim.SGD([w], lr=0.1)
@@ -67,6 +81,21 @@ def test_clip_grad_norm_uses_the_global_norm(float64):
     norm = optim.clip_grad_norm_([a, b], 1.0)
     assert norm == pytest.approx(5.0)
     np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
+
+
+def test_clip_grad_norm_takes_pytorchs_positional_norm_type_and_refuses_other_norms(float64):
+    """PyTorch's third argument is norm_type: clip_grad_norm_(params, 1.0, 2) is the L2 norm (it
+    once set the total norm to 2, so nothing was measured), another norm is refused, and
+    error_if_nonfinite raises on inf."""
+    a, b = nn.Parameter(np.zeros(1)), nn.Parameter(np.zeros(1))
+    a.grad, b.grad = np.array([3.0]), np.array([4.0])
+    assert optim.clip_grad_norm_([a, b], 1.0, 2) == pytest.approx(5.0)
+    np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
+    with pytest.raises(ValueError, match="norm_type=inf"):
+        optim.clip_grad_norm_([a, b], 1.0, float("inf"))
+    a.grad[0] = np.inf
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optim.clip_grad_norm_([a, b], 1.0, error_if_nonfinite=True)
 
 
 def test_bad_hyper_parameters_are_rejected():

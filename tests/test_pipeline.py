@@ -145,6 +145,27 @@ def pipeline_run(comm, init, schedule, m, v=1, opt_class=optim.Adam, lr=1e-2, st
     return pipe.full_state_dict(), losses
 
 
+def test_zero_grad_keeping_zeroed_buffers_equals_one_process():
+    """pipe.zero_grad(set_to_none=False), PyTorch's module call: the stages' gradients are zeroed in place."""
+    reference, ref_losses = reference_run(optim.SGD, lr=0.1)
+    init = make_model().state_dict()
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = make_model()
+        model.load_state_dict(init)
+        pipe = PipelineParallel(model, comm, "1f1b", 3)
+        opt = optim.SGD(pipe.parameters(), lr=0.1)
+        losses = []
+        for step, (x, y) in enumerate(batches()):
+            pipe.zero_grad(set_to_none=False)
+            assert step == 0 or all(q.grad is not None and not q.grad.any() for q in pipe.parameters())
+            losses.append(pipe.train_step(x, y, F.cross_entropy))
+            opt.step()
+        return pipe.full_state_dict(), losses
+    assert_equal_to_reference(ThreadWorld(2).run(fn), reference, ref_losses)
+
+
 def assert_equal_to_reference(results, reference, ref_losses=None):
     for state, losses in results:
         for name, value in reference.items():

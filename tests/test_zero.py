@@ -133,7 +133,7 @@ def test_bytes_per_step_are_two_psi(stage):
 from minitrain.parallel import FullyShardedDataParallel  # noqa: E402
 
 
-def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
+def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None, clip=None):
     mt.set_default_dtype(np.float64)
     mt.manual_seed(comm.rank)
     model = (model_fn or (lambda: nn.MLP([6, 13, 11, 3])))()
@@ -147,6 +147,9 @@ def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
         F.cross_entropy(reference(mt.Tensor(x)), y).backward()
         opt.zero_grad()
         F.cross_entropy(fsdp(mt.Tensor(x[r::p])), y[r::p]).backward()
+        if clip is not None:
+            assert fsdp.clip_grad_norm_(clip) == pytest.approx(optim.clip_grad_norm_(reference.parameters(), clip),
+                                                               rel=1e-12)
         ref_opt.step()
         opt.step()
         full = fsdp.full_state_dict()
@@ -158,6 +161,10 @@ def run_fsdp(comm, opt_class, kwargs, steps=3, model_fn=None):
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
 def test_fsdp_equals_single_process(p, opt, float64):
     ThreadWorld(p).run(run_fsdp, *opt)
+
+
+def test_fsdp_clips_by_the_norm_of_the_whole_gradient(float64):
+    ThreadWorld(3).run(run_fsdp, *ADAM, 2, None, 0.05)
 
 
 def test_fsdp_on_the_gpt_equals_single_process(float64):
@@ -310,3 +317,73 @@ def test_fsdp_prefetches_the_next_units_all_gather_during_this_units_forward():
         return seen, late
     for seen, late in ThreadWorld(2).run(fn):
         assert seen == [True] * 3 and late == [False] * 3
+
+
+def test_fsdp_eval_under_no_grad_matches_the_model_frees_every_unit_and_keeps_training_exact(float64):
+    """PyTorch's inference idiom on FSDP: ``eval()``, a forward under no_grad (no backward follows),
+    ``train()``; then ``zero_grad(set_to_none=False)`` keeps zeroed shard gradients, and training
+    still equals one process."""
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        fsdp = FullyShardedDataParallel(model, comm)
+        reference = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        reference.load_state_dict(fsdp.full_state_dict())
+        opt, ref_opt = optim.SGD(fsdp.parameters(), lr=0.1), optim.SGD(reference.parameters(), lr=0.1)
+        p, r = comm.size, comm.rank
+        for step, (x, y) in enumerate(batches(2, 4 * p)):
+            assert fsdp.eval() is fsdp and not model.training
+            with mt.no_grad():
+                out = fsdp(mt.Tensor(x))
+            np.testing.assert_allclose(out.data, reference.eval()(mt.Tensor(x)).data, rtol=1e-12)
+            assert all(u.flat.data is None for u in fsdp.units)
+            fsdp.train(), reference.train()
+            model[1].p = reference[1].p = 0.0                # dropout off: the same numbers on shards
+            opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad()
+            F.cross_entropy(fsdp(mt.Tensor(x[r::p])), y[r::p]).backward()
+            F.cross_entropy(reference(mt.Tensor(x)), y).backward()
+            opt.step(), ref_opt.step()
+            fsdp.zero_grad(set_to_none=False)
+            assert all(q.grad is not None and not q.grad.any() for q in fsdp.parameters())
+        full = fsdp.full_state_dict()
+        for name, q in reference.named_parameters():
+            np.testing.assert_allclose(full[name], q.data, rtol=1e-10, atol=1e-10, err_msg=f"rank {r} {name}")
+    ThreadWorld(2).run(fn)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_zero_grad_instead_of_the_optimizers_equals_one_process(stage, float64):
+    """PyTorch scripts often call model.zero_grad(): stage 2's shard gradient must not carry the last
+    step's into this one, nor stage 1's flat buffer the gradient of a layer this step did not use."""
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        mt.manual_seed(comm.rank)
+        model = Toy()
+        zero = ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, stage=stage, bucket_cap_mb=0.001, lr=0.1)
+        reference = Toy()
+        reference.load_state_dict(model.state_dict())
+        ref_opt = optim.SGD([q for q in reference.parameters() if q.requires_grad], lr=0.1)
+        p, r = comm.size, comm.rank
+        for step, (x, y) in enumerate(batches(3, 4 * p)):
+            model.zero_grad()
+            reference.zero_grad()
+            F.cross_entropy(model(mt.Tensor(x[r::p]), step == 0), y[r::p]).backward()
+            F.cross_entropy(reference(mt.Tensor(x), step == 0), y).backward()
+            zero.step()
+            ref_opt.step()
+            assert_same(model, reference, f"rank {r} stage {stage} step {step}")
+    ThreadWorld(2).run(fn)
+
+
+def test_a_unit_mixing_frozen_and_trainable_parameters_is_refused():
+    """Its shard is one optimizer parameter, stepped whole: AdamW's weight decay moved the frozen bias."""
+    def fn(comm):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        model[2].bias.requires_grad = False
+        with pytest.raises(ValueError, match=r"unit 2 mixes frozen parameters \(2.bias\) with trainable ones"):
+            FullyShardedDataParallel(model, comm)
+        for q in model[2].parameters():               # a whole frozen unit is fine
+            q.requires_grad = False
+        assert len(FullyShardedDataParallel(model, comm).parameters()) == 1
+    ThreadWorld(2).run(fn)

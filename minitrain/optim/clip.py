@@ -23,13 +23,30 @@ def grad_norm_squared(parameters):
     return total
 
 
-def clip_grad_norm_(parameters, max_norm, total_norm=None):
+def sum_of_squares(arrays):
+    """The sum of the arrays' squared entries in float64, as a one-element array on their device
+    (host when there are none): what this rank adds to the global norm's square."""
+    arrays = list(arrays)
+    total = (array_module(arrays[0]) if arrays else np).zeros(1)
+    for a in arrays:
+        a64 = a.astype(np.float64)
+        total += (a64 * a64).sum()
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, *, total_norm=None):
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the
-    norm before clipping. ``total_norm`` may be passed when it was computed elsewhere (across shards)."""
+    norm before clipping (torch.nn.utils.clip_grad_norm_'s call shape; the L2 norm only).
+    ``total_norm`` (keyword) may be passed when it was computed elsewhere (across shards)."""
+    if norm_type != 2:
+        raise ValueError(f"clip_grad_norm_ clips by the L2 norm (norm_type=2), got norm_type={norm_type}")
     parameters = [p for p in parameters if p.grad is not None]
     if total_norm is None:
         total_norm = grad_norm_squared(parameters)
         total_norm = array_module(total_norm).sqrt(total_norm) if is_device_array(total_norm) else math.sqrt(total_norm)
+    if error_if_nonfinite and not math.isfinite(float(total_norm)):
+        raise RuntimeError(f"the total norm of the gradients is non-finite ({float(total_norm)}), so it cannot be "
+                           f"clipped (error_if_nonfinite=True, as PyTorch)")
     if is_device_array(total_norm):
         coef = array_module(total_norm).minimum(max_norm / (total_norm + 1e-6), 1.0)
         for p in parameters:

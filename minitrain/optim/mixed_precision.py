@@ -23,6 +23,7 @@ inf/NaN) and returns its maximum over the ranks, e.g. lambda flag: all_reduce(co
 The optimizer receives the reduction and imports no communication (optim sits below comm's users).
 """
 import contextlib
+import math
 import weakref
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from .. import backend, kernels, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
+from .clip import clip_grad_norm_, sum_of_squares
 from .optimizer import _release
 
 
@@ -39,7 +41,12 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, params, optimizer_class, loss_scale="auto", all_reduce_found_inf=None, init_scale=2.0 ** 16,
                  growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, **defaults):
-        self.params = [q for q in params if q.requires_grad]
+        params = list(params)
+        # parameters, or PyTorch's parameter groups (dicts with "params" and per-group options)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        groups = [{**g, "params": [q for q in ([g["params"]] if hasattr(g["params"], "shape") else g["params"])
+                                   if q.requires_grad]} for g in groups]
+        self.params = [q for g in groups for q in g["params"]]
         if not self.params:
             raise ValueError("MixedPrecisionOptimizer: no parameter requires grad")
         dtypes = {q.dtype for q in self.params}
@@ -68,7 +75,9 @@ class MixedPrecisionOptimizer:
                 self.masters.append(master)
             # the masters' bytes leave the tracker with this optimizer (as Optimizer's state does)
             weakref.finalize(self, _release, self._tracker, [("master", id(self), id(m)) for m in self.masters])
-            self.optimizer = optimizer_class(self.masters, **defaults)
+            master_of = {id(q): m for q, m in zip(self.params, self.masters)}
+            self.optimizer = optimizer_class([{**g, "params": [master_of[id(q)] for q in g["params"]]} for g in groups],
+                                             **defaults)
         self.param_groups = self.optimizer.param_groups
 
     def _placement(self):
@@ -77,6 +86,22 @@ class MixedPrecisionOptimizer:
     def scale(self, loss):
         """The loss times the current scale: call ``.backward()`` on this."""
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the norm of the true gradient: the gradients are the loss scale S times too large,
+        so the norm is theirs over S (squares summed in float64: S·g overflows in fp16 when squared).
+        optim.clip_grad_norm_ on the parameters would clip by S times the norm (PyTorch: the
+        GradScaler's unscale_ first). Returns the norm. For whole parameters (one process, DDP's
+        replicas); shards (all_reduce_found_inf given) clip with their strategy's method."""
+        if self.all_reduce_found_inf is not None:
+            raise ValueError("MixedPrecisionOptimizer.clip_grad_norm_ sees this rank's parameters only, and these are "
+                             "shards (all_reduce_found_inf was given): clip with the strategy's clip_grad_norm_ "
+                             "(FSDP: fsdp.clip_grad_norm_(max_norm, loss_scale=opt.loss_scale))")
+        params = [q for q in self.params if q.grad is not None]
+        square = sum_of_squares(q.grad for q in params)
+        total = (array_module(square).sqrt(square[0]) if backend.is_device_array(square)
+                 else math.sqrt(float(square[0]))) / self.loss_scale
+        return clip_grad_norm_(params, max_norm, total_norm=total)
 
     def _found_inf(self):
         grads = [q.grad for q in self.params if q.grad is not None]

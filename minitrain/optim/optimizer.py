@@ -25,12 +25,21 @@ class Optimizer:
         groups = params if isinstance(params[0], dict) else [{"params": params}]
         self.param_groups = []
         for group in groups:
-            group = {**self.defaults, **group, "params": list(group["params"])}
-            self.param_groups.append(group)
+            self.add_param_group(group)
         self.state = {}                 # parameter -> dict of state
         self._tracker = memory.tracker()
         self._keys = []
         weakref.finalize(self, _release, self._tracker, self._keys)
+
+    def add_param_group(self, param_group):
+        """Add a group of parameters (a dict with "params" and any options; the rest from the
+        constructor's defaults), e.g. layers unfrozen during fine-tuning (PyTorch's method)."""
+        params = param_group["params"]
+        group = {**self.defaults, **param_group, "params": [params] if hasattr(params, "shape") else list(params)}
+        seen = {id(q) for g in self.param_groups for q in g["params"]}
+        if any(id(q) in seen for q in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append(group)
 
     def _new_state(self, p, name, array):
         """Create one state array for parameter ``p`` and account its bytes."""

@@ -7,22 +7,11 @@ for one process. Cost: one all-reduce of one float64 per group; on the GPU nothi
 """
 import math
 
-import numpy as np
-
 from ..backend import array_module, is_device_array
 from ..comm import all_reduce
-from ..optim.clip import clip_grad_norm_
+from ..optim.clip import clip_grad_norm_, sum_of_squares
 
-
-def sum_of_squares(arrays):
-    """The sum of the arrays' squared entries in float64, as a one-element array on their device
-    (host when there are none): what this rank adds to the global norm's square."""
-    arrays = list(arrays)
-    total = (array_module(arrays[0]) if arrays else np).zeros(1)
-    for a in arrays:
-        a64 = a.astype(np.float64)
-        total += (a64 * a64).sum()
-    return total
+__all__ = ["clip_sharded_grad_norm_", "sum_of_squares"]
 
 
 def clip_sharded_grad_norm_(parameters, max_norm, local_square, groups, loss_scale=1.0):

@@ -52,7 +52,8 @@ class DistributedDataParallel:
     ``bucket_cap_mb``: bucket size cap in MiB (PyTorch's default is 25). ``broadcast_from``: the
     rank whose initial parameters every replica copies at wrap time. Frozen parameters
     (``requires_grad=False``) are left out of the buckets; a parameter that gets no gradient in
-    a step contributes zeros (so no rank ever waits for a bucket that cannot complete), and with
+    a backward contributes the gradient it holds (accumulated under ``no_sync``) or zeros (so no rank
+    ever waits for a bucket that cannot complete; buckets reduce in one order on every rank), and with
     ``find_unused_parameters=True`` a parameter that no rank used keeps ``grad = None``, exactly
     as in single-process training. A Parameter shared by two modules (tied weights) appears
     once in ``parameters()``, so it is reduced once, with the sum of both uses. ``algorithm``: the
@@ -114,6 +115,12 @@ class DistributedDataParallel:
     def state_dict(self):
         return self.module.state_dict()
 
+    def load_state_dict(self, state_dict, strict=True):
+        return self.module.load_state_dict(state_dict, strict)
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad(set_to_none)
+
     def train(self, mode=True):
         self.module.train(mode)
         return self
@@ -137,31 +144,36 @@ class DistributedDataParallel:
             return
         if not self._pending:                       # first gradient of this backward
             self._pending = True
+            self._next_bucket = 0
             queue_callback(self._finish)
         bucket, i = self._bucket_of[id(param)]
         start, end = bucket.offsets[i]
         bucket.flat[start:end] = param.grad.reshape(-1)
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+        # complete buckets launch in bucket order, never past an incomplete one: every rank issues the
+        # same all-reduces in one order, even where ranks used different parameters (PyTorch's rule)
+        while self._next_bucket < len(self.buckets) and len(self.buckets[self._next_bucket].ready) == \
+                len(self.buckets[self._next_bucket].params):
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
 
     def _launch(self, bucket):
         if self.find_unused_parameters:
-            used = np.zeros(len(bucket.params), np.float64)
-            used[list(bucket.ready)] = 1.0
+            # used: a gradient this backward, or one accumulated since zero_grad (under no_sync)
+            used = np.array([float(i in bucket.ready or q.grad is not None) for i, q in enumerate(bucket.params)])
             bucket.used_work = all_reduce(self.comm, used, op="sum", async_op=True)
         bucket.work = all_reduce(self.comm, bucket.flat, op="mean", algorithm=self.algorithm,
                                  out=bucket.reduced, async_op=True)
 
     def _finish(self):
-        """End of backward: launch open buckets (missing gradients count as zeros), wait, write back."""
-        for bucket in self.buckets:
-            if bucket.work is None:
-                for i in range(len(bucket.params)):
-                    if i not in bucket.ready:
-                        start, end = bucket.offsets[i]
-                        bucket.flat[start:end] = 0
-                self._launch(bucket)
+        """End of backward: launch open buckets, wait, write back. A parameter this backward did not
+        reach contributes the gradient it holds (accumulated under no_sync), or zeros (PyTorch's rule)."""
+        for bucket in self.buckets[self._next_bucket:]:
+            for i, q in enumerate(bucket.params):
+                if i not in bucket.ready:
+                    start, end = bucket.offsets[i]
+                    bucket.flat[start:end] = 0 if q.grad is None else q.grad.reshape(-1)
+            self._launch(bucket)
         self._wait_for_buckets()
         self._pending = False
 

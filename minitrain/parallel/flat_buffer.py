@@ -58,8 +58,8 @@ class FlatParamBuffer:
         for q in self.params:
             q.data = self.view(q, buffer)
 
-    def shard_slices(self, names):
-        """Where this rank's shard sits in the parameters' logical tensors (padding excluded);
-        ``names``: id(parameter) -> its logical name."""
+    def shard_slices(self, names, lo=None, hi=None):
+        """Where this rank's shard (or the range [lo, hi) of the buffer) sits in the parameters'
+        logical tensors (padding excluded); ``names``: id(parameter) -> its logical name."""
         entries = [(names[id(q)], q.shape, self.offsets[id(q)][0]) for q in self.params]
-        return flat_buffer_slices(entries, *self.shard_range)
+        return flat_buffer_slices(entries, *((lo, hi) if lo is not None else self.shard_range))

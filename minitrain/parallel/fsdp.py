@@ -25,6 +25,7 @@ from ..autograd.graph import current_saved_tensors_hooks, saved_tensors_hooks
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
 from . import accounting
+from .clip import clip_sharded_grad_norm_, sum_of_squares
 from .flat_buffer import FlatParamBuffer
 from .fsdp_state import FSDPStateDicts
 
@@ -142,6 +143,19 @@ def default_units(module):
     return units
 
 
+def check_units(units, root, names, owner):
+    """Tied weights in one unit; each unit frozen or trainable whole (its shard is stepped whole)."""
+    for unit in units:
+        frozen = [names[id(q)] for q in unit.params if not q.requires_grad]
+        if frozen and unit.trainable:
+            raise ValueError(f"FullyShardedDataParallel: unit {unit.name} mixes frozen parameters ({', '.join(frozen)})"
+                             f" with trainable ones; freeze whole units or choose units (auto_wrap) that part them")
+        for q in unit.module.parameters() if unit.module is not root else ():
+            if owner.get(id(q)) != unit.name:
+                raise ValueError(f"FullyShardedDataParallel: parameter {names[id(q)]} is shared by "
+                                 f"units {owner.get(id(q))} and {unit.name}; tied weights must live in one unit")
+
+
 @accounting.fsdp                 # the wait for its reduce-scatters is a trace span: see accounting.py
 class FullyShardedDataParallel(FSDPStateDicts):
     """``FullyShardedDataParallel(model, comm)``: shard every unit's parameters over ``comm``.
@@ -171,7 +185,7 @@ class FullyShardedDataParallel(FSDPStateDicts):
         rest = [q for q in module.parameters() if id(q) not in owner]
         if rest:
             self.units.append(_Unit("root", module, rest, comm, offload_params))
-        self._check_no_tied_across_units(owner)
+        check_units(self.units, module, names, owner)
         self._pending = False
         layers = [u for u in self.units if u.module is not module]     # in forward order
         for i, unit in enumerate(layers):
@@ -196,15 +210,6 @@ class FullyShardedDataParallel(FSDPStateDicts):
         # stays gathered, as the ledger then sees, until its gradients are reduce-scattered
         if not in_backward():
             unit.release()
-
-    def _check_no_tied_across_units(self, owner):
-        for unit in self.units:
-            if unit.module is self.module:
-                continue
-            for q in unit.module.parameters():
-                if owner.get(id(q)) != unit.name:
-                    raise ValueError(f"FullyShardedDataParallel: parameter {self.names[id(q)]} is shared by "
-                                     f"units {owner.get(id(q))} and {unit.name}; tied weights must live in one unit")
 
     # ---- forward: saved views of gathered units become references
     def _unit_holding(self, array):
@@ -274,10 +279,22 @@ class FullyShardedDataParallel(FSDPStateDicts):
     def parameters(self):
         return [u.shard for u in self.units if u.trainable]
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         for u in self.units:
-            u.shard.grad = None
+            if set_to_none:
+                u.shard.grad = None
+            elif u.shard.grad is not None:
+                u.shard.grad[...] = 0
+
+    def clip_grad_norm_(self, max_norm, loss_scale=1.0):
+        """By the whole gradient's norm, squares summed across ranks; ``loss_scale``: a mixed-precision S."""
+        shards = self.parameters()
+        return clip_sharded_grad_norm_(shards, max_norm, sum_of_squares(q.grad for q in shards if q.grad is not None),
+                                       [self.comm], loss_scale=loss_scale)
 
     def train(self, mode=True):
         self.module.train(mode)
         return self
+
+    def eval(self):
+        return self.train(False)

@@ -32,43 +32,57 @@ class ZeroRedundancyOptimizer:
     """``ZeroRedundancyOptimizer(params, optim.Adam, comm, stage=2, lr=1e-3)``: shards the optimizer
     state (stage 1) and the gradients (stage 2) over ``comm``. It does its own gradient
     communication: do not wrap the model in DistributedDataParallel. Call ``zero_grad()``,
-    ``loss.backward()``, ``step()`` as with any optimizer. ``clip_grad_norm_(max_norm)`` clips by the
-    norm of the *full* gradient, computed across the shards. Frozen parameters are left out.
+    ``loss.backward()``, ``step()`` as with any optimizer. ``params`` may be parameter groups (dicts with
+    per-group options such as lr and weight_decay, as in PyTorch): each group is one contiguous range
+    of the flat buffer, and the shard is cut where the groups meet into one piece per group.
+    ``clip_grad_norm_(max_norm)`` clips by the norm of the *full* gradient, computed across the
+    shards. Frozen parameters are left out.
     float16/bfloat16 parameters get fp32 master weights (and a loss scale for fp16: backward on
     ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
-    whole shard, so it cannot skip part of it (momentum still moves such a parameter, where a
-    single-process optimizer would skip it; DeepSpeed does the same). Gradient accumulation follows
-    PyTorch: several backward calls before ``step()`` add up until ``zero_grad()`` (stage 2 adds each
-    backward's reduce-scattered shard to the shard's gradient)."""
+    whole shard, so it cannot skip part of it (momentum or weight decay still moves such a
+    parameter, where a single-process optimizer would skip it; DeepSpeed does the same). Gradient
+    accumulation follows PyTorch: several backward calls before ``step()`` add up until
+    ``zero_grad()`` (stage 2 adds each backward's reduce-scattered shard to the shard's gradient);
+    ``model.zero_grad()`` works as well.
+    Stage 2 differs in one case: its gradient does not outlive ``step()`` (the parameters' full
+    gradients are freed, so nothing else could reset it), where PyTorch keeps adding across steps
+    that no zero_grad separates."""
 
     def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, loss_scale="auto",
                  offload=False, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.comm, self.stage = comm, stage
-        params = list(params)
-        for q in params:                             # frozen ones too: every rank runs rank 0's model
+        groups = _param_groups(params)
+        for q in (q for g in groups for q in g["params"]):   # frozen ones too: every rank runs rank 0's model
             if not q.requires_grad:
                 broadcast(comm, q.data, root=0)
-        # the trainable parameters become views of one flat buffer, laid out in reverse (backward) order
-        self.flat = FlatParamBuffer(reversed([q for q in params if q.requires_grad]), comm.size, comm.rank,
-                                    who="ZeRO")
+        # the trainable parameters become views of one flat buffer, laid out in reverse (backward)
+        # order, so that each parameter group is one contiguous range of it
+        self.flat = FlatParamBuffer(reversed([q for g in groups for q in g["params"] if q.requires_grad]),
+                                    comm.size, comm.rank, who="ZeRO")
         self.flat.point_params_at()
         broadcast(comm, self.flat.data, root=0)      # every rank starts from rank 0's parameters
         self.shard = Parameter(self.flat.shard())
         xp = self.flat.xp
         self.shard_grad = xp.zeros(self.flat.shard_size, dtype=self.flat.dtype)
+        # the shard cut where the groups meet: one piece per group (maybe empty), stepped with its options
+        self._piece_ranges = self._group_ranges(groups)
+        self.pieces = [self.shard] if len(groups) == 1 else [Parameter(self.flat.data[lo:hi])
+                                                             for lo, hi in self._piece_ranges]
+        shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [piece]}
+                        for g, piece in zip(groups, self.pieces)]
         if offload:
             # ZeRO-Offload: the shard's fp32 master weights and optimizer state on the host
-            self.optimizer = CPUOffloadOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
+            self.optimizer = CPUOffloadOptimizer(shard_groups, optimizer_class, loss_scale=loss_scale,
                                                  all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         elif self.flat.dtype in LOW_PRECISION:
             # mixed precision: the shard's fp32 master weights live in the optimizer (K = 12)
-            self.optimizer = MixedPrecisionOptimizer([self.shard], optimizer_class, loss_scale=loss_scale,
+            self.optimizer = MixedPrecisionOptimizer(shard_groups, optimizer_class, loss_scale=loss_scale,
                                                      all_reduce_found_inf=found_inf_on_any_rank(comm), **defaults)
         else:
-            self.optimizer = optimizer_class([self.shard], **defaults)
+            self.optimizer = optimizer_class(shard_groups, **defaults)
         self.param_groups = self.optimizer.param_groups
         self._tracker = memory.tracker()
         if stage == 1:
@@ -82,10 +96,31 @@ class ZeroRedundancyOptimizer:
         else:
             self._build_buckets(int(bucket_cap_mb * 1024 * 1024), xp)
 
+    def _group_ranges(self, groups):
+        """This rank's part [lo, hi) of each group's contiguous range of the flat buffer; lo == hi
+        where the shard misses a group (the padding, zeros with zero gradients, is in no piece)."""
+        s0, s1 = self.flat.shard_range
+        ranges = []
+        for g in groups:
+            offsets = [self.flat.offsets[id(q)] for q in g["params"] if q.requires_grad]
+            lo, hi = (min(a for a, _ in offsets), max(b for _, b in offsets)) if offsets else (s0, s0)
+            ranges.append((min(max(lo, s0), s1), max(min(hi, s1), s0)))
+        return ranges
+
+    def _set_shard_grad(self, grad):
+        """The shard's gradient (None or the shard gradient buffer) and each piece's view of it."""
+        self.shard.grad = grad
+        if len(self.pieces) > 1:
+            s0 = self.flat.shard_range[0]
+            for piece, (lo, hi) in zip(self.pieces, self._piece_ranges):
+                piece.grad = None if grad is None else grad[lo - s0:hi - s0]
+
     def _point_grads_at_flat(self):
         for q in self.flat.params:
             view = self.flat.view(q, self.flat_grad)
-            if q.grad is not None and q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
+            if q.grad is None:                      # model.zero_grad() set it None, and no gradient came
+                view[...] = 0
+            elif q.grad is not view and memory.owner(q.grad) is not self.flat_grad:
                 view[...] = q.grad                  # a gradient made elsewhere (model.zero_grad() set None)
             q.grad = view
 
@@ -112,14 +147,17 @@ class ZeroRedundancyOptimizer:
         self._tracker.add("comm_buffers", ("zero2_staging", id(self)), self.staging.nbytes)
         self._pending = False
         self._accumulating = False
+        self._stepped = False                       # a step since the last backward: start a new gradient
         self._scratch = None
 
     def _grad_ready(self, q):
         if not self._pending:
             self._pending = True
+            self._next_bucket = 0
             # gradients add up over backward calls until zero_grad (PyTorch): a second backward
             # reduce-scatters into a scratch shard, added to the shard's gradient at the end
-            self._accumulating = self.shard.grad is not None
+            self._accumulating = self.shard.grad is not None and not self._stepped
+            self._stepped = False
             if self._accumulating and self._scratch is None:
                 self._scratch = array_module(self.shard_grad).zeros_like(self.shard_grad)
                 self._tracker.add("comm_buffers", ("zero2_scratch", id(self)), self._scratch.nbytes)
@@ -129,8 +167,12 @@ class ZeroRedundancyOptimizer:
         self.staging[lo:hi] = q.grad.reshape(-1)
         q.grad = None                               # stage 2: the full gradient is not kept
         bucket["ready"].add(id(q))
-        if len(bucket["ready"]) == len(bucket["params"]):
-            self._launch(bucket)
+        # complete buckets go in bucket order, never past an incomplete one: every rank must issue
+        # the same reduce-scatters in the same order, even where ranks used different parameters
+        while self._next_bucket < len(self.buckets) and len(self.buckets[self._next_bucket]["ready"]) == \
+                len(self.buckets[self._next_bucket]["params"]):
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
 
     def _launch(self, bucket):
         a, b = bucket["range"]
@@ -144,13 +186,12 @@ class ZeroRedundancyOptimizer:
                                              bounds=bounds, async_op=True)
 
     def _finish_backward(self):
-        for bucket in self.buckets:
-            if bucket["work"] is None:              # parameters without a gradient count as zeros
-                for q in bucket["params"]:
-                    if id(q) not in bucket["ready"]:
-                        lo, hi = self.flat.offsets[id(q)]
-                        self.staging[lo:hi] = 0
-                self._launch(bucket)
+        for bucket in self.buckets[self._next_bucket:]:   # parameters without a gradient count as zeros
+            for q in bucket["params"]:
+                if id(q) not in bucket["ready"]:
+                    lo, hi = self.flat.offsets[id(q)]
+                    self.staging[lo:hi] = 0
+            self._launch(bucket)
         with trace.span("wait for reduce-scatter", kind="comm"):
             for bucket in self.buckets:
                 bucket["work"].wait()
@@ -158,7 +199,7 @@ class ZeroRedundancyOptimizer:
                 bucket["ready"].clear()
         if self._accumulating:
             self.shard_grad += self._scratch
-        self.shard.grad = self.shard_grad
+        self._set_shard_grad(self.shard_grad)
         self._pending = False
 
     # ---- the optimizer interface
@@ -168,7 +209,7 @@ class ZeroRedundancyOptimizer:
             self._point_grads_at_flat()
         else:
             self.shard_grad[...] = 0
-            self.shard.grad = None
+            self._set_shard_grad(None)
             for q in self.flat.params:
                 q.grad = None
 
@@ -178,7 +219,7 @@ class ZeroRedundancyOptimizer:
         self._point_grads_at_flat()
         with trace.span("reduce-scatter gradients", kind="comm"):
             ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=self.shard_grad)
-        self.shard.grad = self.shard_grad
+        self._set_shard_grad(self.shard_grad)
 
     def scale(self, loss):
         """Mixed precision: the loss times the loss scale (call backward on it); else the loss."""
@@ -198,7 +239,13 @@ class ZeroRedundancyOptimizer:
         self.optimizer.step()                       # updates the shard, a view of the flat buffer
         with trace.span("all-gather parameters", kind="comm"):
             ring_all_gather(self.comm, self.flat.shard().copy(), total=self.flat.padded, out=self.flat.data)
-        self.shard.grad = None if self.stage == 1 else self.shard.grad
+        # the step consumes the shard's gradient: stage 1 reduce-scatters afresh at the next step, and
+        # stage 2's next backward starts a new one into the same buffer (the full gradients are gone,
+        # so model.zero_grad() could not reset it; DeepSpeed's engine does the same)
+        if self.stage == 1:
+            self._set_shard_grad(None)
+        else:
+            self._stepped = True
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -217,7 +264,10 @@ class ZeroRedundancyOptimizer:
             if piece.sizes != tuple(q.shape):
                 raise ValueError(f"ZeRO-1/2 expect whole parameters; {name} is a slice {piece}")
             names[id(q)] = name
-        return {id(self.shard): self.flat.shard_slices(names)}
+        if len(self.pieces) == 1:
+            return {id(self.shard): self.flat.shard_slices(names)}
+        return {id(piece): self.flat.shard_slices(names, lo, hi)
+                for piece, (lo, hi) in zip(self.pieces, self._piece_ranges)}
 
     def sharded_state_dict(self, placements):
         """The shard optimizer's state (moments, fp32 masters) as slices of the parameters' logical tensors."""
@@ -225,3 +275,17 @@ class ZeroRedundancyOptimizer:
 
     def load_sharded_state_dict(self, reader, placements, scalars):
         self.optimizer.load_sharded_state_dict(reader, self._shard_placements(placements), scalars)
+
+
+def _param_groups(params):
+    """Parameters, or PyTorch's parameter groups (dicts with "params" and per-group options), as groups."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    groups = [{**g, "params": [g["params"]] if hasattr(g["params"], "shape") else list(g["params"])} for g in groups]
+    seen = set()
+    for g in groups:
+        for q in g["params"]:
+            if id(q) in seen:
+                raise ValueError("ZeroRedundancyOptimizer: some parameters appear in more than one parameter group")
+            seen.add(id(q))
+    return groups

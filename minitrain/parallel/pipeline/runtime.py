@@ -124,9 +124,12 @@ class PipelineParallel:
     def named_parameters(self):
         return [(self.names[id(q)], q) for q in self.parameters()]
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         for q in self.parameters():
-            q.grad = None
+            if set_to_none:
+                q.grad = None
+            elif q.grad is not None:
+                q.grad[...] = 0
 
     def full_state_dict(self):
         """name -> full array, every stage's parameters gathered on every rank (under the names of
