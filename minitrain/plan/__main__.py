@@ -25,6 +25,7 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
 from . import (MLP_PIPELINE_PRECISIONS, Layout, LayoutError, MachineError, Params, check, corpus_vocab_size,
                gpt_from_args, layouts, load_machine, mlp_from_args, predict)
 from .configs import NAMED
+from .job_rules import LAYOUT_RULES
 from .layout import PRECISIONS, SCHEDULES
 
 CP_MIN_TOKENS = 1024            # --search tries context parallelism down to this many tokens per rank
@@ -271,8 +272,8 @@ def main(argv=None):
         p = parser(defaults=NAMED[args.model])
         args = p.parse_args(argv)
     if args.command in p.jobs:                    # what the job would refuse, or ignore, is not planned either
-        from ..examples.options import LAYOUT_RULES, refuse_unsupported
-        refuse_unsupported(p.jobs[args.command], args, argv[1:], args.command, LAYOUT_RULES)
+        job = p.jobs[args.command]
+        LAYOUT_RULES[args.command](job, args, cli.given_options(job, argv[1:]))
     try:
         machine = load_machine(args.machine)
         model, layout = model_and_layout(args)

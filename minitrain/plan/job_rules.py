@@ -1,0 +1,100 @@
+"""What the jobs refuse of a layout: an option their strategy would not apply, a combination not built.
+
+The mlp and gpt jobs (examples/options.py) and the planner's mirror of their command lines
+(python -m minitrain.plan mlp|gpt) apply these same rules right after parsing, so that a layout is
+never run, nor planned, with an option silently dropped: argparse's one line and exit status 2, "error:
+--recompute is not supported with --strategy pipeline (...)". An option is refused when the command line
+gives it (whatever its value, cli.given_options) or, for one whose default means "none", when it asks for
+something. What depends on the job's own data (the corpus bounds --block-size) stays with the job.
+"""
+from .. import cli
+from . import MLP_PIPELINE_PRECISIONS
+
+MLP_PIPELINE_ONLY = ("--schedule", "--microbatches", "--chunks", "--dp")
+#: what the pipeline job does not apply, when asked for, and why
+MLP_NOT_IN_PIPELINE = (
+    ("--recompute", lambda a: a.recompute != "none",
+     "the pipeline runtime keeps each micro-batch's activations until its backward; recomputation is wired "
+     "into the data-parallel strategies"),
+    ("--offload", lambda a: a.offload, "each stage steps a plain optimizer on the device; ZeRO-Offload is "
+                                       "wired into ddp, local_sgd and the ZeRO stages"),
+    ("--offload-activations", lambda a: a.offload_activations,
+     "the pipeline's activations cross ranks as messages and are not parked on the host"),
+    ("--device-memory", lambda a: a.device_memory is not None,
+     "every rank builds the whole model before keeping its stages, and the job sets no device capacity"),
+    ("--precision", lambda a: a.precision not in MLP_PIPELINE_PRECISIONS,
+     "each stage runs in fp32 or fp64; mixed precision (fp32 master weights, loss scaling) is wired into ddp, "
+     "local_sgd and the ZeRO stages"),
+)
+BUCKETED = ("ddp", "zero1", "zero2")
+
+
+def refuse_mlp(parser, args, given):
+    strategy = f"--strategy {args.strategy}"
+    if args.strategy != "pipeline":
+        for option in MLP_PIPELINE_ONLY:
+            if option in given:
+                cli.refuse(parser, option, strategy, "only --strategy pipeline has a schedule, micro-batches, model "
+                                                     "chunks and pipeline replicas; data parallelism here spans every "
+                                                     "rank")
+    else:
+        for option, asked, why in MLP_NOT_IN_PIPELINE:
+            if asked(args):
+                cli.refuse(parser, option, strategy, why)
+    if "--sync-every" in given and args.strategy != "local_sgd":
+        cli.refuse(parser, "--sync-every", strategy, "only local_sgd averages the parameters every N steps; "
+                                                     "the others average every step's gradients")
+    if "--bucket-cap-mb" in given and args.strategy not in BUCKETED:
+        cli.refuse(parser, "--bucket-cap-mb", strategy, f"only {', '.join(BUCKETED)} put gradients in buckets")
+
+
+MOE_OPTIONS = ("--moe-top-k", "--moe-capacity-factor", "--moe-every", "--moe-aux-loss-coef", "--moe-groups")
+
+
+def refuse_moe(parser, args, given):
+    if not args.moe_experts:
+        for option in MOE_OPTIONS:
+            if option in given:
+                cli.refuse(parser, option, "--moe-experts 0", "no block has an MoE layer: give --moe-experts E")
+        return
+    if args.sequence_parallel:
+        cli.refuse(parser, "--sequence-parallel", f"--moe-experts {args.moe_experts}",
+                   "the experts are replicated on the tp ranks and route whole sequences; routing by sequence "
+                   "shard is not built")
+
+
+def refuse_ep(parser, args, given):
+    if "--ep" in given and not args.moe_experts:
+        cli.refuse(parser, "--ep", "--moe-experts 0", "no block has experts to shard: give --moe-experts E")
+
+
+def refuse_cp(parser, args, given):
+    if args.cp == 1:
+        if "--cp-method" in given:
+            cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
+        return
+    setting = f"--cp {args.cp}"
+    if args.dropout > 0:
+        cli.refuse(parser, "--dropout", setting, "each context-parallel rank would draw its chunk's masks, not one "
+                                                  "process's, and ring attention has no attention dropout")
+
+
+def refuse_gpt_layout(parser, args, given):
+    """What the GPT job refuses of a layout, whatever its sizes (the planner refuses the same)."""
+    refuse_ep(parser, args, given)
+    refuse_moe(parser, args, given)
+    refuse_cp(parser, args, given)
+    if args.pp == 1:
+        for option in ("--schedule", "--chunks"):
+            if option in given:
+                cli.refuse(parser, option, "--pp 1", "one stage has no pipeline schedule: give --pp 2 or more")
+    if "--chunks" in given and args.schedule == "zb_h1":
+        cli.refuse(parser, "--chunks", "--schedule zb_h1", "ZB-H1 runs one chunk per rank; zbv is the zero-bubble "
+                                                          "schedule with 2, a V")
+    if "--chunks" in given and args.schedule == "zbv" and args.chunks != 2:
+        cli.refuse(parser, f"--chunks {args.chunks}", "--schedule zbv", "its V is exactly 2 chunks per rank: "
+                                                                         "give --chunks 2 or leave it out")
+
+
+#: job -> its layout rules (parser, args, given options)
+LAYOUT_RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt_layout}
