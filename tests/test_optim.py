@@ -83,6 +83,20 @@ def test_clip_grad_norm_uses_the_global_norm(float64):
     np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_clip_grad_norm_of_half_precision_gradients_is_their_norm_not_an_overflow(dtype):
+    """300² overflows fp16 (its largest number is 65504): squared in their own precision the gradients' norm
+    read inf and clipping zeroed them (PyTorch computes the norm in a wider type too)."""
+    dt = mt.backend.bfloat16 if dtype == "bfloat16" else np.float16
+    if dt is None:
+        pytest.skip("no bfloat16 type (ml_dtypes)")
+    w = nn.Parameter(np.zeros(400, dt))
+    w.grad = np.full(400, 300.0, dt)
+    norm = optim.clip_grad_norm_([w], 1.0)
+    assert norm == pytest.approx(300.0 * 20.0, rel=1e-6)
+    np.testing.assert_allclose(w.grad.astype(np.float64), 1 / 20.0, rtol=1e-2)
+
+
 def test_clip_grad_norm_takes_pytorchs_positional_norm_type_and_refuses_other_norms(float64):
     """PyTorch's third argument is norm_type: clip_grad_norm_(params, 1.0, 2) is the L2 norm (it
     once set the total norm to 2, so nothing was measured), another norm is refused, and

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import minitrain as mt
-from minitrain import checkpoint, optim
+from minitrain import checkpoint, nn, optim
 from minitrain.backend import bfloat16
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
@@ -118,3 +118,21 @@ def test_mixed_precision_optimizer_takes_param_groups(dtype):
         if q.requires_grad:
             want = before[n] - (0.5 * (1 + 0.1 * before[n]) if n.endswith("weight") else 0.002)
             np.testing.assert_allclose(q.data.astype(np.float32), want, atol=1e-2, err_msg=n)
+
+
+def test_add_param_group_is_refused_in_one_line_by_the_optimizers_that_cut_their_state_once():
+    """ZeRO's flat buffer and shards, and the mixed-precision masters, are made in the constructor: a group added
+    later would be stepped by no one (an AttributeError before), so it is refused naming what to do."""
+    from minitrain.comm import ThreadWorld
+    from minitrain.optim import MixedPrecisionOptimizer
+
+    def fn(comm):
+        zero = ZeroRedundancyOptimizer(nn.Linear(3, 2).parameters(), optim.SGD, comm, lr=0.1)
+        with pytest.raises(NotImplementedError, match="ZeroRedundancyOptimizer.add_param_group: .* pass every "
+                                                      "parameter group to it"):
+            zero.add_param_group({"params": [nn.Parameter(np.zeros(2))]})
+        return True
+    assert ThreadWorld(2).run(fn) == [True, True]
+    mixed = MixedPrecisionOptimizer([nn.Parameter(np.zeros(3, np.float16))], optim.SGD, lr=0.1)
+    with pytest.raises(NotImplementedError, match="MixedPrecisionOptimizer.add_param_group"):
+        mixed.add_param_group({"params": [nn.Parameter(np.zeros(2))]})

@@ -13,7 +13,9 @@ from ..backend import array_module, is_device_array
 def grad_norm_squared(parameters):
     """Sum of squared gradient entries (ZeRO adds these partial sums across shards): a float, or a
     0-d float64 device array when the gradients are on the GPU."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # fp16 / bf16 gradients squared in their own precision overflow past |g| = 256: widened first
+    grads = [g if g.dtype.itemsize >= 4 else g.astype(np.float32) for g in
+             (p.grad for p in parameters if p.grad is not None)]
     if grads and is_device_array(grads[0]):
         xp = array_module(grads[0])
         return xp.stack([kernels.square_sum(g) for g in grads]).astype(np.float64).sum()

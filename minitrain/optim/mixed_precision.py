@@ -154,6 +154,12 @@ class MixedPrecisionOptimizer:
             elif q.grad is not None:
                 q.grad[...] = 0
 
+    def add_param_group(self, param_group):
+        """Refused, where PyTorch's optimizers take a group later: the fp32 master weights are made once,
+        in the constructor."""
+        raise NotImplementedError(f"{type(self).__name__}.add_param_group: the fp32 master weights are made "
+                                  "once, in the constructor: pass every parameter group to it")
+
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "loss_scale": self.loss_scale,
                 "masters": [m.data.copy() for m in self.masters], "good_steps": self._good_steps,

@@ -247,6 +247,12 @@ class ZeroRedundancyOptimizer:
         else:
             self._stepped = True
 
+    def add_param_group(self, param_group):
+        """Refused, where PyTorch's optimizers take a group later: the flat buffer and the shards are cut once,
+        in the constructor."""
+        raise NotImplementedError(f"{type(self).__name__}.add_param_group: the flat buffer and the shards are cut "
+                                  "once, in the constructor: pass every parameter group to it")
+
     def state_dict(self):
         return self.optimizer.state_dict()
 
