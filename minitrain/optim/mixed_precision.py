@@ -32,7 +32,7 @@ from .. import backend, kernels, memory
 from ..autograd import Tensor
 from ..backend import LOW_PRECISION, array_module
 from .clip import clip_grad_norm_, sum_of_squares
-from .optimizer import _release
+from .optimizer import _release, param_groups
 
 
 class MixedPrecisionOptimizer:
@@ -41,11 +41,8 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, params, optimizer_class, loss_scale="auto", all_reduce_found_inf=None, init_scale=2.0 ** 16,
                  growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, **defaults):
-        params = list(params)
-        # parameters, or PyTorch's parameter groups (dicts with "params" and per-group options)
-        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-        groups = [{**g, "params": [q for q in ([g["params"]] if hasattr(g["params"], "shape") else g["params"])
-                                   if q.requires_grad]} for g in groups]
+        groups = [{**g, "params": [q for q in g["params"] if q.requires_grad]}       # PyTorch's groups too
+                  for g in param_groups(params, "MixedPrecisionOptimizer")]
         self.params = [q for g in groups for q in g["params"]]
         if not self.params:
             raise ValueError("MixedPrecisionOptimizer: no parameter requires grad")

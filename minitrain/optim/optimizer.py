@@ -16,6 +16,26 @@ def _release(tracker, keys):
         tracker.remove(key)
 
 
+def as_group(group):
+    """One parameter group (a dict with "params" and per-group options) with its "params" as a list
+    (PyTorch takes a single tensor there too)."""
+    params = group["params"]
+    return {**group, "params": [params] if hasattr(params, "shape") else list(params)}
+
+
+def param_groups(params, who=None):
+    """Parameters, or PyTorch's parameter groups, as a list of groups (as_group); a parameter in two
+    groups is refused. The optimizers that wrap one (mixed precision, ZeRO) read their arguments here too."""
+    params = list(params)
+    groups = [as_group(g) for g in (params if params and isinstance(params[0], dict) else [{"params": params}])]
+    seen = set()
+    for q in (q for g in groups for q in g["params"]):
+        if id(q) in seen:
+            raise ValueError(f"{who + ': ' if who else ''}some parameters appear in more than one parameter group")
+        seen.add(id(q))
+    return groups
+
+
 class Optimizer:
     def __init__(self, params, defaults):
         self.defaults = dict(defaults)
@@ -34,11 +54,8 @@ class Optimizer:
     def add_param_group(self, param_group):
         """Add a group of parameters (a dict with "params" and any options; the rest from the
         constructor's defaults), e.g. layers unfrozen during fine-tuning (PyTorch's method)."""
-        params = param_group["params"]
-        group = {**self.defaults, **param_group, "params": [params] if hasattr(params, "shape") else list(params)}
-        seen = {id(q) for g in self.param_groups for q in g["params"]}
-        if any(id(q) in seen for q in group["params"]):
-            raise ValueError("some parameters appear in more than one parameter group")
+        group = {**self.defaults, **as_group(param_group)}
+        param_groups(self.param_groups + [group])          # refuses a parameter already in a group
         self.param_groups.append(group)
 
     def _new_state(self, p, name, array):

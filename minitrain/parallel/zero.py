@@ -23,6 +23,7 @@ from ..backend import LOW_PRECISION, array_module
 from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
+from ..optim.optimizer import param_groups
 from .clip import clip_sharded_grad_norm_, sum_of_squares
 from .flat_buffer import FlatParamBuffer
 from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
@@ -54,7 +55,7 @@ class ZeroRedundancyOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.comm, self.stage = comm, stage
-        groups = _param_groups(params)
+        groups = param_groups(params, "ZeroRedundancyOptimizer")     # parameters, or PyTorch's groups
         for q in (q for g in groups for q in g["params"]):   # frozen ones too: every rank runs rank 0's model
             if not q.requires_grad:
                 broadcast(comm, q.data, root=0)
@@ -282,16 +283,3 @@ class ZeroRedundancyOptimizer:
     def load_sharded_state_dict(self, reader, placements, scalars):
         self.optimizer.load_sharded_state_dict(reader, self._shard_placements(placements), scalars)
 
-
-def _param_groups(params):
-    """Parameters, or PyTorch's parameter groups (dicts with "params" and per-group options), as groups."""
-    params = list(params)
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    groups = [{**g, "params": [g["params"]] if hasattr(g["params"], "shape") else list(g["params"])} for g in groups]
-    seen = set()
-    for g in groups:
-        for q in g["params"]:
-            if id(q) in seen:
-                raise ValueError("ZeroRedundancyOptimizer: some parameters appear in more than one parameter group")
-            seen.add(id(q))
-    return groups
