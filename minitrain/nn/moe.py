@@ -94,9 +94,13 @@ class MoE(Module):
         k·N choices). f is counted, so its gradient is zero: the router learns balance through P."""
         G, E = self.groups, self.num_experts
         S = probs.shape[0] // G
-        f = Tensor((plan.routed / (S * self.top_k)).astype(probs.dtype))       # (G, E)
+        f = self.choice_fractions(plan, S, probs.dtype)                         # (G, E)
         P = probs.reshape(G, S, E).mean(axis=1)
         return (P * f).sum() * (self.aux_loss_coef * E / G)
+
+    def choice_fractions(self, plan, tokens_per_group, dtype):
+        """f: the fraction of each group's k·S choices routed to each expert (G, E), before dropping."""
+        return Tensor((plan.routed / (tokens_per_group * self.top_k)).astype(dtype))
 
     def statistics(self):
         """The last forward's load per expert, load_max_over_mean, tokens_dropped (choices over capacity)

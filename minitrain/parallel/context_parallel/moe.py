@@ -4,7 +4,7 @@ things do not, and both are counted over a group's tokens on every cp rank:
 
 - The balancing loss's f, the fraction of a group's choices that went to each expert: the ranks sum
   their counts (an all-reduce of G x E numbers) and each keeps its own mean P, so that their losses,
-  averaged as their cross-entropies are, hold the group's E · sum f · P once (balancing_loss).
+  averaged as their cross-entropies are, hold the group's E · sum f · P once (choice_fractions).
 - A capacity (GShard): an expert takes at most C of a group's choices, first choices of all its tokens
   before second ones, each in token order (row by row, position by position). The ranks all-gather
   their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
@@ -19,14 +19,12 @@ from ...nn.moe_dispatch import DispatchPlan, plan_dispatch
 from .zigzag import positions_of
 
 
-def balancing_loss(moe, probs, plan, comm):
-    """Switch's alpha · E · sum_i f_i · P_i per group, f over the group's choices on every rank of ``comm``."""
-    xp, (G, E) = array_module(probs.data), (moe.groups, moe.num_experts)
-    S = probs.shape[0] // G                                                    # this rank's tokens per group
-    routed = all_reduce(comm, xp.ascontiguousarray(plan.routed, dtype=probs.dtype), op="sum")
-    f = Tensor(routed / (S * comm.size * moe.top_k))                          # (G, E), the whole group's
-    P = probs.reshape(G, S, E).mean(axis=1)
-    return (P * f).sum() * (moe.aux_loss_coef * E / G)
+def choice_fractions(moe, plan, tokens_per_group, dtype, comm):
+    """Switch's f over a group's choices on every rank of ``comm``: the ranks' counts summed (G x E numbers),
+    over the group's k·S·p choices; each rank keeps its own P, and the balancing loss its formula (nn/moe.py)."""
+    xp = array_module(plan.routed)
+    routed = all_reduce(comm, xp.ascontiguousarray(plan.routed, dtype=dtype), op="sum")
+    return Tensor(routed / (tokens_per_group * comm.size * moe.top_k))
 
 
 def plan_for_rank(moe, choices, shape, comm, layout):

@@ -31,7 +31,7 @@ from ... import backend
 from ...autograd import is_grad_enabled
 from ...comm import all_reduce
 from ...nn.moe import MoE
-from ..context_parallel.moe import balancing_loss, plan_for_rank
+from ..context_parallel.moe import choice_fractions, plan_for_rank
 
 
 class ReplicatedMoE(MoE):
@@ -49,10 +49,10 @@ class ReplicatedMoE(MoE):
         self.record_step = False
         self.reset_step()
 
-    def load_balancing_loss(self, probs, plan):
+    def choice_fractions(self, plan, tokens_per_group, dtype):
         if self.token_comm is None or self.token_comm.size == 1:
-            return super().load_balancing_loss(probs, plan)
-        return balancing_loss(self, probs, plan, self.token_comm)
+            return super().choice_fractions(plan, tokens_per_group, dtype)
+        return choice_fractions(self, plan, tokens_per_group, dtype, self.token_comm)
 
     def plan(self, choices, shape):
         if self.token_comm is None or self.token_comm.size == 1 or self.capacity_factor is None:
