@@ -125,11 +125,8 @@ class PipelineParallel:
         return [(self.names[id(q)], q) for q in self.parameters()]
 
     def zero_grad(self, set_to_none=True):
-        for q in self.parameters():
-            if set_to_none:
-                q.grad = None
-            elif q.grad is not None:
-                q.grad[...] = 0
+        for stage in self.stages.values():
+            stage.zero_grad(set_to_none)
 
     def full_state_dict(self):
         """name -> full array, every stage's parameters gathered on every rank (under the names of
