@@ -506,6 +506,26 @@ def test_named_configurations_on_1024_gpus_pick_a_sane_layout(name, eps):
     assert best["layout"]["ep"] in eps and best["memory_bytes"]["total"] <= 80 * 2 ** 30, best["describe"]
 
 
+def test_leaving_out_the_experts_between_the_first_and_the_last_two_changes_no_prediction(monkeypatch):
+    """moe_backward_moments walks 256 experts as 3: along the experts before the last every moment moves by the
+    same step, so any maximum of the walks lies at an end. Few tokens a rank (an expert makes more gradient bytes
+    than it frees: the worst moment is the last expert's c_proj) and many, every ZeRO stage and recomputation,
+    with and without ep and pipelines: every stage's predicted memory is the same as with every expert walked."""
+    def predictions():
+        plan.activations._gpt_pieces.cache_clear()
+        out = []
+        for model in (replace(MOE, block_size=8, n_embd=16, moe_experts=16, moe_top_k=16, moe_every=1),
+                      replace(MOE, moe_experts=16)):
+            for lay in plan.layouts(model, 8, 8, precision="fp32", cps={1}):
+                out.append(plan.predict(model, lay, plan.load_machine("a100-80gb"))["memory_bytes_per_stage"])
+        return out
+
+    trimmed = predictions()
+    every = experts.moe_backward_moments
+    monkeypatch.setattr(experts, "moe_backward_moments", lambda *a: every(*a, every_expert=True))
+    assert predictions() == trimmed and len(trimmed) > 100
+
+
 def main_args(argv):
     from minitrain.plan.__main__ import parser
     from minitrain.plan.configs import NAMED
