@@ -194,6 +194,48 @@ def test_interleaved_1f1b_equals_one_process(p, m, v):
                               reference, ref_losses)
 
 
+@pytest.mark.parametrize("schedule, p, v", [("gpipe", 3, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
+                                           ("zb_h1", 2, 1), ("zbv", 2, 2), ("pipedream_2bw", 2, 1)])
+def test_eval_step_gives_one_process_s_outputs_and_loss_without_a_graph(schedule, p, v):
+    """eval_step (PyTorch's schedule.eval): the last stage's rank gets the whole batch's outputs, every rank
+    the mean loss, as one process's forward; batches that m does not divide, fewer rows than m, no loss; the
+    loop rounds of interleaved and zbv; after a training step (2BW: the weights it updated); no gradient made,
+    and the next training step as it would be without the evaluations."""
+    depth = p * v
+    init = make_model(depth).state_dict()
+    (x, y), = batches(1, 7)
+
+    def fn(comm):
+        mt.set_default_dtype(np.float64)
+        model = make_model(depth)
+        model.load_state_dict(init)
+        pipe = PipelineParallel(model, comm, schedule, 4, chunks=v)
+        pipe.train_step(*batches(1, 6)[0], F.cross_entropy)
+        optim.SGD(pipe.parameters(), lr=0.5).step()
+        pipe.zero_grad()
+        found = [pipe.eval_step(x[:n], y[:n], F.cross_entropy) for n in (7, 2)] + [pipe.eval_step(x)]
+        assert all(q.grad is None for q in pipe.parameters())
+        state = pipe.full_state_dict()
+        return pipe.rank == pipe.where[-1][0], found, state, pipe.train_step(x[:6], y[:6], F.cross_entropy)
+
+    results = ThreadWorld(p).run(fn)
+    model = make_model(depth)
+    model.load_state_dict(results[0][2])
+    for last, found, _, next_loss in results:
+        if schedule != "pipedream_2bw":          # whose next step computes on the weights before the update
+            np.testing.assert_allclose(next_loss, F.cross_entropy(model(mt.Tensor(x[:6])), y[:6]).item(), rtol=1e-12)
+        for (out, loss), n, with_loss in zip(found, (7, 2, 7), (True, True, False)):
+            expected = model(mt.Tensor(x[:n]))
+            assert (out is not None) == last
+            if last:
+                np.testing.assert_allclose(out, expected.numpy(), rtol=1e-12, atol=1e-12)
+            if with_loss:
+                np.testing.assert_allclose(loss, F.cross_entropy(expected, y[:n]).item(), rtol=1e-12)
+            else:
+                assert loss is None
+    assert sum(r[0] for r in results) == 1
+
+
 def test_2d_data_and_pipeline_parallel_equal_one_process():
     reference, ref_losses = reference_run()
     init = make_model().state_dict()
@@ -227,6 +269,14 @@ def test_pipeline_errors_are_clear():
         ThreadWorld(3).run(too_many_stages)
     with pytest.raises(TypeError, match="nn.Sequential"):
         PipelineParallel(nn.Linear(2, 2), ThreadWorld(1).comms[0], "gpipe", 1)
+
+    def evaluate(comm, *args):
+        PipelineParallel(make_model(), comm, "gpipe", 2).eval_step(*args)
+    (x, y), = batches(1, 4)
+    with pytest.raises(ValueError, match="give both y and loss_fn"):
+        ThreadWorld(2).run(evaluate, x, y)
+    with pytest.raises(ValueError, match="x has 4 rows and y 3"):
+        ThreadWorld(2).run(evaluate, x, y[:3], F.cross_entropy)
 
 
 def test_each_rank_holds_only_its_stage():

@@ -33,7 +33,7 @@ from ...backend import array_module
 from ...comm import broadcast
 from ...nn import Sequential
 from ...sharded import whole
-from . import measure
+from . import forward_only, measure
 from .messages import TAG_LIMIT, StageMessages
 from .partition import (balanced_split_points, counted_costs, own_stages, parameter_costs, stage_layout,
                         stage_table)
@@ -176,6 +176,11 @@ class PipelineParallel:
             self.stamps.record(tracer, clock, global_rows)
         self._step = None
         return total
+
+    def eval_step(self, x, y=None, loss_fn=None):
+        """Forward only (PyTorch's schedule.eval): (the last stage's outputs on its rank, None elsewhere;
+        with y and loss_fn the batch's mean loss on every rank, else None). forward_only.py says how."""
+        return forward_only.eval_step(self, x, y, loss_fn)
 
     def _run_actions(self, receive, compute, send):
         """This rank's actions in the schedule's order: receive the input (from the neighbour stage
