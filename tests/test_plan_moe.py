@@ -338,7 +338,8 @@ def test_more_ep_shards_the_experts_bytes_exactly_by_the_formula(zero):
 
 def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
     """Each of the four all-to-alls of a layer moves the routed rows' (ep-1)/ep; the forward's split sizes
-    before them (expert_parallel_moe.split_sizes) are a fifth."""
+    before them (expert_parallel_moe.split_sizes) are a fifth; full recomputation's backward sends the forward's
+    again (`gpt --dp 2 --ep 2 --recompute full` measures 1.5x the bytes of --recompute none), selective's does not."""
     for k in (1, 2, 4):
         model = replace(MOE, moe_top_k=k)
         for ep in (2, 4):
@@ -350,6 +351,10 @@ def test_all_to_all_bytes_are_tokens_times_top_k_and_the_share_that_leaves():
             assert b == 2 * collective(machine, "all_to_all", tokens * k * 64 * 2, ep, ep)
             # the forward first exchanges its split sizes: the (ep, E/ep) int64 count table, an all-to-all
             assert f == b + collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep)
+            # full recomputation runs the block's forward again in backward, its five all-to-alls with it
+            (_, _), (f_full, b_full) = axes_comm(model, replace(layout, recompute="full"), 2, machine, False)
+            assert f_full == f and b_full == pytest.approx(b + f, rel=1e-12)
+            assert axes_comm(model, replace(layout, recompute="selective"), 2, machine, False)[1] == (f, b)
 
 
 def test_context_parallelism_divides_the_activations_by_cp():

@@ -69,7 +69,8 @@ def axes_comm(model, layout, rows, machine, busy):
     block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py), and under
     cp its balancing loss's counts summed over the cp ranks (with a capacity, the choices gathered too). Ring:
     cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
-    Ulysses: four all-to-alls each way; recomputation sends the forward's again in backward. The ep ranks are
+    Ulysses: four all-to-alls each way; recomputation sends the forward's again in backward (full: the MoE
+    block's all-to-alls and counts too; selective recomputes the attention core alone). The ep ranks are
     consecutive dp ranks."""
     from .experts import all_to_all_bytes, cp_block_bytes, local_groups, local_tokens
     c, t, ep = layout.cp, layout.tp, layout.ep
@@ -97,4 +98,6 @@ def axes_comm(model, layout, rows, machine, busy):
         if model.moe_capacity_factor is not None:     # and the choices of every rank's tokens, to plan a capacity
             whole = 8 * rows * local_tokens(model, layout) * c * model.moe_top_k
             counts += collective(machine, "ring_all_gather", whole, c, c * t, busy=busy, after_compute=True)
-    return (fwd, bwd), (fwd + a2a + counts, bwd + a2a)
+    # full recomputation runs an MoE block's forward again in its backward: its split sizes and all-to-alls too
+    again = a2a + counts if layout.recompute == "full" else 0.0
+    return (fwd, bwd), (fwd + a2a + counts, bwd + a2a + again)
