@@ -171,8 +171,9 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
 
 
 def _worst(a, b):
-    """The heavier of two (activations, gradients) moments."""
-    return max(a, b, key=lambda m: (m[0] + m[1], m[0]))
+    """The heavier of two (activations, gradients) moments: by their sum, then by activations (a on a tie)."""
+    total_a, total_b = a[0] + a[1], b[0] + b[1]
+    return b if total_b > total_a or (total_b == total_a and b[0] > a[0]) else a
 
 
 @lru_cache(maxsize=4096)
