@@ -19,7 +19,9 @@ A speed figure, so it lives here (the tests compare what is exact, memory and gr
 tests/test_plan_validation.py).
 
 Search: plan gpt <GPT-3 175B> --world 1024 --search (every dp x pp x tp factoring x ZeRO x recompute x
-micro-batch size x SP), process time, best of --search-repeats (README: under 2 s).
+micro-batch size x SP), process time, best of --search-repeats (README: under 2 s). --moe-walk: the
+predictions of an MoE model's layouts (DeepSeek-V3's 256 experts by default), the planner's walk of an MoE
+layer's first and last two experts against every expert walked, in the same run, and whether they agree.
 
 --epochs/--steps shorten the runs (the smoke test: too few steps to time anything, the table still prints).
 """
@@ -112,6 +114,34 @@ def search_seconds(repeats):
     return best, first_line
 
 
+def moe_walk_seconds(name):
+    """Process time of predicting the named MoE model's layouts on 1,024 GPUs (ZeRO-1, no recomputation, cp 1,
+    2, 4), an MoE layer's backward walked at its first expert and its last two (the planner's) and at every
+    expert (moe_backward_moments' every_expert), one after the other in this run after a warm-up; the layouts;
+    whether every prediction is the same."""
+    from minitrain.plan import activations, experts, gpt_from_args, layouts, predict
+    from minitrain.plan.__main__ import parser
+    from minitrain.plan.configs import NAMED
+    model, base = gpt_from_args(parser(defaults=NAMED[name]).parse_args(["gpt", "--model", name]), 1024,
+                                NAMED[name]["vocab_size"])
+    candidates = layouts(model, 1024, base.batch_size, precision="bf16", zeros=(1,), recomputes=("none",),
+                         cps={1, 2, 4})
+    machine, walk = load_machine(NAMED[name]["machine"]), experts.moe_backward_moments
+    seconds, predictions = [], []
+    try:
+        for every in (False, False, True):        # the first a warm-up (the layers' costs memoized), untimed
+            experts.moe_backward_moments = lambda *a, every=every: walk(*a, every_expert=every)
+            activations._gpt_pieces.cache_clear()
+            start = time.process_time()
+            predictions.append([predict(model, lay, machine, per_stage=False, time_if_unfit=False) for lay in candidates])
+            seconds.append(time.process_time() - start)
+    finally:
+        experts.moe_backward_moments = walk
+        activations._gpt_pieces.cache_clear()
+    return {"model": name, "layouts": len(candidates), "cpu_seconds": seconds[1], "cpu_seconds_every_expert": seconds[2],
+            "same_predictions": predictions[1] == predictions[2]}
+
+
 def main():
     cores = os.cpu_count() or 1
     every = {**validate.RUNS, **JOBS}
@@ -132,6 +162,8 @@ def main():
     ap.add_argument("--epochs", type=cli.positive_int, help="mlp runs: this many epochs (default: the runs')")
     ap.add_argument("--steps", type=cli.positive_int, help="gpt runs: this many steps (default: the runs')")
     ap.add_argument("--search-repeats", type=cli.nonneg_int, default=3, help="timed searches, the best kept (0: none)")
+    ap.add_argument("--moe-walk", default="deepseek-v3", choices=["deepseek-v3", "mixtral-8x7b", "none"],
+                    help="time the planner on this MoE model's layouts, against walking every expert (none: skip)")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
     if args.calibrate:
@@ -187,9 +219,15 @@ def main():
         seconds, line = search_seconds(args.search_repeats)
         search = {"cpu_seconds_best": seconds, "repeats": args.search_repeats, "summary": line}
         print(f"search (GPT-3 175B, 1024 GPUs): {seconds:.2f} CPU s, best of {args.search_repeats} ({line})")
+    moe_walk = None if args.moe_walk == "none" else moe_walk_seconds(args.moe_walk)
+    if moe_walk:
+        print(f"MoE walk ({moe_walk['model']}, 1024 GPUs, {moe_walk['layouts']} layouts): {moe_walk['cpu_seconds']:.2f} "
+              f"CPU s; every expert walked {moe_walk['cpu_seconds_every_expert']:.2f} CPU s "
+              f"({moe_walk['cpu_seconds_every_expert'] / moe_walk['cpu_seconds']:.1f}x); every prediction the same: "
+              f"{'yes' if moe_walk['same_predictions'] else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": results, "criteria": verdicts, "search": search, "cores": cores,
+            json.dump({"runs": results, "criteria": verdicts, "search": search, "moe_walk": moe_walk, "cores": cores,
                        "machine": machine.get("measured", machine.get("name"))}, f, indent=1)
 
 
