@@ -94,33 +94,48 @@ def call_with_limit(fn, impl, limit, what="your code"):
         raise StopGrading(f"{what} did not finish within {limit:g} s (an endless loop?); it was running at "
                           f"{at}. Grading stopped here.")
     if "error" in box:
-        raise box["error"]
+        error = box["error"]
+        if isinstance(error, KeyboardInterrupt):    # raised by the code, not typed by the user (see run_checks)
+            error.raised_by_code = True
+        raise error
 
 
-CHECK_LIMIT_S = 30.0        # at least this long for one check (a check may run several worlds)
+# A check may import PyTorch (3.5 s here, warm) and run several worlds: at least this long for one.
+CHECK_LIMIT_S = 30.0
 
 
-def run_checks(checks, impl, fail_fast=False, limit=None):
+def check_limit():
+    """Seconds one check may run: CHECK_LIMIT_S, or two worlds' limits if those are longer."""
+    from .harness import world_limit
+    return max(CHECK_LIMIT_S, 2 * world_limit())
+
+
+def run_checks(checks, impl, fail_fast=False, limit=None, on_start=None, on_result=None):
     """Every check on ``impl``; returns a list of Results. Catches anything the learner's code raises;
-    a check that runs longer than ``limit`` seconds is stopped and ends the grading."""
-    from .harness import WALL_FACTOR, wait_timeout
-    limit = max(CHECK_LIMIT_S, 2 * WALL_FACTOR * wait_timeout()) if limit is None else limit
+    a check that runs longer than ``limit`` seconds is stopped and ends the grading. on_start(check)
+    and on_result(result), when given, are told as each check starts and ends."""
+    limit = check_limit() if limit is None else limit
     results = []
     for check in checks:
+        if on_start:
+            on_start(check)
+        stopped = False
         try:
             call_with_limit(check.run, impl, limit)
-            results.append(Result(check.label, "pass"))
-        except KeyboardInterrupt:
-            raise
+            result = Result(check.label, "pass")
         except Skipped as e:
-            results.append(Result(check.label, "skip", str(e)))
+            result = Result(check.label, "skip", str(e))
         except StopGrading as e:
-            results.append(Result(check.label, "fail", str(e), check.hint))
-            break
+            result, stopped = Result(check.label, "fail", str(e), check.hint), True   # its threads may still run
         except BaseException as e:       # the learner's code may raise anything (SystemExit too)
-            results.append(Result(check.label, "fail", explain(e), check.hint))
-            if fail_fast:
-                break
+            if isinstance(e, KeyboardInterrupt) and not getattr(e, "raised_by_code", False):
+                raise                    # the user's Ctrl-C
+            result = Result(check.label, "fail", explain(e), check.hint)
+        results.append(result)
+        if on_result:
+            on_result(result)
+        if stopped or (fail_fast and result.status == "fail"):
+            break
     return results
 
 

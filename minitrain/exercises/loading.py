@@ -37,8 +37,10 @@ def load(path, names, limit=CHECK_LIMIT_S):
     sys.modules[module_name] = module        # dataclasses and pickling look modules up by name
     try:        # the file's own top-level code runs too: bounded like a check, so none can hang the grader
         call_with_limit(spec.loader.exec_module, module, limit, what=f"importing {path}")
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt as e:
+        if not getattr(e, "raised_by_code", False):      # the user's Ctrl-C
+            raise
+        raise LoadError(f"{path} raised KeyboardInterrupt while being imported\n  at {where(e.__traceback__)}") from None
     except StopGrading as e:
         raise LoadError(f"{e} (the grader imports the file, which runs its top-level code: keep your own "
                         f"tests under if __name__ == \"__main__\":)") from None
