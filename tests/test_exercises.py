@@ -9,12 +9,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from minitrain.exercises import all_exercises, get, harness
 from minitrain.exercises.__main__ import main
-from minitrain.exercises.grading import LoadError, explain, run_checks
+from minitrain.exercises.grading import (LoadError, StopGrading, call_with_limit, check_limit, explain, run_checks,
+                                         untimed)
 from minitrain.exercises.isolation import grade_in_child
 from minitrain.exercises.loading import load
 
@@ -171,6 +173,8 @@ def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
     assert results[-1].status == "fail" and len(results) == 1          # grading stops there
     assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
     assert "did not finish within 2.6 s" in results[0].explanation    # 2 wait timeouts + 2 s, not 10 of them
+    harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
+    assert check_limit() > harness.world_limit()          # a stuck world is reported by the world, rank by rank
 
 
 def test_a_rank_that_loops_while_the_others_end_is_reported_when_they_end(tmp_path):
@@ -192,6 +196,15 @@ def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
     results = run_checks(get("softmax_backward").checks(), load(path, "softmax_backward"), limit=1.0)
     assert len(results) == 1 and "did not finish within 1 s" in results[0].explanation
     assert re.search(r"spins.py line [34]", results[0].explanation)
+
+
+def test_a_check_s_limit_does_not_count_an_oracle_s_import_of_pytorch():
+    def check(impl):
+        with untimed():              # as need_torch() imports torch: seconds, once, from a cold disk longer
+            time.sleep(0.6)
+    call_with_limit(check, None, limit=0.3)
+    with pytest.raises(StopGrading, match="did not finish within 0.3 s"):
+        call_with_limit(lambda impl: time.sleep(0.6), None, limit=0.3)
 
 
 def test_a_file_whose_top_level_code_never_ends_is_stopped_at_import(tmp_path):

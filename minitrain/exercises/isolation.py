@@ -19,7 +19,9 @@ import traceback
 
 from .grading import LoadError, Result, where
 
-SILENCE_MARGIN_S = 15.0     # past the check limit with no word from the child: it is stuck beyond help
+# Past a check's limit and this with no word from the child, it is stuck beyond help (the margin
+# covers PyTorch's import, which no check's limit counts, from a cold disk).
+SILENCE_MARGIN_S = 60.0
 
 
 def grade_in_child(exercise, load, fail_fast=False):

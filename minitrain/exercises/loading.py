@@ -5,10 +5,12 @@ import importlib.util
 import pathlib
 import sys
 
-from .grading import CHECK_LIMIT_S, LoadError, StopGrading, call_with_limit, where
+from .grading import LoadError, StopGrading, call_with_limit, where
+
+IMPORT_LIMIT_S = 30.0       # a learner's file may import PyTorch or CuPy itself, from a cold disk
 
 
-def load(path, names, limit=CHECK_LIMIT_S):
+def load(path, names, limit=IMPORT_LIMIT_S):
     """Import the learner's file and return the object(s) named ``names`` (a str or a tuple).
     Raises LoadError with a clear message for every way this can go wrong, an import that runs longer
     than ``limit`` seconds included."""

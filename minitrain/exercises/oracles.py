@@ -12,7 +12,7 @@ import numpy as np
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
 from .comparing import alias_problem, as_array, compare, host, to_learner
-from .grading import Check, Mismatch, Skipped
+from .grading import Check, Mismatch, Skipped, untimed
 from .harness import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -26,7 +26,8 @@ def has_torch():
 def need_torch():
     if not has_torch():
         raise Skipped("PyTorch is not installed (pip install torch): this oracle was skipped")
-    import torch
+    with untimed():
+        import torch
     return torch
 
 
