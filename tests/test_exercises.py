@@ -9,12 +9,15 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from minitrain.exercises import all_exercises, get, harness
 from minitrain.exercises.__main__ import main
-from minitrain.exercises.grading import LoadError, explain, run_checks
+from minitrain.exercises.grading import (LoadError, StopGrading, call_with_limit, check_limit, explain, run_checks,
+                                         untimed)
+from minitrain.exercises.isolation import grade_in_child
 from minitrain.exercises.loading import load
 
 SOLUTIONS = pathlib.Path(__file__).parent / "exercise_solutions"
@@ -169,6 +172,22 @@ def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
     results = get("ring_all_reduce").grade(load(path, "ring_all_reduce"))
     assert results[-1].status == "fail" and len(results) == 1          # grading stops there
     assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
+    assert "did not finish within 2.6 s" in results[0].explanation    # 2 wait timeouts + 2 s, not 10 of them
+    harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
+    assert check_limit() > harness.world_limit()          # a stuck world is reported by the world, rank by rank
+
+
+def test_a_rank_that_loops_while_the_others_end_is_reported_when_they_end(tmp_path):
+    """ThreadWorld gives up one wait timeout after the first rank ends; the rank still looping is named
+    there, with its line, and stopped (not left spinning through the checks after it)."""
+    path = tmp_path / "one_loops.py"
+    path.write_text("def ring_all_reduce(comm, x, op='sum'):\n    while comm.rank == 1:\n        pass\n"
+                    "    return x.copy()\n")
+    harness.set_wait_timeout(0.3)
+    results = get("ring_all_reduce").grade(load(path, "ring_all_reduce"))
+    assert [r.status for r in results] == ["pass", "fail"], [r.explanation for r in results]   # p=1, then p=2
+    assert "ThreadWorld(2) ended 0.3 s after its first rank, but not every rank did: rank(s) [1] never returned" \
+        in results[1].explanation and "rank 1: still running at one_loops.py line 2" in results[1].explanation
 
 
 def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
@@ -177,6 +196,15 @@ def test_an_endless_loop_outside_ranks_is_stopped_too(tmp_path):
     results = run_checks(get("softmax_backward").checks(), load(path, "softmax_backward"), limit=1.0)
     assert len(results) == 1 and "did not finish within 1 s" in results[0].explanation
     assert re.search(r"spins.py line [34]", results[0].explanation)
+
+
+def test_a_check_s_limit_does_not_count_an_oracle_s_import_of_pytorch():
+    def check(impl):
+        with untimed():              # as need_torch() imports torch: seconds, once, from a cold disk longer
+            time.sleep(0.6)
+    call_with_limit(check, None, limit=0.3)
+    with pytest.raises(StopGrading, match="did not finish within 0.3 s"):
+        call_with_limit(lambda impl: time.sleep(0.6), None, limit=0.3)
 
 
 def test_a_file_whose_top_level_code_never_ends_is_stopped_at_import(tmp_path):
@@ -195,6 +223,61 @@ def test_a_hand_in_that_calls_sys_exit_or_raises_is_reported_not_fatal(tmp_path)
     path.write_text("def gpipe(p, m):\n    return 42\n")
     results = get("gpipe_schedule").grade(load(path, "gpipe"))
     assert "expected a list of p = 1 stages" in results[0].explanation
+
+
+@pytest.mark.parametrize("call, said", [
+    ("os._exit(0)", "your softmax_backward ended the grader's process (os._exit(0) at ends.py line 5"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "(os.kill(os.getpid(), SIGKILL) at ends.py line 5"),
+    ("threading.Thread(target=lambda: os._exit(0)).start(); time.sleep(9)", "(os._exit(0) at ends.py line 5")])
+def test_check_of_a_hand_in_that_ends_its_process_fails_naming_how(tmp_path, call, said):
+    """check grades in a child process: one that ends before its verdict is a failed check (the checks before
+    it keep their results), never silence, never exit status 0, never a pass in the progress file. In a
+    subprocess: were the grading in this process, the hand-in would end pytest itself."""
+    path = tmp_path / "ends.py"
+    path.write_text("import os, signal, threading, time\n\ndef softmax_backward(out, grad, axis=-1):\n"
+                    f"    if out.shape == (4, 3):\n        {call}\n"
+                    "    return out * (grad - (grad * out).sum(axis, keepdims=True))\n")
+    env = dict(os.environ, MINITRAIN_EXERCISES_PROGRESS=str(tmp_path / "p.json"))
+    result = subprocess.run([sys.executable, "-m", "minitrain.exercises", "check", "softmax_backward", str(path)],
+                            capture_output=True, text=True, timeout=120, env=env)
+    said_here = " ".join(result.stdout.split())
+    assert result.returncode == 1 and said in said_here, result.stdout + result.stderr
+    assert "PASS rows of a (3, 5) input" in said_here and "FAIL columns of a (4, 3) input" in said_here
+    assert "1 passed, 1 failed" in said_here
+    assert not json.loads((tmp_path / "p.json").read_text())["exercises"]["softmax_backward"]["passed"]
+
+
+def test_check_of_a_file_that_exits_while_imported_is_a_load_error(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import os\n\ndef ring_all_reduce(comm, x, op='sum'):\n    return x.copy()\n\nos._exit(0)\n")
+    env = dict(os.environ, MINITRAIN_EXERCISES_PROGRESS=str(tmp_path / "p.json"))
+    result = subprocess.run([sys.executable, "-m", "minitrain.exercises", "check", "ring_all_reduce", str(path)],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "importing the file ended the grader's process (os._exit(0) at exits.py line 6" \
+        in result.stderr, result.stdout + result.stderr
+
+
+def test_a_bug_in_the_grader_itself_is_not_blamed_on_the_hand_in():
+    class Broken:
+        defines = "ring_all_reduce"
+
+        def grade(self, impl, **kwargs):
+            raise ValueError("a grader's own bug")
+    with pytest.raises(RuntimeError, match="(?s)the grader itself failed .*ValueError: a grader.s own bug"):
+        grade_in_child(Broken(), lambda: None)
+
+
+def test_a_keyboard_interrupt_raised_by_the_hand_in_is_its_failure_not_the_user_s_ctrl_c(tmp_path):
+    path = tmp_path / "interrupts.py"
+    path.write_text("def softmax_backward(out, grad, axis=-1):\n    raise KeyboardInterrupt\n")
+    try:
+        results = run_checks(get("softmax_backward").checks(), load(path, "softmax_backward"), fail_fast=True)
+        assert "your code raised KeyboardInterrupt" in results[0].explanation and "interrupts.py line 2" in results[0].explanation
+        path.write_text("raise KeyboardInterrupt\n")
+        with pytest.raises(LoadError, match="raised KeyboardInterrupt while being imported"):
+            load(path, "softmax_backward")
+    except KeyboardInterrupt:
+        pytest.fail("the hand-in's KeyboardInterrupt escaped the grader, as if the user had typed Ctrl-C")
 
 
 @pytest.mark.parametrize("content, message", [

@@ -6,6 +6,7 @@ import textwrap
 from .. import cli
 from . import harness
 from .grading import LoadError
+from .isolation import grade_in_child
 from .progress import Progress, default_path
 from .registry import UnknownExercise, all_exercises, get, names
 
@@ -116,24 +117,22 @@ def cmd_stub(args, progress):
 
 
 def _load(e, args):
-    if args.reference:
-        return e.reference(), "minitrain's own implementation"
-    if not args.path:
-        raise LoadError("give the path of your file (or --reference to grade minitrain's own implementation)")
-    return e.load(args.path), args.path
+    return e.reference() if args.reference else e.load(args.path)
 
 
 def cmd_check(args, progress):
     e = get(args.name)
+    what = "minitrain's own implementation" if args.reference else args.path
     try:
-        impl, what = _load(e, args)
+        if not args.reference and not args.path:
+            raise LoadError("give the path of your file (or --reference to grade minitrain's own implementation)")
+        results = grade_in_child(e, lambda: _load(e, args), fail_fast=args.fail_fast)
     except LoadError as err:
         print(f"check {e.name}: {err}", file=sys.stderr)
         if args.path and not args.reference:
             progress.record_check(e.name, False, args.path)
         return 2
     print(f"check {e.name}: {what}\n")
-    results = e.grade(impl, fail_fast=args.fail_fast)
     failed = [r for r in results if r.status == "fail"]
     previous = None
     for r in results:
@@ -211,7 +210,8 @@ def main(argv=None):
         p.add_argument("name", metavar="NAME", help=NAME_HELP)
         p.add_argument("path", metavar="PATH", nargs="?", help=path_help)
         p.add_argument("--timeout", type=cli.positive_float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
-                       help="seconds a rank may wait for a message before it counts as stuck")
+                       help="seconds a rank may wait for a message before it counts as stuck (a world of "
+                            f"ranks may run {harness.WALL_FACTOR}S + {harness.WALL_EXTRA_S:g} s in all)")
         if command == "check":
             p.add_argument("--reference", action="store_true",
                            help="grade minitrain's own implementation instead of a file")

@@ -3,8 +3,8 @@
 run_ranks(p, fn) calls fn(comm) on p ranks (threads) with a short wait timeout: a rank whose
 receive is never answered raises minitrain's own timeout error, and RanksFailed then says, for
 every rank, what it raised and at which line of the learner's file it was waiting (or that it
-had already returned). A rank still running after the wall limit (an endless loop, no
-communication) is reported with the line it is executing, and stopped.
+had already returned). A rank still running (an endless loop, no communication) when the others
+have ended, or after the wall limit world_limit(), is reported with the line it is executing, and stopped.
 
 This module is the one place that knows how minitrain reports a hang (the wait timeout given to
 ThreadWorld / minitrain.comm.init, and the exception it raises): exercises only see RanksFailed.
@@ -16,7 +16,11 @@ import traceback
 from .grading import Mismatch, StopGrading, current_frames, mixes_host_and_device, stop_thread, where
 
 DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before it is declared stuck
-WALL_FACTOR = 10                # a world may run this many wait timeouts in all
+# A world may run WALL_FACTOR wait timeouts + WALL_EXTRA_S in all (12 s by default): every correct
+# hand-in's and reference's world ends within 0.2 s on a busy 2-core machine, and a rank computing longer
+# than one wait timeout without a message fails anyway (its peers stop waiting). --timeout S scales it.
+WALL_FACTOR = 2
+WALL_EXTRA_S = 2.0
 
 
 class RanksFailed(AssertionError):
@@ -33,6 +37,11 @@ def set_wait_timeout(seconds):
 
 def wait_timeout():
     return _settings["wait_timeout"]
+
+
+def world_limit(timeout=None):
+    """Seconds a world may run before its ranks still running count as stuck (an endless loop)."""
+    return WALL_FACTOR * (wait_timeout() if timeout is None else timeout) + WALL_EXTRA_S
 
 
 def make_world(p, timeout):
@@ -96,10 +105,16 @@ def run_ranks(p, fn, *args, timeout=None, **kwargs):
 
     thread = threading.Thread(target=runner, name=f"grader-world-{p}", daemon=True)
     thread.start()
-    limit = timeout * WALL_FACTOR + 2
+    limit = world_limit(timeout)
     thread.join(limit)
-    if thread.is_alive():
-        raise StopGrading(_stuck_report(p, limit, idents, errors, finished, thread))
+    # ThreadWorld itself gives up ``timeout`` s after the first rank ended; ranks it left running never
+    # returned and were not waiting (a wait would have ended): left alone, they would spin through later checks
+    frames = current_frames()
+    left = [r for r in range(p) if r not in errors and not finished.get(r) and idents.get(r) in frames]
+    if thread.is_alive() or left:
+        why = (f"did not finish within {limit:g} s" if thread.is_alive() else
+               f"ended {timeout:g} s after its first rank, but not every rank did")
+        raise StopGrading(_stuck_report(p, why, idents, errors, finished, thread))
     if "error" in box:
         for r in sorted(errors):             # a grader's own check that failed inside a rank
             if isinstance(errors[r], Mismatch):
@@ -182,7 +197,7 @@ def _failure_report(p, errors, finished, timeout):
     return head + "\n" + "\n".join(lines)
 
 
-def _stuck_report(p, limit, idents, errors, finished, world_thread):
+def _stuck_report(p, why, idents, errors, finished, world_thread):
     frames = current_frames()
     lines = []
     running = []
@@ -200,8 +215,9 @@ def _stuck_report(p, limit, idents, errors, finished, world_thread):
     for r in running:                       # stop the endless loops so later checks can run
         stop_thread(idents[r])
     world_thread.join(2.0)
-    return (f"ThreadWorld({p}) did not finish within {limit:g} s: rank(s) {running} never returned "
-            "and were not waiting for a message (an endless loop?). Grading stopped here.\n" + "\n".join(lines))
+    return (f"ThreadWorld({p}) {why}: rank(s) {running} never returned "
+            "and were not waiting for a message (an endless loop? if your code is only slow, give it longer "
+            "with --timeout S). Grading stopped here.\n" + "\n".join(lines))
 
 
 def count_launches(comm):

@@ -5,10 +5,12 @@ import importlib.util
 import pathlib
 import sys
 
-from .grading import CHECK_LIMIT_S, LoadError, StopGrading, call_with_limit, where
+from .grading import LoadError, StopGrading, call_with_limit, where
+
+IMPORT_LIMIT_S = 30.0       # a learner's file may import PyTorch or CuPy itself, from a cold disk
 
 
-def load(path, names, limit=CHECK_LIMIT_S):
+def load(path, names, limit=IMPORT_LIMIT_S):
     """Import the learner's file and return the object(s) named ``names`` (a str or a tuple).
     Raises LoadError with a clear message for every way this can go wrong, an import that runs longer
     than ``limit`` seconds included."""
@@ -37,8 +39,10 @@ def load(path, names, limit=CHECK_LIMIT_S):
     sys.modules[module_name] = module        # dataclasses and pickling look modules up by name
     try:        # the file's own top-level code runs too: bounded like a check, so none can hang the grader
         call_with_limit(spec.loader.exec_module, module, limit, what=f"importing {path}")
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt as e:
+        if not getattr(e, "raised_by_code", False):      # the user's Ctrl-C
+            raise
+        raise LoadError(f"{path} raised KeyboardInterrupt while being imported\n  at {where(e.__traceback__)}") from None
     except StopGrading as e:
         raise LoadError(f"{e} (the grader imports the file, which runs its top-level code: keep your own "
                         f"tests under if __name__ == \"__main__\":)") from None

@@ -11,8 +11,8 @@ import numpy as np
 
 from minitrain.comm.checks import COLLECTIVE_DTYPES, collective_lengths, expected_reduction, rank_input
 
-from .comparing import alias_problem, as_array, compare, host
-from .grading import Check, Mismatch, Skipped
+from .comparing import alias_problem, as_array, compare, host, to_learner
+from .grading import Check, Mismatch, Skipped, untimed
 from .harness import run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -26,7 +26,8 @@ def has_torch():
 def need_torch():
     if not has_torch():
         raise Skipped("PyTorch is not installed (pip install torch): this oracle was skipped")
-    import torch
+    with untimed():
+        import torch
     return torch
 
 
@@ -113,6 +114,25 @@ def unpack(value, count, what):
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
         raise Mismatch(f"{what}: returned {got}, expected a tuple of {count} arrays")
     return tuple(as_array(v, f"{what}[{i}]") for i, v in enumerate(value))
+
+
+def call_backward(impl, inputs, count, what, **kwargs):
+    """``impl(*inputs.values(), **kwargs)`` on fresh copies where the learner's code runs, as ``count``
+    host arrays; a Mismatch when it changed an input in place or returned one: autograd may hand the
+    same gradient to several backward functions, so a backward leaves its inputs alone."""
+    given = [to_learner(a) for a in inputs.values()]
+    value = impl(*given, **kwargs)
+    for (name, before), after in zip(inputs.items(), given):
+        if not np.array_equal(host(after), before, equal_nan=True):
+            raise Mismatch(f"{what}: your code changed its input {name} in place; leave the inputs as they "
+                           "are and return new arrays (autograd may hand the same array to several backward "
+                           "functions)")
+    for got in value if isinstance(value, (tuple, list)) else (value,):
+        for name, array in zip(inputs, given):
+            problem = alias_problem(got, array, what, f"the input {name}")
+            if problem:
+                raise Mismatch(problem)
+    return unpack(value, count, what)
 
 
 # ---------------------------------------------------------------- pipeline schedules

@@ -50,8 +50,8 @@ class Exercise:
     def load(self, path):
         return load(path, self.defines)
 
-    def grade(self, impl, fail_fast=False):
-        return run_checks(self.checks(), impl, fail_fast=fail_fast)
+    def grade(self, impl, fail_fast=False, on_start=None, on_result=None):
+        return run_checks(self.checks(), impl, fail_fast=fail_fast, on_start=on_start, on_result=on_result)
 
     def run(self, impl, p=None):
         if not hasattr(self.module, "run"):

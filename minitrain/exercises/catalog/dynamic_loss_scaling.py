@@ -7,7 +7,7 @@ import numpy as np
 
 from ..comparing import compare, to_learner
 from ..grading import Check, Mismatch
-from ..oracles import has_torch
+from ..oracles import has_torch, need_torch
 
 TITLE = "dynamic loss scaling for float16 training"
 ORDER = 180
@@ -103,7 +103,7 @@ def _rule(script, init, growth, backoff, interval):
 
 
 def _torch_rule(script, init, growth, backoff, interval):
-    import torch
+    torch = need_torch()
     scale, tracker, out = torch.tensor([init]), torch.tensor([0], dtype=torch.int32), []
     for overflow in script:
         torch._amp_update_scale_(scale, tracker, torch.tensor([float(overflow)]), growth, backoff, interval)

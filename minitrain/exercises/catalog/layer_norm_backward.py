@@ -2,9 +2,8 @@
 differences, minitrain's fused LayerNorm and PyTorch's layer_norm, on 2-D and 3-D inputs."""
 import numpy as np
 
-from ..comparing import to_learner
 from ..grading import Check, Mismatch
-from ..oracles import expect_grad, need_torch, numerical, unpack
+from ..oracles import call_backward, expect_grad, need_torch, numerical
 
 TITLE = "backward of LayerNorm (input, weight and bias)"
 ORDER = 30
@@ -21,7 +20,8 @@ Forward, over the last axis (C features): mean and biased variance var of each r
 with weight and bias of shape (C,). Forward saves xhat and rstd (shape (..., 1)).
 
 Write layer_norm_backward(xhat, rstd, weight, grad): grad is dL/dy, of shape (..., C) (2-D or
-3-D); return (grad_x, grad_weight, grad_bias) with the shapes of x, weight and bias.
+3-D); return (grad_x, grad_weight, grad_bias) with the shapes of x, weight and bias, new arrays
+(leave the inputs as they are: autograd may hand the same grad to several backward functions).
 
 The test to pass: central differences in float64 for all three gradients (minitrain.testing.
 numerical_grad), minitrain's own fused LayerNorm, and PyTorch's layer_norm when torch is
@@ -72,7 +72,8 @@ def _case(shape, seed=0):
 
 def _learner(impl, x, w, b, grad, case):
     _, xhat, rstd = _forward(x, w, b)
-    gx, gw, gb = unpack(impl(*(to_learner(a) for a in (xhat, rstd, w, grad))), 3, f"layer_norm_backward ({case})")
+    gx, gw, gb = call_backward(impl, {"xhat": xhat, "rstd": rstd, "weight": w, "grad": grad}, 3,
+                               f"layer_norm_backward ({case})")
     for name, got, want in (("grad_x", gx, x), ("grad_weight", gw, w), ("grad_bias", gb, b)):
         if got.shape != want.shape:
             extra = " (sum over every leading axis)" if name != "grad_x" and got.ndim > 1 else ""

@@ -3,9 +3,8 @@ minitrain's own MatMul backward and PyTorch's autograd, on non-square, square (w
 transpose still has the right shape) and batched shapes."""
 import numpy as np
 
-from ..comparing import to_learner
 from ..grading import Check, Mismatch
-from ..oracles import expect_grad, need_torch, numerical, unpack
+from ..oracles import call_backward, expect_grad, need_torch, numerical
 
 TITLE = "backward of the matrix product y = a @ b (plain and batched)"
 ORDER = 10
@@ -61,7 +60,7 @@ def _data(shape_a, shape_b, seed=0):
 
 
 def _learner(impl, a, b, grad, case):
-    ga, gb = unpack(impl(to_learner(a), to_learner(b), to_learner(grad)), 2, f"matmul_backward {case}")
+    ga, gb = call_backward(impl, {"a": a, "b": b, "grad": grad}, 2, f"matmul_backward {case}")
     if ga.shape != a.shape:
         raise Mismatch(f"{case}: grad_a has shape {ga.shape}, but a has shape {a.shape} (a gradient has "
                        "the shape of what it is the gradient of)")

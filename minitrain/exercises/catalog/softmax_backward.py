@@ -2,9 +2,8 @@
 PyTorch, along the last axis, along axis 0 and along the middle axis of a 3-D input."""
 import numpy as np
 
-from ..comparing import to_learner
 from ..grading import Check, Mismatch
-from ..oracles import expect_grad, need_torch, numerical, unpack
+from ..oracles import call_backward, expect_grad, need_torch, numerical
 
 TITLE = "backward of softmax, from its output"
 ORDER = 20
@@ -62,7 +61,7 @@ def _case(shape, axis, seed=0):
 
 
 def _learner(impl, out, grad, axis, case):
-    (gx,) = unpack(impl(to_learner(out), to_learner(grad), axis=axis), 1, f"softmax_backward ({case})")
+    (gx,) = call_backward(impl, {"out": out, "grad": grad}, 1, f"softmax_backward ({case})", axis=axis)
     if gx.shape != out.shape:
         raise Mismatch(f"{case}: dL/dx has shape {gx.shape}, expected {out.shape}")
     return gx
