@@ -249,8 +249,10 @@ def plot(all_results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.at_least(2, "a pipeline has 2 or more stages"), nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
-    ap.add_argument("--steps", type=cli.at_least(2, "the first step is not measured"), default=6, help="steps per configuration (the first is not measured)")
+    ap.add_argument("--ranks", type=cli.at_least(2, "a pipeline has 2 or more stages"), nargs="+", default=[2, 4],
+                    help="pipeline stages: one mpiexec launch per p")
+    ap.add_argument("--steps", type=cli.at_least(2, "the first step is not measured"), default=6,
+                    help="steps per configuration (the first is not measured)")
     ap.add_argument("--repeat", type=cli.positive_int, default=1, help="runs per configuration (the quietest is reported)")
     ap.add_argument("--wait-quiet", type=cli.nonneg_float, default=0.0, metavar="SHARE",
                     help="before each run, wait until other processes use less than SHARE of the cores (0: do not wait)")

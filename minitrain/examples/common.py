@@ -48,8 +48,9 @@ class JobArgumentParser(argparse.ArgumentParser):
 def add_job_options(parser):
     """The options every example takes (each job adds its own after these)."""
     parser.add_argument("--comm-timeout", type=cli.comm_timeout, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
-                        help=f"stall threshold, at least {cli.MIN_COMM_TIMEOUT:g} s: a wait this long makes the ranks compare their flight records "
-                             "(a rank at another call ends the job at once); any wait ends the job at 3x this")
+                        help=f"stall threshold, at least {cli.MIN_COMM_TIMEOUT:g} s: a wait this long makes the ranks "
+                             "compare their flight records (a rank at another call ends the job at once); any wait "
+                             "ends the job at 3x this")
     parser.add_argument("--no-check-collectives", dest="check_collectives", action="store_false",
                         help="leave out the collective checks (each collective's header agreed by every rank before "
                              "data moves; the receive sizes); the flight recorder and the stall watch stay: to "
