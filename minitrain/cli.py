@@ -7,8 +7,8 @@ HelpFormatter is argparse's ArgumentDefaultsHelpFormatter with two habits: a hel
 already names its default (say what None means: "default: every rank") is left alone, and a flag
 reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks every parser.
 
-Values are checked while parsing: type=cli.positive_int, nonneg_int, positive_float, nonneg_float or
-probability refuses a value out of range with argparse's one line and exit status 2, before any work
+Values are checked while parsing: type=cli.positive_int, nonneg_int, at_least(n, why), positive_float, nonneg_float,
+probability or comm_timeout refuses a value out of range with argparse's one line and exit status 2, before any work
 (tests/test_option_validation.py gives every numeric option of every parser such values).
 output_file, output_image and output_folder refuse, the same way, a path the run could not write when it
 ends. given_options tells which options a command line set, so a job can refuse one it would ignore.
@@ -93,6 +93,33 @@ def nonneg_float(text):
     value = _real(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def at_least(minimum, why):
+    """An integer >= minimum, for a count whose smaller values the run cannot use (a pipeline's ranks: 2); the
+    refusal says why."""
+    def integer_at_least(text):
+        value = _integer(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text} ({why})")
+        return value
+    return integer_at_least
+
+
+#: the least stall threshold a job takes (--comm-timeout), in seconds
+MIN_COMM_TIMEOUT = 1.0
+
+
+def comm_timeout(text):
+    """A job's --comm-timeout, its stall threshold: finite seconds, at least MIN_COMM_TIMEOUT. The ranks of a healthy
+    job drift apart by tens or hundreds of milliseconds (one still importing at start-up, one scheduled out on a
+    shared core); a shorter threshold takes such a rank for a hung one and ends the job."""
+    value = _real(text)
+    if not value >= MIN_COMM_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be >= {MIN_COMM_TIMEOUT:g} s, got {text} (a shorter stall threshold takes a rank that is merely "
+            f"slower, still starting up or scheduled out, for a hung one and ends a healthy job)")
     return value
 
 

@@ -106,7 +106,8 @@ def worker(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.positive_int, default=4, help="ranks (one mpiexec launch)")
+    ap.add_argument("--ranks", type=cli.at_least(2, "the checks compare a call with another rank's"), default=4,
+                    help="ranks (one mpiexec launch)")
     ap.add_argument("--steps", type=cli.positive_int, default=100, help="steps (and 1 KiB all-reduces) per configuration and round")
     ap.add_argument("--big-reps", type=cli.positive_int, default=10, help="big all-reduces per configuration and round")
     ap.add_argument("--rounds", type=cli.positive_int, default=5, help="rounds; each measures every configuration once")

@@ -143,6 +143,9 @@ def main(argv=None):
         args.sizes, args.min_time, args.max_reps = [1024, 16384], 0.0, 1
     backend.set_device("cuda")
     comm = init(args.check_collectives)
+    if comm.size < 2:
+        ap.error("a ring all-reduce on one rank sends nothing (busbw's 2(p-1)/p is 0): start it with mpiexec -n 2 "
+                 "or more")
     bench = Bench(comm, args)
     p, rank = comm.size, comm.rank
     negotiated, note = T.describe(comm), comm.transport_note

@@ -249,8 +249,10 @@ def plot(all_results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="pipeline stages: one mpiexec launch per p")
-    ap.add_argument("--steps", type=cli.positive_int, default=6, help="steps per configuration (the first is not measured)")
+    ap.add_argument("--ranks", type=cli.at_least(2, "a pipeline has 2 or more stages"), nargs="+", default=[2, 4],
+                    help="pipeline stages: one mpiexec launch per p")
+    ap.add_argument("--steps", type=cli.at_least(2, "the first step is not measured"), default=6,
+                    help="steps per configuration (the first is not measured)")
     ap.add_argument("--repeat", type=cli.positive_int, default=1, help="runs per configuration (the quietest is reported)")
     ap.add_argument("--wait-quiet", type=cli.nonneg_float, default=0.0, metavar="SHARE",
                     help="before each run, wait until other processes use less than SHARE of the cores (0: do not wait)")
@@ -280,6 +282,15 @@ def main():
             if odd:
                 ap.error(f"argument --microbatches: interleaved_1f1b takes m divisible by p, and m = {odd[0]} at "
                          f"p = {p} is not (leave interleaved_1f1b out of --schedules, or give other values of m)")
+    if not args.job:
+        from minitrain.parallel.pipeline.schedules import default_chunks
+        layers = LAYERS + 1                 # build()'s Linear layers: the stem's and the blocks' (a stage trains one)
+        for p in args.ranks:
+            for name in args.schedules:
+                stages = p * default_chunks(name, CHUNKS.get(name))
+                if stages > layers:
+                    ap.error(f"argument --ranks: {name} at p = {p} cuts the model's {layers} Linear layers into "
+                             f"{stages} stages, and each needs one (p <= {layers // (stages // p)} with {name})")
     if args.job:
         results = run_job(args)
         print(f"the mlp job at p = 2, hidden {args.width}, batch 256, {args.epochs} epochs; the run of median "

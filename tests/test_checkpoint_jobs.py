@@ -262,3 +262,31 @@ def test_a_job_on_too_few_ranks_for_its_mesh_still_fails_cleanly_with_a_checkpoi
         run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--tp", "2", "--pp", "2", "--steps", "1",
                  "--save-dir", tmp_path, "--resume"], n=2, timeout=60)
     assert "ranks per replica do not divide" in str(err.value)
+
+
+#: the mlp job with rank 1's write of step 2 failing as on a full disk (the writer patched; the other ranks' succeed)
+FULL_DISK_ON_RANK_1 = """import runpy, sys
+from minitrain.checkpoint import core
+real = core.write_rank_file
+def write_rank_file(path, *args, **kwargs):
+    if "step-00000002" in path and path.endswith("rank-00001.safetensors"):
+        raise OSError(28, "No space left on device")
+    return real(path, *args, **kwargs)
+core.write_rank_file = write_rank_file
+sys.argv[0] = "mlp.py"
+runpy.run_module("minitrain.examples.mlp", run_name="__main__")
+"""
+
+
+def test_a_save_that_fails_on_one_rank_mid_run_stops_every_rank_with_one_line(tmp_path):
+    """A disk that fills (or turns read-only) during the run: every rank stops at that save, the one whose write
+    succeeded too, with one line naming the rank, the file and the OSError, exit status 1, no traceback; the
+    checkpoints before it stay, and no half-written step is left."""
+    d = tmp_path / "ckpt"
+    result = run_mpi([sys.executable, "-c", FULL_DISK_ON_RANK_1, *MLP, "--epochs", "1", "--save-dir", d,
+                      "--save-every", "1"], n=2, timeout=120, check=False)
+    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
+    assert result.returncode == 1 and "Traceback" not in result.stdout, result.stdout
+    assert len(errors) == 1 and errors[0].startswith("[0] error: saving step 2: [rank 1] writing "), result.stdout
+    assert errors[0].endswith("rank-00001.safetensors: [Errno 28] No space left on device"), result.stdout
+    assert os.listdir(d) == ["step-00000001"]

@@ -261,6 +261,24 @@ def test_a_receive_of_another_dtype_is_named_even_when_the_sender_waits_for_the_
             verdict.text
 
 
+def test_a_rank_late_to_finish_a_collective_its_peer_has_finished_is_not_a_deadlock():
+    # seen at --comm-timeout 0.05 on 2 busy cores: the root of broadcast #1 has sent and gone on to #2, waiting
+    # there for rank 1, which has not yet seen #1's message land. Each waits for the other, but rank 1's wait
+    # ends by itself: no deadlock (that verdict ended a healthy job), a slow rank named in a warning
+    from minitrain.comm.flight_verdict import analyze
+    recorders = [FlightRecorder(0), FlightRecorder(1)]
+    recorders[0].close(recorders[0].open("world", 1, "broadcast", (3,), "float64", 24, None, 0))
+    ahead = recorders[0].open("world", 2, "broadcast", (3,), "float64", 24, None, 0)
+    late = recorders[1].open("world", 1, "broadcast", (3,), "float64", 24, None, 0)
+    for call, peer in ((ahead, 1), (late, 0)):
+        call.waiting_for, call.wait_since = [peer], call.start
+    snaps = {r: recorders[r].snapshot() for r in (0, 1)}
+    verdict = analyze(0, ahead.as_dict(), [0, 1], snaps)
+    assert (verdict.kind, verdict.fatal) == ("slow", False) and "rank(s) [1] have not reached broadcast #2" in \
+        verdict.text, verdict.text
+    assert not analyze(1, late.as_dict(), [0, 1], snaps).fatal
+
+
 def test_a_header_decodes_to_its_own_call_when_the_same_signature_was_encoded_before():
     # headers are built once per signature and copied: each copy must still carry its own call's
     # sequence number, and another op or shape must not reuse the first one's header

@@ -157,9 +157,44 @@ def test_the_job_serves_what_the_gpt_job_saved(tmp_path, capsys):
     for prompt, tokens in zip(report["prompts"], report["tokens"]):
         assert tokens == gpt.generate(np.array([prompt]), 9, temperature=0, cache=None)[0, len(prompt):].tolist()
     assert report["tokens"] != untrained["tokens"]
+    gc.collect()
+
+
+def test_a_checkpoint_saved_in_another_precision_is_cast_to_the_served_one_and_the_report_says_so(tmp_path, capsys):
+    """As vLLM's --dtype and PyTorch's load_state_dict: the gpt job's fp32 checkpoint served with --precision fp64
+    gives the tokens of its weights widened to float64 (exact), and the report's line says so; an fp64 checkpoint
+    whose values float32 cannot hold is refused in one line naming the tensor, not served as inf."""
+    from minitrain import checkpoint
+    from minitrain.examples import gpt as gpt_job
+    ck = tmp_path / "ck"
+    assert gpt_job.main(["--steps", "1", "--n-embd", "32", "--n-layer", "1", "--no-progress", "--sample-chars", "1",
+                         "--save-dir", str(ck)]) == 0
     capsys.readouterr()
-    assert generate.main([*SERVE, "--checkpoint", str(tmp_path / "ck"), "--precision", "fp32"]) == 2
-    assert "float64 in the checkpoint, float32 in this job" in capsys.readouterr().err
+    out = tmp_path / "served.json"
+    assert generate.main(["--checkpoint", str(ck), "--precision", "fp64", "--num-prompts", "2", "--max-prompt-len", "8",
+                          "--max-new-tokens", "4", "--json", str(out)]) == 0
+    served = json.loads(out.read_text())
+    assert (served["precision"], served["itemsize"], served["param_bytes"]) == ("fp64", 8, served["num_params"] * 8)
+    assert served["weights"].endswith("step-00000001, its float32 weights cast to float64")
+    assert f"; {served['weights']} (" in capsys.readouterr().out
+    config = nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=32, n_layer=1, n_head=4, n_embd=32)
+    minitrain.set_default_dtype(np.float32)
+    gpt = nn.GPT(config)
+    checkpoint.load(checkpoint.find_latest(ck), None, gpt, strict=False)
+    minitrain.set_default_dtype(np.float64)
+    gpt.to(np.float64)
+    for prompt, tokens in zip(served["prompts"], served["tokens"]):
+        assert tokens == gpt.generate(np.array([prompt]), 4, temperature=0, cache=None)[0, len(prompt):].tolist()
+    huge = nn.GPT(config)                                       # float64, the default again
+    huge.wte.weight.data[3, 5] = 1e300
+    layout = {"job": "gpt", "precision": "fp64", "model": {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32,
+                                                           "vocab_size": config.vocab_size}}
+    checkpoint.save(tmp_path / "huge", None, 1, huge, layout=layout)
+    assert generate.main(["--checkpoint", str(tmp_path / "huge"), "--precision", "fp32", "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(": wte.weight holds 1e+300, beyond float32's range: serve it at the "
+                                "checkpoint's precision (--precision fp64)") and "Traceback" not in err, err
+    minitrain.set_default_dtype(np.float64)
     gc.collect()
 
 

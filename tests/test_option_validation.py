@@ -27,6 +27,7 @@ PROGRAMS = {"minitrain.examples.mlp": [], "minitrain.examples.gpt": [], "minitra
 OUT_OF_RANGE = {cli.positive_int: ["0", "-3", "1.5", "x"], cli.nonneg_int: ["-1", "x"],
                 cli.positive_float: ["0", "-1", "nan", "inf"], cli.nonneg_float: ["-1", "nan"],
                 cli.probability: ["1.0", "1.5", "-0.1"],
+                cli.comm_timeout: ["0.001", "0", "-1", "nan", "inf"],   # below 1 s: a slower rank read as hung
                 cli.output_file: [".", "no-such-folder/out.json"]}   # a file written at the end: a folder, none
 
 

@@ -310,6 +310,15 @@ def test_gpu_validate_starts_mps_for_ranks_that_share_a_gpu_and_stops_it(tmp_pat
     assert env_step(CUPY_STANDIN_DEVICES="4")[1] == "not needed (4 GPUs for up to 4 ranks)"
 
 
+def test_bench_gpu_collectives_on_one_rank_refuses_in_one_argparse_line():
+    import subprocess
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu_collectives.py"), "--tiny"], capture_output=True,
+                            text=True, timeout=120, env=_standin_env(CUPY_STANDIN_IPC="1"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "error: a ring all-reduce on one rank sends nothing (busbw's 2(p-1)/p is 0): start it with mpiexec -n 2 or more")
+
+
 def test_probe_gpu_sharing_refuses_without_a_real_gpu_in_one_line():
     import subprocess
     result = subprocess.run([sys.executable, str(SCRIPTS / "probe_gpu_sharing.py")], capture_output=True, text=True,
@@ -427,7 +436,7 @@ def _counted_options():
     import re
     found = []
     for path in sorted(SCRIPTS.glob("*.py")):
-        for option in re.findall(r'add_argument\("(--[a-z-]+)", type=cli\.(?:positive_int|positive_float|largest_mib)',
+        for option in re.findall(r'add_argument\("(--[a-z-]+)", type=cli\.(?:positive_int|positive_float|largest_mib|at_least\()',
                                  path.read_text()):
             found.append((path.name, option))
     return found
@@ -474,6 +483,17 @@ def test_every_file_a_script_writes_is_checked_while_parsing():
     ("bench_gpu.py", ["--tiny", "--steps", "5"], "--steps is not supported with --tiny"),
     ("bench_gpu.py", ["--mlp", "mlp bigg"], "argument --mlp: invalid choice: 'mlp bigg'"),
     ("bench_gpu_collectives.py", ["--tiny", "--max-mib", "1"], "--max-mib is not supported with --tiny"),
+    ("bench_pipeline.py", ["--ranks", "1"], "argument --ranks: must be >= 2, got 1 (a pipeline has 2 or more stages)"),
+    ("bench_pipeline.py", ["--ranks", "2", "5", "--microbatches", "10"],
+     "argument --ranks: interleaved_1f1b at p = 5 cuts the model's 9 Linear layers into 10 stages, and each needs one"),
+    ("bench_pipeline.py", ["--ranks", "10", "--schedules", "gpipe"], "gpipe at p = 10 cuts the model's 9 Linear layers"),
+    ("bench_pipeline.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1 (the first step is not measured)"),
+    ("bench_tensor_parallel.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1 (the first step is not timed)"),
+    ("bench_zero.py", ["--ranks", "2", "1"], "argument --ranks: must be >= 2, got 1 (ZeRO shards over 2 or more ranks"),
+    ("bench_zero.py", ["--steps", "3"], "argument --steps: must be >= 4, got 3 (the first 3 are warm-up, not timed)"),
+    ("bench_collectives.py", ["--ranks", "1"], "argument --ranks: must be >= 2, got 1 (a collective on one rank sends"),
+    ("bench_async.py", ["--ranks", "1"], "argument --ranks: must be >= 2, got 1 (one rank's all-reduce sends nothing"),
+    ("bench_checks.py", ["--ranks", "1"], "argument --ranks: must be >= 2, got 1 (the checks compare a call with"),
 ])
 def test_a_script_refuses_what_its_run_cannot_do_in_one_argparse_line(script, argv, message, monkeypatch, capsys,
                                                                         tmp_path):

@@ -182,6 +182,8 @@ def _wait_cycle(call, snapshots):
         record, peers = waits[0]
         calls.append(record)
         nxt = peers[0]
+        if record["seq"] >= 0 and _has_finished(snapshots.get(nxt), record):
+            return None           # nxt has sent its part of this collective: the wait is only late, not a cycle
         if nxt in seen:
             loop = path[path.index(nxt):]
             loop_calls = calls[path.index(nxt):]
@@ -192,6 +194,14 @@ def _wait_cycle(call, snapshots):
         path.append(nxt)
         seen.add(nxt)
         node = nxt
+
+
+def _has_finished(snap, call):
+    """Whether the rank of ``snap`` has finished collective ``call`` (its record done, or pushed out of the ring)."""
+    if snap is None:
+        return False
+    r = record_at(snap, call["comm"], call["seq"])
+    return r["state"] == "done" if r is not None else snap["next_seq"].get(call["comm"], 0) > call["seq"]
 
 
 def _deadlock(cycle, snapshots):

@@ -108,16 +108,16 @@ class MPICommunicator(Communicator):
         world = MPI.COMM_WORLD
         self.mpi_comm = world if mpi_comm is None else mpi_comm
         is_world = self.mpi_comm == world or MPI.Comm.Compare(self.mpi_comm, world) == MPI.IDENT
-        hard = 3 * comm_timeout if timeout is None else timeout
-        self.session = session(hard) if (is_world or _SESSION is not None) else None
         if members is None:
             members = (list(range(self.mpi_comm.Get_size())) if is_world else
                        MPI.Group.Translate_ranks(self.mpi_comm.Get_group(), list(range(self.mpi_comm.Get_size())),
                                                  world.Get_group()))
-        if recorder is None:
-            recorder = self.session.recorder if self.session else FlightRecorder(world.Get_rank())
+        # first: it refuses a timeout that is not a positive number, which the session's start-up waits with
         super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), timeout, comm_timeout=comm_timeout,
                          uid=uid or ("world" if is_world else f"mpi{members}"), members=members)
+        self.session = session(self.timeout) if (is_world or _SESSION is not None) else None
+        if recorder is None:
+            recorder = self.session.recorder if self.session else FlightRecorder(world.Get_rank())
         wrap(self, recorder, check_collectives, guard)
         self.world_size = world.Get_size()
         self.host = HostTransport(self)              # host arrays; the device transports send by it too

@@ -248,8 +248,14 @@ class Checkpointer:
         return bool(self.args.save_dir) and every is not None and step % every == 0 and step != self.last_saved
 
     def save(self, step):
-        path = checkpoint.save(self.args.save_dir, self.comm, step, self.model, self.optimizer, self.scheduler,
-                               extra=self.extra(), layout=self.layout, optimizer_key=self.optimizer_key)
+        """Save ``step``'s checkpoint; a save that fails (a full disk, a folder made read-only) ends the job on every
+        rank with one line naming the rank, the file and the cause, exit status 1: write_checkpoint gathers every
+        rank's outcome, so all of them raise the same CheckpointError and none is left waiting in a collective."""
+        try:
+            path = checkpoint.save(self.args.save_dir, self.comm, step, self.model, self.optimizer, self.scheduler,
+                                   extra=self.extra(), layout=self.layout, optimizer_key=self.optimizer_key)
+        except CheckpointError as e:
+            raise SystemExit(fail(self.comm, e, status=1)) from None
         self.last_saved = step
         return path
 
@@ -264,9 +270,10 @@ class Checkpointer:
             self.save(step)
 
 
-def fail(comm, error):
-    """Every rank got the same CheckpointError: rank 0 says it; the job exits with status 2."""
+def fail(comm, error, status=2):
+    """Every rank got the same CheckpointError: rank 0 says it; the job exits with ``status`` (2: a checkpoint this
+    command line cannot resume; 1: a save that failed)."""
     if comm is None or comm.rank == 0:
         sys.stderr.write(f"error: {error}\n")
         sys.stderr.flush()
-    return 2
+    return status

@@ -47,9 +47,10 @@ class JobArgumentParser(argparse.ArgumentParser):
 
 def add_job_options(parser):
     """The options every example takes (each job adds its own after these)."""
-    parser.add_argument("--comm-timeout", type=cli.positive_float, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
-                        help="stall threshold: a wait this long makes the ranks compare their flight records "
-                             "(a rank at another call ends the job at once); any wait ends the job at 3x this")
+    parser.add_argument("--comm-timeout", type=cli.comm_timeout, default=DEFAULT_COMM_TIMEOUT, metavar="SECONDS",
+                        help=f"stall threshold, at least {cli.MIN_COMM_TIMEOUT:g} s: a wait this long makes the ranks "
+                             "compare their flight records (a rank at another call ends the job at once); any wait "
+                             "ends the job at 3x this")
     parser.add_argument("--no-check-collectives", dest="check_collectives", action="store_false",
                         help="leave out the collective checks (each collective's header agreed by every rank before "
                              "data moves; the receive sizes); the flight recorder and the stall watch stay: to "
@@ -68,13 +69,10 @@ def job_parser(description):
 
 
 def parse_job_args(parser, argv=None):
-    """``parser.parse_args`` (printed once, exit status 2 on every rank), plus the common checks."""
+    """``parser.parse_args``: usage and errors printed once, exit status 2 on every rank."""
     if not isinstance(parser, JobArgumentParser):
         parser.__class__ = type("Job" + type(parser).__name__, (JobArgumentParser, type(parser)), {})
-    args = parser.parse_args(argv)
-    if not args.comm_timeout > 0:
-        parser.error(f"--comm-timeout must be a positive number of seconds, got {args.comm_timeout:g}")
-    return args
+    return parser.parse_args(argv)
 
 
 def init_comm(args):

@@ -50,8 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
     p.add_argument("--precision", choices=["fp32", "fp64"], default=None,
-                   help="fp64 (default; with --checkpoint, the checkpoint's): every scheme gives the same logits "
-                   "to 1e-10")
+                   help="fp64 (default; with --checkpoint, the checkpoint's; another: its weights cast to this one): "
+                   "every scheme gives the same logits to 1e-10")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")
@@ -244,7 +244,7 @@ def _main(args):
             "kv_ledger_bytes": result.kv_ledger_bytes, "kv_ledger_peak": peak["kv_cache"],
             "blocks_swapped_in": result.blocks_swapped_in, "recomputed_tokens": result.recomputed_tokens,
             "shared_tokens": result.shared_tokens, "cow_copies": result.cow_copies, "num_blocks": result.num_blocks,
-            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses,
+            "steps": result.steps, "seconds": result.elapsed, "train_losses": losses, "weights": source,
             "mpi_library": mpi_line() if comm is not None else None, "comm_timeout": args.comm_timeout})
     return 0
 

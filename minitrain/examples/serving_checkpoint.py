@@ -3,13 +3,19 @@
 As vLLM reads a model's configuration and dtype from its checkpoint, `generate --checkpoint DIR` takes
 --context, --n-layer, --n-head, --n-embd and --precision from the newest checkpoint's manifest where
 the command line leaves them out; given, they must be the checkpoint's (check_model names each that
-differs; a dtype that differs is refused by the load). Without --checkpoint the job's own defaults apply.
+differs). A --precision other than the checkpoint's is served as vLLM's --dtype and PyTorch's load_state_dict
+serve it: the weights loaded at their own dtype, then cast to the serving one, which the job's report says; a
+value the cast would overflow is refused. Without --checkpoint the job's own defaults apply.
 The checkpoint is found once (ServedCheckpoint): a gpt job still saving cannot hand this job the sizes of
 one checkpoint and the weights of the next.
 """
 import os
 
+import numpy as np
+
 from minitrain import checkpoint
+from minitrain.backend import array_module
+from minitrain.checkpoint.storage import numpy_dtype
 from minitrain.examples.checkpointing import check_model
 
 #: option -> (the manifest's model key, the serving job's default without a checkpoint)
@@ -24,7 +30,7 @@ class ServedCheckpoint:
     reports it, after the options are checked)."""
 
     def __init__(self, directory):
-        self.directory, self.path, self.layout, self.error = directory, None, {}, None
+        self.directory, self.path, self.layout, self.error, self.dtypes = directory, None, {}, None, set()
         if not os.path.isdir(directory):
             self.error = f"--checkpoint {directory}: " + ("a file, not a directory" if os.path.exists(directory)
                                                          else "no such directory")
@@ -34,7 +40,10 @@ class ServedCheckpoint:
             if self.path is None:
                 self.error = f"no checkpoint in {directory}"
             else:
-                self.layout = checkpoint.read_manifest(self.path).get("layout", {})
+                manifest = checkpoint.read_manifest(self.path)
+                self.layout = manifest.get("layout", {})
+                self.dtypes = {spec["dtype"] for key, spec in manifest.get("tensors", {}).items()
+                               if key.startswith("model/")}
         except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
             self.path, self.error = None, f"--checkpoint {directory}: {e}"
         if self.layout.get("job", "gpt") != "gpt":
@@ -67,16 +76,31 @@ def checkpoint_experts(served):
 
 def load_checkpoint(model, served):
     """Load the checkpoint ``served`` pinned (a ServedCheckpoint) into ``model`` (same
-    --n-layer/--n-head/--n-embd/--precision, and --context = the gpt job's --block-size), parameters
-    only: any layout the gpt job saved from (dp, tp, pp) is resharded to this one process."""
+    --n-layer/--n-head/--n-embd, and --context = the gpt job's --block-size), parameters only: any layout
+    the gpt job saved from (dp, tp, pp) is resharded to this one process. Weights saved in another dtype are
+    read at theirs and cast to the model's. Returns what was loaded, for the report: the path, and the cast
+    where there was one."""
     if served.path is None:
         raise ValueError(served.error)
     config = model.config
+    serving = next(iter(model.parameters())).dtype
+    saved = numpy_dtype(next(iter(served.dtypes))) if len(served.dtypes) == 1 else serving
     try:
         check_model(served.layout, {
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
             "block_size": config.block_size, "vocab_size": config.vocab_size}, {"block_size": "--context"})
-        checkpoint.load(served.path, None, model, strict=False)
+        checkpoint.load(served.path, None, model.to(saved), strict=False)
     except checkpoint.CheckpointError as e:        # a RuntimeError there; bad input here
         raise ValueError(f"--checkpoint {served.directory}: {e}") from None
-    return served.path
+    if saved == serving:
+        return served.path
+    for name, q in model.named_parameters():
+        xp = array_module(q.data)
+        with np.errstate(over="ignore"):                # the overflow is what is looked for
+            overflows = not xp.isfinite(q.data.astype(serving)).all() and xp.isfinite(q.data).all()
+        if overflows:
+            raise ValueError(f"--checkpoint {served.directory}: {name} holds {float(xp.abs(q.data).max()):.3g}, "
+                             f"beyond {serving.name}'s range: serve it at the checkpoint's precision "
+                             f"(--precision {served.layout.get('precision')})")
+    model.to(serving)
+    return f"{served.path}, its {saved.name} weights cast to {serving.name}"

@@ -38,7 +38,7 @@ CHECKS = ("accepted so that a job's options can be copied; the step is priced wi
 _positive = cli.positive_int
 #: the jobs' options that do not change a step, checked as the jobs check them
 IGNORED_TYPES = {"--epochs": cli.positive_int, "--steps": cli.positive_int, "--lr": cli.nonneg_float,
-                 "--seed": cli.nonneg_int, "--comm-timeout": cli.positive_float, "--save-every": cli.positive_int,
+                 "--seed": cli.nonneg_int, "--comm-timeout": cli.comm_timeout, "--save-every": cli.positive_int,
                  "--sample-chars": cli.nonneg_int, "--warmup-steps": cli.nonneg_int}
 
 
