@@ -174,7 +174,14 @@ def test_an_endless_loop_is_stopped_and_reported_with_its_line(tmp_path):
     assert "never returned" in results[0].explanation and re.search(r"loops.py line [23]", results[0].explanation)
     assert "did not finish within 2.6 s" in results[0].explanation    # 2 wait timeouts + 2 s, not 10 of them
     harness.set_wait_timeout(harness.DEFAULT_WAIT_TIMEOUT)
-    assert check_limit() > harness.world_limit()          # a stuck world is reported by the world, rank by rank
+    assert check_limit() > harness.world_limit() == 12.0   # a stuck world is reported by the world, rank by rank
+
+
+def test_on_the_gpu_a_world_has_time_for_cupy_to_compile_its_kernels(standin_gpu):
+    """A correct hand-in's first run on a GPU compiles each new kernel (NVRTC: seconds on a cold cache): the
+    limits grow by GPU_EXTRA_S there, and only there."""
+    assert harness.world_limit(5.0) == 2 * 5.0 + 2 + harness.GPU_EXTRA_S >= 40
+    assert check_limit() > harness.world_limit()
 
 
 def test_a_rank_that_loops_while_the_others_end_is_reported_when_they_end(tmp_path):

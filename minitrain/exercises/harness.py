@@ -21,6 +21,7 @@ DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before i
 # than one wait timeout without a message fails anyway (its peers stop waiting). --timeout S scales it.
 WALL_FACTOR = 2
 WALL_EXTRA_S = 2.0
+GPU_EXTRA_S = 30.0              # on the GPU: CuPy compiles each new kernel at its first use (seconds, cold cache)
 
 
 class RanksFailed(AssertionError):
@@ -41,7 +42,9 @@ def wait_timeout():
 
 def world_limit(timeout=None):
     """Seconds a world may run before its ranks still running count as stuck (an endless loop)."""
-    return WALL_FACTOR * (wait_timeout() if timeout is None else timeout) + WALL_EXTRA_S
+    from .. import backend
+    extra = WALL_EXTRA_S + (GPU_EXTRA_S if backend.get_device() == "cuda" else 0.0)
+    return WALL_FACTOR * (wait_timeout() if timeout is None else timeout) + extra
 
 
 def make_world(p, timeout):
