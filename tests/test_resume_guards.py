@@ -161,3 +161,13 @@ def test_a_constant_schedule_warms_up_for_the_steps_asked_and_not_unasked(tmp_pa
         assert status == 0, err
         assert [schedule_at(d, step)["_last_lr"][0] for step in (1, 2, 30)] == pytest.approx(
             [lr * f for f in expected], rel=1e-12)
+
+
+def test_the_other_job_s_checkpoint_is_refused_by_its_job_not_by_its_optimizer_or_lr(saved, tmp_path):
+    """The mlp job on the gpt job's checkpoint was told to resume with --optimizer adamw (which it has not), the gpt
+    job on the mlp's to choose between the two --lr: the job is the cause, named before what follows from it."""
+    refused(mlp, MLP + ["--save-dir", saved, "--resume"], "was saved by the gpt job, not this mlp job")
+    d = tmp_path / "mlp"
+    assert run(mlp, MLP + ["--save-dir", d])[0] == 0
+    err = refused(gpt, GPT + ["--steps", 8, "--save-dir", d, "--resume"], "was saved by the mlp job, not this gpt job")
+    assert "--lr" not in err.splitlines()[-1], err

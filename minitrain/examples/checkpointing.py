@@ -79,10 +79,11 @@ def _differences(saved, mine):
     return [key for key in TRAINING if key in saved and key in mine and saved[key] != mine[key]]
 
 
-def check_resume(parser, args):
+def check_resume(parser, args, job):
     """Before any work (call it once the job's defaults are resolved): refuse a --save-dir that holds step
-    folders without --resume, damaged step folders, and settings that differ from the checkpoint's unless
-    an option says which to take (--use-checkpoint-opt-param-scheduler copies the checkpoint's into args)."""
+    folders without --resume, damaged step folders, another job's checkpoint, and settings that differ from the
+    checkpoint's unless an option says which to take (--use-checkpoint-opt-param-scheduler copies the
+    checkpoint's into args). ``job``: this job's name, as its layout records it."""
     if not args.save_dir:
         return
     try:
@@ -98,6 +99,10 @@ def check_resume(parser, args):
         saved = manifest.get("scalars", {}).get("job", {}).get("training")
     except CheckpointError as e:
         parser.error(f"--resume: {e}")
+    saved_job = manifest.get("layout", {}).get("job")
+    if saved_job and saved_job != job:       # named first: its optimizer and settings are another job's
+        parser.error(f"--resume: {path} was saved by the {saved_job} job, not this {job} job: resume it with "
+                     f"python -m minitrain.examples.{saved_job}, or give this job another --save-dir")
     optimizer = manifest.get("layout", {}).get("optimizer")
     if optimizer and getattr(args, "optimizer", optimizer) != optimizer:      # named first: --lr's default follows it
         parser.error(f"--resume: {path} was trained with --optimizer {optimizer} (this command line: "
