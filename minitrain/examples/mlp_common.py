@@ -27,6 +27,12 @@ def check_values(parser, args):
                      f"SGD's replicas agree only right after an averaging, and a checkpoint holds one model")
 
 
+def split_seed(args, saved_layout):
+    """The seed that splits the digits into training and test rows: --seed, but on --resume the checkpoint's, whatever
+    seed --override-opt-param-scheduler gives the data order from there on (another split would train on test rows)."""
+    return saved_layout.get("split_seed", args.seed)
+
+
 def layout(args, world, stage):
     """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
     pipeline = args.strategy == "pipeline"
@@ -34,7 +40,8 @@ def layout(args, world, stage):
             "pp": world // args.dp if pipeline else 1, "tp": 1, "zero_stage": stage, "precision": args.precision,
             "optimizer": args.optimizer, "global_batch_size": args.batch_size, "offload": args.offload,
             "sizes": [64] + [args.hidden] * args.layers + [10], "schedule": args.schedule if pipeline else None,
-            "chunks": args.chunks if pipeline else None, "sync_every": args.sync_every if args.strategy == "local_sgd" else None}
+            "chunks": args.chunks if pipeline else None,
+            "sync_every": args.sync_every if args.strategy == "local_sgd" else None, "split_seed": args.split_seed}
 
 
 def evaluate(model, x, y, dtype):
