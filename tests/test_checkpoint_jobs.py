@@ -189,6 +189,10 @@ def test_local_sgd_resumes_bit_for_bit_and_only_on_its_own_layout(tmp_path, caps
     keep_until(d, 8)
     resumed = run("mlp", flags + ["--resume"], 2, tmp_path / "b.json")
     assert_continues(resumed, straight)
+    # step 23, the run's last, was saved after an averaging the uninterrupted longer run does not do
+    with pytest.raises(MPIRunError) as err:
+        run("mlp", flags + ["--resume", "--epochs", "2"], 2, tmp_path / "c.json")
+    assert "averaged at step 23, the last step of the run that saved it, off its --sync-every 4 period" in str(err.value)
     keep_until(d, 8)
     assert mlp.main(MLP + ["--epochs", "1", "--save-dir", str(d), "--resume"]) == 2
     assert "saved by local SGD on 2 ranks" in capsys.readouterr().err

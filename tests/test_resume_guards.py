@@ -11,6 +11,7 @@ import os
 import pytest
 
 from minitrain import checkpoint
+from minitrain.data import load_digits
 from minitrain.examples import generate, gpt, mlp
 from minitrain.optim.lr_scheduler import warmup_cosine
 
@@ -137,7 +138,7 @@ def test_a_save_dir_no_save_could_write_is_refused_before_the_first_step(tmp_pat
 MLP = ["--no-progress", "--precision", "fp64", "--hidden", "16", "--epochs", "1", "--batch-size", "512"]
 
 
-def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path):
+def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path, monkeypatch):
     d = tmp_path / "ckpt"
     assert run(mlp, MLP + ["--save-dir", d, "--save-every", 1])[0] == 0
     keep_until(d, 1)
@@ -146,8 +147,12 @@ def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path):
     # another optimizer is named as the cause, not the learning rate its default brings (0.1 for sgd)
     refused(mlp, MLP + ["--save-dir", d, "--resume", "--optimizer", "sgd"], "trained with --optimizer adam (this "
             "command line: sgd): its optimizer state cannot carry over; resume with --optimizer adam")
+    splits = []
+    monkeypatch.setattr(mlp, "load_digits", lambda seed: splits.append(seed) or load_digits(seed=seed))
     status, _, err = run(mlp, MLP + ["--save-dir", d, "--resume", "--seed", 7, OVERRIDE])
     assert status == 0 and "Traceback" not in err, err
+    # the new seed orders the data; the test rows stay the checkpoint's (seed 7's split would train on some of them)
+    assert splits == [0] and checkpoint.read_manifest(checkpoint.latest(d))["layout"]["split_seed"] == 0
 
 
 def test_a_constant_schedule_warms_up_for_the_steps_asked_and_not_unasked(tmp_path):
@@ -161,3 +166,13 @@ def test_a_constant_schedule_warms_up_for_the_steps_asked_and_not_unasked(tmp_pa
         assert status == 0, err
         assert [schedule_at(d, step)["_last_lr"][0] for step in (1, 2, 30)] == pytest.approx(
             [lr * f for f in expected], rel=1e-12)
+
+
+def test_the_other_job_s_checkpoint_is_refused_by_its_job_not_by_its_optimizer_or_lr(saved, tmp_path):
+    """The mlp job on the gpt job's checkpoint was told to resume with --optimizer adamw (which it has not), the gpt
+    job on the mlp's to choose between the two --lr: the job is the cause, named before what follows from it."""
+    refused(mlp, MLP + ["--save-dir", saved, "--resume"], "was saved by the gpt job, not this mlp job")
+    d = tmp_path / "mlp"
+    assert run(mlp, MLP + ["--save-dir", d])[0] == 0
+    err = refused(gpt, GPT + ["--steps", 8, "--save-dir", d, "--resume"], "was saved by the mlp job, not this gpt job")
+    assert "--lr" not in err.splitlines()[-1], err

@@ -67,7 +67,8 @@ class Loaded:
 def load(path, comm, model, optimizer=None, scheduler=None, layout=None, strict=True, optimizer_key="optimizer"):
     """Collective: load the checkpoint in ``path`` into this rank's shards, whatever layout saved it
     (every rank reads only the pieces that intersect what it holds). Each rank gets its own random
-    generator back when ``layout`` equals the saved one, else rank 0's. ``strict``: every tensor
+    generator back when ``layout`` places every rank's draws as the saved one did (random_streams: another
+    schedule or ZeRO stage does not move them), else rank 0's. ``strict``: every tensor
     in the checkpoint must be read by some rank (a tensor nobody asked for means another model or a
     state this layout cannot hold). Raises CheckpointError on every rank if any rank fails."""
     rank, size = rank_and_size(comm)
@@ -93,7 +94,8 @@ def load(path, comm, model, optimizer=None, scheduler=None, layout=None, strict=
                 raise CheckpointError(f"{path} holds no learning-rate scheduler state")
             scheduler.load_state_dict(scalars["scheduler"])
         saved = manifest["ranks"]
-        same = layout is not None and len(saved) == size and _json(layout) == _json(manifest.get("layout"))
+        same = layout is not None and len(saved) == size and \
+            _json(random_streams(layout)) == _json(random_streams(manifest.get("layout")))
         random.set_state(saved[rank if same else 0]["rng"])
     except (CheckpointError, ValueError) as e:
         error = str(e)
@@ -112,6 +114,21 @@ def load(path, comm, model, optimizer=None, scheduler=None, layout=None, strict=
                                   f"{describe_layout(manifest.get('layout'))}, which holds state this job has no "
                                   f"place for (another model or optimizer?)")
     return Loaded(path, manifest)
+
+
+#: layout entries that change no rank's random draws: each rank still runs the same layers, experts and rows (a
+#: schedule other than zbv's V places the stages as any other does and only reorders each stage's draws; ZeRO and
+#: offload move state, not work; micro-batches cut the same rows), so its own generator continues the run
+SAME_DRAWS = ("strategy", "schedule", "zero_stage", "offload", "microbatches")
+
+
+def random_streams(layout):
+    """What decides the random numbers each rank draws (dropout masks): the layout less SAME_DRAWS, plus where the
+    schedule places the stages."""
+    layout = layout or {}
+    streams = {key: value for key, value in layout.items() if key not in SAME_DRAWS}
+    streams["placement"] = "v" if layout.get("schedule") == "zbv" else "loop"
+    return streams
 
 
 def _json(obj):

@@ -79,12 +79,14 @@ def _differences(saved, mine):
     return [key for key in TRAINING if key in saved and key in mine and saved[key] != mine[key]]
 
 
-def check_resume(parser, args):
+def check_resume(parser, args, job):
     """Before any work (call it once the job's defaults are resolved): refuse a --save-dir that holds step
-    folders without --resume, damaged step folders, and settings that differ from the checkpoint's unless
-    an option says which to take (--use-checkpoint-opt-param-scheduler copies the checkpoint's into args)."""
+    folders without --resume, damaged step folders, another job's checkpoint, and settings that differ from the
+    checkpoint's unless an option says which to take (--use-checkpoint-opt-param-scheduler copies the
+    checkpoint's into args). ``job``: this job's name, as its layout records it. Returns the checkpoint's layout
+    ({} where none is resumed)."""
     if not args.save_dir:
-        return
+        return {}
     try:
         if not args.resume:
             existing = checkpoint.step_folders(args.save_dir)
@@ -92,26 +94,29 @@ def check_resume(parser, args):
                 parser.error(f"--save-dir {args.save_dir} already holds {', '.join(existing[:3])}"
                              f"{', ...' if len(existing) > 3 else ''}: give --resume to continue from its newest "
                              f"checkpoint, or another --save-dir (a save never writes into an existing step folder)")
-            return
+            return {}
         path = checkpoint.latest(args.save_dir)
         manifest = checkpoint.read_manifest(path) if path else {}
         saved = manifest.get("scalars", {}).get("job", {}).get("training")
     except CheckpointError as e:
         parser.error(f"--resume: {e}")
-    optimizer = manifest.get("layout", {}).get("optimizer")
+    layout = manifest.get("layout", {})
+    saved_job = layout.get("job")
+    if saved_job and saved_job != job:       # named first: its optimizer and settings are another job's
+        parser.error(f"--resume: {path} was saved by the {saved_job} job, not this {job} job: resume it with "
+                     f"python -m minitrain.examples.{saved_job}, or give this job another --save-dir")
+    optimizer = layout.get("optimizer")
     if optimizer and getattr(args, "optimizer", optimizer) != optimizer:      # named first: --lr's default follows it
         parser.error(f"--resume: {path} was trained with --optimizer {optimizer} (this command line: "
                      f"{args.optimizer}): its optimizer state cannot carry over; resume with --optimizer {optimizer}")
-    if not saved:
-        return
-    differ = _differences(saved, training_settings(args))
+    differ = _differences(saved or {}, training_settings(args))
     if not differ or args.override_opt_param_scheduler:
-        return
+        return layout
     if args.use_checkpoint_opt_param_scheduler:
         for key in differ:
             if key != "steps":                   # the loaded scheduler keeps the saved schedule's length
                 setattr(args, key, saved[key])
-        return
+        return layout
     parser.error(f"--resume: {path} was trained with " + ", ".join(
         f"{TRAINING[key]} {saved[key]} (this command line: {getattr(args, key)})" for key in differ)
         + f": give {OVERRIDE} to train with this command line's values, or {USE_CHECKPOINT} to keep the "

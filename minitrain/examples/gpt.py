@@ -133,7 +133,7 @@ def parse_args(argv=None):
         args.chunks = 2                     # zbv's V: the first and last virtual stages on rank 0
     check_cp(p, args)
     check_moe(p, args)
-    checkpointing.check_resume(p, args)
+    checkpointing.check_resume(p, args, "gpt")
     return args
 
 

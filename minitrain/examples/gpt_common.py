@@ -33,7 +33,8 @@ def scheduler_for(opt, args):
 
 def layout(args, strategy="single", dp=1, pp=1, tp=1, world=1):
     """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
-    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "zero_stage": args.zero,
+    return {"job": "gpt", "strategy": strategy, "world_size": world, "dp": dp, "pp": pp, "tp": tp, "cp": args.cp,
+            "ep": args.ep, "zero_stage": args.zero,
             "sequence_parallel": args.sequence_parallel, "schedule": args.schedule if pp > 1 else None,
             "microbatches": args.microbatches, "chunks": args.chunks, "precision": args.precision,
             "optimizer": "adamw", "global_batch_size": args.batch_size, "block_size": args.block_size,

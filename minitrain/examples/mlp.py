@@ -26,7 +26,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
 from minitrain.examples import checkpointing
 from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqdm
-from minitrain.examples.mlp_common import check_values, does_not_fit, layout, nothing_left, resume
+from minitrain.examples.mlp_common import check_values, does_not_fit, layout, nothing_left, resume, split_seed
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
 from minitrain.examples.options import refuse_unsupported
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: checkpoint_sequential with round(sqrt(layers)) segments")
     p.add_argument("--offload-activations", action="store_true", help="park saved activations in host memory")
-    p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
+    p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, data order, dropout and test split")
     p.add_argument("--json", type=cli.output_file, metavar="PATH",
                    help="write the run's figures as JSON (default: none written)")
     p.add_argument("--show-plan", action="store_true", help="also print the planner's prediction beside the measured "
@@ -81,7 +81,7 @@ def parse_args(argv=None):
     refuse_unsupported(p, args, argv, "mlp")
     check_values(p, args)
     args.lr = {"adam": 1e-3, "sgd": 0.1}[args.optimizer] if args.lr is None else args.lr
-    checkpointing.check_resume(p, args)
+    args.split_seed = split_seed(args, checkpointing.check_resume(p, args, "mlp"))
     return args, p
 
 
@@ -104,7 +104,7 @@ def _main(argv=None):
     mixed = dtype in LOW_PRECISION
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
+    x_train, y_train, x_test, y_test = load_digits(seed=args.split_seed)
     model = nn.MLP([x_train.shape[1]] + [args.hidden] * args.layers + [10]).to(dtype)
     opt_class, opt_args = ((optim.Adam, dict(lr=1e-3 if args.lr is None else args.lr)) if args.optimizer == "adam"
                            else (optim.SGD, dict(lr=0.1 if args.lr is None else args.lr, momentum=0.9)))

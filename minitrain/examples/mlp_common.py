@@ -11,6 +11,7 @@ import minitrain
 from minitrain import backend
 from minitrain import comm as mtcomm
 from minitrain.data.digits import train_rows
+from minitrain.checkpoint import CheckpointError
 from minitrain.examples import checkpointing
 from minitrain.examples.report import write_json
 
@@ -26,6 +27,12 @@ def check_values(parser, args):
                      f"SGD's replicas agree only right after an averaging, and a checkpoint holds one model")
 
 
+def split_seed(args, saved_layout):
+    """The seed that splits the digits into training and test rows: --seed, but on --resume the checkpoint's, whatever
+    seed --override-opt-param-scheduler gives the data order from there on (another split would train on test rows)."""
+    return saved_layout.get("split_seed", args.seed)
+
+
 def layout(args, world, stage):
     """How this run is laid out, for the checkpoint's manifest (and the checks on --resume)."""
     pipeline = args.strategy == "pipeline"
@@ -33,7 +40,8 @@ def layout(args, world, stage):
             "pp": world // args.dp if pipeline else 1, "tp": 1, "zero_stage": stage, "precision": args.precision,
             "optimizer": args.optimizer, "global_batch_size": args.batch_size, "offload": args.offload,
             "sizes": [64] + [args.hidden] * args.layers + [10], "schedule": args.schedule if pipeline else None,
-            "chunks": args.chunks if pipeline else None, "sync_every": args.sync_every if args.strategy == "local_sgd" else None}
+            "chunks": args.chunks if pipeline else None,
+            "sync_every": args.sync_every if args.strategy == "local_sgd" else None, "split_seed": args.split_seed}
 
 
 def evaluate(model, x, y, dtype):
@@ -69,7 +77,8 @@ def nothing_left(args, comm, first_step):
 
 def resume(args, comm, wrapped, opt, loader, layout):
     """The data-parallel job's Checkpointer, and the step it starts from (0, or the checkpoint's with --resume:
-    the loader's position and LocalSGD's counters restored). Raises CheckpointError."""
+    the loader's position and LocalSGD's counters restored). Raises CheckpointError, also where local SGD's last
+    checkpoint, its replicas averaged off the period as a run ends, would be continued: no exact continuation."""
     local_sgd = args.strategy == "local_sgd"
 
     def restore(saved):
@@ -81,7 +90,16 @@ def resume(args, comm, wrapped, opt, loader, layout):
         extra=lambda: {"loader": loader.state_dict(), "local_sgd": wrapped.state_dict() if local_sgd else None},
         optimizer_key=f"optimizer.rank{comm.rank}" if local_sgd else "optimizer")
     # local SGD's optimizer states are per replica; it may also start from a common one
-    return ckpt, ckpt.start_step(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
+    first = ckpt.start_step(lambda saved: ckpt.optimizer_key if saved.get("strategy") == "local_sgd" else "optimizer")
+    averaged = (ckpt.loaded.extra.get("local_sgd") or {}) if ckpt.loaded is not None else {}
+    if averaged and ckpt.loaded.layout.get("world_size", 1) > 1 and averaged["steps"] % averaged["sync_every"] \
+            and first < args.epochs * len(loader):
+        raise CheckpointError(
+            f"{ckpt.loaded.path} holds local SGD's replicas averaged at step {first}, the last step of the run that "
+            f"saved it, off its --sync-every {averaged['sync_every']} period: the uninterrupted run goes on from "
+            f"replicas not averaged there, so this one cannot continue it; resume from a checkpoint at a multiple of "
+            f"{averaged['sync_every']} steps (--save-every {averaged['sync_every']})")
+    return ckpt, first
 
 
 def does_not_fit(args, comm, error):

@@ -66,7 +66,7 @@ def main_pipeline(args, parser, comm):
     pp_comm, dp_comm = mesh.comm("pp"), mesh.comm("dp")
     minitrain.set_default_dtype(np.float64 if args.precision == "fp64" else np.float32)
     minitrain.manual_seed(args.seed)                 # every rank builds the same model, keeps its stages
-    x_train, y_train, x_test, y_test = load_digits(seed=args.seed)
+    x_train, y_train, x_test, y_test = load_digits(seed=args.split_seed)
     sizes = [x_train.shape[1]] + [args.hidden] * layers + [10]
     model = nn.MLP(sizes)
     psi = model.num_parameters()
