@@ -207,7 +207,7 @@ def test_bad_inputs_are_refused_saying_what_fits(gpt):
     memory.set_device_capacity(tracker.live_total + 5 * 4 * bytes_per_token())   # 5 blocks: 20 tokens
     try:
         with pytest.raises(DoesNotFit, match=r"5 blocks of 4 tokens .*sequences of up to 20 tokens fit; the "
-                                             r"longest sequence here \(27 tokens"):
+                                             r"longest sequence here holds 26 tokens' K/V"):
             engine.generate([[1] * 17, [2] * 3], 10)
         with pytest.raises(DoesNotFit, match=r"reserves the context, 40 tokens = .* per sequence; 20 tokens fit"):
             LLMEngine(gpt, cache="contiguous").generate([[1] * 3], 10)

@@ -1,0 +1,94 @@
+"""The engine at the edges of what fits: a device or a pool that holds exactly the longest sequence's
+K/V serves it (exactly); one block less is refused in one line naming the limit (the device or
+num_blocks), never a scheduler that cannot run; the cache is sized for the sequences that can run at
+once, not for max_batch; counts and ids that are not integers are refused, not rounded."""
+import numpy as np
+import pytest
+
+import minitrain
+from minitrain import memory, nn
+from minitrain.inference import DoesNotFit, LLMEngine, engine
+from test_inference import CONFIG, assert_exact, bytes_per_token
+
+PROMPTS = [[1] * 17, [2, 5, 7, 3, 9]]
+NEW = 10                   # the longest sequence holds 17 + 10 - 1 = 26 tokens' K/V: its last token is never fed
+
+
+@pytest.fixture
+def gpt(float64):
+    minitrain.manual_seed(5)
+    return nn.GPT(CONFIG)
+
+
+def with_capacity(kv_tokens, run):
+    tracker = memory.tracker()
+    old = tracker.capacity
+    memory.set_device_capacity(tracker.live_total + kv_tokens * bytes_per_token())
+    try:
+        return run()
+    finally:
+        memory.set_device_capacity(old)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 13])
+def test_a_device_holding_exactly_the_longest_sequences_kv_serves_it_exactly(gpt, block_size):
+    blocks = -(-26 // block_size)
+    for preempt in ("swap", "recompute"):
+        result = with_capacity(blocks * block_size, lambda: LLMEngine(
+            gpt, cache="paged", block_size=block_size, preempt=preempt).generate(PROMPTS, NEW, record_logits=True))
+        assert_exact(result, gpt, PROMPTS)
+    pooled = LLMEngine(gpt, cache="paged", block_size=block_size, num_blocks=blocks).generate(
+        PROMPTS, NEW, record_logits=True)
+    assert_exact(pooled, gpt, PROMPTS)
+    with pytest.raises(DoesNotFit, match=rf"sequences of up to {(blocks - 1) * block_size} tokens fit; the longest "
+                                         rf"sequence here holds 26 tokens' K/V .*Give a device memory of at least"):
+        with_capacity((blocks - 1) * block_size, lambda: LLMEngine(
+            gpt, cache="paged", block_size=block_size).generate(PROMPTS, NEW))
+
+
+def test_num_blocks_is_checked_and_the_device_caps_it(gpt):
+    # more blocks asked than the device holds: the device is the limit, and says so before serving
+    with pytest.raises(DoesNotFit, match=r"the device .* 2 blocks of 4 tokens .*Give a device memory of at least"):
+        with_capacity(8, lambda: LLMEngine(gpt, cache="paged", block_size=4, num_blocks=100).generate(PROMPTS, NEW))
+    with pytest.raises(DoesNotFit, match=r"the pool has num_blocks=6: .*holds 26 tokens' K/V.* Give num_blocks >= 7"):
+        LLMEngine(gpt, cache="paged", block_size=4, num_blocks=6).generate(PROMPTS, NEW)
+    for num_blocks, cache in ((0, "paged"), (-1, "paged"), (2.5, "paged"), (4, "contiguous")):
+        with pytest.raises(ValueError, match=rf"num_blocks sizes the paged cache's pool: .*got {num_blocks} with "
+                                             rf"cache='{cache}'"):
+            LLMEngine(gpt, cache=cache, num_blocks=num_blocks)
+
+
+def test_the_cache_is_sized_for_the_sequences_that_can_run_not_for_max_batch(gpt, monkeypatch):
+    huge = 10 ** 9                                  # a batch limit far above the prompts: no pool for it
+    for cache in ("paged", "contiguous"):
+        result = LLMEngine(gpt, cache=cache, block_size=4, max_batch=huge).generate(PROMPTS, NEW)
+        assert result.tokens == LLMEngine(gpt, cache="none").generate(PROMPTS, NEW).tokens
+    assert result.kv_bytes_reserved == 2 * CONFIG.block_size * bytes_per_token()       # the contiguous one
+    assert LLMEngine(gpt, block_size=4, max_batch=huge).generate(PROMPTS, NEW).num_blocks == 2 * 10
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 61.0 GiB")
+    monkeypatch.setattr(engine, "BlockPool", out_of_memory)
+    with pytest.raises(DoesNotFit, match=r"the KV cache \(20 blocks = .* bytes\) cannot be allocated on this "
+                                         r"machine \(Unable to allocate 61.0 GiB\): give fewer sequences"):
+        LLMEngine(gpt, block_size=4).generate(PROMPTS, NEW)
+
+
+def test_counts_and_token_ids_must_be_integers(gpt):
+    e = LLMEngine(gpt, cache="paged", block_size=4)
+    for bad in (2.5, True, 0):
+        with pytest.raises(ValueError, match=f"max new tokens must be an integer >= 1, got {bad}"):
+            e.generate(PROMPTS, bad)
+    assert len(e.generate(PROMPTS, np.int64(3)).tokens[0]) == 3
+    with pytest.raises(ValueError, match="top_k an integer >= 1, got 1.0, 2.5"):
+        e.generate(PROMPTS, 2, temperature=1.0, top_k=2.5)
+    for bad in (-1, None, 1.5):
+        with pytest.raises(ValueError, match=f"seed must be an integer >= 0, got {bad}"):
+            e.generate(PROMPTS, 2, temperature=1.0, seed=bad)
+    with pytest.raises(ValueError, match="prompt 0 holds True, not a token id"):
+        e.generate([[True, 2]], 2)
+    with pytest.raises(ValueError, match="prompt 0 is 1, not a list of token ids: give a list of prompts"):
+        e.generate([1, 2, 3], 2)                    # one prompt, not wrapped in a list
+    for option in ("block_size", "max_batch"):
+        with pytest.raises(ValueError, match=", got 2.5"):
+            LLMEngine(gpt, **{option: 2.5})
