@@ -225,6 +225,8 @@ def test_sample_is_greedy_at_temperature_0_and_keeps_to_the_top_k():
     assert len({sample(logits, 5.0, rng=rng) for _ in range(300)}) == 6
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         sample(logits, -1.0)
+    for tiny in (1e-200, 1e-310, 5e-324):          # logits / temperature overflow: still the argmax, no NaN
+        assert sample(logits, tiny, rng=rng) == 1 and sample(logits, tiny, top_k=2, rng=rng) == 1
 
 
 def test_every_step_the_scheduler_promises_only_blocks_the_pool_has(gpt, monkeypatch):

@@ -168,10 +168,12 @@ def sample(logits, temperature=1.0, top_k=None, rng=None):
         return int(np.argmax(logits))
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    z = np.asarray(logits, dtype=np.float64) / temperature
+    z = np.asarray(logits, dtype=np.float64)
     if top_k is not None:
         z = np.where(z < np.sort(z)[-min(top_k, z.size)], -np.inf, z)
-    p = np.exp(z - z.max())
+    with np.errstate(over="ignore"):       # shifted before dividing: a tiny temperature gives -inf, never inf - inf
+        z = (z - z.max()) / temperature
+    p = np.exp(z)
     p /= p.sum()
     return int(rng.choice(z.size, p=p))
 
