@@ -1,13 +1,16 @@
 """The engine at the edges of what fits: a device or a pool that holds exactly the longest sequence's
 K/V serves it (exactly); one block less is refused in one line naming the limit (the device or
 num_blocks), never a scheduler that cannot run; the cache is sized for the sequences that can run at
-once, not for max_batch; counts and ids that are not integers are refused, not rounded."""
+once, not for max_batch; counts and ids that are not integers are refused, not rounded; a
+sequence-parallel model is refused before it serves anything."""
 import numpy as np
 import pytest
 
 import minitrain
 from minitrain import memory, nn
+from minitrain.comm import ThreadWorld
 from minitrain.inference import DoesNotFit, LLMEngine, engine
+from minitrain.parallel.tensor_parallel import tensor_parallelize
 from test_inference import CONFIG, assert_exact, bytes_per_token
 
 PROMPTS = [[1] * 17, [2, 5, 7, 3, 9]]
@@ -92,3 +95,20 @@ def test_counts_and_token_ids_must_be_integers(gpt):
     for option in ("block_size", "max_batch"):
         with pytest.raises(ValueError, match=", got 2.5"):
             LLMEngine(gpt, **{option: 2.5})
+
+
+def _engine_on_sequence_parallel(comm, state):
+    minitrain.set_default_dtype(np.float64)
+    gpt = nn.GPT(CONFIG)
+    gpt.load_state_dict(state)
+    with pytest.raises(ValueError, match=rf"\[rank {comm.rank}\] LLMEngine serves a tensor-parallel model without "
+                                         r"sequence parallelism"):
+        LLMEngine(tensor_parallelize(gpt, comm, sequence_parallel=True), cache="none")
+    return LLMEngine(tensor_parallelize(gpt, comm), cache="none").generate([[1, 2, 3]], 2).tokens
+
+
+def test_a_sequence_parallel_model_is_refused_before_serving(gpt):
+    # else it would fail mid-serving, and with cache "none" only on a batch of odd length
+    state = {name: q.data.copy() for name, q in gpt.named_parameters()}
+    expect = LLMEngine(gpt, cache="none").generate([[1, 2, 3]], 2).tokens
+    assert ThreadWorld(2).run(_engine_on_sequence_parallel, state) == [expect, expect]

@@ -77,6 +77,10 @@ class LLMEngine:
         if num_blocks is not None and not (is_int(num_blocks) and num_blocks >= 1 and cache == "paged"):
             raise ValueError(f"num_blocks sizes the paged cache's pool: a number of blocks >= 1 with cache='paged', "
                              f"got {num_blocks!r} with cache={cache!r}")
+        if getattr(model, "sequence_parallel", False):   # any cache: decoding feeds one token per sequence
+            raise ValueError(f"[rank {model.comm.rank}] LLMEngine serves a tensor-parallel model without sequence "
+                             f"parallelism (a decode step's one token per sequence does not split along the "
+                             f"sequence): build it with tensor_parallelize(gpt, comm), the same weights")
         self.model, self.cache_kind, self.block_size, self.max_batch = model, cache, block_size, max_batch
         self.preempt, self.share_prefix, self.num_blocks = preempt, share_prefix, num_blocks
         self.context = model.config.block_size
