@@ -2,14 +2,17 @@
 K/V serves it (exactly); one block less is refused in one line naming the limit (the device or
 num_blocks), never a scheduler that cannot run; the cache is sized for the sequences that can run at
 once, not for max_batch; counts and ids that are not integers are refused, not rounded; a
-sequence-parallel model is refused before it serves anything."""
+sequence-parallel model is refused before it serves anything, and GPT.generate refuses shapes it
+cannot take."""
+import re
+
 import numpy as np
 import pytest
 
 import minitrain
 from minitrain import memory, nn
 from minitrain.comm import ThreadWorld
-from minitrain.inference import DoesNotFit, LLMEngine, engine
+from minitrain.inference import DoesNotFit, LLMEngine, PagedKVCache, engine
 from minitrain.parallel.tensor_parallel import tensor_parallelize
 from test_inference import CONFIG, assert_exact, bytes_per_token
 
@@ -112,3 +115,16 @@ def test_a_sequence_parallel_model_is_refused_before_serving(gpt):
     state = {name: q.data.copy() for name, q in gpt.named_parameters()}
     expect = LLMEngine(gpt, cache="none").generate([[1, 2, 3]], 2).tokens
     assert ThreadWorld(2).run(_engine_on_sequence_parallel, state) == [expect, expect]
+
+
+def test_gpt_generate_refuses_shapes_and_counts_it_cannot_serve(gpt):
+    for idx, new in ((np.zeros((1, 0), np.int64), 3), (np.zeros((0, 3), np.int64), 3), (np.array([1, 2]), 3),
+                     (np.array([[1, 2]]), -1), (np.array([[1, 2]]), 2.0)):
+        for cache in ("contiguous", None):
+            shape = re.escape(str(idx.shape))
+            with pytest.raises(ValueError, match=rf"generate takes idx of shape \(B, T\), B and T >= 1, and "
+                                                 rf"max_new_tokens an integer >= 0; got shape {shape}"):
+                gpt.generate(idx, new, cache=cache)
+    assert gpt.generate(np.array([[1, 2]]), 0).tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="a block pool needs at least one block, got 0"):
+        PagedKVCache.for_model(gpt, num_blocks=0)

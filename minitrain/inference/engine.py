@@ -17,16 +17,11 @@ import numpy as np
 
 from .. import backend, memory
 from ..autograd import no_grad
-from ..nn.generation import ContiguousKVCache, sample
+from ..nn.generation import ContiguousKVCache, is_int, sample
 from .kv_cache import BlockPool, PagedKVCache
 from .scheduler import Scheduler, Sequence
 
 CACHES = ("none", "contiguous", "paged")
-
-
-def is_int(value):
-    """An integer, as torch takes a count or a token id: a bool or 2.5 is not one."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class DoesNotFit(ValueError):
