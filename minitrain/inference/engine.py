@@ -115,9 +115,9 @@ class LLMEngine:
         sampled, never fed); no more than ``num_sequences`` (the prompts, at most max_batch) run at once."""
         tracker = memory.tracker()
         free, held = tracker.free_bytes(), tracker.live_total
-        slots = min(self.max_batch, num_sequences)
         if self.cache_kind == "none":
             return None
+        slots = min(self.max_batch, num_sequences)
         if self.cache_kind == "contiguous":
             need = self.context * self.kv_bytes_per_token
             if free is not None and free < need:
@@ -163,6 +163,7 @@ class LLMEngine:
 
     # ---- the loop
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0, record_logits=False):
+        prompts = list(prompts)
         for i, p in enumerate(prompts):
             if np.ndim(p) != 1:
                 raise ValueError(f"prompt {i} is {p!r}, not a list of token ids: give a list of prompts, each a list "
