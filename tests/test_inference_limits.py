@@ -95,6 +95,7 @@ def test_counts_and_token_ids_must_be_integers(gpt):
         e.generate([[True, 2]], 2)
     with pytest.raises(ValueError, match="prompt 0 is 1, not a list of token ids: give a list of prompts"):
         e.generate([1, 2, 3], 2)                    # one prompt, not wrapped in a list
+    assert e.generate(iter(PROMPTS), 2).tokens == e.generate(PROMPTS, 2).tokens      # any iterable of prompts
     for option in ("block_size", "max_batch"):
         with pytest.raises(ValueError, match=", got 2.5"):
             LLMEngine(gpt, **{option: 2.5})
