@@ -2,8 +2,9 @@
 K/V serves it (exactly); one block less is refused in one line naming the limit (the device or
 num_blocks), never a scheduler that cannot run; the cache is sized for the sequences that can run at
 once, not for max_batch; counts and ids that are not integers are refused, not rounded; a
-sequence-parallel model is refused before it serves anything, and GPT.generate refuses shapes it
-cannot take."""
+sequence-parallel model or a mixture of experts with a capacity is refused before it serves anything,
+and GPT.generate refuses shapes it cannot take."""
+import dataclasses
 import re
 
 import numpy as np
@@ -129,3 +130,17 @@ def test_gpt_generate_refuses_shapes_and_counts_it_cannot_serve(gpt):
     assert gpt.generate(np.array([[1, 2]]), 0).tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="a block pool needs at least one block, got 0"):
         PagedKVCache.for_model(gpt, num_blocks=0)
+
+
+def test_a_mixture_of_experts_is_served_dropless_or_refused(float64):
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8], [9, 7]]
+    for extra, why in ((dict(moe_capacity_factor=1.0), "capacity factor 1.0: which experts take a token would "
+                                                       "depend on the rest of its batch"),
+                       (dict(moe_groups=2), "2 capacity groups: a decode step's one token per sequence")):
+        config = dataclasses.replace(CONFIG, moe_experts=4, moe_top_k=2, **extra)
+        with pytest.raises(ValueError, match=rf"LLMEngine serves mixtures of experts dropless, and h.0.mlp has {why}"):
+            LLMEngine(nn.GPT(config))
+    dropless = nn.GPT(dataclasses.replace(CONFIG, moe_experts=4, moe_top_k=2))
+    for cache in ("none", "contiguous", "paged"):
+        result = LLMEngine(dropless, cache=cache, block_size=3, max_batch=2).generate(prompts, 6, record_logits=True)
+        assert_exact(result, dropless, prompts)

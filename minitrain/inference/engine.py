@@ -18,6 +18,7 @@ import numpy as np
 from .. import backend, memory
 from ..autograd import no_grad
 from ..nn.generation import ContiguousKVCache, is_int, sample
+from ..nn.moe import MoE
 from .kv_cache import BlockPool, PagedKVCache
 from .scheduler import Scheduler, Sequence
 
@@ -26,6 +27,20 @@ CACHES = ("none", "contiguous", "paged")
 
 class DoesNotFit(ValueError):
     """The device cannot hold even one sequence's K/V (the message says what fits)."""
+
+
+def check_dropless(model):
+    """Mixtures of experts are served dropless (Mixtral's and vLLM's way): with a capacity, which experts
+    take a token depends on the other tokens of its forward, so the cache, the batch and preemption would
+    change the tokens; capacity groups cannot split a decode step's one token per sequence."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoE) and (layer.capacity_factor is not None or layer.groups != 1):
+            why = (f"capacity factor {layer.capacity_factor}: which experts take a token would depend on the rest of "
+                   f"its batch" if layer.capacity_factor is not None else f"{layer.groups} capacity groups: a decode "
+                   f"step's one token per sequence does not split into them")
+            raise ValueError(f"LLMEngine serves mixtures of experts dropless, and {name} has {why}; serve "
+                             f"nn.GPT(dataclasses.replace(config, moe_capacity_factor=None, moe_groups=1)) with these "
+                             f"weights")
 
 
 @dataclass
@@ -76,6 +91,7 @@ class LLMEngine:
             raise ValueError(f"[rank {model.comm.rank}] LLMEngine serves a tensor-parallel model without sequence "
                              f"parallelism (a decode step's one token per sequence does not split along the "
                              f"sequence): build it with tensor_parallelize(gpt, comm), the same weights")
+        check_dropless(model)
         self.model, self.cache_kind, self.block_size, self.max_batch = model, cache, block_size, max_batch
         self.preempt, self.share_prefix, self.num_blocks = preempt, share_prefix, num_blocks
         self.context = model.config.block_size
