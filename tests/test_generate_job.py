@@ -97,6 +97,9 @@ def test_preemption_and_shared_prefixes_keep_the_tokens(tmp_path):
     (["--shared-prefix", "39"], "--shared-prefix 39 leaves no room in the context of 40 tokens"),
     (["--context", "1"], "a context of 1 token holds no prompt token beside a new one"),
     (["--cache", "ring"], "invalid choice"),
+    (["--train-steps", "0", "--context", "30000", "--max-prompt-len", "25000", "--max-new-tokens", "2"],
+     "prompts are cut from the corpus's validation text of 20,175 tokens: --shared-prefix 0 + --max-prompt-len "
+     "25000 = 25,000 tokens take at most 20,174"),
 ])
 def test_bad_options_are_refused_with_what_fits(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:

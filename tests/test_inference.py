@@ -207,7 +207,7 @@ def test_bad_inputs_are_refused_saying_what_fits(gpt):
     memory.set_device_capacity(tracker.live_total + 5 * 4 * bytes_per_token())   # 5 blocks: 20 tokens
     try:
         with pytest.raises(DoesNotFit, match=r"5 blocks of 4 tokens .*sequences of up to 20 tokens fit; the "
-                                             r"longest sequence here \(27 tokens"):
+                                             r"longest sequence here holds 26 tokens' K/V"):
             engine.generate([[1] * 17, [2] * 3], 10)
         with pytest.raises(DoesNotFit, match=r"reserves the context, 40 tokens = .* per sequence; 20 tokens fit"):
             LLMEngine(gpt, cache="contiguous").generate([[1] * 3], 10)
@@ -225,6 +225,8 @@ def test_sample_is_greedy_at_temperature_0_and_keeps_to_the_top_k():
     assert len({sample(logits, 5.0, rng=rng) for _ in range(300)}) == 6
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         sample(logits, -1.0)
+    for tiny in (1e-200, 1e-310, 5e-324):          # logits / temperature overflow: still the argmax, no NaN
+        assert sample(logits, tiny, rng=rng) == 1 and sample(logits, tiny, top_k=2, rng=rng) == 1
 
 
 def test_every_step_the_scheduler_promises_only_blocks_the_pool_has(gpt, monkeypatch):

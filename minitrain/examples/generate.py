@@ -96,6 +96,11 @@ def parse_args(argv=None):
                 + (f": --max-prompt-len {room} fits with --max-new-tokens {args.max_new_tokens}" if room > 0 else
                    f", which --max-new-tokens {args.max_new_tokens} alone fills: give fewer new tokens or a longer "
                    f"--context"))
+    text = len(load_text().val)
+    if longest >= text:               # make_prompts cuts every prompt's own tokens after the prefix
+        p.error(f"prompts are cut from the corpus's validation text of {text:,} tokens: --shared-prefix "
+                f"{args.shared_prefix} + --max-prompt-len {args.max_prompt_len} = {longest:,} tokens take at most "
+                f"{text - 1:,}")
     if longest + args.max_new_tokens > args.context:
         p.error(f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} exceed the context "
                 f"of {args.context} tokens: at most {args.context - longest} new tokens fit after it")

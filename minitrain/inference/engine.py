@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import backend, memory
 from ..autograd import no_grad
-from ..nn.generation import ContiguousKVCache, sample
+from ..nn.generation import ContiguousKVCache, is_int, sample
+from ..nn.moe import MoE
 from .kv_cache import BlockPool, PagedKVCache
 from .scheduler import Scheduler, Sequence
 
@@ -26,6 +27,20 @@ CACHES = ("none", "contiguous", "paged")
 
 class DoesNotFit(ValueError):
     """The device cannot hold even one sequence's K/V (the message says what fits)."""
+
+
+def check_dropless(model):
+    """Mixtures of experts are served dropless (Mixtral's and vLLM's way): with a capacity, which experts
+    take a token depends on the other tokens of its forward, so the cache, the batch and preemption would
+    change the tokens; capacity groups cannot split a decode step's one token per sequence."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoE) and (layer.capacity_factor is not None or layer.groups != 1):
+            why = (f"capacity factor {layer.capacity_factor}: which experts take a token would depend on the rest of "
+                   f"its batch" if layer.capacity_factor is not None else f"{layer.groups} capacity groups: a decode "
+                   f"step's one token per sequence does not split into them")
+            raise ValueError(f"LLMEngine serves mixtures of experts dropless, and {name} has {why}; serve "
+                             f"nn.GPT(dataclasses.replace(config, moe_capacity_factor=None, moe_groups=1)) with these "
+                             f"weights")
 
 
 @dataclass
@@ -55,18 +70,28 @@ class LLMEngine:
     ``generate(prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0)``. ``model`` is a GPT or
     its tensor-parallel form (each rank runs the same engine on its heads). Sequence i samples from
     its own generator, seeded (seed, i), so tokens do not depend on the cache, the batch or preemption.
-    The device memory is the memory ledger's capacity (``memory.set_device_capacity``), if set."""
+    The device memory is the memory ledger's capacity (``memory.set_device_capacity``), if set. ``num_blocks``
+    (paged): the pool's size; by default every sequence that can run at once (the prompts, at most max_batch)
+    at the full context; the device caps either."""
 
     def __init__(self, model, cache="paged", block_size=16, max_batch=8, preempt="swap", share_prefix=False,
                  num_blocks=None):
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
-        if block_size < 1:
+        if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block size must be a positive number of tokens, got {block_size}")
-        if max_batch < 1:
+        if not (is_int(max_batch) and max_batch >= 1):
             raise ValueError(f"max batch must be >= 1 sequence, got {max_batch}")
         if preempt not in ("swap", "recompute"):
             raise ValueError(f"preempt must be 'swap' or 'recompute', got {preempt!r}")
+        if num_blocks is not None and not (is_int(num_blocks) and num_blocks >= 1 and cache == "paged"):
+            raise ValueError(f"num_blocks sizes the paged cache's pool: a number of blocks >= 1 with cache='paged', "
+                             f"got {num_blocks!r} with cache={cache!r}")
+        if getattr(model, "sequence_parallel", False):   # any cache: decoding feeds one token per sequence
+            raise ValueError(f"[rank {model.comm.rank}] LLMEngine serves a tensor-parallel model without sequence "
+                             f"parallelism (a decode step's one token per sequence does not split along the "
+                             f"sequence): build it with tensor_parallelize(gpt, comm), the same weights")
+        check_dropless(model)
         self.model, self.cache_kind, self.block_size, self.max_batch = model, cache, block_size, max_batch
         self.preempt, self.share_prefix, self.num_blocks = preempt, share_prefix, num_blocks
         self.context = model.config.block_size
@@ -79,15 +104,15 @@ class LLMEngine:
     def check_prompts(self, prompts, max_new_tokens):
         """Each prompt a list of token ids in [0, vocab_size) (as torch.nn.Embedding: an id -1 would read the
         last row, 1.5 row 1), with room for the new tokens in the context."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if not (is_int(max_new_tokens) and max_new_tokens >= 1):
+            raise ValueError(f"max new tokens must be an integer >= 1, got {max_new_tokens!r}")
         if not prompts:
             raise ValueError("no prompts: give at least one (a list of token ids)")
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
-            bad = [t for t in p if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+            bad = [t for t in p if not (is_int(t) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"prompt {i} holds {bad[0]}, not a token id: ids are integers in [0, {vocab}) "
                                  f"(the model's vocabulary)")
@@ -100,12 +125,15 @@ class LLMEngine:
                                  f"{len(p) + max_new_tokens} exceed the model's context of {self.context} tokens: "
                                  f"at most {self.context - len(p)} new tokens fit after it")
 
-    def make_cache(self, longest):
-        """The cache for this run, sized from what the device has left (refusing if not one sequence fits)."""
+    def make_cache(self, longest, num_sequences):
+        """The cache for this run, sized from what the device has left (refusing if not one sequence fits).
+        ``longest``: the most tokens one sequence holds K/V of (prompt + new tokens - 1: the last token is
+        sampled, never fed); no more than ``num_sequences`` (the prompts, at most max_batch) run at once."""
         tracker = memory.tracker()
         free, held = tracker.free_bytes(), tracker.live_total
         if self.cache_kind == "none":
             return None
+        slots = min(self.max_batch, num_sequences)
         if self.cache_kind == "contiguous":
             need = self.context * self.kv_bytes_per_token
             if free is not None and free < need:
@@ -115,33 +143,56 @@ class LLMEngine:
                     f"already on it (the parameters): the contiguous cache reserves the context, {self.context} "
                     f"tokens = {need:,} bytes, per sequence; {free // self.kv_bytes_per_token} tokens fit. "
                     f"Give a device memory of at least {held + need:,} bytes, or use the paged cache "
-                    f"(the longest sequence, {longest} tokens, needs {paged:,} bytes of blocks)")
-            return ContiguousKVCache(self.n_layer, self.n_head, self.head_dim, self.max_batch, self.context,
-                                     self.dtype, self.xp)
+                    f"(the longest sequence holds {longest} tokens' K/V: {paged:,} bytes of blocks)")
+            return self._allocate(lambda: ContiguousKVCache(self.n_layer, self.n_head, self.head_dim, slots,
+                                                            self.context, self.dtype, self.xp),
+                                  f"{slots} sequences x {self.context} tokens", slots * need)
         block_bytes = self.block_size * self.kv_bytes_per_token
         need = -(-longest // self.block_size)
-        enough = self.max_batch * -(-self.context // self.block_size)   # every sequence at the full context
-        num_blocks = self.num_blocks or (enough if free is None else min(enough, max(free, 0) // block_bytes))
+        device = None if free is None else max(free, 0) // block_bytes
+        num_blocks = self.num_blocks or slots * -(-self.context // self.block_size)   # each at the full context
+        by_device = device is not None and device < num_blocks          # the device, not the pool, is the limit
+        num_blocks = min(num_blocks, device) if by_device else num_blocks
         if num_blocks < need:
-            where = (f"the device ({tracker.capacity:,} bytes) has {free:,} bytes left after the {held:,} bytes "
-                     f"already on it (the parameters)" if free is not None and not self.num_blocks
-                     else f"the pool has {num_blocks} blocks")
+            where, advice = ((f"the device ({tracker.capacity:,} bytes) has {free:,} bytes left after the {held:,} "
+                              f"bytes already on it (the parameters)", f"a device memory of at least "
+                              f"{held + need * block_bytes:,} bytes") if by_device else
+                             (f"the pool has num_blocks={num_blocks}", f"num_blocks >= {need}"))
             raise DoesNotFit(
                 f"{where}: {num_blocks} blocks of {self.block_size} tokens ({block_bytes:,} bytes each), so sequences "
-                f"of up to {num_blocks * self.block_size} tokens fit; the longest sequence here ({longest} tokens: "
-                f"prompt + new tokens) needs {need} blocks = {need * block_bytes:,} bytes. Give a device memory of "
-                f"at least {held + need * block_bytes:,} bytes, or shorter prompts / fewer new tokens")
-        pool = BlockPool(num_blocks, self.block_size, self.n_layer, self.n_head, self.head_dim, self.dtype, self.xp)
+                f"of up to {num_blocks * self.block_size} tokens fit; the longest sequence here holds {longest} "
+                f"tokens' K/V (prompt + new tokens - 1: the last is sampled, never fed), {need} blocks = "
+                f"{need * block_bytes:,} bytes. Give {advice}, or shorter prompts / fewer new tokens")
+        pool = self._allocate(lambda: BlockPool(num_blocks, self.block_size, self.n_layer, self.n_head,
+                                                self.head_dim, self.dtype, self.xp),
+                              f"{num_blocks} blocks", num_blocks * block_bytes)
         return PagedKVCache(pool, self.context, self.n_layer, self.n_head, self.head_dim)
+
+    @staticmethod
+    def _allocate(make, what, nbytes):
+        """The cache's arrays; a machine that cannot hold them is refused in one line, as a device that cannot."""
+        try:
+            return make()
+        except MemoryError as e:
+            raise DoesNotFit(f"the KV cache ({what} = {nbytes:,} bytes) cannot be allocated on this machine "
+                             f"({e}): give fewer sequences at once (max batch) or a device memory") from None
 
     # ---- the loop
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, seed=0, record_logits=False):
+        prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            if np.ndim(p) != 1:
+                raise ValueError(f"prompt {i} is {p!r}, not a list of token ids: give a list of prompts, each a list "
+                                 f"of ids")
         prompts = [list(p) for p in prompts]
         self.check_prompts(prompts, max_new_tokens)
         prompts = [[int(t) for t in p] for p in prompts]
-        if not temperature >= 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy) and top_k >= 1, got {temperature}, {top_k}")
-        cache = self.make_cache(max(len(p) for p in prompts) + max_new_tokens)
+        if not temperature >= 0 or (top_k is not None and not (is_int(top_k) and top_k >= 1)):
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and top_k an integer >= 1, got {temperature}, "
+                             f"{top_k!r}")
+        if not (is_int(seed) and seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        cache = self.make_cache(max(len(p) for p in prompts) + max_new_tokens - 1, len(prompts))
         tracker = memory.tracker()
         ledger_before = tracker.live["kv_cache"]
         scheduler = Scheduler(cache, self.max_batch, self.preempt, self.share_prefix and cache is not None)

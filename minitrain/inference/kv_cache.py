@@ -141,7 +141,8 @@ class PagedKVCache(KVCache):
         max_len = max_len or model.config.block_size
         if block_size < 1:
             raise ValueError(f"block size must be a positive number of tokens, got {block_size}")
-        num_blocks = num_blocks or max(num_sequences, 1) * -(-max_len // block_size)
+        if num_blocks is None:
+            num_blocks = max(num_sequences, 1) * -(-max_len // block_size)
         pool = BlockPool(num_blocks, block_size, len(model.h), attn.n_head, attn.head_dim, w.dtype,
                          backend.array_module(w))
         cache = cls(pool, max_len, len(model.h), attn.n_head, attn.head_dim)
