@@ -317,6 +317,11 @@ def test_gpt_with_dropout_resumes_bit_exact_on_another_schedule_and_zero_stage(t
         assert straight == resumed
     streams = checkpoint.state.random_streams
     assert streams({"schedule": "zbv", "pp": 2}) != streams({"schedule": "1f1b", "pp": 2})    # the V moves stages
+    # a manifest of an older version, without the keys added since (cp, ep): compared whole on its own keys
+    own = checkpoint.state.own_generators
+    older = {"strategy": "dp+pp", "pp": 2, "schedule": "1f1b"}
+    assert own({**older, "cp": 1, "ep": 1}, older) and not own({**older, "schedule": "gpipe", "cp": 1}, older)
+    assert own({**older, "schedule": "gpipe"}, older) and not own(older, None) and not own(None, older)
 
 
 def _gpt_state(path):

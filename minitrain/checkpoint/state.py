@@ -67,7 +67,7 @@ class Loaded:
 def load(path, comm, model, optimizer=None, scheduler=None, layout=None, strict=True, optimizer_key="optimizer"):
     """Collective: load the checkpoint in ``path`` into this rank's shards, whatever layout saved it
     (every rank reads only the pieces that intersect what it holds). Each rank gets its own random
-    generator back when ``layout`` places every rank's draws as the saved one did (random_streams: another
+    generator back when ``layout`` places every rank's draws as the saved one did (own_generators: another
     schedule or ZeRO stage does not move them), else rank 0's. ``strict``: every tensor
     in the checkpoint must be read by some rank (a tensor nobody asked for means another model or a
     state this layout cannot hold). Raises CheckpointError on every rank if any rank fails."""
@@ -94,8 +94,7 @@ def load(path, comm, model, optimizer=None, scheduler=None, layout=None, strict=
                 raise CheckpointError(f"{path} holds no learning-rate scheduler state")
             scheduler.load_state_dict(scalars["scheduler"])
         saved = manifest["ranks"]
-        same = layout is not None and len(saved) == size and \
-            _json(random_streams(layout)) == _json(random_streams(manifest.get("layout")))
+        same = len(saved) == size and own_generators(layout, manifest.get("layout"))
         random.set_state(saved[rank if same else 0]["rng"])
     except (CheckpointError, ValueError) as e:
         error = str(e)
@@ -129,6 +128,18 @@ def random_streams(layout):
     streams = {key: value for key, value in layout.items() if key not in SAME_DRAWS}
     streams["placement"] = "v" if layout.get("schedule") == "zbv" else "loop"
     return streams
+
+
+def own_generators(layout, saved):
+    """Whether each rank gets its own generator back: ``layout`` draws as ``saved`` did (random_streams). A
+    manifest of an older version (fewer keys) is compared on its own keys, whole, as that version compared it
+    (its strategy names what it lacks)."""
+    if layout is None or saved is None:
+        return False
+    newer = set(layout) - set(saved)
+    if newer:
+        return _json({k: v for k, v in layout.items() if k not in newer}) == _json(saved)
+    return _json(random_streams(layout)) == _json(random_streams(saved))
 
 
 def _json(obj):
