@@ -31,6 +31,19 @@ def test_tensor_used_twice_gets_the_sum_of_both_paths(float64):
     np.testing.assert_allclose(x.grad, [3 + 18 * 2.0])
 
 
+def test_zero_dim_tensor_used_twice_gets_both_gradients(float64):
+    # NumPy returns scalars, not arrays, for arithmetic on 0-d arrays: summing the second path's
+    # gradient into the first "in place" must not drop it
+    x = mt.Tensor(np.array(3.0), requires_grad=True)
+    (x * x).backward()
+    np.testing.assert_allclose(x.grad, 6.0)
+    t = mt.Tensor([1.0, 2.0], requires_grad=True)
+    s = t.sum()
+    (s * s).backward()                # d/dt (sum t)^2 = 2 sum t
+    np.testing.assert_allclose(t.grad, [6.0, 6.0])
+    assert isinstance(t.grad, np.ndarray) and isinstance(x.grad, np.ndarray)
+
+
 def test_non_scalar_backward_takes_the_incoming_gradient(float64):
     x = mt.Tensor(np.arange(3.0), requires_grad=True)
     y = x * 2.0

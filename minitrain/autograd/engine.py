@@ -21,7 +21,9 @@
 
 Ownership: an array that a backward returns freshly (not its incoming gradient, not a view) is
 owned by the engine, which may then add into it in place; anything else is copied before it is
-written to. This keeps accumulation allocation-free without aliasing bugs.
+written to. This keeps accumulation allocation-free without aliasing bugs. NumPy returns a scalar,
+not an array, for arithmetic on 0-d arrays; a scalar cannot be added into in place, so each is made
+a fresh 0-d array first (else the second gradient into a 0-d tensor used twice would be dropped).
 """
 
 
@@ -45,6 +47,8 @@ def _add(entry, g, owned):
 
 
 import threading
+
+import numpy as np
 
 from ..backend import array_module, is_device_array, to_device
 from . import deferred as _deferred
@@ -165,6 +169,8 @@ def _backward(root, grad, retain_graph):
             gi = in_grads[i] if i < len(in_grads) else None
             is_node = isinstance(parent, Function)
             if gi is not None:
+                if isinstance(gi, np.generic):
+                    gi = np.array(gi)
                 owned = _owned(gi, entry[0], in_grads[:i] + in_grads[i + 1:])
                 table = grads if is_node else leaf_grads
                 acc = table.get(id(parent))
