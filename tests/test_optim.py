@@ -83,6 +83,22 @@ def test_clip_grad_norm_uses_the_global_norm(float64):
     np.testing.assert_allclose([a.grad[0], b.grad[0]], [0.6, 0.8], rtol=1e-6)
 
 
+def test_clip_grad_norm_takes_a_single_tensor_as_pytorch(float64):
+    """Iterated, a tensor gives its rows, which have no gradients: the norm read 0 and nothing was clipped."""
+    w = nn.Parameter(np.zeros((2, 1)))
+    w.grad = np.array([[3.0], [4.0]])
+    assert optim.clip_grad_norm_(w, 1.0) == pytest.approx(5.0)
+    np.testing.assert_allclose(w.grad, [[0.6], [0.8]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda p: optim.SGD(p, lr=0.1), lambda p: optim.AdamW(p),
+                                  lambda p: optim.MixedPrecisionOptimizer(p, optim.SGD, lr=0.1)])
+def test_an_optimizer_given_a_single_tensor_refuses_it_as_pytorch(make):
+    """Its rows would become the parameters, slices no backward reaches: every step would do nothing."""
+    with pytest.raises(TypeError, match="iterable of tensors or dicts.*single tensor of shape \\(3, 2\\)"):
+        make(nn.Parameter(np.zeros((3, 2), np.float16)))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_clip_grad_norm_of_half_precision_gradients_is_their_norm_not_an_overflow(dtype):
     """300² overflows fp16 (its largest number is 65504): squared in their own precision the gradients' norm

@@ -39,7 +39,10 @@ def sum_of_squares(arrays):
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, *, total_norm=None):
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the
     norm before clipping (torch.nn.utils.clip_grad_norm_'s call shape; the L2 norm only).
+    ``parameters``: an iterable of tensors or one tensor (iterating a tensor would give its rows).
     ``total_norm`` (keyword) may be passed when it was computed elsewhere (across shards)."""
+    if hasattr(parameters, "shape"):
+        parameters = [parameters]
     if norm_type != 2:
         raise ValueError(f"clip_grad_norm_ clips by the L2 norm (norm_type=2), got norm_type={norm_type}")
     parameters = [p for p in parameters if p.grad is not None]

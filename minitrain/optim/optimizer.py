@@ -23,10 +23,19 @@ def as_group(group):
     return {**group, "params": [params] if hasattr(params, "shape") else list(params)}
 
 
+def _iterable_of_params(params, who):
+    """``params`` as a list. A single tensor is refused, as PyTorch does: iterating it would give its rows,
+    slices that no backward gives a gradient to, and every step would silently do nothing."""
+    if hasattr(params, "shape"):
+        raise TypeError(f"{who or 'optimizer'}: params should be an iterable of tensors or dicts (e.g. "
+                        f"model.parameters() or [p]), got a single tensor of shape {tuple(params.shape)}")
+    return list(params)
+
+
 def param_groups(params, who=None):
     """Parameters, or PyTorch's parameter groups, as a list of groups (as_group); a parameter in two
     groups is refused. The optimizers that wrap one (mixed precision, ZeRO) read their arguments here too."""
-    params = list(params)
+    params = _iterable_of_params(params, who)
     groups = [as_group(g) for g in (params if params and isinstance(params[0], dict) else [{"params": params}])]
     seen = set()
     for q in (q for g in groups for q in g["params"]):
@@ -39,7 +48,7 @@ def param_groups(params, who=None):
 class Optimizer:
     def __init__(self, params, defaults):
         self.defaults = dict(defaults)
-        params = list(params)
+        params = _iterable_of_params(params, type(self).__name__)
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
