@@ -76,6 +76,26 @@ def test_op_forward_and_backward_match_torch(name, float64, rng):
         close(m.grad, t.grad)
 
 
+@pytest.mark.parametrize("exponent", [0, 1, 2, "tensor"])
+def test_pow_gradients_at_a_zero_base_match_torch(exponent, float64):
+    """x**0 has gradient 0 everywhere and 0**b has exponent-gradient 0 for b >= 0 (PyTorch's rule); the plain
+    formulas read 0 * inf and 0 * log(0): NaN."""
+    base = np.array([0.0, 0.0, 1.5, 2.0])
+    m, t = pair(base)
+    if exponent == "tensor":
+        em, et = pair(np.array([0.0, 2.0, 0.0, 0.5]))
+        out_m, out_t = m ** em, t ** et
+    else:
+        em = et = None
+        out_m, out_t = m ** exponent, t ** exponent
+    close(out_m, out_t)
+    out_m.sum().backward()
+    out_t.sum().backward()
+    close(m.grad, t.grad)
+    if em is not None:
+        close(em.grad, et.grad)
+
+
 def test_cross_entropy_matches_torch(float64, rng):
     m, t = pair(rng.standard_normal((6, 5)))
     y = rng.integers(0, 5, 6)

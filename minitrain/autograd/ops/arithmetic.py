@@ -93,7 +93,8 @@ class Neg(Function):
 
 
 class Pow(Function):
-    """a ** b, for a tensor base and a number or tensor exponent."""
+    """a ** b, for a tensor base and a number or tensor exponent. As PyTorch, where the formulas read
+    0 * inf or 0 * log(0) the gradient is 0: d(a^0)/da = 0 (also at a = 0), and d(0^b)/db = 0 for b >= 0."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -105,12 +106,17 @@ class Pow(Function):
     def backward(ctx, g):
         a, b, out = ctx.saved_tensors
         need = ctx.needs_input_grad
+        xp = array_module(out)
         ga = gb = None
-        if need[0]:
-            ga = unbroadcast(g * b * a ** (b - 1), _shape(a))
-        if need[1]:
-            xp = array_module(out)
-            gb = unbroadcast(g * out * xp.log(a), _shape(b))
+        with np.errstate(divide="ignore", invalid="ignore"):     # the values where() replaces
+            if need[0]:
+                if isinstance(b, (int, float)):
+                    ga = xp.zeros_like(a) if b == 0 else g * b * a ** (b - 1)
+                else:
+                    ga = xp.where(b == 0, 0.0, g * b * a ** (b - 1))
+                ga = unbroadcast(ga, _shape(a))
+            if need[1]:
+                gb = unbroadcast(xp.where((a == 0) & (b >= 0), 0.0, g * out * xp.log(a)), _shape(b))
         return ga, gb
 
 
