@@ -158,6 +158,33 @@ def test_float64_array_operand_does_not_widen_a_float32_tensor():
     assert (np.ones(3) + x).dtype == np.float32
 
 
+@pytest.mark.parametrize("name, make, expected", [
+    # (what, the result, PyTorch's dtype for it)
+    ("fp16 * fp32", lambda h, f, i: h * f, np.float32),      # was fp16: the first operand's low precision won
+    ("fp32 * fp16", lambda h, f, i: f * h, np.float32),
+    ("bf16 + fp32", lambda h, f, i: h.to(mt.backend.bfloat16) + f, np.float32),
+    ("bf16 * 0.5", lambda h, f, i: h.to(mt.backend.bfloat16) * 0.5, mt.backend.bfloat16),
+    ("bf16 @ bf16", lambda h, f, i: h.to(mt.backend.bfloat16) @ h.to(mt.backend.bfloat16), mt.backend.bfloat16),
+    ("fp32 + int64", lambda h, f, i: f + i, np.float32),     # NumPy: fp64
+    ("int64 / int64", lambda h, f, i: i / i, np.float32),    # the default dtype; NumPy: fp64
+    ("int64 + 0.5", lambda h, f, i: i + 0.5, np.float32),
+    ("fp32 / np.sqrt(4)", lambda h, f, i: f / np.sqrt(4.0), np.float32),   # a NumPy float64 scalar
+    ("fp32 * 0-d fp64", lambda h, f, i: f * mt.tensor(np.array(2.0)), np.float32),
+    ("0-d fp32 * fp16", lambda h, f, i: mt.tensor(np.array(2.0, np.float32)) * h, np.float16),
+])
+def test_result_dtypes_follow_pytorchs_promotion(name, make, expected):
+    if mt.backend.bfloat16 is None and "bf16" in name:
+        pytest.skip("no bfloat16 type (ml_dtypes)")
+    h = mt.Tensor(np.ones(3, np.float16), requires_grad=True)
+    f = mt.Tensor(np.ones(3, np.float32), requires_grad=True)
+    i = mt.Tensor(np.arange(1, 4))
+    out = make(h, f, i)
+    assert out.dtype == np.dtype(expected), f"{name}: {out.dtype}, PyTorch gives {np.dtype(expected)}"
+    if out.requires_grad:
+        out.sum().backward()
+        assert all(t.grad is None or t.grad.dtype == t.dtype for t in (h, f))
+
+
 def test_numpy_array_on_the_left_returns_a_tensor():
     x = mt.Tensor(np.ones(2, dtype=np.float32))
     assert isinstance(np.ones(2) * x, mt.Tensor)

@@ -173,3 +173,14 @@ def test_fsdp_inside_offload_activations_still_offloads_them(float64):
     for (plain_moved, _, _), (moved, restored, peak) in ThreadWorld(2).run(fn):
         assert moved == restored == plain_moved > 0        # every activation, none of the weights
         assert peak == 0                                   # the device keeps none of them
+
+
+def test_checkpoint_output_keeps_the_dtype_its_function_gave():
+    """The recipe's logits cast up to fp32 for the loss stay fp32 when the segment is checkpointed (the
+    output took its first input's fp16 before)."""
+    h = mt.Tensor(np.ones(3, np.float16), requires_grad=True)
+    y = checkpoint(lambda x: (x * 2.0).float(), h)
+    assert y.dtype == np.float32
+    y.sum().backward()
+    assert h.grad.dtype == np.float16
+    np.testing.assert_array_equal(h.grad, 2.0)

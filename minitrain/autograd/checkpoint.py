@@ -20,6 +20,8 @@ from .tensor import Tensor
 
 
 class _Checkpoint(Function):
+    keeps_input_dtype = False        # the output has the dtype fn's own ops gave it (e.g. logits cast to fp32)
+
     @staticmethod
     def forward(ctx, _anchor, *arrays, fn=None, kwargs=None):
         ctx.fn, ctx.kwargs = fn, kwargs or {}

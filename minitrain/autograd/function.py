@@ -25,7 +25,7 @@ Custom Functions are how communication enters the graph (Megatron's f and g, lat
 import itertools
 
 from .. import memory
-from ..backend import LOW_PRECISION
+from ..backend import LOW_PRECISION, get_default_dtype
 from .graph import current_saved_tensors_hooks
 from .grad_mode import _state as _grad_state
 
@@ -38,12 +38,31 @@ def nodes_recorded():
     return next(_sequence)
 
 
+def _floating_result_dtype(arrays):
+    """PyTorch's dtype for an op's floating result: the one floating dtype of the inputs that have
+    dimensions (0-d ones count only when none of those is floating: t32 * tensor(2.0, float64) is
+    float32), the default dtype when no input is floating (int / int); None where the floating inputs
+    differ (then NumPy's promotion, which is PyTorch's: fp16 with fp32 is fp32)."""
+    found = [None, None]          # per rank class (dimensioned, 0-d): a dtype, or False when they differ
+    for a in arrays:
+        dtype = getattr(a, "dtype", None)
+        if dtype is not None and (dtype.kind == "f" or dtype in LOW_PRECISION):
+            i = 0 if a.ndim else 1
+            found[i] = dtype if found[i] is None or found[i] == dtype else False
+    for dtype in found:
+        if dtype is not None:
+            return dtype or None
+    return get_default_dtype()
+
+
 class Function:
     # slots keep node creation and attribute access cheap: a GPT step builds thousands of nodes
     __slots__ = ("parents", "seq", "needs_input_grad", "_saved", "_unpack", "_saved_keys",
                  "_tracker", "_record", "_tensor_hooks", "__dict__")
-    #: an op on float16/bfloat16 inputs returns that dtype (only Cast changes it)
-    keeps_low_precision = True
+    #: a floating result wider than PyTorch's dtype for it (_floating_result_dtype) is cast to that:
+    #: NumPy widens bf16 * 0.5 and bf16 @ bf16 to fp32, fp32 with int64 to fp64, int / int to fp64.
+    #: False where the result's dtype is the op's point (Cast) or another's (recomputation).
+    keeps_input_dtype = True
 
     @staticmethod
     def forward(ctx, *args, **kwargs):
@@ -79,9 +98,10 @@ class Function:
         ctx._saved_keys = None
         ctx._unpack = None
         out = cls.forward(ctx, *raw, **kwargs)
-        if (raw and out.dtype != getattr(raw[0], "dtype", out.dtype) and raw[0].dtype in LOW_PRECISION
-                and out.dtype.kind == "f" and cls.keeps_low_precision):
-            out = out.astype(raw[0].dtype)     # bfloat16 matmul accumulates in fp32: results stay bf16
+        if cls.keeps_input_dtype and out.dtype.kind == "f":
+            want = _floating_result_dtype(raw)
+            if want is not None and out.dtype.itemsize > want.itemsize:
+                out = out.astype(want)
         result = Tensor.__new__(Tensor)
         result._data = out
         result._grad = None

@@ -146,9 +146,12 @@ class Tensor(TensorHooks):
 
     # ---- operators
     def _operand(self, other):
-        """Tensors pass through; arrays are cast to this tensor's floating dtype (no silent widening)."""
+        """Tensors pass through; arrays are cast to this tensor's floating dtype and NumPy scalars (np.sqrt(64)
+        is a np.float64) become Python numbers, as PyTorch reads both: no silent widening."""
         if isinstance(other, Tensor):
             return other
+        if isinstance(other, np.generic):
+            return other.item()
         if isinstance(other, (int, float)):
             return other
         other = _as_array(other)

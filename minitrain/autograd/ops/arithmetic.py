@@ -124,7 +124,7 @@ class Cast(Function):
     """``x.to(dtype)``: a copy in another dtype; the gradient goes back in the input's dtype
     (mixed precision casts weights down and logits up through this)."""
 
-    keeps_low_precision = False
+    keeps_input_dtype = False
 
     @staticmethod
     def forward(ctx, a, dtype):
