@@ -146,3 +146,13 @@ def test_an_embedding_index_outside_the_table_is_an_index_error_not_another_row(
     with pytest.raises(IndexError, match=rf"embedding: indices must lie in \[0, 5\), found {min(index, 0)}\.\.{max(index, 2)}"):
         table(np.array([[0, 2], [index, 1]]) if index > 0 else np.array([[index, 2], [0, 1]]))
     np.testing.assert_array_equal(table(np.array([4, 0])).data, table.weight.data[[4, 0]])
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_layer_norm_refuses_an_affine_parameter_of_another_shape(which):
+    """A (1,) weight would broadcast over the normalized axis and train one scale for all; PyTorch refuses it."""
+    x = mt.Tensor(np.ones((2, 4)))
+    kwargs = {"weight": mt.Tensor(np.ones(4)), "bias": mt.Tensor(np.zeros(4))}
+    kwargs[which] = mt.Tensor(np.ones(1))
+    with pytest.raises(ValueError, match=f"layer_norm: {which} of shape \\(1,\\), expected normalized_shape \\(4,\\)"):
+        F.layer_norm(x, 4, **kwargs)

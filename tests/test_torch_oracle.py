@@ -96,6 +96,24 @@ def test_pow_gradients_at_a_zero_base_match_torch(exponent, float64):
         close(em.grad, et.grad)
 
 
+@pytest.mark.parametrize("name", ["mean_over_an_empty_axis", "masked_fill_with_a_wider_mask"])
+def test_backward_edge_shapes_match_torch(name, float64, rng):
+    """An empty batch's mean (its backward divided by a count of 0) and a mask with more dimensions than
+    the tensor (its gradient had the broadcast shape, not the tensor's): both raised, torch computes them."""
+    if name == "mean_over_an_empty_axis":
+        m, t = pair(np.zeros((0, 3)))
+        out_m, out_t = m.mean(axis=0), t.mean(dim=0)
+    else:
+        m, t = pair(rng.standard_normal(3))
+        mask = np.array([[True, False, True], [False, False, True]])
+        out_m, out_t = m.masked_fill(mask, 0.5), t.masked_fill(torch.tensor(mask), 0.5)
+    close(out_m, out_t)
+    g = rng.standard_normal(out_t.shape)
+    out_m.backward(g)
+    out_t.backward(torch.tensor(g))
+    close(m.grad, t.grad)
+
+
 def test_cross_entropy_matches_torch(float64, rng):
     m, t = pair(rng.standard_normal((6, 5)))
     y = rng.integers(0, 5, 6)

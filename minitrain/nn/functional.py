@@ -40,6 +40,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     normalized_shape = tuple(normalized_shape)
     if tuple(x.shape[-len(normalized_shape):]) != normalized_shape:
         raise ValueError(f"layer_norm: input of shape {tuple(x.shape)} does not end in {normalized_shape}")
+    for name, p in (("weight", weight), ("bias", bias)):     # NumPy would broadcast a (1,) weight silently
+        if p is not None and tuple(p.shape) != normalized_shape:
+            raise ValueError(f"layer_norm: {name} of shape {tuple(p.shape)}, expected normalized_shape {normalized_shape}")
     return ops.LayerNorm.apply(x, weight, bias, ndims=len(normalized_shape), eps=eps)
 
 

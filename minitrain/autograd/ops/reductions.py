@@ -47,7 +47,8 @@ class Mean(Function):
         count = 1
         for ax in ctx.axes:
             count *= ctx.shape[ax]
-        g = _expand(g, ctx.shape, ctx.axes, ctx.keepdims) * (1.0 / count)
+        # an empty reduced axis: the mean is NaN and its gradient empty (as PyTorch), not 1/0
+        g = _expand(g, ctx.shape, ctx.axes, ctx.keepdims) * (1.0 / count if count else 0.0)
         return array_module(g).broadcast_to(g, ctx.shape)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 
 from ...backend import array_module, scatter_add
 from ..function import Function
+from .arithmetic import unbroadcast
 
 
 class Reshape(Function):
@@ -68,16 +69,17 @@ class Cat(Function):
 
 
 class MaskedFill(Function):
-    """out = value where mask else a (mask is a boolean array, broadcast against a)."""
+    """out = value where mask else a (mask is a boolean array, broadcast against a; a mask of more
+    dimensions than a broadcasts a too, and the gradient is summed back, as PyTorch's)."""
 
     @staticmethod
     def forward(ctx, a, mask, value):
-        ctx.mask = mask
+        ctx.mask, ctx.shape = mask, a.shape
         return array_module(a).where(mask, value, a)
 
     @staticmethod
     def backward(ctx, g):
-        return array_module(g).where(ctx.mask, 0, g), None, None
+        return unbroadcast(array_module(g).where(ctx.mask, 0, g), ctx.shape), None, None
 
 
 class Embedding(Function):
