@@ -211,6 +211,20 @@ def test_only_floating_tensors_can_require_grad():
         mt.Tensor(np.array([1, 2]), requires_grad=True)
 
 
+def test_requires_grad_underscore_freezes_as_pytorch(float64):
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    assert model[0].requires_grad_(False) is model[0]
+    model(mt.Tensor(np.ones((4, 3)))).sum().backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert model[1].weight.grad is not None
+    x = mt.Tensor(np.ones(2)).requires_grad_()
+    assert x.requires_grad and x.is_leaf
+    with pytest.raises(RuntimeError, match="only a leaf's flag can change"):
+        (x * 2).requires_grad_(False)
+    with pytest.raises(TypeError, match="only floating tensors can require grad"):
+        mt.Tensor(np.arange(3)).requires_grad_()
+
+
 def test_split_sizes_must_add_up():
     with pytest.raises(ValueError, match="add up"):
         mt.split(mt.Tensor(np.ones((2, 5))), [2, 2], axis=1)

@@ -85,6 +85,15 @@ class Tensor(TensorHooks):
     def is_leaf(self):
         return self._ctx is None
 
+    def requires_grad_(self, requires_grad=True):
+        """Set ``requires_grad`` in place and return self, as PyTorch (freezing: ``p.requires_grad_(False)``)."""
+        if self._ctx is not None and not requires_grad:
+            raise RuntimeError("requires_grad_(False) on a computed tensor: only a leaf's flag can change (use detach())")
+        if requires_grad and not _is_float(self._data.dtype):
+            raise TypeError(f"only floating tensors can require grad, got {self._data.dtype}")
+        self.requires_grad = bool(requires_grad)
+        return self
+
     @property
     def shape(self):
         return self._data.shape

@@ -201,6 +201,12 @@ class Module:
     def eval(self):
         return self.train(False)
 
+    def requires_grad_(self, requires_grad=True):
+        """Freeze (False) or unfreeze every parameter, as ``torch.nn.Module.requires_grad_``."""
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
     def zero_grad(self, set_to_none=True):
         for p in self.parameters():
             if set_to_none:
