@@ -59,7 +59,8 @@ class GPT:
     moe_top_k: int = 2
     moe_every: int = 1
     moe_capacity_factor: float = None   # None: dropless
-    moe_groups: int = 1                 # GShard's groups over the global batch (capacity counted per group)
+    moe_groups: int = 0                 # GShard's groups over the global batch (capacity counted per group);
+                                        # 0: one per replica and micro-batch, the job's default
     expert_hidden: int = 0              # 0: ffn_hidden
     moe_shared: int = 0
     kind = "gpt"
