@@ -407,6 +407,8 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert refused("gpt --block-size 15 --world 2 --cp 2").endswith("nearest valid --cp: 1\n")     # odd: no ring
     assert "nearest valid --cp: 2 or 4" in refused(f"{sizes} --world 8 --cp 8 --cp-method ulysses")  # cp | heads
     assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
+    assert refused("gpt --world 8 --cp 2 --tp 4 --sequence-parallel --block-size 20").endswith(   # as the job: s/cp
+        "--block-size 20 / --cp 2 is not divisible by --tp 4 (sequence parallelism); nearest valid --block-size: 16 or 24\n")
     assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1
     assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 2.5")
     assert "between 1 and --ep 2 (below 1 only where a capacity factor drops rows)" in refused(

@@ -269,9 +269,10 @@ def _check_gpt(model, layout):
                           f"chunks = {p} x {v} = {p * v} pipeline stages; nearest valid --n-layer: {p * v - 2} or more")
     if layout.sequence_parallel and t == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1")
-    if layout.sequence_parallel and model.block_size % t:
-        raise LayoutError(f"--block-size {model.block_size} is not divisible by --tp {t} (sequence parallelism); "
-                          f"nearest valid --block-size: {_choices(_nearest(model.block_size, [t * k for k in range(1, model.block_size // t + 3)]))}")
+    if layout.sequence_parallel and (model.block_size // layout.cp) % t:      # a cp rank's positions, split by tp
+        step, per_cp = layout.cp * t, f" / --cp {layout.cp}" if layout.cp > 1 else ""
+        raise LayoutError(f"--block-size {model.block_size}{per_cp} is not divisible by --tp {t} (sequence parallelism); "
+                          f"nearest valid --block-size: {_choices(_nearest(model.block_size, [step * k for k in range(1, model.block_size // step + 3)]))}")
     if layout.recompute not in ("none", "selective", "full"):
         raise LayoutError(f"--recompute must be none, selective or full, got {layout.recompute!r}")
     from .experts import check_axes
