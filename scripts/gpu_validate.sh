@@ -27,6 +27,10 @@
 # H200: 142 us without, 8 us with); auto starts a private MPS control daemon for the run when the steps' 4 ranks
 # outnumber the GPUs and none answers already, and stops it at the end; 0 never does.
 set -u
+case "${1:-}" in     # before anything runs: --help prints the comment above; another option is not an OUT_DIR
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0;;
+  -*) echo "gpu_validate.sh: unknown option '$1' (usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]; --help)" >&2; exit 2;;
+esac
 OUT=${1:?usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]}
 shift
 STEPS=${*:-env tests suite mlp mlp2 gpt bench transport}

@@ -118,4 +118,7 @@ def _check(status, name):
 
 
 if __name__ == "__main__":
+    # no options: the parser answers --help (the docstring) and refuses anything else before any GPU is touched
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

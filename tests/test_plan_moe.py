@@ -407,6 +407,8 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert refused("gpt --block-size 15 --world 2 --cp 2").endswith("nearest valid --cp: 1\n")     # odd: no ring
     assert "nearest valid --cp: 2 or 4" in refused(f"{sizes} --world 8 --cp 8 --cp-method ulysses")  # cp | heads
     assert "dp x pp x tp x cp" in refused(f"{sizes} --world 8 --cp 2 --dp 2")
+    assert refused("gpt --world 8 --cp 2 --tp 4 --sequence-parallel --block-size 20").endswith(   # as the job: s/cp
+        "--block-size 20 / --cp 2 is not divisible by --tp 4 (sequence parallelism); nearest valid --block-size: 16 or 24\n")
     assert refused(f"{sizes} --world 8 --cp 8").count("\n") == 1
     assert "between 1 and --ep 2" in refused(f"{sizes} --moe-experts 4 --world 2 --ep 2 --moe-load 2.5")
     assert "between 1 and --ep 2 (below 1 only where a capacity factor drops rows)" in refused(
@@ -415,6 +417,28 @@ def test_each_constraint_of_the_new_axes_is_refused_in_one_line_with_the_nearest
     assert "a load of 1; leave --moe-load out" in refused(f"{sizes} --moe-experts 4 --world 2 --moe-load 1.5")
     for fine in ("--ep 2 --moe-load 0.5", "--moe-load 0.8"):                # drops: fewer rows than routed
         assert json.loads(cli(f"{sizes} --moe-experts 4 --world 2 --moe-capacity-factor 1 {fine} --json".split()))
+
+
+def test_gshard_groups_the_job_refuses_are_not_planned_and_the_default_is_one_per_micro_batch():
+    """--moe-groups G: the job refuses G not a multiple of dp x micro-batches or not dividing the global batch;
+    the planner once planned them (capacity counted over max(1, G // (dp·m)) groups: a number for a run that
+    cannot start). The default is the job's, one group per micro-batch of each replica, on every layout
+    --search tries."""
+    sizes = "gpt --n-head 4 --n-embd 64 --block-size 24 --moe-experts 4 --moe-capacity-factor 1"
+    assert "--moe-groups 1 is not a multiple of the 2 data-parallel replicas" in refused(
+        f"{sizes} --world 2 --moe-groups 1")
+    assert "of the 2 data-parallel replicas x 2 micro-batches" in refused(f"{sizes} --world 2 --microbatches 2 "
+                                                                          "--moe-groups 2")
+    assert "--batch-size 16 does not split into --moe-groups 32 groups" in refused(f"{sizes} --world 1 --moe-groups 32")
+    assert refused(f"{sizes} --world 2 --moe-groups 3").count("\n") == 1
+    planned = lambda options: json.loads(cli(f"{sizes} {options} --json".split()))     # noqa: E731
+    assert planned("--world 2") == planned("--world 2 --moe-groups 2")               # the default: dp x m
+    assert planned("--world 2")["memory_bytes"] != planned("--world 2 --moe-groups 4")["memory_bytes"]
+    model = plan.GPT(vocab_size=64, block_size=24, n_layer=2, n_head=4, n_embd=64, moe_experts=4, moe_capacity_factor=1)
+    for layout in (plan.Layout(world=4, dp=4, batch_size=16), plan.Layout(world=4, dp=2, pp=2, microbatches=4,
+                                                                           batch_size=16)):
+        assert experts.local_groups(model, layout) == 1
+        assert experts.local_groups(replace(model, moe_groups=16), layout) == 16 // (layout.dp * layout.microbatches)
 
 
 def test_a_routing_s_load_adds_the_rows_the_busiest_rank_takes_beyond_an_even_share():

@@ -442,6 +442,32 @@ def _counted_options():
     return found
 
 
+@pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.py")))
+def test_every_script_answers_help_before_any_work(script, monkeypatch, capsys):
+    """The README: every command takes --help. A script whose parser comes after its first GPU or MPI call
+    would run (or refuse for want of a GPU) instead of saying what it does."""
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+    assert stopped.value.code == 0 and capsys.readouterr().out.startswith("usage:"), stopped.value.code
+
+
+def test_gpu_validate_answers_help_and_refuses_an_option_for_its_out_dir(tmp_path):
+    """--help prints the script's header and runs no step; any other option stops before a step runs
+    (it once became OUT_DIR: `cd --help` printed its help and every step ran, failing, into no folder)."""
+    import subprocess
+    run = lambda *argv: subprocess.run(["bash", str(SCRIPTS / "gpu_validate.sh"), *argv], capture_output=True,  # noqa: E731
+                                       text=True, timeout=60, cwd=tmp_path)
+    shown = run("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("Validate minitrain on an NVIDIA machine"), shown.stderr
+    assert "scripts/gpu_validate.sh OUT_DIR [STEP ...]" in shown.stdout and "#####" not in shown.stdout
+    assert "set -u" not in shown.stdout
+    refused = run("--out", "env")
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.strip() == (
+        "gpu_validate.sh: unknown option '--out' (usage: scripts/gpu_validate.sh OUT_DIR [STEP ...]; --help)")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("script, option", _counted_options())
 def test_a_script_refuses_a_count_of_zero_in_one_argparse_line(script, option, monkeypatch, capsys):
     """A benchmark given 0 ranks, steps or MiB stops while parsing, not with a traceback after a launch."""

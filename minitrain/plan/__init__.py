@@ -100,7 +100,7 @@ def gpt_from_args(args, world, vocab_size):
     experts = getattr(args, "moe_experts", 0) or 0
     moe = {} if not experts else dict(
         moe_experts=experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
-        moe_capacity_factor=args.moe_capacity_factor, moe_groups=args.moe_groups or dp * args.microbatches,
+        moe_capacity_factor=args.moe_capacity_factor, moe_groups=args.moe_groups or 0,
         expert_hidden=getattr(args, "expert_hidden", 0) or 0, moe_shared=getattr(args, "moe_shared", 0) or 0)
     model = GPT(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                 n_embd=args.n_embd, dropout=args.dropout, ffn_hidden=getattr(args, "ffn_hidden", 0) or 0, **moe)

@@ -41,6 +41,7 @@ hold the same experts, reduced over dp/ep x cp ranks).
 Not modelled (refused in one line): dropout with experts, sequence parallelism with experts (the job
 refuses it too); the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
 zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.
+GShard's groups (--moe-groups G) are the job's: G a multiple of dp x micro-batches, dividing the global batch.
 """
 import math
 
@@ -87,6 +88,14 @@ def check_axes(model, layout):
     if not 1 <= model.moe_every <= model.n_layer:
         raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an "
                           f"MoE layer")
+    routing = layout.dp * layout.microbatches         # each micro-batch of each replica routes whole groups
+    if model.moe_groups and model.moe_groups % routing:
+        raise LayoutError(f"--moe-groups {model.moe_groups} is not a multiple of the {layout.dp} data-parallel "
+                          f"replicas" + (f" x {layout.microbatches} micro-batches" if layout.microbatches > 1 else "")
+                          + ": each routes whole groups (the job refuses it too)")
+    if model.moe_groups and layout.batch_size % model.moe_groups:
+        raise LayoutError(f"--batch-size {layout.batch_size} does not split into --moe-groups {model.moe_groups} "
+                          f"groups of whole rows (the job refuses it too)")
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
@@ -147,8 +156,9 @@ def received_rows(model, layout, rows):
 
 
 def local_groups(model, layout):
-    """GShard's groups in one micro-batch of a replica: the global batch's over dp x micro-batches."""
-    return max(1, model.moe_groups // (layout.dp * layout.microbatches))
+    """GShard's groups in one micro-batch of a replica: the global batch's over dp x micro-batches (1 by
+    default, as the job's)."""
+    return max(1, (model.moe_groups or layout.dp * layout.microbatches) // (layout.dp * layout.microbatches))
 
 
 def moe_kept_values(model, layout, rows):

@@ -59,7 +59,8 @@ class GPT:
     moe_top_k: int = 2
     moe_every: int = 1
     moe_capacity_factor: float = None   # None: dropless
-    moe_groups: int = 1                 # GShard's groups over the global batch (capacity counted per group)
+    moe_groups: int = 0                 # GShard's groups over the global batch (capacity counted per group);
+                                        # 0: one per replica and micro-batch, the job's default
     expert_hidden: int = 0              # 0: ffn_hidden
     moe_shared: int = 0
     kind = "gpt"
@@ -268,9 +269,10 @@ def _check_gpt(model, layout):
                           f"chunks = {p} x {v} = {p * v} pipeline stages; nearest valid --n-layer: {p * v - 2} or more")
     if layout.sequence_parallel and t == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1")
-    if layout.sequence_parallel and model.block_size % t:
-        raise LayoutError(f"--block-size {model.block_size} is not divisible by --tp {t} (sequence parallelism); "
-                          f"nearest valid --block-size: {_choices(_nearest(model.block_size, [t * k for k in range(1, model.block_size // t + 3)]))}")
+    if layout.sequence_parallel and (model.block_size // layout.cp) % t:      # a cp rank's positions, split by tp
+        step, per_cp = layout.cp * t, f" / --cp {layout.cp}" if layout.cp > 1 else ""
+        raise LayoutError(f"--block-size {model.block_size}{per_cp} is not divisible by --tp {t} (sequence parallelism); "
+                          f"nearest valid --block-size: {_choices(_nearest(model.block_size, [step * k for k in range(1, model.block_size // step + 3)]))}")
     if layout.recompute not in ("none", "selective", "full"):
         raise LayoutError(f"--recompute must be none, selective or full, got {layout.recompute!r}")
     from .experts import check_axes
