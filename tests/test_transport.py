@@ -180,11 +180,14 @@ def test_without_nccl_the_backend_says_so(standin_gpu):
     (False, {"MINITRAIN_TRANSPORT": "pinned-staging"},
      "mlp.py: error: transport 'pinned-staging' moves device buffers: select the GPU first (MINITRAIN_DEVICE=cuda)"),
     (True, {"MINITRAIN_TRANSPORT": "nvlink"}, "mlp.py: error: unknown transport 'nvlink': expected auto or one of"),
+    (False, {"MINITRAIN_DEVICE": "gpu"}, "mlp.py: error: MINITRAIN_DEVICE=gpu: unknown device 'gpu': expected 'cpu' "
+                                         "or 'cuda'"),
+    (False, {"MINITRAIN_DEVICE": "cuda"}, "mlp.py: error: MINITRAIN_DEVICE=cuda: device 'cuda' needs CuPy"),
 ], ids=["cuda-ipc where it cannot work", "nccl without NCCL", "nccl without CuPy", "an unknown backend",
-        "a transport on the CPU", "an unknown transport"])
+        "a transport on the CPU", "an unknown transport", "an unknown device", "the GPU without CuPy"])
 def test_a_job_refuses_a_backend_or_transport_that_cannot_work_in_one_line(gpu, setting, says, tmp_path):
     """As a bad option is refused: one line from rank 0, exit status 2 on every rank, no traceback (on the CPU:
-    a machine without CuPy, whatever this one has)."""
+    a machine without CuPy, whatever this one has). A device refused while minitrain imports, too."""
     (tmp_path / "cupy.py").write_text("raise ImportError('no CuPy on this machine')\n")
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = standin_env(MINITRAIN_DEVICE="cuda", **setting) if gpu else {"MINITRAIN_DEVICE": "", "PYTHONPATH": path,

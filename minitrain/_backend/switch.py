@@ -6,6 +6,7 @@ MINITRAIN_DEVICE=cuda (or minitrain.set_device("cuda")) selects CuPy; use_gpu(i)
 (_cupy, _device, _gpu): backend.py and the other modules here read it in this module, at each call.
 """
 import os
+import sys
 
 import numpy as np
 
@@ -98,5 +99,36 @@ def is_device_array(a):
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
+class DeviceUnavailable(RuntimeError):
+    """MINITRAIN_DEVICE names a device this machine cannot give (unknown, or CuPy missing)."""
+
+
+def _program():
+    """The running program's name as argparse gives it ("mlp.py" for python -m minitrain.examples.mlp, whose
+    sys.argv[0] is "-m" while the package imports)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1] + ".py"
+    name = os.path.basename(sys.argv[0])
+    return name if name and not name.startswith("-") else "python"
+
+
+def _one_line(previous):
+    """sys.excepthook for DeviceUnavailable, refused as a bad option is: one line from the launcher's rank 0, exit
+    status 2 on every rank, not a traceback per rank (it is raised while minitrain imports, before any job can
+    catch it); anything else goes to ``previous``."""
+    def hook(kind, value, tb):
+        if not issubclass(kind, DeviceUnavailable):
+            return previous(kind, value, tb)
+        if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+            print(f"{_program()}: error: {value}", file=sys.stderr, flush=True)
+        os._exit(2)
+    return hook
+
+
 if os.environ.get("MINITRAIN_DEVICE"):
-    set_device(os.environ["MINITRAIN_DEVICE"])
+    try:
+        set_device(os.environ["MINITRAIN_DEVICE"])
+    except (ValueError, RuntimeError) as e:
+        sys.excepthook = _one_line(sys.excepthook)
+        raise DeviceUnavailable(f"MINITRAIN_DEVICE={os.environ['MINITRAIN_DEVICE']}: {e}") from None
