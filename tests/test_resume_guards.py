@@ -66,6 +66,10 @@ def test_a_save_never_writes_into_an_existing_step_folder(saved):
 def test_another_architecture_is_refused_by_name(saved):
     refused(gpt, GPT + ["--steps", 8, "--save-dir", saved, "--resume", "--n-head", 2],
             "n_head = 4 (--n-head), this one 2: another architecture")
+    # named before the settings that differ too: no override could make the checkpoint fit
+    err = refused(gpt, GPT + ["--steps", 16, "--lr", "1e-3", "--save-dir", saved, "--resume", "--n-layer", 2],
+                  "n_layer = 1 (--n-layer), this one 2: another architecture")
+    assert "--lr" not in err.splitlines()[-1], err
     def serve(context=16):
         return ["--checkpoint", saved, "--n-layer", 1, "--n-embd", 32, "--context", context, "--max-prompt-len", 8,
                 "--max-new-tokens", 4, "--num-prompts", 2]

@@ -37,6 +37,7 @@ ARCHITECTURE = {"sizes": "--hidden / --layers", "vocab_size": "the corpus", "blo
                 "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "moe_experts": "--moe-experts",
                 "moe_top_k": "--moe-top-k", "moe_capacity_factor": "--moe-capacity-factor", "moe_every": "--moe-every",
                 "moe_aux_loss_coef": "--moe-aux-loss-coef", "moe_groups": "--moe-groups"}
+LATER = ("sizes", "vocab_size", "moe_groups")     # known once the job has built its model or mesh
 OVERRIDE, USE_CHECKPOINT = "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"
 
 
@@ -105,6 +106,13 @@ def check_resume(parser, args, job):
     if saved_job and saved_job != job:       # named first: its optimizer and settings are another job's
         parser.error(f"--resume: {path} was saved by the {saved_job} job, not this {job} job: resume it with "
                      f"python -m minitrain.examples.{saved_job}, or give this job another --save-dir")
+    # another architecture, named before the settings (no override can make it fit): the options that are the
+    # model's fields as they are (the rest, resolved later, is checked again when the model loads)
+    mine = {key: getattr(args, key) for key in ARCHITECTURE if key not in LATER and hasattr(args, key)}
+    try:
+        check_model(layout, mine)
+    except CheckpointError as e:
+        parser.error(f"--resume: {path}: {e}")
     optimizer = layout.get("optimizer")
     if optimizer and getattr(args, "optimizer", optimizer) != optimizer:      # named first: --lr's default follows it
         parser.error(f"--resume: {path} was trained with --optimizer {optimizer} (this command line: "
