@@ -114,6 +114,22 @@ def test_backward_edge_shapes_match_torch(name, float64, rng):
     close(m.grad, t.grad)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_a_0_d_tensor_reduces_over_axis_0_or_minus_1_as_torch(op, float64):
+    """Torch takes dim 0 or -1 of a 0-d tensor (nothing to reduce); the axis arithmetic divided by its 0
+    dimensions. An axis out of range is refused by name, not wrapped."""
+    for axis in (0, -1):
+        m, t = pair(np.array(3.0))
+        out_m, out_t = getattr(m, op)(axis=axis), (t.amax(dim=axis) if op == "max" else getattr(t, op)(dim=axis))
+        assert out_m.shape == tuple(out_t.shape) == ()
+        out_m.backward()
+        out_t.backward()
+        close(out_m, out_t)
+        close(m.grad, t.grad)
+    with pytest.raises(IndexError, match=r"axis 2 is out of range for a tensor of 2 dimension\(s\) \(expected in \[-2, 1\]\)"):
+        getattr(mt.Tensor(np.ones((2, 3))), op)(axis=2)
+
+
 def test_cross_entropy_matches_torch(float64, rng):
     m, t = pair(rng.standard_normal((6, 5)))
     y = rng.integers(0, 5, 6)

@@ -1,16 +1,29 @@
 """Reductions over axes (sum, mean, max): the backward gives the reduced axes back and broadcasts the
 gradient over them (max: only to the maxima).
 """
+import numpy as np
+
 from ...backend import array_module
 from ..function import Function
 
 
 def _norm_axis(axis, ndim):
+    """The reduced axes, each in [0, ndim); as PyTorch, a 0-d tensor takes axis 0 or -1 (nothing to reduce)
+    and an axis out of range is refused by name."""
     if axis is None:
         return tuple(range(ndim))
-    if isinstance(axis, int):
-        axis = (axis,)
-    return tuple(a % ndim for a in axis)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    low, high = -max(ndim, 1), max(ndim, 1) - 1
+    for a in axes:
+        if not low <= a <= high:
+            raise IndexError(f"axis {a} is out of range for a tensor of {ndim} dimension(s) "
+                             f"(expected in [{low}, {high}])")
+    return tuple(int(a) % ndim for a in axes) if ndim else ()
+
+
+def _numpy_axis(axis, a):
+    """The axis NumPy reduces over: None for a 0-d array (which NumPy gives no axis 0)."""
+    return axis if a.ndim else None
 
 
 def _expand(g, shape, axes, keepdims):
@@ -26,7 +39,7 @@ class Sum(Function):
         ctx.shape = a.shape
         ctx.axes = _norm_axis(axis, a.ndim)
         ctx.keepdims = keepdims
-        return array_module(a).asarray(a.sum(axis=axis, keepdims=keepdims))
+        return array_module(a).asarray(a.sum(axis=_numpy_axis(axis, a), keepdims=keepdims))
 
     @staticmethod
     def backward(ctx, g):
@@ -40,7 +53,7 @@ class Mean(Function):
         ctx.shape = a.shape
         ctx.axes = _norm_axis(axis, a.ndim)
         ctx.keepdims = keepdims
-        return array_module(a).asarray(a.mean(axis=axis, keepdims=keepdims))
+        return array_module(a).asarray(a.mean(axis=_numpy_axis(axis, a), keepdims=keepdims))
 
     @staticmethod
     def backward(ctx, g):
@@ -59,7 +72,7 @@ class Max(Function):
     def forward(ctx, a, axis=None, keepdims=False):
         ctx.axes = _norm_axis(axis, a.ndim)
         ctx.keepdims = keepdims
-        out = a.max(axis=axis, keepdims=True)
+        out = a.max(axis=_numpy_axis(axis, a), keepdims=True)
         ctx.save_for_backward(a, out)
         return array_module(a).asarray(out if keepdims else out.reshape(
             [n for i, n in enumerate(a.shape) if i not in ctx.axes]))
