@@ -223,6 +223,16 @@ def test_requires_grad_underscore_freezes_as_pytorch(float64):
         (x * 2).requires_grad_(False)
     with pytest.raises(TypeError, match="only floating tensors can require grad"):
         mt.Tensor(np.arange(3)).requires_grad_()
+    # the attribute, as torch: a leaf's flag changes; a computed tensor's cannot (it would silently leave the graph)
+    y = x * 2
+    with pytest.raises(RuntimeError, match="only a leaf's flag can change"):
+        y.requires_grad = False
+    y.sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0]
+    x.requires_grad = False
+    assert not (x * 2).requires_grad
+    with pytest.raises(TypeError, match="only floating tensors can require grad"):
+        mt.Tensor(np.arange(3)).requires_grad = True
 
 
 def test_split_sizes_must_add_up():

@@ -38,7 +38,7 @@ class _Checkpoint(Function):
         leaves = []
         for a, needed in zip(arrays, needs):
             leaf = Tensor._wrap(a)
-            leaf.requires_grad = needed
+            leaf._requires_grad = needed
             leaves.append(leaf)
         now = random.get_state()
         random.set_state(ctx.rng_state)          # replay fn's random draws (dropout masks)
@@ -59,5 +59,5 @@ def checkpoint(fn, *args, **kwargs):
     # an empty tensor that requires grad makes sure the node is recorded even when no input needs a
     # gradient (the first layer's input): the parameters inside fn still need their backward
     anchor = Tensor._wrap(array_module(args[0].data).zeros(0, dtype=args[0].dtype))
-    anchor.requires_grad = is_grad_enabled()
+    anchor._requires_grad = is_grad_enabled()
     return _Checkpoint.apply(anchor, *args, fn=fn, kwargs=kwargs)

@@ -112,10 +112,10 @@ class Function:
             ctx.needs_input_grad = tuple(p is not None for p in parents)
             ctx.seq = next(_sequence)
             ctx._tensor_hooks = None
-            result.requires_grad = True
+            result._requires_grad = True
             result._ctx = ctx
         else:
-            result.requires_grad = False
+            result._requires_grad = False
             result._ctx = None
         return result
 

@@ -38,15 +38,15 @@ def _is_float(dtype):
 
 
 class Tensor(TensorHooks):
-    __slots__ = ("_data", "_grad", "requires_grad", "_ctx", "_hooks", "_post_acc_hooks", "__weakref__")
+    __slots__ = ("_data", "_grad", "_requires_grad", "_ctx", "_hooks", "_post_acc_hooks", "__weakref__")
     __array_ufunc__ = None        # ndarray + Tensor defers to Tensor.__radd__ and returns a Tensor
     __hash__ = object.__hash__    # tensors are dict keys by identity
 
     def __init__(self, data, requires_grad=False, dtype=None):
         self._data = _as_array(data, dtype)
         self._grad = None
-        self.requires_grad = bool(requires_grad)
-        if self.requires_grad and self._data.dtype.kind not in "fc" and self._data.dtype not in backend.LOW_PRECISION:
+        self._requires_grad = bool(requires_grad)
+        if self._requires_grad and self._data.dtype.kind not in "fc" and self._data.dtype not in backend.LOW_PRECISION:
             raise TypeError(f"only floating tensors can require grad, got {self._data.dtype}")
         self._ctx = None
         self._hooks = None
@@ -56,7 +56,7 @@ class Tensor(TensorHooks):
     def _wrap(cls, array):
         """A leaf around an existing array, without copying."""
         t = Tensor.__new__(Tensor)
-        t._data, t._grad, t.requires_grad, t._ctx = array, None, False, None
+        t._data, t._grad, t._requires_grad, t._ctx = array, None, False, None
         t._hooks = t._post_acc_hooks = None
         return t
 
@@ -85,13 +85,22 @@ class Tensor(TensorHooks):
     def is_leaf(self):
         return self._ctx is None
 
+    @property
+    def requires_grad(self):
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        self.requires_grad_(value)
+
     def requires_grad_(self, requires_grad=True):
         """Set ``requires_grad`` in place and return self, as PyTorch (freezing: ``p.requires_grad_(False)``)."""
         if self._ctx is not None and not requires_grad:
-            raise RuntimeError("requires_grad_(False) on a computed tensor: only a leaf's flag can change (use detach())")
+            raise RuntimeError("requires_grad = False on a computed tensor: only a leaf's flag can change (detach() "
+                               "gives a tensor outside the graph)")
         if requires_grad and not _is_float(self._data.dtype):
             raise TypeError(f"only floating tensors can require grad, got {self._data.dtype}")
-        self.requires_grad = bool(requires_grad)
+        self._requires_grad = bool(requires_grad)
         return self
 
     @property
