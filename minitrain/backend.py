@@ -10,7 +10,7 @@ The default floating dtype is float32, as in PyTorch; set_default_dtype(np.float
 
 Every name is used as backend.X. Each idea lives in its own module of _backend/ (switch: which
 array module and which GPU; moves: the counted copies; arrays: what NumPy and CuPy spell
-differently; host: local rank, BLAS threads, held host memory; dtypes), re-exported here. This file
+differently; host: launch and local rank, BLAS threads, held host memory; dtypes), re-exported here. This file
 keeps the fused kernels' machinery, whose switch backend.FUSE is read here at each call.
 """
 import os
@@ -23,7 +23,7 @@ from ._backend.switch import (_import_cupy, set_device, get_device, cuda_availab
 from ._backend.moves import (transfer_counts, to_host, to_device, to_host_into, to_device_into, to_scalar,
                              synchronize, record_event, elapsed_ms)
 from ._backend.arrays import scatter_add, device_uniform, address, byte_offset, view_of
-from ._backend.host import (local_rank, local_rank_count, usable_cores, BLAS_THREAD_VARS, default_blas_threads,
+from ._backend.host import (launch_info, local_rank, local_rank_count, usable_cores, BLAS_THREAD_VARS, default_blas_threads,
                             limit_blas_threads, HELD_ARRAY_BYTES, hold_host_memory, blas_threads)
 
 __all__ = ["bfloat16", "LOW_PRECISION", "set_default_dtype", "get_default_dtype",
@@ -32,7 +32,7 @@ __all__ = ["bfloat16", "LOW_PRECISION", "set_default_dtype", "get_default_dtype"
            "transfer_counts", "to_host", "to_device", "to_host_into", "to_device_into", "to_scalar",
            "synchronize", "record_event", "elapsed_ms",
            "scatter_add", "device_uniform", "address", "byte_offset", "view_of",
-           "local_rank", "local_rank_count", "usable_cores", "BLAS_THREAD_VARS", "default_blas_threads",
+           "launch_info", "local_rank", "local_rank_count", "usable_cores", "BLAS_THREAD_VARS", "default_blas_threads",
            "limit_blas_threads", "HELD_ARRAY_BYTES", "hold_host_memory", "blas_threads",
            "FUSE", "FUSED", "fuse", "elementwise_kernel"]
 

@@ -16,6 +16,15 @@ def local_rank():
     return 0
 
 
+def launch_info():
+    """(rank, size) of this process in the MPI launcher's world (MPICH's PMI_RANK / PMI_SIZE, Open MPI's
+    OMPI_COMM_WORLD_*), read before any MPI starts; (0, 1) when started directly."""
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ.get(size_var, "1"))
+    return 0, 1
+
+
 def local_rank_count():
     """How many ranks the MPI launcher put on this machine (1 when not launched by one)."""
     for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):

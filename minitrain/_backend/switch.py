@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from .host import launch_info
+
 _cupy = None          # the cupy module, once imported
 _device = "cpu"
 _gpu = 0              # the GPU this process computes on (each thread makes it current: bind_thread)
@@ -120,7 +122,7 @@ def _one_line(previous):
     def hook(kind, value, tb):
         if not issubclass(kind, DeviceUnavailable):
             return previous(kind, value, tb)
-        if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+        if launch_info()[0] == 0:
             print(f"{_program()}: error: {value}", file=sys.stderr, flush=True)
         os._exit(2)
     return hook

@@ -13,15 +13,8 @@ import sys
 from tqdm import tqdm  # noqa: F401  (the jobs import it from here; a dependency in setup.cfg)
 
 from .. import backend, cli
+from ..backend import launch_info
 from ..comm.communicator import DEFAULT_COMM_TIMEOUT
-
-
-def launch_info():
-    """(rank, size) of this process in the launcher's world; (0, 1) when started directly."""
-    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
-        if rank_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ.get(size_var, "1"))
-    return 0, 1
 
 
 def device_code():
