@@ -123,16 +123,21 @@ def reference_run(opt_class=optim.Adam, lr=1e-2, steps=3, n=24, depth=0):
     return model.state_dict(), losses
 
 
-def pipeline_run(comm, init, schedule, m, v=1, opt_class=optim.Adam, lr=1e-2, steps=3, n=24, dp=1, depth=0):
+def init_pipeline(comm, init, schedule, m, v=1, depth=0, dp_comm=None):
+    """The test model from ``init`` (float64) cut into a pipeline over ``comm``."""
     mt.set_default_dtype(np.float64)
     model = make_model(depth)
     model.load_state_dict(init)
+    return PipelineParallel(model, comm, schedule, m, chunks=v, dp_comm=dp_comm)
+
+
+def pipeline_run(comm, init, schedule, m, v=1, opt_class=optim.Adam, lr=1e-2, steps=3, n=24, dp=1, depth=0):
     if dp > 1:
         mesh = DeviceMesh(comm, dp=dp, pp=comm.size // dp)
         pp_comm, dp_comm = mesh.comm("pp"), mesh.comm("dp")
     else:
         pp_comm, dp_comm = comm, None
-    pipe = PipelineParallel(model, pp_comm, schedule, m, chunks=v, dp_comm=dp_comm)
+    pipe = init_pipeline(pp_comm, init, schedule, m, v, depth, dp_comm)
     opt = opt_class(pipe.parameters(), lr=lr)
     losses = []
     for x, y in batches(steps, n):
@@ -151,10 +156,7 @@ def test_zero_grad_keeping_zeroed_buffers_equals_one_process():
     init = make_model().state_dict()
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model()
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, "1f1b", 3)
+        pipe = init_pipeline(comm, init, "1f1b", 3)
         opt = optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
         for step, (x, y) in enumerate(batches()):
@@ -206,10 +208,7 @@ def test_eval_step_gives_one_process_s_outputs_and_loss_without_a_graph(schedule
     (x, y), = batches(1, 7)
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model(depth)
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, schedule, 4, chunks=v)
+        pipe = init_pipeline(comm, init, schedule, 4, v, depth)
         pipe.train_step(*batches(1, 6)[0], F.cross_entropy)
         optim.SGD(pipe.parameters(), lr=0.5).step()
         pipe.zero_grad()
@@ -320,10 +319,7 @@ def test_the_measured_bubble_comes_from_the_trace():
     init = make_model().state_dict()
 
     def fn(comm):
-        mt.set_default_dtype(np.float64)
-        model = make_model()
-        model.load_state_dict(init)
-        pipe = PipelineParallel(model, comm, "gpipe", 4)
+        pipe = init_pipeline(comm, init, "gpipe", 4)
         trace.enable(rank=comm.rank)
         x, y = batches(1)[0]
         pipe.train_step(x, y, F.cross_entropy)
