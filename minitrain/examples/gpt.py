@@ -46,6 +46,7 @@ from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_
 from minitrain.examples.options import refuse_unsupported
 from minitrain.parallel import offload_activations
 from minitrain.plan import runs_moe_on_dp
+from minitrain.plan.experts import moe_groups_problem
 
 
 def parse_args(argv=None):
@@ -160,14 +161,9 @@ def check_moe(p, args):
     if args.moe_every > args.n_layer:
         p.error(f"--moe-every {args.moe_every} exceeds --n-layer {args.n_layer}: no block would be an MoE layer")
     dp = args.dp or max(1, launch_info()[1] // (args.tp * args.pp * args.cp))    # as gpt_parallel's mesh
-    m = args.microbatches
-    groups = args.moe_groups or dp * m
-    if groups % (dp * m):
-        p.error(f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas"
-                + (f" x {m} micro-batches (each routes whole groups)" if m > 1 else ""))
-    if args.batch_size % groups:
-        p.error(f"--batch-size {args.batch_size} does not split into --moe-groups {groups} groups of whole rows"
-                + ("" if args.moe_groups else " (its default: one per data-parallel replica and micro-batch)"))
+    problem = moe_groups_problem(args.moe_groups or dp * args.microbatches, dp, args.microbatches, args.batch_size)
+    if problem:   # the default groups (dp x m) can only fail to split the batch
+        p.error(problem + ("" if args.moe_groups else " (its default: one per data-parallel replica and micro-batch)"))
     if args.moe_experts % args.ep:
         p.error(f"--ep {args.ep} does not divide --moe-experts {args.moe_experts}: each rank holds E/ep whole experts")
     if dp % args.ep:

@@ -88,14 +88,10 @@ def check_axes(model, layout):
     if not 1 <= model.moe_every <= model.n_layer:
         raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an "
                           f"MoE layer")
-    routing = layout.dp * layout.microbatches         # each micro-batch of each replica routes whole groups
-    if model.moe_groups and model.moe_groups % routing:
-        raise LayoutError(f"--moe-groups {model.moe_groups} is not a multiple of the {layout.dp} data-parallel "
-                          f"replicas" + (f" x {layout.microbatches} micro-batches" if layout.microbatches > 1 else "")
-                          + ": each routes whole groups (the job refuses it too)")
-    if model.moe_groups and layout.batch_size % model.moe_groups:
-        raise LayoutError(f"--batch-size {layout.batch_size} does not split into --moe-groups {model.moe_groups} "
-                          f"groups of whole rows (the job refuses it too)")
+    problem = model.moe_groups and moe_groups_problem(model.moe_groups, layout.dp, layout.microbatches,
+                                                      layout.batch_size)
+    if problem:
+        raise LayoutError(f"{problem} (the job refuses it too)")
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
@@ -142,6 +138,18 @@ def expert_capacity(model, layout, rows):
     N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
     groups = local_groups(model, layout)
     return E * groups * math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
+
+
+def moe_groups_problem(groups, dp, microbatches, batch_size):
+    """Why GShard's ``groups`` cannot route a layout's batches, or None: each micro-batch of each of the dp
+    replicas routes whole groups, and each group is whole rows of the global batch (the job and the planner
+    refuse the same)."""
+    if groups % (dp * microbatches):
+        return (f"--moe-groups {groups} is not a multiple of the {dp} data-parallel replicas"
+                + (f" x {microbatches} micro-batches" if microbatches > 1 else "") + " (each routes whole groups)")
+    if batch_size % groups:
+        return f"--batch-size {batch_size} does not split into --moe-groups {groups} groups of whole rows"
+    return None
 
 
 def received_rows(model, layout, rows):
