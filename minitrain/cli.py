@@ -12,10 +12,12 @@ probability or comm_timeout refuses a value out of range with argparse's one lin
 (tests/test_option_validation.py gives every numeric option of every parser such values).
 output_file, output_image and output_folder refuse, the same way, a path the run could not write when it
 ends. given_options tells which options a command line set, so a job can refuse one it would ignore.
+run_command(main) ends a command whose reader stopped reading (`... | head`) as Unix tools end.
 """
 import argparse
 import math
 import os
+import sys
 import tempfile
 
 
@@ -207,3 +209,21 @@ def given_options(parser, argv):
 def refuse(parser, option, setting, reason):
     """The one line for an option this setting cannot apply: "--X is not supported with Y (reason)"."""
     parser.error(f"{option} is not supported with {setting} ({reason})")
+
+
+#: the exit status of a Unix tool killed by SIGPIPE (128 + 13), as a shell reports `yes | head`'s yes
+BROKEN_PIPE_STATUS = 141
+
+
+def run_command(main):
+    """``sys.exit(main())``, except that a reader that stopped reading (``... | head -3``) ends the command
+    quietly with status 141, as it ends Unix tools, not in a BrokenPipeError traceback (Python ignores
+    SIGPIPE, so the next write raises; the rest of the output has no reader)."""
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: pointed at /dev/null, that flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = BROKEN_PIPE_STATUS
+    sys.exit(status)

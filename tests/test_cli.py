@@ -85,3 +85,16 @@ def test_help_prints_the_defaults():
     assert "--epochs EPOCHS passes over the training set (default: 30)" in text
     assert "--no-progress no progress bar (default: off)" in text and "(default: no limit)" in text
     assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("argv", [["minitrain.exercises", "hint", "ring_all_reduce", "--all"],
+                                  ["minitrain.plan", "gpt", "--n-layer", "2"]])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(argv):
+    """`... | head -1`: the reader closes the pipe before the command writes; the command ends with
+    status 141 (a Unix tool killed by SIGPIPE) and no BrokenPipeError traceback on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    proc.stdout.close()                    # before the interpreter has started: every write meets a closed pipe
+    _, err = proc.communicate(timeout=60)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert proc.returncode == 141
