@@ -486,6 +486,33 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_newest(s
     _load_into_ddp(checkpoint.latest(directory))
 
 
+def test_a_full_disk_under_the_manifest_fails_the_save_and_leaves_no_half_made_folder(saved, monkeypatch):
+    directory = os.path.dirname(saved)
+    from minitrain.checkpoint import core
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(core, "write_manifest", full_disk)
+
+    def body(comm):
+        job = Job(comm, "ddp")
+        job.load(saved)
+        job.save(directory, 3)
+    with pytest.raises(CheckpointError, match=r"saving step 3: \[rank 0\] committing .*No space left on device"):
+        ThreadWorld(2).run(body)
+    assert not [n for n in os.listdir(directory) if n.startswith(".tmp-step")]
+    assert checkpoint.latest(directory) == saved
+
+
+def test_pieces_that_leave_a_gap_are_refused_and_leave_no_half_made_folder(tmp_path):
+    from minitrain.checkpoint.core import write_checkpoint
+    from minitrain.sharded import Slice
+    half = Slice((4, 2), (0, 0), (2, 2))                    # rows 2 and 3 held by nobody
+    with pytest.raises(CheckpointError, match=r"tensor w \(4, 2\): the ranks' pieces cover 4 of its 8 elements"):
+        write_checkpoint(str(tmp_path), None, 1, {"w": [(half, np.zeros((2, 2)))]}, {}, {}, None)
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_newest_checkpoint_is_found_by_its_manifest_not_its_name(saved):
     directory = os.path.dirname(saved)
     os.rename(saved, os.path.join(directory, "aaa"))                                # step 2

@@ -125,7 +125,12 @@ def write_checkpoint(directory, comm, step, tensors, scalars, rank_scalars, layo
                                    "tmp": tmp, "error": error})
     _raise_any(plans, f"saving step {step}")
     tmp = plans[0]["tmp"]
-    specs, owner = plan_pieces(plans)
+    try:
+        specs, owner = plan_pieces(plans)
+    except CheckpointError:                     # every rank raises it; rank 0 leaves no half-made folder behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     merged = {}
     for r, plan in enumerate(plans):
         merged = merge_scalars(merged, plan["scalars"])
@@ -145,10 +150,9 @@ def write_checkpoint(directory, comm, step, tensors, scalars, rank_scalars, layo
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 path = _commit(directory, tmp, step, specs, owner, results, merged, plans, layout, size, keep)
-        except OSError as e:
-            error = f"committing {tmp}: {e}"
-        except CheckpointError as e:
-            error = str(e)
+        except (OSError, CheckpointError) as e:    # e.g. a full disk under the manifest: no .tmp-step left
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"committing {tmp}: {e}" if isinstance(e, OSError) else str(e)
     _raise_any(results, f"saving step {step}")
     final = all_gather_json(comm, {"path": path, "error": error})[0]
     _raise_any([final], f"saving step {step}")
