@@ -54,6 +54,12 @@ _log_sum_exp = _per_axis(lambda xp, axis: lambda x, m: xp.log(xp.sum(xp.exp(x - 
                          "minitrain_log_sum_exp")
 _sum_product = _per_axis(lambda xp, axis: lambda a, b: xp.sum(a * b, axis=axis), "minitrain_sum_product")
 _normalize_exp = fuse(lambda xp: lambda x, m, s: xp.exp(x - m) / s, "minitrain_softmax_normalize")
+# A row masked whole (its max -inf) gets weights 0, as in PyTorch's scaled_dot_product_attention, not the
+# NaN of exp(-inf - -inf): the same two kernels with the row's -inf taken out.
+_sum_exp_masked = _per_axis(lambda xp, axis: lambda x, m: xp.sum(xp.where(m == -math.inf, 0, xp.exp(x - m)),
+                                                                   axis=axis), "minitrain_sum_exp_masked")
+_normalize_exp_masked = fuse(lambda xp: lambda x, m, s: xp.where(s == 0, 0, xp.exp(x - m) / s),
+                             "minitrain_softmax_normalize_masked")
 _shift = fuse(lambda xp: lambda x, m, lse: x - m - lse, "minitrain_log_softmax_shift")
 _softmax_grad = fuse(lambda xp: lambda out, g, s, scale: out * (g - s) * scale, "minitrain_softmax_backward")
 _scale_and_mask = fuse(lambda xp: lambda x, mask, scale: xp.where(mask, -math.inf, x * scale), "minitrain_scale_and_mask")
@@ -72,8 +78,12 @@ def _keep(reduced, like, axis):
     return reduced.reshape(like.shape[:axis] + (1,) + like.shape[axis + 1:])
 
 
-def softmax(x, axis=-1):
+def softmax(x, axis=-1, masked=False):
+    """softmax along ``axis``; ``masked``: x went through scale_and_mask, and a row masked whole gives 0."""
     m = x.max(axis=axis, keepdims=True)
+    if masked:
+        s = _keep(_sum_exp_masked(axis % x.ndim)(x, m), x, axis)
+        return _normalize_exp_masked(x, m, s)
     s = _keep(_sum_exp(axis % x.ndim)(x, m), x, axis)
     return _normalize_exp(x, m, s)
 

@@ -191,6 +191,8 @@ def both(fn, *arrays):
     ("gelu", lambda x: F.gelu(x)),
     ("softmax", lambda x: F.softmax(x, axis=-1)),
     ("softmax axis 1", lambda x: F.softmax(x, axis=1)),
+    ("softmax scaled and masked, a row masked whole",
+     lambda x: F.softmax(x, axis=-1, scale=0.5, mask=(np.arange(20).reshape(4, 5) % 7 == 0) | (np.arange(4) == 2)[:, None])),
     ("log_softmax", lambda x: F.log_softmax(x, axis=-1)),
     ("layer_norm", lambda x: F.layer_norm(x, 5, mt.Tensor(np.linspace(0.5, 2, 5)), mt.Tensor(np.arange(5.0)))),
     ("layer_norm 2 axes, no affine", lambda x: F.layer_norm(x, (4, 5))),
@@ -365,3 +367,16 @@ def test_trace_spans_are_timed_by_device_events_and_read_back_once(standin_gpu):
     assert during.delta["sync"] == 0                           # recording events never waits
     assert len(events) == 3 and all("host_start" in e["args"] and "_cuda" not in e for e in events)
     assert all(e["end"] >= e["start"] for e in events) and events[1]["start"] >= events[0]["end"]
+
+
+def test_a_host_mask_meets_device_scores_by_a_counted_copy_and_a_device_mask_host_scores_is_refused():
+    mask = np.eye(3, dtype=bool)
+    before = backend.transfer_counts()["h2d"]
+    out = F.softmax(mt.Tensor(backend.to_device(np.zeros((3, 3)))), mask=mask)
+    assert backend.transfer_counts()["h2d"] - before == 2                # the scores, then the mask
+    np.testing.assert_allclose(out.numpy(), np.where(mask, 0, 0.5))
+    on_gpu = backend.to_device(mask)
+    backend.set_device("cpu")
+    with pytest.raises(TypeError, match=r"softmax: mask is on the GPU but the weights on the host"):
+        F.softmax(mt.Tensor(np.zeros((3, 3))), mask=on_gpu)
+    backend.set_device("cuda")

@@ -200,7 +200,9 @@ def test_every_fused_kernel_compiles_and_equals_the_cpu_op():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 4, 5)).astype(np.float32)
     w, b = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    masked = (np.arange(20).reshape(4, 5) % 3 == 0) | (np.arange(4) == 1)[:, None]    # row 1 masked whole
     cases = [("gelu", lambda z: F.gelu(z)), ("softmax", lambda z: F.softmax(z)),
+             ("softmax scaled and masked", lambda z: F.softmax(z, scale=0.5, mask=masked)),
              ("log_softmax", lambda z: F.log_softmax(z)),
              ("layer_norm", lambda z: F.layer_norm(z, 5, mt.Tensor(w), mt.Tensor(b))),
              ("cross_entropy", lambda z: F.cross_entropy(z, np.array([[0, 1, 2, 3]] * 3)))]

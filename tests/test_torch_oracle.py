@@ -338,3 +338,20 @@ def test_clip_grad_norm_matches_torch(float64, rng):
     theirs_params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         close(p.grad, theirs_params[name].grad)
+
+
+def test_masked_attention_with_a_row_masked_whole_matches_scaled_dot_product_attention(float64, rng):
+    """A query row that may attend to nothing gets weights 0 and gradient 0, as in PyTorch's SDPA,
+    where softmax(where(mask, -inf, s)) alone would give NaN and spread it through backward."""
+    q, k, v = (rng.standard_normal((2, 3, 4)) for _ in range(3))
+    mask = np.array([[False, True, True], [True, True, True], [False, False, True]])     # True: masked out
+    (qm, qt), (km, kt), (vm, vt) = pair(q), pair(k), pair(v)
+    out_m = F.softmax(qm @ km.transpose(1, 2), axis=-1, scale=0.5, mask=mask) @ vm
+    out_t = TF.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.tensor(~mask), scale=0.5)
+    g = rng.standard_normal(out_m.shape)
+    (out_m * mt.Tensor(g)).sum().backward()
+    (out_t * torch.tensor(g)).sum().backward()
+    close(out_m, out_t)
+    for ours, theirs in ((qm, qt), (km, kt), (vm, vt)):
+        close(ours.grad, theirs.grad)
+    assert not np.any(out_m.data[:, 1]) and not np.any(qm.grad[:, 1])

@@ -1,6 +1,6 @@
 """Stateless layer functions (torch.nn.functional's names), each one fused graph node.
-Integer inputs (targets, indices) on the host meet device weights by a counted copy to the device
-(the API edge); integer inputs on the device with host weights are refused."""
+Integer and boolean inputs (targets, indices, masks) on the host meet device weights by a counted copy
+to the device (the API edge); such inputs on the device with host weights are refused."""
 from .. import backend
 from ..autograd import Tensor, ops
 
@@ -27,6 +27,8 @@ def softmax(x, axis=-1, scale=None, mask=None):
     """softmax(x) along ``axis``; with ``scale`` and a boolean ``mask`` (True: masked out),
     softmax(where(mask, -inf, x·scale)) as one op (attention's scores)."""
     mask = mask.data if hasattr(mask, "requires_grad") else mask
+    if mask is not None:
+        mask = _inputs_beside(mask, _raw(x), "mask", "softmax")
     return ops.Softmax.apply(x, axis=axis, scale=scale, mask=mask)
 
 
@@ -46,12 +48,13 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return ops.LayerNorm.apply(x, weight, bias, ndims=len(normalized_shape), eps=eps)
 
 
-def _integers_beside(values, like, what, call):
-    """Host integers beside device data: checked and moved on purpose; the reverse is refused."""
+def _inputs_beside(values, like, what, call):
+    """Host integers or booleans beside device data: moved on purpose; the reverse is refused."""
     if backend.is_device_array(like) and not backend.is_device_array(values):
         return backend.to_device(values)
     if backend.is_device_array(values) and not backend.is_device_array(like):
-        raise TypeError(f"{call}: {what} are on the GPU but the weights on the host: pass "
+        verb = "are" if what.endswith("s") else "is"
+        raise TypeError(f"{call}: {what} {verb} on the GPU but the weights on the host: pass "
                         f"minitrain.backend.to_host({what}) or move the model to the GPU")
     return values
 
@@ -71,7 +74,7 @@ def cross_entropy(logits, targets, validate_targets=False):
                          f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
     if backend.is_device_array(_raw(logits)) and not backend.is_device_array(targets):
         ops.check_targets(targets.reshape(-1), logits.shape[-1])      # free here, while on the host
-    targets = _integers_beside(targets, _raw(logits), "targets", "cross_entropy")
+    targets = _inputs_beside(targets, _raw(logits), "targets", "cross_entropy")
     return ops.CrossEntropy.apply(logits, targets, validate_targets=validate_targets)
 
 
@@ -95,7 +98,7 @@ def embedding(indices, weight):
         raise TypeError(f"embedding: indices must be integers, got {indices.dtype}")
     if not backend.is_device_array(indices):
         ops.check_targets(indices.reshape(-1), _raw(weight).shape[0], "embedding", "indices")
-    indices = _integers_beside(indices, _raw(weight), "indices", "embedding")
+    indices = _inputs_beside(indices, _raw(weight), "indices", "embedding")
     return ops.Embedding.apply(indices, weight)
 
 

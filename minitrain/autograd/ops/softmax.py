@@ -12,7 +12,9 @@ from ..function import Function
 
 class Softmax(Function):
     """softmax(x) along ``axis``; attention's form softmax(where(mask, -inf, x·scale)) in one op, so
-    that the GPU scales and masks in one fused pass and backward (which is 0 where masked) in one."""
+    that the GPU scales and masks in one fused pass and backward (which is 0 where masked) in one.
+    A row the mask covers whole gets weights 0 and gradient 0, as in PyTorch's
+    scaled_dot_product_attention (softmax alone gives NaN there, as torch.softmax does)."""
 
     @staticmethod
     def forward(ctx, x, axis=-1, scale=None, mask=None):
@@ -20,15 +22,21 @@ class Softmax(Function):
         if is_device_array(x):
             if scale is not None or mask is not None:
                 x = kernels.scale_and_mask(x, 1.0 if scale is None else scale, mask)
-            out = kernels.softmax(x, axis)
+            out = kernels.softmax(x, axis, masked=mask is not None)
         else:
             xp = array_module(x)
             if scale is not None:
                 x = x * scale
             if mask is not None:
                 x = xp.where(mask, -math.inf, x)
-            e = xp.exp(x - x.max(axis=axis, keepdims=True))
-            out = e / e.sum(axis=axis, keepdims=True)
+            m = x.max(axis=axis, keepdims=True)
+            if mask is not None:
+                m[m == -math.inf] = 0            # a row masked whole: its exps are 0, its sum made 1 below
+            e = xp.exp(x - m)
+            s = e.sum(axis=axis, keepdims=True)
+            if mask is not None:
+                s[s == 0] = 1
+            out = e / s
         ctx.save_for_backward(out)
         return out
 
