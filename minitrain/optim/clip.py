@@ -10,26 +10,17 @@ from .. import kernels
 from ..backend import array_module, is_device_array
 
 
-def grad_norm_squared(parameters):
-    """Sum of squared gradient entries (ZeRO adds these partial sums across shards): a float, or a
-    0-d float64 device array when the gradients are on the GPU."""
-    # fp16 / bf16 gradients squared in their own precision overflow past |g| = 256: widened first
-    grads = [g if g.dtype.itemsize >= 4 else g.astype(np.float32) for g in
-             (p.grad for p in parameters if p.grad is not None)]
-    if grads and is_device_array(grads[0]):
-        xp = array_module(grads[0])
-        return xp.stack([kernels.square_sum(g) for g in grads]).astype(np.float64).sum()
-    total = 0.0
-    for g in grads:
-        total += float((g * g).sum())
-    return total
-
-
 def sum_of_squares(arrays):
-    """The sum of the arrays' squared entries in float64, as a one-element array on their device
-    (host when there are none): what this rank adds to the global norm's square."""
+    """The sum of the arrays' squared entries, as a one-element float64 array on their device (host when
+    there are none): what this rank adds to the global norm's square (the whole of it in one process).
+    On the host each square is taken in float64; on the GPU one fused kernel per array sums its squares
+    in float32 at least (fp16 / bf16 squares overflow past |g| = 256) and the sums meet in float64."""
     arrays = list(arrays)
-    total = (array_module(arrays[0]) if arrays else np).zeros(1)
+    if arrays and is_device_array(arrays[0]):
+        xp = array_module(arrays[0])
+        sums = [kernels.square_sum(a if a.dtype.itemsize >= 4 else a.astype(np.float32)) for a in arrays]
+        return xp.stack(sums).astype(np.float64).sum(keepdims=True)
+    total = np.zeros(1)
     for a in arrays:
         a64 = a.astype(np.float64)
         total += (a64 * a64).sum()
@@ -47,8 +38,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise ValueError(f"clip_grad_norm_ clips by the L2 norm (norm_type=2), got norm_type={norm_type}")
     parameters = [p for p in parameters if p.grad is not None]
     if total_norm is None:
-        total_norm = grad_norm_squared(parameters)
-        total_norm = array_module(total_norm).sqrt(total_norm) if is_device_array(total_norm) else math.sqrt(total_norm)
+        square = sum_of_squares(p.grad for p in parameters)
+        total_norm = array_module(square).sqrt(square[0]) if is_device_array(square) else math.sqrt(float(square[0]))
     if error_if_nonfinite and not math.isfinite(float(total_norm)):
         raise RuntimeError(f"the total norm of the gradients is non-finite ({float(total_norm)}), so it cannot be "
                            f"clipped (error_if_nonfinite=True, as PyTorch)")
