@@ -184,9 +184,9 @@ class Communicator(Launcher):
         barrier(self)
 
     def split(self, color, key=None):
-        """Sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then rank)."""
+        """Sub-communicator of the ranks that pass the same integer ``color``, ordered by ``key`` (then rank)."""
         self._splits += 1
-        return self._split(int(color), self.rank if key is None else int(key))
+        return self._split(color, self.rank if key is None else key)     # split_table checks both
 
     # ---- collectives: sequence numbers and tags
     def next_tag(self, name):

@@ -19,7 +19,7 @@ DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "i
                "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128")
 
 #: recvbuf = message (op) own, elementwise: what a ring reduce-scatter step does with what arrives
-REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum", "prod": "multiply"}
 
 
 class Request:
