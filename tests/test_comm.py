@@ -157,6 +157,27 @@ def test_split_orders_by_key():
     assert ThreadWorld(4).run(fn) == [(1, 2), (1, 2), (0, 2), (0, 2)]
 
 
+def test_isend_and_irecv_return_handles_with_torch_s_wait_and_is_completed():
+    def fn(comm):
+        if comm.rank == 0:
+            time.sleep(0.05)                         # the receive is posted, and tested, before the send
+            return comm.isend(np.arange(4.0), 1, tag=7).wait()
+        buf = np.zeros(4)
+        request = comm.irecv(buf, 0, tag=7)
+        early = request.is_completed()
+        assert request.wait() is True and request.is_completed()
+        with pytest.raises(CommError, match=r"\[rank 1\] recv from rank 0 \(tag 8\).*16 bytes.*expected 24 bytes"):
+            comm.irecv(np.zeros(3), 0, tag=8).wait()
+        return early, buf.tolist()
+
+    def sender(comm, fn=fn):
+        result = fn(comm)
+        if comm.rank == 0:
+            comm.send(np.zeros(2), 1, tag=8)         # a message of another size than the receive's
+        return result
+    assert ThreadWorld(2).run(sender) == [True, (False, [0.0, 1.0, 2.0, 3.0])]
+
+
 def test_split_refuses_a_color_or_key_that_is_not_an_integer_on_the_rank_that_passed_it():
     """torch's new_group leaves non-members out; MPI's split has every rank join a group: None (or 1.5, which
     int() would have cut to 1, joining another group) is refused by name, before any rank waits."""

@@ -27,13 +27,22 @@ class Request:
     arrived) when a receive completes; the Communicator fills in ``buf``, ``tag`` and ``record``."""
 
     received = None
-    buf = tag = record = None
+    buf = tag = record = comm = None           # comm: the Communicator that posted it
 
     def __init__(self, peer, kind):
         self.peer, self.kind = peer, kind
 
     def test(self):
         raise NotImplementedError
+
+    def wait(self):
+        """Block until done, as the Work of torch.distributed.isend / irecv (the communicator's timeouts
+        and checks apply: a receive of another size raises); returns True."""
+        self.comm.wait_all([self], f"wait ({self.kind} rank {self.peer}, tag {self.tag})")
+        return True
+
+    def is_completed(self):
+        return self.comm.test(self, f"is_completed ({self.kind} rank {self.peer}, tag {self.tag})")
 
     def cancel(self):
         """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""
