@@ -92,7 +92,7 @@ class Communicator(Launcher):
         """isend / irecv ("send" / "recv") without _post's check, count and record, for a caller that does
         them once for routes it reuses (the pipeline: messages.py says why), record_waits included."""
         request = (self._isend if kind == "send" else self._irecv)(buf, peer, tag * DTYPE_SLOTS + dtype_code(buf.dtype))
-        request.buf, request.tag, request.record, request.comm = buf, tag, None, self
+        request.buf, request.tag, request.record, request.communicator = buf, tag, None, self
         return request
 
     def record_waits(self, requests, kind):

@@ -24,10 +24,12 @@ REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"
 
 class Request:
     """A pending send or receive. Transports implement ``test()`` and set ``received`` (bytes that
-    arrived) when a receive completes; the Communicator fills in ``buf``, ``tag`` and ``record``."""
+    arrived) when a receive completes; the Communicator fills in ``buf``, ``tag``, ``record`` and
+    ``communicator`` (itself: wait() and is_completed() go through it; a transport's request may keep
+    another communicator of its own, as ThreadWorld's under NCCL keeps the bootstrap's)."""
 
     received = None
-    buf = tag = record = comm = None           # comm: the Communicator that posted it
+    buf = tag = record = communicator = None
 
     def __init__(self, peer, kind):
         self.peer, self.kind = peer, kind
@@ -38,11 +40,11 @@ class Request:
     def wait(self):
         """Block until done, as the Work of torch.distributed.isend / irecv (the communicator's timeouts
         and checks apply: a receive of another size raises); returns True."""
-        self.comm.wait_all([self], f"wait ({self.kind} rank {self.peer}, tag {self.tag})")
+        self.communicator.wait_all([self], f"wait ({self.kind} rank {self.peer}, tag {self.tag})")
         return True
 
     def is_completed(self):
-        return self.comm.test(self, f"is_completed ({self.kind} rank {self.peer}, tag {self.tag})")
+        return self.communicator.test(self, f"is_completed ({self.kind} rank {self.peer}, tag {self.tag})")
 
     def cancel(self):
         """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""
