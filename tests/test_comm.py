@@ -147,6 +147,10 @@ def test_mesh_that_does_not_fit_the_world_is_a_clear_error():
     def fn(comm):
         with pytest.raises(MeshError, match="does not fit a world of 4"):
             DeviceMesh(comm, dp=3, tp=2)
+        with pytest.raises(TypeError, match="positional argument"):     # torch's (shape, names): axes by name here
+            DeviceMesh(comm, (2, 2), ("dp", "tp"))
+        with pytest.raises(TypeError, match="positional argument"):     # pp 2 x dp 2, or dp 2 x pp 2?
+            DeviceMesh(comm, 2, 2)
     ThreadWorld(4).run(fn)
 
 
