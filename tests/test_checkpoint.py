@@ -548,7 +548,8 @@ def test_a_layout_is_described_with_all_its_axes_their_product_the_world():
               "precision": "fp64"}
     assert checkpoint.describe_layout(layout) == ("gpt job, strategy dp+cp+ep2, 4 rank(s) = dp 2 x pp 1 x cp 2 x tp 1 "
                                                   "(ep 2 inside dp), precision fp64")
-    assert "rank(s) = dp 4 x pp 1 x tp 1, precision" in checkpoint.describe_layout({**layout, "dp": 4, "cp": 1, "ep": 1})
+    plain = checkpoint.describe_layout({**layout, "dp": 4, "cp": 1, "ep": 1})
+    assert "rank(s) = dp 4 x pp 1 x tp 1, precision" in plain
 
 
 def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(saved, tmp_path, capsys):

@@ -58,7 +58,7 @@ def check_all_reduce(comm, impl, ops=("sum", "mean", "max", "min", "prod"), dtyp
     for n in lengths or collective_lengths(comm.size):
         for dtype in dtypes:
             for op in ops:
-                if (op == "mean" and np.dtype(dtype).kind != "f") or (op == "prod" and not exact_product(comm.size, dtype)):
+                if op == "mean" and np.dtype(dtype).kind != "f" or op == "prod" and not exact_product(comm.size, dtype):
                     continue
                 x = rank_input(comm.rank, n, dtype)
                 before = x.copy()

@@ -183,7 +183,8 @@ def all_to_all(comm, x, async_op=False):
     result came from rank j (MPI_Alltoall). (p-1) messages of N/p elements per rank."""
     check_array(comm, x, "all_to_all")
     if x.ndim == 0 or x.shape[0] % comm.size:
-        raise ValueError(f"[rank {comm.rank}] all_to_all: the first axis ({x.shape[:1]}) must divide into {comm.size} equal blocks")
+        raise ValueError(f"[rank {comm.rank}] all_to_all: the first axis ({x.shape[:1]}) must divide into "
+                         f"{comm.size} equal blocks")
     header = {"shape": x.shape, "dtype": x.dtype}
     return comm.launch("all_to_all", _all_to_all_body, (x,), async_op, header, x.nbytes)
 

@@ -62,7 +62,8 @@ def check_collectives(comm, cp, where):
             for op in ("sum", "mean", "max", "min", "prod"):
                 if (op == "mean" and dtype == "int32") or (op == "prod" and dtype == "float16"):   # (not exact)
                     continue
-                want = {"sum": stack.sum, "mean": stack.mean, "max": stack.max, "min": stack.min, "prod": stack.prod}[op](0)
+                want = {"sum": stack.sum, "mean": stack.mean, "max": stack.max, "min": stack.min,
+                        "prod": stack.prod}[op](0)
                 got = R.ring_all_reduce(comm, x, op=op)
                 assert np.array_equal(cp.asnumpy(got), want.astype(dtype)), f"{where} ring_all_reduce n={n} {dtype} {op}"
                 count += 1
