@@ -569,6 +569,16 @@ def test_inspect_prints_the_manifest_as_a_table(saved, capsys):
     assert main(["verify", saved]) == 0 and "every checksum matches" in capsys.readouterr().out
 
 
+def test_a_layout_is_described_with_all_its_axes_their_product_the_world():
+    """dp x pp x tp alone said '4 rank(s) = dp 2 x pp 1 x tp 1' of a dp2 x cp2 run."""
+    layout = {"job": "gpt", "strategy": "dp+cp+ep2", "world_size": 4, "dp": 2, "pp": 1, "cp": 2, "tp": 1, "ep": 2,
+              "precision": "fp64"}
+    assert checkpoint.describe_layout(layout) == ("gpt job, strategy dp+cp+ep2, 4 rank(s) = dp 2 x pp 1 x cp 2 x tp 1 "
+                                                  "(ep 2 inside dp), precision fp64")
+    plain = checkpoint.describe_layout({**layout, "dp": 4, "cp": 1, "ep": 1})
+    assert "rank(s) = dp 4 x pp 1 x tp 1, precision" in plain
+
+
 def test_the_tool_names_a_directory_that_is_not_there_or_holds_no_checkpoint(saved, tmp_path, capsys):
     from minitrain.checkpoint.__main__ import main
     assert main(["list", os.path.dirname(saved)]) == 0 and "step        2" in capsys.readouterr().out

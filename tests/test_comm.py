@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minitrain import trace
-from minitrain.comm import (DeviceMesh, MeshError,
+from minitrain.comm import (CommError, DeviceMesh, MeshError,
                             ThreadWorld, all_reduce, all_reduce_coalesced, all_to_all, broadcast, chunk_bounds,
                             naive_all_reduce, reduce,
                             recursive_doubling_all_reduce, ring_all_gather, ring_all_reduce,
@@ -147,6 +147,10 @@ def test_mesh_that_does_not_fit_the_world_is_a_clear_error():
     def fn(comm):
         with pytest.raises(MeshError, match="does not fit a world of 4"):
             DeviceMesh(comm, dp=3, tp=2)
+        with pytest.raises(TypeError, match="positional argument"):     # torch's (shape, names): axes by name here
+            DeviceMesh(comm, (2, 2), ("dp", "tp"))
+        with pytest.raises(TypeError, match="positional argument"):     # pp 2 x dp 2, or dp 2 x pp 2?
+            DeviceMesh(comm, 2, 2)
     ThreadWorld(4).run(fn)
 
 
@@ -155,6 +159,38 @@ def test_split_orders_by_key():
         sub = comm.split(color=comm.rank % 2, key=-comm.rank)
         return sub.rank, sub.size
     assert ThreadWorld(4).run(fn) == [(1, 2), (1, 2), (0, 2), (0, 2)]
+
+
+def test_isend_and_irecv_return_handles_with_torch_s_wait_and_is_completed():
+    def fn(comm):
+        if comm.rank == 0:
+            time.sleep(0.05)                         # the receive is posted, and tested, before the send
+            return comm.isend(np.arange(4.0), 1, tag=7).wait()
+        buf = np.zeros(4)
+        request = comm.irecv(buf, 0, tag=7)
+        early = request.is_completed()
+        assert request.wait() is True and request.is_completed()
+        with pytest.raises(CommError, match=r"\[rank 1\] recv from rank 0 \(tag 8\).*16 bytes.*expected 24 bytes"):
+            comm.irecv(np.zeros(3), 0, tag=8).wait()
+        return early, buf.tolist()
+
+    def sender(comm, fn=fn):
+        result = fn(comm)
+        if comm.rank == 0:
+            comm.send(np.zeros(2), 1, tag=8)         # a message of another size than the receive's
+        return result
+    assert ThreadWorld(2).run(sender) == [True, (False, [0.0, 1.0, 2.0, 3.0])]
+
+
+def test_split_refuses_a_color_or_key_that_is_not_an_integer_on_the_rank_that_passed_it():
+    """torch's new_group leaves non-members out; MPI's split has every rank join a group: None (or 1.5, which
+    int() would have cut to 1, joining another group) is refused by name, before any rank waits."""
+    def fn(comm):
+        for color, key in ((None, None), (1.5, None), (0, "a")):
+            with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] split: (color|key) must be an integer"):
+                comm.split(color, key)
+        return comm.split(np.int64(comm.rank // 2)).size
+    assert ThreadWorld(4).run(fn) == [2, 2, 2, 2]
 
 
 def test_a_rank_that_raises_stops_the_others_quickly():
@@ -249,6 +285,48 @@ def test_a_collective_refuses_what_is_not_an_array_by_name_on_every_rank(collect
             collective(comm, value)
         with pytest.raises(TypeError, match="all_reduce_coalesced: expected an array"):
             all_reduce_coalesced(comm, [np.ones(2), value])
+        return True
+    assert ThreadWorld(2).run(fn) == [True, True]
+
+
+def test_prod_reduces_on_every_collective_that_reduces():
+    """PyTorch's ReduceOp.PRODUCT (MPI_PROD): products of small integers are exact in any order."""
+    def fn(comm):
+        x = np.array([1, -2, 3, 0, 5], np.int64) + comm.rank
+        return [all_reduce(comm, x, op="prod", algorithm=a) for a in ("ring", "recursive_doubling", "naive")] + [
+            ring_reduce_scatter(comm, x, op="prod"), reduce(comm, x, root=2, op="prod")]
+    want = np.prod([np.array([1, -2, 3, 0, 5]) + r for r in range(3)], axis=0)
+    for rank, results in enumerate(ThreadWorld(3).run(fn)):
+        for got in results[:3]:
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(results[3], np.array_split(want, 3)[rank])
+        assert (results[4] is None) == (rank != 2) and (rank != 2 or np.array_equal(results[4], want))
+
+
+@pytest.mark.parametrize("op, dtype, error, needle", [
+    ("max", np.complex128, TypeError, "op='max' on complex128: complex numbers have no order"),
+    ("min", np.complex64, TypeError, "op='min' on complex64: complex numbers have no order"),
+    ("mean", np.int32, TypeError, "op='mean' needs a floating dtype, got int32"),
+    ("avg", np.float64, ValueError, "unknown op 'avg'.*PyTorch's ReduceOp.AVG is op='mean'"),
+    ("PRODUCT", np.float64, ValueError, "unknown op 'PRODUCT'.*PyTorch's ReduceOp.PRODUCT is op='prod'"),
+])
+@pytest.mark.parametrize("collective", [all_reduce, ring_reduce_scatter, reduce, naive_all_reduce])
+def test_an_op_the_dtype_cannot_take_is_refused_naming_the_rank_and_the_call(collective, op, dtype, error, needle):
+    """As MPI and PyTorch refuse MAX / MIN of complex numbers (NumPy would order them lexicographically: a
+    number nobody asked for), before any rank waits."""
+    def fn(comm):
+        with pytest.raises(error, match=rf"\[rank {comm.rank}\] \w*{collective.__name__}: {needle}"):
+            collective(comm, np.ones(3, dtype), op=op)
+        return True
+    assert ThreadWorld(2).run(fn) == [True, True]
+
+
+def test_broadcast_s_refusals_name_the_rank():
+    def fn(comm):
+        with pytest.raises(ValueError, match=rf"\[rank {comm.rank}\] broadcast: the buffer must be contiguous"):
+            broadcast(comm, np.zeros((3, 2)).T)
+        with pytest.raises(ValueError, match=rf"\[rank {comm.rank}\] broadcast: root 2 is not in a world of size 2"):
+            broadcast(comm, np.zeros(3), root=2)
         return True
     assert ThreadWorld(2).run(fn) == [True, True]
 

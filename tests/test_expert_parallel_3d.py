@@ -223,9 +223,12 @@ def checkpoint_then_resume(tmp_path, ranks, options, one_options):
     return json.loads(whole.read_text()), resume
 
 
-def test_a_checkpoint_of_dp2_x_tp2_ep2_resumes_in_one_process_and_on_dp2_ep2(tmp_path):
+def test_a_checkpoint_of_dp2_x_tp2_ep2_resumes_in_one_process_and_on_dp2_ep2_with_and_without_zero(tmp_path):
+    """Under --ep with --zero the dense parameters and the experts are two optimizers: a checkpoint without ZeRO
+    holds one optimizer's scheduler (one learning rate per group of one process), which must still set both."""
     whole, resume = checkpoint_then_resume(tmp_path, 4, ["--tp", "2", "--ep", "2"], ["--moe-groups", "2"])
-    for n, options, name in ((1, ["--moe-groups", "2"], "one"), (2, ["--ep", "2"], "dp2 ep2")):
+    for n, options, name in ((1, ["--moe-groups", "2"], "one"), (2, ["--ep", "2"], "dp2 ep2"),
+                             (2, ["--ep", "2", "--zero", "1"], "dp2 ep2 zero1")):
         resumed = resume(n, options, name)
         assert resumed["first_step"] == 3
         np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0, err_msg=name)

@@ -138,9 +138,11 @@ def latest(directory):
 def describe_layout(layout):
     if not layout:
         return "unknown layout"
+    cp = f" x cp {layout['cp']}" if layout.get("cp", 1) > 1 else ""         # the mesh's order: dp x pp x cp x tp
+    ep = f" (ep {layout['ep']} inside dp)" if layout.get("ep", 1) > 1 else ""
     parts = [f"{layout.get('job', '?')} job", f"strategy {layout.get('strategy', '?')}",
-             f"{layout.get('world_size', '?')} rank(s) = dp {layout.get('dp', 1)} x pp {layout.get('pp', 1)} "
-             f"x tp {layout.get('tp', 1)}"]
+             f"{layout.get('world_size', '?')} rank(s) = dp {layout.get('dp', 1)} x pp {layout.get('pp', 1)}{cp} "
+             f"x tp {layout.get('tp', 1)}{ep}"]
     if layout.get("zero_stage"):
         parts.append(f"ZeRO stage {layout['zero_stage']}")
     parts.append(f"precision {layout.get('precision', '?')}")

@@ -28,8 +28,16 @@ def rank_input(rank, n, dtype, seed=0):
 
 def expected_reduction(p, n, dtype, op, seed=0):
     stack = np.stack([rank_input(r, n, dtype, seed) for r in range(p)]).astype(np.float64)
-    result = {"sum": stack.sum(0), "mean": stack.mean(0), "max": stack.max(0), "min": stack.min(0)}[op]
+    result = {"sum": stack.sum, "mean": stack.mean, "max": stack.max, "min": stack.min, "prod": stack.prod}[op](0)
     return result.astype(dtype)
+
+
+def exact_product(p, dtype):
+    """Whether a product of p inputs (|x| <= 50) is exact in ``dtype`` in any order (every partial product
+    representable), so that every algorithm's product agrees bit for bit."""
+    dtype = np.dtype(dtype)
+    digits = np.finfo(dtype).nmant + 1 if dtype.kind == "f" else np.iinfo(dtype).bits - 1
+    return 50 ** p < 2 ** digits
 
 
 def _mpi_reference(mpi_comm, x, op):
@@ -38,11 +46,11 @@ def _mpi_reference(mpi_comm, x, op):
     if x.dtype == np.float16 or op == "mean":
         return None
     out = np.empty_like(x)
-    mpi_comm.Allreduce(x, out, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+    mpi_comm.Allreduce(x, out, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op])
     return out
 
 
-def check_all_reduce(comm, impl, ops=("sum", "mean", "max", "min"), dtypes=COLLECTIVE_DTYPES,
+def check_all_reduce(comm, impl, ops=("sum", "mean", "max", "min", "prod"), dtypes=COLLECTIVE_DTYPES,
                      lengths=None, mpi_comm=None, name="all_reduce"):
     """Run ``impl(comm, x, op=op)`` on every (length, dtype, op) and compare exactly with the
     NumPy oracle (and MPI_Allreduce when ``mpi_comm`` is given). Returns the number of checks."""
@@ -50,7 +58,7 @@ def check_all_reduce(comm, impl, ops=("sum", "mean", "max", "min"), dtypes=COLLE
     for n in lengths or collective_lengths(comm.size):
         for dtype in dtypes:
             for op in ops:
-                if op == "mean" and np.dtype(dtype).kind != "f":
+                if op == "mean" and np.dtype(dtype).kind != "f" or op == "prod" and not exact_product(comm.size, dtype):
                     continue
                 x = rank_input(comm.rank, n, dtype)
                 before = x.copy()
@@ -72,7 +80,9 @@ def check_reduce_scatter(comm, mpi_comm=None):
     count = 0
     for n in collective_lengths(comm.size):
         for dtype in COLLECTIVE_DTYPES:
-            for op in ("sum", "max", "min"):
+            for op in ("sum", "max", "min", "prod"):
+                if op == "prod" and not exact_product(comm.size, dtype):
+                    continue
                 x = rank_input(comm.rank, n, dtype)
                 got = R.ring_reduce_scatter(comm, x, op=op)
                 want = np.array_split(expected_reduction(comm.size, n, dtype, op), comm.size)[comm.rank]
@@ -81,7 +91,8 @@ def check_reduce_scatter(comm, mpi_comm=None):
                     from mpi4py import MPI
                     counts = [b - a for a, b in zip(chunk_bounds(n, comm.size)[:-1], chunk_bounds(n, comm.size)[1:])]
                     ref = np.empty(counts[comm.rank], dtype)
-                    mpi_comm.Reduce_scatter(x, ref, counts, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+                    mpi_comm.Reduce_scatter(x, ref, counts, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
+                                                                "prod": MPI.PROD}[op])
                     assert np.array_equal(got, ref), f"[rank {comm.rank}] reduce_scatter differs from MPI"
                 count += 1
     return count

@@ -13,14 +13,17 @@ each. Per rank (what comm.stats measures):
   all_to_all            (p-1) messages of N/p·b: (p-1)·alpha + (p-1)/p·N·b·beta
 
 Arrays of any shape are treated as flat; chunks follow np.array_split(x.ravel(), p), so any
-length works (0, 1, fewer than p, not divisible by p). op is sum, mean, max or min (mean:
-floating dtypes only, since an integer mean is not an integer). ring_all_reduce and friends
-return new arrays and leave the input untouched; broadcast fills the receivers' buffers in
-place, like MPI_Bcast. async_op=True returns a Work (see work.py).
+length works (0, 1, fewer than p, not divisible by p). op is sum, mean, max, min or prod
+(PyTorch's AVG is mean: floating dtypes only, since an integer mean is not an integer; its PRODUCT
+is prod). ring_all_reduce and friends return new arrays and leave the input untouched; broadcast
+fills the receivers' buffers in place, like MPI_Bcast. async_op=True returns a Work (see work.py).
 """
+import operator
+
 import numpy as np
 
 from ..backend import array_module
+from .errors import CommError
 from .reductions import check_array, check_op, check_out, combine, finish_mean, flat_view, output_buffer
 from .rings import ring_all_gather, ring_all_reduce
 
@@ -53,9 +56,9 @@ def broadcast(comm, x, root=0, async_op=False):
     shape and dtype) along a binomial tree: ceil(log2 p) rounds."""
     check_array(comm, x, "broadcast")
     if not 0 <= root < comm.size:
-        raise ValueError(f"broadcast: root {root} is not in a world of size {comm.size}")
+        raise ValueError(f"[rank {comm.rank}] broadcast: root {root} is not in a world of size {comm.size}")
     if not x.flags.c_contiguous:
-        raise ValueError("broadcast: the buffer must be contiguous (it is filled in place)")
+        raise ValueError(f"[rank {comm.rank}] broadcast: the buffer must be contiguous (it is filled in place)")
     header = {"shape": x.shape, "dtype": x.dtype, "extra": root}
     return comm.launch("broadcast", _broadcast_body, (x, root), async_op, header, x.nbytes)
 
@@ -82,9 +85,9 @@ def _reduce_body(comm, tag, x, root, op):
 def reduce(comm, x, root=0, op="sum", async_op=False):
     """The reduction of all ranks' ``x`` on ``root`` (None on the others), along a binomial tree."""
     check_array(comm, x, "reduce")
-    check_op(op, x.dtype)
+    check_op(comm, "reduce", op, x.dtype)
     if not 0 <= root < comm.size:
-        raise ValueError(f"reduce: root {root} is not in a world of size {comm.size}")
+        raise ValueError(f"[rank {comm.rank}] reduce: root {root} is not in a world of size {comm.size}")
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
     return comm.launch("reduce", _reduce_body, (x, root, op), async_op, header, x.nbytes)
 
@@ -114,9 +117,9 @@ def naive_all_reduce(comm, x, op="sum", root=0, out=None, async_op=False):
     """Everyone sends everything to the root, which reduces and sends the result back to each:
     the root moves 2(p-1)·N·b bytes, serially. The contrast that motivates the ring."""
     check_array(comm, x, "naive_all_reduce")
-    check_op(op, x.dtype)
+    check_op(comm, "naive_all_reduce", op, x.dtype)
     if not 0 <= root < comm.size:
-        raise ValueError(f"naive_all_reduce: root {root} is not in a world of size {comm.size}")
+        raise ValueError(f"[rank {comm.rank}] naive_all_reduce: root {root} is not in a world of size {comm.size}")
     check_out(comm, "naive_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op, "extra": root}
     return comm.launch("naive_all_reduce", _naive_body, (x, op, root, out), async_op, header, x.nbytes)
@@ -157,7 +160,7 @@ def recursive_doubling_all_reduce(comm, x, op="sum", out=None, async_op=False):
     beyond the largest power of two fold in first and get the result last. Few messages, many
     bytes: the right choice for small messages, where latency (alpha) dominates."""
     check_array(comm, x, "recursive_doubling_all_reduce")
-    check_op(op, x.dtype)
+    check_op(comm, "recursive_doubling_all_reduce", op, x.dtype)
     check_out(comm, "recursive_doubling_all_reduce", out, x.shape, x)
     header = {"shape": x.shape, "dtype": x.dtype, "op": op}
     return comm.launch("recursive_doubling_all_reduce", _recursive_doubling_body, (x, op, out), async_op,
@@ -180,7 +183,8 @@ def all_to_all(comm, x, async_op=False):
     result came from rank j (MPI_Alltoall). (p-1) messages of N/p elements per rank."""
     check_array(comm, x, "all_to_all")
     if x.ndim == 0 or x.shape[0] % comm.size:
-        raise ValueError(f"all_to_all: the first axis ({x.shape[:1]}) must divide into {comm.size} equal blocks")
+        raise ValueError(f"[rank {comm.rank}] all_to_all: the first axis ({x.shape[:1]}) must divide into "
+                         f"{comm.size} equal blocks")
     header = {"shape": x.shape, "dtype": x.dtype}
     return comm.launch("all_to_all", _all_to_all_body, (x,), async_op, header, x.nbytes)
 
@@ -202,7 +206,14 @@ def barrier(comm):
 def split_table(comm, color, key):
     """Every rank's (color, key) through one timed all-gather, so that no rank can wait for a split
     another never calls (Communicator.split). Returns (this rank's new members in world ranks, its
-    new rank, the new communicator's uid)."""
+    new rank, the new communicator's uid). Every rank joins one group (MPI_Comm_split without
+    MPI_UNDEFINED): a color or key that is not an integer (None; 1.5, which int() would cut) is refused."""
+    for what, value in (("color", color), ("key", key)):
+        try:
+            operator.index(value)
+        except TypeError:
+            raise CommError(f"[rank {comm.rank}] split: {what} must be an integer, got {value!r} (every rank joins "
+                            f"one group: a rank that needs none passes a color of its own)") from None
     table = ring_all_gather(comm, np.array([color, key], np.int64), total=2 * comm.size).reshape(comm.size, 2)
     local = [r for _, r in sorted((int(k), r) for r, (c, k) in enumerate(table) if c == color)]
     world = [comm.members[r] for r in local]

@@ -92,7 +92,7 @@ class Communicator(Launcher):
         """isend / irecv ("send" / "recv") without _post's check, count and record, for a caller that does
         them once for routes it reuses (the pipeline: messages.py says why), record_waits included."""
         request = (self._isend if kind == "send" else self._irecv)(buf, peer, tag * DTYPE_SLOTS + dtype_code(buf.dtype))
-        request.buf, request.tag, request.record = buf, tag, None
+        request.buf, request.tag, request.record, request.communicator = buf, tag, None, self
         return request
 
     def record_waits(self, requests, kind):
@@ -184,9 +184,9 @@ class Communicator(Launcher):
         barrier(self)
 
     def split(self, color, key=None):
-        """Sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then rank)."""
+        """Sub-communicator of the ranks that pass the same integer ``color``, ordered by ``key`` (then rank)."""
         self._splits += 1
-        return self._split(int(color), self.rank if key is None else int(key))
+        return self._split(color, self.rank if key is None else key)     # split_table checks both
 
     # ---- collectives: sequence numbers and tags
     def next_tag(self, name):

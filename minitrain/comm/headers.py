@@ -85,7 +85,7 @@ def _code(text):
 
 for _dt in DTYPE_NAMES:
     NAMES[_code(_dt)] = _dt
-OPS = (None, "sum", "mean", "max", "min")
+OPS = (None, "sum", "mean", "max", "min", "prod")
 MAX_DIMS = 6
 register_names(COLLECTIVE_NAMES)
 

@@ -21,7 +21,9 @@ class MeshError(ValueError):
 
 
 class DeviceMesh:
-    def __init__(self, comm, dp=1, pp=1, tp=1, cp=1):
+    # the axes by name only: the grid's order (pp, dp, cp, tp) is not the arguments', and torch's
+    # DeviceMesh(device_type, mesh) / init_device_mesh(device_type, shape, mesh_dim_names) are other calls
+    def __init__(self, comm, *, dp=1, pp=1, tp=1, cp=1):
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         for name, n in sizes.items():
             if not isinstance(n, (int, np.integer)) or n < 1:

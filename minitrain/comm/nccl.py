@@ -28,7 +28,7 @@ from .wire import Request, Transport
 NCCL_UINT8 = 1
 NCCL_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
                "float32": 7, "float64": 8, "bfloat16": 9}
-NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "mean": 4}       # mean: ncclAvg (NCCL >= 2.10)
+NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "mean": 4}       # mean: ncclAvg (NCCL >= 2.10)
 
 
 class NCCLUnavailable(Unavailable):

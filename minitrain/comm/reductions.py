@@ -4,7 +4,9 @@ import numpy as np
 
 from ..backend import LOW_PRECISION, address, array_module
 
-OPS = ("sum", "mean", "max", "min")
+OPS = ("sum", "mean", "max", "min", "prod")
+#: torch.distributed.ReduceOp's names that differ from ours, for the error that meets them
+TORCH_OP_NAMES = {"avg": "mean", "product": "prod"}
 
 
 def chunk_bounds(n, p):
@@ -23,11 +25,20 @@ def check_array(comm, x, name):
         raise TypeError(f"[rank {comm.rank}] {name}: expected an array (NumPy or CuPy), got {type(x).__name__}")
 
 
-def check_op(op, dtype):
+def check_op(comm, name, op, dtype):
+    """``op`` is one this collective reduces ``dtype`` with: mean of floating dtypes only (an integer
+    mean is not an integer), max / min not of complex ones (they have no order: MPI and PyTorch refuse
+    them too); an error names the rank and the call."""
     if op not in OPS:
-        raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
-    if op == "mean" and np.dtype(dtype).kind not in "fc" and np.dtype(dtype) not in LOW_PRECISION:
-        raise TypeError(f"op='mean' needs a floating dtype, got {np.dtype(dtype)} (use 'sum')")
+        torch_name = op.lower() if isinstance(op, str) else None
+        hint = (f" (PyTorch's ReduceOp.{torch_name.upper()} is op={TORCH_OP_NAMES[torch_name]!r})"
+                if torch_name in TORCH_OP_NAMES else "")
+        raise ValueError(f"[rank {comm.rank}] {name}: unknown op {op!r}: expected one of {OPS}{hint}")
+    dtype = np.dtype(dtype)
+    if op == "mean" and dtype.kind not in "fc" and dtype not in LOW_PRECISION:
+        raise TypeError(f"[rank {comm.rank}] {name}: op='mean' needs a floating dtype, got {dtype} (use 'sum')")
+    if op in ("max", "min") and dtype.kind == "c":
+        raise TypeError(f"[rank {comm.rank}] {name}: op={op!r} on {dtype}: complex numbers have no order")
 
 
 def combine(acc, incoming, op):
@@ -35,6 +46,8 @@ def combine(acc, incoming, op):
     xp = array_module(acc)
     if op in ("sum", "mean"):
         xp.add(acc, incoming, out=acc)
+    elif op == "prod":
+        xp.multiply(acc, incoming, out=acc)
     elif op == "max":
         xp.maximum(acc, incoming, out=acc)
     else:

@@ -30,7 +30,7 @@ def ring_all_reduce(comm, x, op="sum", out=None, async_op=False):
     reduce-scatter then ring all-gather. 2(p-1) steps; 2(p-1)/p·N·b bytes sent per rank.
     Returns a new array, or fills ``out`` (reuse one buffer across steps: no page faults)."""
     check_array(comm, x, "ring_all_reduce")
-    check_op(op, x.dtype)
+    check_op(comm, "ring_all_reduce", op, x.dtype)
     check_out(comm, "ring_all_reduce", out, x.shape, x)
 
     def ring(comm, tag):
@@ -69,7 +69,7 @@ def ring_reduce_scatter(comm, x, op="sum", out=None, bounds=None, async_op=False
     ``bounds`` (p+1 offsets) gives another partition: chunk r = [bounds[r], bounds[r+1]) (as
     MPI_Reduce_scatter's counts; ZeRO-2 uses it for the slices of a bucket each rank owns)."""
     check_array(comm, x, "ring_reduce_scatter")
-    check_op(op, x.dtype)
+    check_op(comm, "ring_reduce_scatter", op, x.dtype)
     _check_bounds(comm, bounds, x.size)
     bounds = chunk_bounds(x.size, comm.size) if bounds is None else list(bounds)
     check_out(comm, "ring_reduce_scatter", out, (bounds[comm.rank + 1] - bounds[comm.rank],), x)

@@ -19,21 +19,32 @@ DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "i
                "uint64", "uint32", "uint16", "uint8", "bool", "complex64", "complex128")
 
 #: recvbuf = message (op) own, elementwise: what a ring reduce-scatter step does with what arrives
-REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+REDUCE_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum", "prod": "multiply"}
 
 
 class Request:
     """A pending send or receive. Transports implement ``test()`` and set ``received`` (bytes that
-    arrived) when a receive completes; the Communicator fills in ``buf``, ``tag`` and ``record``."""
+    arrived) when a receive completes; the Communicator fills in ``buf``, ``tag``, ``record`` and
+    ``communicator`` (itself: wait() and is_completed() go through it; a transport's request may keep
+    another communicator of its own, as ThreadWorld's under NCCL keeps the bootstrap's)."""
 
     received = None
-    buf = tag = record = None
+    buf = tag = record = communicator = None
 
     def __init__(self, peer, kind):
         self.peer, self.kind = peer, kind
 
     def test(self):
         raise NotImplementedError
+
+    def wait(self):
+        """Block until done, as the Work of torch.distributed.isend / irecv (the communicator's timeouts
+        and checks apply: a receive of another size raises); returns True."""
+        self.communicator.wait_all([self], f"wait ({self.kind} rank {self.peer}, tag {self.tag})")
+        return True
+
+    def is_completed(self):
+        return self.communicator.test(self, f"is_completed ({self.kind} rank {self.peer}, tag {self.tag})")
 
     def cancel(self):
         """Withdraw a receive that will not be waited for (a transport that posts receives overrides)."""

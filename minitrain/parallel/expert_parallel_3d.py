@@ -121,8 +121,17 @@ class ExpertZero:
     def optimizer(self, optimizer_class, **defaults):
         for z in self.parts:
             z.optimizer(optimizer_class, **defaults)
-        self.param_groups = [g for z in self.parts for g in z.param_groups]   # a scheduler sets both
+        # the dense's groups are the ones a scheduler sets and a checkpoint keeps, as many as one process's
+        # optimizer has (a scheduler's per-group lists, base_lrs, then fit any layout); step() hands their
+        # hyper-parameters to the experts' groups
+        self.param_groups = self.dense.param_groups
         return self
+
+    def step(self):
+        for dense, experts in zip(self.dense.param_groups, self.experts.param_groups if self.experts else ()):
+            experts.update({k: v for k, v in dense.items() if k != "params"})
+        for z in self.parts:
+            z.step()
 
     def reduce_gradients(self, unused=()):
         self.dense.reduce_gradients(unused)
@@ -170,5 +179,5 @@ class ExpertZero:
         call.__name__ = name
         return call
 
-    begin_step, zero_grad, step = _each("begin_step"), _each("zero_grad"), _each("step")
+    begin_step, zero_grad = _each("begin_step"), _each("zero_grad")
     gather_parameters, release_parameters = _each("gather_parameters"), _each("release_parameters")

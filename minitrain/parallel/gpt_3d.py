@@ -4,7 +4,7 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 2.3 and Figure 
 
 Nothing new is computed here: the pieces already exist and only meet.
 
-* DeviceMesh(comm, dp, pp, tp) gives each rank three communicators (tp innermost: a stage's
+* DeviceMesh(comm, dp=, pp=, tp=) gives each rank three communicators (tp innermost: a stage's
   tensor-parallel ranks are neighbours, as they share the most traffic).
 * tensor_parallelize shards the GPT over the tp communicator.
 * The sharded GPT is laid out as a sequence of layers, [embedding, block 0, ..., block L-1, head],
@@ -97,7 +97,7 @@ class HeadStage(Module):
 
 
 class GPT3D:
-    """The GPT over ``DeviceMesh(comm, dp, pp, tp)``. ``train_step(idx, targets)`` takes the
+    """The GPT over ``DeviceMesh(comm, dp=dp, pp=pp, tp=tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
     each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
     ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
