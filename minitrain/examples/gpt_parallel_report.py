@@ -67,20 +67,28 @@ def measure_block_bytes(model):
     is counted apart, in the dict's "bytes" (context_parallel/moe.py keeps it out of the attention's the same way)."""
     tp = model.mesh.comm("tp")
     token = [tp] + ([model.mesh.comm("cp_tp")] if model.cp > 1 and model.tp > 1 else [])
-    layer_bytes, routing, before = [], {"bytes": 0.0}, {}
+    layer_bytes, routing, before = [], {"bytes": 0.0, "in_block": False}, {}
+
+    def block_starts(m, a):
+        layer_bytes.append(-tp.stats.bytes_sent)
+        routing["in_block"] = True
+
+    def block_ends(m, a, o):
+        layer_bytes[-1] += tp.stats.bytes_sent
+        routing["in_block"] = False
+
+    def routing_ends(m, a, o):     # moved out of its block's count (full recomputation reruns it alone)
+        if routing["in_block"]:
+            layer_bytes[-1] -= tp.stats.bytes_sent - before[id(tp)]
+        routing["bytes"] += sum(c.stats.bytes_sent - before[id(c)] for c in token)
+
     for block in model.model.h:
-        block.register_forward_pre_hook(lambda m, a: layer_bytes.append(-tp.stats.bytes_sent))
-        block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + tp.stats.bytes_sent))
+        block.register_forward_pre_hook(block_starts)
+        block.register_forward_hook(block_ends)
         if model.model.sequence_parallel and any(block.mlp is layer for layer in model.moe_layers):
             block.mlp.register_forward_pre_hook(lambda m, a: before.update((id(c), c.stats.bytes_sent) for c in token))
-            block.mlp.register_forward_hook(lambda m, a, o: _routing_sent(layer_bytes, routing, before, tp, token))
+            block.mlp.register_forward_hook(routing_ends)
     return layer_bytes, routing
-
-
-def _routing_sent(layer_bytes, routing, before, tp, token):
-    """An MoE layer's forward under sequence parallelism has ended: its bytes moved out of its block's count."""
-    layer_bytes[-1] -= tp.stats.bytes_sent - before[id(tp)]
-    routing["bytes"] += sum(c.stats.bytes_sent - before[id(c)] for c in token)
 
 
 def layer_bytes_formula(model, args):
