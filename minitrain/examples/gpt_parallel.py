@@ -20,7 +20,9 @@ cp communicator per step (measured) beside the formula from the sizes (with expe
 bytes there beside), and the attention work of rank 0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
-its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
+its stage's tp ranks, capacity groups per micro-batch; with --sequence-parallel each tp rank routes its own
+tokens, and "experts_sp_bytes_per_step" is what that routing sent, kept out of the bytes per layer beside
+Megatron's count) the table and --json add the "moe" block, its
 figures gathered from every stage, as one process given the same --moe-groups reports them. --ep N shards
 each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.py); "all_to_all_bytes_per_step"
 is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
@@ -182,7 +184,8 @@ def main_parallel(args):
     final_val = estimate_loss(full, corpus, args, val_rng)
     B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
-    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18]]   # the first rank with blocks: measured, formula
+    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18, 19]]   # the first rank with blocks: measured, formula,
+    routing = float(measured_layer[0, 2]) if len(measured_layer) else 0.0      # and its experts' routing under SP
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
@@ -226,8 +229,8 @@ def main_parallel(args):
           " of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes, with this replica's mean micro-batch of b rows and T/cp positions;\n"
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
-          + ("; with sequence parallelism the experts' routing is counted apart: rank 0 sent "
-             f"{fmt_bytes(table[0, 19])}/step for it" if moe and args.sequence_parallel else "") + ")")
+          + ("; with sequence parallelism the experts' routing is counted apart: the first rank with blocks sent "
+             f"{fmt_bytes(routing)}/step for it" if moe and args.sequence_parallel else "") + ")")
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
                                moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
@@ -250,7 +253,7 @@ def main_parallel(args):
             "precision": args.precision, "first_step": first_step, "losses": losses,
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}),
-            **({"experts_sp_bytes_per_step": float(table[0, 19])} if moe_block and args.sequence_parallel else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0, 0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": float(measured_layer[0, 1]) if len(measured_layer) else None,
