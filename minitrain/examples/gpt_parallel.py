@@ -127,8 +127,8 @@ def main_parallel(args):
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
-        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp")
-                                           + (("cp", "dp_cp") if cp > 1 else ()) + (("cp_tp",) if cp > 1 < tp else ())) + sum(
+        axes = ("dp", "pp", "tp") + (("cp", "dp_cp") if cp > 1 else ()) + (("cp_tp",) if cp > 1 < tp else ())
+        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in axes) + sum(
             c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()
     sent_before = bytes_sent()
@@ -253,7 +253,8 @@ def main_parallel(args):
             "precision": args.precision, "first_step": first_step, "losses": losses,
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}),
-            **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
+            **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}),
+            "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0, 0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": float(measured_layer[0, 1]) if len(measured_layer) else None,

@@ -39,8 +39,9 @@ Megatron's extra embedding all-reduce (refused with a clear error).
 
 A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
 tp ranks (with sequence parallelism each routes its own piece of the sequence: its token group the tp
-ranks, or cp x tp, the mesh's "cp_tp"; load, drops and idle experts summed over tp too), and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
-(nn/moe.py, tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
+ranks, or cp x tp, the mesh's "cp_tp"; load, drops and idle experts summed over tp too), and its
+balancing loss reaches the gradient from any stage through AuxLossAutoScaler (nn/moe.py,
+tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
 groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
 routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
 and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy

@@ -41,8 +41,9 @@ Experts under cp: each rank routes its s/cp tokens, as the GPT job runs them (th
 fractions summed over the cp ranks, G x E numbers; with a capacity the ranks' choices all-gathered, N·k
 integers, to plan the group's drops as one process does; under ep the ep groups of every cp coordinate
 hold the same experts, reduced over dp/ep x cp ranks).
-Not modelled (refused in one line): dropout with experts; the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
-zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.
+Not modelled (refused in one line): dropout with experts; the impossible layouts (ep not dividing dp or E,
+cp not dividing s (2cp: the ring's zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest
+valid choice.
 GShard's groups (--moe-groups G) are the job's: G a multiple of dp x micro-batches, dividing the global batch.
 """
 import math

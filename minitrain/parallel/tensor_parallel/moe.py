@@ -2,9 +2,10 @@
 ranks, its balancing loss carried by the activations through a pipeline (Megatron-Core's
 MoEAuxLossAutoScaler; Switch, Fedus et al. 2022, for the loss itself).
 
-Tensor parallelism: the MoE layer is *replicated* on a stage's tp ranks. Without sequence parallelism the MLP's input, ln_2's
-output, is the same on every tp rank (the attention's g all-reduced it), so each rank routes the same
-tokens to the same experts and computes the same output: no communication in or out of the layer.
+Tensor parallelism: the MoE layer is *replicated* on a stage's tp ranks. Without sequence parallelism
+the MLP's input, ln_2's output, is the same on every tp rank (the attention's g all-reduced it), so each
+rank routes the same tokens to the same experts and computes the same output: no communication in or
+out of the layer.
 Backward, the gradient arriving from the residual stream is also whole on every rank, so every expert
 and router gradient is whole and identical on the tp ranks (no all-reduce either, and like a
 LayerNorm's, counted once in the global gradient norm). The cost: every tp rank stores all the experts
