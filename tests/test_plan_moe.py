@@ -667,3 +667,32 @@ def test_under_sequence_parallelism_an_moe_block_prices_the_attention_s_tp_colle
     block, moe_block = costs[1], costs[2]              # forward, backward comm: the attention's half, and the routing
     assert moe_block[1] - moe == pytest.approx((block[1] - dense) / 2, rel=1e-12) and block[1] > dense
     assert moe_block[3] - moe_b == pytest.approx((block[3] - dense_b) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_under_sequence_parallelism_the_planner_sums_the_experts_and_routers_gradients_over_tp(monkeypatch, ep):
+    """Each tp rank's experts and routers saw its own tokens: TensorParallelGPT sums their gradients over tp at the
+    step's end. The planner prices that all-reduce at the bytes of the MoE layers' parameters a rank holds (dp 2 x
+    tp 2, 2 MoE layers of 4 experts, E/ep each), and nothing of it without sequence parallelism."""
+    import minitrain as mt
+    from minitrain import nn
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.gpt_3d import GPT3D
+    from minitrain.plan import time as plan_time
+    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_groups=2)
+
+    def held(comm):
+        mt.set_default_dtype(np.float64)
+        model = GPT3D(nn.GPT(nn.GPTConfig(**config)), comm, dp=2, tp=2, ep=ep, sequence_parallel=True)
+        names = {id(q): name for name, q in model.model.named_parameters()}
+        return sum(q.size for q in model.model.replicated if ".mlp." in names[id(q)])
+    priced = []
+    monkeypatch.setattr(plan_time, "collective", lambda m, name, nbytes, p, *a, **k: priced.append((name, nbytes, p))
+                        or 0.0)
+    layout = plan.Layout(world=4, dp=2, tp=2, ep=ep, sequence_parallel=True, batch_size=4, precision="fp64")
+    plan_time.predict_time(plan.GPT(**config), layout, plan.load_machine("cpu-2core"))
+    for elements in ThreadWorld(4).run(held):
+        assert ("ring_all_reduce", elements * 8, 2) in priced
+    priced.clear()
+    plan_time.predict_time(plan.GPT(**config), replace(layout, sequence_parallel=False), plan.load_machine("cpu-2core"))
+    assert not any(nbytes == elements * 8 for _, nbytes, _ in priced)
