@@ -25,11 +25,11 @@ def grad_norm_squared(parameters):
     return total
 
 
-def sum_of_squares(arrays):
+def sum_of_squares(arrays, like=None):
     """The sum of the arrays' squared entries in float64, as a one-element array on their device
-    (host when there are none): what this rank adds to the global norm's square."""
+    (when there are none, on ``like``'s, else the host): what this rank adds to the global norm's square."""
     arrays = list(arrays)
-    total = (array_module(arrays[0]) if arrays else np).zeros(1)
+    total = (array_module(arrays[0]) if arrays else np if like is None else array_module(like)).zeros(1)
     for a in arrays:
         a64 = a.astype(np.float64)
         total += (a64 * a64).sum()
