@@ -130,16 +130,18 @@ def test_mesh_axes_group_the_right_ranks():
     assert "dp 1: tp ranks [  6   7 ]" in text
 
 
-def test_mesh_cp_axis_sits_between_dp_and_tp_and_joins_dp():
+def test_mesh_cp_axis_sits_between_dp_and_tp_and_joins_dp_and_tp():
     def fn(comm):
         mesh = DeviceMesh(comm, dp=2, cp=2, tp=2)
         sums = {axis: int(ring_all_reduce(mesh.comm(axis), np.array([comm.rank]))[0])
-                for axis in ("tp", "cp", "dp", "dp_cp")}
-        return mesh.coords, sums, mesh.ranks_along("dp_cp"), mesh.comm("dp_cp").rank, mesh.describe()
-    coords, sums, joint, joint_rank, text = ThreadWorld(8).run(fn)[5]   # rank 5 = dp 1, cp 0, tp 1
+                for axis in ("tp", "cp", "dp", "dp_cp", "cp_tp")}
+        return (mesh.coords, sums, mesh.ranks_along("dp_cp"), mesh.comm("dp_cp").rank, mesh.describe(),
+                mesh.ranks_along("cp_tp"), mesh.comm("cp_tp").rank)
+    coords, sums, joint, joint_rank, text, cp_tp, cp_tp_rank = ThreadWorld(8).run(fn)[5]   # rank 5 = dp 1, cp 0, tp 1
     assert coords == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
-    assert sums == {"tp": 4 + 5, "cp": 5 + 7, "dp": 1 + 5, "dp_cp": 1 + 3 + 5 + 7}
+    assert sums == {"tp": 4 + 5, "cp": 5 + 7, "dp": 1 + 5, "dp_cp": 1 + 3 + 5 + 7, "cp_tp": 4 + 5 + 6 + 7}
     assert joint == [1, 3, 5, 7] and joint_rank == 2        # ordered by (dp, cp)
+    assert cp_tp == [4, 5, 6, 7] and cp_tp_rank == 1        # ordered by (cp, tp): a row's pieces in sequence order
     assert "dp 1 cp 1: tp ranks [  6   7 ]" in text and "cp=2" in text.splitlines()[0]
 
 

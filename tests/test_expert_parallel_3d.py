@@ -43,6 +43,26 @@ def test_expert_parallel_gpt3d_trains_as_one_process(case):
     assert_trains_as_one_process(*CASES[case])
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_on_the_gpu_a_rank_that_counts_no_gradient_in_the_norm_clips_as_the_cpu_does(standin_gpu, sequence_parallel):
+    """dp2 x tp2, ep 2 on the (strict) CuPy stand-in: tp rank 1 of ep rank 1 counts neither the experts (tp rank 0
+    counts them) nor the dense parameters (ep rank 0 does); its zero must be on the device, as the other ranks'
+    sums are, or the norm's all-reduce mixes a host array with device ones. Two steps == the CPU's, with and
+    without sequence parallelism (each tp rank routing its own tokens)."""
+    from minitrain import backend
+    from test_moe_3d import run_3d
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2, "moe_capacity_factor": 1.0})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    mesh, options = dict(dp=2, tp=2), dict(ep=2, sequence_parallel=sequence_parallel)
+    gpu = ThreadWorld(4).run(run_3d, config, init, mesh, 2, **options)
+    backend.set_device("cpu")
+    cpu = ThreadWorld(4).run(run_3d, config, init, mesh, 2, **options)
+    for (_, on_gpu, _), (_, on_cpu, _) in zip(gpu, cpu):
+        np.testing.assert_allclose(on_gpu, on_cpu, rtol=1e-12, atol=0)
+
+
 def test_the_layers_hold_their_experts_under_global_names_and_the_ep_group_stays_in_a_stage_and_tp_coordinate():
     """dp2 x tp2, ep 2: rank (d, t) holds experts 2d, 2d + 1 named experts.2d..., its ep group the ranks
     (0, t) and (1, t): the same tp coordinate, consecutive dp replicas."""

@@ -3,9 +3,11 @@ float64, losses and parameters within 1e-10 relative, and the step's MoE figures
 tokens dropped, balancing loss) gathered from every stage equal one process's, over tp, pp (GPipe,
 1F1B, interleaved, zero-bubble; 2 and 4 micro-batches), tp x pp and dp x pp, dropless and with a
 capacity factor counted over the same GShard groups (one process given moe_groups G = the run's), with
-and without full recomputation, and under context parallelism (each cp rank routes its own tokens; the
-balancing loss's fractions and a capacity counted over every rank's; with ep, experts sharded too). In-process (ThreadWorld) for the model; the job's --json under mpiexec
-at 2 and 4 ranks against one process's job; a checkpoint of tp x pp resumed in one process."""
+and without full recomputation, under context parallelism (each cp rank routes its own tokens; the
+balancing loss's fractions and a capacity counted over every rank's; with ep, experts sharded too) and
+under sequence parallelism (each tp rank routes its own piece of the sequence; with cp, over cp x tp).
+In-process (ThreadWorld) for the model; the job's --json under mpiexec at 2 and 4 ranks against one
+process's job; a checkpoint of tp x pp resumed in one process."""
 import dataclasses
 import json
 import shutil
@@ -100,6 +102,20 @@ CASES = {   # mesh, GPT3D's options, the config's moe fields (groups: a multiple
     # and the experts sharded over ep: the ep groups of every cp coordinate hold the same experts (expert-dp)
     "cp2 dp2 ep2 capacity": (dict(cp=2, dp=2), dict(ep=2), dict(moe_groups=2, moe_capacity_factor=1.0)),
     "cp2 ulysses dp2 ep2 zero1": (dict(cp=2, dp=2), dict(ep=2, cp_method="ulysses", zero=1), dict(moe_groups=2)),
+    # sequence parallelism: each tp rank routes its own contiguous piece of the sequence; f, P and a capacity
+    # counted over the group's tokens on every tp rank (with cp: on every cp x tp rank)
+    "tp2 sp capacity": (dict(tp=2), dict(sequence_parallel=True), dict(moe_capacity_factor=1.0)),
+    "dp2 tp2 sp capacity groups 4 recompute full": (dict(dp=2, tp=2), dict(sequence_parallel=True),
+                                                    dict(moe_groups=4, moe_capacity_factor=0.75, recompute="full")),
+    "tp2 pp2 sp zb_h1 m2 capacity": (dict(tp=2, pp=2), dict(sequence_parallel=True, schedule="zb_h1",
+                                                            num_microbatches=2), dict(moe_groups=2, moe_capacity_factor=1.0)),
+    "dp2 tp2 sp zero2 capacity": (dict(dp=2, tp=2), dict(sequence_parallel=True, zero=2),
+                                  dict(moe_groups=2, moe_capacity_factor=1.0)),
+    "cp2 tp2 sp ring capacity": (dict(cp=2, tp=2), dict(sequence_parallel=True), dict(moe_capacity_factor=1.0)),
+    "cp2 ulysses tp2 sp capacity": (dict(cp=2, tp=2), dict(sequence_parallel=True, cp_method="ulysses"),
+                                    dict(moe_capacity_factor=0.75)),
+    "dp2 tp2 sp ep2 capacity": (dict(dp=2, tp=2), dict(sequence_parallel=True, ep=2),
+                                dict(moe_groups=2, moe_capacity_factor=1.0)),
 }
 
 
@@ -129,11 +145,15 @@ def assert_trains_as_one_process(mesh, kwargs, moe):
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize("recompute", [None, "full"])
-def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does(recompute):
+@pytest.mark.parametrize("recompute, sequence_parallel", [(None, False), ("full", False), (None, True),
+                                                           ("full", True)])
+def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does(recompute,
+                                                                                            sequence_parallel):
     """Outside GPT3D TensorParallelGPT's training loss is the GPT's: cross-entropy plus every MoE layer's
     aux_loss (with full recomputation its value, the gradient seeded in backward), and the router's
-    gradient (whole on each tp rank) is the GPT's without recomputation."""
+    gradient (whole on each tp rank) is the GPT's without recomputation. With sequence parallelism each tp
+    rank routes its own tokens: the same loss on every rank, and the router's partial gradients summed over
+    tp at the end of backward."""
     from minitrain.parallel.tensor_parallel import tensor_parallelize
     mt.set_default_dtype(np.float64)
     mt.manual_seed(0)
@@ -148,7 +168,7 @@ def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_
         mt.set_default_dtype(np.float64)
         copy = nn.GPT(config)
         copy.load_state_dict(gpt.state_dict())
-        model = tensor_parallelize(copy, comm)
+        model = tensor_parallelize(copy, comm, sequence_parallel=sequence_parallel)
         tp_loss = model(x, y)[1]
         tp_loss.backward()
         return tp_loss.item(), [block.mlp.router.weight.grad for block in model.h]
@@ -228,9 +248,6 @@ def test_groups_that_micro_batches_would_split_are_clear_errors():
     config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
     with pytest.raises(ValueError, match=r"moe_groups 2 is not a multiple of dp x micro-batches = 1 x 4"):
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, pp=2, num_microbatches=4))
-    with pytest.raises(ValueError, match=r"sequence parallelism with MoE layers"):
-        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, num_microbatches=2,
-                                              sequence_parallel=True))
     with pytest.raises(ValueError, match=r"a batch of 5 rows does not split into moe_groups 2 groups"):
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(config), comm, tp=2, num_microbatches=2).train_step(
             *[a[:5] for a in data(steps=1)[0]]))
@@ -247,6 +264,9 @@ JOBS = {   # name: (ranks, options, the one-process run's --moe-groups: dp x mic
     "pp2 gpipe m4 capacity": (2, ["--pp", 2, "--schedule", "gpipe", "--microbatches", 4] + CAPACITY, 4),
     "tp2 pp2 m2": (4, ["--tp", 2, "--pp", 2, "--microbatches", 2], 2),
     "dp2 pp2 m2 capacity": (4, ["--pp", 2, "--microbatches", 2] + CAPACITY, 4),
+    "tp2 sp capacity": (2, ["--tp", 2, "--sequence-parallel"] + CAPACITY, 1),
+    "tp2 pp2 sp m2 recompute full": (4, ["--tp", 2, "--pp", 2, "--sequence-parallel", "--microbatches", 2,
+                                         "--recompute", "full"], 2),
 }
 
 
@@ -282,11 +302,13 @@ def test_the_job_under_mpiexec_equals_one_process_given_its_groups(name, job_rep
                                atol=0)
     assert report["moe"]["tokens_dropped"] == one["moe"]["tokens_dropped"]
     assert (report["moe"]["tokens_dropped"] > 0) == bool(extra)
+    if "sp" in name.split():     # Megatron's bytes per block as counted; the experts' routing apart
+        assert report["bytes_per_layer_forward"] == report["bytes_per_layer_forward_formula"] > 0
+    if name == "tp2 sp capacity":   # per MoE layer: P and the counts (4 x fp64 each), the 4 x 8 tokens' 2 choices
+        assert report["experts_sp_bytes_per_step"] == 2 * (4 * 8 + 4 * 8 + 4 * 8 * 2 * 8)
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--tp", 2, "--sequence-parallel"], "--sequence-parallel is not supported with --moe-experts 4 (the experts are "
-                                         "replicated on the tp ranks"),
     (["--microbatches", 2, "--moe-groups", 1], "--moe-groups 1 is not a multiple of the 1 data-parallel replicas x 2 "
                                                "micro-batches"),
 ])

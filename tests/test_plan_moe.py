@@ -1,5 +1,6 @@
 """The planner's new axes (plan/experts.py) against the GPT job's own ledger, every rank: experts on 2
-data-parallel ranks (dropless, capacity, every other block), with --ep 2, under tp and pp (GPT3D), dense
+data-parallel ranks (dropless, capacity, every other block), with --ep 2, under tp (with sequence
+parallelism too) and pp (GPT3D), dense
 with --cp (ring, Ulysses, x tp) and --zero 1/2/3 (x tp, x pp): memory per rank within 5% (peak total;
 params, grads, optimizer state). Then the formulas: ep shards the experts' bytes exactly by E/ep, cp
 divides the activations, the all-to-alls carry tokens·k rows, (ep-1)/ep of them away; --search keeps to
@@ -23,7 +24,8 @@ from minitrain.testing import run_mpi
 
 JOB = ["--no-progress", "--precision", "fp64", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
        "32", "--batch-size", "8", "--sample-chars", "4", "--steps", "3", "--moe-experts", "4", "--moe-top-k", "2"]
-RUNS = {"dropless": [], "capacity": ["--moe-capacity-factor", "1.25"], "every2": ["--n-layer", "4", "--moe-every", "2"]}
+RUNS = {"dropless": [], "capacity": ["--moe-capacity-factor", "1.25"], "every2": ["--n-layer", "4", "--moe-every", "2"],
+        "tp2 sp": ["--tp", "2", "--sequence-parallel"]}      # each tp rank routes its own s/t tokens
 STATES = ("params", "grads", "optimizer_state")
 
 
@@ -639,3 +641,58 @@ def test_under_cp_each_moe_layer_sums_its_balancing_counts_once_and_the_planner_
     if capacity:
         priced += collective(machine, "ring_all_gather", 2 * choices, 2, 2, after_compute=True)
     assert moe - dense == pytest.approx(priced, rel=1e-12)
+
+
+@pytest.mark.parametrize("cp, capacity", [(1, None), (1, 1.0), (2, 1.0)])
+def test_under_sequence_parallelism_an_moe_block_prices_the_attention_s_tp_collectives_and_its_routing(cp, capacity):
+    """With --sequence-parallel each tp rank routes its own tokens: an MoE block's tp collectives are the
+    attention's alone (half a dense block's: no MLP to gather or scatter for), and its routing adds, per
+    micro-batch, the G x E counts summed over the cp x tp ranks, P's G x E summed over the tp ranks and, with a
+    capacity, the choices of all cp x tp ranks gathered (N·k integers each, N the rank's s/(cp·t) tokens)."""
+    from minitrain.plan.layer_costs import gpt_layer_costs
+    from minitrain.plan.costs import Costs
+    model = plan.GPT(vocab_size=16, block_size=16, n_layer=2, n_head=4, n_embd=16, moe_experts=4, moe_every=2,
+                     moe_capacity_factor=capacity)
+    machine = plan.load_machine("cpu-2core")
+    layout = plan.Layout(world=2 * cp, tp=2, cp=cp, sequence_parallel=True, batch_size=4, precision="fp64")
+    (dense, dense_b), (moe, moe_b) = axes_comm(model, layout, 4, machine, busy=False)
+    table = 1 * 4 * 8                                  # one group of 4 experts per micro-batch, fp64
+    priced = (collective(machine, "ring_all_reduce", table, 2 * cp, 2 * cp, after_compute=True)
+              + collective(machine, "ring_all_reduce", table, 2, 2, after_compute=True))
+    if capacity:                                       # 4 rows x 16/(cp·2) positions x k 2, int64, from each rank
+        priced += collective(machine, "ring_all_gather", 4 * 16 // (2 * cp) * 2 * 8 * 2 * cp, 2 * cp, 2 * cp,
+                             after_compute=True)
+    assert moe - dense == pytest.approx(priced, rel=1e-12)
+    costs = gpt_layer_costs(model, layout, 4, Costs(machine, "fp64", 1, 1.0, False), machine)
+    block, moe_block = costs[1], costs[2]              # forward, backward comm: the attention's half, and the routing
+    assert moe_block[1] - moe == pytest.approx((block[1] - dense) / 2, rel=1e-12) and block[1] > dense
+    assert moe_block[3] - moe_b == pytest.approx((block[3] - dense_b) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_under_sequence_parallelism_the_planner_sums_the_experts_and_routers_gradients_over_tp(monkeypatch, ep):
+    """Each tp rank's experts and routers saw its own tokens: TensorParallelGPT sums their gradients over tp at the
+    step's end. The planner prices that all-reduce at the bytes of the MoE layers' parameters a rank holds (dp 2 x
+    tp 2, 2 MoE layers of 4 experts, E/ep each), and nothing of it without sequence parallelism."""
+    import minitrain as mt
+    from minitrain import nn
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.gpt_3d import GPT3D
+    from minitrain.plan import time as plan_time
+    config = dict(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_groups=2)
+
+    def held(comm):
+        mt.set_default_dtype(np.float64)
+        model = GPT3D(nn.GPT(nn.GPTConfig(**config)), comm, dp=2, tp=2, ep=ep, sequence_parallel=True)
+        names = {id(q): name for name, q in model.model.named_parameters()}
+        return sum(q.size for q in model.model.replicated if ".mlp." in names[id(q)])
+    priced = []
+    monkeypatch.setattr(plan_time, "collective", lambda m, name, nbytes, p, *a, **k: priced.append((name, nbytes, p))
+                        or 0.0)
+    layout = plan.Layout(world=4, dp=2, tp=2, ep=ep, sequence_parallel=True, batch_size=4, precision="fp64")
+    plan_time.predict_time(plan.GPT(**config), layout, plan.load_machine("cpu-2core"))
+    for elements in ThreadWorld(4).run(held):
+        assert ("ring_all_reduce", elements * 8, 2) in priced
+    priced.clear()
+    plan_time.predict_time(plan.GPT(**config), replace(layout, sequence_parallel=False), plan.load_machine("cpu-2core"))
+    assert not any(nbytes == elements * 8 for _, nbytes, _ in priced)

@@ -6,14 +6,15 @@ parallelism: the ring or the all-to-alls of every attention layer), then dp, the
 coordinates are where it sits in that grid; mesh.comm("dp") connects the ranks that differ only
 in their dp coordinate. With cp > 1, mesh.comm("dp_cp") joins the dp and cp axes (Megatron's
 data-parallel-with-context group: gradients are averaged over both; with cp = 1 it is the dp
-communicator). The splits are timed like any collective (a rank that never builds the mesh is
-named, not waited for), and each axis's communicator is called tp[4, 5] (axis and world ranks)
-in flight recorder reports.
+communicator); with tp > 1 too, mesh.comm("cp_tp") joins cp and tp, the ranks holding the pieces of
+one row under sequence parallelism (the experts' token group; with cp = 1 the tp communicator). The
+splits are timed like any collective (a rank that never builds the mesh is named, not waited for),
+and each axis's communicator is called tp[4, 5] (axis and world ranks) in flight recorder reports.
 """
 import numpy as np
 
 AXES = ("pp", "dp", "cp", "tp")    # outermost to innermost
-JOINT = {"dp_cp": ("dp", "cp")}    # communicators over several axes at once
+JOINT = {"dp_cp": ("dp", "cp"), "cp_tp": ("cp", "tp")}    # communicators over several axes at once
 
 
 class MeshError(ValueError):
@@ -38,7 +39,8 @@ class DeviceMesh:
         where = np.argwhere(self.grid == comm.rank)[0]
         self.coords = dict(zip(AXES, (int(c) for c in where)))
         self._comms = {}
-        groups = [(axis,) for axis in AXES] + ([JOINT["dp_cp"]] if cp > 1 else [])
+        groups = [(axis,) for axis in AXES] + ([JOINT["dp_cp"]] if cp > 1 else []) \
+            + ([JOINT["cp_tp"]] if cp > 1 and tp > 1 else [])
         for group in groups:           # every rank splits along every group, in the same order
             others = [a for a in AXES if a not in group]
             color = int(np.ravel_multi_index(tuple(self.coords[a] for a in others), tuple(sizes[a] for a in others)))
@@ -51,6 +53,8 @@ class DeviceMesh:
     def comm(self, axis):
         if axis == "dp_cp" and "dp_cp" not in self._comms:
             return self._comms["dp"]   # cp = 1: the data-parallel group alone
+        if axis == "cp_tp" and "cp_tp" not in self._comms:
+            return self._comms["tp" if self.sizes["cp"] == 1 else "cp"]     # cp = 1 or tp = 1: the other alone
         if axis not in self._comms:
             raise MeshError(f"unknown mesh axis {axis!r}: expected one of {AXES + tuple(JOINT)}")
         return self._comms[axis]

@@ -21,9 +21,9 @@ linearly for --warmup-steps and then decays by a cosine to a tenth (--lr-schedul
 DeepSpeed-Ulysses' all-to-alls; parallel/context_parallel/); the table and --json report its bytes and balance.
 --moe-experts E puts a mixture of experts in place of every --moe-every-th block's MLP (one process;
 data parallelism in gpt_moe.py, where --ep N shards the experts over blocks of N data-parallel ranks;
-with --tp, --pp, --cp or --microbatches, GPT3D with the experts replicated on the tp ranks (under --cp each
-rank routes its own tokens), and with --ep N sharded over blocks of N dp replicas of each stage, tp and cp
-coordinate); the table and
+with --tp, --pp, --cp or --microbatches, GPT3D with the experts replicated on the tp ranks (under --cp, and
+--sequence-parallel, each rank routes its own tokens), and with --ep N sharded over blocks of N dp replicas
+of each stage, tp and cp coordinate); the table and
 --json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
 groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
 process given the run's G trains the same model.

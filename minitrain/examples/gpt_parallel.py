@@ -20,7 +20,9 @@ cp communicator per step (measured) beside the formula from the sizes (with expe
 bytes there beside), and the attention work of rank 0's cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
-its stage's tp ranks, capacity groups per micro-batch) the table and --json add the "moe" block, its
+its stage's tp ranks, capacity groups per micro-batch; with --sequence-parallel each tp rank routes its own
+tokens, and "experts_sp_bytes_per_step" is what that routing sent, kept out of the bytes per layer beside
+Megatron's count) the table and --json add the "moe" block, its
 figures gathered from every stage, as one process given the same --moe-groups reports them. --ep N shards
 each stage's experts over blocks of N dp replicas (parallel/expert_parallel_3d.py); "all_to_all_bytes_per_step"
 is the busiest rank's mean over steps of what all_to_all_single sent on its ep communicator, beside
@@ -45,7 +47,8 @@ from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
-                                                    expected_model_states, layer_bytes_formula, zero_memory)
+                                                    expected_model_states, layer_bytes_formula, measure_block_bytes,
+                                                    zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -94,12 +97,7 @@ def main_parallel(args):
     del gpt
     opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01)
     scheduler = scheduler_for(opt, args)
-    tp_comm = model.mesh.comm("tp")
-
-    layer_bytes = []
-    for block in model.model.h:                              # bytes sent inside each block's forward
-        block.register_forward_pre_hook(lambda m, a: layer_bytes.append(-tp_comm.stats.bytes_sent))
-        block.register_forward_hook(lambda m, a, o: layer_bytes.__setitem__(-1, layer_bytes[-1] + tp_comm.stats.bytes_sent))
+    layer_bytes, sp_routing = measure_block_bytes(model)      # bytes sent inside each block's forward
 
     axes = [f"{name}{size}" for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)) if size > 1]
     strategy = "+".join(name[:2] for name in axes) or "single"
@@ -129,12 +127,13 @@ def main_parallel(args):
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
-        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in ("dp", "pp", "tp")
-                                           + (("cp", "dp_cp") if cp > 1 else ())) + sum(
+        axes = ("dp", "pp", "tp") + (("cp", "dp_cp") if cp > 1 else ()) + (("cp_tp",) if cp > 1 < tp else ())
+        return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in axes) + sum(
             c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()
     sent_before = bytes_sent()
     cp_sent_before = cp_bytes_sent(model.mesh.comm("cp"))
+    sp_routing["bytes"] = 0.0
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else contextlib.nullcontext()
     watch = StepWatch()
@@ -171,7 +170,7 @@ def main_parallel(args):
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
                     cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], layer_bytes_formula(model, args),
-                    device_code()], np.float64)
+                    sp_routing["bytes"] / steps, device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -185,7 +184,8 @@ def main_parallel(args):
     final_val = estimate_loss(full, corpus, args, val_rng)
     B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
-    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18]]   # the first rank with blocks: measured, formula
+    measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18, 19]]   # the first rank with blocks: measured, formula,
+    routing = float(measured_layer[0, 2]) if len(measured_layer) else 0.0      # and its experts' routing under SP
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"GPT {psi:,} parameters on {model.mesh.describe().splitlines()[0]} [{minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)}]"
@@ -229,7 +229,8 @@ def main_parallel(args):
           " of b·T·C, 2 x 2(t-1)/t·b·T·C·bytes, with this replica's mean micro-batch of b rows and T/cp positions;\n"
           " backward sends the same again; '-': a stage without blocks"
           + ("; an MoE block sends 1 (its experts replicated), the formula averages over the blocks" if moe else "")
-          + ")")
+          + ("; with sequence parallelism the experts' routing is counted apart: the first rank with blocks sent "
+             f"{fmt_bytes(routing)}/step for it" if moe and args.sequence_parallel else "") + ")")
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
                                moe_load=load[0], moe_load_step=load[1])
     show_plan(args, compared)
@@ -251,7 +252,9 @@ def main_parallel(args):
             "steady_state": watch.steady_state(),
             "precision": args.precision, "first_step": first_step, "losses": losses,
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
-               if moe_block else {}), "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
+               if moe_block else {}),
+            **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}),
+            "ep": args.ep, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "bytes_per_step": float(table[0, 0]),
             "bytes_per_layer_forward": float(measured_layer[0, 0]) if len(measured_layer) else None,
             "bytes_per_layer_forward_formula": float(measured_layer[0, 1]) if len(measured_layer) else None,

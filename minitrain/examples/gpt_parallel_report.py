@@ -1,7 +1,7 @@
 """What the GPT job on several ranks (gpt_parallel.py) reports beside its losses and bytes: the model
 states a rank's layout expects (ZeRO's, parallel/zero_3d.py) and the JSON's "zero_memory" block, what
-the pipeline's bubble figure assumes, and the "cp" block (context parallelism's bytes per step beside
-the formula, the attention work of rank 0's cp ranks)."""
+the pipeline's bubble figure assumes, the "cp" block (context parallelism's bytes per step beside
+the formula, the attention work of rank 0's cp ranks), and the hooks that measure a block's bytes."""
 import numpy as np
 
 import minitrain
@@ -60,6 +60,37 @@ def local_blocks(model):
     return [i for i, b in enumerate(model.model.h) if any(id(q) in local for q in b.parameters())]
 
 
+def measure_block_bytes(model):
+    """Hooks around each block's forward that count what this rank sends on the tensor-parallel communicator
+    (the list returned: one entry per block forward), Megatron's collectives alone: under sequence parallelism
+    an MoE layer's routing (its counts and P summed, a capacity's choices gathered, on the tp ranks or cp x tp)
+    is counted apart, in the dict's "bytes" (context_parallel/moe.py keeps it out of the attention's the same way)."""
+    tp = model.mesh.comm("tp")
+    token = [tp] + ([model.mesh.comm("cp_tp")] if model.cp > 1 and model.tp > 1 else [])
+    layer_bytes, routing, before = [], {"bytes": 0.0, "in_block": False}, {}
+
+    def block_starts(m, a):
+        layer_bytes.append(-tp.stats.bytes_sent)
+        routing["in_block"] = True
+
+    def block_ends(m, a, o):
+        layer_bytes[-1] += tp.stats.bytes_sent
+        routing["in_block"] = False
+
+    def routing_ends(m, a, o):     # moved out of its block's count (full recomputation reruns it alone)
+        if routing["in_block"]:
+            layer_bytes[-1] -= tp.stats.bytes_sent - before[id(tp)]
+        routing["bytes"] += sum(c.stats.bytes_sent - before[id(c)] for c in token)
+
+    for block in model.model.h:
+        block.register_forward_pre_hook(block_starts)
+        block.register_forward_hook(block_ends)
+        if model.model.sequence_parallel and any(block.mlp is layer for layer in model.moe_layers):
+            block.mlp.register_forward_pre_hook(lambda m, a: before.update((id(c), c.stats.bytes_sent) for c in token))
+            block.mlp.register_forward_hook(routing_ends)
+    return layer_bytes, routing
+
+
 def layer_bytes_formula(model, args):
     """Megatron's bytes one block's forward sends on this rank's tensor-parallel communicator, as the job's hooks
     average them over this rank's blocks and its replica's micro-batches: 2 all-reduces (or RS + AG pairs), an
@@ -79,7 +110,7 @@ def cp_report(model, args, table):
     """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step by attention, measured (table
     column 15) and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries
     computed, column 16) of rank 0's cp ranks, max over mean; with experts, what their routing sent there
-    (column 17)."""
+    (column 17; under sequence parallelism it goes over the cp x tp ranks: measure_block_bytes counts it)."""
     blocks = len(local_blocks(model))
     rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
@@ -89,4 +120,5 @@ def cp_report(model, args, table):
     return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
             if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
             "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean()),
-            **({"experts_bytes_per_step": float(table[0, 17])} if model.moe_layers and args.cp > 1 else {})}
+            **({"experts_bytes_per_step": float(table[0, 17])} if model.moe_layers and args.cp > 1
+               and not args.sequence_parallel else {})}      # (with SP the routing is on cp x tp: counted apart)

@@ -95,8 +95,13 @@ class MoE(Module):
         G, E = self.groups, self.num_experts
         S = probs.shape[0] // G
         f = self.choice_fractions(plan, S, probs.dtype)                         # (G, E)
-        P = probs.reshape(G, S, E).mean(axis=1)
+        P = self.mean_probs(probs.reshape(G, S, E).mean(axis=1))
         return (P * f).sum() * (self.aux_loss_coef * E / G)
+
+    def mean_probs(self, P):
+        """P: each group's mean router probability per expert (G, E), as this layer's tokens give it (a layer
+        whose groups' tokens are spread over ranks that do not average their losses means them over the ranks)."""
+        return P
 
     def choice_fractions(self, plan, tokens_per_group, dtype):
         """f: the fraction of each group's k·S choices routed to each expert (G, E), before dropping."""

@@ -10,17 +10,18 @@ from .. import kernels
 from ..backend import array_module, is_device_array
 
 
-def sum_of_squares(arrays):
-    """The sum of the arrays' squared entries, as a one-element float64 array on their device (host when
-    there are none): what this rank adds to the global norm's square (the whole of it in one process).
-    On the host each square is taken in float64; on the GPU one fused kernel per array sums its squares
-    in float32 at least (fp16 / bf16 squares overflow past |g| = 256) and the sums meet in float64."""
+def sum_of_squares(arrays, like=None):
+    """The sum of the arrays' squared entries, as a one-element float64 array on their device (when there
+    are none, on ``like``'s, else the host): what this rank adds to the global norm's square (the whole
+    of it in one process). On the host each square is taken in float64; on the GPU one fused kernel per
+    array sums its squares in float32 at least (fp16 / bf16 squares overflow past |g| = 256) and the
+    sums meet in float64."""
     arrays = list(arrays)
     if arrays and is_device_array(arrays[0]):
         xp = array_module(arrays[0])
         sums = [kernels.square_sum(a if a.dtype.itemsize >= 4 else a.astype(np.float32)) for a in arrays]
         return xp.stack(sums).astype(np.float64).sum(keepdims=True)
-    total = np.zeros(1)
+    total = (np if like is None else array_module(like)).zeros(1)
     for a in arrays:
         a64 = a.astype(np.float64)
         total += (a64 * a64).sum()

@@ -106,7 +106,9 @@ def clip_grad_norm_(model, parameters, experts, max_norm, tp_comm, pp_comm, ep_c
     counted = [q.grad for q in grads if id(q) in expert_ids and tp_comm.rank == 0]
     if ep_comm.rank == 0:
         counted += [q.grad for q in grads if id(q) not in expert_ids and (id(q) not in replicated or tp_comm.rank == 0)]
-    return clip_sharded_grad_norm_(grads, max_norm, sum_of_squares(counted), [tp_comm, pp_comm, ep_comm])
+    # a rank may count nothing (tp rank 1 of ep rank 1): its zero on the device the others' sums are on
+    square = sum_of_squares(counted, like=grads[0].grad if grads else None)
+    return clip_sharded_grad_norm_(grads, max_norm, square, [tp_comm, pp_comm, ep_comm])
 
 
 class ExpertZero:

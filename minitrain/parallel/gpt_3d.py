@@ -38,8 +38,10 @@ other masks than one process; tied embeddings across the first and last stage wo
 Megatron's extra embedding all-reduce (refused with a clear error).
 
 A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
-tp ranks, and its balancing loss reaches the gradient from any stage through AuxLossAutoScaler
-(nn/moe.py, tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
+tp ranks (with sequence parallelism each routes its own piece of the sequence: its token group the tp
+ranks, or cp x tp, the mesh's "cp_tp"; load, drops and idle experts summed over tp too), and its
+balancing loss reaches the gradient from any stage through AuxLossAutoScaler (nn/moe.py,
+tensor_parallel/moe.py). GShard's groups are cut per micro-batch: the GPT's moe_groups G counts
 groups in the global batch, so G must be a multiple of dp·m and each micro-batch of each replica
 routes its G/(dp·m) whole groups; one process given the same G counts capacity over the same tokens
 and computes the same balancing loss (tests/test_moe_3d.py). train_step's loss is the cross-entropy
@@ -136,6 +138,9 @@ class GPT3D:
             layer.record_step = True
             if cp > 1:                     # each routes its tokens; f and a capacity over the group's on every cp rank
                 layer.token_comm, layer.token_layout = self.mesh.comm("cp"), CP_LAYOUTS[cp_method]
+            if sequence_parallel:          # and each tp rank its piece of the cp rank's (tensor_parallel/moe.py)
+                layer.sequence_comm, layer.token_comm = self.mesh.comm("tp"), self.mesh.comm("cp_tp")
+                layer.token_layout = CP_LAYOUTS[cp_method] if cp > 1 else "contiguous"
         self.moe_statistics = None
         self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
@@ -206,15 +211,19 @@ class GPT3D:
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
-            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp_cp"))
+            self.moe_statistics = moe_step_statistics(self.moe_layers, self.mesh.comm("pp"), self.mesh.comm("dp_cp"),
+                                                      self.mesh.comm("tp") if self.model.sequence_parallel else None)
             loss += self.moe_statistics[2]
         return loss
 
     def _unused_experts(self):
         """ids of this rank's expert parameters that no token of the global batch chose this step (the loads
-        summed over pp, dp and cp): one process leaves their grad None, and AdamW skips them."""
+        summed over pp, dp and cp, and tp under sequence parallelism): one process leaves their grad None, and
+        AdamW skips them."""
         loads = np.stack([layer.step_row()[:-2] for layer in self.moe_layers]).reshape(-1)
         loads = all_reduce(self.mesh.comm("dp_cp"), all_reduce(self.mesh.comm("pp"), loads, op="sum"), op="sum")
+        if self.model.sequence_parallel:
+            loads = all_reduce(self.mesh.comm("tp"), loads, op="sum")
         loads = loads.reshape(len(self.moe_layers), -1)
         first = [getattr(layer, "first_expert", 0) for layer in self.moe_layers]     # ep > 1: its own experts
         return {id(q) for layer, row, f in zip(self.moe_layers, loads, first) for l, expert in enumerate(layer.experts)

@@ -161,7 +161,7 @@ def gpt_block_w_nodes(model, layout, b, mlp_params, moe=False):
     ln = (e * (N * h / r + N / r), 2 * h)
     if moe:
         M, f = received_rows(model, layout, b), model.expert_ffn
-        mlp = [(e * (N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f)), sum(mlp_params))]
+        mlp = [(e * (N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f) / r), sum(mlp_params))]
     else:
         f = model.ffn
         mlp = [(e * N * f / t, f * h // t + h), (e * N * h / r, h * f // t + f // t)]

@@ -24,9 +24,9 @@ def flops_per_iteration(model, layout):
     recompute = {"full": layer, "selective": 4 * B * s * s * h}.get(layout.recompute, 0)
     dense = (L - model.num_moe_layers()) * (3 * layer + recompute)
     if model.moe_experts:                  # the router, k routed experts per token (capacity: fewer), the shared
-        from .experts import routed_rows
+        from .experts import routed_rows, routed_tokens
         b = layout.micro_batch_size
-        k = routed_rows(model, layout, b) / (b * (s // layout.cp))               # rows per token: k dropless
+        k = routed_rows(model, layout, b) / (b * routed_tokens(model, layout))   # rows per token: k dropless
         moe = attention + 2 * B * s * h * model.moe_experts + 4 * B * s * h * model.expert_ffn * (k + model.moe_shared)
         dense += model.num_moe_layers() * (3 * moe + {"full": moe}.get(layout.recompute, recompute))
     return dense + 6 * B * s * h * v_pad

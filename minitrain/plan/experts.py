@@ -9,7 +9,10 @@ layers replicated; tokens go to their experts' ranks by all-to-all (dispatch) an
 and the same two in backward; each sends M·h values of which (ep-1)/ep leave the rank at balance.
 Expert gradients are averaged over the dp/ep ranks that hold the same experts, and ZeRO shards the
 expert states over those dp/ep ranks (the dense ones over dp). Under tp, GPT3D replicates an MoE layer
-on its stage's tp ranks (the experts are not tensor-parallel; each tp rank routes every token).
+on its stage's tp ranks (the experts are not tensor-parallel): each tp rank routes every token, or with
+sequence parallelism its own s/t (Megatron-Core's way), so every MoE term below is at N/t tokens and the
+layer has no tp collective of its own (the balancing loss's counts and P summed over the tp ranks, G x E
+numbers each; with a capacity the choices gathered, as under cp; routed_tokens).
 
 What an MoE layer keeps for backward, counted as the ledger counts it (tests/test_plan_moe.py checks
 it against the job): its input N·h (the router's), the softmax's N·E, the gates N·k, the dispatched rows
@@ -38,9 +41,9 @@ Experts under cp: each rank routes its s/cp tokens, as the GPT job runs them (th
 fractions summed over the cp ranks, G x E numbers; with a capacity the ranks' choices all-gathered, N·k
 integers, to plan the group's drops as one process does; under ep the ep groups of every cp coordinate
 hold the same experts, reduced over dp/ep x cp ranks).
-Not modelled (refused in one line): dropout with experts, sequence parallelism with experts (the job
-refuses it too); the impossible layouts (ep not dividing dp or E, cp not dividing s (2cp: the ring's
-zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest valid choice.
+Not modelled (refused in one line): dropout with experts; the impossible layouts (ep not dividing dp or E,
+cp not dividing s (2cp: the ring's zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest
+valid choice.
 GShard's groups (--moe-groups G) are the job's: G a multiple of dp x micro-batches, dividing the global batch.
 """
 import math
@@ -95,14 +98,17 @@ def check_axes(model, layout):
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
-    if layout.sequence_parallel:
-        raise LayoutError("--sequence-parallel with --moe-experts: the experts route whole sequences on every tp rank "
-                          "(the job refuses it too): leave --sequence-parallel out")
 
 
 def local_tokens(model, layout):
     """Tokens of one sequence on a rank: s/cp."""
     return model.block_size // layout.cp
+
+
+def routed_tokens(model, layout):
+    """Tokens of one sequence an MoE layer on a rank routes: s/cp, and under sequence parallelism s/(cp·t)
+    (each tp rank its own piece)."""
+    return local_tokens(model, layout) // (layout.tp if layout.sequence_parallel else 1)
 
 
 def expert_params(model):
@@ -128,14 +134,14 @@ def expert_params_per_rank(model, layout):
 def routed_rows(model, layout, rows):
     """M: rows a rank's experts take for ``rows`` sequences of s/cp tokens: N·k dropless, at most the
     capacity E·G·ceil(C·(N/G)·k/E) over its G groups. At balance a rank receives what it sends."""
-    return min(rows * local_tokens(model, layout) * model.moe_top_k, expert_capacity(model, layout, rows))
+    return min(rows * routed_tokens(model, layout) * model.moe_top_k, expert_capacity(model, layout, rows))
 
 
 def expert_capacity(model, layout, rows):
     """The rows E experts take at most from ``rows`` sequences, E·G·ceil(C·(N/G)·k/E) (inf dropless)."""
     if model.moe_capacity_factor is None:
         return math.inf
-    N, k, E = rows * local_tokens(model, layout), model.moe_top_k, model.moe_experts
+    N, k, E = rows * routed_tokens(model, layout), model.moe_top_k, model.moe_experts
     groups = local_groups(model, layout)
     return E * groups * math.ceil(model.moe_capacity_factor * (N // groups) * k / E)
 
@@ -159,7 +165,7 @@ def received_rows(model, layout, rows):
     capacity of the experts (all ep ranks' choices for them)."""
     if layout.moe_load == 1:
         return routed_rows(model, layout, rows)
-    routed = rows * local_tokens(model, layout) * model.moe_top_k
+    routed = rows * routed_tokens(model, layout) * model.moe_top_k
     return min(math.ceil(routed * layout.moe_load), expert_capacity(model, layout, rows))
 
 
@@ -172,12 +178,11 @@ def local_groups(model, layout):
 def moe_kept_values(model, layout, rows):
     """Values an MoE layer keeps for backward (module docstring), for ``rows`` sequences on one rank (the
     busiest, under ep: M its received_rows)."""
-    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
-    r = layout.tp if layout.sequence_parallel else 1
+    N, h, E, k = rows * routed_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
     M, f = received_rows(model, layout, rows), model.expert_ffn
     groups = local_groups(model, layout)
     shared = model.moe_shared * (3 * N * f + N * h)          # always-on experts on every token, added
-    return N * h / r + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared
+    return N * h + N * E + N * k + M * h + 3 * M * f + N * k * h + 2 * E * groups + 1 + shared
 
 
 def moe_backward_moments(model, layout, rows, every_expert=False):
@@ -190,7 +195,7 @@ def moe_backward_moments(model, layout, rows, every_expert=False):
     Every expert but the last adds the same to both counts, so whatever a walk maximises along them (a weighted
     sum of the two, as a key of two) is largest at the first or the last of them: the experts between are left
     out (unless ``every_expert``), which keeps a plan of 256 experts as quick as one of 8, exactly."""
-    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    N, h, E, k = rows * routed_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
     M, f, own = received_rows(model, layout, rows), model.expert_ffn, model.moe_experts // layout.ep
     freed, made = N * k * h + N * k + 2 * E * local_groups(model, layout) + 1, 0
     moments, per_expert = [(freed, made)], M / own
@@ -270,7 +275,7 @@ def experts_work(model, layout, rows):
     product and softmax, the gathers of dispatch and combine, E/ep experts on M·ep/E rows each (balanced),
     the shared experts on every token. The all-to-alls are communication (time.py prices them)."""
     from .work import Work, _linear, _linear_backward
-    N, h, E, k = rows * local_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
+    N, h, E, k = rows * routed_tokens(model, layout), model.n_embd, model.moe_experts, model.moe_top_k
     M, f, local, t = received_rows(model, layout, rows), model.expert_ffn, E // layout.ep, 1   # replicated on tp
     fwd, bwd = Work(), Work()
     _linear(fwd, N, 1, h, E, False, bias=False)
@@ -297,7 +302,8 @@ def experts_work(model, layout, rows):
     # the aux loss's reshape, mean, two products and sum; y reshaped back; the model's loss adding the aux loss
     joins = E + 1 if layout.ep == 1 else 2 + local + (3 if local > 1 else 0)
     scaler = 1 if layout.recompute == "full" else 0    # the aux loss seeded in backward (AuxLossAutoScaler)
-    fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += joins + 13 + scaler
+    sp = 2 if layout.sequence_parallel and layout.tp > 1 else 0    # P's all-reduce over tp and its division
+    fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += joins + 13 + scaler + sp
     bwd.op("copy", M * h, count=2).op("embedding.backward", N * k * h).op("add", N * k * h, count=2)
     return fwd, bwd
 

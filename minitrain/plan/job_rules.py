@@ -56,11 +56,6 @@ def refuse_moe(parser, args, given):
         for option in MOE_OPTIONS:
             if option in given:
                 cli.refuse(parser, option, "--moe-experts 0", "no block has an MoE layer: give --moe-experts E")
-        return
-    if args.sequence_parallel:
-        cli.refuse(parser, "--sequence-parallel", f"--moe-experts {args.moe_experts}",
-                   "the experts are replicated on the tp ranks and route whole sequences; routing by sequence "
-                   "shard is not built")
 
 
 def refuse_ep(parser, args, given):

@@ -49,12 +49,12 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1])
                         for i, (f, b) in enumerate(((emb_f, emb_b), (block_f, block_b), (head_f, head_b)))]
     wall_cp, own_cp = axes_comm(model, layout, rows, machine, False), axes_comm(model, layout, rows, machine, True)
-    block = _plus(block, wall_cp[0], own_cp[0])
     moe = block
-    if model.moe_experts:
+    if model.moe_experts:              # tp: the attention's collectives only (the experts are whole on every rank)
         moe_f, moe_b = gpt_block_work(model, layout, rows, device, moe=True)
-        moe = _plus((c.seconds(moe_f), block[1], c.seconds(moe_b), block[3], block[4], block[5]),
+        moe = _plus((c.seconds(moe_f), block[1] / 2, c.seconds(moe_b), block[3] / 2, block[4] / 2, block[5] / 2),
                     wall_cp[1], own_cp[1])
+    block = _plus(block, wall_cp[0], own_cp[0])
     return [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
 
 
@@ -67,12 +67,13 @@ def _plus(costs, wall, own):
 def axes_comm(model, layout, rows, machine, busy):
     """((forward, backward) seconds of context parallelism's communication in a block, (the same) in an MoE
     block with its four all-to-alls and the forward's exchange of split sizes added (plan/experts.py), and under
-    cp its balancing loss's counts summed over the cp ranks (with a capacity, the choices gathered too). Ring:
+    cp its balancing loss's counts summed over the cp ranks (with a capacity, the choices gathered too; under
+    sequence parallelism over the cp x tp ranks, and P summed over the tp ranks). Ring:
     cp-1 hops of K and V forward, of K, V, dK and dV backward and a last of dK and dV, a sendrecv each array;
     Ulysses: four all-to-alls each way; recomputation sends the forward's again in backward (full: the MoE
     block's all-to-alls and counts too; selective recomputes the attention core alone). The ep ranks are
     consecutive dp ranks."""
-    from .experts import all_to_all_bytes, cp_block_bytes, local_groups, local_tokens
+    from .experts import all_to_all_bytes, cp_block_bytes, local_groups, routed_tokens
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:
@@ -92,12 +93,15 @@ def axes_comm(model, layout, rows, machine, busy):
         # all-to-all (expert_parallel_moe.split_sizes; the backward's all-to-alls reverse the same splits)
         counts = collective(machine, "all_to_all", 8 * model.moe_experts, ep, ep * c * t, busy=busy,
                             after_compute=True)
-    if model.moe_experts and c > 1:     # the balancing loss's counts, summed over the cp ranks (G x E numbers)
-        counts += collective(machine, "ring_all_reduce", local_groups(model, layout) * model.moe_experts
-                             * PRECISIONS[layout.precision], c, c * t, busy=busy, after_compute=True)
+    r = t if layout.sequence_parallel else 1          # sequence parallelism: each tp rank routes its own tokens
+    table = local_groups(model, layout) * model.moe_experts * PRECISIONS[layout.precision]      # G x E numbers
+    if model.moe_experts and c * r > 1:  # the balancing loss's counts, summed over the cp (x tp) ranks
+        counts += collective(machine, "ring_all_reduce", table, c * r, c * t, busy=busy, after_compute=True)
         if model.moe_capacity_factor is not None:     # and the choices of every rank's tokens, to plan a capacity
-            whole = 8 * rows * local_tokens(model, layout) * c * model.moe_top_k
-            counts += collective(machine, "ring_all_gather", whole, c, c * t, busy=busy, after_compute=True)
+            whole = 8 * rows * routed_tokens(model, layout) * c * r * model.moe_top_k
+            counts += collective(machine, "ring_all_gather", whole, c * r, c * t, busy=busy, after_compute=True)
+    if model.moe_experts and r > 1:      # and P, the mean probabilities, summed over tp (identity backward)
+        counts += collective(machine, "ring_all_reduce", table, t, t, busy=busy, after_compute=True)
     # full recomputation runs an MoE block's forward again in its backward: its split sizes and all-to-alls too
     again = a2a + counts if layout.recompute == "full" else 0.0
     return (fwd, bwd), (fwd + a2a + counts, bwd + a2a + again)

@@ -141,6 +141,13 @@ def predict_time(model, layout, machine):
             tail.calls += expert_tensors(model, layout)
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
+    if model.kind == "gpt" and layout.sequence_parallel and layout.tp > 1 and n_experts:
+        # each tp rank's experts and routers saw its own tokens: their partial gradients summed over tp at the
+        # step's end, with the LayerNorms' (one flat all-reduce, after one of a used-flag per tensor)
+        routed = sp_moe_gradients(model, layout, n_experts)
+        coll("ring_all_reduce", 8 * n_tensors, layout.tp, layout.tp)
+        coll("ring_all_reduce", routed * e, layout.tp, layout.tp)
+        tail.op("copy", routed, count=2, calls=2)            # into the flat buffer and back
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
         compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
@@ -163,6 +170,14 @@ def predict_time(model, layout, machine):
     return {"compute": compute, "comm": comm, "bubble": idle, "total": total,
             "bubble_fraction": idle / span if p > 1 and span else 0.0, "comm_busy": comm_busy,
             "busy": compute / turns + comm_busy}
+
+
+def sp_moe_gradients(model, layout, n_experts):
+    """Elements of the gradients a stage's MoE layers sum over tp under sequence parallelism: its routed experts'
+    (``n_experts``: E/ep per layer) and, for each of its MoE layers, the router's h x E."""
+    from .experts import expert_params
+    layers = n_experts // (model.moe_experts // layout.ep * expert_params(model))
+    return n_experts + layers * model.n_embd * model.moe_experts
 
 
 def expert_tensors(model, layout):

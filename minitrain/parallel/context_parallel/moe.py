@@ -9,6 +9,8 @@ things do not, and both are counted over a group's tokens on every cp rank:
   before second ones, each in token order (row by row, position by position). The ranks all-gather
   their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
   keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes.
+Sequence parallelism inside each cp rank (the tp ranks each holding a contiguous piece of the cp rank's
+positions) makes the token-sharing group cp x tp: the same counts and plan over it (token_positions).
 Under expert parallelism the ep groups (blocks of ep dp ranks) of every cp coordinate hold the same
 experts, so an expert's gradient is summed over dp/ep x cp ranks (GPT3D's expert data-parallel group).
 """
@@ -27,14 +29,24 @@ def choice_fractions(moe, plan, tokens_per_group, dtype, comm):
     return Tensor(routed / (tokens_per_group * comm.size * moe.top_k))
 
 
-def plan_for_rank(moe, choices, shape, comm, layout):
+def token_positions(seq_len, size, rank, layout, tp=1):
+    """The positions rank ``rank`` of ``size`` token-sharing ranks holds, in its order: ``size/tp`` cp ranks in
+    ``layout``, each of whose positions sequence parallelism cuts into ``tp`` contiguous pieces (tp innermost,
+    as the mesh's ranks are)."""
+    mine = positions_of(seq_len, size // tp, rank // tp, layout)
+    n = len(mine) // tp
+    return mine[rank % tp * n:(rank % tp + 1) * n]
+
+
+def plan_for_rank(moe, choices, shape, comm, layout, tp=1):
     """This rank's part of the dispatch one process plans for the rows' whole sequences: ``choices`` (N, k)
-    of this rank's tokens, ``shape`` (rows, positions held, C), ``layout`` the sequence's over the ranks."""
+    of this rank's tokens, ``shape`` (rows, positions held, C), ``layout`` the sequence's over the cp ranks of
+    ``comm``, each cut into ``tp`` pieces by sequence parallelism (token_positions)."""
     xp, (N, k), E, p = array_module(choices), choices.shape, moe.num_experts, comm.size
     b, s = shape[0], shape[1]
     T = s * p
     gathered = ring_all_gather(comm, xp.ascontiguousarray(choices), total=N * k * p).reshape(p, b, s, k)
-    places = [xp.asarray(positions_of(T, p, r, layout)) for r in range(p)]    # each rank's positions, in its order
+    places = [xp.asarray(token_positions(T, p, r, layout, tp)) for r in range(p)]   # each rank's, in its order
     whole = xp.empty((b, T, k), dtype=choices.dtype)
     for r in range(p):
         whole[:, places[r]] = gathered[r]

@@ -27,12 +27,18 @@ def all_reduce_loss(comm, values, weights, m):
 
 def all_reduce_dp_gradients(dp_comm, params, find_unused_parameters):
     """The gradients averaged over the dp replicas. With find_unused_parameters (an expert no token
-    of a replica chose), a parameter without a gradient on some replica counts as zeros there, and
-    one that no replica used keeps grad None: every replica must reduce the same list."""
+    of a replica chose), see used_anywhere: every replica must reduce the same list."""
     if find_unused_parameters:
-        used = all_reduce(dp_comm, np.array([q.grad is not None for q in params], np.float64))
-        params = [q for q, n in zip(params, used) if n > 0]
-        for q in params:
-            if q.grad is None:
-                q.grad = array_module(q.data).zeros(q.shape, q.dtype)
+        params = used_anywhere(dp_comm, params)
     all_reduce_coalesced(dp_comm, [q.grad for q in params if q.grad is not None], op="mean")
+
+
+def used_anywhere(comm, params):
+    """The ``params`` that some rank of ``comm`` has a gradient for (one all-reduce of a flag each), those
+    without one here given zeros: the list every rank then reduces alike. One no rank used keeps grad None."""
+    used = all_reduce(comm, np.array([q.grad is not None for q in params], np.float64))
+    params = [q for q, n in zip(params, used) if n > 0]
+    for q in params:
+        if q.grad is None:
+            q.grad = array_module(q.data).zeros(q.shape, q.dtype)
+    return params

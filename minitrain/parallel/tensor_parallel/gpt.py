@@ -49,6 +49,7 @@ from ...comm import all_reduce_coalesced, broadcast, ring_all_gather
 from ...nn import Embedding, LayerNorm, Module, ModuleList
 from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward, aux_loss_term
 from ..clip import clip_sharded_grad_norm_, sum_of_squares
+from ..pipeline.step_end import used_anywhere
 from .comms import GatherFromTensorParallelRegion
 from .layers import (ColumnParallelLinear, ParallelDropout, RowParallelLinear, VocabParallelCrossEntropy,
                      VocabParallelEmbedding, divide, positions)
@@ -92,7 +93,8 @@ class ParallelMLP(FeedForward):
 class ParallelBlock(Block):
     """The GPT's block (LayerNorms replicated, or on sequence shards with SP) around the parallel
     attention and MLP; ``forward`` (with full recomputation) is the GPT's own (inherited). Where the
-    config puts an MoE layer (block ``layer``), the MLP is that layer replicated on the tp ranks (moe.py)."""
+    config puts an MoE layer (block ``layer``), the MLP is that layer replicated on the tp ranks (moe.py);
+    with SP each rank routes its own tokens."""
 
     def __init__(self, config, comm, sequence_parallel, layer=0):
         Module.__init__(self)
@@ -105,6 +107,9 @@ class ParallelBlock(Block):
                                      bias=config.bias, dropout=config.dropout)
             if config.recompute == "full":   # as the GPT's block: the aux loss seeded in backward
                 self.mlp.aux_loss_scale = 1.0
+            if sequence_parallel:            # each tp rank routes its own contiguous piece of the sequence
+                self.mlp.token_comm = self.mlp.sequence_comm = comm
+                self.mlp.token_layout = "contiguous"
         else:
             self.mlp = ParallelMLP(config, comm, sequence_parallel)
         self.recompute = config.recompute == "full"
@@ -118,9 +123,6 @@ class TensorParallelGPT(Module):
 
     def __init__(self, config, comm, sequence_parallel=False):
         super().__init__()
-        if config.moe_experts and sequence_parallel:
-            raise ValueError(f"[rank {comm.rank}] sequence parallelism with MoE layers: the experts are replicated on "
-                             "the tp ranks and route the whole sequence (routing by sequence shard is not built)")
         self.config, self.comm, self.sequence_parallel = config, comm, sequence_parallel
         t = comm.size
         self.padded_vocab = -(-config.vocab_size // t) * t
@@ -134,7 +136,8 @@ class TensorParallelGPT(Module):
         if config.tie_weights:      # both are (V/t, C), rows [r·V/t, (r+1)·V/t): the same shard, shared
             self.lm_head.weight = self.wte.weight
         # parameters every rank holds whole: with sequence parallelism each sees 1/t of the tokens,
-        # so their gradients are partial sums, all-reduced once at the end of backward
+        # so their gradients are partial sums, all-reduced once at the end of backward (an MoE layer's
+        # router and experts too: each rank routes its own tokens)
         self.replicated = [q for name, q in self.named_parameters() if name.startswith(("wpe.", "ln_f.")) or
                            ".ln_" in name or name.endswith(("c_proj.bias",)) or ".mlp.router." in name or
                            ".mlp.experts." in name]     # an MoE layer is whole on every rank (moe.py)
@@ -153,10 +156,13 @@ class TensorParallelGPT(Module):
 
     def all_reduce_replicated_grads(self):
         """With sequence parallelism: one all-reduce of the replicated parameters' gradients
-        (partial sums over each rank's tokens), flattened together. Without it, nothing to do."""
+        (partial sums over each rank's tokens), flattened together. Without it, nothing to do. With
+        MoE layers an expert this rank's tokens left idle may be another's: it counts as zeros here,
+        and one that no tp rank used keeps grad None."""
         if not self.sequence_parallel:
             return
-        all_reduce_coalesced(self.comm, [q.grad for q in self.replicated if q.grad is not None], algorithm="ring")
+        params = used_anywhere(self.comm, self.replicated) if self.config.moe_experts else self.replicated
+        all_reduce_coalesced(self.comm, [q.grad for q in params if q.grad is not None], algorithm="ring")
         self._pending = False
 
     def clip_grad_norm_(self, max_norm, pipeline_comm=None):

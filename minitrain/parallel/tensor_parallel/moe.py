@@ -2,15 +2,24 @@
 ranks, its balancing loss carried by the activations through a pipeline (Megatron-Core's
 MoEAuxLossAutoScaler; Switch, Fedus et al. 2022, for the loss itself).
 
-Tensor parallelism: the MoE layer is *replicated* on a stage's tp ranks (Megatron's other way, with
-sequence parallelism, lets each tp rank route its own tokens; that needs capacity groups that follow
-the sequence shards, and it is not built). Without sequence parallelism the MLP's input, ln_2's
-output, is the same on every tp rank (the attention's g all-reduced it), so each rank routes the same
-tokens to the same experts and computes the same output: no communication in or out of the layer.
+Tensor parallelism: the MoE layer is *replicated* on a stage's tp ranks. Without sequence parallelism
+the MLP's input, ln_2's output, is the same on every tp rank (the attention's g all-reduced it), so each
+rank routes the same tokens to the same experts and computes the same output: no communication in or
+out of the layer.
 Backward, the gradient arriving from the residual stream is also whole on every rank, so every expert
 and router gradient is whole and identical on the tp ranks (no all-reduce either, and like a
 LayerNorm's, counted once in the global gradient norm). The cost: every tp rank stores all the experts
 and computes them all, t times the MoE layer's work; an expert-parallel layout (--ep) divides that.
+
+With sequence parallelism (Megatron-Core's way, which it requires for MoE under tp) ln_2's output is
+each tp rank's contiguous 1/t of every row's positions, and each rank routes its own tokens, as a cp rank
+does (below): the balancing loss's f and a capacity counted over the group's tokens on every tp rank. P,
+the group's mean probability per expert, is the ranks' mean: an all-reduce forward with an identity
+backward (Megatron's g), so every tp rank's balancing loss is the group's, the same number (tp ranks do
+not average their losses, as cp ranks do), and each rank's router gradient is its tokens' share, 1/t of
+the loss's pull through P. Each rank's experts see its tokens only: their and the router's gradients are
+partial sums, summed over tp with the LayerNorms' (TensorParallelGPT.all_reduce_replicated_grads), an
+expert that no tp rank used keeping none. The step's load and drops are summed over tp.
 
 Pipelines: the load-balancing loss of a layer on stage 0 cannot be added to the loss, which only the
 last stage computes. AuxLossAutoScaler.apply(y, aux_loss, scale) (nn/moe.py) returns y unchanged; in
@@ -24,6 +33,7 @@ replicas by GPT3D (moe_step_statistics).
 
 Context parallelism (token_comm, the cp ranks): each rank routes the tokens it holds; the balancing
 loss's fractions and a capacity are counted over a group's tokens on every cp rank (context_parallel/moe.py).
+With sequence parallelism too, token_comm is the cp x tp ranks, and each cp rank's positions are cut by tp.
 """
 import numpy as np
 
@@ -32,6 +42,7 @@ from ...autograd import is_grad_enabled
 from ...comm import all_reduce
 from ...nn.moe import MoE
 from ..context_parallel.moe import choice_fractions, plan_for_rank
+from .comms import ReduceFromTensorParallelRegion
 
 
 class ReplicatedMoE(MoE):
@@ -41,8 +52,9 @@ class ReplicatedMoE(MoE):
     forward that records a graph adds its figures (load, dropped, aux_loss · scale) to the step's, until
     reset_step(). (Under full recomputation that is the forward redone in backward: counted once.)"""
 
-    token_comm = None       # context parallelism: the ranks holding the rest of each row (GPT3D sets it)
-    token_layout = None     # and how the sequence is laid out over them (context_parallel/moe.py)
+    token_comm = None       # cp / sp: the ranks holding the rest of each row (GPT3D, ParallelBlock set it)
+    token_layout = None     # and how the sequence is laid out over the cp ranks (context_parallel/moe.py)
+    sequence_comm = None    # sequence parallelism: the tp ranks, each a contiguous piece of every position held
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,7 +69,17 @@ class ReplicatedMoE(MoE):
     def plan(self, choices, shape):
         if self.token_comm is None or self.token_comm.size == 1 or self.capacity_factor is None:
             return super().plan(choices, shape)                # dropless: each rank's tokens on their own
-        return plan_for_rank(self, choices, shape, self.token_comm, self.token_layout)
+        return plan_for_rank(self, choices, shape, self.token_comm, self.token_layout, self.sequence_parallel_size)
+
+    @property
+    def sequence_parallel_size(self):
+        return 1 if self.sequence_comm is None else self.sequence_comm.size
+
+    def mean_probs(self, P):
+        """Under sequence parallelism the tp ranks' mean P (each rank's P of its tokens), identity backward."""
+        if self.sequence_parallel_size == 1:
+            return P
+        return ReduceFromTensorParallelRegion.apply(P, self.sequence_comm) / self.sequence_comm.size
 
     def reset_step(self):
         self.step_figures = []
@@ -78,13 +100,17 @@ class ReplicatedMoE(MoE):
         return row
 
 
-def moe_step_statistics(layers, pp_comm, dp_comm):
+def moe_step_statistics(layers, pp_comm, dp_comm, sequence_comm=None):
     """(load_max_over_mean, tokens_dropped, aux_loss) of the step over the global batch, on every rank:
     each layer's load summed over micro-batches and replicas (max over mean per layer, the largest over
     the layers), drops summed, the weighted balancing losses summed over layers and micro-batches and
     averaged over the replicas, as one process sums its layers' losses. ``layers``: every MoE layer of
-    the model, in order (one row each: a stage's rows for other stages' layers are zeros)."""
+    the model, in order (one row each: a stage's rows for other stages' layers are zeros). Under sequence
+    parallelism (``sequence_comm``, the tp ranks) load and drops are summed over tp too; the balancing loss
+    is already the group's on every tp rank."""
     rows = np.stack([layer.step_row() for layer in layers])            # (layers, E + 2)
+    if sequence_comm is not None and sequence_comm.size > 1:
+        rows[:, :-1] = all_reduce(sequence_comm, np.ascontiguousarray(rows[:, :-1]), op="sum")
     rows = all_reduce(pp_comm, rows.reshape(-1), op="sum")             # the stages' layers
     rows = all_reduce(dp_comm, rows, op="sum").reshape(len(layers), -1)
     loads = rows[:, :-2]
