@@ -72,6 +72,14 @@ CONFIGS = [
     gpt("gpt dp x tp sp", ["--tp", "2", "--sequence-parallel"], [4]),
     gpt("gpt pp interleaved", ["--pp", "2", "--schedule", "interleaved_1f1b", "--chunks", "2",
                                "--microbatches", "2"], [4]),
+    gpt("gpt moe", ["--moe-experts", "4", "--moe-capacity-factor", "1.0"], [1]),
+    gpt("gpt moe dp", ["--moe-experts", "4"], [2]),
+    gpt("gpt moe tp sp", ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"], [2]),
+    gpt("gpt moe ep zero", ["--moe-experts", "4", "--ep", "2", "--zero", "2"], [2]),
+    gpt("gpt moe dp x tp sp x ep", ["--moe-experts", "4", "--tp", "2", "--sequence-parallel", "--ep", "2"], [4]),
+    gpt("gpt cp ring", ["--cp", "2"], [2]),
+    gpt("gpt cp ulysses x tp", ["--cp", "2", "--cp-method", "ulysses", "--tp", "2"], [4]),
+    gpt("gpt zbv", ["--pp", "2", "--schedule", "zbv", "--microbatches", "2"], [2]),
 ] + [{"name": f"exercise {name}", "module": "exercise", "args": [name], "ranks": [1]} for name in EXERCISES]
 
 
