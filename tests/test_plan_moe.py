@@ -144,6 +144,37 @@ def test_the_job_plans_its_own_routing_s_load(tmp_path):
     assert compared["predicted"]["step_busy_s"] == at_step["step_busy_s"]
 
 
+def test_each_pipeline_stage_is_planned_at_its_own_ranks_load():
+    """gpt_common.stage_routing_loads: a stage's peak load is routing_load's over its own ranks (the first step
+    left out), 1 for a stage without MoE layers: what one stage's layers routed is not another's memory."""
+    from minitrain.comm import ThreadWorld
+    from minitrain.examples.gpt_common import routing_load, stage_routing_loads
+    routing = {0: [[(40, 10)], [(12, 10)], [(14, 10)]], 1: [[(10, 10)], [(8, 10)], [(10, 10)]],     # stage 0
+               2: [[(10, 10)], [(20, 10)], [(16, 10)]], 3: [[(10, 10)], [(0, 10)], [(4, 10)]]}      # stage 1
+    loads = ThreadWorld(4).run(lambda comm: stage_routing_loads(comm, routing[comm.rank], 2, comm.rank // 2, 2))
+    assert loads == [[1.4, 2.0]] * 4                           # 4.0 in stage 0's first step is left out
+    assert ThreadWorld(4).run(lambda comm: routing_load(comm, routing[comm.rank], 2))[0][0] == 2.0
+    dense_last = {0: [[(10, 10)], [(15, 10)]], 1: [[(10, 10)], [(5, 10)]], 2: [[], []], 3: [[], []]}
+    loads = ThreadWorld(4).run(lambda comm: stage_routing_loads(comm, dense_last[comm.rank], 2, comm.rank // 2, 2))
+    assert loads == [[1.5, 1.0]] * 4
+
+
+def test_an_expert_parallel_pipeline_plans_each_stage_at_its_own_load(tmp_path):
+    """--dp 2 --pp 2 --ep 2: an untrained router sent one of the last stage's ranks every row (a load of 2.0),
+    while the first stage's busiest rank took 1.2-1.5x its share. Each stage planned at its own ranks' load,
+    the planner's memory is the heaviest rank's ledger (within 0.1%); at the last stage's 2.0 the first stage
+    would be planned 33% above it."""
+    out = tmp_path / "eppp.json"
+    run_mpi([sys.executable, "-m", "minitrain.examples.gpt", "--steps", "6", "--sample-chars", "1", "--no-progress",
+             "--dp", "2", "--pp", "2", "--microbatches", "2", "--moe-experts", "4", "--ep", "2", "--json", out], n=4,
+            timeout=300)
+    report = json.loads(out.read_text())
+    compared, heaviest = report["planner"], max(r["memory"]["peak"]["total"] for r in report["ranks"])
+    first, last = compared["moe_load_per_stage"]
+    assert first < last == compared["moe_load"]
+    assert compared["predicted"]["memory_bytes"] == pytest.approx(heaviest, rel=1e-3)
+
+
 def test_one_process_plans_the_rows_its_capacity_kept(tmp_path):
     """One process with a capacity: its experts take fewer rows than routed (a load below 1), which the job
     hands the planner as the multi-rank jobs do: the prediction is its ledger's (within 0.1%)."""

@@ -1,5 +1,5 @@
-"""The planner against the jobs (minitrain/plan/validate.py): the 14 runs of examples.mlp / examples.gpt under
-mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, ZB-V, interleaved, TP, TP+SP, 3D,
+"""The planner against the jobs (minitrain/plan/validate.py): the 16 runs of examples.mlp / examples.gpt under
+mpiexec at 1-8 ranks (DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, ZB-H1, ZB-V, interleaved, TP, TP+SP, 3D,
 recomputation), predicted from the committed machine constants (machines/cpu-2core.json), each run shortened
 to one epoch / a few steps (what is compared here is the same in every step). Memory: every rank's ledger
 peak, every category, within 5%. Graph nodes per step: exactly the engine's count. Step time is a speed
@@ -31,9 +31,12 @@ def results():
 @pytest.mark.slow
 def test_the_runs_cover_every_strategy_at_1_to_8_ranks(results):
     described = " | ".join(f"{r['options']} {r['describe']}" for r in results)
-    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "zbv", "interleaved", "tp2",
+    for feature in ("zero1", "zero2", "zero3", "offload", "fp16", "gpipe", "1f1b", "zb_h1", "zbv", "interleaved", "tp2",
                     "sequence-parallel", "recompute full", "recompute selective", "dp2 pp2 tp2"):
         assert feature in described, feature
+    # the zero-bubble schedules on both jobs: the MLP's Linears and the GPT's blocks hold different things until W
+    assert {s for r in results if r["job"] == "gpt" for s in ("zb_h1", "zbv") if f" {s} " in r["describe"]} == {
+        "zb_h1", "zbv"}
     assert {r["world"] for r in results} == {1, 2, 4, 8}
     assert all(r["job_printed_the_plan"] for r in results)           # the job's table shows the prediction
     assert all(("--epochs 1 " in r["options"]) != ("--steps 3 " in r["options"]) for r in results)
@@ -43,6 +46,19 @@ def test_the_runs_cover_every_strategy_at_1_to_8_ranks(results):
 def test_peak_memory_of_every_rank_is_the_ledgers_within_5_percent(results):
     for res in results:
         assert validate.memory_error(res) <= 0.05, (res["name"], res["ranks"])
+
+
+@pytest.mark.slow
+def test_the_gpt_s_zero_bubble_runs_are_planned_to_the_byte(results):
+    """validate's GPT runs under ZB-H1 and ZB-V: every category of every rank as its ledger counts it. Each block's
+    B frees what only the input gradients need and keeps its weights' inputs until W: ZB-H1's last stage holds
+    3,921,004 B where 1F1B's holds 3,263,084, and ZB-V's V puts the embedding and the head on rank 0."""
+    runs = [r for r in results if r["name"] in ("gpt-pp2-zbh1", "gpt-pp2-zbv")]
+    assert len(runs) == 2
+    for res in runs:
+        for r in res["ranks"]:
+            predicted = {**r["predicted"]["category_peaks"], "total": r["predicted"]["total"]}
+            assert {c: predicted[c] for c in r["measured"]} == r["measured"], (res["name"], r["rank"])
 
 
 @pytest.mark.slow

@@ -384,8 +384,8 @@ def test_bench_planner_runs_by_default_what_fits_the_cores_and_the_issues_jobs()
     runs = {**bench["validate"].RUNS, **bench["JOBS"]}
     assert bench["runs_that_fit"](runs, 2) == ["ddp-2", "zero1-fp16", "zero2-bf16-offload", "zero3-recompute", "gpipe",
                                          "1f1b", "zbv", "gpt-1", "gpt-tp2", "gpt-tp2-sp-selective", "gpt-pp2-full",
-                                         "zero3-adam-512", "gpt-pp2-1f1b"]
-    assert bench["runs_that_fit"](runs, 1) == ["gpt-1"] and len(bench["runs_that_fit"](runs, 8)) == len(runs) == 16
+                                         "gpt-pp2-zbh1", "gpt-pp2-zbv", "zero3-adam-512", "gpt-pp2-1f1b"]
+    assert bench["runs_that_fit"](runs, 1) == ["gpt-1"] and len(bench["runs_that_fit"](runs, 8)) == len(runs) == 18
     assert bench["JOBS"]["zero3-adam-512"][1:] == (2, "--epochs 30 --strategy zero3 --optimizer adam --hidden 512 "
                                                       "--batch-size 256")
     assert bench["JOBS"]["gpt-pp2-1f1b"][1] == 2 and bench["JOBS"]["gpt-pp2-1f1b"][2].endswith(

@@ -125,15 +125,39 @@ def routing_load(comm, routing, ep, per_layer=False):
     collective: every rank calls it, a stage without MoE layers with empty steps)."""
     if not routing:
         return 1.0, 1.0
+    busiest = _busiest_per_step(comm, _step_loads(routing), ep)
+    if not busiest.any():                                               # no MoE layer routed a row
+        return 1.0, 1.0
+    return _peak(busiest, per_layer), float(np.median(busiest[0]))
+
+
+def stage_routing_loads(comm, routing, ep, stage, stages, per_layer=False):
+    """routing_load's peak for each of the ``stages`` pipeline stages, over that stage's ranks alone (this rank
+    holds ``stage``): a stage's memory holds its own MoE layers' rows, so it is planned at its own load, not at
+    one that another stage's layers routed (1 for a stage without MoE layers; a collective)."""
+    mine = np.zeros((stages, 2, len(routing)))
+    mine[stage] = _step_loads(routing)
+    busiest = _busiest_per_step(comm, mine, ep)
+    return [_peak(b, per_layer) if b.any() else 1.0 for b in busiest]
+
+
+def _step_loads(routing):
+    """[[each step's layers together], [each step's busiest layer]]: this rank's experts' rows over its routed."""
     ratio = lambda taken, routed: taken / routed if routed else 0.0        # noqa: E731
     together = [ratio(sum(t for t, _ in step), sum(r for _, r in step)) for step in routing]
     busiest_layer = [max((ratio(t, r) for t, r in step), default=0.0) for step in routing]
-    mine = np.array([together, busiest_layer])
-    busiest = np.minimum(mine if comm is None else all_reduce(comm, mine, op="max"), ep)     # per step
-    if not busiest.any():                                               # no MoE layer routed a row
-        return 1.0, 1.0
+    return np.array([together, busiest_layer])
+
+
+def _busiest_per_step(comm, mine, ep):
+    """The largest over the ranks of each step's loads, at most ep (a collective unless ``comm`` is None)."""
+    return np.minimum(mine if comm is None else all_reduce(comm, mine, op="max"), ep)
+
+
+def _peak(busiest, per_layer):
+    """The most loaded step's load, the first step left out where there are others (routing_load's peak)."""
     whole = busiest[:, 1:] if busiest.shape[1] > 1 else busiest          # the steps with every model state
-    return float(whole[1 if per_layer else 0].max()), float(np.median(busiest[0]))
+    return float(whole[1 if per_layer else 0].max())
 
 
 def all_to_all_summary(comm, a2a, ep):

@@ -45,7 +45,7 @@ from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
-                                           print_sample, scheduler_for)
+                                           print_sample, scheduler_for, stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
                                                     expected_model_states, layer_bytes_formula, measure_block_bytes,
                                                     zero_memory)
@@ -175,6 +175,8 @@ def main_parallel(args):
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
     load = routing_load(comm, routing, args.ep, per_layer=args.recompute == "full")
+    stage_loads = stage_routing_loads(comm, routing, args.ep, model.mesh.coordinate("pp"), pp,
+                                      per_layer=args.recompute == "full") if args.moe_experts else None
     state = model.full_state_dict()
     cp_block = cp_report(model, args, table)
     if rank != 0:
@@ -232,7 +234,7 @@ def main_parallel(args):
           + ("; with sequence parallelism the experts' routing is counted apart: the first rank with blocks sent "
              f"{fmt_bytes(routing)}/step for it" if moe and args.sequence_parallel else "") + ")")
     compared = plan_comparison(args, world, slowest, table[:, 6].max(), kind="gpt", vocab_size=config.vocab_size,
-                               moe_load=load[0], moe_load_step=load[1])
+                               moe_load=load[0], moe_load_step=load[1], moe_load_per_stage=stage_loads)
     show_plan(args, compared)
     print_sample(full, config, corpus, args)
     if args.json:

@@ -137,12 +137,14 @@ def write_json(path, report):
         json.dump(report, f, indent=2)
 
 
-def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0, moe_load_step=None):
+def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None, moe_load=1.0, moe_load_step=None,
+                    moe_load_per_stage=None):
     """The planner's prediction for this job's options beside what the job measured (minitrain/plan), for the
     JSON (always) and the planner line (--show-plan): ``steps`` is the slowest rank's StepTimer summary; the
     planner is told the BLAS threads this process runs with and, with experts, the run's routing (its busiest
     rank's experts' rows over its own routed rows: the memory at ``moe_load``, the most loaded step's, with a
-    load of 1 beside; the step at ``moe_load_step``, the median step's, as the step is the median).
+    load of 1 beside; the step at ``moe_load_step``, the median step's, as the step is the median; with
+    ``moe_load_per_stage``, each pipeline stage's memory at its own ranks' load, the largest of them compared).
     Time is compared as plan/validate.py compares it: the step's busy CPU time in units of the anchor (which
     the machine's other jobs slow alike) against the planner's compute and its collectives' own work; the
     wall clock beside (also in anchors)."""
@@ -158,15 +160,19 @@ def plan_comparison(args, world, steps, peak_total, kind="mlp", vocab_size=None,
             return plan.predict(model, plan.Layout(**{**layout.fields(), "moe_load": load}), machine)
         moe_load_step = moe_load if moe_load_step is None else moe_load_step
         predicted, step = at(moe_load), at(moe_load_step)
+        memory = predicted["memory_bytes"]["total"]
+        if moe_load_per_stage and len(set(moe_load_per_stage)) > 1:
+            memory = max(at(load)["memory_bytes_per_stage"][s]["total"] for s, load in enumerate(moe_load_per_stage))
         even = at(1.0)["memory_bytes"]["total"] if moe_load != 1 else None
     except plan.LayoutError as e:
         return {"kind": kind, "world": world, "refused": str(e)}
     from ..plan.time import typical
     anchor = machine.get("anchor_cpu_time_s", 0.0) * typical(machine, world)   # as a job's step meets it
     return {"kind": kind, "world": world, "threads": layout.threads, "moe_load": moe_load,
-            "moe_load_step": moe_load_step,
+            "moe_load_step": moe_load_step, **({"moe_load_per_stage": list(moe_load_per_stage)}
+                                               if moe_load_per_stage else {}),
             "predicted": {"step_busy_s": step["step_busy_s"], "step_time_s": step["step_time_s"]["total"],
-                          "memory_bytes": predicted["memory_bytes"]["total"],
+                          "memory_bytes": memory,
                           **({"memory_bytes_even_routing": even} if even is not None else {})},
             "measured": {"step_busy_in_anchors_s": steps["step_busy_per_anchor"] * anchor,
                          "step_busy_fastest_s": steps["step_busy_cpu_time_min_s"],
@@ -193,7 +199,10 @@ def planner_line(compared):
             f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
             + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest rank's experts took that many rows per "
                f"row it routed in its most loaded step, {compared['moe_load_step']:.3g} in its median step, where "
-               f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at a load of 1)"
+               f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at a load of 1"
+               + (f"; each pipeline stage's memory at its own ranks' load: "
+                  f"{', '.join(f'{x:.3g}' for x in compared['moe_load_per_stage'])}"
+                  if len(set(compared.get("moe_load_per_stage", ()))) > 1 else "") + ")"
                if "memory_bytes_even_routing" in predicted else "") + f", {fmt_bytes(got['memory_bytes'])} measured")
 
 

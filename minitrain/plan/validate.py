@@ -15,8 +15,8 @@ the same way (the median step in anchors: how fast the machine ran meanwhile is 
 jobs' turns on the cores), the plain median beside it. Where ranks
 outnumber cores they take turns: a thread's CPU time leaves its turns out, so busy is still compared (the
 planner's compute without its ranks / cores factor), and the wall clock against the whole prediction.
-The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, interleaved, TP, TP+SP, 3D and
-recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
+The runs cover DDP, ZeRO-1/2/3, offload, fp16, GPipe, 1F1B, ZB-H1, ZB-V (the MLP's and the GPT's),
+interleaved, TP, TP+SP, 3D and recomputation at 1-8 ranks. The jobs run as processes: the planner never imports them.
 """
 import argparse
 import json
@@ -48,6 +48,8 @@ RUNS = {
     "gpt-tp2": ("gpt", 2, f"{GPT} --tp 2 --n-embd 128"),
     "gpt-tp2-sp-selective": ("gpt", 2, f"{GPT} --tp 2 --sequence-parallel --recompute selective --n-embd 128"),
     "gpt-pp2-full": ("gpt", 2, f"{GPT} --pp 2 --microbatches 4 --recompute full --n-layer 4"),
+    "gpt-pp2-zbh1": ("gpt", 2, f"{GPT} --pp 2 --schedule zb_h1 --microbatches 4 --n-layer 4"),
+    "gpt-pp2-zbv": ("gpt", 2, f"{GPT} --pp 2 --schedule zbv --microbatches 4 --n-layer 4"),
     "gpt-3d-8": ("gpt", 8, f"{GPT} --tp 2 --pp 2 --microbatches 2"),
 }
 
