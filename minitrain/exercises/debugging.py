@@ -16,7 +16,7 @@ import types
 
 from .comparing import host_all
 from .grading import Check, Mismatch, StopGrading
-from .harness import RanksFailed, mpi_world, run_ranks, wait_timeout
+from .harness import RanksFailed, mpi_world, rank_wait, run_ranks
 
 
 def load_program(name, source, fixes=(), label="broken"):
@@ -52,7 +52,7 @@ def program_checks(compare, sizes=(1, 2, 3, 4), hint=1, label="runs to the end a
 def run_report(name, train, p, compare, describe=None, call=_call):
     """``run NAME``: the program on ThreadWorld(p); prints what minitrain reports and returns 0 if it
     now behaves (finishes, equals one process), 1 otherwise."""
-    print(f"{name}: running train(comm) on ThreadWorld({p}); a rank waiting more than {wait_timeout():g} s "
+    print(f"{name}: running train(comm) on ThreadWorld({p}); a rank waiting more than {rank_wait():g} s "
           "for a message counts as stuck\n")
     try:
         results = host_all(run_ranks(p, call, train))

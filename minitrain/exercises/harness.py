@@ -21,7 +21,9 @@ DEFAULT_WAIT_TIMEOUT = 5.0      # seconds a rank may wait for a message before i
 # than one wait timeout without a message fails anyway (its peers stop waiting). --timeout S scales it.
 WALL_FACTOR = 2
 WALL_EXTRA_S = 2.0
-GPU_EXTRA_S = 30.0              # on the GPU: CuPy compiles each new kernel at its first use (seconds, cold cache)
+# On the GPU CuPy compiles each new kernel at its first use (seconds each from a cold cache), while the
+# rank's peers wait for its next message: every wait gets this much more there, so that a compile is not a hang.
+GPU_EXTRA_S = 30.0
 
 
 class RanksFailed(AssertionError):
@@ -40,11 +42,16 @@ def wait_timeout():
     return _settings["wait_timeout"]
 
 
+def rank_wait(timeout=None):
+    """Seconds a rank waits for a message before it counts as stuck: the wait timeout (``timeout`` or
+    --timeout's), GPU_EXTRA_S more on the GPU."""
+    from .. import backend
+    return (wait_timeout() if timeout is None else timeout) + (GPU_EXTRA_S if backend.get_device() == "cuda" else 0.0)
+
+
 def world_limit(timeout=None):
     """Seconds a world may run before its ranks still running count as stuck (an endless loop)."""
-    from .. import backend
-    extra = WALL_EXTRA_S + (GPU_EXTRA_S if backend.get_device() == "cuda" else 0.0)
-    return WALL_FACTOR * (wait_timeout() if timeout is None else timeout) + extra
+    return WALL_FACTOR * rank_wait(timeout) + WALL_EXTRA_S
 
 
 def make_world(p, timeout):
@@ -84,7 +91,8 @@ def _is_rank_failed(e):
 def run_ranks(p, fn, *args, timeout=None, **kwargs):
     """``fn(comm, *args, **kwargs)`` on ``p`` ThreadWorld ranks; returns the list of results.
     Raises RanksFailed (explained) if any rank raised, waited too long, or never finished."""
-    timeout = wait_timeout() if timeout is None else timeout
+    limit = world_limit(timeout)
+    timeout = rank_wait(timeout)
     world = make_world(p, timeout)
     errors, finished, idents = {}, {}, {}
 
@@ -108,7 +116,6 @@ def run_ranks(p, fn, *args, timeout=None, **kwargs):
 
     thread = threading.Thread(target=runner, name=f"grader-world-{p}", daemon=True)
     thread.start()
-    limit = world_limit(timeout)
     thread.join(limit)
     # ThreadWorld itself gives up ``timeout`` s after the first rank ended; ranks it left running never
     # returned and were not waiting (a wait would have ended): left alone, they would spin through later checks
