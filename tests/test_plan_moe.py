@@ -464,6 +464,9 @@ def test_gshard_groups_the_job_refuses_are_not_planned_and_the_default_is_one_pe
                                                                           "--moe-groups 2")
     assert "--batch-size 16 does not split into --moe-groups 32 groups" in refused(f"{sizes} --world 1 --moe-groups 32")
     assert refused(f"{sizes} --world 2 --moe-groups 3").count("\n") == 1
+    assert refused(f"{sizes} --world 3 --batch-size 8").endswith(            # the default dp x m = 3, as the job
+        "--batch-size 8 does not split into --moe-groups 3 groups of whole rows (its default: one per data-parallel "
+        "replica and micro-batch) (the job refuses it too)\n")
     planned = lambda options: json.loads(cli(f"{sizes} {options} --json".split()))     # noqa: E731
     assert planned("--world 2") == planned("--world 2 --moe-groups 2")               # the default: dp x m
     assert planned("--world 2")["memory_bytes"] != planned("--world 2 --moe-groups 4")["memory_bytes"]

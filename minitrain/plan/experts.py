@@ -91,10 +91,11 @@ def check_axes(model, layout):
     if not 1 <= model.moe_every <= model.n_layer:
         raise LayoutError(f"--moe-every {model.moe_every} exceeds --n-layer {model.n_layer}: no block would be an "
                           f"MoE layer")
-    problem = model.moe_groups and moe_groups_problem(model.moe_groups, layout.dp, layout.microbatches,
-                                                      layout.batch_size)
-    if problem:
-        raise LayoutError(f"{problem} (the job refuses it too)")
+    problem = moe_groups_problem(model.moe_groups or layout.dp * layout.microbatches, layout.dp, layout.microbatches,
+                                 layout.batch_size)
+    if problem:       # the default groups (dp x m) can only fail to split the batch
+        raise LayoutError(f"{problem}" + ("" if model.moe_groups else " (its default: one per data-parallel replica "
+                                          "and micro-batch)") + " (the job refuses it too)")
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
