@@ -19,7 +19,7 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD
 from .alpha_beta import collective
 from .bubble import _bubble, _sig, _simulated
 from .costs import Costs
-from .counts import _layer_sizes, _mlp_works
+from .counts import _layer_sizes, _mlp_works, sp_replicated_per_stage, sp_replicated_sizes
 from .layer_costs import gpt_layer_costs
 from .layout import PRECISIONS
 from .stages import stage_bounds
@@ -72,7 +72,8 @@ def predict_time(model, layout, machine):
     # parts, params, tensors, routed experts' params)
     work = np.zeros((p, 9))
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
-    fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
+    slowest = int(np.argmax(work[:, :4].sum(axis=1)))
+    fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[slowest].tolist()
     n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
     if p > 1 and "pipeline_message_s" in machine:           # a message as the runtime meets it, between stages
         message = machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * act
@@ -141,13 +142,13 @@ def predict_time(model, layout, machine):
             tail.calls += expert_tensors(model, layout)
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
-    if model.kind == "gpt" and layout.sequence_parallel and layout.tp > 1 and n_experts:
-        # each tp rank's experts and routers saw its own tokens: their partial gradients summed over tp at the
-        # step's end, with the LayerNorms' (one flat all-reduce, after one of a used-flag per tensor)
-        routed = sp_moe_gradients(model, layout, n_experts)
-        coll("ring_all_reduce", 8 * n_tensors, layout.tp, layout.tp)
-        coll("ring_all_reduce", routed * e, layout.tp, layout.tp)
-        tail.op("copy", routed, count=2, calls=2)            # into the flat buffer and back
+    if model.kind == "gpt" and layout.sequence_parallel and layout.tp > 1:
+        # each tp rank's replicated parameters (LayerNorms, wpe, biases, MoE layers) saw its own tokens: their
+        # partial gradients summed over tp at the step's end, one flat all-reduce (all_reduce_coalesced)
+        for name, nbytes, ranks in sp_step_end_collectives(model, layout)[slowest]:
+            coll(name, nbytes, ranks, layout.tp)
+        n_replicated, replicated_tensors = sp_replicated_per_stage(model, layout)[slowest]
+        tail.op("copy", n_replicated, count=2, calls=1 + replicated_tensors)   # into the flat buffer and back
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
         compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
@@ -172,12 +173,15 @@ def predict_time(model, layout, machine):
             "busy": compute / turns + comm_busy}
 
 
-def sp_moe_gradients(model, layout, n_experts):
-    """Elements of the gradients a stage's MoE layers sum over tp under sequence parallelism: its routed experts'
-    (``n_experts``: E/ep per layer) and, for each of its MoE layers, the router's h x E."""
-    from .experts import expert_params
-    layers = n_experts // (model.moe_experts // layout.ep * expert_params(model))
-    return n_experts + layers * model.n_embd * model.moe_experts
+def sp_step_end_collectives(model, layout):
+    """Per pipeline rank, (name, bytes, ranks) of what sequence parallelism runs over tp after a step's
+    backward (TensorParallelGPT.all_reduce_replicated_grads): with experts first a used-flag (float64) per
+    replicated tensor of the whole model (pipeline/step_end.used_anywhere), then the stage's replicated
+    parameters' gradients all-reduced as one array."""
+    e, t = PRECISIONS[layout.precision], layout.tp
+    flags = sum(len(x) for x in sp_replicated_sizes(model, layout))
+    return [([("ring_all_reduce", 8 * flags, t)] if model.moe_experts else []) + [("ring_all_reduce", n * e, t)]
+            for n, _ in sp_replicated_per_stage(model, layout)]
 
 
 def expert_tensors(model, layout):
