@@ -11,8 +11,8 @@ from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
 
 
 def gpt_layer_costs(model, layout, rows, c, machine):
-    """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, and
-    the two comms' busy parts) seconds; the tensor-parallel collectives are tp_collectives'."""
+    """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, the
+    two comms' busy parts, and of the backward's compute W's part: the weights' gradients) seconds; the tensor-parallel collectives are tp_collectives'."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
            c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
            layout.cp, layout.cp_method, layout.ep, layout.dp, layout.moe_load, bool(layout.extras.get("moe_dp_job")))
@@ -35,14 +35,14 @@ def _gpt_layer_costs(model, layout, rows, c, machine):
     block_f, block_b = gpt_block_work(model, layout, rows, device)
     (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, rows, device)
     wall, own = comm(False), comm(True)
-    emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1])
+    emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1], weights(c, b))
                         for i, (f, b) in enumerate(((emb_f, emb_b), (block_f, block_b), (head_f, head_b)))]
     wall_cp, own_cp = axes_comm(model, layout, rows, machine, False), axes_comm(model, layout, rows, machine, True)
     moe = block
     if model.moe_experts:              # tp: the attention's collectives only (the experts are whole on every rank)
         moe_f, moe_b = gpt_block_work(model, layout, rows, device, moe=True)
-        moe = _plus((c.seconds(moe_f), block[1] / 2, c.seconds(moe_b), block[3] / 2, block[4] / 2, block[5] / 2),
-                    wall_cp[1], own_cp[1])
+        moe = _plus((c.seconds(moe_f), block[1] / 2, c.seconds(moe_b), block[3] / 2, block[4] / 2, block[5] / 2,
+                     weights(c, moe_b)), wall_cp[1], own_cp[1])
     block = _plus(block, wall_cp[0], own_cp[0])
     return [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
 
@@ -71,10 +71,16 @@ def tp_collectives(model, layout, rows):
     return [(g, g_back), block, (f + loss, f_back)]
 
 
+def weights(c, backward):
+    """Seconds of the part of a backward's compute that makes the weights' gradients (a zero-bubble
+    schedule's W; plan/work.py counts it as Work.w)."""
+    return c.seconds(backward.w) if backward.w is not None else 0.0
+
+
 def _plus(costs, wall, own):
     """A layer's costs with more communication (forward, backward) added, wall and busy."""
-    f, fm, b, bm, fo, bo = costs
-    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1])
+    f, fm, b, bm, fo, bo, w = costs
+    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1], w)
 
 
 def axes_comm(model, layout, rows, machine, busy):

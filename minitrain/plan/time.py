@@ -21,7 +21,7 @@ from .alpha_beta import collective
 from .bubble import _bubble, _sig, _simulated
 from .costs import Costs
 from .counts import _layer_sizes, _mlp_works, sp_replicated_per_stage, sp_replicated_sizes
-from .layer_costs import gpt_layer_costs
+from .layer_costs import gpt_layer_costs, weights
 from .layout import PRECISIONS
 from .stages import stage_bounds
 from .work import Work, optimizer_work
@@ -59,7 +59,7 @@ def predict_time(model, layout, machine):
     c = step if layout.pp == 1 else Costs(   # a pipeline's stage computes once its input has come, asleep till then
         machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)
     if model.kind == "mlp":
-        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
+        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0, weights(c, b)) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
     else:
         layers = gpt_layer_costs(model, layout, rows, c, machine)
@@ -70,22 +70,24 @@ def predict_time(model, layout, machine):
     bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
     bounds, owner = np.array(bounds), np.array([rank for rank, _ in where])
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, the comms' busy
-    # parts, params, tensors, routed experts' params)
-    work = np.zeros((p, 9))
+    # parts, W's part of the backward, params, tensors, routed experts' params)
+    work = np.zeros((p, 10))
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
     slowest = int(np.argmax(work[:, :4].sum(axis=1)))
-    fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[slowest].tolist()
+    fc, fm, bc, bm, fo, bo, wc, n_local, n_tensors, n_experts = work[slowest].tolist()
     n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
     if p > 1 and "pipeline_message_s" in machine:           # a message as the runtime meets it, between stages
         message = machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * act
         stages = prefix[bounds[1:]] - prefix[bounds[:-1]]    # each virtual stage at its own cost: a light
         span = _simulated(layout.schedule, p, m, v, _sig(stages[:, 0] + stages[:, 1]),  # stage's outputs come
-                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0])       # early to a heavy one
+                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0],        # early to a heavy one
+                          _sig(stages[:, 6]))
         idle = max(0.0, span - m * (fc + fm + bc + bm))
     elif p > 1:                                              # a header, then the activation (or its gradient)
         hop = v * (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2))
         fm, bm = fm + hop, bm + hop                          # (their busy part: in the calibrated action's)
-        span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v)   # the schedule's simulator
+        span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v,   # the schedule's simulator
+                             wc / (bc + bm) if bc + bm else 0.5)
     else:
         span, idle = m * (fc + fm + bc + bm), 0.0
     compute, comm, comm_busy = m * (fc + bc), m * (fm + bm), m * (fo + bo)
@@ -221,11 +223,11 @@ def _expert_counts(model, layout):
 @lru_cache(maxsize=1024)
 def _prefix(layers, sizes, experts=None):
     """Parameter counts per layer, and running sums of (forward, its comm, backward, its comm, the comms' busy
-    parts, parameters, tensors, routed experts' parameters) over the layers: a virtual stage's totals are a
-    difference of two."""
+    parts, W's part of the backward, parameters, tensors, routed experts' parameters) over the layers: a
+    virtual stage's totals are a difference of two."""
     counts = tuple(sum(x) for x in sizes)
     experts = experts or (0,) * len(counts)
     rows = np.array([(*layer, n, len(sz), x) for layer, n, sz, x in zip(layers, counts, sizes, experts)], np.float64)
-    return counts, np.vstack([np.zeros((1, 9)), np.cumsum(rows, axis=0)])
+    return counts, np.vstack([np.zeros((1, 10)), np.cumsum(rows, axis=0)])
 
 
