@@ -31,11 +31,15 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
         table = machine.get("collectives", {}).get("p2p")
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
-        if after_compute and "cold_busy_alpha_s" in fit:    # its own CPU work longer by this much, wall and busy
-            cold = fitted(fit, steps, sent, "cold_busy_")
-            extra = max(0.0, cold - fitted(fit, steps, sent, "busy_"))
+        cold_fit = fit if "cold_busy_alpha_s" in fit else _nearest_cold(table, p)
+        if after_compute and cold_fit:                       # its own CPU work longer by this much, wall and busy
+            # (where the ranks outnumber the cores calibrate measures no cold fit: the nearest p's excess per
+            # ring step and byte, at this p's steps and bytes; a core's other rank evicts the caches as well)
+            extra = max(0.0, fitted(cold_fit, steps, sent, "cold_busy_") - fitted(cold_fit, steps, sent, "busy_"))
             if busy:
-                return cold
+                if cold_fit is fit:
+                    return fitted(fit, steps, sent, "cold_busy_")
+                return (fitted(fit, steps, sent, "busy_") if "busy_alpha_s" in fit else call) + extra
             # its wall at least as a job meets it: each rank waits for the other's jitter, and wakes from a sleep
             job = fitted(fit, steps, sent, "job_") if "job_alpha_s" in fit else 0.0
             return max(fitted(fit, steps, sent) + extra, job)
@@ -50,6 +54,12 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     link = links["intra_node"] if node_span is not None and node_span <= machine.get("gpus_per_node", 1) \
         else links["inter_node"]
     return steps * link["alpha_s"] + sent / link["bytes_per_s"]
+
+
+def _nearest_cold(table, p):
+    """The fit of the nearest p with a "cold_busy_" fit (calibrated where the ranks fit the cores), or None."""
+    cold = [k for k in table if "cold_busy_alpha_s" in table[k]]
+    return table[min(cold, key=lambda k: (abs(int(k) - p), -int(k)))] if cold else None
 
 
 def fitted(fit, steps, sent, kind=""):
