@@ -7,9 +7,10 @@ and the pipeline schedule's own simulator (parallel.pipeline.simulate; plan/bubb
 Per micro-batch and stage, forward F and backward B = compute + communication (tensor-parallel
 collectives: 2 all-reduces of b·s·h per layer each way, or with SP all-gathers and reduce-scatters,
 plan/layer_costs.py; point-to-point activations between stages). simulate(schedule, F, B) on the slowest
-stage's costs gives the pipeline's span; bubble = span - the stage's own work. Then the step's tail:
-data-parallel gradient reduction (DDP overlaps its buckets with backward), SP's sum of the replicated
-parameters' gradients over tp, the optimizer.
+stage's costs (zero-bubble schedules: W, the weights' gradients, counted apart from the rest of B) gives the
+pipeline's span; bubble = span - the stage's own work. Then the step's tail: data-parallel gradient
+reduction (DDP overlaps its buckets with backward), SP's sum of the replicated parameters' gradients over
+tp, the optimizer.
 """
 from functools import lru_cache
 
