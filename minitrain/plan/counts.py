@@ -82,7 +82,20 @@ def sp_replicated_sizes(model, layout):
 
 def sp_replicated_per_stage(model, layout):
     """Per pipeline rank (its chunks together), the elements and tensors of its replicated parameters'
-    gradients that sequence parallelism sums over tp once a step (GPT3D: all_reduce_replicated_grads)."""
+    gradients that sequence parallelism sums over tp once a step (GPT3D: all_reduce_replicated_grads).
+    Memoized: a --search prices thousands of layouts with the same stages."""
+    key = (model, layout.tp, layout.ep, layout.pp, layout.chunks, layout.schedule)
+    if key not in _SP_REPLICATED:
+        if len(_SP_REPLICATED) > 4096:
+            _SP_REPLICATED.clear()
+        _SP_REPLICATED[key] = _sp_replicated_per_stage(model, layout)
+    return _SP_REPLICATED[key]
+
+
+_SP_REPLICATED = {}
+
+
+def _sp_replicated_per_stage(model, layout):
     sizes = sp_replicated_sizes(model, layout)
     bounds, where = stage_bounds(tuple(sum(x) for x in _layer_sizes(model, layout)), layout.schedule,
                                  layout.pp, layout.chunks)

@@ -21,7 +21,7 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD
 from .alpha_beta import collective
 from .bubble import _bubble, _sig, _simulated
 from .costs import Costs
-from .counts import _layer_sizes, _mlp_works, sp_replicated_per_stage, sp_replicated_sizes
+from .counts import _layer_sizes, _mlp_works, sp_replicated_per_stage
 from .layer_costs import gpt_layer_costs, weights
 from .layout import PRECISIONS
 from .stages import stage_bounds
@@ -183,7 +183,7 @@ def sp_step_end_collectives(model, layout):
     replicated tensor of the whole model (pipeline/step_end.used_anywhere), then the stage's replicated
     parameters' gradients all-reduced as one array."""
     e, t = PRECISIONS[layout.precision], layout.tp
-    flags = sum(len(x) for x in sp_replicated_sizes(model, layout))
+    flags = sum(n for _, n in sp_replicated_per_stage(model, layout))     # the stages' tensors: the model's
     return [([("ring_all_reduce", 8 * flags, t)] if model.moe_experts else []) + [("ring_all_reduce", n * e, t)]
             for n, _ in sp_replicated_per_stage(model, layout)]
 
