@@ -43,12 +43,11 @@ def recorded(monkeypatch, machine, kind, options, world=2):
 def test_a_calibrated_message_goes_between_the_stages_of_the_simulated_schedule(monkeypatch):
     predicted, calls = recorded(monkeypatch, messaging(), "gpt", GPT_PP)
     assert len(calls) == 1
-    name, p, m, v, f, b, message = calls[0]
-    assert (name, p, m, v) == ("1f1b", 2, 4, 1) and len(f) == len(b) == 2
+    name, p, m, v, f, b, message, w = calls[0]
+    assert (name, p, m, v) == ("1f1b", 2, 4, 1) and len(f) == len(b) == len(w) == 2
     assert message == float(f"{2e-4 + 1e-9 * 4 * 32 * 64 * 4:.3g}")   # the activation of a micro-batch (3 digits)
     assert f[1] > f[0]                                           # each stage its own: the last holds the head
-    span = simulate(get_schedule("1f1b", 2, 4), forward_cost=f, backward_cost=tuple(x / 2 for x in b),
-                    weight_cost=tuple(x / 2 for x in b), message_cost=message)["total_time"]
+    span = simulate(get_schedule("1f1b", 2, 4), forward_cost=f, backward_cost=b, message_cost=message)["total_time"]
     slowest = max(fk + bk for fk, bk in zip(f, b))
     t = predicted["step_time_s"]
     assert t["bubble"] == pytest.approx(span - m * slowest, rel=1e-2)    # (stage costs to 3 digits)
@@ -56,18 +55,20 @@ def test_a_calibrated_message_goes_between_the_stages_of_the_simulated_schedule(
 
 
 def test_a_light_stage_hides_messages_from_a_heavy_one_and_a_costlier_message_costs_more(monkeypatch):
-    """ZB-V's four virtual stages at their own costs: no longer than all at the slowest's; and the bubble
-    grows with the message (none: the simulator's span with free messages)."""
+    """ZB-V's four virtual stages at their own costs (W each one's weight gradients: plan/work.py's Work.w): no
+    longer than all at the slowest's; and the bubble grows with the message (none: the simulator's span with
+    free messages)."""
     predicted, calls = recorded(monkeypatch, messaging(), "mlp", "--strategy pipeline --schedule zbv "
                                 "--microbatches 4 --layers 3 --hidden 256 --batch-size 128")
-    name, p, m, v, f, b, message = calls[0]
+    name, p, m, v, f, b, message, w = calls[0]
     assert (name, p, m, v, len(f)) == ("zbv", 2, 4, 2, 4) and len(set(f)) > 1
+    assert all(0 < wk <= bk for wk, bk in zip(w, b)) and any(abs(wk - bk / 2) > bk / 20 for wk, bk in zip(w, b))
     placed = get_schedule("zbv", 2, 4)
-    own = SIMULATED(name, p, m, v, f, b, message)
+    own = SIMULATED(name, p, m, v, f, b, message, w)
     heavy = [max(f[k] + b[k] for k in (i, 3 - i)) for i in range(2)]     # zbv: rank 0 holds 0 and 3, rank 1: 1, 2
-    assert own <= SIMULATED(name, p, m, v, (max(f),) * 4, (max(b),) * 4, message)
-    free = simulate(placed, forward_cost=f, backward_cost=tuple(x / 2 for x in b),
-                    weight_cost=tuple(x / 2 for x in b))["total_time"]
+    worst_b, worst_w = max(x - y for x, y in zip(b, w)), max(w)
+    assert own <= SIMULATED(name, p, m, v, (max(f),) * 4, (worst_b + worst_w,) * 4, message, (worst_w,) * 4)
+    free = simulate(placed, forward_cost=f, backward_cost=tuple(x - y for x, y in zip(b, w)), weight_cost=w)["total_time"]
     assert free < own and m * max(heavy) <= free
     dearer, _ = recorded(monkeypatch, messaging(pipeline_message_s=1e-3), "mlp", "--strategy pipeline --schedule zbv "
                          "--microbatches 4 --layers 3 --hidden 256 --batch-size 128")

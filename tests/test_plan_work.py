@@ -215,3 +215,59 @@ def test_the_planner_counts_the_gpts_parameter_tensors_one_by_one(options, moe):
     gpt = nn.GPT(nn.GPTConfig(vocab_size=model.vocab_size, block_size=model.block_size, n_layer=model.n_layer,
                               n_head=4, n_embd=model.n_embd, moe_experts=moe))
     assert [x for layer in _layer_sizes(model, layout) for x in layer] == [q.size for q in gpt.parameters()]
+
+
+def _deferred_work(loss, params):
+    """What a zero-bubble W computes for ``loss``'s backward, from the engine's own queue of deferred nodes:
+    the weight gradients' matmul FLOPs (a Linear's 2·rows·out·in), the elements its sums reduce (a bias's,
+    a LayerNorm's weight and bias), the rows the embeddings scatter, and the parameters given a gradient."""
+    from collections import Counter
+    from minitrain.autograd.deferred import defer_weight_grads
+    with defer_weight_grads(params) as w:
+        loss.backward()
+    done = Counter()
+    for node, grad, positions in w._queue:
+        kind, weights = type(node).__name__, [node.parents[i] for i in positions]
+        done["leaves"] += len(weights)
+        if kind == "Linear":
+            done["flops"] += 2 * grad.size * weights[0].shape[1]
+            done["sum_leading"] += grad.size * (len(weights) - 1)    # its bias
+        elif kind == "LayerNorm":
+            done["sum_leading"] += grad.size * len(weights)
+        else:
+            assert kind == "Embedding", kind
+            done["embedding.backward"] += grad.size
+    return done
+
+
+def _planned_weight_work(works):
+    """The same from the planner's backward Work, its W part (Work.w)."""
+    from collections import Counter
+    planned = Counter()
+    for w in (b.w for _, b in works if b.w is not None):
+        planned["leaves"] += w.leaves
+        planned["flops"] += sum(2 * m * k * n * batch for m, k, n, batch in w.mm)
+        for (name, _), (elements, _) in w.ops.items():
+            planned[name] += elements
+    return planned
+
+
+def test_a_zero_bubble_w_is_the_work_the_planner_counts_as_the_weights_gradients():
+    """Zero-bubble schedules run a backward's weight gradients apart (W, autograd/deferred.py): the planner's W
+    part of each layer's backward (the weights' products, the biases' and LayerNorms' sums, the embeddings'
+    scatters, the parameters given a gradient) is exactly what the engine defers, the GPT's and the MLP's
+    (whose first Linear makes no input gradient, so W is all its backward)."""
+    from minitrain.plan.work import gpt_block_work, gpt_ends_work, mlp_layer_work
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    x = np.arange(32).reshape(4, 8) % 16
+    model, one = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8), Layout(batch_size=4)
+    emb, head = gpt_ends_work(model, one, 4)
+    block = gpt_block_work(model, one, 4)
+    assert _deferred_work(gpt(x, x)[1], list(gpt.parameters())) == _planned_weight_work([emb, block, block, head])
+    mlp = nn.MLP([6, 5, 4, 3])
+    rows = minitrain.Tensor(np.ones((4, 6), np.float32))
+    loss = nn.functional.cross_entropy(mlp(rows), np.zeros(4, np.int64))
+    works = mlp_layer_work(MLP((6, 5, 4, 3)), one, 4)
+    assert _deferred_work(loss, list(mlp.parameters())) == _planned_weight_work(works)
+    backward = sum(2 * m * k * n * batch for _, b in works for m, k, n, batch in b.mm)   # B: the rest, once
+    assert backward - _planned_weight_work(works)["flops"] == 2 * 4 * (5 * 4 + 4 * 3)   # (the input gradients)

@@ -22,20 +22,23 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     call = machine.get("collective_call_s", 0.0)
     if p <= 1:
         return call
-    steps, sent = {"p2p": (1, nbytes), "all_to_all": (p - 1, (p - 1) / p * nbytes),   # pairwise, p-1 rounds
-                   "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
-                   "ring_reduce_scatter": (p - 1, (p - 1) / p * nbytes),
-                   "ring_all_gather": (p - 1, (p - 1) / p * nbytes)}[name]
+    steps, sent = ring_steps(name, nbytes, p)
     table = machine.get("collectives", {}).get(name)
     if name == "all_to_all" and not table:       # pairwise exchange: p-1 rounds of a send and a receive each
         table = machine.get("collectives", {}).get("p2p")
     if table:
         fit = table[min(table, key=lambda k: (abs(int(k) - p), -int(k)))]
-        if after_compute and "cold_busy_alpha_s" in fit:    # its own CPU work longer by this much, wall and busy
-            cold = fitted(fit, steps, sent, "cold_busy_")
-            extra = max(0.0, cold - fitted(fit, steps, sent, "busy_"))
+        own = "cold_busy_alpha_s" in fit
+        q = None if own else _nearest_cold(table, p)
+        if after_compute and (own or q):                     # its own CPU work longer by this much, wall and busy
+            # (the array's copies and the call's Python from memory, not cache; where the ranks outnumber the
+            # cores calibrate fits no cold CPU: the same array's excess at the nearest p that has one)
+            cold_fit, at = (fit, (steps, sent)) if own else (table[q], ring_steps(name, nbytes, int(q)))
+            extra = max(0.0, fitted(cold_fit, *at, "cold_busy_") - fitted(cold_fit, *at, "busy_"))
             if busy:
-                return cold
+                if own:
+                    return fitted(fit, steps, sent, "cold_busy_")
+                return (fitted(fit, steps, sent, "busy_") if "busy_alpha_s" in fit else call) + extra
             # its wall at least as a job meets it: each rank waits for the other's jitter, and wakes from a sleep
             job = fitted(fit, steps, sent, "job_") if "job_alpha_s" in fit else 0.0
             return max(fitted(fit, steps, sent) + extra, job)
@@ -50,6 +53,20 @@ def collective(machine, name, nbytes, p, node_span=None, busy=False, after_compu
     link = links["intra_node"] if node_span is not None and node_span <= machine.get("gpus_per_node", 1) \
         else links["inter_node"]
     return steps * link["alpha_s"] + sent / link["bytes_per_s"]
+
+
+def ring_steps(name, nbytes, p):
+    """(steps, bytes each rank sends) of one collective of ``nbytes`` over p ranks."""
+    return {"p2p": (1, nbytes), "all_to_all": (p - 1, (p - 1) / p * nbytes),   # pairwise, p-1 rounds
+            "ring_all_reduce": (2 * (p - 1), 2 * (p - 1) / p * nbytes),
+            "ring_reduce_scatter": (p - 1, (p - 1) / p * nbytes),
+            "ring_all_gather": (p - 1, (p - 1) / p * nbytes)}[name]
+
+
+def _nearest_cold(table, p):
+    """The key of the nearest p with a "cold_busy_" fit (calibrated where the ranks fit the cores), or None."""
+    cold = [k for k in table if "cold_busy_alpha_s" in table[k]]
+    return min(cold, key=lambda k: (abs(int(k) - p), -int(k))) if cold else None
 
 
 def fitted(fit, steps, sent, kind=""):

@@ -10,9 +10,10 @@ from functools import lru_cache
 from ..parallel.pipeline import get_schedule, simulate
 
 
-def _bubble(name, p, m, v, f, b, message=0.0):
-    """(span, idle seconds per stage) of the schedule with forward f and backward b per chunk, from the
-    schedule's own simulator (at backward/forward ratios 1.5^k, interpolated). Beyond m = 2p micro-batches
+def _bubble(name, p, m, v, f, b, w_share=0.5):
+    """(span, idle seconds per stage) of the schedule with forward f and backward b per chunk (zero-bubble
+    schedules: W the ``w_share`` of b, to two digits), from the schedule's own simulator (at backward/forward
+    ratios 1.5^k, interpolated). Beyond m = 2p micro-batches
     the idle time is taken as constant: once every stage reaches its steady state it stops growing
     (exact for GPipe, 1F1B and interleaving; tests/test_plan.py checks it against full simulations).
     (With a calibrated message cost: _simulated.)"""
@@ -20,8 +21,9 @@ def _bubble(name, p, m, v, f, b, message=0.0):
     if name == "interleaved_1f1b" and probe % p:
         probe = m
     step = math.log(b / f, 1.5) if f > 0 and b > 0 else 0.0    # simulated at ratios 1.5^k, interpolated
-    lo = math.floor(step)
-    idle_unit = _idle(name, p, probe, v, lo) + (step - lo) * (_idle(name, p, probe, v, lo + 1) - _idle(name, p, probe, v, lo))
+    lo, share = math.floor(step), round(w_share, 2)
+    idle_unit = _idle(name, p, probe, v, lo, share) + (step - lo) * (
+        _idle(name, p, probe, v, lo + 1, share) - _idle(name, p, probe, v, lo, share))
     return m * v * (f + b) + idle_unit * (f + b), idle_unit * (f + b)
 
 
@@ -31,22 +33,23 @@ def _sig(values):
 
 
 @lru_cache(maxsize=4096)
-def _simulated(name, p, m, v, f, b, message):
+def _simulated(name, p, m, v, f, b, message, w):
     """The span of the schedule simulated at each virtual stage's forward f[k] and backward b[k] (seconds per
-    micro-batch; zero-bubble schedules: b split evenly into B and W) and ``message``: the seconds from a
+    micro-batch; zero-bubble schedules: W the w[k] of it, the rest B) and ``message``: the seconds from a
     stage's compute ending to the next stage having its output (calibrated as the runtime meets it,
     plan/job_overheads.py). A message comparable to an action puts the stages in lockstep (1F1B at p = 2: each
     backward waits for a round trip), so the idle time grows with m and no longer scales with f + b: no
     shortcut (_bubble's) holds, and a stage lighter than the slowest sends early enough to hide messages."""
     kwargs = {"forward_cost": f, "backward_cost": b}
     if "weight_cost" in inspect.signature(simulate).parameters:   # zero-bubble schedules split B and W
-        kwargs = {"forward_cost": f, "backward_cost": tuple(x / 2 for x in b), "weight_cost": tuple(x / 2 for x in b)}
+        kwargs = {"forward_cost": f, "backward_cost": tuple(x - y for x, y in zip(b, w)), "weight_cost": w}
     return simulate(get_schedule(name, p, m, chunks=v), message_cost=message, **kwargs)["total_time"]
 
 
 @lru_cache(maxsize=4096)
-def _idle(name, p, m, v, k):
-    """Idle time per stage, in units of (f + b), when backward costs 1.5^k times the forward. GPipe and
+def _idle(name, p, m, v, k, w_share=0.5):
+    """Idle time per stage, in units of (f + b), when backward costs 1.5^k times the forward (zero-bubble
+    schedules: W the ``w_share`` of it). GPipe and
     1F1B (and interleaving when p divides m) idle p - 1 chunk-times at any ratio (Huang et al.; Narayanan et
     al.): the simulator gives exactly that (tests/test_plan.py), so --search does not run it for them."""
     if name in ("gpipe", "1f1b") or (name == "interleaved_1f1b" and m % p == 0):
@@ -55,6 +58,6 @@ def _idle(name, p, m, v, k):
     f, b = 1 / (1 + ratio), ratio / (1 + ratio)
     kwargs = {"forward_cost": f, "backward_cost": b}
     if "weight_cost" in inspect.signature(simulate).parameters:   # zero-bubble schedules split B and W
-        kwargs = {"forward_cost": f, "backward_cost": b / 2, "weight_cost": b / 2}
+        kwargs = {"forward_cost": f, "backward_cost": b * (1 - w_share), "weight_cost": b * w_share}
     sim = simulate(get_schedule(name, p, m, chunks=v), **kwargs)
     return sim["total_time"] - m * v * (f + b)

@@ -67,6 +67,45 @@ def _layer_sizes(model, layout):
             + [[h, h, v * h]])
 
 
+def sp_replicated_sizes(model, layout):
+    """Each layer's parameter tensors (element counts) that every tp rank holds whole and, under sequence
+    parallelism, gives a partial gradient over its own tokens (TensorParallelGPT.replicated: wpe, the
+    LayerNorms, the row-parallel Linears' biases, an MoE layer's router and experts), as _layer_sizes lists
+    the layers."""
+    from .experts import moe_mlp_sizes
+    h = model.n_embd
+    attention = [h, h, h, h, h]                                  # ln_1, the attention's c_proj bias, ln_2
+    moe = attention + moe_mlp_sizes(model, layout) if model.moe_experts else None
+    return ([[model.block_size * h]] + [moe if model.is_moe_layer(i) else attention + [h]
+                                         for i in range(model.n_layer)] + [[h, h]])
+
+
+def sp_replicated_per_stage(model, layout):
+    """Per pipeline rank (its chunks together), the elements and tensors of its replicated parameters'
+    gradients that sequence parallelism sums over tp once a step (GPT3D: all_reduce_replicated_grads).
+    Memoized: a --search prices thousands of layouts with the same stages."""
+    key = (model, layout.tp, layout.ep, layout.pp, layout.chunks, layout.schedule)
+    if key not in _SP_REPLICATED:
+        if len(_SP_REPLICATED) > 4096:
+            _SP_REPLICATED.clear()
+        _SP_REPLICATED[key] = _sp_replicated_per_stage(model, layout)
+    return _SP_REPLICATED[key]
+
+
+_SP_REPLICATED = {}
+
+
+def _sp_replicated_per_stage(model, layout):
+    sizes = sp_replicated_sizes(model, layout)
+    bounds, where = stage_bounds(tuple(sum(x) for x in _layer_sizes(model, layout)), layout.schedule,
+                                 layout.pp, layout.chunks)
+    stages = [[0, 0] for _ in range(layout.pp)]
+    for (lo, hi), (rank, _) in zip(zip(bounds, bounds[1:]), where):
+        stages[rank][0] += sum(sum(x) for x in sizes[lo:hi])
+        stages[rank][1] += sum(len(x) for x in sizes[lo:hi])
+    return [tuple(x) for x in stages]
+
+
 def _mlp_works(model, layout, rows):
     works = mlp_layer_work(model, layout, rows)
     return mlp_recompute(works, layout) if layout.recompute == "full" else works

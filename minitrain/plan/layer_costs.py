@@ -1,7 +1,8 @@
 """Seconds of each GPT layer on one rank, per micro-batch: forward and backward compute (plan/work.py's
 Work priced by plan/costs.py) and their communication, wall and busy: tensor parallelism's collectives
-(2 all-reduces of b·s·h per block each way, or their reduce-scatter / all-gather pairs with sequence
-parallelism: Korthikanti et al. 2022), context parallelism's exchanges and the experts' all-to-alls
+(tp_collectives: 2 all-reduces of b·s·h per block each way, or with sequence parallelism 4 all-gathers or
+reduce-scatters forward and 6 backward: Korthikanti et al. 2022), context parallelism's exchanges and the
+experts' all-to-alls
 (plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
 """
 from .alpha_beta import collective
@@ -10,9 +11,8 @@ from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
 
 
 def gpt_layer_costs(model, layout, rows, c, machine):
-    """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, and
-    the two comms' busy parts) seconds. Tensor parallelism: g all-reduces b·s·h twice per block forward, f twice backward (SP: a
-    reduce-scatter and an all-gather instead of each); vocab-parallel loss: three all-reduces of b·s."""
+    """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, the
+    two comms' busy parts, and of the backward's compute W's part: the weights' gradients) seconds; the tensor-parallel collectives are tp_collectives'."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
            c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
            layout.cp, layout.cp_method, layout.ep, layout.dp, layout.moe_load, bool(layout.extras.get("moe_dp_job")))
@@ -27,41 +27,60 @@ _LAYER_COSTS = {}
 
 
 def _gpt_layer_costs(model, layout, rows, c, machine):
-    s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
-    act = rows * s * h * c.e
-    sp = layout.sequence_parallel
-    single = runs_nn_gpt(layout)                                        # nn.GPT: no f, g
-
     def comm(busy):                                    # (each right after the layer's arithmetic)
-        pair = (collective(machine, "ring_reduce_scatter", act, t, t, busy=busy, after_compute=True)
-                + collective(machine, "ring_all_gather", act, t, t, busy=busy, after_compute=True)
-                if sp else collective(machine, "ring_all_reduce", act, t, t, busy=busy, after_compute=True))
-        pair = 0.0 if single else pair
-        loss = 3 * collective(machine, "ring_all_reduce", rows * s * 8, t, t, busy=busy,
-                              after_compute=True) if not single else 0.0
-        # embedding (g), block (2 g forward; 2 f backward, twice with full recompute), head (loss; f backward)
-        return [(pair / (2 if sp else 1), 0.0), (2 * pair, 2 * pair * (2 if layout.recompute == "full" else 1)),
-                (loss, pair / (2 if sp else 1))]
+        return [tuple(sum(collective(machine, name, nbytes, p, layout.tp, busy=busy, after_compute=True)
+                          for name, nbytes, p in calls) for calls in layer)
+                for layer in tp_collectives(model, layout, rows)]
     device = machine.get("device", "cpu")
     block_f, block_b = gpt_block_work(model, layout, rows, device)
     (emb_f, emb_b), (head_f, head_b) = gpt_ends_work(model, layout, rows, device)
     wall, own = comm(False), comm(True)
-    emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1])
+    emb, block, head = [(c.seconds(f), wall[i][0], c.seconds(b), wall[i][1], own[i][0], own[i][1], weights(c, b))
                         for i, (f, b) in enumerate(((emb_f, emb_b), (block_f, block_b), (head_f, head_b)))]
     wall_cp, own_cp = axes_comm(model, layout, rows, machine, False), axes_comm(model, layout, rows, machine, True)
     moe = block
     if model.moe_experts:              # tp: the attention's collectives only (the experts are whole on every rank)
         moe_f, moe_b = gpt_block_work(model, layout, rows, device, moe=True)
-        moe = _plus((c.seconds(moe_f), block[1] / 2, c.seconds(moe_b), block[3] / 2, block[4] / 2, block[5] / 2),
-                    wall_cp[1], own_cp[1])
+        moe = _plus((c.seconds(moe_f), block[1] / 2, c.seconds(moe_b), block[3] / 2, block[4] / 2, block[5] / 2,
+                     weights(c, moe_b)), wall_cp[1], own_cp[1])
     block = _plus(block, wall_cp[0], own_cp[0])
     return [emb] + [moe if model.is_moe_layer(i) else block for i in range(model.n_layer)] + [head]
 
 
+def tp_collectives(model, layout, rows):
+    """[embedding, block, head]: (forward, backward) lists of (name, bytes, ranks) of the tensor-parallel
+    collectives of one micro-batch (Megatron's f and g; Korthikanti et al. 2022 with sequence parallelism).
+    Without SP: g all-reduces b·s·h after the embedding and each row-parallel Linear, f before each
+    column-parallel one in backward. With SP: g is a reduce-scatter (its backward an all-gather) and f an
+    all-gather (AllGatherLinear), whose backward gathers the input again for the weight's gradient and
+    reduce-scatters the input's. The vocabulary-parallel loss: three all-reduces of b·s. Full recomputation
+    runs a block's forward collectives again in its backward."""
+    if runs_nn_gpt(layout):                                             # nn.GPT: no f, g
+        return [([], [])] * 3
+    t, e = layout.tp, PRECISIONS[layout.precision]
+    act = rows * model.block_size // layout.cp * model.n_embd * e
+    loss = [("ring_all_reduce", rows * model.block_size // layout.cp * 8, t)] * 3
+    if layout.sequence_parallel:
+        f, g = [("ring_all_gather", act, t)], [("ring_reduce_scatter", act, t)]
+        f_back, g_back = [("ring_all_gather", act, t), ("ring_reduce_scatter", act, t)], [("ring_all_gather", act, t)]
+    else:
+        f, g, f_back, g_back = [], [("ring_all_reduce", act, t)], [("ring_all_reduce", act, t)], []
+    block = (2 * (f + g), 2 * (g_back + f_back))                       # (c_attn, c_proj; c_fc, c_proj)
+    if layout.recompute == "full":
+        block = (block[0], block[0] + block[1])
+    return [(g, g_back), block, (f + loss, f_back)]
+
+
+def weights(c, backward):
+    """Seconds of the part of a backward's compute that makes the weights' gradients (a zero-bubble
+    schedule's W; plan/work.py counts it as Work.w)."""
+    return c.seconds(backward.w) if backward.w is not None else 0.0
+
+
 def _plus(costs, wall, own):
     """A layer's costs with more communication (forward, backward) added, wall and busy."""
-    f, fm, b, bm, fo, bo = costs
-    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1])
+    f, fm, b, bm, fo, bo, w = costs
+    return (f, fm + wall[0], b, bm + wall[1], fo + own[0], bo + own[1], w)
 
 
 def axes_comm(model, layout, rows, machine, busy):

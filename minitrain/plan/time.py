@@ -5,10 +5,12 @@ engine's Python per node and per parameter given a gradient), alpha-beta communi
 and the pipeline schedule's own simulator (parallel.pipeline.simulate; plan/bubble.py) for the bubble.
 
 Per micro-batch and stage, forward F and backward B = compute + communication (tensor-parallel
-collectives: 2 all-reduces of b·s·h per layer each way, or their RS/AG pairs with SP, plan/layer_costs.py;
-point-to-point activations between stages). simulate(schedule, F, B) on the slowest stage's costs gives the
+collectives: 2 all-reduces of b·s·h per layer each way, or with SP all-gathers and reduce-scatters,
+plan/layer_costs.py; point-to-point activations between stages). simulate(schedule, F, B) on the slowest
+stage's costs (zero-bubble schedules: W, the weights' gradients, counted apart from the rest of B) gives the
 pipeline's span; bubble = span - the stage's own work. Then the step's tail: data-parallel gradient
-reduction (DDP overlaps its buckets with backward), the optimizer.
+reduction (DDP overlaps its buckets with backward), SP's sum of the replicated parameters' gradients over
+tp, the optimizer.
 """
 from functools import lru_cache
 
@@ -19,8 +21,8 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD
 from .alpha_beta import collective
 from .bubble import _bubble, _sig, _simulated
 from .costs import Costs
-from .counts import _layer_sizes, _mlp_works
-from .layer_costs import gpt_layer_costs
+from .counts import _layer_sizes, _mlp_works, sp_replicated_per_stage
+from .layer_costs import gpt_layer_costs, weights
 from .layout import PRECISIONS
 from .stages import stage_bounds
 from .work import Work, optimizer_work
@@ -58,7 +60,7 @@ def predict_time(model, layout, machine):
     c = step if layout.pp == 1 else Costs(   # a pipeline's stage computes once its input has come, asleep till then
         machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)
     if model.kind == "mlp":
-        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0) for f, b in _mlp_works(model, layout, rows)]
+        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0, weights(c, b)) for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
     else:
         layers = gpt_layer_costs(model, layout, rows, c, machine)
@@ -69,21 +71,24 @@ def predict_time(model, layout, machine):
     bounds, where = stage_bounds(counts, layout.schedule, p, v)          # as the runtime cuts and places them
     bounds, owner = np.array(bounds), np.array([rank for rank, _ in where])
     # per stage and micro-batch, its chunks together: (forward, its comm, backward, its comm, the comms' busy
-    # parts, params, tensors, routed experts' params)
-    work = np.zeros((p, 9))
+    # parts, W's part of the backward, params, tensors, routed experts' params)
+    work = np.zeros((p, 10))
     np.add.at(work, owner, prefix[bounds[1:]] - prefix[bounds[:-1]])
-    fc, fm, bc, bm, fo, bo, n_local, n_tensors, n_experts = work[int(np.argmax(work[:, :4].sum(axis=1)))].tolist()
+    slowest = int(np.argmax(work[:, :4].sum(axis=1)))
+    fc, fm, bc, bm, fo, bo, wc, n_local, n_tensors, n_experts = work[slowest].tolist()
     n_local, n_tensors, n_experts = int(n_local), int(n_tensors), int(n_experts)
     if p > 1 and "pipeline_message_s" in machine:           # a message as the runtime meets it, between stages
         message = machine["pipeline_message_s"] + machine["pipeline_message_byte_s"] * act
         stages = prefix[bounds[1:]] - prefix[bounds[:-1]]    # each virtual stage at its own cost: a light
         span = _simulated(layout.schedule, p, m, v, _sig(stages[:, 0] + stages[:, 1]),  # stage's outputs come
-                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0])       # early to a heavy one
+                          _sig(stages[:, 2] + stages[:, 3]), _sig([message])[0],        # early to a heavy one
+                          _sig(stages[:, 6]))
         idle = max(0.0, span - m * (fc + fm + bc + bm))
     elif p > 1:                                              # a header, then the activation (or its gradient)
         hop = v * (collective(machine, "p2p", act, 2, 2 * layout.tp * layout.dp) + collective(machine, "p2p", 80, 2))
         fm, bm = fm + hop, bm + hop                          # (their busy part: in the calibrated action's)
-        span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v)   # the schedule's simulator
+        span, idle = _bubble(layout.schedule, p, m, v, (fc + fm) / v, (bc + bm) / v,   # the schedule's simulator
+                             wc / (bc + bm) if bc + bm else 0.5)
     else:
         span, idle = m * (fc + fm + bc + bm), 0.0
     compute, comm, comm_busy = m * (fc + bc), m * (fm + bm), m * (fo + bo)
@@ -141,13 +146,13 @@ def predict_time(model, layout, machine):
             tail.calls += expert_tensors(model, layout)
         tail.elementwise("simple", n_local, 3 if dp > 1 else 0, calls=False)
         tail.calls += 2 * n_tensors if dp > 1 else 0
-    if model.kind == "gpt" and layout.sequence_parallel and layout.tp > 1 and n_experts:
-        # each tp rank's experts and routers saw its own tokens: their partial gradients summed over tp at the
-        # step's end, with the LayerNorms' (one flat all-reduce, after one of a used-flag per tensor)
-        routed = sp_moe_gradients(model, layout, n_experts)
-        coll("ring_all_reduce", 8 * n_tensors, layout.tp, layout.tp)
-        coll("ring_all_reduce", routed * e, layout.tp, layout.tp)
-        tail.op("copy", routed, count=2, calls=2)            # into the flat buffer and back
+    if model.kind == "gpt" and layout.sequence_parallel and layout.tp > 1:
+        # each tp rank's replicated parameters (LayerNorms, wpe, biases, MoE layers) saw its own tokens: their
+        # partial gradients summed over tp at the step's end, one flat all-reduce (all_reduce_coalesced)
+        for name, nbytes, ranks in sp_step_end_collectives(model, layout)[slowest]:
+            coll(name, nbytes, ranks, layout.tp)
+        n_replicated, replicated_tensors = sp_replicated_per_stage(model, layout)[slowest]
+        tail.op("copy", n_replicated, count=2, calls=1 + replicated_tensors)   # into the flat buffer and back
     if p > 1 or layout.extras.get("parallel_job"):           # the pipeline runtime's own work per action
         tail.actions += 2 * m * v                            # (and per byte it sends or receives)
         compute += step.slowdown * 2 * m * v * machine.get("pipeline_action_byte_s", 0.0) * (act if p > 1 else 0)
@@ -172,12 +177,15 @@ def predict_time(model, layout, machine):
             "busy": compute / turns + comm_busy}
 
 
-def sp_moe_gradients(model, layout, n_experts):
-    """Elements of the gradients a stage's MoE layers sum over tp under sequence parallelism: its routed experts'
-    (``n_experts``: E/ep per layer) and, for each of its MoE layers, the router's h x E."""
-    from .experts import expert_params
-    layers = n_experts // (model.moe_experts // layout.ep * expert_params(model))
-    return n_experts + layers * model.n_embd * model.moe_experts
+def sp_step_end_collectives(model, layout):
+    """Per pipeline rank, (name, bytes, ranks) of what sequence parallelism runs over tp after a step's
+    backward (TensorParallelGPT.all_reduce_replicated_grads): with experts first a used-flag (float64) per
+    replicated tensor of the whole model (pipeline/step_end.used_anywhere), then the stage's replicated
+    parameters' gradients all-reduced as one array."""
+    e, t = PRECISIONS[layout.precision], layout.tp
+    flags = sum(n for _, n in sp_replicated_per_stage(model, layout))     # the stages' tensors: the model's
+    return [([("ring_all_reduce", 8 * flags, t)] if model.moe_experts else []) + [("ring_all_reduce", n * e, t)]
+            for n, _ in sp_replicated_per_stage(model, layout)]
 
 
 def expert_tensors(model, layout):
@@ -216,11 +224,11 @@ def _expert_counts(model, layout):
 @lru_cache(maxsize=1024)
 def _prefix(layers, sizes, experts=None):
     """Parameter counts per layer, and running sums of (forward, its comm, backward, its comm, the comms' busy
-    parts, parameters, tensors, routed experts' parameters) over the layers: a virtual stage's totals are a
-    difference of two."""
+    parts, W's part of the backward, parameters, tensors, routed experts' parameters) over the layers: a
+    virtual stage's totals are a difference of two."""
     counts = tuple(sum(x) for x in sizes)
     experts = experts or (0,) * len(counts)
     rows = np.array([(*layer, n, len(sz), x) for layer, n, sz, x in zip(layers, counts, sizes, experts)], np.float64)
-    return counts, np.vstack([np.zeros((1, 9)), np.cumsum(rows, axis=0)])
+    return counts, np.vstack([np.zeros((1, 10)), np.cumsum(rows, axis=0)])
 
 

@@ -17,11 +17,23 @@ class Work:
     recorded, ``unrecorded`` (ops run without recording a node: under no_grad, a recomputed segment's first
     forward; their Python, the modules' and the ops' calls, is a node's), ``leaves`` (parameters given their first
     gradient of the step), new memory touched (``fresh`` bytes), and the Python of DDP's hooks per parameter,
-    FSDP's per unit, traced spans, pipeline actions and ring attention's chunk pairs."""
+    FSDP's per unit, traced spans, pipeline actions and ring attention's chunk pairs. A backward's ``w``: the
+    part of it that computes the weights' gradients (W of a zero-bubble schedule; the rest is B), counted in
+    it too."""
 
     def __init__(self):
         self.mm, self.ops, self.ew, self.nodes, self.calls, self.fresh = [], {}, {}, 0, 0, 0.0
         self.leaves = self.hooks = self.units = self.spans = self.actions = self.unrecorded = self.ring_pairs = 0
+        self.w = None
+
+    def weight_grads(self, work=None):
+        """The W part (created empty); with ``work``: that Work added here and to the W part."""
+        if self.w is None:
+            self.w = Work()
+        if work is not None:
+            self.add(work)
+            self.w.add(work)
+        return self.w
 
     def matmul(self, m, k, n, batch=1, times=1):
         self.mm += [(m, k, n, batch)] * times
@@ -50,6 +62,8 @@ class Work:
         for name in ("nodes", "calls", "fresh", "leaves", "hooks", "units", "spans", "actions", "unrecorded",
                      "ring_pairs"):
             setattr(self, name, getattr(self, name) + getattr(other, name) * times)
+        if other.w is not None:
+            self.weight_grads().add(other.w, times)
         return self
 
 
@@ -69,13 +83,21 @@ def _linear(work, rows, s, k, n, batched, bias=True):
 
 
 def _linear_backward(work, rows, s, k, n, batched, bias=True, input_grad=True):
-    """Its backward: the input's gradient (batched as the forward), the weight's (rows folded), the bias's."""
+    """Its backward: the input's gradient (batched as the forward); W: the weight's (rows folded), the bias's."""
     if input_grad:
         work.matmul(s, n, k, rows) if batched else work.matmul(rows * s, n, k)
-    work.matmul(n, rows * s, k)
-    work.leaves += 2 if bias else 1
+    w = Work().matmul(n, rows * s, k)
+    w.leaves += 2 if bias else 1
     if bias:
-        work.op("sum_leading", rows * s * n)
+        w.op("sum_leading", rows * s * n)
+    work.weight_grads(w)
+    return work
+
+
+def _layer_norm_backward(work, n):
+    """A LayerNorm's backward on n values (priced whole); W's part of it: its weight's and bias's sums."""
+    work.op("layer_norm.backward", n).leaves += 2
+    work.weight_grads().op("sum_leading", n, count=2).leaves += 2
     return work
 
 
@@ -144,9 +166,8 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         fwd.nodes += 4                                # q, k, v to heads, the output back to the sequence
     for _ in range(2):                                # ln_1, ln_2 and the residual adds around them
         fwd.op("layer_norm", Er).op("add", Er)
-        bwd.op("layer_norm.backward", Er).op("add", Er)          # the residual's gradient meets the branch's
+        _layer_norm_backward(bwd, Er).op("add", Er)              # the residual's gradient meets the branch's
         fwd.nodes += 2
-        bwd.leaves += 2
     f = model.ffn
     for width in ((3 * h // t,) if moe else (3 * h // t, f // t)):     # c_attn, c_fc: column-parallel
         _linear(fwd, rows, s, h, width, batched)
@@ -161,7 +182,9 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         _linear_backward(bwd, rows, s, width, h, batched, bias=single)
         if not single:                                # g, then the bias added (a broadcast Add node)
             fwd.op("add", Er).nodes += 2
-            bwd.op("sum_leading", Er).leaves += 1
+            bias = Work().op("sum_leading", Er)
+            bias.leaves += 1
+            bwd.weight_grads(bias)
             if sp:                                    # g is a reduce-scatter: re-laid around it
                 fwd.op("copy", Er).op("copy", E)
                 bwd.op("copy", Er).op("copy", E)
@@ -207,8 +230,11 @@ def gpt_ends_work(model, layout, rows, device="cpu"):
     N, v, batched = rows * s, -(-model.vocab_size // t), device == "cpu"
     E, Er = N * h, N * h / r
     emb_f = Work().op("embedding", E).op("embedding", s * h / r).op("add", Er)
-    emb_b = Work().op("embedding.backward", E).op("embedding.backward", s * h / r).op("sum_leading", Er)
-    emb_f.nodes, emb_b.leaves = 3, 2
+    emb_b = Work().op("sum_leading", Er)              # (wpe's rows broadcast over the batch); W: both lookups'
+    lookups = Work().op("embedding.backward", E).op("embedding.backward", s * h / r)
+    lookups.leaves += 2
+    emb_b.weight_grads(lookups)
+    emb_f.nodes = 3
     if not single:                                    # rows of other shards zeroed, then g over tp
         emb_f.op("masked_fill", E).nodes += 2
         emb_b.op("masked_fill.backward", E)
@@ -217,8 +243,8 @@ def gpt_ends_work(model, layout, rows, device="cpu"):
         emb_f.op("dropout", Er).nodes += 1
         emb_b.op("dropout.backward", Er)
     head_f = Work().op("layer_norm", Er)
-    head_b = Work().op("layer_norm.backward", Er)
-    head_f.nodes, head_b.leaves = 1, 2
+    head_b = _layer_norm_backward(Work(), Er)
+    head_f.nodes = 1
     _linear(head_f, rows, s, h, v, batched, bias=False)
     _linear_backward(head_b, rows, s, h, v, batched, bias=False)
     loss = "fp32" if layout.mixed else None
