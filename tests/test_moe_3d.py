@@ -163,6 +163,26 @@ def test_a_tp_rank_whose_every_choice_a_capacity_drops_runs_no_expert_and_trains
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("moe, recompute", [({}, None), ({"moe_capacity_factor": 1.0}, "full")],
+                         ids=["dropless", "capacity recompute full"])
+def test_under_sequence_parallelism_the_experts_draw_one_process_s_dropout_masks(moe, recompute):
+    """Each tp rank holds some of an expert's rows; its dropout draws the mask of all the group's rows for that
+    expert (one process's) and keeps its own, also for an expert with none here: the tp ranks' generators stay in
+    step and the run is one process's (full recomputation replays the draws)."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "dropout": 0.1, **moe})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    mt.manual_seed(1)
+    expected, expected_losses, _ = reference_run(config, init)
+    mt.manual_seed(1)                  # each ThreadWorld rank's generator starts from this state
+    for state, losses, _ in ThreadWorld(2).run(run_3d, dataclasses.replace(config, recompute=recompute), init,
+                                               dict(tp=2), sequence_parallel=True):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 @pytest.mark.parametrize("recompute, sequence_parallel", [(None, False), ("full", False), (None, True),
                                                            ("full", True)])
 def test_the_tensor_parallel_gpt_alone_adds_the_balancing_losses_to_its_loss_as_the_gpt_does(recompute,
