@@ -39,12 +39,12 @@ def figures(model):
             sum(s["aux_loss"] for s in stats))
 
 
-def reference_run(config, init, steps=STEPS):
+def reference_run(config, init, steps=STEPS, batch=8):
     model = nn.GPT(config)
     model.load_state_dict(init)
     opt = optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses, stats = [], []
-    for x, y in data(steps=steps):
+    for x, y in data(B=batch, steps=steps):
         opt.zero_grad()
         _, loss = model(x, y)
         loss.backward()
@@ -55,14 +55,14 @@ def reference_run(config, init, steps=STEPS):
     return model.state_dict(), losses, stats
 
 
-def run_3d(comm, config, init, mesh, steps=STEPS, **kwargs):
+def run_3d(comm, config, init, mesh, steps=STEPS, batch=8, **kwargs):
     mt.set_default_dtype(np.float64)
     gpt = nn.GPT(config)
     gpt.load_state_dict(init)
     model = GPT3D(gpt, comm, **mesh, **kwargs)
     opt = model.optimizer(optim.SGD, lr=0.5, momentum=0.9)          # with ZeRO, on this rank's shard
     losses, stats = [], []
-    for x, y in data(steps=steps):
+    for x, y in data(B=batch, steps=steps):
         model.zero_grad()
         losses.append(model.train_step(x, y))
         stats.append(model.moe_statistics)
@@ -141,6 +141,44 @@ def assert_trains_as_one_process(mesh, kwargs, moe):
         np.testing.assert_allclose([s[0] for s in stats], [s[0] for s in expected_stats], rtol=1e-12, atol=0)
         np.testing.assert_allclose([s[2] for s in stats], [s[2] for s in expected_stats], rtol=1e-10, atol=0)
         assert set(state) == set(expected)
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_a_tp_rank_whose_every_choice_a_capacity_drops_runs_no_expert_and_trains_as_one_process():
+    """Sequence parallelism on one row of 8 tokens: tp rank 0 holds positions 0-3, rank 1 positions 4-7. Top-1
+    over 2 experts at capacity ceil(0.25 · 8 / 2) = 1: rank 0's tokens come first in the group's order, and where
+    they choose both experts every choice of rank 1's tokens is dropped: rank 1 runs no expert (its (0, C) rows
+    carry the graph), yet takes its part in the step's collectives, as one process trains."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "moe_experts": 2, "moe_top_k": 1, "moe_capacity_factor": 0.25})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    expected, expected_losses, expected_stats = reference_run(config, init, batch=1)
+    assert any(s[1] == 2 * 6 for s in expected_stats)   # both layers kept 2 of the 8 choices: rank 0's
+    for state, losses, stats in ThreadWorld(2).run(run_3d, config, init, dict(tp=2), batch=1, sequence_parallel=True):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
+        assert [s[1] for s in stats] == [s[1] for s in expected_stats]
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("moe, recompute", [({}, None), ({"moe_capacity_factor": 1.0}, "full")],
+                         ids=["dropless", "capacity recompute full"])
+def test_under_sequence_parallelism_the_experts_draw_one_process_s_dropout_masks(moe, recompute):
+    """Each tp rank holds some of an expert's rows; its dropout draws the mask of all the group's rows for that
+    expert (one process's) and keeps its own, also for an expert with none here: the tp ranks' generators stay in
+    step and the run is one process's (full recomputation replays the draws)."""
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**{**CONFIG, "dropout": 0.1, **moe})
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    mt.manual_seed(1)
+    expected, expected_losses, _ = reference_run(config, init)
+    mt.manual_seed(1)                  # each ThreadWorld rank's generator starts from this state
+    for state, losses, _ in ThreadWorld(2).run(run_3d, dataclasses.replace(config, recompute=recompute), init,
+                                               dict(tp=2), sequence_parallel=True):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10, atol=0)
         for name, value in expected.items():
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 

@@ -84,10 +84,13 @@ class MoE(Module):
         return capacity(self.capacity_factor, num_tokens // self.groups, self.top_k, self.num_experts)
 
     def run_experts(self, rows, counts):
-        """Expert i on its counts[i] consecutive rows (an expert with none is skipped)."""
+        """Expert i on its counts[i] consecutive rows (an expert with none is skipped). No rows at all (a rank
+        routing its own tokens under cp or sp, every choice of which a capacity dropped): the (0, C) rows are
+        the output, carrying the graph."""
         self.rows_taken += sum(counts)
         pieces = rows.split(counts, axis=0)
-        return cat([expert(piece) for expert, piece, n in zip(self.experts, pieces, counts) if n], axis=0)
+        outputs = [expert(piece) for expert, piece, n in zip(self.experts, pieces, counts) if n]
+        return cat(outputs, axis=0) if outputs else rows
 
     def load_balancing_loss(self, probs, plan):
         """alpha · E · sum_i f_i · P_i per group, averaged over the groups (Switch's eq. 4 with f over the

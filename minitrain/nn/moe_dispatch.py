@@ -35,6 +35,8 @@ class DispatchPlan:
     dropped: int         # choices over capacity (token-expert pairs, not whole tokens)
     num_tokens: int
     top_k: int
+    whole_counts: list = None   # a rank's part of a plan over ranks' tokens: each expert's rows over all of them,
+    whole_rows: object = None   # and where this rank's rows sit among its expert's (one process's dropout masks)
 
 
 def plan_dispatch(choices, num_experts, capacity=None, groups=1):

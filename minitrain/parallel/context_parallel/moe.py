@@ -8,12 +8,16 @@ things do not, and both are counted over a group's tokens on every cp rank:
 - A capacity (GShard): an expert takes at most C of a group's choices, first choices of all its tokens
   before second ones, each in token order (row by row, position by position). The ranks all-gather
   their choices (N·k integers), every rank plans the whole group's dispatch as one process would, and
-  keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes.
+  keeps the choices of its own tokens (plan_for_rank). Dropless needs none of it: no choice competes,
+  unless the experts drop out activations: one process draws each expert's mask over all its rows, so
+  each rank plans the whole group to learn where its rows sit among them (ReplicatedMoE's dropout).
 Sequence parallelism inside each cp rank (the tp ranks each holding a contiguous piece of the cp rank's
 positions) makes the token-sharing group cp x tp: the same counts and plan over it (token_positions).
 Under expert parallelism the ep groups (blocks of ep dp ranks) of every cp coordinate hold the same
 experts, so an expert's gradient is summed over dp/ep x cp ranks (GPT3D's expert data-parallel group).
 """
+import numpy as np
+
 from ...autograd import Tensor
 from ...backend import array_module, to_host
 from ...comm import all_reduce, ring_all_gather
@@ -38,10 +42,11 @@ def token_positions(seq_len, size, rank, layout, tp=1):
     return mine[rank % tp * n:(rank % tp + 1) * n]
 
 
-def plan_for_rank(moe, choices, shape, comm, layout, tp=1):
+def plan_for_rank(moe, choices, shape, comm, layout, tp=1, whole_rows=False):
     """This rank's part of the dispatch one process plans for the rows' whole sequences: ``choices`` (N, k)
     of this rank's tokens, ``shape`` (rows, positions held, C), ``layout`` the sequence's over the cp ranks of
-    ``comm``, each cut into ``tp`` pieces by sequence parallelism (token_positions)."""
+    ``comm``, each cut into ``tp`` pieces by sequence parallelism (token_positions). ``whole_rows``: also each
+    expert's rows over all the ranks and where this rank's sit among them (DispatchPlan.whole_counts, whole_rows)."""
     xp, (N, k), E, p = array_module(choices), choices.shape, moe.num_experts, comm.size
     b, s = shape[0], shape[1]
     T = s * p
@@ -62,5 +67,9 @@ def plan_for_rank(moe, choices, shape, comm, layout, tp=1):
     counts = to_host(xp.bincount(expert, minlength=E)).tolist()
     groups = xp.arange(N) // (N // moe.groups)            # this rank's tokens of each group, counted here
     routed = xp.bincount((groups[:, None] * E + choices).reshape(-1), minlength=moe.groups * E)
-    return DispatchPlan(token=slot // k, slot=slot, counts=counts, routed=routed.reshape(moe.groups, E),
+    mine = DispatchPlan(token=slot // k, slot=slot, counts=counts, routed=routed.reshape(moe.groups, E),
                         dropped=N * k - sum(counts), num_tokens=N, top_k=k)
+    if whole_rows:   # each whole row's place among its expert's rows, this rank's kept
+        starts = np.repeat(np.cumsum(plan.counts) - plan.counts, plan.counts)
+        mine.whole_counts, mine.whole_rows = plan.counts, (xp.arange(len(plan.token)) - xp.asarray(starts))[kept]
+    return mine

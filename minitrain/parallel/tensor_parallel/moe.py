@@ -19,7 +19,10 @@ backward (Megatron's g), so every tp rank's balancing loss is the group's, the s
 not average their losses, as cp ranks do), and each rank's router gradient is its tokens' share, 1/t of
 the loss's pull through P. Each rank's experts see its tokens only: their and the router's gradients are
 partial sums, summed over tp with the LayerNorms' (TensorParallelGPT.all_reduce_replicated_grads), an
-expert that no tp rank used keeping none. The step's load and drops are summed over tp.
+expert that no tp rank used keeping none. The step's load and drops are summed over tp. Dropout
+stays one process's, as ParallelDropout keeps it elsewhere: one process draws each expert's mask over all
+its rows, so each rank plans the group's dispatch (as for a capacity) to learn where its rows sit among
+them, draws the whole mask and keeps its rows (ExpertRowsDropout), an expert with none here included.
 
 Pipelines: the load-balancing loss of a layer on stage 0 cannot be added to the loss, which only the
 last stage computes. AuxLossAutoScaler.apply(y, aux_loss, scale) (nn/moe.py) returns y unchanged; in
@@ -38,8 +41,10 @@ With sequence parallelism too, token_comm is the cp x tp ranks, and each cp rank
 import numpy as np
 
 from ... import backend
-from ...autograd import is_grad_enabled
+from ...autograd import cat, is_grad_enabled, ops
 from ...comm import all_reduce
+from ...nn import functional as F
+from ...nn.module import Module
 from ...nn.moe import MoE
 from ..context_parallel.moe import choice_fractions, plan_for_rank
 from .comms import ReduceFromTensorParallelRegion
@@ -59,7 +64,10 @@ class ReplicatedMoE(MoE):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.record_step = False
+        self.planned = None
         self.reset_step()
+        for expert in self.experts:     # under sp / cp, one process's masks over an expert's rows (run_experts)
+            expert.dropout = ExpertRowsDropout(expert.dropout.p)
 
     def choice_fractions(self, plan, tokens_per_group, dtype):
         if self.token_comm is None or self.token_comm.size == 1:
@@ -67,9 +75,33 @@ class ReplicatedMoE(MoE):
         return choice_fractions(self, plan, tokens_per_group, dtype, self.token_comm)
 
     def plan(self, choices, shape):
-        if self.token_comm is None or self.token_comm.size == 1 or self.capacity_factor is None:
-            return super().plan(choices, shape)                # dropless: each rank's tokens on their own
-        return plan_for_rank(self, choices, shape, self.token_comm, self.token_layout, self.sequence_parallel_size)
+        if self.token_comm is None or self.token_comm.size == 1 or (self.capacity_factor is None
+                                                                   and not self.drops_out()):
+            self.planned = super().plan(choices, shape)        # dropless: each rank's tokens on their own
+        else:
+            self.planned = plan_for_rank(self, choices, shape, self.token_comm, self.token_layout,
+                                         self.sequence_parallel_size, whole_rows=self.drops_out())
+        return self.planned
+
+    def drops_out(self):
+        return self.training and self.experts[0].dropout.p > 0
+
+    def run_experts(self, rows, counts):
+        """With the plan of a group's tokens over ranks (plan_for_rank), expert i runs wherever the group has rows
+        for it, here on this rank's counts[i] (maybe none): its dropout draws the mask of all the group's rows for
+        it, as one process does, and keeps this rank's (the generator stays in step with the other ranks')."""
+        whole = self.planned
+        if whole.whole_counts is None or not self.drops_out():
+            return super().run_experts(rows, counts)
+        self.rows_taken += sum(counts)
+        outputs, start = [], 0
+        for expert, piece, n, total in zip(self.experts, rows.split(counts, axis=0), counts, whole.whole_counts):
+            if total:
+                expert.dropout.rows = (total, whole.whole_rows[start:start + n])
+                outputs.append(expert(piece))
+                expert.dropout.rows = None
+            start += n
+        return cat(outputs, axis=0)
 
     @property
     def sequence_parallel_size(self):
@@ -98,6 +130,21 @@ class ReplicatedMoE(MoE):
         for load, dropped, aux in self.step_figures:
             row += np.concatenate([backend.to_host(load), [dropped, float(backend.to_host(aux))]])
         return row
+
+
+class ExpertRowsDropout(Module):
+    """nn.Dropout for an expert's rows; while ``rows`` = (total, index) is set, they are the rows ``index`` of the
+    expert's ``total`` rows over the ranks: the whole mask drawn from the shared generator, these rows kept."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.rows = p, None
+
+    def forward(self, x):
+        if self.rows is None or not self.training or self.p == 0.0:
+            return F.dropout(x, self.p, self.training)
+        total, index = self.rows
+        return ops.Dropout.apply(x, self.p, full_shape=(total,) + tuple(x.shape[1:]), index=(index,))
 
 
 def moe_step_statistics(layers, pp_comm, dp_comm, sequence_comm=None):
