@@ -127,7 +127,7 @@ def main_parallel(args):
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
 
     def bytes_sent():                                        # this rank's, on the world and the mesh's axes
-        axes = ("dp", "pp", "tp") + (("cp", "dp_cp") if cp > 1 else ()) + (("cp_tp",) if cp > 1 < tp else ())
+        axes = ("dp", "pp", "tp") + (("cp", "dp_cp") if cp > 1 else ()) + (("cp_tp",) if cp > 1 and tp > 1 else ())
         return comm.stats.bytes_sent + sum(model.mesh.comm(a).stats.bytes_sent for a in axes) + sum(
             c.stats.bytes_sent for c in (model.ep_comm, model.expert_dp_comm) if c is not None)
     comm.barrier()

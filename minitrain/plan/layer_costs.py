@@ -12,7 +12,8 @@ from .work import gpt_block_work, gpt_ends_work, runs_nn_gpt
 
 def gpt_layer_costs(model, layout, rows, c, machine):
     """[embedding, blocks..., head]: (forward compute, forward comm, backward compute, backward comm, the
-    two comms' busy parts, and of the backward's compute W's part: the weights' gradients) seconds; the tensor-parallel collectives are tp_collectives'."""
+    two comms' busy parts, and of the backward's compute W's part: the weights' gradients) seconds; the
+    tensor-parallel collectives are tp_collectives'."""
     key = (model, rows, layout.tp, layout.sequence_parallel, layout.recompute, layout.precision, id(machine),
            c.slowdown, c.threads, c.fresh, bool(layout.extras.get("parallel_job")) or layout.world > 1,
            layout.cp, layout.cp_method, layout.ep, layout.dp, layout.moe_load, bool(layout.extras.get("moe_dp_job")))

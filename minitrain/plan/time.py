@@ -60,7 +60,8 @@ def predict_time(model, layout, machine):
     c = step if layout.pp == 1 else Costs(   # a pipeline's stage computes once its input has come, asleep till then
         machine, layout.precision, threads, turns * typical(machine, layout.world, True), fresh)
     if model.kind == "mlp":
-        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0, weights(c, b)) for f, b in _mlp_works(model, layout, rows)]
+        layers = [(c.seconds(f), 0.0, c.seconds(b), 0.0, 0.0, 0.0, weights(c, b))
+                  for f, b in _mlp_works(model, layout, rows)]
         act = rows * max(model.sizes[1:-1] or [model.sizes[0]]) * e
     else:
         layers = gpt_layer_costs(model, layout, rows, c, machine)
