@@ -325,10 +325,10 @@ def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_r
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_the_planners_ring_attention_work_is_the_chunk_pairs_each_rank_computes(p):
-    """plan/experts.ring_attention_work counts, per rank, the zig-zag chunk pairs the ring computes: its score
+    """plan/context.ring_attention_work counts, per rank, the zig-zag chunk pairs the ring computes: its score
     products times their entries are the entries the ring reports (count=), and its sends one sendrecv an array
     passed on (2 forward, 4 + 2 backward a hop) are the ring's bytes."""
-    from minitrain.plan.experts import ring_attention_work
+    from minitrain.plan.context import ring_attention_work
     B, H, D, per_rank = 2, 3, 5, 4
     _, results, block = run_ring(p, "zigzag", B, H, D, per_rank)
     c = per_rank // 2

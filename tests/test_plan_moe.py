@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from minitrain import plan
-from minitrain.plan import experts
+from minitrain.plan import context, experts
 from minitrain.plan.__main__ import main, search
 from minitrain.plan.activations import gpt_block_bytes
 from minitrain.plan.alpha_beta import collective
@@ -397,12 +397,12 @@ def test_context_parallelism_divides_the_activations_by_cp():
     for model in (dense, MOE):
         for moe in ((False, True) if model.moe_experts else (False,)):
             base = plan.Layout(world=1, batch_size=2, precision="fp32")
-            one = gpt_block_bytes(model, base, 2, moe)[0] - 4 * experts.attention_core_values(model, base, 2)
+            one = gpt_block_bytes(model, base, 2, moe)[0] - 4 * context.attention_core_values(model, base, 2)
             for cp in (2, 4):
                 for method in ("ring", "ulysses"):
                     layout = replace(base, world=cp, cp=cp, cp_method=method)
                     kept = gpt_block_bytes(model, layout, 2, moe)[0]
-                    core = 4 * experts.attention_core_values(model, layout, 2)
+                    core = 4 * context.attention_core_values(model, layout, 2)
                     constant = 4 * (2 * 4 * 2 + 1) if moe else 0          # the balancing loss: per group, not token
                     assert kept - core - constant == pytest.approx((one - constant) / cp, rel=1e-12)
                     scores = 2 * 4 * 64 * 64

@@ -115,10 +115,12 @@ def mlp_pieces(model, layout, rows, in_pipeline=False):
 
 def gpt_block_bytes(model, layout, b, moe=False):
     """(kept, peak, at_core) bytes of one transformer block for a micro-batch of b rows (see module docstring);
-    s/cp tokens of each row under context parallelism, an MoE layer's MLP with ``moe`` (plan/experts.py).
+    s/cp tokens of each row under context parallelism (plan/context.py), an MoE layer's MLP with ``moe``
+    (plan/experts.py).
     at_core: with selective recomputation, the bytes while the attention core is recomputed, midway through the
     block's backward, when the gradients of its MLP, ln_2 and c_proj are made (else None)."""
-    from .experts import attention_core_values, dense_mlp_values, moe_kept_values
+    from .context import attention_core_values
+    from .experts import dense_mlp_values, moe_kept_values
     e = PRECISIONS[layout.precision]
     s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP

@@ -1,4 +1,4 @@
-"""The planner's new axes: mixture of experts with expert parallelism (ep), context parallelism (cp).
+"""The planner's mixture of experts with expert parallelism (ep); context parallelism (cp): plan/context.py.
 
 MoE (nn/moe.py; Shazeer et al. 2017, GShard, Switch): a router Linear(h, E) without bias, top-k of E
 experts, each the GPT's MLP of width f' (2hf' + f' + h parameters), capacity factor C per group of
@@ -26,46 +26,25 @@ with one rank's experts); holding more than one expert, it regroups them expert 
 expert, a gather whose copy is what the experts' c_fc keep (the rows the all-to-all brought are not kept:
 still M·h in all). Its step is the busiest rank's: its experts' work and its all-to-alls grow by L too.
 
-Context parallelism (Liu et al. 2023's ring attention; Jacobs et al. 2023's DeepSpeed-Ulysses): each of
-cp ranks holds s/cp of every sequence (zig-zag: two chunks of s/(2cp), so causal work is even), so every
-per-token activation is divided by cp. Ring: the K, V blocks go cp-1 hops round the ring forward, K, V
-and their gradients cp-1 hops backward; no score matrix is kept (context_parallel/ring.py keeps the log-sum-
-exp and the output; the K, V, dK, dV blocks in transit are a backward's transient); causal blocks above
-the diagonal are skipped: (cp+1)/2 of the cp blocks per rank. Ulysses: four all-to-alls each way (q, k,
-v to head-sharded, the output back to sequence-sharded), the attention on a/(t·cp) heads over the whole
-sequence (its score matrix kept, as one process keeps it; the head-sharded q, k, v and output take the
-sequence-sharded ones' place, the same size). Parameters are replicated over cp: gradients are reduced
-over dp·cp ranks. Measured against the job (h-cp's GPT3D): Ulysses the ledger's count, ring within 1.5%.
-
 Experts under cp: each rank routes its s/cp tokens, as the GPT job runs them (the balancing loss's
 fractions summed over the cp ranks, G x E numbers; with a capacity the ranks' choices all-gathered, N·k
 integers, to plan the group's drops as one process does; under ep the ep groups of every cp coordinate
 hold the same experts, reduced over dp/ep x cp ranks).
-Not modelled (refused in one line): dropout with experts; the impossible layouts (ep not dividing dp or E,
-cp not dividing s (2cp: the ring's zig-zag) or, for Ulysses, the heads a tp rank holds) name the nearest
-valid choice.
+Not modelled (refused in one line): dropout with experts; the impossible layouts (ep not dividing dp or E)
+name the nearest valid choice.
 GShard's groups (--moe-groups G) are the job's: G a multiple of dp x micro-batches, dividing the global batch.
 """
 import math
 
+from .context import check_cp, local_tokens
 from .layout import LayoutError, PRECISIONS, _choices, _nearest
 from .states import fp32_step_grads, optimizer_bytes
 
 
 def check_axes(model, layout):
     """Raise LayoutError for the first cp / ep / MoE constraint the layout breaks, naming the nearest valid."""
-    c, ep, E, s = layout.cp, layout.ep, model.moe_experts, model.block_size
-    if layout.cp_method not in ("ring", "ulysses"):
-        raise LayoutError(f"--cp-method must be ring or ulysses, got {layout.cp_method!r}")
-    heads, room = model.n_head // layout.tp, layout.world // (layout.pp * layout.tp)   # cp x dp fill the room
-    if c > 1 and layout.cp_method == "ring" and s % (2 * c):
-        valid = [1] + [d for d in range(2, room + 1) if room % d == 0 and s % (2 * d) == 0]   # 1: no zig-zag
-        raise LayoutError(f"--block-size {s} is not divisible by 2 x --cp {c} (ring attention's zig-zag: two chunks "
-                          f"per rank); nearest valid --cp: {_choices(_nearest(c, valid))}")
-    if c > 1 and layout.cp_method == "ulysses" and (s % c or heads % c):
-        valid = [d for d in range(1, room + 1) if room % d == 0 and s % d == 0 and heads % d == 0]
-        raise LayoutError(f"Ulysses over --cp {c} needs it to divide --block-size {s} and the {heads} heads per tp "
-                          f"rank; nearest valid --cp: {_choices(_nearest(c, valid))}")
+    check_cp(model, layout)
+    ep, E = layout.ep, model.moe_experts
     if ep > 1 and not E:
         raise LayoutError(f"--ep {ep} shards experts, but the model has none (--moe-experts 0): --ep 1")
     if layout.dp % ep:
@@ -99,11 +78,6 @@ def check_axes(model, layout):
     if model.dropout:
         raise LayoutError("--dropout with --moe-experts is not modelled by the planner (the experts' dropout masks): "
                           "--dropout 0")
-
-
-def local_tokens(model, layout):
-    """Tokens of one sequence on a rank: s/cp."""
-    return model.block_size // layout.cp
 
 
 def routed_tokens(model, layout):
@@ -214,15 +188,6 @@ def dense_mlp_values(model, layout, rows):
     return N * model.n_embd / (t if layout.sequence_parallel else 1) + 3 * N * model.ffn / t
 
 
-def attention_core_values(model, layout, rows):
-    """The attention core's own kept values beyond q, k, v and its output: one process's (and Ulysses')
-    softmax output (dropout's mask and output too), ring attention's log-sum-exp and output."""
-    a, s, t, c = model.n_head, model.block_size, layout.tp, layout.cp
-    if c > 1 and layout.cp_method == "ring":
-        return rows * (a // t) * (s // c) + rows * (s // c) * model.n_embd / t
-    return rows * (a // t) // c * s * s * (3 if model.dropout else 1)
-
-
 def all_to_all_bytes(model, layout, rows):
     """Bytes one of an MoE layer's all-to-alls moves between the busiest rank and the others: the rows its
     experts take (M at balance, M·moe_load on the busiest rank: dispatch brings them, combine sends them back),
@@ -230,11 +195,6 @@ def all_to_all_bytes(model, layout, rows):
     and backward)."""
     e = PRECISIONS[layout.precision]
     return received_rows(model, layout, rows) * model.n_embd * e * (layout.ep - 1) / layout.ep
-
-
-def cp_block_bytes(model, layout, rows):
-    """Bytes of one K or V block (ring) or one of q, k, v, out (Ulysses) on a rank: rows x s/cp x h/t."""
-    return rows * local_tokens(model, layout) * model.n_embd // layout.tp * PRECISIONS[layout.precision]
 
 
 def zero_expert_extra(model, layout, moe_blocks):
@@ -306,31 +266,4 @@ def experts_work(model, layout, rows):
     sp = 2 if layout.sequence_parallel and layout.tp > 1 else 0    # P's all-reduce over tp and its division
     fwd.op("copy", M * h, count=2).op("copy", N * k * h).op("add", N * k * h, count=2).nodes += joins + 13 + scaler + sp
     bwd.op("copy", M * h, count=2).op("embedding.backward", N * k * h).op("add", N * k * h, count=2)
-    return fwd, bwd
-
-
-def ring_attention_work(heads, s, d, cp):
-    """(forward, backward) Work of parallel/context_parallel/ring.py on one rank: ``heads`` (rows x heads)
-    queries of s = T/cp positions in two zig-zag chunks of c = s/2; per chunk pair it computes (the causal
-    ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
-    exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
-    dK; the heads' rows of m, l and o are small. One graph node."""
-    from ..parallel.context_parallel.ring import _pairs
-    from .work import Work
-    kinds = [kind for step in range(cp) for _, _, kind in _pairs("zigzag", cp, 0, step, True)]
-    pairs, diagonal = len(kinds), kinds.count("diagonal")
-    c = s // 2
-    P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
-    fwd, bwd = Work(), Work()
-    fwd.ring_pairs = bwd.ring_pairs = pairs          # their Python beyond the arithmetic: calibrated per pair
-    fwd.matmul(c, d, c, heads, times=pairs).matmul(c, c, d, heads, times=pairs)
-    fwd.elementwise("simple", P, 2 * pairs + diagonal).elementwise("transcendental", P, pairs)
-    fwd.elementwise("reduce", P, 2 * pairs).elementwise("simple", O, 2 * pairs)
-    fwd.elementwise("simple", R, 6 * pairs).elementwise("transcendental", R, pairs)
-    fwd.elementwise("simple", O + R, 2).op("copy", 2 * (O + R))      # o / l, m + log l, both concatenated
-    fwd.nodes += 1
-    bwd.matmul(c, d, c, heads, times=2 * pairs).matmul(c, c, d, heads, times=3 * pairs)
-    bwd.elementwise("simple", P, 4 * pairs + diagonal).elementwise("transcendental", P, pairs)
-    bwd.elementwise("inplace", O, 3 * pairs).elementwise("simple", O, 2 * pairs)
-    bwd.elementwise("reduce", 2 * O, 1).op("zeros", 3 * O * 2)      # delta; dq, dk, dv zeroed
     return fwd, bwd

@@ -93,7 +93,8 @@ def axes_comm(model, layout, rows, machine, busy):
     Ulysses: four all-to-alls each way; recomputation sends the forward's again in backward (full: the MoE
     block's all-to-alls and counts too; selective recomputes the attention core alone). The ep ranks are
     consecutive dp ranks."""
-    from .experts import all_to_all_bytes, cp_block_bytes, local_groups, routed_tokens
+    from .context import cp_block_bytes
+    from .experts import all_to_all_bytes, local_groups, routed_tokens
     c, t, ep = layout.cp, layout.tp, layout.ep
     fwd = bwd = 0.0
     if c > 1:

@@ -121,7 +121,7 @@ class Layout:
     local_sgd_every: int = 0            # mlp --strategy local_sgd: average parameters every k steps
     bucket_cap_mb: float = 25.0
     threads: int = 0                    # BLAS threads per rank on a CPU (0: as the jobs take them, see time.py)
-    cp: int = 1                         # context parallelism: the sequence over cp ranks (plan/experts.py)
+    cp: int = 1                         # context parallelism: the sequence over cp ranks (plan/context.py)
     cp_method: str = "ring"             # ring (zig-zag: 2cp chunks) | ulysses
     ep: int = 1                         # expert parallelism: E/ep experts per rank, ep | dp
     moe_load: float = 1.0               # the busiest rank's experts' rows over its routed rows (1: even, dropless)

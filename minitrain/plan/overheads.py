@@ -116,7 +116,7 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
 
 def measure_ring_pair(machine, repeats=30, clock=time.thread_time):
     """The Python and small-array NumPy calls of one chunk pair of ring attention (parallel/context_parallel/
-    ring.py), beyond the arithmetic plan/experts.ring_attention_work prices at ``machine``'s costs: its
+    ring.py), beyond the arithmetic plan/context.ring_attention_work prices at ``machine``'s costs: its
     forward and backward on one rank (zig-zag: 3 pairs each way, nothing to pass on), at the GPT job's sizes
     (16 rows x 4 heads, 16 positions, head width 16). Measured here, ~50 us a pair: a dozen NumPy calls on
     strided chunk views of 4,096-entry blocks, each several times the calibrated bare call."""
@@ -124,7 +124,7 @@ def measure_ring_pair(machine, repeats=30, clock=time.thread_time):
     from ..comm import ThreadWorld
     from ..parallel.context_parallel import ring_attention
     from .costs import Costs
-    from .experts import ring_attention_work
+    from .context import ring_attention_work
     heads, s, d = 64, 16, 16
     fwd, bwd = ring_attention_work(heads, s, d, 1)
     counted = Costs({**machine, "ring_pair_s": 0.0}, "fp32", 1, 1.0, fresh=False)

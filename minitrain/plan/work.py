@@ -149,7 +149,7 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         q = kv = model.block_size                     # a/cp heads over the whole sequence
         heads, S = rows * at // layout.cp, rows * at // layout.cp * q * q
     if layout.cp > 1 and not ulysses:                 # ring: one node, its online softmax pair by pair
-        from .experts import ring_attention_work      # (no dropout under cp: refused)
+        from .context import ring_attention_work      # (no dropout under cp: refused)
         core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
     else:                                             # softmax(q k^T / sqrt(d) + mask) v, and its backward
         core_f, core_b = Work(), Work()
