@@ -113,7 +113,8 @@ def add_gpt(p):
                    help="virtual stages per rank (interleaved_1f1b; default: 1; zbv is always 2)")
     p.add_argument("--vocab-size", type=_positive, default=None, help="default: the gpt job's corpus")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over dp")
-    axes = p.add_argument_group("context and expert parallelism, mixture of experts (plan/context.py, plan/experts.py)")
+    axes = p.add_argument_group("context and expert parallelism, mixture of experts "
+                              "(plan/context.py, plan/experts.py)")
     axes.add_argument("--cp", type=_positive, default=1, help="context-parallel ranks: the sequence split over them")
     axes.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring",
                       help="ring attention (zig-zag) or DeepSpeed-Ulysses' all-to-alls")

@@ -1,9 +1,8 @@
 """Seconds of each GPT layer on one rank, per micro-batch: forward and backward compute (plan/work.py's
 Work priced by plan/costs.py) and their communication, wall and busy: tensor parallelism's collectives
 (tp_collectives: 2 all-reduces of b·s·h per block each way, or with sequence parallelism 4 all-gathers or
-reduce-scatters forward and 6 backward: Korthikanti et al. 2022), context parallelism's exchanges and the
-experts' all-to-alls
-(plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
+reduce-scatters forward and 6 backward: Korthikanti et al. 2022), context parallelism's exchanges
+(plan/context.py) and the experts' all-to-alls (plan/experts.py). Memoized: a --search prices thousands of layouts with the same layers.
 """
 from .alpha_beta import collective
 from .layout import PRECISIONS
