@@ -1,0 +1,29 @@
+"""torch.distributed's call shapes over minitrain's collectives: a PyTorch script's communication, unchanged.
+
+    import minitrain.distributed as dist          # instead of: import torch.distributed as dist
+    dist.init_process_group("gloo")               # mpiexec -n 4 python script.py (MPI is the launcher)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)      # t: a NumPy / CuPy array or a minitrain Tensor, in place
+
+Each call is one of comm/'s hand-written collectives (the ring, the binomial tree, all_to_all_single),
+with PyTorch's conventions laid over it (torch.distributed's documentation, "Collective functions"):
+results are written into the caller's tensors; ``src`` / ``dst`` are global ranks (``group_src`` /
+``group_dst``: ranks within the group); ``async_op=True`` returns a Work whose wait() finishes the call;
+a rank not in ``group`` returns at once, as PyTorch's does (a warning says so). ``new_group(ranks)``
+is collective over the world, its ranks sorted as PyTorch sorts them. What the rings cost: comm/collectives.py.
+gather and scatter go through all_gather and broadcast (every rank moves what the root would).
+Backends: "mpi" and "gloo" (the same: MPI point-to-point), "nccl" (comm/nccl.py); the rendezvous is
+the MPI launcher's, so init_method is "env://" or None and world_size / rank, where given, are checked
+against it. timeout: how long any wait may last (the stall report comes at a third of it, at most 10 s).
+"""
+from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier,
+                          broadcast, gather, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter,
+                          send)
+from .groups import (GroupMember, ProcessGroup, ReduceOp, destroy_process_group, get_backend, get_global_rank,
+                     get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
+                     is_available, is_initialized, new_group)
+
+__all__ = ["GroupMember", "ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
+           "all_to_all", "all_to_all_single", "barrier", "broadcast", "destroy_process_group", "gather",
+           "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks", "get_rank",
+           "get_world_size", "group", "init_process_group", "irecv", "is_available", "is_initialized", "isend",
+           "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "send"]

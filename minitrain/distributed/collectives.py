@@ -1,0 +1,287 @@
+"""torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
+global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
+from .. import comm as C
+from ..autograd import Tensor
+from ..backend import array_module
+from ..comm.collectives import _barrier_body
+from ..comm.reductions import OPS, TORCH_OP_NAMES
+from . import groups
+from .groups import ReduceOp, _group
+
+
+# ---------------------------------------------------------------- arguments
+def _array(t, name, what="tensor"):
+    data = t.data if isinstance(t, Tensor) else t
+    if not hasattr(data, "__array_interface__") and not hasattr(data, "__cuda_array_interface__"):
+        raise TypeError(f"{name}: {what} must be a NumPy or CuPy array or a minitrain Tensor, got {type(t).__name__}")
+    return data
+
+
+def _op(op, name):
+    op = TORCH_OP_NAMES.get(op.lower(), op.lower()) if isinstance(op, str) else op
+    if op not in OPS:
+        raise ValueError(f"{name}: op {op!r} is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX")
+    return op
+
+
+def _peer(pg, name, global_rank, group_rank, what):
+    """The group rank of ``src`` / ``dst`` (global) or ``group_src`` / ``group_dst`` (exactly one given)."""
+    if (global_rank is None) == (group_rank is None):
+        raise ValueError(f"{name}: give {what} (a global rank) or group_{what} (a rank in the group), one of them")
+    if group_rank is None:
+        if global_rank not in pg.ranks:
+            raise ValueError(f"{name}: {what}={global_rank} is not a rank of the group {pg.ranks}")
+        return pg.ranks.index(global_rank)
+    if not 0 <= group_rank < pg.size():
+        raise ValueError(f"{name}: group_{what}={group_rank} is not a rank of a group of size {pg.size()}")
+    return group_rank
+
+
+def _same(name, arrays, like, what):
+    for a in arrays:
+        if a.dtype != like.dtype or array_module(a) is not array_module(like):
+            raise TypeError(f"{name}: every tensor of {what} must be a {like.dtype} array on the input's device, "
+                            f"got {a.dtype}")
+
+
+class _Finishing:
+    """A Work whose wait() also writes its result where PyTorch's call puts it."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish, self.finished = work, finish, False
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def wait(self, timeout=None):
+        result = self.work.wait(timeout)
+        if not self.finished:
+            self.finished = True
+            self.finish(result)
+        return True
+
+
+def _run(async_op, call, finish):
+    """``call(async_op)`` then ``finish(result)``: now, or in the returned Work's wait()."""
+    if async_op:
+        return _Finishing(call(True), finish)
+    finish(call(False))
+    return None
+
+
+def _into(dst):
+    def write(result):
+        dst[...] = result.reshape(dst.shape)
+    return write
+
+
+# ---------------------------------------------------------------- collectives
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    pg = _group(group, "all_reduce")
+    if pg is None:
+        return None
+    x, op = _array(tensor, "all_reduce"), _op(op, "all_reduce")
+    return _run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), _into(x))
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    pg = _group(group, "broadcast")
+    if pg is None:
+        return None
+    x, root = _array(tensor, "broadcast"), _peer(pg, "broadcast", src, group_src, "src")
+    buf = x if x.flags.c_contiguous else array_module(x).ascontiguousarray(x)
+    return _run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
+                lambda _: None if buf is x else _into(x)(buf))
+
+
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    pg = _group(group, "reduce")
+    if pg is None:
+        return None
+    x, op, root = _array(tensor, "reduce"), _op(op, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
+    return _run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
+                lambda r: None if r is None else _into(x)(r))
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """output = every rank's input, in rank order (output: p times the input's elements, any shape)."""
+    pg = _group(group, "all_gather_into_tensor")
+    if pg is None:
+        return None
+    out = _array(output_tensor, "all_gather_into_tensor", "output_tensor")
+    x = _array(input_tensor, "all_gather_into_tensor")
+    _same("all_gather_into_tensor", [out], x, "output_tensor")
+    if out.size != pg.size() * x.size:
+        raise ValueError(f"all_gather_into_tensor: output_tensor has {out.size} elements, the group's {pg.size()} "
+                         f"inputs of {x.size} need {pg.size() * x.size}")
+    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=out.size, async_op=a), _into(out))
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    pg = _group(group, "all_gather")
+    if pg is None:
+        return None
+    x, outs = _array(tensor, "all_gather"), [_array(t, "all_gather", "tensor_list") for t in tensor_list]
+    _same("all_gather", outs, x, "tensor_list")
+    if len(outs) != pg.size() or any(o.shape != x.shape for o in outs):
+        raise ValueError(f"all_gather: tensor_list must hold {pg.size()} tensors of shape {tuple(x.shape)}, got "
+                         f"{[tuple(o.shape) for o in outs]}")
+
+    def finish(flat):
+        for i, o in enumerate(outs):
+            o[...] = flat[i * x.size:(i + 1) * x.size].reshape(o.shape)
+    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """output = block r (of p equal ones, in element order) of the reduction of every rank's input."""
+    pg = _group(group, "reduce_scatter_tensor")
+    if pg is None:
+        return None
+    out, x = _array(output, "reduce_scatter_tensor", "output"), _array(input, "reduce_scatter_tensor", "input")
+    _same("reduce_scatter_tensor", [out], x, "output")
+    if x.size != pg.size() * out.size:
+        raise ValueError(f"reduce_scatter_tensor: input has {x.size} elements, the group's {pg.size()} outputs "
+                         f"of {out.size} need {pg.size() * out.size}")
+    op = _op(op, "reduce_scatter_tensor")
+    return _run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), _into(out))
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    pg = _group(group, "reduce_scatter")
+    if pg is None:
+        return None
+    out = _array(output, "reduce_scatter", "output")
+    ins = [_array(t, "reduce_scatter", "input_list") for t in input_list]
+    if len(ins) != pg.size() or any(i.shape != out.shape for i in ins):
+        raise ValueError(f"reduce_scatter: input_list must hold {pg.size()} tensors of the output's shape "
+                         f"{tuple(out.shape)}, got {[tuple(i.shape) for i in ins]}")
+    _same("reduce_scatter", ins, out, "input_list")
+    flat = array_module(out).concatenate([i.reshape(-1) for i in ins])
+    return reduce_scatter_tensor(out, flat, op=op, group=pg, async_op=async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    pg = _group(group, "all_to_all_single")
+    if pg is None:
+        return None
+    out, x = _array(output, "all_to_all_single", "output"), _array(input, "all_to_all_single", "input")
+    _same("all_to_all_single", [out], x, "output")
+
+    def finish(received):
+        if received.shape != out.shape:
+            raise ValueError(f"[rank {pg.comm.rank}] all_to_all_single: {tuple(received.shape)} arrived, the output "
+                             f"is {tuple(out.shape)}")
+        out[...] = received
+    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, x, output_split_sizes, input_split_sizes,
+                                                         async_op=a), finish)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    pg = _group(group, "all_to_all")
+    if pg is None:
+        return None
+    outs = [_array(t, "all_to_all", "output_tensor_list") for t in output_tensor_list]
+    ins = [_array(t, "all_to_all", "input_tensor_list") for t in input_tensor_list]
+    if len(outs) != pg.size() or len(ins) != pg.size():
+        raise ValueError(f"all_to_all: both lists must hold {pg.size()} tensors, got {len(outs)} and {len(ins)}")
+    _same("all_to_all", outs + ins[1:], ins[0], "both lists")
+    xp = array_module(ins[0])
+    flat = xp.concatenate([i.reshape(-1) for i in ins])
+
+    def finish(received):
+        start = 0
+        for o in outs:
+            o[...] = received[start:start + o.size].reshape(o.shape)
+            start += o.size
+    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
+                                                         async_op=a), finish)
+
+
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    pg = _group(group, "gather")
+    if pg is None:
+        return None
+    root = _peer(pg, "gather", dst, group_dst, "dst")
+    if (pg.rank() == root) != (gather_list is not None):
+        raise ValueError(f"gather: gather_list is the destination's alone (rank {pg.ranks[root]} passes it, "
+                         f"the others None)")
+    x = _array(tensor, "gather")
+    return all_gather(gather_list or [array_module(x).empty_like(x)] * pg.size(), tensor, pg, async_op)
+
+
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    pg = _group(group, "scatter")
+    if pg is None:
+        return None
+    root, x = _peer(pg, "scatter", src, group_src, "src"), _array(tensor, "scatter")
+    if (pg.rank() == root) != (scatter_list is not None):
+        raise ValueError(f"scatter: scatter_list is the source's alone (rank {pg.ranks[root]} passes it, "
+                         f"the others None)")
+    xp = array_module(x)
+    if scatter_list is not None:
+        ins = [_array(t, "scatter", "scatter_list") for t in scatter_list]
+        if len(ins) != pg.size() or any(i.shape != x.shape for i in ins):
+            raise ValueError(f"scatter: scatter_list must hold {pg.size()} tensors of shape {tuple(x.shape)}")
+        _same("scatter", ins, x, "scatter_list")
+        whole = xp.concatenate([i.reshape(-1) for i in ins])
+    else:
+        whole = xp.empty(pg.size() * x.size, x.dtype)
+    r = pg.rank()
+    return _run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
+                lambda _: _into(x)(whole[r * x.size:(r + 1) * x.size]))
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    pg = _group(group, "barrier")
+    if pg is None:
+        return None
+    work = pg.comm.launch("barrier", _barrier_body, (), async_op, {}, 0)
+    return work if async_op else None
+
+
+# ---------------------------------------------------------------- point to point
+def _contiguous(x, name):
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: the tensor must be contiguous (it is sent or received in place)")
+    return x
+
+
+def _not_self(pg, name, peer, what):
+    if peer == pg.rank():
+        raise ValueError(f"{name}: Invalid {what} rank: should not be the same as rank of the current process")
+    return peer
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    pg = _group(group, "isend")
+    if pg is None:
+        return None
+    peer = _not_self(pg, "isend", _peer(pg, "isend", dst, group_dst, "dst"), "destination")
+    return pg.comm.isend(_contiguous(_array(tensor, "isend"), "isend"), peer, tag)
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    pg = _group(group, "irecv")
+    if pg is None:
+        return None
+    if src is None and group_src is None:
+        raise ValueError("irecv: a receive from any source (src=None) is not supported here: name the sender")
+    peer = _not_self(pg, "irecv", _peer(pg, "irecv", src, group_src, "src"), "source")
+    return pg.comm.irecv(_contiguous(_array(tensor, "irecv"), "irecv"), peer, tag)
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    work = isend(tensor, dst, group, tag, group_dst)
+    if work is not None:
+        work.wait()
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Receive into ``tensor``; returns the sender's global rank (-1 off the group), as PyTorch does."""
+    work = irecv(tensor, src, group, tag, group_src)
+    if work is None:
+        return -1
+    work.wait()
+    pg = groups._world if group is None else group
+    return src if src is not None else pg.ranks[group_src]

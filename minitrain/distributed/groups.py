@@ -1,0 +1,138 @@
+"""torch.distributed's process groups over minitrain's communicators: the world from the MPI launcher,
+new_group's sub-communicators (comm.split), ranks in and out of a group, PyTorch's reduction names."""
+import datetime
+import warnings
+
+from .. import comm as C
+
+
+class ReduceOp:
+    """PyTorch's reduction names; AVG of floating dtypes only (an integer mean is not an integer)."""
+    SUM, AVG, PRODUCT, MIN, MAX = "sum", "mean", "prod", "min", "max"
+
+
+class ProcessGroup:
+    """A communicator and the global ranks it holds, in its rank order."""
+
+    def __init__(self, communicator, ranks, backend):
+        self.comm, self.ranks, self.backend = communicator, list(ranks), backend
+
+    def rank(self):
+        return self.comm.rank
+
+    def size(self):
+        return self.comm.size
+
+    def __repr__(self):
+        return f"ProcessGroup(ranks={self.ranks}, backend={self.backend!r})"
+
+
+class GroupMember:
+    NON_GROUP_MEMBER = object()      # what new_group returns on a rank it leaves out
+
+
+class group:                         # noqa: N801  (PyTorch's name: dist.group.WORLD)
+    WORLD = None
+
+
+_world = None
+
+
+# ---------------------------------------------------------------- the default group
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                       group_name="", pg_options=None, device_id=None):
+    """The world's process group, from the MPI launcher's ranks (see the module docstring)."""
+    global _world
+    if _world is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    names = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl"}
+    if backend not in names:
+        raise ValueError(f"init_process_group: backend {backend!r} is not one of mpi, gloo, nccl")
+    if init_method not in (None, "env://") or store is not None:
+        raise ValueError(f"init_process_group: the MPI launcher does the rendezvous; init_method {init_method!r} / "
+                         f"a store cannot say where the ranks are (leave them out, or init_method='env://')")
+    for name, value in (("pg_options", pg_options), ("device_id", device_id)):
+        if value is not None:
+            raise ValueError(f"init_process_group: {name} is not supported here; leave it out")
+    kwargs = {}
+    if timeout is not None:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        kwargs = {"timeout": seconds, "comm_timeout": min(C.DEFAULT_COMM_TIMEOUT, seconds / 3)}
+    world = C.init(backend=names[backend], **kwargs)
+    for name, given, actual in (("world_size", world_size, world.size), ("rank", rank, world.rank)):
+        if given not in (-1, None) and given != actual:
+            raise ValueError(f"init_process_group: {name}={given}, but the MPI launcher started this process as "
+                             f"{name} {actual}")
+    _world = group.WORLD = ProcessGroup(world, range(world.size), names[backend])
+    return _world
+
+
+def is_initialized():
+    return _world is not None
+
+
+def is_available():
+    return True
+
+
+def destroy_process_group(pg=None):
+    """Forget the default group (pg=None) so that init_process_group may run again."""
+    global _world
+    if pg is None or pg is _world:
+        _world = group.WORLD = None
+
+
+def _group(pg, name):
+    """The ProcessGroup a call runs on, or None where this rank is not in it (the call returns at once)."""
+    if _world is None:
+        raise ValueError(f"{name}: Default process group has not been initialized, please make sure to call "
+                         f"init_process_group.")
+    pg = _world if pg is None else pg
+    if pg is GroupMember.NON_GROUP_MEMBER:
+        warnings.warn(f"Running {name} on global rank {_world.comm.rank} which does not belong to the given group.")
+        return None
+    if not isinstance(pg, ProcessGroup):
+        raise TypeError(f"{name}: group must be a group from new_group() or None (the world), got {type(pg).__name__}")
+    return pg
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False):
+    """A group of ``ranks`` (global ranks; None: all). Every rank of the world calls it, as in PyTorch."""
+    world = _group(None, "new_group")
+    chosen = list(range(world.size())) if ranks is None else sorted(int(r) for r in ranks)
+    if len(set(chosen)) != len(chosen) or not all(0 <= r < world.size() for r in chosen):
+        raise ValueError(f"new_group: ranks {list(ranks)} must be distinct ranks of the world of size {world.size()}")
+    if backend not in (None, world.backend) or use_local_synchronization:
+        raise ValueError("new_group: a group has the world's backend and synchronizes the whole world")
+    member = world.comm.rank in chosen
+    sub = world.comm.split(1 if member else 0, world.comm.rank)
+    return ProcessGroup(sub, chosen, world.backend) if member else GroupMember.NON_GROUP_MEMBER
+
+
+def get_rank(group=None):
+    pg = _world if group is None else group
+    return -1 if pg is GroupMember.NON_GROUP_MEMBER else _group(pg, "get_rank").rank()
+
+
+def get_world_size(group=None):
+    pg = _world if group is None else group
+    return -1 if pg is GroupMember.NON_GROUP_MEMBER else _group(pg, "get_world_size").size()
+
+
+def get_backend(group=None):
+    return _group(group, "get_backend").backend
+
+
+def get_process_group_ranks(group):
+    return list(_group(group, "get_process_group_ranks").ranks)
+
+
+def get_global_rank(group, group_rank):
+    return _group(group, "get_global_rank").ranks[group_rank]
+
+
+def get_group_rank(group, global_rank):
+    pg = _group(group, "get_group_rank")
+    if global_rank not in pg.ranks:
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not in the group {pg.ranks}")
+    return pg.ranks.index(global_rank)

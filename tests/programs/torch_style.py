@@ -1,0 +1,160 @@
+"""minitrain.distributed's torch.distributed calls against MPI's built-ins (mpi4py), at any p, awkward sizes.
+
+Each check prints "ok NAME" on every rank; a wrong result raises (the test reads the ok lines)."""
+import sys
+import warnings
+
+import numpy as np
+from mpi4py import MPI
+
+import minitrain as mt
+import minitrain.distributed as dist
+
+group_world = dist.init_process_group("gloo")
+r, p, world = dist.get_rank(), dist.get_world_size(), MPI.COMM_WORLD
+rng = np.random.default_rng(100 + r)
+N = 7                                    # prime: no p divides it
+
+
+def ok(name, condition=True):
+    if not condition:
+        raise AssertionError(f"rank {r}: {name}")
+    print(f"ok {name}", flush=True)
+
+
+def mpi_allreduce(x, op=MPI.SUM):
+    out = np.empty_like(x)
+    world.Allreduce(x, out, op=op)
+    return out
+
+
+# all_reduce in place, every op; on a minitrain Tensor and on a non-contiguous view too
+for name, op, mpi_op in (("sum", dist.ReduceOp.SUM, MPI.SUM), ("max", dist.ReduceOp.MAX, MPI.MAX),
+                         ("min", dist.ReduceOp.MIN, MPI.MIN), ("product", dist.ReduceOp.PRODUCT, MPI.PROD)):
+    x = rng.standard_normal(N)
+    want = mpi_allreduce(x, mpi_op)
+    dist.all_reduce(x, op=op)
+    ok(f"all_reduce {name}", np.allclose(x, want, rtol=1e-13, atol=0))
+x = rng.standard_normal(N)
+want = mpi_allreduce(x) / p
+dist.all_reduce(x, op=dist.ReduceOp.AVG)
+ok("all_reduce avg", np.allclose(x, want, rtol=1e-13))
+ints = np.arange(N, dtype=np.int64) * (r + 1)
+want = mpi_allreduce(ints)
+dist.all_reduce(ints)
+ok("all_reduce int64 exact", np.array_equal(ints, want))
+t = mt.Tensor(rng.standard_normal((3, 5)))
+view = rng.standard_normal((5, 3)).T                 # not contiguous
+want_t, want_v = mpi_allreduce(t.data.copy()), mpi_allreduce(np.ascontiguousarray(view))
+dist.all_reduce(t)
+dist.all_reduce(view)
+ok("all_reduce Tensor and transposed view", np.allclose(t.data, want_t, rtol=1e-13)
+   and np.allclose(view, want_v, rtol=1e-13))
+x = rng.standard_normal(N)
+want = mpi_allreduce(x)
+work = dist.all_reduce(x, async_op=True)
+work.wait()
+ok("all_reduce async_op", work.is_completed() and np.allclose(x, want, rtol=1e-13))
+
+# broadcast, reduce: src / dst are global ranks
+x = rng.standard_normal(N)
+want = world.bcast(x, root=p - 1)
+dist.broadcast(x, src=p - 1)
+ok("broadcast", np.array_equal(x, want))
+x = rng.standard_normal(N)
+want = np.empty_like(x) if r == 0 else None
+world.Reduce(x, want, op=MPI.SUM, root=0)
+mine = x.copy()
+dist.reduce(x, dst=0)
+ok("reduce", np.allclose(x, want, rtol=1e-13) if r == 0 else np.array_equal(x, mine))
+
+# all_gather(_into_tensor), reduce_scatter(_tensor)
+x = rng.standard_normal((2, 3))
+want = np.concatenate(world.allgather(x))
+out = np.empty((2 * p, 3))
+dist.all_gather_into_tensor(out, x)
+ok("all_gather_into_tensor", np.array_equal(out, want))
+outs = [np.empty((2, 3)) for _ in range(p)]
+dist.all_gather(outs, x)
+ok("all_gather", np.array_equal(np.concatenate(outs), want))
+x = rng.standard_normal(p * N)
+want = mpi_allreduce(x)[r * N:(r + 1) * N]
+out = np.empty(N)
+dist.reduce_scatter_tensor(out, x)
+ok("reduce_scatter_tensor", np.allclose(out, want, rtol=1e-13))
+out = np.empty(N)
+dist.reduce_scatter(out, [x[i * N:(i + 1) * N] for i in range(p)])
+ok("reduce_scatter", np.allclose(out, want, rtol=1e-13))
+
+# all_to_all_single with uneven splits (rank i sends i + j + 1 rows to rank j), all_to_all
+sends = [r + j + 1 for j in range(p)]
+receives = [j + r + 1 for j in range(p)]
+x = rng.standard_normal((sum(sends), 2))
+want = np.empty((sum(receives), 2))
+world.Alltoallv([x, (np.array(sends) * 2, None), MPI.DOUBLE], [want, (np.array(receives) * 2, None), MPI.DOUBLE])
+out = np.empty_like(want)
+dist.all_to_all_single(out, x, output_split_sizes=receives, input_split_sizes=sends)
+ok("all_to_all_single uneven", np.array_equal(out, want))
+ins = [np.full(j + 1, 10.0 * r + j) for j in range(p)]        # rank r's j-th tensor: j + 1 elements
+outs = [np.empty(r + 1) for _ in range(p)]
+dist.all_to_all(outs, ins)
+ok("all_to_all", all(np.array_equal(outs[j], np.full(r + 1, 10.0 * j + r)) for j in range(p)))
+
+# gather, scatter
+x = np.full(3, float(r))
+gathered = [np.empty(3) for _ in range(p)] if r == p - 1 else None
+dist.gather(x, gathered, dst=p - 1)
+ok("gather", r != p - 1 or all(np.array_equal(g, np.full(3, float(i))) for i, g in enumerate(gathered)))
+out = np.empty(3)
+dist.scatter(out, [np.full(3, 7.0 * i) for i in range(p)] if r == 0 else None, src=0)
+ok("scatter", np.array_equal(out, np.full(3, 7.0 * r)))
+
+# send / recv / isend / irecv round the ring, a tag each way (p > 1: PyTorch refuses a send to oneself)
+if p > 1:
+    right, left = (r + 1) % p, (r - 1) % p
+    x, got = np.full(N, float(r)), np.empty(N)
+    request = dist.irecv(got, src=left, tag=3)
+    dist.send(x, dst=right, tag=3)
+    request.wait()
+    ok("isend/irecv", np.array_equal(got, np.full(N, float(left))))
+    if r == 0:
+        dist.isend(x, dst=p - 1, tag=4).wait()
+    if r == p - 1:
+        ok("recv returns the sender", dist.recv(got, src=0, tag=4) == 0 and np.array_equal(got, np.zeros(N)))
+dist.barrier()
+
+# a group of the even ranks: its ranks sorted, global src, a rank outside returns at once
+evens = dist.new_group([q for q in range(p) if q % 2 == 0][::-1])
+x = np.full(N, float(r + 1))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dist.all_reduce(x, group=evens)
+if r % 2 == 0:
+    ok("group all_reduce", np.array_equal(x, np.full(N, float(sum(q + 1 for q in range(0, p, 2))))))
+    ok("group ranks", dist.get_process_group_ranks(evens) == list(range(0, p, 2))
+       and dist.get_rank(evens) == r // 2 and dist.get_world_size(evens) == len(range(0, p, 2)))
+    y = np.full(2, float(r))
+    dist.broadcast(y, src=2 if p > 2 else 0, group=evens)
+    ok("group broadcast from a global rank", np.array_equal(y, np.full(2, 2.0 if p > 2 else 0.0)))
+else:
+    ok("outside the group", np.array_equal(x, np.full(N, float(r + 1))) and dist.get_rank(evens) == -1
+       and any("does not belong to the given group" in str(w.message) for w in caught))
+
+# refusals, each one line
+for name, call in (("twice", lambda: dist.init_process_group("gloo")),
+                   ("bad op", lambda: dist.all_reduce(np.ones(2), op="band")),
+                   ("src outside", lambda: dist.broadcast(np.ones(2), src=p)),
+                   ("wrong output size", lambda: dist.all_gather_into_tensor(np.empty(p * 2 + 1), np.ones(2))),
+                   ("any source", lambda: dist.recv(np.ones(2))),
+                   ("to itself", lambda: dist.send(np.ones(2), dst=r)),
+                   ("a list", lambda: dist.all_reduce([1.0, 2.0]))):
+    try:
+        call()
+    except (ValueError, TypeError) as e:
+        print(f"refused {name}: {e}", flush=True)
+    else:
+        raise AssertionError(f"rank {r}: {name} was not refused")
+dist.barrier()
+dist.destroy_process_group()
+ok("destroyed", not dist.is_initialized())
+sys.exit(0)

@@ -1,0 +1,87 @@
+"""minitrain.distributed: torch.distributed's calls (in place, global src / dst, groups, async Work) equal MPI's
+built-ins at p = 3 on sizes no p divides; what PyTorch refuses, or what cannot work here, is refused in one line."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from minitrain.testing import run_mpi
+
+PROGRAM = Path(__file__).parent / "programs" / "torch_style.py"
+CHECKS = ["all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product", "all_reduce avg",
+          "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op", "broadcast",
+          "reduce",
+          "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single uneven",
+          "all_to_all", "gather", "scatter", "isend/irecv", "destroyed"]
+REFUSALS = {"twice": "trying to initialize the default process group twice!",
+            "bad op": "all_reduce: op 'band' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
+            "src outside": "broadcast: src=3 is not a rank of the group [0, 1, 2]",
+            "wrong output size": ("all_gather_into_tensor: output_tensor has 7 elements, the group's 3 inputs of 2 "
+                                  "need 6"),
+            "any source": "irecv: a receive from any source (src=None) is not supported here",
+            "to itself": "isend: Invalid destination rank: should not be the same as rank of the current process",
+            "a list": "all_reduce: tensor must be a NumPy or CuPy array or a minitrain Tensor, got list"}
+
+
+@pytest.fixture(scope="module")
+def printed():
+    return run_mpi([sys.executable, PROGRAM], n=3, timeout=120).stdout
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_each_call_equals_mpi_on_every_rank(printed, check):
+    for rank in range(3):
+        assert f"[{rank}] ok {check}\n" in printed, printed
+
+
+def test_a_group_sorts_its_ranks_takes_global_ranks_and_leaves_a_non_member_out(printed):
+    for rank in (0, 2):        # the group [2, 0] asked for, sorted as PyTorch sorts it
+        for check in ("group all_reduce", "group ranks", "group broadcast from a global rank"):
+            assert f"[{rank}] ok {check}\n" in printed, printed
+    assert "[1] ok outside the group\n" in printed and "[2] ok recv returns the sender\n" in printed
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_what_cannot_work_is_refused_in_one_line(printed, name):
+    for rank in range(3):
+        assert re.search(rf"\[{rank}\] refused {name}: {re.escape(REFUSALS[name])}", printed), printed
+
+
+def test_calls_before_init_process_group_say_so():
+    import numpy as np
+    import minitrain.distributed as dist
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        dist.all_reduce(np.ones(2))
+    with pytest.raises(ValueError, match="backend 'ucc' is not one of mpi, gloo, nccl"):
+        dist.init_process_group("ucc")
+    with pytest.raises(ValueError, match="the MPI launcher does the rendezvous"):
+        dist.init_process_group("gloo", init_method="tcp://10.0.0.1:23456")
+
+
+CUPY_CALLS = """
+import cupy as cp
+import minitrain.distributed as dist
+dist.init_process_group('gloo'); r = dist.get_rank()
+x = cp.arange(5, dtype=cp.float64) + r
+dist.all_reduce(x, op=dist.ReduceOp.MAX)
+out = cp.empty(10); dist.all_gather_into_tensor(out, cp.full(5, float(r)))
+g = [cp.empty(2) for _ in range(2)] if r == 0 else None
+dist.gather(cp.full(2, float(r)), g, dst=0)
+o = cp.empty(2); dist.scatter(o, [cp.full(2, 5.0), cp.full(2, 6.0)] if r == 0 else None, src=0)
+print('cupy', type(x).__module__, cp.asnumpy(x).tolist(), cp.asnumpy(out).tolist(),
+      g and cp.asnumpy(cp.concatenate(g)).tolist(), cp.asnumpy(o).tolist(), flush=True)
+"""
+
+
+def test_device_arrays_stay_on_the_device_under_the_strict_cupy_stand_in():
+    """CuPy arrays in, CuPy arrays written: no implicit host copy (the stand-in raises on one)."""
+    import os
+    standin = Path(__file__).parent / "standin"
+    env = {"PYTHONPATH": os.pathsep.join([str(standin), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "CUPY_STANDIN_IMPLICIT": "error", "MINITRAIN_DEVICE": "cuda"}
+    out = run_mpi([sys.executable, "-c", CUPY_CALLS], n=2, timeout=120, env=env).stdout
+    assert "[0] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
+           "[0.0, 0.0, 1.0, 1.0] [5.0, 5.0]" in out, out
+    assert "[1] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
+           "None [6.0, 6.0]" in out, out
