@@ -132,6 +132,21 @@ def comm_timeout(text):
     return value
 
 
+#: the longest wait the exercises take (--timeout; about 11 days): their grader polls its child process for the
+#: world's 2 x --timeout + a few seconds, in milliseconds that must fit a C int (2**31 ms, about 24.8 days)
+MAX_WAIT_SECONDS = 1e6
+
+
+def wait_seconds(text):
+    """Seconds a wait may last (the exercises' --timeout): a finite number > 0, at most MAX_WAIT_SECONDS (a longer
+    one overflows the grader's poll, which would fail the check as if the code graded had)."""
+    value = positive_float(text)
+    if value > MAX_WAIT_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WAIT_SECONDS:g} s (about 11 days), got {text} (the "
+                                         f"grader waits up to twice that, in milliseconds that must fit a C int)")
+    return value
+
+
 def largest_mib(text):
     """The largest message of a sweep that starts at 1 KiB, in MiB: at least 1/1024."""
     value = _real(text)
