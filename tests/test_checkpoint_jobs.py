@@ -205,7 +205,7 @@ def test_local_sgd_resumes_bit_for_bit_and_only_on_its_own_layout(tmp_path, caps
                                       ["--strategy", "pipeline", "--schedule", "gpipe", "--microbatches", "2"],
                                       ["--strategy", "zero2", "--precision", "bf16"]],
                          ids=["ddp", "zero1", "zero3+offload", "pipeline", "zero2+bf16"])
-def test_every_strategy_takes_the_options_and_resumes_exactly_in_one_process(tmp_path, strategy):
+def test_every_strategy_takes_the_options_and_resumes_exactly_in_one_process(tmp_path, strategy, capsys):
     """Resumed mid-epoch, and at the epoch's short last batch (1,438 rows: 5 batches of 256, then 158), the one
     step left out of the step figures: a run with no other step has none, and says so."""
     d, last = tmp_path / "ckpt", tmp_path / "ckpt-5"
@@ -218,10 +218,14 @@ def test_every_strategy_takes_the_options_and_resumes_exactly_in_one_process(tmp
     assert_continues(resumed, straight)
     keep_until(last, 5)
     flags[flags.index(d)] = last
-    short = run("mlp", flags + ["--resume"], 1, tmp_path / "c.json")
+    capsys.readouterr()
+    short = run("mlp", flags + ["--resume", "--show-plan"], 1, tmp_path / "c.json")
     assert short["first_step"] == 5 and short["steady_state"]["steps_measured"] == 0
     assert_continues(short, straight)
     assert short["samples_per_second"] == 0 and short["step_time_s"] == 0
+    out = capsys.readouterr().out
+    assert "no step timed (the run's only step was an epoch's short last batch)" in out
+    assert "0.00 ms measured" not in out and "predicted, no step measured" in out
 
 
 def test_resume_from_an_empty_directory_starts_from_step_0_and_a_finished_run_has_nothing_left(tmp_path, capsys):
