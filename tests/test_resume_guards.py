@@ -166,6 +166,8 @@ def test_local_sgd_resumed_with_another_averaging_period_is_refused_unless_an_op
     assert run(mlp, local + ["--sync-every", 2, "--save-every", 2])[0] == 0
     keep_until(d, 2)
     refused(mlp, local + ["--resume", "--sync-every", 1], "trained with --sync-every 2 (this command line: 1)")
+    refused(mlp, local + ["--resume", "--sync-every", 1, "--save-every", 1, USE_CHECKPOINT],   # the period it keeps
+            "--save-every 1 must be a multiple of --sync-every 2")
     status, _, err = run(mlp, local + ["--resume", "--sync-every", 1, USE_CHECKPOINT])
     assert status == 0 and "Traceback" not in err, err
     assert checkpoint.read_manifest(checkpoint.latest(d))["layout"]["sync_every"] == 2

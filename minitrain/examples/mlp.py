@@ -81,9 +81,8 @@ def parse_args(argv=None):
     refuse_unsupported(p, args, argv, "mlp")
     check_values(p, args)
     args.lr = {"adam": 1e-3, "sgd": 0.1}[args.optimizer] if args.lr is None else args.lr
-    args.split_seed = split_seed(args, checkpointing.check_resume(p, args, "mlp"))
-    check_values(p, args)           # again: --use-checkpoint-opt-param-scheduler may have taken the checkpoint's
-    return args, p                  # --sync-every, which --save-every must be a multiple of
+    args.split_seed = split_seed(p, args, checkpointing.check_resume(p, args, "mlp"))
+    return args, p
 
 
 def main(argv=None):
