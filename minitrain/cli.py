@@ -111,17 +111,39 @@ def at_least(minimum, why):
 
 #: the least stall threshold a job takes (--comm-timeout), in seconds
 MIN_COMM_TIMEOUT = 1.0
+#: the most (about 31 years): the hard timeout, 3 times it, must be a wait the platform's clock can hold (a lock's
+#: timeout is a time_t deadline in nanoseconds; 3e9 s past today overflows it)
+MAX_COMM_TIMEOUT = 1e9
 
 
 def comm_timeout(text):
-    """A job's --comm-timeout, its stall threshold: finite seconds, at least MIN_COMM_TIMEOUT. The ranks of a healthy
-    job drift apart by tens or hundreds of milliseconds (one still importing at start-up, one scheduled out on a
-    shared core); a shorter threshold takes such a rank for a hung one and ends the job."""
+    """A job's --comm-timeout, its stall threshold: seconds from MIN_COMM_TIMEOUT to MAX_COMM_TIMEOUT. The ranks of a
+    healthy job drift apart by tens or hundreds of milliseconds (one still importing at start-up, one scheduled out on
+    a shared core); a shorter threshold takes such a rank for a hung one and ends the job."""
     value = _real(text)
     if not value >= MIN_COMM_TIMEOUT:
         raise argparse.ArgumentTypeError(
             f"must be >= {MIN_COMM_TIMEOUT:g} s, got {text} (a shorter stall threshold takes a rank that is merely "
             f"slower, still starting up or scheduled out, for a hung one and ends a healthy job)")
+    if value > MAX_COMM_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_COMM_TIMEOUT:g} s (about 31 years), got {text} (the hard timeout, 3 times the "
+            f"stall threshold, must be a wait the platform's clock can hold)")
+    return value
+
+
+#: the longest wait the exercises take (--timeout; about 11 days): their grader polls its child process for the
+#: world's 2 x --timeout + a few seconds, in milliseconds that must fit a C int (2**31 ms, about 24.8 days)
+MAX_WAIT_SECONDS = 1e6
+
+
+def wait_seconds(text):
+    """Seconds a wait may last (the exercises' --timeout): a finite number > 0, at most MAX_WAIT_SECONDS (a longer
+    one overflows the grader's poll, which would fail the check as if the code graded had)."""
+    value = positive_float(text)
+    if value > MAX_WAIT_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WAIT_SECONDS:g} s (about 11 days), got {text} (the "
+                                         f"grader waits up to twice that, in milliseconds that must fit a C int)")
     return value
 
 

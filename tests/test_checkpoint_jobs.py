@@ -205,14 +205,27 @@ def test_local_sgd_resumes_bit_for_bit_and_only_on_its_own_layout(tmp_path, caps
                                       ["--strategy", "pipeline", "--schedule", "gpipe", "--microbatches", "2"],
                                       ["--strategy", "zero2", "--precision", "bf16"]],
                          ids=["ddp", "zero1", "zero3+offload", "pipeline", "zero2+bf16"])
-def test_every_strategy_takes_the_options_and_resumes_exactly_in_one_process(tmp_path, strategy):
-    d = tmp_path / "ckpt"
+def test_every_strategy_takes_the_options_and_resumes_exactly_in_one_process(tmp_path, strategy, capsys):
+    """Resumed mid-epoch, and at the epoch's short last batch (1,438 rows: 5 batches of 256, then 158), the one
+    step left out of the step figures: a run with no other step has none, and says so."""
+    d, last = tmp_path / "ckpt", tmp_path / "ckpt-5"
     flags = MLP + ["--epochs", "1", "--batch-size", "256", "--save-dir", d] + strategy
-    straight = run("mlp", flags + ["--save-every", "3"], 1, tmp_path / "a.json")
+    straight = run("mlp", flags + ["--save-every", "1"], 1, tmp_path / "a.json")
+    shutil.copytree(d, last)
     keep_until(d, 3)
     resumed = run("mlp", flags + ["--resume"], 1, tmp_path / "b.json")
     assert resumed["first_step"] == 3
     assert_continues(resumed, straight)
+    keep_until(last, 5)
+    flags[flags.index(d)] = last
+    capsys.readouterr()
+    short = run("mlp", flags + ["--resume", "--show-plan"], 1, tmp_path / "c.json")
+    assert short["first_step"] == 5 and short["steady_state"]["steps_measured"] == 0
+    assert_continues(short, straight)
+    assert short["samples_per_second"] == 0 and short["step_time_s"] == 0
+    out = capsys.readouterr().out
+    assert "no step timed (the run's only step was an epoch's short last batch)" in out
+    assert "0.00 ms measured" not in out and "predicted, no step measured" in out
 
 
 def test_resume_from_an_empty_directory_starts_from_step_0_and_a_finished_run_has_nothing_left(tmp_path, capsys):

@@ -26,8 +26,10 @@ PROGRAMS = {"minitrain.examples.mlp": [], "minitrain.examples.gpt": [], "minitra
 #: per validated type: values it must refuse
 OUT_OF_RANGE = {cli.positive_int: ["0", "-3", "1.5", "x"], cli.nonneg_int: ["-1", "x"],
                 cli.positive_float: ["0", "-1", "nan", "inf"], cli.nonneg_float: ["-1", "nan"],
+                cli.wait_seconds: ["0", "-1", "nan", "1e300"],      # 1e300: a deadline the clock cannot hold
                 cli.probability: ["1.0", "1.5", "-0.1"],
-                cli.comm_timeout: ["0.001", "0", "-1", "nan", "inf"],   # below 1 s: a slower rank read as hung
+                cli.comm_timeout: ["0.001", "0", "-1", "nan", "inf", "1e300"],   # below 1 s: a slower rank read as
+                # hung; above 1e9 s: a hard timeout the clock cannot hold
                 cli.output_file: [".", "no-such-folder/out.json"]}   # a file written at the end: a folder, none
 
 

@@ -232,6 +232,8 @@ def test_every_option_of_the_job_is_accepted_by_the_planner(kind):
     ("gpt --tp 2 --pp 2 --dp 2 --world 6", "dp x pp x tp must equal the world size", "(dp, pp) in"),
     ("gpt --n-head 6 --n-embd 96 --tp 4 --world 4", "heads not divisible by tp", "nearest valid --tp: 2 or 3"),
     ("gpt --n-layer 1 --pp 4 --world 4", "3 layers cannot fill pp x chunks", "nearest valid --n-layer: 2 or more"),
+    ("mlp --strategy pipeline --schedule zbv --layers 2 --world 4", "3 Linear layers cannot fill pp x chunks = 8",
+     "--layers 7 or more, or --dp 4 (pp = world / dp)"),       # the MLP job's option: it has no --pp
 ])
 def test_impossible_layouts_are_refused_naming_the_constraint_and_the_nearest_valid_choices(args, constraint, nearest):
     message = refused(args)

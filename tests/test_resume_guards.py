@@ -159,6 +159,25 @@ def test_mlp_resume_with_another_seed_is_refused_then_honoured(tmp_path, monkeyp
     assert splits == [0] and checkpoint.read_manifest(checkpoint.latest(d))["layout"]["split_seed"] == 0
 
 
+def test_local_sgd_resumed_with_another_averaging_period_is_refused_unless_an_option_says_which(tmp_path):
+    """Local SGD's --sync-every is its schedule, as --lr is; the other strategies leave it unused (not recorded)."""
+    d = tmp_path / "ckpt"
+    local = MLP + ["--strategy", "local_sgd", "--optimizer", "sgd", "--save-dir", d]
+    assert run(mlp, local + ["--sync-every", 2, "--save-every", 2])[0] == 0
+    keep_until(d, 2)
+    refused(mlp, local + ["--resume", "--sync-every", 1], "trained with --sync-every 2 (this command line: 1)")
+    refused(mlp, local + ["--resume", "--sync-every", 1, "--save-every", 1, USE_CHECKPOINT],   # the period it keeps
+            "--save-every 1 must be a multiple of --sync-every 2")
+    status, _, err = run(mlp, local + ["--resume", "--sync-every", 1, USE_CHECKPOINT])
+    assert status == 0 and "Traceback" not in err, err
+    assert checkpoint.read_manifest(checkpoint.latest(d))["layout"]["sync_every"] == 2
+    e = tmp_path / "ddp"              # DDP's checkpoint holds no period: local SGD continues it at any
+    assert run(mlp, MLP + ["--optimizer", "sgd", "--save-dir", e, "--save-every", 2])[0] == 0
+    keep_until(e, 2)
+    status, _, err = run(mlp, local[:-1] + [e, "--resume", "--sync-every", 1])
+    assert status == 0 and "Traceback" not in err, err
+
+
 def test_a_constant_schedule_warms_up_for_the_steps_asked_and_not_unasked(tmp_path):
     """--lr-schedule constant with --warmup-steps 3 rises lr/3, 2lr/3, lr, then stays; without it, lr from the
     start (30 steps, where cosine's default warm-up would be 3)."""

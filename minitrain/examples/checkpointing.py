@@ -31,7 +31,7 @@ from ..checkpoint import CheckpointError
 
 #: the schedule and optimizer settings a resume compares with the checkpoint's, by option
 TRAINING = {"steps": "--steps", "lr": "--lr", "lr_schedule": "--lr-schedule", "warmup_steps": "--warmup-steps",
-            "seed": "--seed"}
+            "seed": "--seed", "sync_every": "--sync-every"}
 #: the model's shape, by the option that sets it (the manifest's layout: "sizes", "model")
 ARCHITECTURE = {"sizes": "--hidden / --layers", "vocab_size": "the corpus", "block_size": "--block-size",
                 "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "moe_experts": "--moe-experts",
@@ -57,8 +57,9 @@ def add_arguments(parser):
                        help=f"with --resume: train with this command line's {', '.join(settings[:-1])} and "
                             f"{settings[-1]} where they differ from the checkpoint's")
     which.add_argument(USE_CHECKPOINT, action="store_true",
-                       help="with --resume: keep the checkpoint's schedule, learning rate and seed where this "
-                            f"command line's differ ({length} still says how long to train)")
+                       help="with --resume: keep the checkpoint's schedule, learning rate and seed"
+                            + (" (and local SGD's --sync-every)" if "--sync-every" in settings else "")
+                            + f" where this command line's differ ({length} still says how long to train)")
 
 
 def check_arguments(parser, args):
@@ -72,8 +73,12 @@ def check_arguments(parser, args):
 
 
 def training_settings(args):
-    """This run's schedule and optimizer settings, as the manifest records them."""
-    return {key: getattr(args, key) for key in TRAINING if hasattr(args, key)}
+    """This run's schedule and optimizer settings, as the manifest records them (--sync-every under local SGD alone:
+    its averaging period; the other strategies average every step, and leave the option unused)."""
+    settings = {key: getattr(args, key) for key in TRAINING if hasattr(args, key)}
+    if getattr(args, "strategy", None) != "local_sgd":
+        settings.pop("sync_every", None)
+    return settings
 
 
 def _differences(saved, mine):

@@ -81,7 +81,7 @@ def parse_args(argv=None):
     refuse_unsupported(p, args, argv, "mlp")
     check_values(p, args)
     args.lr = {"adam": 1e-3, "sgd": 0.1}[args.optimizer] if args.lr is None else args.lr
-    args.split_seed = split_seed(args, checkpointing.check_resume(p, args, "mlp"))
+    args.split_seed = split_seed(p, args, checkpointing.check_resume(p, args, "mlp"))
     return args, p
 
 

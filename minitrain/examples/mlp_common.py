@@ -27,9 +27,12 @@ def check_values(parser, args):
                      f"SGD's replicas agree only right after an averaging, and a checkpoint holds one model")
 
 
-def split_seed(args, saved_layout):
+def split_seed(parser, args, saved_layout):
     """The seed that splits the digits into training and test rows: --seed, but on --resume the checkpoint's, whatever
-    seed --override-opt-param-scheduler gives the data order from there on (another split would train on test rows)."""
+    seed --override-opt-param-scheduler gives the data order from there on (another split would train on test rows).
+    The values are checked again first: --use-checkpoint-opt-param-scheduler may have taken the checkpoint's
+    --sync-every, which --save-every must be a multiple of."""
+    check_values(parser, args)
     return saved_layout.get("split_seed", args.seed)
 
 

@@ -28,6 +28,7 @@ from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, mpi_line, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
+from minitrain.examples.mlp_report import speed_text
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel.pipeline import PipelineParallel, implied_bubble, simulate
@@ -142,8 +143,8 @@ def main_pipeline(args, parser, comm):
     if rank != 0:
         return 0
     formula = summary["formula_bubble_fraction"]
-    samples = args.batch_size / slowest["step_time_s"]
-    print(f"\nfinal loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s (steady state)   "
+    samples = args.batch_size / slowest["step_time_s"] if slowest["step_time_s"] else 0.0
+    print(f"\nfinal loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {speed_text(samples)}   "
           f"{elapsed:.1f} s   rank 0 sends {fmt_bytes(sent)}/step")
     print(f"devices by rank: {', '.join(devices)} ({minitrain.backend.describe_device()} on rank 0, "
           f"transport {transport_name(comm)})")

@@ -65,8 +65,7 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
     print(f"\nMLP {model.sizes} ({psi:,} parameters), {args.strategy} on {world} rank(s) "
           f"[{minitrain.backend.describe_device()} on rank 0, transport {transport_name(comm)}], {args.optimizer}, "
           f"{args.epochs} epochs, global batch {args.batch_size} ({'-'.join(map(str, sorted(set(rows))))} per rank), {args.precision}")
-    print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {samples:,.0f} samples/s in all "
-          f"(steady state)   {run.elapsed:.1f} s")
+    print(f"final loss {final_loss:.4f}   test accuracy {accuracy:.2%}   {speed_text(samples)}   {run.elapsed:.1f} s")
     print(f"MPI: {mpi_line()}; {checks_line(args)}")
     print(f"\n{'rank':>4} {'device':>7} {'samples/s':>10} {'step':>9} {'compute':>9} {'comm exposed':>13} "
           f"{'comm total':>11} {'sent/step':>10} {'formula':>10} {'peak memory':>12}")
@@ -125,3 +124,10 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
         plt.tight_layout()
         plt.savefig(args.plot, dpi=120)
     return 0
+
+
+def speed_text(samples):
+    """The steady-state speed, or why there is none: a run resumed at an epoch's short last batch times no step
+    (its rows are not --batch-size's)."""
+    return (f"{samples:,.0f} samples/s in all (steady state)" if samples
+            else "no step timed (the run's only step was an epoch's short last batch)")

@@ -188,15 +188,19 @@ def planner_line(compared):
         return f"planner: refuses this layout ({compared['refused']})"
     predicted, got = compared["predicted"], compared["measured"]
     busy = got["step_busy_in_anchors_s"]
+    timed = got["step_time_s"] > 0           # none: a resumed run whose only step was an epoch's short last batch
     measured = (f"{busy * 1e3:.2f} ms measured (the step's own thread, in anchors)" if busy
-                else f"{got['step_busy_fastest_s'] * 1e3:.2f} ms measured (fastest step)")
+                else f"{got['step_busy_fastest_s'] * 1e3:.2f} ms measured (fastest step)" if timed
+                else "no step measured")
     wall = f"; {got['step_wall_in_anchors_s'] * 1e3:.2f} ms in anchors" if got["step_wall_in_anchors_s"] else ""
     if compared["threads"] > 1:             # the other BLAS threads' work is not this thread's CPU time
         measured += f" with {compared['threads']} BLAS threads (OMP_NUM_THREADS=1 to compare)"
     return (f"planner (python -m minitrain.plan {kind} <these options> --world {world}): step busy CPU "
             f"{predicted['step_busy_s'] * 1e3:.2f} ms predicted, {measured}; wall "
-            f"{predicted['step_time_s'] * 1e3:.2f} ms predicted, {got['step_time_s'] * 1e3:.2f} ms measured "
-            f"(median, slowest rank{wall}); peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
+            f"{predicted['step_time_s'] * 1e3:.2f} ms predicted, "
+            + (f"{got['step_time_s'] * 1e3:.2f} ms measured (median, slowest rank{wall})" if timed
+               else "no step measured")
+            + f"; peak memory per rank {fmt_bytes(predicted['memory_bytes'])} predicted"
             + (f" (--moe-load {compared['moe_load']:.3g}: this run's busiest rank's experts took that many rows per "
                f"row it routed in its most loaded step, {compared['moe_load_step']:.3g} in its median step, where "
                f"the step is priced; {fmt_bytes(predicted['memory_bytes_even_routing'])} at a load of 1"

@@ -84,7 +84,10 @@ class StepTimer:
         return slice(min(WARMUP_STEPS, max(n - 1, 0)), None)
 
     def values(self):
-        """The summary as a list in KEYS' order (for the jobs' per-rank tables); steady state (steady())."""
+        """The summary as a list in KEYS' order (for the jobs' per-rank tables); steady state (steady()). No step
+        timed (a resumed run whose only step was an epoch's short last batch): zeros, as StepWatch.figures() gives."""
+        if not self.steps:
+            return [0.0] * len(self.KEYS)
         keep = self.steady(len(self.steps))
         wall, cpu, waiting, faults, nodes = np.array(self.steps, np.float64)[keep].T
         busy = cpu - waiting

@@ -209,7 +209,7 @@ def main(argv=None):
         p = sub.add_parser(command, help=text, **plain)
         p.add_argument("name", metavar="NAME", help=NAME_HELP)
         p.add_argument("path", metavar="PATH", nargs="?", help=path_help)
-        p.add_argument("--timeout", type=cli.positive_float, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
+        p.add_argument("--timeout", type=cli.wait_seconds, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
                        help="seconds a rank may wait for a message before it counts as stuck (a world of "
                             f"ranks may run {harness.WALL_FACTOR}S + {harness.WALL_EXTRA_S:g} s in all; on the GPU "
                             f"each wait {harness.GPU_EXTRA_S:g} s more, for CuPy's first compiles)")

@@ -245,9 +245,11 @@ def check(model, layout):
             raise LayoutError("the MLP job has no tensor parallelism: --tp 1 (nearest valid)")
         linears = len(model.linears())
         if linears < p * layout.chunks:
+            # the MLP job's stages are world / --dp (it has no --pp): fewer stages is more replicas
             raise LayoutError(f"{linears} Linear layers cannot fill pp x chunks = {p * layout.chunks} pipeline stages "
-                              f"(each needs one): --layers {p * layout.chunks - 1} or more, or --pp "
-                              f"{_choices(_nearest(p, [q for q in divisors(n) if q * layout.chunks <= linears]))}")
+                              f"(each needs one): --layers {p * layout.chunks - 1} or more, or --dp "
+                              f"{_choices(_nearest(d, [n // q for q in divisors(n) if q * layout.chunks <= linears]))}"
+                              f" (pp = world / dp)")
     elif model.kind == "params" and (p > 1 or t > 1):
         raise LayoutError("plan params predicts model states over data parallelism only: --pp 1 --tp 1")
     return layout
