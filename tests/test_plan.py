@@ -542,3 +542,13 @@ def test_a_machine_file_that_is_not_one_is_refused_in_one_line(tmp_path):
         for argv in (f"mlp --machine {path}", f"validate --runs ddp-2 --machine {path}", f"calibrate --merge {path}"):
             message = refused(argv)
             assert said in message and str(path) in message and "Traceback" not in message, (argv, message)
+
+
+def test_zero_leaves_a_pipeline_s_bubble_fraction_as_it_is():
+    """ZeRO's collectives come after the pipeline's flush: the bubble, and the pipeline's span it is a fraction
+    of, are the same at every ZeRO stage (not the bubble over the ranks ZeRO's collectives span)."""
+    results = [cli(f"gpt --pp 2 --dp 2 --microbatches 2 --world 4 --zero {z}") for z in range(4)]
+    assert results[0]["bubble_fraction"] > 0.1
+    for result in results[1:]:
+        assert result["step_time_s"]["bubble"] == results[0]["step_time_s"]["bubble"]
+        assert result["bubble_fraction"] == results[0]["bubble_fraction"]
