@@ -176,6 +176,12 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     ("mlp --strategy zero3 --bucket-cap-mb 5 --world 2", "--bucket-cap-mb is not supported with --strategy zero3"),
     ("gpt --cp 2 --dropout 0.1 --world 2", "--dropout is not supported with --cp 2"),
     ("gpt --pp 1 --schedule zbv --world 2", "--schedule is not supported with --pp 1"),
+    # the planner's own options where nothing reads them
+    ("gpt --top 3 --world 2", "--top is not supported with one layout (only --search ranks layouts"),
+    ("gpt --moe-load 1 --world 2", "--moe-load is not supported with --moe-experts 0"),
+    ("gpt --moe-shared 1 --world 2", "--moe-shared is not supported with --moe-experts 0"),
+    ("gpt --expert-hidden 8 --world 2", "--expert-hidden is not supported with --moe-experts 0"),
+    ("params --num-params 1e9 --world 4 --threads 2", "--threads is not supported with params"),
 ])
 def test_the_planner_refuses_an_option_its_job_would_refuse_not_plans_without_it(argv, needle):
     """The job's own rules (examples/options.py), so that a layout is never planned with an option silently dropped;
@@ -552,3 +558,14 @@ def test_zero_leaves_a_pipeline_s_bubble_fraction_as_it_is():
     for result in results[1:]:
         assert result["step_time_s"]["bubble"] == results[0]["step_time_s"]["bubble"]
         assert result["bubble_fraction"] == results[0]["bubble_fraction"]
+
+
+def test_params_prints_memory_alone_and_its_search_ranks_by_memory():
+    """plan params sizes model states: no step time (0 ms) printed beside them, its search the smallest first."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main("params --num-params 1e9 --world 4".split()) == 0
+        assert main("params --num-params 1e9 --world 4 --search --top 2".split()) == 0
+    text = out.getvalue()
+    assert "memory per rank" in text and "the 2 smallest:" in text
+    assert "step time" not in text and "s/step" not in text and "fastest" not in text

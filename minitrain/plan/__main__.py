@@ -156,6 +156,7 @@ def parser(defaults=None):
         g.set_defaults(**defaults)
     top.jobs = {"mlp": m, "gpt": g}
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
+    top.commands = {**top.jobs, "params": p}
     p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
@@ -165,6 +166,22 @@ def parser(defaults=None):
     sub.add_parser("validate", help="run the jobs, compare with the planner (minitrain/plan/validate.py)",
                    add_help=False)
     return top
+
+
+#: the planner's own options on the gpt command that only an MoE model uses
+EXPERT_SIZES = ("--moe-load", "--moe-shared", "--expert-hidden")
+
+
+def refuse_unplanned(parser, args, given):
+    """The planner's own options where nothing would read them: refused in one line, as the jobs' rules refuse
+    theirs (plan/job_rules.py), rather than a plan printed as if they had counted."""
+    if "--top" in given and not args.search:
+        cli.refuse(parser, "--top", "one layout", "only --search ranks layouts: add --search")
+    if args.command == "gpt" and not args.moe_experts:
+        for option in (o for o in EXPERT_SIZES if o in given):
+            cli.refuse(parser, option, "--moe-experts 0", "no block has experts: give --moe-experts E")
+    if args.command == "params" and "--threads" in given:
+        cli.refuse(parser, "--threads", "params", "it sizes the model states alone and times no step")
 
 
 def model_and_layout(args):
@@ -251,10 +268,11 @@ def show(result):
              f"{result['describe']}; {result['accounting']} accounting, machine {result['machine']}",
              "memory per rank (the heaviest): " + ", ".join(f"{c} {fmt(mem[c])}" for c in mem)
              + f"  -> {'fits' if result['fits'] else 'does NOT fit'}"
-             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else ""),
-             f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm {t['comm'] * 1e3:.3f} + "
-             f"bubble {t['bubble'] * 1e3:.3f} (bubble fraction {result['bubble_fraction']:.3f}); "
-             f"{result['flops_per_iteration']:.3e} FLOPs per iteration"]
+             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else "")]
+    if result["model"] != "params":             # model states alone: no step to time
+        lines.append(f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm "
+                     f"{t['comm'] * 1e3:.3f} + bubble {t['bubble'] * 1e3:.3f} (bubble fraction "
+                     f"{result['bubble_fraction']:.3f}); {result['flops_per_iteration']:.3e} FLOPs per iteration")
     return "\n".join(lines)
 
 
@@ -274,6 +292,9 @@ def main(argv=None):
     if args.command in p.jobs:                    # what the job would refuse, or ignore, is not planned either
         job = p.jobs[args.command]
         LAYOUT_RULES[args.command](job, args, cli.given_options(job, argv[1:]))
+    if args.command in p.commands:
+        command = p.commands[args.command]
+        refuse_unplanned(command, args, cli.given_options(command, argv[1:]))
     try:
         machine = load_machine(args.machine)
         model, layout = model_and_layout(args)
@@ -299,11 +320,13 @@ def main(argv=None):
     if not args.search:
         print(show(out))
         return 0
-    print(f"{len(out)} layouts fit ({elapsed:.2f} s); the {min(args.top, len(out))} fastest:")
+    timed = args.command != "params"              # params ranks by memory alone
+    print(f"{len(out)} layouts fit ({elapsed:.2f} s); the {min(args.top, len(out))} "
+          f"{'fastest' if timed else 'smallest'}:")
     for rank, result in enumerate(out[:args.top], 1):
         mem, t = result["memory_bytes"], result["step_time_s"]
-        print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}  {t['total']:.4g} s/step "
-              f"(bubble {result['bubble_fraction']:.3f})")
+        print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}"
+              + (f"  {t['total']:.4g} s/step (bubble {result['bubble_fraction']:.3f})" if timed else ""))
     return 0
 
 
