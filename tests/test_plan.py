@@ -124,6 +124,25 @@ def test_json_has_the_issues_keys():
     assert set(result["category_peaks"]) == set(result["memory_bytes"]) - {"total"}
 
 
+def test_every_key_the_json_prints_is_in_the_conventions():
+    """docs/conventions.md's "The planner's JSON" names every key plan --json prints, the layout's and the
+    categories' too, and names none that it does not print."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "conventions.md").read_text()
+    bullet = text.split("- **The planner's JSON**")[1].split("\n- **")[0].split("\n## ")[0]
+    documented = set(re.findall(r"`([a-z_]+)`", bullet))
+    printed = set()
+    for args in ("gpt --pp 2 --world 2", "mlp --world 2", "params --num-params 1e9 --world 2"):
+        result = cli(args)
+        printed |= set(result) | set(result["layout"]) | set(result["memory_bytes"]) | set(result["category_peaks"])
+        printed |= set(result["step_time_s"] or {}) | {result["model"]}
+        for stage in result["memory_bytes_per_stage"]:
+            printed |= set(stage)
+    assert printed - documented == set()
+    assert documented - printed == set()
+
+
 PEAK_CASES = ["mlp --strategy zero2 --world 2", "mlp --strategy zero3 --world 4 --precision bf16",
               "mlp --world 2 --strategy pipeline --schedule zb_h1", "mlp --world 4 --strategy pipeline "
               "--schedule interleaved_1f1b --chunks 2 --layers 7", "gpt --world 1 --dropout 0.1",
@@ -569,3 +588,5 @@ def test_params_prints_memory_alone_and_its_search_ranks_by_memory():
     text = out.getvalue()
     assert "memory per rank" in text and "the 2 smallest:" in text
     assert "step time" not in text and "s/step" not in text and "fastest" not in text
+    result = cli("params --num-params 1e9 --world 4")
+    assert result["step_time_s"] is result["step_busy_s"] is result["bubble_fraction"] is None
