@@ -321,8 +321,8 @@ def main(argv=None):
         print(show(out))
         return 0
     timed = args.command != "params"              # params ranks by memory alone
-    print(f"{len(out)} layouts fit ({elapsed:.2f} s); the {min(args.top, len(out))} "
-          f"{'fastest' if timed else 'smallest'}:")
+    print(f"{len(out)} layouts fit ({elapsed:.2f} s)" + (f"; the {min(args.top, len(out))} "
+                                                        f"{'fastest' if timed else 'smallest'}:" if out else ""))
     for rank, result in enumerate(out[:args.top], 1):
         mem, t = result["memory_bytes"], result["step_time_s"]
         print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}"
