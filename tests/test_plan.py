@@ -592,5 +592,5 @@ def test_params_prints_memory_alone_and_its_search_ranks_by_memory():
     assert result["step_time_s"] is result["step_busy_s"] is result["bubble_fraction"] is None
     out = io.StringIO()
     with contextlib.redirect_stdout(out):                      # a search nothing fits: no empty ranking
-        assert main("params --num-params 1e9 --world 4 --device-memory 1e3 --search".split()) == 0
-    assert out.getvalue().startswith("0 layouts fit (") and "smallest" not in out.getvalue()
+        assert main("mlp --world 4 --device-memory 1e3 --search".split()) == 0
+    assert out.getvalue().startswith("0 layouts fit (") and "fastest" not in out.getvalue()
