@@ -594,3 +594,11 @@ def test_params_prints_memory_alone_and_its_search_ranks_by_memory():
     with contextlib.redirect_stdout(out):                      # a search nothing fits: no empty ranking
         assert main("mlp --world 4 --device-memory 1e3 --search".split()) == 0
     assert out.getvalue().startswith("0 layouts fit (") and "fastest" not in out.getvalue()
+
+
+def test_a_named_model_s_sizes_are_not_options_the_command_line_gave():
+    """--model's sizes are defaults: its experts' top-k beside --moe-experts 0 is not refused as if typed (the
+    dense model of its sizes is planned); typed, it is."""
+    assert cli("gpt --model mixtral-8x7b --moe-experts 0 --world 8")["num_params"] > 0
+    assert "--moe-top-k is not supported with --moe-experts 0" in refused(
+        "gpt --model mixtral-8x7b --moe-experts 0 --moe-top-k 2 --world 8")

@@ -289,12 +289,12 @@ def main(argv=None):
     if getattr(args, "model", None):              # the named sizes as defaults: options given beside them win
         p = parser(defaults=NAMED[args.model])
         args = p.parse_args(argv)
-    if args.command in p.jobs:                    # what the job would refuse, or ignore, is not planned either
-        job = p.jobs[args.command]
-        LAYOUT_RULES[args.command](job, args, cli.given_options(job, argv[1:]))
-    if args.command in p.commands:
+    if args.command in p.commands:                # what the job would refuse, or ignore, is not planned either
         command = p.commands[args.command]
-        refuse_unplanned(command, args, cli.given_options(command, argv[1:]))
+        given = cli.given_options(parser().commands[args.command], argv[1:])    # a --model's sizes are not given
+        if args.command in LAYOUT_RULES:
+            LAYOUT_RULES[args.command](command, args, given)
+        refuse_unplanned(command, args, given)
     try:
         machine = load_machine(args.machine)
         model, layout = model_and_layout(args)
