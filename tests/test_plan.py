@@ -201,6 +201,8 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     ("gpt --moe-shared 1 --world 2", "--moe-shared is not supported with --moe-experts 0"),
     ("gpt --expert-hidden 8 --world 2", "--expert-hidden is not supported with --moe-experts 0"),
     ("params --num-params 1e9 --world 4 --threads 2", "--threads is not supported with params"),
+    ("gpt --threads 3 --world 2 --machine cpu-2core", "--threads 3 exceeds the 2 cores of machine cpu-2core"),
+    ("gpt --threads 1 --world 2 --machine a100-80gb", "--threads is not supported with machine a100-80gb (a GPU"),
 ])
 def test_the_planner_refuses_an_option_its_job_would_refuse_not_plans_without_it(argv, needle):
     """The job's own rules (examples/options.py), so that a layout is never planned with an option silently dropped;

@@ -25,7 +25,7 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
 from . import (MLP_PIPELINE_PRECISIONS, Layout, LayoutError, MachineError, Params, check, corpus_vocab_size,
                gpt_from_args, layouts, load_machine, mlp_from_args, predict)
 from .configs import NAMED
-from .job_rules import LAYOUT_RULES
+from .job_rules import LAYOUT_RULES, refuse_threads, refuse_unplanned
 from .layout import PRECISIONS, SCHEDULES
 
 CP_MIN_TOKENS = 1024            # --search tries context parallelism down to this many tokens per rank
@@ -168,22 +168,6 @@ def parser(defaults=None):
     return top
 
 
-#: the planner's own options on the gpt command that only an MoE model uses
-EXPERT_SIZES = ("--moe-load", "--moe-shared", "--expert-hidden")
-
-
-def refuse_unplanned(parser, args, given):
-    """The planner's own options where nothing would read them: refused in one line, as the jobs' rules refuse
-    theirs (plan/job_rules.py), rather than a plan printed as if they had counted."""
-    if "--top" in given and not args.search:
-        cli.refuse(parser, "--top", "one layout", "only --search ranks layouts: add --search")
-    if args.command == "gpt" and not args.moe_experts:
-        for option in (o for o in EXPERT_SIZES if o in given):
-            cli.refuse(parser, option, "--moe-experts 0", "no block has experts: give --moe-experts E")
-    if args.command == "params" and "--threads" in given:
-        cli.refuse(parser, "--threads", "params", "it sizes the model states alone and times no step")
-
-
 def model_and_layout(args):
     if args.command == "mlp":
         return mlp_from_args(args, args.world)
@@ -297,6 +281,8 @@ def main(argv=None):
         refuse_unplanned(command, args, given)
     try:
         machine = load_machine(args.machine)
+        if getattr(args, "threads", None) is not None:
+            refuse_threads(p.commands[args.command], args, machine)
         model, layout = model_and_layout(args)
         if args.search:
             started = time.perf_counter()
