@@ -203,6 +203,10 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     ("params --num-params 1e9 --world 4 --threads 2", "--threads is not supported with params"),
     ("gpt --threads 3 --world 2 --machine cpu-2core", "--threads 3 exceeds the 2 cores of machine cpu-2core"),
     ("gpt --threads 1 --world 2 --machine a100-80gb", "--threads is not supported with machine a100-80gb (a GPU"),
+    # what --search picks itself
+    ("gpt --pp 2 --world 4 --search", "--pp is not supported with --search (it picks the strategy, dp x tp x pp"),
+    ("mlp --strategy zero3 --world 2 --search", "--strategy is not supported with --search"),
+    ("gpt --threads 1 --world 2 --search", "--threads is not supported with --search (it prices each layout at"),
 ])
 def test_the_planner_refuses_an_option_its_job_would_refuse_not_plans_without_it(argv, needle):
     """The job's own rules (examples/options.py), so that a layout is never planned with an option silently dropped;
@@ -604,3 +608,8 @@ def test_a_named_model_s_sizes_are_not_options_the_command_line_gave():
     assert cli("gpt --model mixtral-8x7b --moe-experts 0 --world 8")["num_params"] > 0
     assert "--moe-top-k is not supported with --moe-experts 0" in refused(
         "gpt --model mixtral-8x7b --moe-experts 0 --moe-top-k 2 --world 8")
+
+
+def test_a_search_ranks_the_cp_asked_beside_its_own():
+    """--cp is the one layout option --search takes (it tries cp only down to 1024 tokens a rank otherwise)."""
+    assert {r["layout"]["cp"] for r in cli("gpt --cp 2 --world 4 --search")} == {1, 2}

@@ -101,11 +101,26 @@ LAYOUT_RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt_layout}
 EXPERT_SIZES = ("--moe-load", "--moe-shared", "--expert-hidden")
 
 
+#: what --search chooses itself (plan/__main__.py's search; plan/layout.py's layouts for the GPT): one of these
+#: given beside it would be dropped from the layouts it ranks
+SEARCHED = {"mlp": ("--strategy", "--schedule", "--microbatches", "--chunks", "--dp"),
+            "gpt": ("--dp", "--pp", "--tp", "--zero", "--schedule", "--microbatches", "--chunks",
+                    "--sequence-parallel", "--recompute", "--offload-activations", "--ep", "--cp-method", "--moe-load",
+                    "--threads")}
+SEARCHED_WHY = {"--threads": "it prices each layout at the BLAS threads its job would take, cores / ranks",
+                "--moe-load": "a load is the busiest of ep ranks, and the search tries every ep"}
+
+
 def refuse_unplanned(parser, args, given):
     """The planner's own options where nothing would read them: refused in one line, as the jobs' rules above
     refuse theirs, rather than a plan printed as if they had counted."""
     if "--top" in given and not args.search:
         cli.refuse(parser, "--top", "one layout", "only --search ranks layouts: add --search")
+    if args.search:
+        for option in (o for o in SEARCHED.get(args.command, ()) if o in given):
+            cli.refuse(parser, option, "--search", SEARCHED_WHY.get(option, "it picks the strategy, dp x tp x pp x "
+                       "cp x ep, ZeRO, recomputation and micro-batches itself") + ": leave it out, or plan one layout "
+                       "without --search")
     if args.command == "gpt" and not args.moe_experts:
         for option in (o for o in EXPERT_SIZES if o in given):
             cli.refuse(parser, option, "--moe-experts 0", "no block has experts: give --moe-experts E")
