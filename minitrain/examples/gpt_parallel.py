@@ -205,8 +205,9 @@ def main_parallel(args):
     if cp > 1:
         print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
               f"communicator {cp_block['bytes_from']} sent {fmt_bytes(cp_block['bytes_per_step'])}/step for attention "
-              f"(formula {fmt_bytes(cp_block['bytes_formula'])})" + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}"
-              f"/step for the experts' routing" if "experts_bytes_per_step" in cp_block else "")
+              f"(formula {fmt_bytes(cp_block['bytes_formula'])})"
+              + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}/step for the experts' routing"
+                 if "experts_bytes_per_step" in cp_block else "")
               + f"; attention work max/mean over its cp ranks "
               f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"
