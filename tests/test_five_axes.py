@@ -63,3 +63,13 @@ def test_the_axes_combined_train_with_one_process_s_losses(runs, name):
     if name.startswith("moe"):
         assert report["moe"]["tokens_dropped"] == reference["moe"]["tokens_dropped"]
         np.testing.assert_allclose(report["moe"]["aux_loss"], reference["moe"]["aux_loss"], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts if "cp2" in name.split()])
+def test_the_cp_block_reads_a_rank_with_blocks(runs, name):
+    """Under zbv stage 0 holds only the embedding and the head: the "cp" block reads the first rank with blocks
+    (rank 2 there), its bytes the formula's and its cp ranks' work balanced, not rank 0's 0 B beside a NaN."""
+    cp = runs[0][name]["cp"]
+    assert cp["bytes_from"] == ("rank 2" if "zbv" in name.split() else "rank 0")
+    assert cp["bytes_per_step"] == cp["bytes_formula"] > 0
+    assert cp["compute_max_over_mean"] == 1.0

@@ -124,6 +124,25 @@ def test_json_has_the_issues_keys():
     assert set(result["category_peaks"]) == set(result["memory_bytes"]) - {"total"}
 
 
+def test_every_key_the_json_prints_is_in_the_conventions():
+    """docs/conventions.md's "The planner's JSON" names every key plan --json prints, the layout's and the
+    categories' too, and names none that it does not print."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "conventions.md").read_text()
+    bullet = text.split("- **The planner's JSON**")[1].split("\n- **")[0].split("\n## ")[0]
+    documented = set(re.findall(r"`([a-z_]+)`", bullet))
+    printed = set()
+    for args in ("gpt --pp 2 --world 2", "mlp --world 2", "params --num-params 1e9 --world 2"):
+        result = cli(args)
+        printed |= set(result) | set(result["layout"]) | set(result["memory_bytes"]) | set(result["category_peaks"])
+        printed |= set(result["step_time_s"] or {}) | {result["model"]}
+        for stage in result["memory_bytes_per_stage"]:
+            printed |= set(stage)
+    assert printed - documented == set()
+    assert documented - printed == set()
+
+
 PEAK_CASES = ["mlp --strategy zero2 --world 2", "mlp --strategy zero3 --world 4 --precision bf16",
               "mlp --world 2 --strategy pipeline --schedule zb_h1", "mlp --world 4 --strategy pipeline "
               "--schedule interleaved_1f1b --chunks 2 --layers 7", "gpt --world 1 --dropout 0.1",
@@ -176,6 +195,18 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     ("mlp --strategy zero3 --bucket-cap-mb 5 --world 2", "--bucket-cap-mb is not supported with --strategy zero3"),
     ("gpt --cp 2 --dropout 0.1 --world 2", "--dropout is not supported with --cp 2"),
     ("gpt --pp 1 --schedule zbv --world 2", "--schedule is not supported with --pp 1"),
+    # the planner's own options where nothing reads them
+    ("gpt --top 3 --world 2", "--top is not supported with one layout (only --search ranks layouts"),
+    ("gpt --moe-load 1 --world 2", "--moe-load is not supported with --moe-experts 0"),
+    ("gpt --moe-shared 1 --world 2", "--moe-shared is not supported with --moe-experts 0"),
+    ("gpt --expert-hidden 8 --world 2", "--expert-hidden is not supported with --moe-experts 0"),
+    ("params --num-params 1e9 --world 4 --threads 2", "--threads is not supported with params"),
+    ("gpt --threads 3 --world 2 --machine cpu-2core", "--threads 3 exceeds the 2 cores of machine cpu-2core"),
+    ("gpt --threads 1 --world 2 --machine a100-80gb", "--threads is not supported with machine a100-80gb (a GPU"),
+    # what --search picks itself
+    ("gpt --pp 2 --world 4 --search", "--pp is not supported with --search (it picks the strategy, dp x tp x pp"),
+    ("mlp --strategy zero3 --world 2 --search", "--strategy is not supported with --search"),
+    ("gpt --threads 1 --world 2 --search", "--threads is not supported with --search (it prices each layout at"),
 ])
 def test_the_planner_refuses_an_option_its_job_would_refuse_not_plans_without_it(argv, needle):
     """The job's own rules (examples/options.py), so that a layout is never planned with an option silently dropped;
@@ -544,3 +575,43 @@ def test_a_machine_file_that_is_not_one_is_refused_in_one_line(tmp_path):
         for argv in (f"mlp --machine {path}", f"validate --runs ddp-2 --machine {path}", f"calibrate --merge {path}"):
             message = refused(argv)
             assert said in message and str(path) in message and "Traceback" not in message, (argv, message)
+
+
+def test_zero_leaves_a_pipeline_s_bubble_fraction_as_it_is():
+    """ZeRO's collectives come after the pipeline's flush: the bubble, and the pipeline's span it is a fraction
+    of, are the same at every ZeRO stage (not the bubble over the ranks ZeRO's collectives span)."""
+    results = [cli(f"gpt --pp 2 --dp 2 --microbatches 2 --world 4 --zero {z}") for z in range(4)]
+    assert results[0]["bubble_fraction"] > 0.1
+    for result in results[1:]:
+        assert result["step_time_s"]["bubble"] == results[0]["step_time_s"]["bubble"]
+        assert result["bubble_fraction"] == results[0]["bubble_fraction"]
+
+
+def test_params_prints_memory_alone_and_its_search_ranks_by_memory():
+    """plan params sizes model states: no step time (0 ms) printed beside them, its search the smallest first."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main("params --num-params 1e9 --world 4".split()) == 0
+        assert main("params --num-params 1e9 --world 4 --search --top 2".split()) == 0
+    text = out.getvalue()
+    assert "memory per rank" in text and "the 2 smallest:" in text
+    assert "step time" not in text and "s/step" not in text and "fastest" not in text
+    result = cli("params --num-params 1e9 --world 4")
+    assert result["step_time_s"] is result["step_busy_s"] is result["bubble_fraction"] is None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):                      # a search nothing fits: no empty ranking
+        assert main("mlp --world 4 --device-memory 1e3 --search".split()) == 0
+    assert out.getvalue().startswith("0 layouts fit (") and "fastest" not in out.getvalue()
+
+
+def test_a_named_model_s_sizes_are_not_options_the_command_line_gave():
+    """--model's sizes are defaults: its experts' top-k beside --moe-experts 0 is not refused as if typed (the
+    dense model of its sizes is planned); typed, it is."""
+    assert cli("gpt --model mixtral-8x7b --moe-experts 0 --world 8")["num_params"] > 0
+    assert "--moe-top-k is not supported with --moe-experts 0" in refused(
+        "gpt --model mixtral-8x7b --moe-experts 0 --moe-top-k 2 --world 8")
+
+
+def test_a_search_ranks_the_cp_asked_beside_its_own():
+    """--cp is the one layout option --search takes (it tries cp only down to 1024 tokens a rank otherwise)."""
+    assert {r["layout"]["cp"] for r in cli("gpt --cp 2 --world 4 --search")} == {1, 2}

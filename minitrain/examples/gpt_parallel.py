@@ -15,9 +15,9 @@ pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stag
 and a sample. The validation loss is computed
 in one process from the gathered parameters (the sharded model is the same function).
 With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
-(parallel/context_parallel/), and the table and --json's "cp" block give rank 0's attention bytes on the
-cp communicator per step (measured) beside the formula from the sizes (with experts, their routing's
-bytes there beside), and the attention work of rank 0's cp ranks, max over mean (score entries each computed).
+(parallel/context_parallel/), and the table and --json's "cp" block give the first rank with blocks' attention
+bytes on the cp communicator per step (measured) beside the formula from the sizes (with experts, their routing's
+bytes there beside), and the attention work of its cp ranks, max over mean (score entries each computed).
 --save-dir/--resume: each rank saves its slices (GPT3D.sharded_parameters), and a checkpoint
 resumes on any other mesh (or in one process). With --moe-experts (GPT3D: each MoE layer replicated on
 its stage's tp ranks, capacity groups per micro-batch; with --sequence-parallel each tp rank routes its own
@@ -47,8 +47,8 @@ from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for, stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
-                                                    expected_model_states, layer_bytes_formula, measure_block_bytes,
-                                                    zero_memory)
+                                                    expected_model_states, layer_bytes_formula, local_blocks,
+                                                    measure_block_bytes, zero_memory)
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import offload_activations
@@ -170,7 +170,7 @@ def main_parallel(args):
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
                     cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], layer_bytes_formula(model, args),
-                    sp_routing["bytes"] / steps, device_code()], np.float64)
+                    sp_routing["bytes"] / steps, len(local_blocks(model)), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -204,9 +204,10 @@ def main_parallel(args):
                                                                                  table[0, 2:5])) + " (rank 0)")
     if cp > 1:
         print(f"context parallel: {cp} ranks, {args.cp_method} ({METHODS[args.cp_method]} layout); on the cp "
-              f"communicator rank 0 sent {fmt_bytes(cp_block['bytes_per_step'])}/step for attention (formula "
-              f"{fmt_bytes(cp_block['bytes_formula'])})" + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}"
-              f"/step for the experts' routing" if "experts_bytes_per_step" in cp_block else "")
+              f"communicator {cp_block['bytes_from']} sent {fmt_bytes(cp_block['bytes_per_step'])}/step for attention "
+              f"(formula {fmt_bytes(cp_block['bytes_formula'])})"
+              + (f" and {fmt_bytes(cp_block['experts_bytes_per_step'])}/step for the experts' routing"
+                 if "experts_bytes_per_step" in cp_block else "")
               + f"; attention work max/mean over its cp ranks "
               f"{cp_block['compute_max_over_mean']:.3f}")
     print(f"dropout {args.dropout}, recompute: {args.recompute}"

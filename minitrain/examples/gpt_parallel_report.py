@@ -1,7 +1,7 @@
 """What the GPT job on several ranks (gpt_parallel.py) reports beside its losses and bytes: the model
 states a rank's layout expects (ZeRO's, parallel/zero_3d.py) and the JSON's "zero_memory" block, what
 the pipeline's bubble figure assumes, the "cp" block (context parallelism's bytes per step beside
-the formula, the attention work of rank 0's cp ranks), and the hooks that measure a block's bytes."""
+the formula, the attention work of the first rank with blocks' cp ranks), and the hooks that measure a block's bytes."""
 import numpy as np
 
 import minitrain
@@ -107,18 +107,20 @@ def layer_bytes_formula(model, args):
 
 
 def cp_report(model, args, table):
-    """The JSON's "cp" block: rank 0's bytes sent on the cp communicator per step by attention, measured (table
-    column 15) and from the sizes (its replica's rows, its stage's blocks); the attention work (score entries
-    computed, column 16) of rank 0's cp ranks, max over mean; with experts, what their routing sent there
+    """The JSON's "cp" block: the bytes the first rank with blocks (rank 0 but where zbv leaves stage 0 only the
+    embedding and the head) sends on the cp communicator per step by attention, measured (table column 15) and
+    from the sizes (its replica's rows, its stage's blocks: column 20); the attention work (score entries
+    computed, column 16) of that rank's cp ranks, max over mean; with experts, what their routing sent there
     (column 17; under sequence parallelism it goes over the cp x tp ranks: measure_block_bytes counts it)."""
-    blocks = len(local_blocks(model))
-    rows = -(-args.batch_size // model.dp)                  # replica 0's (the first n % dp take one more)
+    first = int(np.flatnonzero(table[:, 20])[0])
+    stage, d, _, t = (int(i) for i in np.argwhere(model.mesh.grid == first)[0])
+    rows = args.batch_size // model.dp + (1 if d < args.batch_size % model.dp else 0)    # GPT3D's cut
     itemsize = np.dtype(minitrain.get_default_dtype()).itemsize
-    formula = blocks * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size, args.n_embd // args.tp,
-                                               itemsize, args.recompute)
-    work = table[model.mesh.ranks_along("cp"), 16] if args.cp > 1 else np.ones(1)
+    formula = table[first, 20] * rows * cp_bytes_formula(args.cp_method, args.cp, args.block_size,
+                                                         args.n_embd // args.tp, itemsize, args.recompute)
+    work = table[model.mesh.grid[stage, d, :, t], 16] if args.cp > 1 else np.ones(1)
     return {"size": args.cp, "method": args.cp_method if args.cp > 1 else None, "layout": METHODS[args.cp_method]
-            if args.cp > 1 else None, "bytes_from": "rank 0", "bytes_per_step": float(table[0, 15]),
+            if args.cp > 1 else None, "bytes_from": f"rank {first}", "bytes_per_step": float(table[first, 15]),
             "bytes_formula": float(formula), "compute_max_over_mean": float(work.max() / work.mean()),
-            **({"experts_bytes_per_step": float(table[0, 17])} if model.moe_layers and args.cp > 1
+            **({"experts_bytes_per_step": float(table[first, 17])} if model.moe_layers and args.cp > 1
                and not args.sequence_parallel else {})}      # (with SP the routing is on cp x tp: counted apart)

@@ -32,7 +32,8 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     the most: each category at the moment of its peak, and that peak, their sum, as total), category_peaks
     (each category's own peak, at its own moment: they may sum to more than the total),
     step_time_s, step_busy_s (the CPU time of the step's own thread, which the
-    jobs' step timer measures: plan/time.py), bubble_fraction, fits, flops_per_iteration, the layout.
+    jobs' step timer measures: plan/time.py), bubble_fraction (these three None for params: no step is timed),
+    fits, flops_per_iteration, the layout.
     time_if_unfit=False (--search): a layout that does not fit is answered {'fits': False} alone."""
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
@@ -44,13 +45,14 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     if not time_if_unfit and capacity is not None and heaviest["total"] > capacity:
         return {"fits": False}
     time = predict_time(model, layout, machine)
+    timed = model.kind != "params"                # model states alone: no step, its figures null
     result = {"model": model.kind, "num_params": model.num_parameters(), "layout": layout.as_dict(),
               "describe": layout.describe(), "accounting": accounting, "machine": machine.get("name"),
               "memory_bytes": {**{c: heaviest[c] for c in CATEGORIES}, "total": heaviest["total"]},
               "category_peaks": heaviest["category_peaks"],
-              "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")},
-              "step_busy_s": time["busy"],
-              "bubble_fraction": time["bubble_fraction"],
+              "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")} if timed else None,
+              "step_busy_s": time["busy"] if timed else None,
+              "bubble_fraction": time["bubble_fraction"] if timed else None,
               "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
               "flops_per_iteration": flops_per_iteration(model, layout)}
     if per_stage:

@@ -25,7 +25,7 @@ from ..parallel.pipeline.schedules import SPLIT_BACKWARD, default_chunks
 from . import (MLP_PIPELINE_PRECISIONS, Layout, LayoutError, MachineError, Params, check, corpus_vocab_size,
                gpt_from_args, layouts, load_machine, mlp_from_args, predict)
 from .configs import NAMED
-from .job_rules import LAYOUT_RULES
+from .job_rules import LAYOUT_RULES, refuse_threads, refuse_unplanned
 from .layout import PRECISIONS, SCHEDULES
 
 CP_MIN_TOKENS = 1024            # --search tries context parallelism down to this many tokens per rank
@@ -157,6 +157,7 @@ def parser(defaults=None):
         g.set_defaults(**defaults)
     top.jobs = {"mlp": m, "gpt": g}
     p = sub.add_parser("params", help="model states only, from a parameter count", formatter_class=cli.HelpFormatter)
+    top.commands = {**top.jobs, "params": p}
     p.add_argument("--num-params", type=cli.positive_int, required=True, help="the model's parameters, e.g. 7.5e9 (required)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the ranks")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam", help="the optimizer, for its state's bytes")
@@ -252,10 +253,11 @@ def show(result):
              f"{result['describe']}; {result['accounting']} accounting, machine {result['machine']}",
              "memory per rank (the heaviest): " + ", ".join(f"{c} {fmt(mem[c])}" for c in mem)
              + f"  -> {'fits' if result['fits'] else 'does NOT fit'}"
-             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else ""),
-             f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm {t['comm'] * 1e3:.3f} + "
-             f"bubble {t['bubble'] * 1e3:.3f} (bubble fraction {result['bubble_fraction']:.3f}); "
-             f"{result['flops_per_iteration']:.3e} FLOPs per iteration"]
+             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else "")]
+    if result["model"] != "params":             # model states alone: no step to time
+        lines.append(f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm "
+                     f"{t['comm'] * 1e3:.3f} + bubble {t['bubble'] * 1e3:.3f} (bubble fraction "
+                     f"{result['bubble_fraction']:.3f}); {result['flops_per_iteration']:.3e} FLOPs per iteration")
     return "\n".join(lines)
 
 
@@ -272,11 +274,16 @@ def main(argv=None):
     if getattr(args, "model", None):              # the named sizes as defaults: options given beside them win
         p = parser(defaults=NAMED[args.model])
         args = p.parse_args(argv)
-    if args.command in p.jobs:                    # what the job would refuse, or ignore, is not planned either
-        job = p.jobs[args.command]
-        LAYOUT_RULES[args.command](job, args, cli.given_options(job, argv[1:]))
+    if args.command in p.commands:                # what the job would refuse, or ignore, is not planned either
+        command = p.commands[args.command]
+        given = cli.given_options(parser().commands[args.command], argv[1:])    # a --model's sizes are not given
+        if args.command in LAYOUT_RULES:
+            LAYOUT_RULES[args.command](command, args, given)
+        refuse_unplanned(command, args, given)
     try:
         machine = load_machine(args.machine)
+        if getattr(args, "threads", None) is not None:
+            refuse_threads(p.commands[args.command], args, machine)
         model, layout = model_and_layout(args)
         if args.search:
             started = time.perf_counter()
@@ -300,11 +307,13 @@ def main(argv=None):
     if not args.search:
         print(show(out))
         return 0
-    print(f"{len(out)} layouts fit ({elapsed:.2f} s); the {min(args.top, len(out))} fastest:")
+    timed = args.command != "params"              # params ranks by memory alone
+    print(f"{len(out)} layouts fit ({elapsed:.2f} s)" + (f"; the {min(args.top, len(out))} "
+                                                        f"{'fastest' if timed else 'smallest'}:" if out else ""))
     for rank, result in enumerate(out[:args.top], 1):
         mem, t = result["memory_bytes"], result["step_time_s"]
-        print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}  {t['total']:.4g} s/step "
-              f"(bubble {result['bubble_fraction']:.3f})")
+        print(f"{rank:>3}. {result['describe']:<52} {fmt(mem['total']):>11}"
+              + (f"  {t['total']:.4g} s/step (bubble {result['bubble_fraction']:.3f})" if timed else ""))
     return 0
 
 

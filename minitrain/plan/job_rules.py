@@ -6,6 +6,8 @@ never run, nor planned, with an option silently dropped: argparse's one line and
 --recompute is not supported with --strategy pipeline (...)". An option is refused when the command line
 gives it (whatever its value, cli.given_options) or, for one whose default means "none", when it asks for
 something. What depends on the job's own data (the corpus bounds --block-size) stays with the job.
+The planner's own options (--top, the experts' sizes, --threads) are refused the same way where nothing
+would read them.
 """
 from .. import cli
 from . import MLP_PIPELINE_PRECISIONS
@@ -93,3 +95,46 @@ def refuse_gpt_layout(parser, args, given):
 
 #: job -> its layout rules (parser, args, given options)
 LAYOUT_RULES = {"mlp": refuse_mlp, "gpt": refuse_gpt_layout}
+
+
+#: the planner's own options on the gpt command that only an MoE model uses
+EXPERT_SIZES = ("--moe-load", "--moe-shared", "--expert-hidden")
+
+
+#: what --search chooses itself (plan/__main__.py's search; plan/layout.py's layouts for the GPT): one of these
+#: given beside it would be dropped from the layouts it ranks
+SEARCHED = {"mlp": ("--strategy", "--schedule", "--microbatches", "--chunks", "--dp"),
+            "gpt": ("--dp", "--pp", "--tp", "--zero", "--schedule", "--microbatches", "--chunks",
+                    "--sequence-parallel", "--recompute", "--offload-activations", "--ep", "--cp-method", "--moe-load",
+                    "--threads")}
+SEARCHED_WHY = {"--threads": "it prices each layout at the BLAS threads its job would take, cores / ranks",
+                "--moe-load": "a load is the busiest of ep ranks, and the search tries every ep"}
+
+
+def refuse_unplanned(parser, args, given):
+    """The planner's own options where nothing would read them: refused in one line, as the jobs' rules above
+    refuse theirs, rather than a plan printed as if they had counted."""
+    if "--top" in given and not args.search:
+        cli.refuse(parser, "--top", "one layout", "only --search ranks layouts: add --search")
+    if args.search:
+        for option in (o for o in SEARCHED.get(args.command, ()) if o in given):
+            cli.refuse(parser, option, "--search", SEARCHED_WHY.get(option, "it picks the strategy, dp x tp x pp x "
+                       "cp x ep, ZeRO, recomputation and micro-batches itself") + ": leave it out, or plan one layout "
+                       "without --search")
+    if args.command == "gpt" and not args.moe_experts:
+        for option in (o for o in EXPERT_SIZES if o in given):
+            cli.refuse(parser, option, "--moe-experts 0", "no block has experts: give --moe-experts E")
+    if args.command == "params" and "--threads" in given:
+        cli.refuse(parser, "--threads", "params", "it sizes the model states alone and times no step")
+
+
+def refuse_threads(parser, args, machine):
+    """--threads prices a CPU's BLAS threads per rank: none on a GPU machine, and at most its cores (the jobs
+    give a rank cores / ranks; the calibration measured no more)."""
+    name = machine.get("name", "").split(" (")[0]
+    if machine.get("device", "cpu") != "cpu":
+        cli.refuse(parser, "--threads", f"machine {name}", "a GPU machine: its ranks' work runs on the device, "
+                                                          "priced without host threads")
+    if machine.get("cores") and args.threads > machine["cores"]:
+        parser.error(f"--threads {args.threads} exceeds the {machine['cores']} cores of machine {name} (the jobs "
+                     f"give a rank at most cores / ranks BLAS threads)")

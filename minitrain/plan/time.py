@@ -117,9 +117,9 @@ def predict_time(model, layout, machine):
     elif layout.local_sgd_every:
         coll("ring_all_reduce", grad_bytes, dp, span_dp, 1 / layout.local_sgd_every)
     elif z in (1, 2) or (z == 3 and model.kind == "gpt"):     # (GPT3D: the stage gathered once a step)
-        N, span = layout.zero_ranks, span_dp * layout.cp     # (GPT3D's ZeRO spans the dp x cp replicas)
-        coll("ring_reduce_scatter", grad_bytes, N, span, own_thread=z == 1)
-        coll("ring_all_gather", grad_bytes, N, span)
+        N, span_zero = layout.zero_ranks, span_dp * layout.cp     # (GPT3D's ZeRO spans the dp x cp replicas)
+        coll("ring_reduce_scatter", grad_bytes, N, span_zero, own_thread=z == 1)
+        coll("ring_all_gather", grad_bytes, N, span_zero)
         shard = -(-n_local // N)                             # ZeRO-1 zeroes the flat gradient, ZeRO-2 copies
         tail.op("zeros" if z == 1 else "copy", n_local, calls=1 if z == 1 else n_tensors)   # into its buckets
         tail.op("copy", shard).op("zeros", shard)            # the updated shard sent; the shard's gradient zeroed
