@@ -6,9 +6,9 @@
 
 Each call is one of comm/'s hand-written collectives (the ring, the binomial tree, all_to_all_single),
 with PyTorch's conventions laid over it (torch.distributed's documentation, "Collective functions"):
-results are written into the caller's tensors; ``src`` / ``dst`` are global ranks (``group_src`` /
-``group_dst``: ranks within the group); ``async_op=True`` returns a Work whose wait() finishes the call;
-a rank not in ``group`` returns at once, as PyTorch's does (a warning says so). ``new_group(ranks)``
+results are written into the caller's tensors; src / dst are global ranks (group_src /
+group_dst: ranks within the group); async_op=True returns a Work whose wait() finishes the call;
+a rank not in the group returns at once, as PyTorch's does (a warning says so). new_group(ranks)
 is collective over the world, its ranks sorted as PyTorch sorts them. What the rings cost: comm/collectives.py.
 gather and scatter go through all_gather and broadcast (every rank moves what the root would).
 Backends: "mpi" and "gloo" (the same: MPI point-to-point), "nccl" (comm/nccl.py); the rendezvous is
