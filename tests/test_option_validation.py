@@ -229,3 +229,13 @@ def test_micro_batches_a_full_batch_would_leave_empty_are_refused(job, argv, row
     assert f"error: --microbatches 6 exceeds the {rows} rows of the largest replica's batch" in err, err
     status, err = _run(f"minitrain.examples.{job}", [a if a != "6" else "5" for a in argv] + ["--no-progress"])
     assert status == 0, err
+
+
+def test_no_command_line_reads_an_abbreviation_as_an_option():
+    """Megatron's allow_abbrev=False: `gpt --offload` (the mlp job's optimizer offload) was read as the GPT job's
+    --offload-activations, and `mlp --epoch 1` as --epochs 1; every parser now refuses a prefix."""
+    assert [(module, prefix) for module, prefix, parser in PARSERS if parser.allow_abbrev] == []
+    for module, argv in (("minitrain.examples.gpt", ["--offload"]), ("minitrain.examples.mlp", ["--epoch", "1"]),
+                         ("minitrain.plan.__main__", ["gpt", "--world", "2", "--offload"])):
+        status, err = _run(module, argv)
+        assert status == 2 and "unrecognized arguments: " in err and "Traceback" not in err, (module, err)

@@ -33,7 +33,7 @@ def verify(path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minitrain.checkpoint", description=__doc__.split("\n\n")[0],
-                                     formatter_class=cli.HelpFormatter)
+                                     formatter_class=cli.HelpFormatter, allow_abbrev=False)
     parser.add_argument("command", choices=["inspect", "verify", "list"],
                         help="inspect: the manifest as a table; verify: read every piece and check its CRC-32; "
                              "list: every checkpoint, oldest first (incomplete ones marked)")

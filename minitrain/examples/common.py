@@ -31,7 +31,11 @@ def transport_name(comm):
 # ---------------------------------------------------------------- what every job takes and how it starts
 class JobArgumentParser(argparse.ArgumentParser):
     """argparse for a job started as N processes: usage, help and errors are printed once (by the
-    launcher's rank 0), and every rank exits with argparse's status (2 for a bad option)."""
+    launcher's rank 0), and every rank exits with argparse's status (2 for a bad option). No abbreviations
+    (Megatron's allow_abbrev=False): --offload must not be read as another option that begins with it."""
+
+    def __init__(self, *args, allow_abbrev=False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def _print_message(self, message, file=None):
         if launch_info()[0] == 0:

@@ -1,5 +1,6 @@
 """The exercises' command line: list, show, hint, stub, check, run (see python -m minitrain.exercises -h)."""
 import argparse
+import functools
 import sys
 import textwrap
 
@@ -183,10 +184,11 @@ NAME_HELP = "an exercise's name (python -m minitrain.exercises list shows them)"
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minitrain.exercises", description=DESCRIPTION,
-                                 formatter_class=cli.RawDescriptionHelpFormatter)
+                                 formatter_class=cli.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--progress", metavar="PATH", default=None,
                     help=f"the progress file (default: {default_path()})")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                         parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     plain = {"formatter_class": cli.HelpFormatter}
     sub.add_parser("list", help="every exercise, in learning-path order, with what passed", **plain)
     p = sub.add_parser("show", help="the exercise's text: contract, signature, the grader's checks", **plain)

@@ -14,6 +14,7 @@ not change a step, such as --epochs or --lr, are accepted and ignored), so a job
 copied; --json prints one JSON object (--json PATH writes it there, as the jobs' --json does).
 """
 import argparse
+import functools
 import json
 import math
 import sys
@@ -146,8 +147,9 @@ def add_gpt(p):
 
 def parser(defaults=None):
     top = argparse.ArgumentParser(prog="python -m minitrain.plan", description=__doc__.splitlines()[0],
-                                  formatter_class=cli.HelpFormatter)
-    sub = top.add_subparsers(dest="command", required=True)
+                                  formatter_class=cli.HelpFormatter, allow_abbrev=False)
+    sub = top.add_subparsers(dest="command", required=True, parser_class=functools.partial(argparse.ArgumentParser,
+                                                                                           allow_abbrev=False))
     add_mlp(m := sub.add_parser("mlp", help="the mlp job (examples.mlp)", formatter_class=cli.HelpFormatter))
     add_common(m)
     add_gpt(g := sub.add_parser("gpt", help="the gpt job (examples.gpt), or any GPT by its sizes",

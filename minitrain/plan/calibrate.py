@@ -189,7 +189,7 @@ def _blas_threads(n):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minitrain.plan calibrate", description=__doc__.splitlines()[0],
-                                formatter_class=cli.HelpFormatter)
+                                formatter_class=cli.HelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default=str(DEFAULT_PATH), help="where to write the JSON")
     p.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
