@@ -182,7 +182,7 @@ def _writable_folder(folder, text):
 
 def output_file(text):
     """A file written when the run ends: not a folder, in a folder that exists and is writable."""
-    if os.path.isdir(text):
+    if os.path.isdir(text) or text.endswith(("/", os.sep)):     # "out/": a folder's name, whether or not it exists
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name in it")
     _writable_folder(os.path.dirname(os.path.abspath(text)), text)
     if os.path.exists(text) and not os.access(text, os.W_OK):

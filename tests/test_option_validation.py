@@ -105,7 +105,8 @@ def test_a_value_out_of_range_stops_with_one_argparse_line(module, prefix, parse
     assert len(errors) == 1 and f"error: argument {option}" in errors[0], err
 
 
-PATHS = {cli.output_file: ["{missing}/out.json", "{folder}"], plan_json_path: ["{missing}/plan.json", "{folder}"],
+PATHS = {cli.output_file: ["{missing}/out.json", "{folder}", "{folder}/new/"],      # new/: a folder's name
+         plan_json_path: ["{missing}/plan.json", "{folder}"],
          cli.output_image: ["{missing}/step.png", "{folder}/step.xyz"], cli.output_folder: ["{file}", "{file}/ckpt"]}
 
 
@@ -132,7 +133,8 @@ def test_every_path_a_command_line_writes_is_checked_while_parsing():
                for action in parser._actions if action.type in PATHS}
     assert options == {("mlp", "--json"), ("mlp", "--trace"), ("mlp", "--plot"), ("mlp", "--save-dir"),
                        ("gpt", "--json"), ("gpt", "--save-dir"), ("generate", "--json"),
-                       ("__main__", "mlp", "--json"), ("__main__", "gpt", "--json"), ("__main__", "params", "--json")}
+                       ("__main__", "mlp", "--json"), ("__main__", "gpt", "--json"), ("__main__", "params", "--json"),
+                       ("calibrate", "--out")}
     assert cli.output_folder(str(pathlib.Path(__file__).parent / "new" / "nested"))     # made when saved
 
 

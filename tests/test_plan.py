@@ -577,6 +577,31 @@ def test_a_machine_file_that_is_not_one_is_refused_in_one_line(tmp_path):
             assert said in message and str(path) in message and "Traceback" not in message, (argv, message)
 
 
+def test_calibrate_refuses_what_it_cannot_honour_before_measuring(tmp_path, monkeypatch):
+    """calibrate measures for a minute, so its command line is checked first: --out a folder ("out/", which would
+    write a file "out") or in a missing one (the jobs' --json's rule), a p in --ranks twice (measured twice), a
+    blank --name, --ranks or --quick with --merge (which measures nothing); by default it writes the cache,
+    making its folder."""
+    import minitrain.plan.calibrate as calibrate
+    measured = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda ranks, quick: measured.append(ranks) or {"name": "here"})
+    monkeypatch.setattr(calibrate, "DEFAULT_PATH", tmp_path / "cache" / "minitrain" / "machine.json")
+    machine = str(calibrate.MACHINES / "cpu-2core.json")
+    for argv, said in [(["--out", f"{tmp_path}/new/"], "argument --out: "), (["--ranks", "2", "2"], "--ranks: each p once"),
+                       (["--name", " "], "argument --name: "), (["--merge", machine, "--quick"], "--quick is not supported"),
+                       (["--merge", machine, "--ranks", "3"], "--ranks is not supported with --merge")]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+            main(["calibrate", *argv])
+        assert exit_.value.code == 2 and said in err.getvalue() and "Traceback" not in err.getvalue(), (argv, err.getvalue())
+    assert not measured and not (tmp_path / "new").exists()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["calibrate", "--ranks", "2", "3"]) == 0
+        assert main(["calibrate", "--merge", machine, "--name", "ci", "--out", str(tmp_path / "m.json")]) == 0
+    assert measured == [[2, 3]] and json.loads(calibrate.DEFAULT_PATH.read_text()) == {"name": "here"}
+    assert json.loads((tmp_path / "m.json").read_text())["name"] == "ci"
+
+
 def test_zero_leaves_a_pipeline_s_bubble_fraction_as_it_is():
     """ZeRO's collectives come after the pipeline's flush: the bubble, and the pipeline's span it is a fraction
     of, are the same at every ZeRO stage (not the bubble over the ranks ZeRO's collectives span)."""

@@ -187,13 +187,22 @@ def _blas_threads(n):
     return threadpool_limits(limits=n)
 
 
+def _machine_name(text):
+    """--name: the machine's name in the JSON, not blank (the planner's reports name the machine by it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the machine's name must not be blank")
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minitrain.plan calibrate", description=__doc__.splitlines()[0],
                                 formatter_class=cli.HelpFormatter, allow_abbrev=False)
-    p.add_argument("--out", default=str(DEFAULT_PATH), help="where to write the JSON")
+    p.add_argument("--out", type=cli.output_file, metavar="PATH",
+                   help=f"where to write the JSON, in a folder that exists (default: {DEFAULT_PATH}, its folder "
+                        f"made if missing)")
     p.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
-    p.add_argument("--name", help="the machine's name in the JSON (default: this host's)")
+    p.add_argument("--name", type=_machine_name, help="the machine's name in the JSON (default: this host's)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write the best of these calibrations instead (default: measure this machine)")
     p.add_argument("--comm-only", metavar="JSON",
@@ -206,21 +215,32 @@ def main(argv=None):
         return _worker(args.worker, args.sizes)
     if args.comm_only and not args.merge:
         p.error("--comm-only: only with --merge")
+    if args.merge:
+        for option in sorted(cli.given_options(p, argv if argv is not None else sys.argv[1:]) & {"--ranks", "--quick"}):
+            cli.refuse(p, option, "--merge", "merging measures nothing")
     if any(r < 2 for r in args.ranks):
         p.error("--ranks: collectives need at least 2 ranks")
+    if len(set(args.ranks)) < len(args.ranks):
+        p.error(f"--ranks: each p once, got {' '.join(map(str, args.ranks))}")
+    # checked now, not after a minute of measuring; the default's folder (the cache) is made as a cache is
+    path = args.out or str(DEFAULT_PATH)
+    if args.out is None:
+        try:
+            DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
+            cli.output_file(path)
+        except (OSError, argparse.ArgumentTypeError) as e:
+            p.error(f"cannot write the default {path}: {e} (give --out PATH)")
     if args.merge:
         try:
-            machines = [load_machine(path) for path in args.merge]
+            machines = [load_machine(name) for name in args.merge]
             comm_only = load_machine(args.comm_only) if args.comm_only else None
         except MachineError as e:
             p.error(str(e))
         machine = merge(machines, comm_only)
     else:
         machine = calibrate(args.ranks, args.quick)
-    if args.name:
+    if args.name is not None:
         machine["name"] = args.name
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(machine, f, indent=1)
     print(f"wrote {path}")
