@@ -3,6 +3,7 @@ every strategy, resharding between layouts with bit-identical logical tensors (o
 included), corrupted or foreign checkpoints rejected by name, and the atomic commit."""
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -618,6 +619,47 @@ def test_the_tool_marks_a_checkpoint_whose_rank_files_are_missing_or_cut_and_lis
     out, err = capsys.readouterr()
     assert f"damaged: {saved}: checkpoint manifest {saved}/manifest.json is not valid JSON" in err
     assert f"no complete checkpoint in {os.path.dirname(saved)}" in err and out == ""
+
+
+def test_the_tool_names_a_save_still_being_written_and_what_it_cannot_read(saved, tmp_path, capsys, monkeypatch):
+    """A save in progress (a .tmp-step folder, no manifest yet) is named, never read nor counted as damage; a
+    manifest or rank file it cannot read (a folder in its place, no permission) and a folder it may not list
+    end in one error line, exit status 2, never a traceback."""
+    from minitrain.checkpoint import storage
+    from minitrain.checkpoint.__main__ import main
+    top = os.path.dirname(saved)
+    unfinished = os.path.join(top, ".tmp-step-00000003-abcd")
+    os.mkdir(unfinished)
+    shutil.copy(os.path.join(saved, "rank-00000.safetensors"), unfinished)
+    assert main(["list", top]) == 0
+    out, err = capsys.readouterr()
+    assert out.split()[-2:] == ["2", saved] and f"unfinished: {unfinished} (a save still being written" in err
+    assert main(["inspect", unfinished]) == 1
+    assert f"{unfinished} is a save still being written, or interrupted: it has no manifest.json" in capsys.readouterr().err
+    os.makedirs(tmp_path / "first" / ".tmp-step-00000001-x")
+    assert main(["verify", str(tmp_path / "first")]) == 1
+    assert (f"no complete checkpoint in {tmp_path / 'first'} (.tmp-step-00000001-x: a save still being written"
+            in capsys.readouterr().err)
+    monkeypatch.setattr(storage, "open", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+                        raising=False)
+    assert main(["verify", saved]) == 2
+    assert "error: cannot read the checkpoint file" in capsys.readouterr().err
+    monkeypatch.undo()
+    rank1 = os.path.join(saved, "rank-00001.safetensors")
+    os.remove(rank1)
+    os.mkdir(rank1)
+    assert main(["verify", saved]) == 2 and f"{rank1} is not a file" in capsys.readouterr().err
+    older = os.path.join(top, "step-00000001", "manifest.json")
+    os.remove(older)
+    os.mkdir(older)                                   # read as a file: an OSError, as without permission
+    assert main(["inspect", os.path.dirname(older)]) == 2
+    assert f"error: cannot read the checkpoint manifest {older}: " in capsys.readouterr().err
+    assert main(["list", top]) == 2 and f"cannot read the checkpoint manifest {older}" in capsys.readouterr().err
+    monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path)))
+    for command in ("list", "inspect"):
+        assert main([command, top]) == 2
+        out, err = capsys.readouterr()
+        assert err == f"error: cannot read {top}: Permission denied\n", err
 
 
 # ---------------------------------------------------------------- the optimizers' own state dicts

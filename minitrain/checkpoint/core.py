@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import backend
 from ..sharded import box_index, intersect
-from .manifest import describe_layout, list_checkpoints, write_manifest
+from .manifest import TMP_PREFIX, describe_layout, list_checkpoints, write_manifest
 from .storage import CheckpointError, RankFile, crc_hex, dtype_name, fsync_directory, numpy_dtype, write_rank_file
 
 
@@ -118,7 +118,7 @@ def write_checkpoint(directory, comm, step, tensors, scalars, rank_scalars, layo
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=directory)
+            tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step:08d}-", dir=directory)
         except OSError as e:
             error = f"cannot create a checkpoint in {directory}: {e}"
     plans = all_gather_json(comm, {"entries": entries, "scalars": scalars, "rank_scalars": rank_scalars,

@@ -51,6 +51,8 @@ def read_manifest(directory):
             manifest = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint manifest {path} is not valid JSON ({e}): the file is corrupt") from None
+    except OSError as e:                          # no permission to read it, a folder in its place, ...
+        raise CheckpointError(f"cannot read the checkpoint manifest {path}: {e.strerror or e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a minitrain checkpoint manifest")
     if manifest.get("version") != VERSION:
@@ -93,13 +95,15 @@ def file_problems(directory, manifest=None):
     for name, info in sorted(manifest["files"].items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            problems.append(f"{name} is missing")
+            problems.append(f"{name} is {'not a file' if os.path.exists(path) else 'missing'}")
         elif os.path.getsize(path) != info["bytes"]:
             problems.append(f"{name} has {os.path.getsize(path)} bytes, the manifest says {info['bytes']}")
     return problems
 
 
 STEP_FOLDER = re.compile(r"step-\d+$")
+#: a save writes into DIR/.tmp-step-NNNNNNNN-XXXX and renames it to step-NNNNNNNN once its manifest is in it
+TMP_PREFIX = ".tmp-step-"
 
 
 def step_folders(directory):
@@ -108,6 +112,16 @@ def step_folders(directory):
         return []
     return sorted(name for name in os.listdir(directory)
                   if STEP_FOLDER.match(name) and os.path.isdir(os.path.join(directory, name)))
+
+
+def unfinished_saves(directory):
+    """The temporary folders under ``directory`` that have no manifest yet: a save still being written, or one
+    interrupted before its manifest (never a checkpoint; a later save of the same step does not reuse them)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if name.startswith(TMP_PREFIX)
+                  and os.path.isdir(os.path.join(directory, name))
+                  and not os.path.exists(os.path.join(directory, name, MANIFEST)))
 
 
 def damaged_step_folders(directory):

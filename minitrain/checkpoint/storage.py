@@ -83,11 +83,16 @@ class RankFile:
         self.path = path
         if not os.path.exists(path):
             raise CheckpointError(f"checkpoint file {path} is missing")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is not a file")
         size = os.path.getsize(path)
         if expected_size is not None and size != expected_size:
             raise CheckpointError(f"checkpoint file {path} has {size} bytes, the manifest says {expected_size} "
                                   f"(truncated or overwritten)")
-        self.file = open(path, "rb")
+        try:
+            self.file = open(path, "rb")
+        except OSError as e:                      # no permission to read it
+            raise CheckpointError(f"cannot read the checkpoint file {path}: {e.strerror or e}") from None
         try:
             (n,) = struct.unpack("<Q", self.file.read(8))
             if n > size - 8:
