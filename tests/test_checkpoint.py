@@ -4,6 +4,7 @@ included), corrupted or foreign checkpoints rejected by name, and the atomic com
 import json
 import os
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -621,11 +622,19 @@ def test_the_tool_marks_a_checkpoint_whose_rank_files_are_missing_or_cut_and_lis
     assert f"no complete checkpoint in {os.path.dirname(saved)}" in err and out == ""
 
 
+def _end_a_wait_on(fifo):
+    """Open and close a pipe's writing end: a reader blocked opening it reads an empty file instead."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:                                   # no reader waiting
+        pass
+
+
 def test_the_tool_names_a_save_still_being_written_and_what_it_cannot_read(saved, tmp_path, capsys, monkeypatch):
     """A save in progress (a .tmp-step folder, no manifest yet) is named, never read nor counted as damage; a
     manifest or rank file it cannot read (a folder in its place, no permission) and a folder it may not list
     end in one error line, exit status 2, never a traceback."""
-    from minitrain.checkpoint import storage
+    from minitrain.checkpoint import manifest, storage
     from minitrain.checkpoint.__main__ import main
     top = os.path.dirname(saved)
     unfinished = os.path.join(top, ".tmp-step-00000003-abcd")
@@ -650,10 +659,20 @@ def test_the_tool_names_a_save_still_being_written_and_what_it_cannot_read(saved
     os.mkdir(rank1)
     assert main(["verify", saved]) == 2 and f"{rank1} is not a file" in capsys.readouterr().err
     older = os.path.join(top, "step-00000001", "manifest.json")
-    os.remove(older)
-    os.mkdir(older)                                   # read as a file: an OSError, as without permission
+    monkeypatch.setattr(manifest, "open", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+                        raising=False)
     assert main(["inspect", os.path.dirname(older)]) == 2
-    assert f"error: cannot read the checkpoint manifest {older}: " in capsys.readouterr().err
+    assert f"error: cannot read the checkpoint manifest {older}: Permission denied" in capsys.readouterr().err
+    monkeypatch.undo()
+    os.remove(older)
+    os.mkfifo(older)                                  # opened, it would wait for a writer forever
+    hung = threading.Timer(5, _end_a_wait_on, [older])  # (a reader that opened it anyway: let it go, and fail)
+    hung.start()
+    try:
+        assert main(["inspect", os.path.dirname(older)]) == 2
+    finally:
+        hung.cancel()
+    assert f"error: cannot read the checkpoint manifest {older}: it is not a file" in capsys.readouterr().err
     assert main(["list", top]) == 2 and f"cannot read the checkpoint manifest {older}" in capsys.readouterr().err
     monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path)))
     for command in ("list", "inspect"):

@@ -46,6 +46,8 @@ def read_manifest(directory):
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         raise CheckpointError(f"{directory} is not a complete checkpoint: it has no {MANIFEST}")
+    if not os.path.isfile(path):                  # a folder, or a pipe that would block the read forever
+        raise CheckpointError(f"cannot read the checkpoint manifest {path}: it is not a file")
     try:
         with open(path) as f:
             manifest = json.load(f)
