@@ -361,6 +361,37 @@ def test_hints_come_one_level_at_a_time(tmp_path):
     assert cli("hint", "ring_all_reduce", "--level", "9", env=env).returncode == 2
 
 
+def test_a_progress_file_it_cannot_read_is_kept_and_never_stops_the_command(tmp_path, monkeypatch):
+    """Not JSON, another layout, an entry of the wrong type: a note, the command goes on afresh, and the file is moved
+    to NAME.unreadable (never written over) at the first save; a folder: read as nothing and never written; a save
+    that fails leaves no temporary file."""
+    for name, text in {"corrupt.json": "{bad", "list.json": "[]", "entry.json": '{"exercises": {"ring_all_reduce": 5}}',
+                       "types.json": '{"exercises": {"ring_all_reduce": {"hints_read": "2"}}}',
+                       "passed.json": '{"exercises": {"ring_all_reduce": {"passed": "no"}}}'}.items():
+        path = tmp_path / name
+        path.write_text(text)
+        for command in (("list",), ("show", "ring_all_reduce"), ("hint", "ring_all_reduce")):
+            result = cli("--progress", str(path), *command)
+            assert result.returncode == 0 and f"note: the progress file {path} " in result.stderr, (name, result)
+        assert f"starting afresh (the file is kept as {path}.unreadable when progress is saved)" in result.stderr
+        assert (tmp_path / f"{name}.unreadable").read_text() == text
+        assert json.loads(path.read_text())["exercises"]["ring_all_reduce"]["hints_read"] == 1
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = cli("--progress", str(folder), "hint", "ring_all_reduce")
+    assert result.returncode == 0 and result.stderr == f"note: the progress file {folder} is not a file; progress " \
+                                                       f"is not saved\n", result.stderr
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    result = cli("--progress", str(tmp_path / "p.json"), "hint", "ring_all_reduce")
+    assert result.returncode == 0 and "could not save progress to" in result.stderr
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    for argv in (["--progress", "", "list"], ["check", "ring_all_reduce", "mine.py", "--reference"]):
+        with pytest.raises(SystemExit) as exit_:      # an empty path is not the default; PATH is not graded
+            cli(*argv)
+        assert exit_.value.code == 2
+
+
 def test_show_stub_and_a_missing_file_on_the_command_line(tmp_path):
     shown = cli("show", "ddp_buckets")
     assert shown.returncode == 0 and "class BucketedDDP" in shown.stdout and "register_post_accumulate_grad_hook" in shown.stdout

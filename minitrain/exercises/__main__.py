@@ -182,10 +182,17 @@ def cmd_run(args, progress):
 NAME_HELP = "an exercise's name (python -m minitrain.exercises list shows them)"
 
 
+def _progress_path(text):
+    """--progress: a path; an empty one (an unset shell variable) is refused rather than read as the default."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (leave --progress out for the default)")
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minitrain.exercises", description=DESCRIPTION,
                                  formatter_class=cli.RawDescriptionHelpFormatter, allow_abbrev=False)
-    ap.add_argument("--progress", metavar="PATH", default=None,
+    ap.add_argument("--progress", metavar="PATH", default=None, type=_progress_path,
                     help=f"the progress file (default: {default_path()})")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
                          parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
@@ -203,12 +210,13 @@ def main(argv=None):
     p.add_argument("name", metavar="NAME", help=NAME_HELP)
     p.add_argument("dest", metavar="DEST", help="where to write it, e.g. mine.py (a folder: NAME.py in it)")
     p.add_argument("--force", action="store_true", help="overwrite DEST if it exists (default: refuse)")
+    commands = {}
     for command, text, path_help in (("check", "grade your file with the library's own tests",
                                       "your file (no default: required unless --reference)"),
                                      ("run", "debugging exercises: run the program (the broken one by default) "
                                              "and show what minitrain reports",
                                       "your fixed copy (default: the broken program)")):
-        p = sub.add_parser(command, help=text, **plain)
+        p = commands[command] = sub.add_parser(command, help=text, **plain)
         p.add_argument("name", metavar="NAME", help=NAME_HELP)
         p.add_argument("path", metavar="PATH", nargs="?", help=path_help)
         p.add_argument("--timeout", type=cli.wait_seconds, default=harness.DEFAULT_WAIT_TIMEOUT, metavar="S",
@@ -222,6 +230,8 @@ def main(argv=None):
         else:
             p.add_argument("-p", type=cli.positive_int, default=None, metavar="N", help="number of ranks (default: the exercise's)")
     args = ap.parse_args(argv)
+    if getattr(args, "reference", False) and args.path:
+        cli.refuse(commands["check"], "--reference", "PATH", "it grades minitrain's own implementation, not a file")
     progress = Progress(args.progress)
     if progress.warning:
         print(f"note: {progress.warning}", file=sys.stderr)
@@ -229,10 +239,9 @@ def main(argv=None):
         harness.set_wait_timeout(args.timeout)
     args.reference = getattr(args, "reference", False)
     args.fail_fast = getattr(args, "fail_fast", False)
-    commands = {"list": cmd_list, "show": cmd_show, "hint": cmd_hint, "stub": cmd_stub, "check": cmd_check,
-                "run": cmd_run}
+    run = {"list": cmd_list, "show": cmd_show, "hint": cmd_hint, "stub": cmd_stub, "check": cmd_check, "run": cmd_run}
     try:
-        return commands[args.command](args, progress)
+        return run[args.command](args, progress)
     except UnknownExercise as err:
         print(err, file=sys.stderr)
         return 2
