@@ -9,7 +9,8 @@ reads "(default: off)" rather than "(default: False)". tests/test_cli.py walks e
 
 Values are checked while parsing: type=cli.positive_int, nonneg_int, at_least(n, why), positive_float, nonneg_float,
 probability or comm_timeout refuses a value out of range with argparse's one line and exit status 2, before any work
-(tests/test_option_validation.py gives every numeric option of every parser such values).
+(tests/test_option_validation.py gives every numeric option of every parser such values); action=cli.Distinct, a list
+option that names a value twice.
 output_file, output_image and output_folder refuse, the same way, a path the run could not write when it
 ends. given_options tells which options a command line set, so a job can refuse one it would ignore.
 run_command(main) ends a command whose reader stopped reading (`... | head`) as Unix tools end.
@@ -161,6 +162,17 @@ def probability(text):
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+class Distinct(argparse.Action):
+    """action= of a list option (nargs="+" or "*") whose values are runs or measurements: each once (--ranks 2 2
+    would measure p = 2 twice, the second result written over the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = [v for i, v in enumerate(values) if v in values[:i]]
+        if repeated:
+            raise argparse.ArgumentError(self, f"{repeated[0]} given more than once (each value runs once)")
+        setattr(namespace, self.dest, values)
 
 
 # ---------------------------------------------------------------- paths a command writes when it ends

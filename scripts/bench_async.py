@@ -82,7 +82,8 @@ def worker(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.at_least(2, "one rank's all-reduce sends nothing to overlap"), nargs="+", default=[2, 4],
+    ap.add_argument("--ranks", type=cli.at_least(2, "one rank's all-reduce sends nothing to overlap"), nargs="+",
+                    action=cli.Distinct, default=[2, 4],
                     help="ranks (one mpiexec launch each)")
     ap.add_argument("--max-mib", type=cli.largest_mib, default=16, help="largest size, MiB (from 1 KiB, x4 steps)")
     ap.add_argument("--repeats", type=cli.positive_int, default=101, help="most repeats of each mode per size")

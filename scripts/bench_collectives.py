@@ -141,7 +141,8 @@ def plot(all_rows, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.at_least(2, "a collective on one rank sends nothing: no bandwidth, no alpha-beta fit"), nargs="+", default=[2, 4],
+    ap.add_argument("--ranks", type=cli.at_least(2, "a collective on one rank sends nothing: no bandwidth, no alpha-beta fit"),
+                    nargs="+", action=cli.Distinct, default=[2, 4],
                     help="one mpiexec launch per p")
     ap.add_argument("--max-mib", type=cli.largest_mib, default=64, help="the largest message, in MiB (sizes from 1 KiB)")
     ap.add_argument("--min-time", type=cli.positive_float, default=0.3, help="seconds of repetitions per measurement")

@@ -114,12 +114,14 @@ def launch(framework, model, p, steps, sync_every=1):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.positive_int, nargs="+", default=[1, 2], help="one mpiexec launch per p")
+    ap.add_argument("--ranks", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[1, 2],
+                    help="one mpiexec launch per p")
     ap.add_argument("--steps", type=cli.positive_int, default=30, help="timed steps per model")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+    ap.add_argument("--models", nargs="+", action=cli.Distinct, choices=list(MODELS), default=list(MODELS),
                     help="which models (local SGD runs on the last one)")
-    ap.add_argument("--local-sgd", type=cli.positive_int, nargs="*", default=[1, 4, 8], metavar="K",
+    ap.add_argument("--local-sgd", type=cli.positive_int, nargs="*", action=cli.Distinct, default=[1, 4, 8],
+                    metavar="K",
                     help="local SGD: average every K steps (none: skip)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--framework", default="minitrain", help=argparse.SUPPRESS)

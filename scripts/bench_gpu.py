@@ -219,8 +219,9 @@ def fmt_ms(s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    p.add_argument("--sizes", nargs="*", default=["big", "mid", "small"], choices=list(GPT_SIZES), help="GPT sizes")
-    p.add_argument("--mlp", nargs="*", default=["mlp big", "mlp digits"], choices=list(MLP_SIZES),
+    p.add_argument("--sizes", nargs="*", action=cli.Distinct, default=["big", "mid", "small"],
+                   choices=list(GPT_SIZES), help="GPT sizes")
+    p.add_argument("--mlp", nargs="*", action=cli.Distinct, default=["mlp big", "mlp digits"], choices=list(MLP_SIZES),
                    help="MLP sizes (names with spaces)")
     p.add_argument("--tiny", action="store_true", help="CI: the tiny GPT and MLP, 2 steps")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="steps per timed block")

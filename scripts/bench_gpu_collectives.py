@@ -124,7 +124,8 @@ def init(check_collectives):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--max-mib", type=cli.largest_mib, default=256, help="largest message, MiB (sizes from 1 KiB, x4 steps)")
-    ap.add_argument("--configs", nargs="*", default=["ring/cuda-ipc", "ring/cuda-ipc/host", "ring/pinned-staging",
+    ap.add_argument("--configs", nargs="*", action=cli.Distinct, default=["ring/cuda-ipc", "ring/cuda-ipc/host",
+                    "ring/pinned-staging",
                                                     "ring/cuda-aware-mpi", "mpi/staged", "mpi/device", "nccl"],
                     help="what to measure: ring/TRANSPORT[/host], mpi/staged, mpi/device, nccl (those that cannot "
                          "run here are named with the reason)")

@@ -35,9 +35,10 @@ def parse_args():
     p.add_argument("--min-prompt-len", type=cli.positive_int, default=8, help="shortest prompt, in tokens")
     p.add_argument("--max-prompt-len", type=cli.positive_int, default=64, help="longest prompt, in tokens")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=32, help="tokens generated per request")
-    p.add_argument("--batches", type=cli.positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+    p.add_argument("--batches", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[1, 2, 4, 8, 16],
                    help="the engine's max batch (sequences decoded together) in each throughput run")
-    p.add_argument("--block-sizes", type=cli.positive_int, nargs="+", default=[1, 4, 16, 64], help="paged block sizes of the waste runs")
+    p.add_argument("--block-sizes", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[1, 4, 16, 64],
+                   help="paged block sizes of the waste runs")
     p.add_argument("--block-size", type=cli.positive_int, default=16, help="paged block size in the throughput runs")
     p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="the model's dtype")
     p.add_argument("--repeats", type=cli.positive_int, default=2, help="throughput runs per point (the median is kept)")

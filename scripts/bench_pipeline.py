@@ -249,7 +249,8 @@ def plot(all_results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.at_least(2, "a pipeline has 2 or more stages"), nargs="+", default=[2, 4],
+    ap.add_argument("--ranks", type=cli.at_least(2, "a pipeline has 2 or more stages"), nargs="+",
+                    action=cli.Distinct, default=[2, 4],
                     help="pipeline stages: one mpiexec launch per p")
     ap.add_argument("--steps", type=cli.at_least(2, "the first step is not measured"), default=6,
                     help="steps per configuration (the first is not measured)")
@@ -258,8 +259,10 @@ def main():
                     help="before each run, wait until other processes use less than SHARE of the cores (0: do not wait)")
     ap.add_argument("--quiet-timeout", type=cli.positive_float, default=120.0, help="... but no longer than this, in seconds")
     ap.add_argument("--width", type=cli.positive_int, default=1024, help="W of the 8 Linear(W, W) blocks")
-    ap.add_argument("--microbatches", type=cli.positive_int, nargs="+", default=[4, 8, 16], help="values of m")
-    ap.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES, help="the schedules to run")
+    ap.add_argument("--microbatches", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[4, 8, 16],
+                    help="values of m")
+    ap.add_argument("--schedules", nargs="+", action=cli.Distinct, default=SCHEDULES, choices=SCHEDULES,
+                    help="the schedules to run")
     ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw the bubbles beside the formula (default: no plot)")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--job", action="store_true", help="run the issue's mlp pipeline job (p = 2) instead of the model here")

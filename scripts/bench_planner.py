@@ -147,7 +147,7 @@ def main():
     every = {**validate.RUNS, **JOBS}
     fit = runs_that_fit(every, cores)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--runs", nargs="*", choices=list(every), default=fit, metavar="RUN",
+    ap.add_argument("--runs", nargs="*", action=cli.Distinct, choices=list(every), default=fit, metavar="RUN",
                     help=f"runs to launch, any of {', '.join(every)} "
                          f"(default: those whose ranks fit the {cores} cores)")
     how = ap.add_mutually_exclusive_group()

@@ -72,7 +72,8 @@ def gpt_rows(repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--layers", type=cli.positive_int, nargs="+", default=[4, 8, 16, 32, 64], help="MLP depths n")
+    ap.add_argument("--layers", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[4, 8, 16, 32, 64],
+                    help="MLP depths n")
     ap.add_argument("--repeats", type=cli.positive_int, default=5, help="timed steps (the median is kept)")
     ap.add_argument("--threads", type=cli.positive_int, default=1, help="BLAS threads")
     ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw peak memory and time vs segments (default: no plot)")

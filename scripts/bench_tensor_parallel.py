@@ -65,7 +65,7 @@ def launch(t, sp, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--tp", type=cli.positive_int, nargs="+", default=[1, 2, 4],
+    ap.add_argument("--tp", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[1, 2, 4],
                     help="tensor-parallel sizes: one mpiexec launch each; tp=1, the speed-up's anchor, runs first "
                          "whether listed or not")
     ap.add_argument("--steps", type=cli.at_least(2, "the first step is not timed"), default=6,

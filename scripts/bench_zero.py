@@ -175,11 +175,13 @@ def plot(results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
-    ap.add_argument("--ranks", type=cli.at_least(2, "ZeRO shards over 2 or more ranks: one holds the whole model, sends nothing"), nargs="+", default=[2, 4],
+    ap.add_argument("--ranks", type=cli.at_least(2, "ZeRO shards over 2 or more ranks: one holds the whole model, sends nothing"),
+                    nargs="+", action=cli.Distinct, default=[2, 4],
                     help="one mpiexec launch per p and configuration")
     ap.add_argument("--steps", type=cli.at_least(WARMUP + 1, f"the first {WARMUP} are warm-up, not timed"), default=20,
                     help=f"steps, the first {WARMUP} not timed (the median of the others is kept)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS + ANCHORS, metavar="CONFIG", choices=CONFIGS + ANCHORS,
+    ap.add_argument("--configs", nargs="+", action=cli.Distinct, default=CONFIGS + ANCHORS, metavar="CONFIG",
+                    choices=CONFIGS + ANCHORS,
                     help=f"any of {', '.join(CONFIGS + ANCHORS)} (default: all of them; the torch_ anchors where "
                          f"PyTorch is installed)")
     ap.add_argument("--plot", metavar="PNG", type=cli.output_image, help="draw model-state memory per rank (default: no plot)")

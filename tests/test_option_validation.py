@@ -138,6 +138,22 @@ def test_every_path_a_command_line_writes_is_checked_while_parsing():
     assert cli.output_folder(str(pathlib.Path(__file__).parent / "new" / "nested"))     # made when saved
 
 
+def test_a_list_option_refuses_a_value_given_twice(tmp_path, monkeypatch):
+    """calibrate --ranks 2 2 measured p = 2 twice; validate --runs ddp-2 ddp-2 would run it twice (cli.Distinct)."""
+    from minitrain.plan import calibrate, validate
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a: pytest.fail("calibrate measured"))
+    monkeypatch.setattr(validate, "run", lambda *a, **k: pytest.fail("validate ran a job"))
+    monkeypatch.setattr(calibrate, "DEFAULT_PATH", tmp_path / "machine.json")
+    lists = {(parser.prog, action.option_strings[0]): action for _, _, parser in PARSERS for action in parser._actions
+             if action.nargs in ("+", "*") and action.option_strings and action.help != argparse.SUPPRESS}
+    assert {key for key, action in lists.items() if not isinstance(action, cli.Distinct)} == {
+        ("python -m minitrain.plan calibrate", "--merge")}           # the best of A and A is A: harmless
+    status, err = _run("minitrain.plan.calibrate", ["--ranks", "2", "3", "3"])
+    assert status == 2 and "error: argument --ranks: 3 given more than once (each value runs once)" in err, err
+    status, err = _run("minitrain.plan.validate", ["--runs", *[next(iter(validate.RUNS))] * 2])
+    assert status == 2 and "error: argument --runs: " in err and "given more than once" in err, err
+
+
 REFUSED = [  # (module, argv, the option refused, the setting it is refused with)
     ("mlp", ["--strategy", "pipeline", "--recompute", "full"], "--recompute", "--strategy pipeline"),
     ("mlp", ["--strategy", "pipeline", "--offload"], "--offload", "--strategy pipeline"),

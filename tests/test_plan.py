@@ -587,7 +587,7 @@ def test_calibrate_refuses_what_it_cannot_honour_before_measuring(tmp_path, monk
     monkeypatch.setattr(calibrate, "calibrate", lambda ranks, quick: measured.append(ranks) or {"name": "here"})
     monkeypatch.setattr(calibrate, "DEFAULT_PATH", tmp_path / "cache" / "minitrain" / "machine.json")
     machine = str(calibrate.MACHINES / "cpu-2core.json")
-    for argv, said in [(["--out", f"{tmp_path}/new/"], "argument --out: "), (["--ranks", "2", "2"], "--ranks: each p once"),
+    for argv, said in [(["--out", f"{tmp_path}/new/"], "argument --out: "), (["--ranks", "2", "2"], "argument --ranks: 2 given more than once"),
                        (["--name", " "], "argument --name: "), (["--merge", machine, "--quick"], "--quick is not supported"),
                        (["--merge", machine, "--ranks", "3"], "--ranks is not supported with --merge")]:
         err = io.StringIO()

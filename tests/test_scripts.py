@@ -492,7 +492,21 @@ def test_every_file_a_script_writes_is_checked_while_parsing():
     assert not loose, loose                        # cli.output_file / output_image / output_folder: before the run
 
 
+def test_every_list_a_script_takes_names_each_value_once():
+    """--ranks 2 2 ran p = 2 twice, the second result written over the first in --json: every list option
+    (nargs "+" or "*") takes action=cli.Distinct, which refuses a value given twice while parsing."""
+    import ast
+    loose = [(path.name, call.args[0].value) for path in sorted(SCRIPTS.glob("*.py"))
+             for call in ast.walk(ast.parse(path.read_text())) if getattr(call, "func", None) is not None
+             and getattr(call.func, "attr", None) == "add_argument"
+             and any(k.arg == "nargs" and getattr(k.value, "value", None) in ("+", "*") for k in call.keywords)
+             and not any(k.arg == "action" and ast.unparse(k.value) == "cli.Distinct" for k in call.keywords)]
+    assert not loose, loose
+
+
 @pytest.mark.parametrize("script, argv, message", [
+    ("bench_zero.py", ["--ranks", "2", "4", "2"], "argument --ranks: 2 given more than once (each value runs once)"),
+    ("bench_pipeline.py", ["--schedules", "gpipe", "gpipe"], "argument --schedules: gpipe given more than once"),
     ("bench_tensor_parallel.py", ["--tp", "3"], "argument --tp: 3 does not divide the 8 heads"),
     ("bench_tensor_parallel.py", ["--tp", "2", "--block", "9"], "argument --tp: 2 does not divide --block 9"),
     ("bench_zero.py", ["--configs", "zero4"], "argument --configs: invalid choice: 'zero4'"),

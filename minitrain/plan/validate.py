@@ -164,7 +164,7 @@ def main(argv=None):
     from .. import cli
     p = argparse.ArgumentParser(prog="python -m minitrain.plan validate", description=__doc__.splitlines()[0],
                                 formatter_class=cli.HelpFormatter, allow_abbrev=False)
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
+    p.add_argument("--runs", nargs="+", action=cli.Distinct, choices=list(RUNS), default=list(RUNS), metavar="RUN",
                    help=f"the jobs to run and compare, any of {', '.join(RUNS)} (default: all of them)")
     p.add_argument("--machine", help="machine constants (default as for plan)")
     p.add_argument("--json", type=cli.output_file, metavar="PATH",
