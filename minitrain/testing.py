@@ -217,12 +217,13 @@ def run_worker(script, n, args=(), timeout=1800):
     out = os.path.join(tempfile.gettempdir(), f"minitrain_worker_{os.getpid()}_{time.monotonic_ns()}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [*mpiexec_command(n), sys.executable, str(script), "--worker-out", out, *map(str, args)]
-    subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
     try:
+        subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
-    finally:
-        os.unlink(out)
+    finally:                                    # also after a worker that wrote its file and then failed
+        if os.path.exists(out):
+            os.unlink(out)
 
 
 def run_together(jobs, workers):

@@ -16,8 +16,6 @@ size where recursive doubling stops beating the ring.
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -155,17 +153,11 @@ def main():
     args = ap.parse_args()
     if args.worker_out:
         return worker(args)
-    from minitrain.testing import mpi_library_name, mpiexec_command
+    from minitrain.testing import mpi_library_name, run_worker
     all_rows, summaries = [], []
     for p in args.ranks:
-        out = f"/tmp/bench_collectives_{os.getpid()}_{p}.json"
-        cmd = [*mpiexec_command(p), sys.executable, __file__, "--max-mib", str(args.max_mib), "--worker-out", out,
-               "--min-time", str(args.min_time)] + (["--check-collectives"] if args.check_collectives else [])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        subprocess.run(cmd, check=True, env=env, timeout=1800)
-        with open(out) as f:
-            rows = json.load(f)
-        os.unlink(out)
+        rows = run_worker(__file__, p, ["--max-mib", args.max_mib, "--min-time", args.min_time]
+                          + (["--check-collectives"] if args.check_collectives else []))
         all_rows.append(rows)
         summaries.append(report(rows))
     print(f"\nmachine: {os.cpu_count()} cores, {' '.join(os.uname()[2:3])}, "

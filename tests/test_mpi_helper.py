@@ -60,3 +60,17 @@ def test_open_mpis_launcher_gets_its_own_flags(tmp_path, monkeypatch):
 def test_mpichs_launcher_labels_with_l():
     from minitrain.testing import launcher_args, mpiexec_path
     assert launcher_args(mpiexec_path(), 2, label=True) == ["-n", "2", "-l"]
+
+
+def test_a_benchmark_worker_that_fails_after_writing_its_file_leaves_no_file_behind(tmp_path, monkeypatch):
+    """run_worker removes the worker's JSON whether or not the worker exits cleanly."""
+    import subprocess
+    import tempfile
+    from minitrain import testing
+    script = tmp_path / "worker.py"
+    script.write_text("import sys\nopen(sys.argv[2], 'w').write('{}')\nsys.exit(1)\n")
+    monkeypatch.setattr(testing, "mpiexec_command", lambda n: [])        # the worker alone, as rank 0
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(subprocess.CalledProcessError):
+        testing.run_worker(script, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["worker.py"]
