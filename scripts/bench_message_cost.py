@@ -70,18 +70,31 @@ def worker(args):
             json.dump({k: v for part in both for k, v in part.items()}, f)
 
 
+def message_bytes(text):
+    """--bytes: a message of float32 elements, so a positive multiple of 4."""
+    value = cli.positive_int(text)
+    if value % 4:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 4 (float32 elements), got {text}")
+    return value
+
+
+def wait_us(text):
+    """--wait-us: microseconds the sender waits, each of the repeats (a second or more would be minutes in all)."""
+    value = cli.nonneg_float(text)
+    if value >= 1e6:
+        raise argparse.ArgumentTypeError(f"must be below 1e6 (one second, waited by each repeat), got {text}")
+    return value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     ap.add_argument("--repeats", type=cli.positive_int, default=60, help="messages per call and cache state")
-    ap.add_argument("--bytes", type=cli.positive_int, default=65536, help="the message's size (a multiple of 4)")
+    ap.add_argument("--bytes", type=message_bytes, default=65536, help="the message's size (a multiple of 4)")
     ap.add_argument("--evict-mib", type=cli.positive_float, default=16.0, help="MiB the matmul before a 'cold' call streams")
-    ap.add_argument("--wait-us", type=cli.nonneg_float, default=300.0, help="how long after the receiver starts waiting the sender sends")
+    ap.add_argument("--wait-us", type=wait_us, default=300.0, help="how long after the receiver starts waiting the sender sends")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.repeats < 1 or args.bytes < 4 or args.bytes % 4 or args.evict_mib <= 0 or \
-            not 0 <= args.wait_us < 1e6:
-        ap.error("--repeats >= 1, --bytes a positive multiple of 4, --evict-mib > 0 and 0 <= --wait-us < 1e6")
     if args.worker_out:
         return worker(args)
     from minitrain.testing import run_worker

@@ -507,6 +507,8 @@ def test_every_list_a_script_takes_names_each_value_once():
 @pytest.mark.parametrize("script, argv, message", [
     ("bench_zero.py", ["--ranks", "2", "4", "2"], "argument --ranks: 2 given more than once (each value runs once)"),
     ("bench_pipeline.py", ["--schedules", "gpipe", "gpipe"], "argument --schedules: gpipe given more than once"),
+    ("bench_message_cost.py", ["--bytes", "6"], "argument --bytes: must be a multiple of 4 (float32 elements), got 6"),
+    ("bench_message_cost.py", ["--wait-us", "1e6"], "argument --wait-us: must be below 1e6"),
     ("bench_tensor_parallel.py", ["--tp", "3"], "argument --tp: 3 does not divide the 8 heads"),
     ("bench_tensor_parallel.py", ["--tp", "2", "--block", "9"], "argument --tp: 2 does not divide --block 9"),
     ("bench_zero.py", ["--configs", "zero4"], "argument --configs: invalid choice: 'zero4'"),
