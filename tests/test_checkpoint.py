@@ -645,10 +645,11 @@ def test_the_tool_names_a_save_still_being_written_and_what_it_cannot_read(saved
     assert out.split()[-2:] == ["2", saved] and f"unfinished: {unfinished} (a save still being written" in err
     assert main(["inspect", unfinished]) == 1
     assert f"{unfinished} is a save still being written, or interrupted: it has no manifest.json" in capsys.readouterr().err
+    shutil.copytree(saved, tmp_path / "first" / "run" / "step-00000002")     # a save directory inside it
     os.makedirs(tmp_path / "first" / ".tmp-step-00000001-x")
     assert main(["verify", str(tmp_path / "first")]) == 1
-    assert (f"no complete checkpoint in {tmp_path / 'first'} (.tmp-step-00000001-x: a save still being written"
-            in capsys.readouterr().err)
+    assert (f"no complete checkpoint in {tmp_path / 'first'} (.tmp-step-00000001-x: a save still being written, or "
+            f"interrupted); the folders in it that hold checkpoints: run\n") == capsys.readouterr().err
     monkeypatch.setattr(storage, "open", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
                         raising=False)
     assert main(["verify", saved]) == 2

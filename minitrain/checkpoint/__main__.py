@@ -12,7 +12,7 @@ import sys
 from .. import cli
 from .core import Reader
 from .manifest import (MANIFEST, TMP_PREFIX, damaged_step_folders, describe, file_problems, latest, list_checkpoints,
-                       read_manifest, unfinished_saves)
+                       read_manifest, step_folders, unfinished_saves)
 from .storage import CheckpointError
 
 
@@ -61,8 +61,13 @@ def _none_complete(directory):
     if os.path.basename(os.path.normpath(directory)).startswith(TMP_PREFIX):
         return f"{directory} is a save still being written, or interrupted: it has no {MANIFEST} yet"
     unfinished = unfinished_saves(directory)
-    return f"no complete checkpoint in {directory}" + (
+    line = f"no complete checkpoint in {directory}" + (
         f" ({', '.join(unfinished)}: a save still being written, or interrupted)" if unfinished else "")
+    inside = [name for name in sorted(os.listdir(directory)) if os.path.isdir(os.path.join(directory, name))
+              and (os.path.exists(os.path.join(directory, name, MANIFEST)) or step_folders(os.path.join(directory, name)))]
+    if inside:                                    # the folder above the save directories
+        line += f"; the folders in it that hold checkpoints: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}"
+    return line
 
 
 def _run(command, directory):
