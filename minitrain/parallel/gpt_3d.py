@@ -101,7 +101,8 @@ class HeadStage(Module):
 class GPT3D:
     """The GPT over ``DeviceMesh(comm, dp=dp, pp=pp, tp=tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
-    each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
+    each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss;
+    ``eval_step(idx, targets)`` returns the eval-mode loss by the forward alone (gpt_3d_eval.py).
     ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
     builds the optimizer over them (with ``zero``, over this rank's ZeRO shard of them);
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
