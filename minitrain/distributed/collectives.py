@@ -1,10 +1,12 @@
 """torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
 global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
+import operator
+
 from .. import comm as C
 from ..autograd import Tensor
 from ..backend import array_module
 from ..comm.collectives import _barrier_body
-from ..comm.reductions import OPS, TORCH_OP_NAMES
+from ..comm.reductions import OPS, TORCH_OP_NAMES, check_op
 from . import groups
 from .groups import ReduceOp, _group
 
@@ -17,10 +19,15 @@ def _array(t, name, what="tensor"):
     return data
 
 
-def _op(op, name):
+def _op(op, name, pg, x):
+    """comm's name of PyTorch's ``op``, checked against ``x``'s dtype here, so that an error names this call."""
     op = TORCH_OP_NAMES.get(op.lower(), op.lower()) if isinstance(op, str) else op
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        raise ValueError(f"{name}: ReduceOp.{op.upper()} is not supported here (nor by NCCL); on bool tensors "
+                         f"MIN is a logical and, MAX a logical or")
     if op not in OPS:
         raise ValueError(f"{name}: op {op!r} is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX")
+    check_op(pg.comm, name, op, x.dtype)
     return op
 
 
@@ -80,7 +87,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _group(group, "all_reduce")
     if pg is None:
         return None
-    x, op = _array(tensor, "all_reduce"), _op(op, "all_reduce")
+    x = _array(tensor, "all_reduce")
+    op = _op(op, "all_reduce", pg, x)
     return _run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), _into(x))
 
 
@@ -98,7 +106,8 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     pg = _group(group, "reduce")
     if pg is None:
         return None
-    x, op, root = _array(tensor, "reduce"), _op(op, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
+    x, root = _array(tensor, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
+    op = _op(op, "reduce", pg, x)
     return _run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
                 lambda r: None if r is None else _into(x)(r))
 
@@ -143,7 +152,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if x.size != pg.size() * out.size:
         raise ValueError(f"reduce_scatter_tensor: input has {x.size} elements, the group's {pg.size()} outputs "
                          f"of {out.size} need {pg.size() * out.size}")
-    op = _op(op, "reduce_scatter_tensor")
+    op = _op(op, "reduce_scatter_tensor", pg, x)
     return _run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), _into(out))
 
 
@@ -161,12 +170,26 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     return reduce_scatter_tensor(out, flat, op=op, group=pg, async_op=async_op)
 
 
+def _rows(x, output_split_sizes, input_split_sizes):
+    """How many rows all_to_all_single receives, where this rank can tell before any moves (else None)."""
+    if output_split_sizes is not None:
+        try:
+            return sum(operator.index(s) for s in output_split_sizes)
+        except TypeError:
+            return None          # comm's all_to_all_single names what is wrong with them
+    return x.shape[0] if input_split_sizes is None and x.ndim else None
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     pg = _group(group, "all_to_all_single")
     if pg is None:
         return None
     out, x = _array(output, "all_to_all_single", "output"), _array(input, "all_to_all_single", "input")
     _same("all_to_all_single", [out], x, "output")
+    rows = _rows(x, output_split_sizes, input_split_sizes)
+    if rows is not None and tuple(out.shape) != (rows,) + tuple(x.shape[1:]):
+        raise ValueError(f"all_to_all_single: output has shape {tuple(out.shape)}; what the splits receive "
+                         f"needs {(rows,) + tuple(x.shape[1:])}")
 
     def finish(received):
         if received.shape != out.shape:
@@ -236,8 +259,7 @@ def barrier(group=None, async_op=False, device_ids=None):
     pg = _group(group, "barrier")
     if pg is None:
         return None
-    work = pg.comm.launch("barrier", _barrier_body, (), async_op, {}, 0)
-    return work if async_op else None
+    return _run(async_op, lambda a: pg.comm.launch("barrier", _barrier_body, (), a, {}, 0), lambda _: None)
 
 
 # ---------------------------------------------------------------- point to point

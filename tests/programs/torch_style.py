@@ -10,7 +10,7 @@ from mpi4py import MPI
 import minitrain as mt
 import minitrain.distributed as dist
 
-group_world = dist.init_process_group("gloo")
+returned = dist.init_process_group("gloo")
 r, p, world = dist.get_rank(), dist.get_world_size(), MPI.COMM_WORLD
 rng = np.random.default_rng(100 + r)
 N = 7                                    # prime: no p divides it
@@ -27,6 +27,8 @@ def mpi_allreduce(x, op=MPI.SUM):
     world.Allreduce(x, out, op=op)
     return out
 
+
+ok("init as PyTorch's", returned is None and dist.get_backend() == "gloo")
 
 # all_reduce in place, every op; on a minitrain Tensor and on a non-contiguous view too
 for name, op, mpi_op in (("sum", dist.ReduceOp.SUM, MPI.SUM), ("max", dist.ReduceOp.MAX, MPI.MAX),
@@ -121,7 +123,8 @@ if p > 1:
         dist.isend(x, dst=p - 1, tag=4).wait()
     if r == p - 1:
         ok("recv returns the sender", dist.recv(got, src=0, tag=4) == 0 and np.array_equal(got, np.zeros(N)))
-dist.barrier()
+work = dist.barrier(async_op=True)
+ok("barrier async_op", work.wait() is True and work.is_completed())
 
 # a group of the even ranks: its ranks sorted, global src, a rank outside returns at once
 evens = dist.new_group([q for q in range(p) if q % 2 == 0][::-1])
@@ -139,10 +142,26 @@ if r % 2 == 0:
 else:
     ok("outside the group", np.array_equal(x, np.full(N, float(r + 1))) and dist.get_rank(evens) == -1
        and any("does not belong to the given group" in str(w.message) for w in caught))
+    try:
+        dist.get_process_group_ranks(evens)
+    except ValueError as e:
+        print(f"refused a non-member's question: {e}", flush=True)
+
+# sort_ranks=False: the group's ranks in the order given (group rank 0 is global rank p - 1)
+pair = dist.new_group([p - 1, 0], sort_ranks=False, group_desc="pair")
+if r in (0, p - 1):
+    y = np.full(2, float(r))
+    dist.broadcast(y, group_src=0, group=pair)
+    ok("sort_ranks=False", dist.get_rank(pair) == (r != p - 1) and dist.get_global_rank(pair, 0) == p - 1
+       and np.array_equal(y, np.full(2, p - 1.0)))
 
 # refusals, each one line
 for name, call in (("twice", lambda: dist.init_process_group("gloo")),
-                   ("bad op", lambda: dist.all_reduce(np.ones(2), op="band")),
+                   ("bad op", lambda: dist.all_reduce(np.ones(2), op="median")),
+                   ("bitwise op", lambda: dist.all_reduce(np.ones(2, np.int64), op=dist.ReduceOp.BAND)),
+                   ("integer mean", lambda: dist.all_reduce(np.ones(2, np.int64), op=dist.ReduceOp.AVG)),
+                   ("group rank outside", lambda: dist.get_global_rank(dist.group.WORLD, p)),
+                   ("output too long", lambda: dist.all_to_all_single(np.empty(p + 1), np.ones(p))),
                    ("src outside", lambda: dist.broadcast(np.ones(2), src=p)),
                    ("wrong output size", lambda: dist.all_gather_into_tensor(np.empty(p * 2 + 1), np.ones(2))),
                    ("any source", lambda: dist.recv(np.ones(2))),
