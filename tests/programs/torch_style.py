@@ -88,9 +88,9 @@ out = np.empty(N)
 dist.reduce_scatter(out, [x[i * N:(i + 1) * N] for i in range(p)])
 ok("reduce_scatter", np.allclose(out, want, rtol=1e-13))
 
-# all_to_all_single with uneven splits (rank i sends i + j + 1 rows to rank j), all_to_all
-sends = [r + j + 1 for j in range(p)]
-receives = [j + r + 1 for j in range(p)]
+# all_to_all_single with uneven splits, some empty (rank i sends (i + j) % 3 rows to rank j), all_to_all
+sends = [(r + j) % 3 for j in range(p)]
+receives = [(j + r) % 3 for j in range(p)]
 x = rng.standard_normal((sum(sends), 2))
 want = np.empty((sum(receives), 2))
 world.Alltoallv([x, (np.array(sends) * 2, None), MPI.DOUBLE], [want, (np.array(receives) * 2, None), MPI.DOUBLE])
@@ -101,6 +101,30 @@ ins = [np.full(j + 1, 10.0 * r + j) for j in range(p)]        # rank r's j-th te
 outs = [np.empty(r + 1) for _ in range(p)]
 dist.all_to_all(outs, ins)
 ok("all_to_all", all(np.array_equal(outs[j], np.full(r + 1, 10.0 * j + r)) for j in range(p)))
+
+# in place as FSDP calls them (the input a slice of the output, the output a slice of the input), a strided
+# output, 0-d and empty tensors: as PyTorch's under NCCL (gloo's answers to the first two can be wrong)
+x = rng.standard_normal(3)
+want = np.concatenate(world.allgather(x))
+out = np.empty(3 * p)
+out[3 * r:3 * r + 3] = x
+dist.all_gather_into_tensor(out, out[3 * r:3 * r + 3])
+stacked = np.empty((p, 3))
+dist.all_gather_into_tensor(stacked, x)
+x = rng.standard_normal(3 * p)
+want_rs = x.copy()
+want_rs[3 * r:3 * r + 3] = mpi_allreduce(x)[3 * r:3 * r + 3]      # the other blocks stay as they were
+dist.reduce_scatter_tensor(x[3 * r:3 * r + 3], x)
+ok("in place", np.array_equal(out, want) and np.array_equal(stacked.reshape(-1), want)
+   and np.allclose(x, want_rs, rtol=1e-13))
+x = (np.arange(2.0 * p) + 10 * r).reshape(p, 2)
+strided = np.zeros((2, p)).T                           # a transposed view: row j from rank j
+dist.all_to_all_single(strided, x)
+zero_d, empty = np.array(float(r + 1)), np.empty((0, 2))
+dist.all_reduce(zero_d)
+dist.all_reduce(empty)
+ok("strided, 0-d, empty", np.array_equal(strided.ravel(), [10.0 * j + 2 * r + k for j in range(p) for k in range(2)])
+   and zero_d == p * (p + 1) / 2 and empty.shape == (0, 2))
 
 # gather, scatter
 x = np.full(3, float(r))
