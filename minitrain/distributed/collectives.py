@@ -1,5 +1,6 @@
 """torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
 global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
+import datetime
 import operator
 
 from .. import comm as C
@@ -61,7 +62,9 @@ class _Finishing:
         return self.work.is_completed()
 
     def wait(self, timeout=None):
-        result = self.work.wait(timeout)
+        """Finish the call; ``timeout`` (PyTorch's timedelta, or seconds; 0: none) bounds the wait."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        result = self.work.wait(seconds or None)
         if not self.finished:
             self.finished = True
             self.finish(result)

@@ -1,6 +1,7 @@
 """minitrain.distributed's torch.distributed calls against MPI's built-ins (mpi4py), at any p, awkward sizes.
 
 Each check prints "ok NAME" on every rank; a wrong result raises (the test reads the ok lines)."""
+import datetime
 import sys
 import warnings
 
@@ -55,8 +56,8 @@ ok("all_reduce Tensor and transposed view", np.allclose(t.data, want_t, rtol=1e-
 x = rng.standard_normal(N)
 want = mpi_allreduce(x)
 work = dist.all_reduce(x, async_op=True)
-work.wait()
-ok("all_reduce async_op", work.is_completed() and np.allclose(x, want, rtol=1e-13))
+ok("all_reduce async_op", work.wait(timeout=datetime.timedelta(seconds=60)) is True and work.is_completed()
+   and np.allclose(x, want, rtol=1e-13))
 
 # broadcast, reduce: src / dst are global ranks
 x = rng.standard_normal(N)
