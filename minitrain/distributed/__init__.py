@@ -20,7 +20,10 @@ any shape with p times the input's elements serves all_gather_into_tensor, as un
 other ranks' tensors as they were (PyTorch: undefined); strided tensors, and an output that is the input,
 give the right answer in every collective (gloo's can be wrong); a non-member's send / recv returns at once
 (PyTorch's raises), its group questions (get_process_group_ranks, ...) are refused; a mismatch across ranks
-(shape, dtype, op, root, call) raises on every rank, naming them, within the stall report's time.
+(shape, dtype, op, root, call) raises on every rank, naming them, within the stall report's time; such
+a report names the collective underneath (all_reduce: ring_ or recursive_doubling_all_reduce; all_gather,
+all_gather_into_tensor, gather: ring_all_gather; scatter: broadcast). A refused argument is a ValueError or
+TypeError where gloo raises RuntimeError; isend / irecv's wait() takes no timeout (the group's bounds it).
 """
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier,
                           broadcast, gather, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter,

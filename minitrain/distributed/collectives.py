@@ -1,6 +1,5 @@
 """torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
 global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
-import datetime
 import operator
 
 from .. import comm as C
@@ -10,6 +9,7 @@ from ..comm.collectives import _barrier_body
 from ..comm.reductions import OPS, TORCH_OP_NAMES, check_op
 from . import groups
 from .groups import ReduceOp, _group
+from .work import into, run
 
 
 # ---------------------------------------------------------------- arguments
@@ -52,39 +52,6 @@ def _same(name, arrays, like, what):
                             f"got {a.dtype}")
 
 
-class _Finishing:
-    """A Work whose wait() also writes its result where PyTorch's call puts it."""
-
-    def __init__(self, work, finish):
-        self.work, self.finish, self.finished = work, finish, False
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def wait(self, timeout=None):
-        """Finish the call; ``timeout`` (PyTorch's timedelta, or seconds; 0: none) bounds the wait."""
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        result = self.work.wait(seconds or None)
-        if not self.finished:
-            self.finished = True
-            self.finish(result)
-        return True
-
-
-def _run(async_op, call, finish):
-    """``call(async_op)`` then ``finish(result)``: now, or in the returned Work's wait()."""
-    if async_op:
-        return _Finishing(call(True), finish)
-    finish(call(False))
-    return None
-
-
-def _into(dst):
-    def write(result):
-        dst[...] = result.reshape(dst.shape)
-    return write
-
-
 # ---------------------------------------------------------------- collectives
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _group(group, "all_reduce")
@@ -92,7 +59,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
         return None
     x = _array(tensor, "all_reduce")
     op = _op(op, "all_reduce", pg, x)
-    return _run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), _into(x))
+    return run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), into(x))
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -101,8 +68,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         return None
     x, root = _array(tensor, "broadcast"), _peer(pg, "broadcast", src, group_src, "src")
     buf = x if x.flags.c_contiguous else array_module(x).ascontiguousarray(x)
-    return _run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
-                lambda _: None if buf is x else _into(x)(buf))
+    return run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
+               lambda _: None if buf is x else into(x)(buf))
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
@@ -111,8 +78,8 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
         return None
     x, root = _array(tensor, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
     op = _op(op, "reduce", pg, x)
-    return _run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
-                lambda r: None if r is None else _into(x)(r))
+    return run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
+               lambda r: None if r is None else into(x)(r))
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -126,7 +93,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if out.size != pg.size() * x.size:
         raise ValueError(f"all_gather_into_tensor: output_tensor has {out.size} elements, the group's {pg.size()} "
                          f"inputs of {x.size} need {pg.size() * x.size}")
-    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=out.size, async_op=a), _into(out))
+    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=out.size, async_op=a), into(out))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -142,7 +109,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     def finish(flat):
         for i, o in enumerate(outs):
             o[...] = flat[i * x.size:(i + 1) * x.size].reshape(o.shape)
-    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
+    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -156,7 +123,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         raise ValueError(f"reduce_scatter_tensor: input has {x.size} elements, the group's {pg.size()} outputs "
                          f"of {out.size} need {pg.size() * out.size}")
     op = _op(op, "reduce_scatter_tensor", pg, x)
-    return _run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), _into(out))
+    return run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), into(out))
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -199,8 +166,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             raise ValueError(f"[rank {pg.comm.rank}] all_to_all_single: {tuple(received.shape)} arrived, the output "
                              f"is {tuple(out.shape)}")
         out[...] = received
-    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, x, output_split_sizes, input_split_sizes,
-                                                         async_op=a), finish)
+    return run(async_op, lambda a: C.all_to_all_single(pg.comm, x, output_split_sizes, input_split_sizes,
+                                                        async_op=a), finish)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -220,8 +187,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         for o in outs:
             o[...] = received[start:start + o.size].reshape(o.shape)
             start += o.size
-    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
-                                                         async_op=a), finish)
+    return run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
+                                                        async_op=a), finish)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -254,15 +221,15 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     else:
         whole = xp.empty(pg.size() * x.size, x.dtype)
     r = pg.rank()
-    return _run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
-                lambda _: _into(x)(whole[r * x.size:(r + 1) * x.size]))
+    return run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
+               lambda _: into(x)(whole[r * x.size:(r + 1) * x.size]))
 
 
 def barrier(group=None, async_op=False, device_ids=None):
     pg = _group(group, "barrier")
     if pg is None:
         return None
-    return _run(async_op, lambda a: pg.comm.launch("barrier", _barrier_body, (), a, {}, 0), lambda _: None)
+    return run(async_op, lambda a: pg.comm.launch("barrier", _barrier_body, (), a, {}, 0), lambda _: None)
 
 
 # ---------------------------------------------------------------- point to point
