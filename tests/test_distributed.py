@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from minitrain.testing import run_mpi
+from minitrain.testing import free_port, run_mpi
 
 PROGRAM = Path(__file__).parent / "programs" / "torch_style.py"
+ORACLE = Path(__file__).parent / "programs" / "torch_dist_oracle.py"
+ORACLE_CALLS = 35          # the compare() calls in ORACLE
 CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product",
           "all_reduce avg", "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op",
           "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
@@ -56,6 +58,17 @@ def test_what_cannot_work_is_refused_in_one_line(printed, name):
     for rank in range(3):      # an error raised by comm/ names the rank too
         line = rf"\[{rank}\] refused {name}: (\[rank {rank}\] )?{re.escape(REFUSALS[name])}"
         assert re.search(line, printed), printed
+
+
+def test_each_call_answers_as_torch_distributed_does_under_gloo():
+    """torch.distributed itself beside minitrain.distributed in every rank (p = 3): each result, each return value
+    (wait()'s, recv's, a non-member's, get_rank off a group) the same, all ops and dtypes gloo defines."""
+    pytest.importorskip("torch")
+    out = run_mpi([sys.executable, "-W", "ignore", ORACLE], n=3, timeout=120,
+                  env={"MASTER_PORT": str(free_port())}).stdout
+    assert "differs" not in out, out
+    for rank in range(3):
+        assert out.count(f"[{rank}] same ") == ORACLE_CALLS, out
 
 
 def test_calls_before_init_process_group_say_so():
