@@ -23,6 +23,7 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "integer mean": "all_reduce: op='mean' needs a floating dtype, got int64",
             "group rank outside": "get_global_rank: group rank 3 is not in the group [0, 1, 2]",
             "output too long": "all_to_all_single: output has shape (4,); what the splits receive needs (3,)",
+            "ranks not integers": "new_group: ranks must be global ranks (integers), got [0, 1.5]",
             "src outside": "broadcast: src=3 is not a rank of the group [0, 1, 2]",
             "wrong output size": ("all_gather_into_tensor: output_tensor has 7 elements, the group's 3 inputs of 2 "
                                   "need 6"),

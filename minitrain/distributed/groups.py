@@ -1,6 +1,7 @@
 """torch.distributed's process groups over minitrain's communicators: the world from the MPI launcher,
 new_group's sub-communicators (comm.split), ranks in and out of a group, PyTorch's reduction names."""
 import datetime
+import operator
 import warnings
 
 from .. import comm as C
@@ -108,7 +109,10 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local
     """A group of ``ranks`` (global ranks; None: all), in rank order unless sort_ranks=False (then in the
     order given). Every rank of the world calls it, as in PyTorch; timeout: as init_process_group's."""
     world = _group(None, "new_group")
-    chosen = list(range(world.size())) if ranks is None else [int(r) for r in ranks]
+    try:
+        chosen = list(range(world.size())) if ranks is None else [operator.index(r) for r in ranks]
+    except TypeError:
+        raise TypeError(f"new_group: ranks must be global ranks (integers), got {list(ranks)}") from None
     chosen = sorted(chosen) if sort_ranks else chosen
     if len(set(chosen)) != len(chosen) or not all(0 <= r < world.size() for r in chosen):
         raise ValueError(f"new_group: ranks {list(ranks)} must be distinct ranks of the world of size {world.size()}")
