@@ -6,16 +6,24 @@ from pathlib import Path
 
 import pytest
 
-from minitrain.testing import run_mpi
+from minitrain.testing import free_port, run_mpi
 
 PROGRAM = Path(__file__).parent / "programs" / "torch_style.py"
-CHECKS = ["all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product", "all_reduce avg",
-          "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op", "broadcast",
-          "reduce",
-          "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single uneven",
-          "all_to_all", "gather", "scatter", "isend/irecv", "destroyed"]
+ORACLE = Path(__file__).parent / "programs" / "torch_dist_oracle.py"
+ORACLE_CALLS = 35          # the compare() calls in ORACLE
+CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product",
+          "all_reduce avg", "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op",
+          "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
+          "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
+          "isend/irecv", "barrier async_op", "destroyed"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
-            "bad op": "all_reduce: op 'band' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
+            "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
+            "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "
+                          "logical and, MAX a logical or",
+            "integer mean": "all_reduce: op='mean' needs a floating dtype, got int64",
+            "group rank outside": "get_global_rank: group rank 3 is not in the group [0, 1, 2]",
+            "output too long": "all_to_all_single: output has shape (4,); what the splits receive needs (3,)",
+            "ranks not integers": "new_group: ranks must be global ranks (integers), got [0, 1.5]",
             "src outside": "broadcast: src=3 is not a rank of the group [0, 1, 2]",
             "wrong output size": ("all_gather_into_tensor: output_tensor has 7 elements, the group's 3 inputs of 2 "
                                   "need 6"),
@@ -40,12 +48,28 @@ def test_a_group_sorts_its_ranks_takes_global_ranks_and_leaves_a_non_member_out(
         for check in ("group all_reduce", "group ranks", "group broadcast from a global rank"):
             assert f"[{rank}] ok {check}\n" in printed, printed
     assert "[1] ok outside the group\n" in printed and "[2] ok recv returns the sender\n" in printed
+    assert "[1] refused a non-member's question: get_process_group_ranks: global rank 1 is not in this group" \
+        in printed, printed
+    for rank in (0, 2):       # new_group([2, 0], sort_ranks=False): group rank 0 is global rank 2
+        assert f"[{rank}] ok sort_ranks=False\n" in printed, printed
 
 
 @pytest.mark.parametrize("name", REFUSALS)
 def test_what_cannot_work_is_refused_in_one_line(printed, name):
+    for rank in range(3):      # an error raised by comm/ names the rank too
+        line = rf"\[{rank}\] refused {name}: (\[rank {rank}\] )?{re.escape(REFUSALS[name])}"
+        assert re.search(line, printed), printed
+
+
+def test_each_call_answers_as_torch_distributed_does_under_gloo():
+    """torch.distributed itself beside minitrain.distributed in every rank (p = 3): each result, each return value
+    (wait()'s, recv's, a non-member's, get_rank off a group) the same, all ops and dtypes gloo defines."""
+    pytest.importorskip("torch")
+    out = run_mpi([sys.executable, "-W", "ignore", ORACLE], n=3, timeout=120,
+                  env={"MASTER_PORT": str(free_port())}).stdout
+    assert "differs" not in out, out
     for rank in range(3):
-        assert re.search(rf"\[{rank}\] refused {name}: {re.escape(REFUSALS[name])}", printed), printed
+        assert out.count(f"[{rank}] same ") == ORACLE_CALLS, out
 
 
 def test_calls_before_init_process_group_say_so():

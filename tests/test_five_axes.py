@@ -16,7 +16,8 @@ LAUNCHES = {   # ranks -> {name: extra options}
     4: {"cp2 dp2 zero1": ["--cp", 2, "--dp", 2, "--zero", 1],
         "cp2 pp2 zbv": ["--cp", 2, "--pp", 2, "--schedule", "zbv", "--microbatches", 2],
         "pp2 dp2 zb_h1 zero2": ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 2],
-        "moe pp2 dp2 zbv": ["--moe-experts", 4, "--pp", 2, "--dp", 2, "--schedule", "zbv"]},
+        "moe pp2 dp2 zbv": ["--moe-experts", 4, "--pp", 2, "--dp", 2, "--schedule", "zbv"],
+        "tp2 dp2 dropout": ["--tp", 2, "--dp", 2, "--dropout", 0.1]},
     8: {"pp2 cp2 tp2 zb_h1 zero1": ["--pp", 2, "--cp", 2, "--tp", 2, "--schedule", "zb_h1", "--microbatches", 2,
                                     "--zero", 1],
         "dp2 cp2 tp2 ulysses zero3": ["--dp", 2, "--cp", 2, "--tp", 2, "--cp-method", "ulysses", "--zero", 3]},
@@ -49,7 +50,7 @@ def runs(tmp_path_factory):
     return reports, one
 
 
-@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts if "dropout" not in name])
 def test_the_axes_combined_train_with_one_process_s_losses(runs, name):
     reports, one = runs
     report, reference = reports[name], one["moe" if name.startswith("moe") else "dense"]
@@ -60,6 +61,9 @@ def test_the_axes_combined_train_with_one_process_s_losses(runs, name):
     assert report["zero"] == next((int(w[-1]) for w in name.split() if w.startswith("zero")), 0)
     assert len(report["losses"]) == len(reference["losses"]) == 10
     np.testing.assert_allclose(report["losses"], reference["losses"], rtol=1e-10, atol=0)
+    # the validation losses: the forward alone through the mesh (GPT3D.eval_step), no rank holding the whole model
+    for key in ("initial_val_loss", "final_val_loss"):
+        assert report[key] == pytest.approx(reference[key], rel=1e-12), key
     if name.startswith("moe"):
         assert report["moe"]["tokens_dropped"] == reference["moe"]["tokens_dropped"]
         np.testing.assert_allclose(report["moe"]["aux_loss"], reference["moe"]["aux_loss"], rtol=1e-10, atol=0)
@@ -73,3 +77,11 @@ def test_the_cp_block_reads_a_rank_with_blocks(runs, name):
     assert cp["bytes_from"] == ("rank 2" if "zbv" in name.split() else "rank 0")
     assert cp["bytes_per_step"] == cp["bytes_formula"] > 0
     assert cp["compute_max_over_mean"] == 1.0
+
+
+def test_validation_runs_in_eval_mode(runs):
+    """Dropout's masks differ from one process's under dp (documented), so the training losses do; the validation
+    before training is the forward in eval mode, dropout off: one process's without dropout, to rounding."""
+    report, reference = runs[0]["tp2 dp2 dropout"], runs[1]["dense"]
+    assert report["initial_val_loss"] == pytest.approx(reference["initial_val_loss"], rel=1e-12)
+    assert report["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)      # dropout did train

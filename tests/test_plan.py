@@ -640,3 +640,27 @@ def test_a_named_model_s_sizes_are_not_options_the_command_line_gave():
 def test_a_search_ranks_the_cp_asked_beside_its_own():
     """--cp is the one layout option --search takes (it tries cp only down to 1024 tokens a rank otherwise)."""
     assert {r["layout"]["cp"] for r in cli("gpt --cp 2 --world 4 --search")} == {1, 2}
+
+
+def test_a_thread_count_between_the_calibrated_ones_is_priced_between_them():
+    """calibrate measures 1 thread and the cores; a 2-rank job on 8 cores takes 4 a rank. It was priced on the
+    8 threads' curve (as fast as twice its cores); now each rate is interpolated between 1 and 8, and beyond the
+    calibrated counts the nearest is taken."""
+    from minitrain.plan.costs import Costs
+    base = plan.load_machine("cpu-2core")
+    machine = {**base, "cores": 8}
+    for key in ("matmul_flops", "matmul_batched_flops", "matmul_rows_flops"):
+        machine[key] = {d: dict(v) for d, v in base[key].items()}
+    slow = machine["matmul_flops"]["float64"]["1"]
+    machine["matmul_flops"]["float64"] = {"1": slow, "8": [[n, 8 * r] for n, r in slow]}
+    grid = machine["matmul_rows_flops"]["float64"]["1"]
+    machine["matmul_rows_flops"]["float64"] = {"1": grid, "8": {**grid, "flops": [[8 * f for f in row]
+                                                                                   for row in grid["flops"]]}}
+    rates = {t: Costs(machine, "fp64", t) for t in (1, 4, 8, 16)}
+    for (n, r1), (_, r4), (_, r8), (_, r16) in zip(*(rates[t].curve for t in (1, 4, 8, 16))):
+        assert r4 == pytest.approx(r1 + 3 / 7 * (r8 - r1)) and r16 == r8 == pytest.approx(8 * r1)
+    assert rates[4].grid["flops"][0][0] == pytest.approx(grid["flops"][0][0] * (1 + 3 / 7 * 7))
+    layouts = {t: plan.Layout(world=1, dp=1, batch_size=256, threads=t, precision="fp64") for t in (1, 4, 8)}
+    times = {t: plan.predict(plan.MLP((64, 512, 512, 10)), layout, machine)["step_time_s"]["compute"]
+             for t, layout in layouts.items()}
+    assert times[1] > times[4] > times[8]

@@ -9,11 +9,21 @@ with PyTorch's conventions laid over it (torch.distributed's documentation, "Col
 results are written into the caller's tensors; src / dst are global ranks (group_src /
 group_dst: ranks within the group); async_op=True returns a Work whose wait() finishes the call;
 a rank not in the group returns at once, as PyTorch's does (a warning says so). new_group(ranks)
-is collective over the world, its ranks sorted as PyTorch sorts them. What the rings cost: comm/collectives.py.
+is collective over the world, its ranks sorted unless sort_ranks=False. What the rings cost: comm/collectives.py.
 gather and scatter go through all_gather and broadcast (every rank moves what the root would).
 Backends: "mpi" and "gloo" (the same: MPI point-to-point), "nccl" (comm/nccl.py); the rendezvous is
 the MPI launcher's, so init_method is "env://" or None and world_size / rank, where given, are checked
 against it. timeout: how long any wait may last (the stall report comes at a third of it, at most 10 s).
+Unlike PyTorch's gloo (checked call by call against torch 2.13): recv needs its src (no receive from any
+source); ReduceOp.BAND / BOR / BXOR are refused (NCCL has none; on bool, MIN is and, MAX is or); an output of
+any shape with p times the input's elements serves all_gather_into_tensor, as under NCCL; reduce leaves the
+other ranks' tensors as they were (PyTorch: undefined); strided tensors, and an output that is the input,
+give the right answer in every collective (gloo's can be wrong); a non-member's send / recv returns at once
+(PyTorch's raises), its group questions (get_process_group_ranks, ...) are refused; a mismatch across ranks
+(shape, dtype, op, root, call) raises on every rank, naming them, within the stall report's time; such
+a report names the collective underneath (all_reduce: ring_ or recursive_doubling_all_reduce; all_gather,
+all_gather_into_tensor, gather: ring_all_gather; scatter: broadcast). A refused argument is a ValueError or
+TypeError where gloo raises RuntimeError; isend / irecv's wait() takes no timeout (the group's bounds it).
 """
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier,
                           broadcast, gather, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter,

@@ -1,12 +1,15 @@
 """torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
 global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
+import operator
+
 from .. import comm as C
 from ..autograd import Tensor
 from ..backend import array_module
 from ..comm.collectives import _barrier_body
-from ..comm.reductions import OPS, TORCH_OP_NAMES
+from ..comm.reductions import OPS, TORCH_OP_NAMES, check_op
 from . import groups
 from .groups import ReduceOp, _group
+from .work import into, run
 
 
 # ---------------------------------------------------------------- arguments
@@ -17,10 +20,15 @@ def _array(t, name, what="tensor"):
     return data
 
 
-def _op(op, name):
+def _op(op, name, pg, x):
+    """comm's name of PyTorch's ``op``, checked against ``x``'s dtype here, so that an error names this call."""
     op = TORCH_OP_NAMES.get(op.lower(), op.lower()) if isinstance(op, str) else op
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        raise ValueError(f"{name}: ReduceOp.{op.upper()} is not supported here (nor by NCCL); on bool tensors "
+                         f"MIN is a logical and, MAX a logical or")
     if op not in OPS:
         raise ValueError(f"{name}: op {op!r} is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX")
+    check_op(pg.comm, name, op, x.dtype)
     return op
 
 
@@ -44,44 +52,14 @@ def _same(name, arrays, like, what):
                             f"got {a.dtype}")
 
 
-class _Finishing:
-    """A Work whose wait() also writes its result where PyTorch's call puts it."""
-
-    def __init__(self, work, finish):
-        self.work, self.finish, self.finished = work, finish, False
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def wait(self, timeout=None):
-        result = self.work.wait(timeout)
-        if not self.finished:
-            self.finished = True
-            self.finish(result)
-        return True
-
-
-def _run(async_op, call, finish):
-    """``call(async_op)`` then ``finish(result)``: now, or in the returned Work's wait()."""
-    if async_op:
-        return _Finishing(call(True), finish)
-    finish(call(False))
-    return None
-
-
-def _into(dst):
-    def write(result):
-        dst[...] = result.reshape(dst.shape)
-    return write
-
-
 # ---------------------------------------------------------------- collectives
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _group(group, "all_reduce")
     if pg is None:
         return None
-    x, op = _array(tensor, "all_reduce"), _op(op, "all_reduce")
-    return _run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), _into(x))
+    x = _array(tensor, "all_reduce")
+    op = _op(op, "all_reduce", pg, x)
+    return run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), into(x))
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -90,17 +68,18 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         return None
     x, root = _array(tensor, "broadcast"), _peer(pg, "broadcast", src, group_src, "src")
     buf = x if x.flags.c_contiguous else array_module(x).ascontiguousarray(x)
-    return _run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
-                lambda _: None if buf is x else _into(x)(buf))
+    return run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
+               lambda _: None if buf is x else into(x)(buf))
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
     pg = _group(group, "reduce")
     if pg is None:
         return None
-    x, op, root = _array(tensor, "reduce"), _op(op, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
-    return _run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
-                lambda r: None if r is None else _into(x)(r))
+    x, root = _array(tensor, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
+    op = _op(op, "reduce", pg, x)
+    return run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
+               lambda r: None if r is None else into(x)(r))
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -114,7 +93,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if out.size != pg.size() * x.size:
         raise ValueError(f"all_gather_into_tensor: output_tensor has {out.size} elements, the group's {pg.size()} "
                          f"inputs of {x.size} need {pg.size() * x.size}")
-    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=out.size, async_op=a), _into(out))
+    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=out.size, async_op=a), into(out))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -130,7 +109,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     def finish(flat):
         for i, o in enumerate(outs):
             o[...] = flat[i * x.size:(i + 1) * x.size].reshape(o.shape)
-    return _run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
+    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -143,8 +122,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if x.size != pg.size() * out.size:
         raise ValueError(f"reduce_scatter_tensor: input has {x.size} elements, the group's {pg.size()} outputs "
                          f"of {out.size} need {pg.size() * out.size}")
-    op = _op(op, "reduce_scatter_tensor")
-    return _run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), _into(out))
+    op = _op(op, "reduce_scatter_tensor", pg, x)
+    return run(async_op, lambda a: C.ring_reduce_scatter(pg.comm, x, op=op, async_op=a), into(out))
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -161,20 +140,34 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     return reduce_scatter_tensor(out, flat, op=op, group=pg, async_op=async_op)
 
 
+def _rows(x, output_split_sizes, input_split_sizes):
+    """How many rows all_to_all_single receives, where this rank can tell before any moves (else None)."""
+    if output_split_sizes is not None:
+        try:
+            return sum(operator.index(s) for s in output_split_sizes)
+        except TypeError:
+            return None          # comm's all_to_all_single names what is wrong with them
+    return x.shape[0] if input_split_sizes is None and x.ndim else None
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     pg = _group(group, "all_to_all_single")
     if pg is None:
         return None
     out, x = _array(output, "all_to_all_single", "output"), _array(input, "all_to_all_single", "input")
     _same("all_to_all_single", [out], x, "output")
+    rows = _rows(x, output_split_sizes, input_split_sizes)
+    if rows is not None and tuple(out.shape) != (rows,) + tuple(x.shape[1:]):
+        raise ValueError(f"all_to_all_single: output has shape {tuple(out.shape)}; what the splits receive "
+                         f"needs {(rows,) + tuple(x.shape[1:])}")
 
     def finish(received):
         if received.shape != out.shape:
             raise ValueError(f"[rank {pg.comm.rank}] all_to_all_single: {tuple(received.shape)} arrived, the output "
                              f"is {tuple(out.shape)}")
         out[...] = received
-    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, x, output_split_sizes, input_split_sizes,
-                                                         async_op=a), finish)
+    return run(async_op, lambda a: C.all_to_all_single(pg.comm, x, output_split_sizes, input_split_sizes,
+                                                        async_op=a), finish)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -194,8 +187,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         for o in outs:
             o[...] = received[start:start + o.size].reshape(o.shape)
             start += o.size
-    return _run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
-                                                         async_op=a), finish)
+    return run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
+                                                        async_op=a), finish)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -228,16 +221,15 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     else:
         whole = xp.empty(pg.size() * x.size, x.dtype)
     r = pg.rank()
-    return _run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
-                lambda _: _into(x)(whole[r * x.size:(r + 1) * x.size]))
+    return run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
+               lambda _: into(x)(whole[r * x.size:(r + 1) * x.size]))
 
 
 def barrier(group=None, async_op=False, device_ids=None):
     pg = _group(group, "barrier")
     if pg is None:
         return None
-    work = pg.comm.launch("barrier", _barrier_body, (), async_op, {}, 0)
-    return work if async_op else None
+    return run(async_op, lambda a: pg.comm.launch("barrier", _barrier_body, (), a, {}, 0), lambda _: None)
 
 
 # ---------------------------------------------------------------- point to point

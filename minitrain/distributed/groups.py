@@ -1,21 +1,24 @@
 """torch.distributed's process groups over minitrain's communicators: the world from the MPI launcher,
 new_group's sub-communicators (comm.split), ranks in and out of a group, PyTorch's reduction names."""
 import datetime
+import operator
 import warnings
 
 from .. import comm as C
 
 
 class ReduceOp:
-    """PyTorch's reduction names; AVG of floating dtypes only (an integer mean is not an integer)."""
+    """PyTorch's reduction names; AVG of floating dtypes only (an integer mean is not an integer).
+    BAND, BOR and BXOR are named so that a call with one is refused in one line (NCCL has none either)."""
     SUM, AVG, PRODUCT, MIN, MAX = "sum", "mean", "prod", "min", "max"
+    BAND, BOR, BXOR = "band", "bor", "bxor"
 
 
 class ProcessGroup:
     """A communicator and the global ranks it holds, in its rank order."""
 
-    def __init__(self, communicator, ranks, backend):
-        self.comm, self.ranks, self.backend = communicator, list(ranks), backend
+    def __init__(self, communicator, ranks, backend, group_desc=None):
+        self.comm, self.ranks, self.backend, self.group_desc = communicator, list(ranks), backend, group_desc
 
     def rank(self):
         return self.comm.rank
@@ -36,17 +39,27 @@ class group:                         # noqa: N801  (PyTorch's name: dist.group.W
 
 
 _world = None
+#: PyTorch's backend names, and the minitrain backend each one runs on (gloo's calls are MPI's here)
+BACKENDS = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl"}
 
 
 # ---------------------------------------------------------------- the default group
+def _timeouts(timeout):
+    """A communicator's keywords for PyTorch's ``timeout`` (a timedelta or seconds): the hard limit of a
+    wait, and the stall report at a third of it (at most comm's default)."""
+    if timeout is None:
+        return {}
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return {"timeout": seconds, "comm_timeout": min(C.DEFAULT_COMM_TIMEOUT, seconds / 3)}
+
+
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
                        group_name="", pg_options=None, device_id=None):
-    """The world's process group, from the MPI launcher's ranks (see the module docstring)."""
+    """The world's process group, from the MPI launcher's ranks (see the module docstring); None, as PyTorch's."""
     global _world
     if _world is not None:
         raise ValueError("trying to initialize the default process group twice!")
-    names = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl"}
-    if backend not in names:
+    if backend not in BACKENDS:
         raise ValueError(f"init_process_group: backend {backend!r} is not one of mpi, gloo, nccl")
     if init_method not in (None, "env://") or store is not None:
         raise ValueError(f"init_process_group: the MPI launcher does the rendezvous; init_method {init_method!r} / "
@@ -54,17 +67,12 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     for name, value in (("pg_options", pg_options), ("device_id", device_id)):
         if value is not None:
             raise ValueError(f"init_process_group: {name} is not supported here; leave it out")
-    kwargs = {}
-    if timeout is not None:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        kwargs = {"timeout": seconds, "comm_timeout": min(C.DEFAULT_COMM_TIMEOUT, seconds / 3)}
-    world = C.init(backend=names[backend], **kwargs)
+    world = C.init(backend=BACKENDS[backend], **_timeouts(timeout))
     for name, given, actual in (("world_size", world_size, world.size), ("rank", rank, world.rank)):
         if given not in (-1, None) and given != actual:
             raise ValueError(f"init_process_group: {name}={given}, but the MPI launcher started this process as "
                              f"{name} {actual}")
-    _world = group.WORLD = ProcessGroup(world, range(world.size), names[backend])
-    return _world
+    _world = group.WORLD = ProcessGroup(world, range(world.size), backend or "mpi")
 
 
 def is_initialized():
@@ -96,17 +104,28 @@ def _group(pg, name):
     return pg
 
 
-def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False):
-    """A group of ``ranks`` (global ranks; None: all). Every rank of the world calls it, as in PyTorch."""
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+              group_desc=None, device_id=None, sort_ranks=True):
+    """A group of ``ranks`` (global ranks; None: all), in rank order unless sort_ranks=False (then in the
+    order given). Every rank of the world calls it, as in PyTorch; timeout: as init_process_group's."""
     world = _group(None, "new_group")
-    chosen = list(range(world.size())) if ranks is None else sorted(int(r) for r in ranks)
+    try:
+        chosen = list(range(world.size())) if ranks is None else [operator.index(r) for r in ranks]
+    except TypeError:
+        raise TypeError(f"new_group: ranks must be global ranks (integers), got {list(ranks)}") from None
+    chosen = sorted(chosen) if sort_ranks else chosen
     if len(set(chosen)) != len(chosen) or not all(0 <= r < world.size() for r in chosen):
         raise ValueError(f"new_group: ranks {list(ranks)} must be distinct ranks of the world of size {world.size()}")
-    if backend not in (None, world.backend) or use_local_synchronization:
+    if backend is not None and BACKENDS.get(backend) != BACKENDS[world.backend] or use_local_synchronization:
         raise ValueError("new_group: a group has the world's backend and synchronizes the whole world")
+    for name, value in (("pg_options", pg_options), ("device_id", device_id)):
+        if value is not None:
+            raise ValueError(f"new_group: {name} is not supported here; leave it out")
     member = world.comm.rank in chosen
-    sub = world.comm.split(1 if member else 0, world.comm.rank)
-    return ProcessGroup(sub, chosen, world.backend) if member else GroupMember.NON_GROUP_MEMBER
+    sub = world.comm.split(1 if member else 0, chosen.index(world.comm.rank) if member else world.comm.rank)
+    for name, value in _timeouts(timeout).items():
+        setattr(sub, name, value)
+    return ProcessGroup(sub, chosen, world.backend, group_desc) if member else GroupMember.NON_GROUP_MEMBER
 
 
 def get_rank(group=None):
@@ -119,20 +138,31 @@ def get_world_size(group=None):
     return -1 if pg is GroupMember.NON_GROUP_MEMBER else _group(pg, "get_world_size").size()
 
 
+def _member(pg, name):
+    """The group a question is about; a rank outside it cannot ask (PyTorch's answers there are not its own)."""
+    if pg is GroupMember.NON_GROUP_MEMBER and _world is not None:
+        raise ValueError(f"{name}: global rank {_world.comm.rank} is not in this group (new_group returned "
+                         f"GroupMember.NON_GROUP_MEMBER here)")
+    return _group(pg, name)
+
+
 def get_backend(group=None):
-    return _group(group, "get_backend").backend
+    return _member(group, "get_backend").backend
 
 
 def get_process_group_ranks(group):
-    return list(_group(group, "get_process_group_ranks").ranks)
+    return list(_member(group, "get_process_group_ranks").ranks)
 
 
 def get_global_rank(group, group_rank):
-    return _group(group, "get_global_rank").ranks[group_rank]
+    pg = _member(group, "get_global_rank")
+    if not 0 <= group_rank < pg.size():
+        raise ValueError(f"get_global_rank: group rank {group_rank} is not in the group {pg.ranks}")
+    return pg.ranks[group_rank]
 
 
 def get_group_rank(group, global_rank):
-    pg = _group(group, "get_group_rank")
+    pg = _member(group, "get_group_rank")
     if global_rank not in pg.ranks:
         raise ValueError(f"get_group_rank: global rank {global_rank} is not in the group {pg.ranks}")
     return pg.ranks.index(global_rank)

@@ -24,6 +24,13 @@ def estimate_loss(model, corpus, args, rng, batches=4):
     return float(np.mean(losses))
 
 
+def evaluate(model, corpus, args, rng, batches=4):
+    """estimate_loss's batches through a GPT3D's eval_step (Megatron's evaluate): every rank, none holding the
+    whole model."""
+    return float(np.mean([model.eval_step(*corpus.get_batch("val", args.batch_size, args.block_size, rng))
+                          for _ in range(batches)]))
+
+
 def scheduler_for(opt, args):
     """The GPT's schedule: linear warm-up then cosine to lr/10, or (constant) to lr itself: a cosine from 1 to 1
     (PyTorch: the same LambdaLR)."""

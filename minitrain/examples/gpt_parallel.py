@@ -12,8 +12,8 @@ Rank 0 prints the loss, the bytes each rank sent per step and per transformer la
 hooks around each block's forward, on the tensor-parallel communicator) beside Megatron's count
 (2 all-reduces of b·T·C forward for a micro-batch of b rows: 2 x 2(t-1)/t·b·T·C·bytes), the
 pipeline's bubble by the formula (zb_h1, zbv: simulated at F = B = W, equal stages), memory per rank,
-and a sample. The validation loss is computed
-in one process from the gathered parameters (the sharded model is the same function).
+and a sample. The validation loss is Megatron's evaluate(): the forward alone through the same mesh
+(GPT3D.eval_step), no rank holding the whole model; only the sample gathers it, on rank 0.
 With --cp C the mesh is dp x pp x cp x tp: each rank holds block-size/C positions of every row
 (parallel/context_parallel/), and the table and --json's "cp" block give the first rank with blocks' attention
 bytes on the cp communicator per step (measured) beside the formula from the sizes (with experts, their routing's
@@ -43,7 +43,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
+from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, evaluate,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for, stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
@@ -84,8 +84,6 @@ def main_parallel(args):
     gpt = nn.GPT(config)
     psi = gpt.num_parameters()
     rng = np.random.default_rng(args.seed)                   # the same batches on every rank
-    val_rng = np.random.default_rng(args.seed + 1)           # rank 0's alone: it does not move rng
-    initial_val = estimate_loss(gpt, corpus, args, val_rng) if rank == 0 else None
     try:
         model = GPT3D(gpt, comm, dp=dp, pp=pp, tp=tp, schedule=args.schedule, num_microbatches=args.microbatches,
                       chunks=args.chunks, sequence_parallel=args.sequence_parallel, zero=args.zero,
@@ -110,16 +108,8 @@ def main_parallel(args):
         first_step = ckpt.start_step()
     except CheckpointError as e:
         return checkpointing.fail(comm, e)
-    if ckpt.loaded is not None:
-        state = model.full_state_dict()                       # the resumed model's validation loss
-        val_rng = np.random.default_rng(args.seed + 1)        # the batches an uninterrupted run validates on
-        if rank == 0:
-            with minitrain.random.use_generator(minitrain.random.fork()):   # leave the restored generator be
-                resumed = nn.GPT(config)
-            resumed.load_state_dict(state)
-            initial_val = estimate_loss(resumed, corpus, args, val_rng)
-            del resumed                                       # not held through the run (rank 0's ledger)
-        del state
+    val_rng = np.random.default_rng(args.seed + 1)            # apart from rng; the same batches on every rank
+    initial_val = evaluate(model, corpus, args, val_rng)      # the fresh or the resumed model's
     memory.reset_peak()
     losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
     ep_layers = [layer for layer in model.moe_layers if model.ep > 1]
@@ -177,13 +167,15 @@ def main_parallel(args):
     load = routing_load(comm, routing, args.ep, per_layer=args.recompute == "full")
     stage_loads = stage_routing_loads(comm, routing, args.ep, model.mesh.coordinate("pp"), pp,
                                       per_layer=args.recompute == "full") if args.moe_experts else None
-    state = model.full_state_dict()
+    final_val = evaluate(model, corpus, args, val_rng)
+    state = model.full_state_dict() if args.sample_chars else None     # the sample alone needs the model whole
     cp_block = cp_report(model, args, table)
     if rank != 0:
         return 0
-    full = nn.GPT(config)
-    full.load_state_dict(state)
-    final_val = estimate_loss(full, corpus, args, val_rng)
+    full = None
+    if state is not None:
+        full = nn.GPT(config)
+        full.load_state_dict(state)
     B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
     measured_layer = table[~np.isnan(table[:, 1])][:, [1, 18, 19]]   # the first rank with blocks: measured, formula,

@@ -101,7 +101,8 @@ class HeadStage(Module):
 class GPT3D:
     """The GPT over ``DeviceMesh(comm, dp=dp, pp=pp, tp=tp)``. ``train_step(idx, targets)`` takes the
     *global* batch (the same on every rank; each data-parallel replica uses its rows), leaves in
-    each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss.
+    each local parameter's ``.grad`` the gradient of the global mean loss and returns that loss;
+    ``eval_step(idx, targets)`` returns the eval-mode loss by the forward alone (gpt_3d_eval.py).
     ``parameters()`` are this rank's (its stage's, its tensor-parallel shards); ``optimizer(cls, ...)``
     builds the optimizer over them (with ``zero``, over this rank's ZeRO shard of them);
     ``full_state_dict()`` gathers the GPT's parameters under their unsharded names."""
@@ -185,21 +186,31 @@ class GPT3D:
         else:
             self.pipe.zero_grad()
 
-    def train_step(self, idx, targets):
+    def replica_batch(self, idx, targets):
+        """(idx, targets, rows) of this rank: its replica's contiguous rows (where dp does not divide n the first
+        n % dp take one more; a replica may take none) and, under cp, its positions of them."""
         n, d = len(idx), self.mesh.coordinate("dp")
-        if n % self.groups:
-            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
-                             f"moe_groups {self.groups} groups of whole rows")
-        for layer in self.moe_layers:
-            layer.reset_step()
-        # contiguous rows per replica; where dp does not divide n the first n % dp take one more
-        # (a replica may take none) and the pipeline weights each by its rows over n
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
         idx, targets = idx[rows], targets[rows]
         if self.cp > 1:                                           # this rank's positions of every row
             cols = self.layers[0].cp_positions = sequence_positions(idx.shape[1], self.mesh.comm("cp"), self.cp_method)
             idx, targets = idx[:, cols], targets[:, cols]
+        return idx, targets, len(idx)
+
+    def eval_step(self, idx, targets):
+        """The global batch's mean loss in eval mode, the forward alone through the mesh (gpt_3d_eval.py)."""
+        from .gpt_3d_eval import eval_step
+        return eval_step(self, idx, targets)
+
+    def train_step(self, idx, targets):
+        n = len(idx)
+        if n % self.groups:
+            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
+                             f"moe_groups {self.groups} groups of whole rows")
+        for layer in self.moe_layers:
+            layer.reset_step()
+        idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)

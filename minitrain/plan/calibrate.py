@@ -5,7 +5,8 @@ backend.hold_host_memory; on the CPU by the CPU time of the measuring thread whe
 work, which other jobs on a shared machine inflate least, else by the wall clock; the best of several;
 arrays used in sequence, each call on its own, as a step uses them: ops.in_sequence):
 * matmul FLOP rate by dtype: square n x n x n, a grid of m rows x w-wide weights (a Linear's product), and
-  per product of a batch of 64 (NumPy's batched matmul); CPU: at 1 BLAS thread and at every core;
+  per product of a batch of 64 (NumPy's batched matmul); CPU: at 1 BLAS thread, at every core and at each
+  cores / ranks of the ranks calibrated (a rank's threads, as the jobs give them; costs.py interpolates between);
 * each op of the library (plan/ops.py: LayerNorm, GELU, softmax, the loss, the optimizers' update, ...)
   per call and per element, fitted at two sizes, and seconds per element of plain passes (simple,
   transcendental, reduction, in place, scatter); the cost of first touching new memory (arrays beyond
@@ -96,7 +97,9 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     fresh = float(np.median([measure_fresh_memory() for _ in range(5)]))
     if device == "cpu" and backend.hold_host_memory():      # then, as the jobs run: freed memory held
         machine["held_array_bytes"] = backend.HELD_ARRAY_BYTES
-    threads = [1, cores] if device == "cpu" and cores > 1 else [1]
+    # each rank's BLAS threads as the jobs give them (cores / ranks) for the ranks calibrated, 1 and the cores:
+    # costs.py interpolates between these
+    threads = sorted({1, cores, *(max(1, cores // p) for p in ranks)}) if device == "cpu" else [1]
     rounds = 1 if quick else 3          # a shared machine: the best of several rounds, each a best of several
     machine["matmul_batched_flops"] = {}
     for dtype in DTYPES:

@@ -21,20 +21,38 @@ class Costs:
         self.m, self.slowdown, self.fresh = machine, slowdown, fresh
         self.dtype = DTYPE_NAMES[precision]
         self.e = PRECISIONS[precision]
-        self.curve, self.threads = self._curve("matmul_flops", threads)
-        self.batched = self._curve("matmul_batched_flops", threads)[0] or self.curve
-        grids = machine.get("matmul_rows_flops", {}).get(self.dtype, {})
-        self.grid = grids.get(self.threads) or (grids[max(grids, key=int)] if grids else None)
+        self.threads = threads
+        self.curve = self._curve("matmul_flops", threads)
+        self.batched = self._curve("matmul_batched_flops", threads) or self.curve
+        self.grid = self._grid(threads)
         self.call, self.node_s = machine["numpy_call_s"], machine["autograd_node_s"]
         self.leaf_s = machine.get("leaf_grad_s", 0.0)
         self.fits = _fits(id(machine), machine)          # (op, dtype) -> (per call, per element), memoized
 
     def _curve(self, key, threads):
+        """The calibrated (size, FLOP/s) curve at ``threads``; between two calibrated thread counts each size's
+        rate is interpolated linearly in the threads (calibrate measures 1 and the cores: a job of 2 ranks on 8
+        cores takes 4 a rank, which the 8 threads' rates would price as if twice the cores were its); beyond
+        them the nearest."""
         table = self.m.get(key, {}).get(self.dtype, {})
         if not table:
-            return None, str(threads)
-        th = str(threads) if str(threads) in table else max(table, key=int)
-        return sorted(table[th]), th
+            return None
+        low, high, w = _bracket(table, threads)
+        if w == 0.0:
+            return sorted(table[low])
+        hi = dict(table[high])
+        return sorted((n, r + w * (hi[n] - r)) for n, r in table[low] if n in hi)
+
+    def _grid(self, threads):
+        """The rows x width grid at ``threads``, interpolated as _curve's rates are."""
+        grids = self.m.get("matmul_rows_flops", {}).get(self.dtype, {})
+        if not grids:
+            return None
+        low, high, w = _bracket(grids, threads)
+        if w == 0.0 or grids[low]["rows"] != grids[high]["rows"] or grids[low]["width"] != grids[high]["width"]:
+            return grids[low if w < 0.5 else high]
+        flops = [[a + w * (b - a) for a, b in zip(ra, rb)] for ra, rb in zip(grids[low]["flops"], grids[high]["flops"])]
+        return {**grids[low], "flops": flops}
 
     @staticmethod
     def rate(m, k, n, pts):
@@ -92,3 +110,14 @@ def _fits(key, machine):
     if key not in _FITS or _FITS[key][0] is not machine:
         _FITS[key] = (machine, {})
     return _FITS[key][1]
+
+
+def _bracket(table, threads):
+    """(the calibrated thread count at or below ``threads``, the one at or above, the weight of the second):
+    keys of ``table`` as strings; beyond the calibrated counts the nearest, weight 0."""
+    counts = sorted(int(k) for k in table)
+    below = [c for c in counts if c <= threads] or counts[:1]
+    above = [c for c in counts if c >= threads] or counts[-1:]
+    low, high = below[-1], above[0]
+    w = 0.0 if high == low else (threads - low) / (high - low)
+    return str(low), str(high), w

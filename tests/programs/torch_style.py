@@ -1,6 +1,7 @@
 """minitrain.distributed's torch.distributed calls against MPI's built-ins (mpi4py), at any p, awkward sizes.
 
 Each check prints "ok NAME" on every rank; a wrong result raises (the test reads the ok lines)."""
+import datetime
 import sys
 import warnings
 
@@ -10,7 +11,7 @@ from mpi4py import MPI
 import minitrain as mt
 import minitrain.distributed as dist
 
-group_world = dist.init_process_group("gloo")
+returned = dist.init_process_group("gloo")
 r, p, world = dist.get_rank(), dist.get_world_size(), MPI.COMM_WORLD
 rng = np.random.default_rng(100 + r)
 N = 7                                    # prime: no p divides it
@@ -27,6 +28,8 @@ def mpi_allreduce(x, op=MPI.SUM):
     world.Allreduce(x, out, op=op)
     return out
 
+
+ok("init as PyTorch's", returned is None and dist.get_backend() == "gloo")
 
 # all_reduce in place, every op; on a minitrain Tensor and on a non-contiguous view too
 for name, op, mpi_op in (("sum", dist.ReduceOp.SUM, MPI.SUM), ("max", dist.ReduceOp.MAX, MPI.MAX),
@@ -53,8 +56,8 @@ ok("all_reduce Tensor and transposed view", np.allclose(t.data, want_t, rtol=1e-
 x = rng.standard_normal(N)
 want = mpi_allreduce(x)
 work = dist.all_reduce(x, async_op=True)
-work.wait()
-ok("all_reduce async_op", work.is_completed() and np.allclose(x, want, rtol=1e-13))
+ok("all_reduce async_op", work.wait(timeout=datetime.timedelta(seconds=60)) is True and work.is_completed()
+   and np.allclose(x, want, rtol=1e-13))
 
 # broadcast, reduce: src / dst are global ranks
 x = rng.standard_normal(N)
@@ -86,9 +89,9 @@ out = np.empty(N)
 dist.reduce_scatter(out, [x[i * N:(i + 1) * N] for i in range(p)])
 ok("reduce_scatter", np.allclose(out, want, rtol=1e-13))
 
-# all_to_all_single with uneven splits (rank i sends i + j + 1 rows to rank j), all_to_all
-sends = [r + j + 1 for j in range(p)]
-receives = [j + r + 1 for j in range(p)]
+# all_to_all_single with uneven splits, some empty (rank i sends (i + j) % 3 rows to rank j), all_to_all
+sends = [(r + j) % 3 for j in range(p)]
+receives = [(j + r) % 3 for j in range(p)]
 x = rng.standard_normal((sum(sends), 2))
 want = np.empty((sum(receives), 2))
 world.Alltoallv([x, (np.array(sends) * 2, None), MPI.DOUBLE], [want, (np.array(receives) * 2, None), MPI.DOUBLE])
@@ -99,6 +102,30 @@ ins = [np.full(j + 1, 10.0 * r + j) for j in range(p)]        # rank r's j-th te
 outs = [np.empty(r + 1) for _ in range(p)]
 dist.all_to_all(outs, ins)
 ok("all_to_all", all(np.array_equal(outs[j], np.full(r + 1, 10.0 * j + r)) for j in range(p)))
+
+# in place as FSDP calls them (the input a slice of the output, the output a slice of the input), a strided
+# output, 0-d and empty tensors: as PyTorch's under NCCL (gloo's answers to the first two can be wrong)
+x = rng.standard_normal(3)
+want = np.concatenate(world.allgather(x))
+out = np.empty(3 * p)
+out[3 * r:3 * r + 3] = x
+dist.all_gather_into_tensor(out, out[3 * r:3 * r + 3])
+stacked = np.empty((p, 3))
+dist.all_gather_into_tensor(stacked, x)
+x = rng.standard_normal(3 * p)
+want_rs = x.copy()
+want_rs[3 * r:3 * r + 3] = mpi_allreduce(x)[3 * r:3 * r + 3]      # the other blocks stay as they were
+dist.reduce_scatter_tensor(x[3 * r:3 * r + 3], x)
+ok("in place", np.array_equal(out, want) and np.array_equal(stacked.reshape(-1), want)
+   and np.allclose(x, want_rs, rtol=1e-13))
+x = (np.arange(2.0 * p) + 10 * r).reshape(p, 2)
+strided = np.zeros((2, p)).T                           # a transposed view: row j from rank j
+dist.all_to_all_single(strided, x)
+zero_d, empty = np.array(float(r + 1)), np.empty((0, 2))
+dist.all_reduce(zero_d)
+dist.all_reduce(empty)
+ok("strided, 0-d, empty", np.array_equal(strided.ravel(), [10.0 * j + 2 * r + k for j in range(p) for k in range(2)])
+   and zero_d == p * (p + 1) / 2 and empty.shape == (0, 2))
 
 # gather, scatter
 x = np.full(3, float(r))
@@ -121,7 +148,8 @@ if p > 1:
         dist.isend(x, dst=p - 1, tag=4).wait()
     if r == p - 1:
         ok("recv returns the sender", dist.recv(got, src=0, tag=4) == 0 and np.array_equal(got, np.zeros(N)))
-dist.barrier()
+work = dist.barrier(async_op=True)
+ok("barrier async_op", work.wait() is True and work.is_completed())
 
 # a group of the even ranks: its ranks sorted, global src, a rank outside returns at once
 evens = dist.new_group([q for q in range(p) if q % 2 == 0][::-1])
@@ -139,10 +167,27 @@ if r % 2 == 0:
 else:
     ok("outside the group", np.array_equal(x, np.full(N, float(r + 1))) and dist.get_rank(evens) == -1
        and any("does not belong to the given group" in str(w.message) for w in caught))
+    try:
+        dist.get_process_group_ranks(evens)
+    except ValueError as e:
+        print(f"refused a non-member's question: {e}", flush=True)
+
+# sort_ranks=False: the group's ranks in the order given (group rank 0 is global rank p - 1)
+pair = dist.new_group([p - 1, 0], sort_ranks=False, group_desc="pair")
+if r in (0, p - 1):
+    y = np.full(2, float(r))
+    dist.broadcast(y, group_src=0, group=pair)
+    ok("sort_ranks=False", dist.get_rank(pair) == (r != p - 1) and dist.get_global_rank(pair, 0) == p - 1
+       and np.array_equal(y, np.full(2, p - 1.0)))
 
 # refusals, each one line
 for name, call in (("twice", lambda: dist.init_process_group("gloo")),
-                   ("bad op", lambda: dist.all_reduce(np.ones(2), op="band")),
+                   ("bad op", lambda: dist.all_reduce(np.ones(2), op="median")),
+                   ("bitwise op", lambda: dist.all_reduce(np.ones(2, np.int64), op=dist.ReduceOp.BAND)),
+                   ("integer mean", lambda: dist.all_reduce(np.ones(2, np.int64), op=dist.ReduceOp.AVG)),
+                   ("group rank outside", lambda: dist.get_global_rank(dist.group.WORLD, p)),
+                   ("output too long", lambda: dist.all_to_all_single(np.empty(p + 1), np.ones(p))),
+                   ("ranks not integers", lambda: dist.new_group([0, 1.5])),
                    ("src outside", lambda: dist.broadcast(np.ones(2), src=p)),
                    ("wrong output size", lambda: dist.all_gather_into_tensor(np.empty(p * 2 + 1), np.ones(2))),
                    ("any source", lambda: dist.recv(np.ones(2))),
