@@ -588,6 +588,7 @@ def test_calibrate_refuses_what_it_cannot_honour_before_measuring(tmp_path, monk
     monkeypatch.setattr(calibrate, "DEFAULT_PATH", tmp_path / "cache" / "minitrain" / "machine.json")
     machine = str(calibrate.MACHINES / "cpu-2core.json")
     for argv, said in [(["--out", f"{tmp_path}/new/"], "argument --out: "), (["--ranks", "2", "2"], "argument --ranks: 2 given more than once"),
+                       (["--ranks", "1"], "argument --ranks: must be >= 2, got 1 (a collective on one rank"),
                        (["--name", " "], "argument --name: "), (["--merge", machine, "--quick"], "--quick is not supported"),
                        (["--merge", machine, "--ranks", "3"], "--ranks is not supported with --merge")]:
         err = io.StringIO()

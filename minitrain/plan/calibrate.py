@@ -203,8 +203,8 @@ def main(argv=None):
     p.add_argument("--out", type=cli.output_file, metavar="PATH",
                    help=f"where to write the JSON, in a folder that exists (default: {DEFAULT_PATH}, its folder "
                         f"made if missing)")
-    p.add_argument("--ranks", type=cli.positive_int, nargs="+", action=cli.Distinct, default=[2, 4],
-                   help="collectives measured at these p")
+    p.add_argument("--ranks", type=cli.at_least(2, "a collective on one rank sends nothing to measure"), nargs="+",
+                   action=cli.Distinct, default=[2, 4], help="collectives measured at these p")
     p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
     p.add_argument("--name", type=_machine_name, help="the machine's name in the JSON (default: this host's)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
@@ -222,8 +222,6 @@ def main(argv=None):
     if args.merge:
         for option in sorted(cli.given_options(p, argv if argv is not None else sys.argv[1:]) & {"--ranks", "--quick"}):
             cli.refuse(p, option, "--merge", "merging measures nothing")
-    if any(r < 2 for r in args.ranks):
-        p.error("--ranks: collectives need at least 2 ranks")
     # checked now, not after a minute of measuring; the default's folder (the cache) is made as a cache is
     path = args.out or str(DEFAULT_PATH)
     if args.out is None:
