@@ -9,8 +9,10 @@ Save (write_checkpoint), the steps of PyTorch's distributed checkpoint, on one s
 3. write: each rank streams its pieces into rank-NNNNN.safetensors inside a temporary directory
    (no rank gathers anything but the table: a rank's extra memory is at most one piece);
 4. commit: a second all-gather brings every file's CRC-32s to rank 0, which writes the manifest,
-   renames the directory to step-NNNNNNNN and tells everyone. A kill before the rename leaves
-   a directory with no manifest, which latest ignores: the previous checkpoint stays the newest.
+   renames the directory to step-NNNNNNNN and tells everyone. A kill before the manifest leaves
+   a directory with no manifest, which latest ignores: the previous checkpoint stays the newest; a
+   kill between the manifest and the rename leaves a complete checkpoint under its temporary name,
+   which latest reads as what it is (the manifest is written only once every file's CRC-32 is in).
 
 Load (Reader.read_into): a rank asks for the box its new layout holds; every saved piece that
 intersects it is read (its bytes only, checked against their CRC-32, one piece in memory at a

@@ -67,8 +67,8 @@ def read_manifest(directory):
 
 def list_checkpoints(directory, unreadable=None):
     """Every complete checkpoint under ``directory`` as (step, created, path), oldest first. A
-    checkpoint is complete when its manifest exists; temporary directories of an interrupted save
-    have none and are skipped. The order comes from the manifests, never from directory names.
+    checkpoint is complete when its manifest exists; temporary directories of a save interrupted before
+    its manifest have none and are skipped. The order comes from the manifests, never from directory names.
     A manifest that cannot be read raises CheckpointError, or with a list ``unreadable`` is appended
     to it as (path, the error) and the others are still listed."""
     found = []
