@@ -153,7 +153,7 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         f"{machine['pipeline_action_s'] * 1e6:.1f} us (one rank); new memory "
         f"{machine['fresh_memory_s_per_byte'] * 1e6 * 4096:.2f} us per 4 KiB page")
     machine["collectives"] = {}
-    msg_sizes = [1 << k for k in range(12, 23 if quick else 25, 2)]
+    msg_sizes = [1 << k for k in range(12, 21 if quick else 25, 2)]      # quick: 4 KiB to 1 MiB
     import tempfile
     for p in ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -205,7 +205,8 @@ def main(argv=None):
                         f"made if missing)")
     p.add_argument("--ranks", type=cli.at_least(2, "a collective on one rank sends nothing to measure"), nargs="+",
                    action=cli.Distinct, default=[2, 4], help="collectives measured at these p")
-    p.add_argument("--quick", action="store_true", help="fewer sizes (seconds instead of a minute)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes (messages of 4 KiB to 1 MiB, one round): seconds instead of a minute")
     p.add_argument("--name", type=_machine_name, help="the machine's name in the JSON (default: this host's)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write the best of these calibrations instead (default: measure this machine)")
