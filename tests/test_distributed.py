@@ -15,7 +15,7 @@ CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce m
           "all_reduce avg", "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op",
           "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
-          "isend/irecv", "barrier async_op", "destroyed"]
+          "object collectives", "isend/irecv", "barrier async_op", "destroyed"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
             "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "

@@ -11,6 +11,7 @@ group_dst: ranks within the group); async_op=True returns a Work whose wait() fi
 a rank not in the group returns at once, as PyTorch's does (a warning says so). new_group(ranks)
 is collective over the world, its ranks sorted unless sort_ranks=False. What the rings cost: comm/collectives.py.
 gather and scatter go through all_gather and broadcast (every rank moves what the root would).
+all_gather_object, gather_object and broadcast_object_list pickle, as PyTorch's do (objects.py).
 Backends: "mpi" and "gloo" (the same: MPI point-to-point), "nccl" (comm/nccl.py); the rendezvous is
 the MPI launcher's, so init_method is "env://" or None and world_size / rank, where given, are checked
 against it. timeout: how long any wait may last (the stall report comes at a third of it, at most 10 s).
@@ -31,9 +32,11 @@ from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to
 from .groups import (GroupMember, ProcessGroup, ReduceOp, destroy_process_group, get_backend, get_global_rank,
                      get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
                      is_available, is_initialized, new_group)
+from .objects import all_gather_object, broadcast_object_list, gather_object
 
-__all__ = ["GroupMember", "ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
-           "all_to_all", "all_to_all_single", "barrier", "broadcast", "destroy_process_group", "gather",
-           "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks", "get_rank",
-           "get_world_size", "group", "init_process_group", "irecv", "is_available", "is_initialized", "isend",
-           "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "send"]
+__all__ = ["GroupMember", "ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object",
+           "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
+           "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
+           "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv",
+           "is_available", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
+           "reduce_scatter_tensor", "scatter", "send"]

@@ -136,6 +136,16 @@ out = np.empty(3)
 dist.scatter(out, [np.full(3, 7.0 * i) for i in range(p)] if r == 0 else None, src=0)
 ok("scatter", np.array_equal(out, np.full(3, 7.0 * r)))
 
+# the object collectives: pickled objects of different sizes on every rank
+objects = [None] * p
+dist.all_gather_object(objects, {"rank": r, "words": ["w"] * (3 * r + 1)})
+gathered_objects = [None] * p if r == p - 1 else None
+dist.gather_object(("from", r), gathered_objects, dst=p - 1)
+listed = [{"lr": 0.1}, "text", 7] if r == 1 % p else [None, None, None]
+dist.broadcast_object_list(listed, src=1 % p)
+ok("object collectives", objects == [{"rank": q, "words": ["w"] * (3 * q + 1)} for q in range(p)]
+   and (r != p - 1 or gathered_objects == [("from", q) for q in range(p)]) and listed == [{"lr": 0.1}, "text", 7])
+
 # send / recv / isend / irecv round the ring, a tag each way (p > 1: PyTorch refuses a send to oneself)
 if p > 1:
     right, left = (r + 1) % p, (r - 1) % p
