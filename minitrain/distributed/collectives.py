@@ -45,6 +45,27 @@ def _peer(pg, name, global_rank, group_rank, what):
     return group_rank
 
 
+def _only_at_root(pg, name, root, given, what, role):
+    """PyTorch's rule for gather's and scatter's lists: the root passes ``what``, every other rank None."""
+    if (pg.rank() == root) != (given is not None):
+        raise ValueError(f"{name}: {what} is the {role}'s alone (rank {pg.ranks[root]} passes it, the others None)")
+
+
+def _flat(arrays):
+    """The arrays' elements one after another (the list calls' single message)."""
+    return array_module(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
+
+
+def _fill(outs):
+    """finish= that writes a flat result into ``outs`` one after another, each its own size and shape."""
+    def finish(flat):
+        start = 0
+        for o in outs:
+            o[...] = flat[start:start + o.size].reshape(o.shape)
+            start += o.size
+    return finish
+
+
 def _same(name, arrays, like, what):
     for a in arrays:
         if a.dtype != like.dtype or array_module(a) is not array_module(like):
@@ -105,11 +126,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     if len(outs) != pg.size() or any(o.shape != x.shape for o in outs):
         raise ValueError(f"all_gather: tensor_list must hold {pg.size()} tensors of shape {tuple(x.shape)}, got "
                          f"{[tuple(o.shape) for o in outs]}")
-
-    def finish(flat):
-        for i, o in enumerate(outs):
-            o[...] = flat[i * x.size:(i + 1) * x.size].reshape(o.shape)
-    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), finish)
+    return run(async_op, lambda a: C.ring_all_gather(pg.comm, x, total=pg.size() * x.size, async_op=a), _fill(outs))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -136,8 +153,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
         raise ValueError(f"reduce_scatter: input_list must hold {pg.size()} tensors of the output's shape "
                          f"{tuple(out.shape)}, got {[tuple(i.shape) for i in ins]}")
     _same("reduce_scatter", ins, out, "input_list")
-    flat = array_module(out).concatenate([i.reshape(-1) for i in ins])
-    return reduce_scatter_tensor(out, flat, op=op, group=pg, async_op=async_op)
+    return reduce_scatter_tensor(out, _flat(ins), op=op, group=pg, async_op=async_op)
 
 
 def _rows(x, output_split_sizes, input_split_sizes):
@@ -179,16 +195,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     if len(outs) != pg.size() or len(ins) != pg.size():
         raise ValueError(f"all_to_all: both lists must hold {pg.size()} tensors, got {len(outs)} and {len(ins)}")
     _same("all_to_all", outs + ins[1:], ins[0], "both lists")
-    xp = array_module(ins[0])
-    flat = xp.concatenate([i.reshape(-1) for i in ins])
-
-    def finish(received):
-        start = 0
-        for o in outs:
-            o[...] = received[start:start + o.size].reshape(o.shape)
-            start += o.size
+    flat = _flat(ins)
     return run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
-                                                        async_op=a), finish)
+                                                        async_op=a), _fill(outs))
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -196,9 +205,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     if pg is None:
         return None
     root = _peer(pg, "gather", dst, group_dst, "dst")
-    if (pg.rank() == root) != (gather_list is not None):
-        raise ValueError(f"gather: gather_list is the destination's alone (rank {pg.ranks[root]} passes it, "
-                         f"the others None)")
+    _only_at_root(pg, "gather", root, gather_list, "gather_list", "destination")
     x = _array(tensor, "gather")
     return all_gather(gather_list or [array_module(x).empty_like(x)] * pg.size(), tensor, pg, async_op)
 
@@ -208,18 +215,15 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     if pg is None:
         return None
     root, x = _peer(pg, "scatter", src, group_src, "src"), _array(tensor, "scatter")
-    if (pg.rank() == root) != (scatter_list is not None):
-        raise ValueError(f"scatter: scatter_list is the source's alone (rank {pg.ranks[root]} passes it, "
-                         f"the others None)")
-    xp = array_module(x)
+    _only_at_root(pg, "scatter", root, scatter_list, "scatter_list", "source")
     if scatter_list is not None:
         ins = [_array(t, "scatter", "scatter_list") for t in scatter_list]
         if len(ins) != pg.size() or any(i.shape != x.shape for i in ins):
             raise ValueError(f"scatter: scatter_list must hold {pg.size()} tensors of shape {tuple(x.shape)}")
         _same("scatter", ins, x, "scatter_list")
-        whole = xp.concatenate([i.reshape(-1) for i in ins])
+        whole = _flat(ins)
     else:
-        whole = xp.empty(pg.size() * x.size, x.dtype)
+        whole = array_module(x).empty(pg.size() * x.size, x.dtype)
     r = pg.rank()
     return run(async_op, lambda a: C.broadcast(pg.comm, whole, root=root, async_op=a),
                lambda _: into(x)(whole[r * x.size:(r + 1) * x.size]))

@@ -129,13 +129,11 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local
 
 
 def get_rank(group=None):
-    pg = _world if group is None else group
-    return -1 if pg is GroupMember.NON_GROUP_MEMBER else _group(pg, "get_rank").rank()
+    return -1 if group is GroupMember.NON_GROUP_MEMBER else _group(group, "get_rank").rank()
 
 
 def get_world_size(group=None):
-    pg = _world if group is None else group
-    return -1 if pg is GroupMember.NON_GROUP_MEMBER else _group(pg, "get_world_size").size()
+    return -1 if group is GroupMember.NON_GROUP_MEMBER else _group(group, "get_world_size").size()
 
 
 def _member(pg, name):

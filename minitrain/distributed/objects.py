@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 
 from .. import comm as C
-from .collectives import _peer
+from .collectives import _only_at_root, _peer
 from .groups import _group
 
 
@@ -39,9 +39,7 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     if pg is None:
         return None
     root = _peer(pg, "gather_object", dst, group_dst, "dst")
-    if (pg.rank() == root) != (object_gather_list is not None):
-        raise ValueError(f"gather_object: object_gather_list is the destination's alone (rank {pg.ranks[root]} "
-                         f"passes it, the others None)")
+    _only_at_root(pg, "gather_object", root, object_gather_list, "object_gather_list", "destination")
     all_gather_object(object_gather_list if object_gather_list is not None else [None] * pg.size(), obj, pg)
 
 
