@@ -14,21 +14,16 @@ from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
 
 
 def estimate_loss(model, corpus, args, rng, batches=4):
+    """The mean loss in eval mode over ``batches`` validation batches drawn from ``rng``: the GPT's forward, or a
+    GPT3D's eval_step (Megatron's evaluate: every rank, none holding the whole model)."""
+    draws = [corpus.get_batch("val", args.batch_size, args.block_size, rng) for _ in range(batches)]
+    if hasattr(model, "eval_step"):                 # GPT3D: in eval mode through its mesh
+        return float(np.mean([model.eval_step(x, y) for x, y in draws]))
     model.eval()
-    losses = []
     with minitrain.no_grad():
-        for _ in range(batches):
-            x, y = corpus.get_batch("val", args.batch_size, args.block_size, rng)
-            losses.append(model(x, y)[1].item())
+        losses = [model(x, y)[1].item() for x, y in draws]
     model.train()
     return float(np.mean(losses))
-
-
-def evaluate(model, corpus, args, rng, batches=4):
-    """estimate_loss's batches through a GPT3D's eval_step (Megatron's evaluate): every rank, none holding the
-    whole model."""
-    return float(np.mean([model.eval_step(*corpus.get_batch("val", args.batch_size, args.block_size, rng))
-                          for _ in range(batches)]))
 
 
 def scheduler_for(opt, args):

@@ -43,7 +43,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
-from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, evaluate,
+from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for, stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
@@ -109,7 +109,7 @@ def main_parallel(args):
     except CheckpointError as e:
         return checkpointing.fail(comm, e)
     val_rng = np.random.default_rng(args.seed + 1)            # apart from rng; the same batches on every rank
-    initial_val = evaluate(model, corpus, args, val_rng)      # the fresh or the resumed model's
+    initial_val = estimate_loss(model, corpus, args, val_rng)      # the fresh or the resumed model's
     memory.reset_peak()
     losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
     ep_layers = [layer for layer in model.moe_layers if model.ep > 1]
@@ -167,7 +167,7 @@ def main_parallel(args):
     load = routing_load(comm, routing, args.ep, per_layer=args.recompute == "full")
     stage_loads = stage_routing_loads(comm, routing, args.ep, model.mesh.coordinate("pp"), pp,
                                       per_layer=args.recompute == "full") if args.moe_experts else None
-    final_val = evaluate(model, corpus, args, val_rng)
+    final_val = estimate_loss(model, corpus, args, val_rng)
     state = model.full_state_dict() if args.sample_chars else None     # the sample alone needs the model whole
     cp_block = cp_report(model, args, table)
     if rank != 0:

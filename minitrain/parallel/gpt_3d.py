@@ -188,8 +188,12 @@ class GPT3D:
 
     def replica_batch(self, idx, targets):
         """(idx, targets, rows) of this rank: its replica's contiguous rows (where dp does not divide n the first
-        n % dp take one more; a replica may take none) and, under cp, its positions of them."""
+        n % dp take one more; a replica may take none) and, under cp, its positions of them. With MoE layers the
+        batch must split into whole capacity groups."""
         n, d = len(idx), self.mesh.coordinate("dp")
+        if n % self.groups:
+            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
+                             f"moe_groups {self.groups} groups of whole rows")
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
         idx, targets = idx[rows], targets[rows]
@@ -205,12 +209,9 @@ class GPT3D:
 
     def train_step(self, idx, targets):
         n = len(idx)
-        if n % self.groups:
-            raise ValueError(f"[rank {self.rank}] a batch of {n} rows does not split into "
-                             f"moe_groups {self.groups} groups of whole rows")
+        idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
         for layer in self.moe_layers:
             layer.reset_step()
-        idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)

@@ -5,9 +5,10 @@ Each dp replica takes the rows train_step gives it (and each cp rank its positio
 runs the forward of every micro-batch (pipeline/forward_only.py: no graph, no backward), the tensor-parallel
 ranks of a stage in lockstep, a ZeRO-3 stage's parameters gathered for it and released after. The modules
 are in eval mode meanwhile (dropout off; an MoE loss is the cross-entropy alone, as the GPT's in eval mode),
-then back in the mode they were in, the counts a job reads per step as they were. Each rank's loss is the mean over its replica's rows at its positions;
-weighted by the replica's rows and summed over dp x cp it is the global mean, as the unsharded GPT computes
-it in eval mode (float64: to rounding, tests/test_five_axes.py).
+then back in the mode they were in, and the counts a job reads per step are left as they were. Each rank's
+loss is the mean over its replica's rows at its positions; weighted by the replica's rows and summed over
+dp x cp it is the global mean, as the unsharded GPT computes it in eval mode (float64: to rounding,
+tests/test_five_axes.py).
 """
 import numpy as np
 
@@ -23,9 +24,6 @@ COUNTERS = ("rows_taken", "rows_routed", "all_to_all_bytes_formula", "computed")
 def eval_step(model, idx, targets):
     """The mean loss of ``model`` (a GPT3D) over the global batch (idx, targets), the same on every rank."""
     n = len(idx)
-    if n % model.groups:
-        raise ValueError(f"[rank {model.rank}] eval_step: a batch of {n} rows does not split into moe_groups "
-                         f"{model.groups} groups of whole rows")
     idx, targets, rows = model.replica_batch(idx, targets)
     modes = [(m, m.training) for m in model.layers.modules()]
     counts = [(m, name, getattr(m, name)) for m, _ in modes for name in COUNTERS if hasattr(m, name)]

@@ -31,9 +31,9 @@ class Costs:
 
     def _curve(self, key, threads):
         """The calibrated (size, FLOP/s) curve at ``threads``; between two calibrated thread counts each size's
-        rate is interpolated linearly in the threads (calibrate measures 1 and the cores: a job of 2 ranks on 8
-        cores takes 4 a rank, which the 8 threads' rates would price as if twice the cores were its); beyond
-        them the nearest."""
+        rate is interpolated linearly in the threads (calibrate measures 1, the cores and cores / ranks: a thread
+        count between them, priced at the most threads' rates, would run as if it had more cores than it has);
+        beyond them the nearest."""
         table = self.m.get(key, {}).get(self.dtype, {})
         if not table:
             return None
