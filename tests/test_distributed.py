@@ -10,12 +10,13 @@ from minitrain.testing import free_port, run_mpi
 
 PROGRAM = Path(__file__).parent / "programs" / "torch_style.py"
 ORACLE = Path(__file__).parent / "programs" / "torch_dist_oracle.py"
-ORACLE_CALLS = 35          # the compare() calls in ORACLE
+ORACLE_CALLS = 39          # the compare() calls in ORACLE
 CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product",
           "all_reduce avg", "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op",
           "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
-          "object collectives", "isend/irecv", "barrier async_op", "destroyed"]
+          "object collectives", "isend/irecv", "barrier async_op", "batch_isend_irecv ring", "new_subgroups",
+          "monitored_barrier", "destroyed"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
             "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "
@@ -29,7 +30,28 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
                                   "need 6"),
             "any source": "irecv: a receive from any source (src=None) is not supported here",
             "to itself": "isend: Invalid destination rank: should not be the same as rank of the current process",
-            "a list": "all_reduce: tensor must be a NumPy or CuPy array or a minitrain Tensor, got list"}
+            "a list": "all_reduce: tensor must be a NumPy or CuPy array or a minitrain Tensor, got list",
+            "empty batch": "batch_isend_irecv: p2p_op_list is empty; give it at least one P2POp",
+            "not a P2POp": "batch_isend_irecv: p2p_op_list must be a list of dist.P2POp, got list [<function isend",
+            "op not isend or irecv": "P2POp: op must be dist.isend or dist.irecv, got 'send'",
+            "mixed groups": "batch_isend_irecv: All ops need to use the same group",
+            "to itself unpaired": ("batch_isend_irecv: an isend to this rank itself (tag 0) needs an irecv from itself "
+                                   "with the same tag in the same batch"),
+            "peer outside": "P2POp: peer=3 is not a rank of the group [0, 1, 2]",
+            "subgroups uneven": "new_subgroups: The world size (3) must be divisible by 'group_size=2'",
+            "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1"}
+#: what each rank of monitored_barrier raises when rank 1 (then ranks 1 and 2) arrive after rank 0 stopped waiting;
+#: rank 0's line is torch.distributed's own under gloo (2.13), word for word
+LATE = {(0, False): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
+        (1, False): "[Rank 1]: Rank 1 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
+                    "arrived",
+        (2, False): "[Rank 2]: Rank 2 successfully reached monitoredBarrier, but rank 0 found that Rank 1 failed to "
+                    "pass monitoredBarrier in 1000 ms",
+        (0, True): "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms",
+        (1, True): "[Rank 1]: Rank 1 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
+                   "arrived",
+        (2, True): "[Rank 2]: Rank 2 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
+                   "arrived"}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +70,16 @@ def test_a_group_sorts_its_ranks_takes_global_ranks_and_leaves_a_non_member_out(
         for check in ("group all_reduce", "group ranks", "group broadcast from a global rank"):
             assert f"[{rank}] ok {check}\n" in printed, printed
     assert "[1] ok outside the group\n" in printed and "[2] ok recv returns the sender\n" in printed
+    assert "[1] ok outside the group batch_isend_irecv\n" in printed, printed
     assert "[1] refused a non-member's question: get_process_group_ranks: global rank 1 is not in this group" \
         in printed, printed
     for rank in (0, 2):       # new_group([2, 0], sort_ranks=False): group rank 0 is global rank 2
         assert f"[{rank}] ok sort_ranks=False\n" in printed, printed
+
+
+def test_monitored_barrier_names_the_late_ranks_on_every_rank(printed):
+    for (rank, wait_all), line in LATE.items():
+        assert f"[{rank}] monitored_barrier wait_all_ranks={wait_all}: {line}\n" in printed, printed
 
 
 @pytest.mark.parametrize("name", REFUSALS)

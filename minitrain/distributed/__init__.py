@@ -27,16 +27,18 @@ all_gather_into_tensor, gather: ring_all_gather; scatter: broadcast). A refused 
 TypeError where gloo raises RuntimeError; isend / irecv's wait() takes no timeout (the group's bounds it).
 """
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier,
-                          broadcast, gather, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter,
-                          send)
+                          broadcast, gather, reduce, reduce_scatter, reduce_scatter_tensor, scatter)
 from .groups import (GroupMember, ProcessGroup, ReduceOp, destroy_process_group, get_backend, get_global_rank,
                      get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
-                     is_available, is_initialized, new_group)
+                     is_available, is_initialized, new_group, new_subgroups, new_subgroups_by_enumeration)
+from .monitor import monitored_barrier
 from .objects import all_gather_object, broadcast_object_list, gather_object
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 
-__all__ = ["GroupMember", "ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object",
-           "all_reduce", "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
-           "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
-           "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv",
-           "is_available", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
+__all__ = ["GroupMember", "P2POp", "ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor",
+           "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+           "broadcast", "broadcast_object_list", "destroy_process_group", "gather", "gather_object", "get_backend",
+           "get_global_rank", "get_group_rank", "get_process_group_ranks", "get_rank", "get_world_size", "group",
+           "init_process_group", "irecv", "is_available", "is_initialized", "isend", "monitored_barrier",
+           "new_group", "new_subgroups", "new_subgroups_by_enumeration", "recv", "reduce", "reduce_scatter",
            "reduce_scatter_tensor", "scatter", "send"]
