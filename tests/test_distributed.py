@@ -39,19 +39,23 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
                                    "with the same tag in the same batch"),
             "peer outside": "P2POp: peer=3 is not a rank of the group [0, 1, 2]",
             "subgroups uneven": "new_subgroups: The world size (3) must be divisible by 'group_size=2'",
+            "subgroups disagree": ("new_subgroups: the ranks disagree: group_size [1, 3, 3] on ranks 0..2; pass one "
+                                   "group_size on every rank"),
             "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1"}
-#: what each rank of monitored_barrier raises when rank 1 (then ranks 1 and 2) arrive after rank 0 stopped waiting;
-#: rank 0's line is torch.distributed's own under gloo (2.13), word for word
-LATE = {(0, False): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
-        (1, False): "[Rank 1]: Rank 1 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
-                    "arrived",
-        (2, False): "[Rank 2]: Rank 2 successfully reached monitoredBarrier, but rank 0 found that Rank 1 failed to "
-                    "pass monitoredBarrier in 1000 ms",
-        (0, True): "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms",
-        (1, True): "[Rank 1]: Rank 1 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
-                   "arrived",
-        (2, True): "[Rank 2]: Rank 2 failed to pass monitoredBarrier in 1000 ms: rank 0 had stopped waiting when it "
-                   "arrived"}
+#: what each rank of monitored_barrier raises in each case of late ranks (PROGRAM): rank 1 late (wait_all_ranks=True,
+#: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's line is
+#: torch.distributed's own under gloo (2.13), word for word.
+STOPPED = "failed to pass monitoredBarrier in {} ms: rank 0 had stopped waiting when it arrived"
+LATE = {(0, 0): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
+        (1, 0): "[Rank 1]: Rank 1 " + STOPPED.format(1000),
+        (2, 0): ("[Rank 2]: Rank 2 successfully reached monitoredBarrier, but rank 0 found that Rank 1 failed to "
+                 "pass monitoredBarrier in 1000 ms"),
+        (0, 1): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 300 ms",
+        (1, 1): "[Rank 1]: Rank 1 " + STOPPED.format(300),
+        (2, 1): "[Rank 2]: Rank 2 " + STOPPED.format(300),
+        (0, 2): "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 300 ms",
+        (1, 2): "[Rank 1]: Rank 1 " + STOPPED.format(300),
+        (2, 2): "[Rank 2]: Rank 2 " + STOPPED.format(300)}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +82,8 @@ def test_a_group_sorts_its_ranks_takes_global_ranks_and_leaves_a_non_member_out(
 
 
 def test_monitored_barrier_names_the_late_ranks_on_every_rank(printed):
-    for (rank, wait_all), line in LATE.items():
-        assert f"[{rank}] monitored_barrier wait_all_ranks={wait_all}: {line}\n" in printed, printed
+    for (rank, case), line in LATE.items():
+        assert f"[{rank}] monitored_barrier case {case}: {line}\n" in printed, printed
 
 
 @pytest.mark.parametrize("name", REFUSALS)

@@ -117,9 +117,10 @@ def batches(d, T):
     pair = d.new_group([p - 1, 0], sort_ranks=False)
     if r in (0, p - 1):
         got = T(np.zeros(1))
-        works = d.batch_isend_irecv([d.P2POp(d.isend, T(np.full(1, float(r))), group_peer=1 - d.get_rank(pair),
-                                             group=pair), d.P2POp(d.irecv, got, p - 1 - r, group=pair)])
-        answers += [[w.wait() for w in works], got]
+        ops = [d.P2POp(d.isend, T(np.full(1, float(r))), group_peer=1 - d.get_rank(pair), group=pair),
+               d.P2POp(d.irecv, got, p - 1 - r, group=pair)]
+        works = d.batch_isend_irecv(ops)
+        answers += [[w.wait() for w in works], got, [(o.peer, o.group_peer) for o in ops]]
     return answers
 
 

@@ -185,16 +185,17 @@ ok("new_subgroups", dist.get_process_group_ranks(mine) == [r] and len(subgroups)
    and len(per_node) == 1 and per_node[0] is node and np.array_equal(x, np.full(2, p * (p + 1) / 2)))
 
 # monitored_barrier: passes when all arrive; a rank that arrives after rank 0 has stopped waiting is named on
-# rank 0 (all late ones with wait_all_ranks=True), and every rank raises. The late ranks wait for rank 0's word
-# that it has raised (no sleep to tune), then arrive.
+# rank 0 (the first one; all with wait_all_ranks=True), and every rank raises. The late ranks wait for rank 0's
+# word that it has raised (no sleep to tune), then arrive; only the first case has a rank on time (rank 2).
 ok("monitored_barrier", dist.monitored_barrier(timeout=datetime.timedelta(seconds=60)) is None)
-for late, wait_all in (([1], False), (list(range(1, p)), True)):
+for case, (late, wait_all, seconds) in enumerate((([1], True, 1.0), (list(range(1, p)), False, 0.3),
+                                                  (list(range(1, p)), True, 0.3))):
     if r in late:
         dist.recv(np.empty(1), src=0, tag=9)
     try:
-        dist.monitored_barrier(timeout=1.0, wait_all_ranks=wait_all)
+        dist.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all)
     except RuntimeError as e:
-        print(f"monitored_barrier wait_all_ranks={wait_all}: {e}", flush=True)
+        print(f"monitored_barrier case {case}: {e}", flush=True)
     if r == 0:
         for q in late:
             dist.send(np.ones(1), dst=q, tag=9)
@@ -254,6 +255,7 @@ for name, call in (("twice", lambda: dist.init_process_group("gloo")),
                    ("to itself unpaired", lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, np.ones(2), r)])),
                    ("peer outside", lambda: dist.P2POp(dist.irecv, np.ones(2), p)),
                    ("subgroups uneven", lambda: dist.new_subgroups(2)),
+                   ("subgroups disagree", lambda: dist.new_subgroups(1 if r == 0 else p)),
                    ("monitored timeout", lambda: dist.monitored_barrier(timeout=-1))):
     try:
         call()
