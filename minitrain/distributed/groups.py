@@ -1,5 +1,6 @@
 """torch.distributed's process groups over minitrain's communicators: the world from the MPI launcher,
-new_group's sub-communicators (comm.split), ranks in and out of a group, PyTorch's reduction names."""
+new_group's sub-communicators (comm.split) and new_subgroups' (one new_group each), ranks in and out of a
+group, PyTorch's reduction names."""
 import datetime
 import numbers
 import operator

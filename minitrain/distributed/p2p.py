@@ -117,7 +117,8 @@ def batch_isend_irecv(p2p_op_list):
     messages = [_message(op.op.__name__, op.tensor, group, op.tag, None, op.group_peer,
                          "dst" if op.op is isend else "src") for op in p2p_op_list]
     copies = _copies_to_self(group, p2p_op_list, messages)
-    works = [None if peer == group.rank() else (group.comm.isend if op.op is isend else group.comm.irecv)(x, peer, op.tag)
+    post = {isend: group.comm.isend, irecv: group.comm.irecv}
+    works = [None if peer == group.rank() else post[op.op](x, peer, op.tag)
              for op, (_, x, peer) in zip(p2p_op_list, messages)]
     for receive, sent in copies.items():
         x = messages[receive][1]
