@@ -125,19 +125,25 @@ out = cp.empty(10); dist.all_gather_into_tensor(out, cp.full(5, float(r)))
 g = [cp.empty(2) for _ in range(2)] if r == 0 else None
 dist.gather(cp.full(2, float(r)), g, dst=0)
 o = cp.empty(2); dist.scatter(o, [cp.full(2, 5.0), cp.full(2, 6.0)] if r == 0 else None, src=0)
+b, me = cp.empty(2), cp.empty(1)
+ops = [dist.P2POp(dist.irecv, b, 1 - r), dist.P2POp(dist.isend, cp.full(2, r + 7.0), 1 - r),
+       dist.P2POp(dist.isend, cp.full(1, r + 3.0), r), dist.P2POp(dist.irecv, me, r)]     # to itself: a copy
+[w.wait() for w in dist.batch_isend_irecv(ops)]
 print('cupy', type(x).__module__, cp.asnumpy(x).tolist(), cp.asnumpy(out).tolist(),
-      g and cp.asnumpy(cp.concatenate(g)).tolist(), cp.asnumpy(o).tolist(), flush=True)
+      g and cp.asnumpy(cp.concatenate(g)).tolist(), cp.asnumpy(o).tolist(), cp.asnumpy(b).tolist(),
+      cp.asnumpy(me).tolist(), flush=True)
 """
 
 
 def test_device_arrays_stay_on_the_device_under_the_strict_cupy_stand_in():
-    """CuPy arrays in, CuPy arrays written: no implicit host copy (the stand-in raises on one)."""
+    """CuPy arrays in, CuPy arrays written (a batch_isend_irecv's too, its message to itself included): no
+    implicit host copy (the stand-in raises on one)."""
     import os
     standin = Path(__file__).parent / "standin"
     env = {"PYTHONPATH": os.pathsep.join([str(standin), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "CUPY_STANDIN_IMPLICIT": "error", "MINITRAIN_DEVICE": "cuda"}
     out = run_mpi([sys.executable, "-c", CUPY_CALLS], n=2, timeout=120, env=env).stdout
     assert "[0] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
-           "[0.0, 0.0, 1.0, 1.0] [5.0, 5.0]" in out, out
+           "[0.0, 0.0, 1.0, 1.0] [5.0, 5.0] [8.0, 8.0] [3.0]" in out, out
     assert "[1] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
-           "None [6.0, 6.0]" in out, out
+           "None [6.0, 6.0] [7.0, 7.0] [4.0]" in out, out
