@@ -5,7 +5,7 @@ waits for them up to the timeout, then sends each rank its verdict, and raises n
 (wait_all_ranks=True: all of them). So no rank waits past the verdict: a rank that arrived in time passes,
 or raises naming the late ones; a late rank finds its verdict waiting and raises at once. Unlike gloo's,
 the other ranks do not wait for rank 0 without end: up to the timeout plus the group's own, then they name
-rank 0. A receive given up on stays posted for the late message (its tag is this call's alone): under MPICH
+rank 0 (a rank 0 later still finds every arrival and passes alone). A receive given up on stays posted for the late message (its tag is this call's alone): under MPICH
 a message never received ends the job with a SIGKILL at exit. Cost: 2 (p - 1) messages of 8 bytes
 (arrivals) and 8p bytes (verdicts) through rank 0; every wait is comm's (sleeps of at most 1 ms), none spins.
 """

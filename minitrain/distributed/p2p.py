@@ -94,7 +94,7 @@ class P2POp:
 class _Copied:
     """The Work of a message to oneself: done when the batch returns (a copy)."""
 
-    def wait(self, timeout=None):
+    def wait(self):
         return True
 
     def is_completed(self):

@@ -255,7 +255,7 @@ for name, call in (("twice", lambda: dist.init_process_group("gloo")),
                        dist.P2POp(dist.irecv, np.ones(2), r, group=mine)])),
                    ("to itself unpaired", lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, np.ones(2), r)])),
                    ("peer outside", lambda: dist.P2POp(dist.irecv, np.ones(2), p)),
-                   ("subgroups uneven", lambda: dist.new_subgroups(2)),
+                   ("subgroups uneven", lambda: dist.new_subgroups(p - 1)),       # (p > 2: p - 1 divides no p)
                    ("subgroups disagree", lambda: dist.new_subgroups(1 if r == 0 else p)),
                    ("monitored timeout", lambda: dist.monitored_barrier(timeout=-1))):
     try:
