@@ -123,12 +123,9 @@ class Communicator(Launcher):
         return recvbuf
 
     def wait_all(self, requests, what="wait", poll=None, timeout=None, withdraw=True):
-        """Poll until all complete (poll: yield s, longest sleep s); past comm_timeout the guard looks, past
-        ``timeout`` (default: the communicator's) raise, withdrawing the pending receives (withdraw=False: they
-        stay posted, for a message still to come that nothing else may take)."""
+        """Poll until all complete (poll: yield s, longest sleep s); past comm_timeout the guard looks, past timeout: raise."""
         pending, marked, failed, cpu, stalled = requests, None, True, None, False
-        limit = self.timeout if timeout is None else timeout
-        window, longest = poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
+        limit, (window, longest) = self.timeout if timeout is None else timeout, poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
         try:
             pending = [r for r in pending if not self.test(r, what)]
             if pending:
@@ -155,7 +152,7 @@ class Communicator(Launcher):
             if cpu is not None:
                 _waiting.cpu = getattr(_waiting, "cpu", 0.0) + time.thread_time() - cpu
             self.guard.waited(marked or ())
-            for r in pending if failed and withdraw else ():       # nobody waits for these any more
+            for r in pending if failed and withdraw else ():   # withdrawn (withdraw=False: the caller awaits them)
                 self._close(r, "failed")
 
     def test(self, request, what="test"):

@@ -1,13 +1,11 @@
 """torch.distributed's monitored_barrier: a barrier that names the ranks that did not arrive in time.
 
-As gloo's (ProcessGroupGloo::monitoredBarrier): every rank tells rank 0 of the group it has arrived; rank 0
-waits for them up to the timeout, then sends each rank its verdict, and raises naming the first late rank
-(wait_all_ranks=True: all of them). So no rank waits past the verdict: a rank that arrived in time passes,
-or raises naming the late ones; a late rank finds its verdict waiting and raises at once. Unlike gloo's,
-the other ranks do not wait for rank 0 without end: up to the timeout plus the group's own, then they name
-rank 0 (a rank 0 later still finds every arrival and passes alone). A receive given up on stays posted for the late message (its tag is this call's alone): under MPICH
-a message never received ends the job with a SIGKILL at exit. Cost: 2 (p - 1) messages of 8 bytes
-(arrivals) and 8p bytes (verdicts) through rank 0; every wait is comm's (sleeps of at most 1 ms), none spins.
+As gloo's (ProcessGroupGloo::monitoredBarrier): each rank tells rank 0 of the group it has arrived; rank 0
+waits up to the timeout, sends every rank its verdict and raises naming the first late rank (wait_all_ranks:
+all). A rank on time passes or raises naming the late ones; a late rank finds its verdict and raises at once.
+Unlike gloo's, the others wait for rank 0 at most the timeout plus the group's, then name it (a rank 0 later
+still passes alone). A receive given up on stays posted for its late message: under MPICH a message never
+received ends the job with a SIGKILL at exit. Cost: 2 (p - 1) small messages through rank 0; no wait spins.
 """
 import atexit
 import time
