@@ -43,8 +43,8 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
                                    "group_size on every rank"),
             "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1"}
 #: what each rank of monitored_barrier raises in each case of late ranks (PROGRAM): rank 1 late (wait_all_ranks=True,
-#: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's line is
-#: torch.distributed's own under gloo (2.13), word for word.
+#: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's lines are in
+#: torch.distributed's words under gloo (2.13): case 0's as torch raised it, the others' in its source's format.
 STOPPED = "failed to pass monitoredBarrier in {} ms: rank 0 had stopped waiting when it arrived"
 LATE = {(0, 0): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
         (1, 0): "[Rank 1]: Rank 1 " + STOPPED.format(1000),
