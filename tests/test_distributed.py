@@ -16,6 +16,7 @@ CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce m
           "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
           "object collectives", "isend/irecv", "barrier async_op", "batch_isend_irecv ring", "new_subgroups",
+          "new_subgroups of a group",
           "monitored_barrier", "destroyed"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",

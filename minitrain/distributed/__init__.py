@@ -16,7 +16,8 @@ batch_isend_irecv([P2POp(dist.isend, t, peer), P2POp(dist.irecv, u, peer2), ...]
 any is waited on, so a ring exchange cannot deadlock at any p (p2p.py). monitored_barrier(timeout=...) names
 the ranks that did not arrive in time, on rank 0 in PyTorch's words and on the others too (monitor.py).
 new_subgroups(group_size) splits a group into groups of consecutive ranks, group_size None: the ranks on
-each node (PyTorch's: its GPUs), checked to be the same on every rank.
+each node (PyTorch's: its GPUs), checked to be the same on every rank; a rank outside the group takes part
+(PyTorch's raises there, leaving the others waiting).
 Backends: "mpi" and "gloo" (the same: MPI point-to-point), "nccl" (comm/nccl.py); the rendezvous is
 the MPI launcher's, so init_method is "env://" or None and world_size / rank, where given, are checked
 against it. timeout: how long any wait may last (the stall report comes at a third of it, at most 10 s).

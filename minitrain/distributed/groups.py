@@ -139,24 +139,27 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local
 
 def new_subgroups(group_size=None, group=None, timeout=None, backend=None, pg_options=None, group_desc=None):
     """Groups of ``group_size`` consecutive ranks of ``group`` (None: the world), as PyTorch's; group_size None:
-    the ranks the MPI launcher put on each node (PyTorch's: the GPUs per node), the same on every node. Every
-    rank of the world calls it (one tiny all-gather checks that all agree on group_size, then new_group per
-    subgroup). Returns (this rank's subgroup, all the subgroups)."""
-    ranks = get_process_group_ranks(_group(None, "new_subgroups") if group is None else group)
+    the ranks the MPI launcher put on each node (PyTorch's: the GPUs per node). Every rank of the world calls it,
+    one outside ``group`` too: one tiny all-gather tells every rank the group's ranks and checks that all pass
+    the same group_size, then a new_group per subgroup. Returns (this rank's subgroup, all the subgroups)."""
+    world = _group(None, "new_subgroups")
+    pg = None if group is GroupMember.NON_GROUP_MEMBER else _group(group, "new_subgroups")
     size = backend_module.local_rank_count() if group_size is None else group_size
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
         raise TypeError(f"new_subgroups: group_size must be an integer, got {size!r}")
+    table = C.ring_all_gather(world.comm, np.array([size, -1 if pg is None else pg.rank()], np.int64),
+                              total=2 * world.size()).reshape(world.size(), 2)
+    if len(set(table[:, 0].tolist())) > 1:
+        cause = "the nodes hold different numbers of ranks" if group_size is None else "the ranks disagree"
+        raise ValueError(f"new_subgroups: {cause}: group_size {table[:, 0].tolist()} on ranks 0..{world.size() - 1}; "
+                         f"pass one group_size on every rank")
+    ranks = [q for _, q in sorted((int(g), q) for q, g in enumerate(table[:, 1]) if g >= 0)]   # in group order
     if size <= 0:
         raise ValueError(f"new_subgroups: The arg 'group_size' ({size}) must be positive")
     if len(ranks) < size:
         raise ValueError(f"new_subgroups: The arg 'group_size' ({size}) must not exceed the world size ({len(ranks)})")
     if len(ranks) % size:
         raise ValueError(f"new_subgroups: The world size ({len(ranks)}) must be divisible by 'group_size={size}'")
-    sizes = C.ring_all_gather(_world.comm, np.array([size], np.int64), total=_world.size())
-    if len(set(sizes.tolist())) > 1:
-        cause = "the nodes hold different numbers of ranks" if group_size is None else "the ranks disagree"
-        raise ValueError(f"new_subgroups: {cause}: group_size {sizes.tolist()} on ranks 0..{_world.size() - 1}; "
-                         f"pass one group_size on every rank")
     return new_subgroups_by_enumeration([ranks[i:i + size] for i in range(0, len(ranks), size)], timeout, backend,
                                         pg_options, group_desc)
 

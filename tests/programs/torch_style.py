@@ -203,6 +203,9 @@ dist.barrier()
 
 # a group of the even ranks: its ranks sorted, global src, a rank outside returns at once
 evens = dist.new_group([q for q in range(p) if q % 2 == 0][::-1])
+alone, singles = dist.new_subgroups(1, group=evens)       # every rank calls it, one outside evens too
+ok("new_subgroups of a group", len(singles) == len(range(0, p, 2))
+   and (alone is None if r % 2 else dist.get_process_group_ranks(alone) == [r]))
 x = np.full(N, float(r + 1))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
