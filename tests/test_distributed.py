@@ -10,12 +10,14 @@ from minitrain.testing import free_port, run_mpi
 
 PROGRAM = Path(__file__).parent / "programs" / "torch_style.py"
 ORACLE = Path(__file__).parent / "programs" / "torch_dist_oracle.py"
-ORACLE_CALLS = 35          # the compare() calls in ORACLE
+ORACLE_CALLS = 39          # the compare() calls in ORACLE
 CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce min", "all_reduce product",
           "all_reduce avg", "all_reduce int64 exact", "all_reduce Tensor and transposed view", "all_reduce async_op",
           "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
-          "object collectives", "isend/irecv", "barrier async_op", "destroyed"]
+          "object collectives", "isend/irecv", "barrier async_op", "batch_isend_irecv ring", "new_subgroups",
+          "new_subgroups of a group",
+          "monitored_barrier", "destroyed"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
             "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "
@@ -29,7 +31,32 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
                                   "need 6"),
             "any source": "irecv: a receive from any source (src=None) is not supported here",
             "to itself": "isend: Invalid destination rank: should not be the same as rank of the current process",
-            "a list": "all_reduce: tensor must be a NumPy or CuPy array or a minitrain Tensor, got list"}
+            "a list": "all_reduce: tensor must be a NumPy or CuPy array or a minitrain Tensor, got list",
+            "empty batch": "batch_isend_irecv: p2p_op_list is empty; give it at least one P2POp",
+            "not a P2POp": "batch_isend_irecv: p2p_op_list must be a list of dist.P2POp, got list [<function isend",
+            "op not isend or irecv": "P2POp: op must be dist.isend or dist.irecv, got 'send'",
+            "mixed groups": "batch_isend_irecv: All ops need to use the same group",
+            "to itself unpaired": ("batch_isend_irecv: an isend to this rank itself (tag 0) needs an irecv from itself "
+                                   "with the same tag in the same batch"),
+            "peer outside": "P2POp: peer=3 is not a rank of the group [0, 1, 2]",
+            "subgroups uneven": "new_subgroups: The world size (3) must be divisible by 'group_size=2'",
+            "subgroups disagree": ("new_subgroups: the ranks disagree: group_size [1, 3, 3] on ranks 0..2; pass one "
+                                   "group_size on every rank"),
+            "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1"}
+#: what each rank of monitored_barrier raises in each case of late ranks (PROGRAM): rank 1 late (wait_all_ranks=True,
+#: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's lines are in
+#: torch.distributed's words under gloo (2.13): case 0's as torch raised it, the others' in its source's format.
+STOPPED = "failed to pass monitoredBarrier in {} ms: rank 0 had stopped waiting when it arrived"
+LATE = {(0, 0): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
+        (1, 0): "[Rank 1]: Rank 1 " + STOPPED.format(1000),
+        (2, 0): ("[Rank 2]: Rank 2 successfully reached monitoredBarrier, but rank 0 found that Rank 1 failed to "
+                 "pass monitoredBarrier in 1000 ms"),
+        (0, 1): "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 300 ms",
+        (1, 1): "[Rank 1]: Rank 1 " + STOPPED.format(300),
+        (2, 1): "[Rank 2]: Rank 2 " + STOPPED.format(300),
+        (0, 2): "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 300 ms",
+        (1, 2): "[Rank 1]: Rank 1 " + STOPPED.format(300),
+        (2, 2): "[Rank 2]: Rank 2 " + STOPPED.format(300)}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +75,16 @@ def test_a_group_sorts_its_ranks_takes_global_ranks_and_leaves_a_non_member_out(
         for check in ("group all_reduce", "group ranks", "group broadcast from a global rank"):
             assert f"[{rank}] ok {check}\n" in printed, printed
     assert "[1] ok outside the group\n" in printed and "[2] ok recv returns the sender\n" in printed
+    assert "[1] ok outside the group batch_isend_irecv\n" in printed, printed
     assert "[1] refused a non-member's question: get_process_group_ranks: global rank 1 is not in this group" \
         in printed, printed
     for rank in (0, 2):       # new_group([2, 0], sort_ranks=False): group rank 0 is global rank 2
         assert f"[{rank}] ok sort_ranks=False\n" in printed, printed
+
+
+def test_monitored_barrier_names_the_late_ranks_on_every_rank(printed):
+    for (rank, case), line in LATE.items():
+        assert f"[{rank}] monitored_barrier case {case}: {line}\n" in printed, printed
 
 
 @pytest.mark.parametrize("name", REFUSALS)
@@ -93,19 +126,25 @@ out = cp.empty(10); dist.all_gather_into_tensor(out, cp.full(5, float(r)))
 g = [cp.empty(2) for _ in range(2)] if r == 0 else None
 dist.gather(cp.full(2, float(r)), g, dst=0)
 o = cp.empty(2); dist.scatter(o, [cp.full(2, 5.0), cp.full(2, 6.0)] if r == 0 else None, src=0)
+b, me = cp.empty(2), cp.empty(1)
+ops = [dist.P2POp(dist.irecv, b, 1 - r), dist.P2POp(dist.isend, cp.full(2, r + 7.0), 1 - r),
+       dist.P2POp(dist.isend, cp.full(1, r + 3.0), r), dist.P2POp(dist.irecv, me, r)]     # to itself: a copy
+[w.wait() for w in dist.batch_isend_irecv(ops)]
 print('cupy', type(x).__module__, cp.asnumpy(x).tolist(), cp.asnumpy(out).tolist(),
-      g and cp.asnumpy(cp.concatenate(g)).tolist(), cp.asnumpy(o).tolist(), flush=True)
+      g and cp.asnumpy(cp.concatenate(g)).tolist(), cp.asnumpy(o).tolist(), cp.asnumpy(b).tolist(),
+      cp.asnumpy(me).tolist(), flush=True)
 """
 
 
 def test_device_arrays_stay_on_the_device_under_the_strict_cupy_stand_in():
-    """CuPy arrays in, CuPy arrays written: no implicit host copy (the stand-in raises on one)."""
+    """CuPy arrays in, CuPy arrays written (a batch_isend_irecv's too, its message to itself included): no
+    implicit host copy (the stand-in raises on one)."""
     import os
     standin = Path(__file__).parent / "standin"
     env = {"PYTHONPATH": os.pathsep.join([str(standin), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "CUPY_STANDIN_IMPLICIT": "error", "MINITRAIN_DEVICE": "cuda"}
     out = run_mpi([sys.executable, "-c", CUPY_CALLS], n=2, timeout=120, env=env).stdout
     assert "[0] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
-           "[0.0, 0.0, 1.0, 1.0] [5.0, 5.0]" in out, out
+           "[0.0, 0.0, 1.0, 1.0] [5.0, 5.0] [8.0, 8.0] [3.0]" in out, out
     assert "[1] cupy cupy._core [1.0, 2.0, 3.0, 4.0, 5.0] [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] " \
-           "None [6.0, 6.0]" in out, out
+           "None [6.0, 6.0] [7.0, 7.0] [4.0]" in out, out

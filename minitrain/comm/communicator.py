@@ -122,10 +122,10 @@ class Communicator(Launcher):
         self.wait_all([recv, send], f"sendrecv (to rank {dest}, from rank {source})")
         return recvbuf
 
-    def wait_all(self, requests, what="wait", poll=None):
+    def wait_all(self, requests, what="wait", poll=None, timeout=None, withdraw=True):
         """Poll until all complete (poll: yield s, longest sleep s); past comm_timeout the guard looks, past timeout: raise."""
         pending, marked, failed, cpu, stalled = requests, None, True, None, False
-        window, longest = poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
+        limit, (window, longest) = self.timeout if timeout is None else timeout, poll or (YIELD_WINDOW_S, MAX_SLEEP_S)
         try:
             pending = [r for r in pending if not self.test(r, what)]
             if pending:
@@ -137,9 +137,9 @@ class Communicator(Launcher):
                     os.sched_yield()
                 else:
                     marked = self.guard.waiting(self, pending, start) if marked is None else marked
-                    if elapsed > self.timeout:
+                    if elapsed > limit:
                         self.guard.stalled(self, pending, what, elapsed, hard=True)
-                        raise CollectiveTimeout(f"[rank {self.rank}] {what} timed out after {self.timeout:g} s; "
+                        raise CollectiveTimeout(f"[rank {self.rank}] {what} timed out after {limit:g} s; "
                                                 f"no answer from rank(s) {sorted({r.peer for r in pending})}")
                     if elapsed > self.comm_timeout and not stalled:
                         stalled = True
@@ -152,7 +152,7 @@ class Communicator(Launcher):
             if cpu is not None:
                 _waiting.cpu = getattr(_waiting, "cpu", 0.0) + time.thread_time() - cpu
             self.guard.waited(marked or ())
-            for r in pending if failed else ():       # nobody waits for these any more
+            for r in pending if failed and withdraw else ():   # withdrawn (withdraw=False: the caller awaits them)
                 self._close(r, "failed")
 
     def test(self, request, what="test"):

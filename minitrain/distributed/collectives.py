@@ -1,5 +1,5 @@
-"""torch.distributed's collective and point-to-point calls, each one of comm/'s: PyTorch's in-place results,
-global src / dst, async Work and non-members' early return laid over them (see minitrain/distributed/)."""
+"""torch.distributed's collective calls, each one of comm/'s: PyTorch's in-place results, global src / dst,
+async Work and non-members' early return laid over them (see minitrain/distributed/; point to point: p2p.py)."""
 import operator
 
 from .. import comm as C
@@ -7,7 +7,6 @@ from ..autograd import Tensor
 from ..backend import array_module
 from ..comm.collectives import _barrier_body
 from ..comm.reductions import OPS, TORCH_OP_NAMES, check_op
-from . import groups
 from .groups import ReduceOp, _group
 from .work import into, run
 
@@ -234,50 +233,3 @@ def barrier(group=None, async_op=False, device_ids=None):
     if pg is None:
         return None
     return run(async_op, lambda a: pg.comm.launch("barrier", _barrier_body, (), a, {}, 0), lambda _: None)
-
-
-# ---------------------------------------------------------------- point to point
-def _contiguous(x, name):
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name}: the tensor must be contiguous (it is sent or received in place)")
-    return x
-
-
-def _not_self(pg, name, peer, what):
-    if peer == pg.rank():
-        raise ValueError(f"{name}: Invalid {what} rank: should not be the same as rank of the current process")
-    return peer
-
-
-def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    pg = _group(group, "isend")
-    if pg is None:
-        return None
-    peer = _not_self(pg, "isend", _peer(pg, "isend", dst, group_dst, "dst"), "destination")
-    return pg.comm.isend(_contiguous(_array(tensor, "isend"), "isend"), peer, tag)
-
-
-def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    pg = _group(group, "irecv")
-    if pg is None:
-        return None
-    if src is None and group_src is None:
-        raise ValueError("irecv: a receive from any source (src=None) is not supported here: name the sender")
-    peer = _not_self(pg, "irecv", _peer(pg, "irecv", src, group_src, "src"), "source")
-    return pg.comm.irecv(_contiguous(_array(tensor, "irecv"), "irecv"), peer, tag)
-
-
-def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    work = isend(tensor, dst, group, tag, group_dst)
-    if work is not None:
-        work.wait()
-
-
-def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    """Receive into ``tensor``; returns the sender's global rank (-1 off the group), as PyTorch does."""
-    work = irecv(tensor, src, group, tag, group_src)
-    if work is None:
-        return -1
-    work.wait()
-    pg = groups._world if group is None else group
-    return src if src is not None else pg.ranks[group_src]

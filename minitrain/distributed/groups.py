@@ -1,9 +1,14 @@
 """torch.distributed's process groups over minitrain's communicators: the world from the MPI launcher,
-new_group's sub-communicators (comm.split), ranks in and out of a group, PyTorch's reduction names."""
+new_group's sub-communicators (comm.split) and new_subgroups' (one new_group each), ranks in and out of a
+group, PyTorch's reduction names."""
 import datetime
+import numbers
 import operator
 import warnings
 
+import numpy as np
+
+from .. import backend as backend_module
 from .. import comm as C
 
 
@@ -44,13 +49,17 @@ BACKENDS = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl"}
 
 
 # ---------------------------------------------------------------- the default group
+def seconds(timeout):
+    """PyTorch's ``timeout`` (a timedelta, or seconds as a number; None stays None) in seconds."""
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+
+
 def _timeouts(timeout):
     """A communicator's keywords for PyTorch's ``timeout`` (a timedelta or seconds): the hard limit of a
     wait, and the stall report at a third of it (at most comm's default)."""
     if timeout is None:
         return {}
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    return {"timeout": seconds, "comm_timeout": min(C.DEFAULT_COMM_TIMEOUT, seconds / 3)}
+    return {"timeout": seconds(timeout), "comm_timeout": min(C.DEFAULT_COMM_TIMEOUT, seconds(timeout) / 3)}
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
@@ -126,6 +135,52 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local
     for name, value in _timeouts(timeout).items():
         setattr(sub, name, value)
     return ProcessGroup(sub, chosen, world.backend, group_desc) if member else GroupMember.NON_GROUP_MEMBER
+
+
+def new_subgroups(group_size=None, group=None, timeout=None, backend=None, pg_options=None, group_desc=None):
+    """Groups of ``group_size`` consecutive ranks of ``group`` (None: the world), as PyTorch's; group_size None:
+    the ranks the MPI launcher put on each node (PyTorch's: the GPUs per node). Every rank of the world calls it,
+    one outside ``group`` too: one tiny all-gather tells every rank the group's ranks and checks that all pass
+    the same group_size, then a new_group per subgroup. Returns (this rank's subgroup, all the subgroups)."""
+    world = _group(None, "new_subgroups")
+    pg = None if group is GroupMember.NON_GROUP_MEMBER else _group(group, "new_subgroups")
+    size = backend_module.local_rank_count() if group_size is None else group_size
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"new_subgroups: group_size must be an integer, got {size!r}")
+    table = C.ring_all_gather(world.comm, np.array([size, -1 if pg is None else pg.rank()], np.int64),
+                              total=2 * world.size()).reshape(world.size(), 2)
+    if len(set(table[:, 0].tolist())) > 1:
+        cause = "the nodes hold different numbers of ranks" if group_size is None else "the ranks disagree"
+        raise ValueError(f"new_subgroups: {cause}: group_size {table[:, 0].tolist()} on ranks 0..{world.size() - 1}; "
+                         f"pass one group_size on every rank")
+    ranks = [q for _, q in sorted((int(g), q) for q, g in enumerate(table[:, 1]) if g >= 0)]   # in group order
+    if size <= 0:
+        raise ValueError(f"new_subgroups: The arg 'group_size' ({size}) must be positive")
+    if len(ranks) < size:
+        raise ValueError(f"new_subgroups: The arg 'group_size' ({size}) must not exceed the world size ({len(ranks)})")
+    if len(ranks) % size:
+        raise ValueError(f"new_subgroups: The world size ({len(ranks)}) must be divisible by 'group_size={size}'")
+    return new_subgroups_by_enumeration([ranks[i:i + size] for i in range(0, len(ranks), size)], timeout, backend,
+                                        pg_options, group_desc)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None, pg_options=None,
+                                 group_desc=None):
+    """A new_group for each list of global ranks (no rank in two; a rank may be in none). Every rank of the
+    world calls it. Returns (this rank's subgroup, or None; all the subgroups)."""
+    if not ranks_per_subgroup_list:
+        raise ValueError("new_subgroups_by_enumeration: The arg 'ranks_per_subgroup_list' cannot be empty")
+    seen = {}
+    for ranks in ranks_per_subgroup_list:
+        for rank in ranks:
+            if rank in seen:
+                raise ValueError(f"new_subgroups_by_enumeration: Rank {rank} has appeared in both subgroup "
+                                 f"{seen[rank]} and {ranks}")
+            seen[rank] = ranks
+    subgroups = [new_group(ranks, timeout, backend, pg_options, group_desc=group_desc)
+                 for ranks in ranks_per_subgroup_list]
+    mine = [g for g in subgroups if g is not GroupMember.NON_GROUP_MEMBER]
+    return (mine[0] if mine else None), subgroups
 
 
 def get_rank(group=None):

@@ -1,6 +1,6 @@
 """torch.distributed's async Work over comm's: a call with async_op=True returns one, whose wait() finishes
 the call (writes the result into the caller's tensors, where PyTorch's call puts it) and returns True."""
-import datetime
+from .groups import seconds
 
 
 class Work:
@@ -14,8 +14,7 @@ class Work:
 
     def wait(self, timeout=None):
         """Finish the call; ``timeout`` (PyTorch's timedelta, or seconds; 0: none) bounds the wait."""
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        result = self.work.wait(seconds or None)
+        result = self.work.wait(seconds(timeout) or None)
         if not self.finished:
             self.finished = True
             self.finish(result)

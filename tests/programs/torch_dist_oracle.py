@@ -2,6 +2,7 @@
 process per rank: every result, return value and Work's answer compared, call by call. Prints "same NAME" or
 "differs NAME: torch ... minitrain ..." (tests/test_distributed.py reads them). Only what gloo defines is
 compared (its reduce leaves partial sums on the other ranks, its strided outputs can be wrong)."""
+import datetime
 import os
 
 import numpy as np
@@ -104,5 +105,58 @@ def groups(d, T):
 
 
 compare("groups", groups)
+
+
+def batches(d, T):
+    """A ring each way in one batch (receives first), then one on a group of ranks 0 and p - 1 by group_peer."""
+    left, right = T(np.zeros(2)), T(np.zeros(3, "int64"))
+    ops = [d.P2POp(d.irecv, left, (r - 1) % p, tag=1), d.P2POp(d.irecv, right, group_peer=(r + 1) % p, tag=2),
+           d.P2POp(d.isend, T(np.full(2, float(r))), (r + 1) % p, tag=1),
+           d.P2POp(d.isend, T(np.full(3, r, "int64")), (r - 1) % p, tag=2)]
+    answers = [[w.wait() for w in d.batch_isend_irecv(ops)], left, right, [(o.peer, o.group_peer, o.tag) for o in ops]]
+    pair = d.new_group([p - 1, 0], sort_ranks=False)
+    if r in (0, p - 1):
+        got = T(np.zeros(1))
+        ops = [d.P2POp(d.isend, T(np.full(1, float(r))), group_peer=1 - d.get_rank(pair), group=pair),
+               d.P2POp(d.irecv, got, p - 1 - r, group=pair)]
+        works = d.batch_isend_irecv(ops)
+        answers += [[w.wait() for w in works], got, [(o.peer, o.group_peer) for o in ops]]
+    return answers
+
+
+def subgroups(d, T):
+    answers = []
+    for size in (1, p):
+        mine, every = d.new_subgroups(size)
+        x = T(np.full(1, float(r + 1)))
+        answers += [d.all_reduce(x, group=mine), x, d.get_process_group_ranks(mine), len(every),
+                    [q for q, g in enumerate(every) if g is not d.GroupMember.NON_GROUP_MEMBER]]
+    mine, every = d.new_subgroups_by_enumeration([[p - 1, 0]])
+    return answers + [mine is None, len(every)]
+
+
+def refused(call):
+    try:
+        call()
+    except Exception:
+        return "refused"
+    return "done"
+
+
+def refusals(d, T):
+    everyone = d.new_group(list(range(p)))          # not the world's group object: a batch may not mix them
+    x = T(np.zeros(2))
+    return [refused(lambda: d.batch_isend_irecv([])), refused(lambda: d.P2POp(d.send, x, (r + 1) % p)),
+            refused(lambda: d.batch_isend_irecv([d.P2POp(d.isend, x, (r + 1) % p),
+                                                 d.P2POp(d.irecv, x, (r - 1) % p, group=everyone)])),
+            refused(lambda: d.batch_isend_irecv(d.P2POp(d.isend, x, (r + 1) % p))),
+            refused(lambda: d.new_subgroups(2)), refused(lambda: d.new_subgroups(0)),
+            refused(lambda: d.new_subgroups(p + 1))]
+
+
+compare("batch_isend_irecv", batches)
+compare("new_subgroups", subgroups)
+compare("monitored_barrier", lambda d, T: d.monitored_barrier(timeout=datetime.timedelta(seconds=60)))
+compare("refusals", refusals)
 tdist.destroy_process_group()
 mdist.destroy_process_group()

@@ -161,8 +161,51 @@ if p > 1:
 work = dist.barrier(async_op=True)
 ok("barrier async_op", work.wait() is True and work.is_completed())
 
+# batch_isend_irecv: a ring each way in one batch, the receives first (any order works: all are posted before
+# any wait), and a message to oneself; every Work's wait() is True
+right, left = (r + 1) % p, (r - 1) % p
+got_left, got_right, got_self = np.empty(N), np.empty(2, np.int64), np.empty(3)
+works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got_left, left, tag=1),
+                                dist.P2POp(dist.irecv, got_right, group_peer=right, tag=2),
+                                dist.P2POp(dist.isend, np.full(N, float(r)), right, tag=1),
+                                dist.P2POp(dist.isend, np.full(2, r, np.int64), left, tag=2),
+                                dist.P2POp(dist.isend, np.arange(3.0) + r, r, tag=3),
+                                dist.P2POp(dist.irecv, got_self, r, tag=3)])
+ok("batch_isend_irecv ring", len(works) == 6 and all(w.wait() is True and w.is_completed() for w in works)
+   and np.array_equal(got_left, np.full(N, float(left))) and np.array_equal(got_right, [right, right])
+   and np.array_equal(got_self, np.arange(3.0) + r))
+
+# new_subgroups: groups of 1 (this rank's, the others NON_GROUP_MEMBER here), and of the ranks on this node
+mine, subgroups = dist.new_subgroups(group_size=1)
+node, per_node = dist.new_subgroups()             # mpiexec on one machine: the whole world
+x = np.full(2, float(r + 1))
+dist.all_reduce(x, group=node)
+ok("new_subgroups", dist.get_process_group_ranks(mine) == [r] and len(subgroups) == p and subgroups[r] is mine
+   and all(g is dist.GroupMember.NON_GROUP_MEMBER for q, g in enumerate(subgroups) if q != r)
+   and len(per_node) == 1 and per_node[0] is node and np.array_equal(x, np.full(2, p * (p + 1) / 2)))
+
+# monitored_barrier: passes when all arrive; a rank that arrives after rank 0 has stopped waiting is named on
+# rank 0 (the first one; all with wait_all_ranks=True), and every rank raises. The late ranks wait for rank 0's
+# word that it has raised (no sleep to tune), then arrive; only the first case has a rank on time (rank 2).
+ok("monitored_barrier", dist.monitored_barrier(timeout=datetime.timedelta(seconds=60)) is None)
+for case, (late, wait_all, seconds) in enumerate((([1], True, 1.0), (list(range(1, p)), False, 0.3),
+                                                  (list(range(1, p)), True, 0.3))):
+    if r in late:
+        dist.recv(np.empty(1), src=0, tag=9)
+    try:
+        dist.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all)
+    except RuntimeError as e:
+        print(f"monitored_barrier case {case}: {e}", flush=True)
+    if r == 0:
+        for q in late:
+            dist.send(np.ones(1), dst=q, tag=9)
+dist.barrier()
+
 # a group of the even ranks: its ranks sorted, global src, a rank outside returns at once
 evens = dist.new_group([q for q in range(p) if q % 2 == 0][::-1])
+alone, singles = dist.new_subgroups(1, group=evens)       # every rank calls it, one outside evens too
+ok("new_subgroups of a group", len(singles) == len(range(0, p, 2))
+   and (alone is None if r % 2 else dist.get_process_group_ranks(alone) == [r]))
 x = np.full(N, float(r + 1))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -181,6 +224,10 @@ else:
         dist.get_process_group_ranks(evens)
     except ValueError as e:
         print(f"refused a non-member's question: {e}", flush=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, np.ones(2), 0, group=evens)])
+    ok("outside the group batch_isend_irecv", works == [] and any("does not belong" in str(w.message) for w in caught))
 
 # sort_ranks=False: the group's ranks in the order given (group rank 0 is global rank p - 1)
 pair = dist.new_group([p - 1, 0], sort_ranks=False, group_desc="pair")
@@ -202,7 +249,18 @@ for name, call in (("twice", lambda: dist.init_process_group("gloo")),
                    ("wrong output size", lambda: dist.all_gather_into_tensor(np.empty(p * 2 + 1), np.ones(2))),
                    ("any source", lambda: dist.recv(np.ones(2))),
                    ("to itself", lambda: dist.send(np.ones(2), dst=r)),
-                   ("a list", lambda: dist.all_reduce([1.0, 2.0]))):
+                   ("a list", lambda: dist.all_reduce([1.0, 2.0])),
+                   ("empty batch", lambda: dist.batch_isend_irecv([])),
+                   ("not a P2POp", lambda: dist.batch_isend_irecv([dist.isend])),
+                   ("op not isend or irecv", lambda: dist.P2POp(dist.send, np.ones(2), (r + 1) % p)),
+                   ("mixed groups", lambda: dist.batch_isend_irecv([
+                       dist.P2POp(dist.isend, np.ones(2), (r + 1) % p),
+                       dist.P2POp(dist.irecv, np.ones(2), r, group=mine)])),
+                   ("to itself unpaired", lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, np.ones(2), r)])),
+                   ("peer outside", lambda: dist.P2POp(dist.irecv, np.ones(2), p)),
+                   ("subgroups uneven", lambda: dist.new_subgroups(p - 1)),       # (p > 2: p - 1 divides no p)
+                   ("subgroups disagree", lambda: dist.new_subgroups(1 if r == 0 else p)),
+                   ("monitored timeout", lambda: dist.monitored_barrier(timeout=-1))):
     try:
         call()
     except (ValueError, TypeError) as e:
