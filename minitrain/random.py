@@ -12,6 +12,8 @@ ranks are threads of one process: use_generator gives each thread its own genera
 from a copy of the caller's state, so that threads behave as processes do.
 """
 import contextlib
+import itertools
+import math
 import threading
 
 import numpy as np
@@ -73,6 +75,40 @@ def randn(*shape, dtype=None):
 def rand(*shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
     return backend.to_device(generator().random(shape).astype(dtype, copy=False))
+
+
+def rand_at(full_shape, index, dtype=None):
+    """``rand(*full_shape)[index]`` drawing only those numbers, the generator left where the whole draw leaves
+    it: the piece of one process's draw that a rank holding part of a tensor keeps (dropout under tensor, sequence
+    and context parallelism). ``index`` holds one entry per leading axis, each a slice or an integer array, taken
+    as an outer product (np.ix_). Each float64 is one 64-bit step of PCG64's stream, so the element at flat
+    position n of the whole draw is n steps from the start: the generator jumps (``advance``) to each contiguous
+    run of wanted elements. With many short runs (an expert's scattered rows) drawing the whole costs less."""
+    dtype, full_shape = dtype or backend.get_default_dtype(), tuple(full_shape)
+    picks = [np.arange(full_shape[k])[entry] for k, entry in enumerate(index)]      # each indexed axis's indices
+    shape = tuple(len(pick) for pick in picks) + full_shape[len(picks):]
+    if not picks:
+        return rand(*full_shape, dtype=dtype)
+    inner = math.prod(full_shape[len(picks):])                 # the whole axes after the indexed ones
+    last = picks[-1]
+    runs = np.split(last, np.flatnonzero(np.diff(last) != 1) + 1) if len(last) else []
+    outer = list(itertools.product(*picks[:-1]))
+    if len(outer) * len(runs) > 64 and len(last) < 4 * len(runs):
+        return rand(*full_shape, dtype=dtype)[np.ix_(*picks)]
+    gen = generator()
+    start, pieces = gen.bit_generator.state, [np.empty(0)]
+    for place in outer:
+        first = np.ravel_multi_index(place, full_shape[:len(place)]) * full_shape[len(place)] if place else 0
+        for run in runs:
+            gen.bit_generator.state = start
+            gen.bit_generator.advance(int((first + run[0]) * inner))
+            pieces.append(gen.random(len(run) * inner))
+    gen.bit_generator.state = start
+    gen.bit_generator.advance(math.prod(full_shape))
+    end = gen.bit_generator.state                # a float64 draw leaves PCG64's buffered 32 bits as they were
+    end["has_uint32"], end["uinteger"] = start["has_uint32"], start["uinteger"]
+    gen.bit_generator.state = end
+    return backend.to_device(np.concatenate(pieces).reshape(shape).astype(dtype, copy=False))
 
 
 def device_uniform(*shape, dtype=None):
