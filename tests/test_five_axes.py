@@ -17,7 +17,8 @@ LAUNCHES = {   # ranks -> {name: extra options}
         "cp2 pp2 zbv": ["--cp", 2, "--pp", 2, "--schedule", "zbv", "--microbatches", 2],
         "pp2 dp2 zb_h1 zero2": ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 2],
         "moe pp2 dp2 zbv": ["--moe-experts", 4, "--pp", 2, "--dp", 2, "--schedule", "zbv"],
-        "tp2 dp2 dropout": ["--tp", 2, "--dp", 2, "--dropout", 0.1]},
+        "tp2 dp2 dropout": ["--tp", 2, "--dp", 2, "--dropout", 0.1],
+        "cp2 dp2 dropout": ["--cp", 2, "--dp", 2, "--dropout", 0.1]},
     8: {"pp2 cp2 tp2 zb_h1 zero1": ["--pp", 2, "--cp", 2, "--tp", 2, "--schedule", "zb_h1", "--microbatches", 2,
                                     "--zero", 1],
         "dp2 cp2 tp2 ulysses zero3": ["--dp", 2, "--cp", 2, "--tp", 2, "--cp-method", "ulysses", "--zero", 3]},
@@ -85,3 +86,12 @@ def test_validation_runs_in_eval_mode(runs):
     report, reference = runs[0]["tp2 dp2 dropout"], runs[1]["dense"]
     assert report["initial_val_loss"] == pytest.approx(reference["initial_val_loss"], rel=1e-12)
     assert report["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)      # dropout did train
+
+
+def test_cp_draws_the_dropout_masks_tp_draws(runs):
+    """cp and tp both draw one process's masks within a replica (the dp replicas their own, documented): cp2 x dp2
+    trains as tp2 x dp2 does, dropout included, and validates in eval mode."""
+    cp, tp = runs[0]["cp2 dp2 dropout"], runs[0]["tp2 dp2 dropout"]
+    np.testing.assert_allclose(cp["losses"], tp["losses"], rtol=1e-10, atol=0)
+    assert cp["initial_val_loss"] == pytest.approx(runs[1]["dense"]["initial_val_loss"], rel=1e-12)
+    assert cp["final_val_loss"] == pytest.approx(tp["final_val_loss"], rel=1e-12)
