@@ -7,7 +7,8 @@ initialisation); dropout masks on the GPU are drawn there (device_uniform), from
 per mask, so they replay and agree across ranks as well, but differ from the CPU's masks.
 
 Each MPI process has its own generator, all starting from the same seed, so ranks that run the
-same code draw the same numbers (tensor-parallel ranks rely on it for dropout masks). ThreadWorld's
+same code draw the same numbers (tensor- and context-parallel ranks rely on it for dropout masks: rand_at
+draws a rank's piece of a whole mask). ThreadWorld's
 ranks are threads of one process: use_generator gives each thread its own generator, started
 from a copy of the caller's state, so that threads behave as processes do.
 """

@@ -32,9 +32,9 @@ Nothing new is computed here: the pieces already exist and only meet.
   optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
-is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
-depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
-other masks than one process; tied embeddings across the first and last stage would need
+is the single-process GPT's (tests/test_gpt_3d.py, float64). Dropout: tp, SP and cp draw one process's
+masks (each rank its slice of every whole mask), but the masks depend on how the batch is cut into
+replicas and micro-batches, so a run with dp or pp draws other masks than one process; tied embeddings across the first and last stage would need
 Megatron's extra embedding all-reduce (refused with a clear error).
 
 A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
