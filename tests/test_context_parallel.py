@@ -324,9 +324,16 @@ def job_runs(tmp_path_factory):
     reports = {}
     saving = {name: ["--save-dir", str(d / name.replace(" ", "_")), "--save-every", "5"]   # resumed in one process
               for name in ("ring", "ring dropout")}
+    # the dropout run resumed from step 5 on its own layout, in a copy of its checkpoints (rank 0 copies)
+    again = [str(x) for x in LAUNCHES[2]["ring dropout"]] + ["--save-dir", str(d / "resumed"), "--save-every", "5",
+                                                             "--resume", "--json", str(d / "resumed.json")]
+    resume = (f"; from mpi4py import MPI; import shutil; MPI.COMM_WORLD.rank or shutil.copytree("
+              f"{str(d / 'ring_dropout')!r}, {str(d / 'resumed')!r}, ignore=shutil.ignore_patterns('step-00000010')); "
+              f"MPI.COMM_WORLD.Barrier(); assert gpt.main(a + {again!r}) == 0")
     for n, layouts in LAUNCHES.items():
         calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra] + saving.get(name, [])!r} + "
                           f"['--json', {str(d / f'{name}.json')!r}]) == 0" for name, extra in layouts.items())
+        calls += resume if n == 2 else ""
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
                 n=n, timeout=300)
         reports.update({name: json.loads((d / f"{name}.json").read_text()) for name in layouts})
@@ -387,6 +394,15 @@ def test_the_job_refuses_in_one_line(extra, needle):
     from minitrain.examples import gpt
     from test_resume_guards import refused
     refused(gpt, JOB + extra, needle)
+
+
+def test_a_cp_dropout_run_resumed_on_its_layout_draws_the_uninterrupted_run_s_masks(job_runs):
+    """Each cp rank gets its own generator back: from step 5 on, the losses and the validation bit for bit."""
+    reports, _, d = job_runs
+    resumed = json.loads((d / "resumed.json").read_text())
+    assert resumed["first_step"] == 5
+    assert resumed["losses"] == reports["ring dropout"]["losses"][5:]
+    assert resumed["final_val_loss"] == reports["ring dropout"]["final_val_loss"]
 
 
 @pytest.mark.parametrize("name", ["ring", "ring dropout"])
