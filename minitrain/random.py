@@ -78,6 +78,17 @@ def rand(*shape, dtype=None):
     return backend.to_device(generator().random(shape).astype(dtype, copy=False))
 
 
+def jump(state, steps):
+    """Set the generator to ``state`` advanced by ``steps`` 64-bit draws (a float64 each), as drawing them would
+    leave it (PCG64's ``advance``; the 32 bits it may hold back stay as they were, as a float64 draw leaves them)."""
+    bits = generator().bit_generator
+    bits.state = state
+    bits.advance(int(steps))
+    end = bits.state
+    end["has_uint32"], end["uinteger"] = state["has_uint32"], state["uinteger"]
+    bits.state = end
+
+
 def rand_at(full_shape, index, dtype=None):
     """``rand(*full_shape)[index]`` drawing only those numbers, the generator left where the whole draw leaves
     it: the piece of one process's draw that a rank holding part of a tensor keeps (dropout under tensor, sequence
@@ -101,14 +112,9 @@ def rand_at(full_shape, index, dtype=None):
     for place in outer:
         first = np.ravel_multi_index(place, full_shape[:len(place)]) * full_shape[len(place)] if place else 0
         for run in runs:
-            gen.bit_generator.state = start
-            gen.bit_generator.advance(int((first + run[0]) * inner))
+            jump(start, (first + run[0]) * inner)
             pieces.append(gen.random(len(run) * inner))
-    gen.bit_generator.state = start
-    gen.bit_generator.advance(math.prod(full_shape))
-    end = gen.bit_generator.state                # a float64 draw leaves PCG64's buffered 32 bits as they were
-    end["has_uint32"], end["uinteger"] = start["has_uint32"], start["uinteger"]
-    gen.bit_generator.state = end
+    jump(start, math.prod(full_shape))
     return backend.to_device(np.concatenate(pieces).reshape(shape).astype(dtype, copy=False))
 
 

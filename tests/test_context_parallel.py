@@ -17,6 +17,7 @@ from minitrain.nn import functional as F
 from minitrain.parallel.context_parallel import positions_of, ring_attention, zigzag_indices
 from minitrain.parallel.context_parallel.gpt import METHODS, sequence_positions
 from minitrain.parallel.context_parallel.ulysses import heads_to_seq, seq_to_heads, ulysses_attention
+from minitrain.parallel.dropout_masks import ring_mask_rows
 
 
 def full_attention(q, k, v, causal=True):
@@ -151,7 +152,7 @@ def test_ring_attention_drops_out_with_one_process_s_mask(p, layout):
         mt.manual_seed(7)
         cols = positions_of(T, p, comm.rank, layout)
         lq, lk, lv = (mt.Tensor(np.ascontiguousarray(a[:, 1:3][:, :, cols]), requires_grad=True) for a in (q, k, v))
-        y = ring_attention(lq, lk, lv, comm, layout=layout, dropout=(drop, H, 1))
+        y = ring_attention(lq, lk, lv, comm, layout=layout, dropout=ring_mask_rows(drop, H, 1, comm, layout, None, 0))
         next_draw = mt.random.rand(3)
         y.backward(np.ascontiguousarray(do[:, 1:3][:, :, cols]))
         return cols, (y.data, lq.grad, lk.grad, lv.grad), next_draw
@@ -229,43 +230,21 @@ def test_gpt_3d_with_context_parallelism_equals_the_gpt_on_the_global_batch(case
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
-DROPOUT_CASES = {   # mesh, GPT3D's other arguments (recompute: the config's), the layout whose losses it must equal
-    "cp2 ring recompute full": (dict(cp=2), dict(recompute="full"), None),
-    "cp2xtp2+sp ring recompute selective": (dict(cp=2, tp=2), dict(sequence_parallel=True, recompute="selective"), None),
-    "cp2xtp2 ulysses": (dict(cp=2, tp=2), dict(cp_method="ulysses"), None),
-    # dp replicas and micro-batches draw their own masks (the job's --dropout help): cp adds nothing to theirs
-    "cp2xdp2 ring": (dict(cp=2, dp=2), dict(), dict(dp=2)),
-    "cp2xpp2 ulysses zb_h1": (dict(cp=2, pp=2), dict(cp_method="ulysses", schedule="zb_h1", num_microbatches=2),
-                              dict(pp=2)),
+DROPOUT_CASES = {   # mesh, GPT3D's other arguments (recompute: the config's)
+    "cp2 ring recompute full": (dict(cp=2), dict(recompute="full")),
+    "cp2xtp2+sp ring recompute selective": (dict(cp=2, tp=2), dict(sequence_parallel=True, recompute="selective")),
+    "cp2xtp2 ulysses": (dict(cp=2, tp=2), dict(cp_method="ulysses")),
+    "cp2xdp2 ring": (dict(cp=2, dp=2), dict()),
+    "cp2xpp2 ulysses zb_h1": (dict(cp=2, pp=2), dict(cp_method="ulysses", schedule="zb_h1", num_microbatches=2)),
 }
 
 
 @pytest.mark.parametrize("case", list(DROPOUT_CASES))
 def test_gpt_3d_with_context_parallelism_draws_one_process_s_dropout_masks(case):
     """Every dropout site's mask is a function of the global place it applies to: cp (ring and Ulysses, with tp
-    and SP, recomputed) trains as one process does with dropout (float64), or with dp and pp as the same layout
-    without cp."""
-    from test_gpt_3d import CONFIG, reference_run, run_3d
-    mesh, kwargs, same_as = DROPOUT_CASES[case]
-    kwargs = dict(kwargs)
-    mt.set_default_dtype(np.float64)
-    mt.manual_seed(0)
-    config = nn.GPTConfig(**CONFIG, dropout=0.2, recompute=kwargs.pop("recompute", None))
-    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
-
-    def run(comm, mesh, **kwargs):
-        mt.manual_seed(1)
-        return run_3d(comm, config, init, mesh, **kwargs)
-    if same_as is None:
-        mt.manual_seed(1)
-        expected = reference_run(config, init)
-    else:
-        expected = ThreadWorld(int(np.prod(list(same_as.values())))).run(
-            run, same_as, **{k: v for k, v in kwargs.items() if k != "cp_method"})[0]
-    for state, losses in ThreadWorld(int(np.prod(list(mesh.values())))).run(run, mesh, **kwargs):
-        np.testing.assert_allclose(losses, expected[1], rtol=1e-10)
-        for name, value in expected[0].items():
-            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+    and SP, dp, pp, recomputed) trains as one process does with dropout (float64)."""
+    from test_gpt_3d import dropout_run
+    dropout_run(*DROPOUT_CASES[case])
 
 
 @pytest.mark.parametrize("method, ratio", [("ring", 1.0), ("ring_contiguous", 2 * 4 / (4 + 1)), ("ulysses", 1.0)])

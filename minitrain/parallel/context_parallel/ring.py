@@ -20,16 +20,16 @@ B·H·(T/p)·D numbers: forward 2(p-1) blocks (K, V), backward 4(p-1) + 2: (6p -
 
 Attention dropout (as FlashAttention applies it): the weights e^(S-m) meet V through the mask, while the
 sum l counts them whole, so o / l is dropout(softmax(S)) V. The mask is one process's (B, H, T, T) mask:
-each rank draws its queries' rows of it (random.rand_at: B·H·T²/p numbers, not held between forward and
-backward but drawn again there from the saved generator state) and takes each key block's columns.
+each rank draws its queries' rows of it (B·H·T²/p numbers, parallel/dropout_masks.py; not held between
+forward and backward but drawn again there from the saved generator state) and takes each key block's columns.
 Backward: dV gets (P∘Z)^T dO, and dP = (dO V^T)∘Z; the row sums rowsum(dO∘O) stay right as they are.
 """
 import math
 
 from ... import random
 from ...autograd import Function
-from ...backend import array_module, is_device_array
-from .zigzag import chunks_per_rank, positions_of
+from ...backend import array_module
+from .zigzag import chunks_per_rank
 
 _TAG = 7300
 
@@ -93,19 +93,11 @@ def _pairs(layout, p, r, step, causal):
                 yield i, j, kind, kc
 
 
-def _dropout_mask(q, comm, layout, dropout):
-    """This rank's query rows of one process's attention-dropout mask (B, H, T, T), scaled: 0 or 1/(1-p).
-    ``dropout`` = (p, H, the first of q's heads among the H): the model's heads, of which q holds a run."""
-    p, heads, first = dropout
-    B, h, t, _ = q.shape
-    T = t * comm.size
-    index = (slice(None), slice(first, first + h), positions_of(T, comm.size, comm.rank, layout))
-    if is_device_array(q):              # on the GPU drawn whole there, as autograd's Dropout draws it
-        xp = array_module(q)
-        draw = random.device_uniform(B, heads, T, T, dtype=q.dtype)[index[:2] + (xp.asarray(index[2]),)]
-    else:
-        draw = random.rand_at((B, heads, T, T), index, q.dtype)
-    return ((draw >= p) * (1.0 / (1.0 - p))).astype(q.dtype, copy=False)
+def _dropout_mask(q, dropout):
+    """This rank's query rows of the attention-dropout mask, scaled: 0 or 1/(1-p). ``dropout`` = (p, draw):
+    draw(q) gives their uniform numbers (b, h, T/cp, T) (parallel/dropout_masks.py: one process's)."""
+    p, draw = dropout
+    return ((draw(q) >= p) * (1.0 / (1.0 - p))).astype(q.dtype, copy=False)
 
 
 def _columns(mask, i, n, kc):
@@ -122,7 +114,7 @@ class RingAttention(Function):
         xp = array_module(q)
         ctx.dropout = dropout               # backward draws the same mask again, from the state it was drawn in
         ctx.rng_state = None if dropout is None else random.get_state()
-        mask = None if dropout is None else _dropout_mask(q, comm, layout, dropout)
+        mask = None if dropout is None else _dropout_mask(q, dropout)
         p, n = comm.size, len(chunks_per_rank(layout, comm.size, comm.rank)[0])
         scale = 1.0 / math.sqrt(q.shape[-1])
         shape = _chunk(q, 0, n).shape[:-1] + (1,)
@@ -157,7 +149,7 @@ class RingAttention(Function):
         if ctx.dropout is not None:
             now = random.get_state()
             random.set_state(ctx.rng_state)
-            mask = _dropout_mask(q, comm, ctx.layout, ctx.dropout)
+            mask = _dropout_mask(q, ctx.dropout)
             random.set_state(now)
         dq = xp.zeros_like(q)
         kb, vb, dkb, dvb = k, v, xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
@@ -183,6 +175,6 @@ def ring_attention(q, k, v, comm, causal=True, layout="contiguous", count=None, 
     ``layout`` ("contiguous" or "zigzag", zigzag.py): each rank passes its local (B, H, T/p, D)
     blocks and gets its (B, H, T/p, D) block of the output. ``count``, if given, is called once per
     forward with the number of score entries this rank computed (the chunk blocks it did not skip).
-    ``dropout`` = (p, H, first head): the probabilities dropped out with one process's mask over H heads,
-    of which q holds those from the first on (None: no dropout)."""
+    ``dropout`` = (p, draw): the probabilities dropped out with probability p, draw(q) giving the uniform
+    numbers of the mask's rows for q's queries against all T keys (None: no dropout)."""
     return RingAttention.apply(q, k, v, comm, causal=causal, layout=layout, count=count, dropout=dropout)
