@@ -7,11 +7,14 @@ initialisation); dropout masks on the GPU are drawn there (device_uniform), from
 per mask, so they replay and agree across ranks as well, but differ from the CPU's masks.
 
 Each MPI process has its own generator, all starting from the same seed, so ranks that run the
-same code draw the same numbers (tensor-parallel ranks rely on it for dropout masks). ThreadWorld's
+same code draw the same numbers (tensor- and context-parallel ranks rely on it for dropout masks: rand_at
+draws a rank's piece of a whole mask). ThreadWorld's
 ranks are threads of one process: use_generator gives each thread its own generator, started
 from a copy of the caller's state, so that threads behave as processes do.
 """
 import contextlib
+import itertools
+import math
 import threading
 
 import numpy as np
@@ -73,6 +76,46 @@ def randn(*shape, dtype=None):
 def rand(*shape, dtype=None):
     dtype = dtype or backend.get_default_dtype()
     return backend.to_device(generator().random(shape).astype(dtype, copy=False))
+
+
+def jump(state, steps):
+    """Set the generator to ``state`` advanced by ``steps`` 64-bit draws (a float64 each), as drawing them would
+    leave it (PCG64's ``advance``; the 32 bits it may hold back stay as they were, as a float64 draw leaves them)."""
+    bits = generator().bit_generator
+    bits.state = state
+    bits.advance(int(steps))
+    end = bits.state
+    end["has_uint32"], end["uinteger"] = state["has_uint32"], state["uinteger"]
+    bits.state = end
+
+
+def rand_at(full_shape, index, dtype=None):
+    """``rand(*full_shape)[index]`` drawing only those numbers, the generator left where the whole draw leaves
+    it: the piece of one process's draw that a rank holding part of a tensor keeps (dropout under tensor, sequence
+    and context parallelism). ``index`` holds one entry per leading axis, each a slice or an integer array, taken
+    as an outer product (np.ix_). Each float64 is one 64-bit step of PCG64's stream, so the element at flat
+    position n of the whole draw is n steps from the start: the generator jumps (``advance``) to each contiguous
+    run of wanted elements. With many short runs (an expert's scattered rows) drawing the whole costs less."""
+    dtype, full_shape = dtype or backend.get_default_dtype(), tuple(full_shape)
+    picks = [np.arange(full_shape[k])[entry] for k, entry in enumerate(index)]      # each indexed axis's indices
+    shape = tuple(len(pick) for pick in picks) + full_shape[len(picks):]
+    if not picks:
+        return rand(*full_shape, dtype=dtype)
+    inner = math.prod(full_shape[len(picks):])                 # the whole axes after the indexed ones
+    last = picks[-1]
+    runs = np.split(last, np.flatnonzero(np.diff(last) != 1) + 1) if len(last) else []
+    outer = list(itertools.product(*picks[:-1]))
+    if len(outer) * len(runs) > 64 and len(last) < 4 * len(runs):
+        return rand(*full_shape, dtype=dtype)[np.ix_(*picks)]
+    gen = generator()
+    start, pieces = gen.bit_generator.state, [np.empty(0)]
+    for place in outer:
+        first = np.ravel_multi_index(place, full_shape[:len(place)]) * full_shape[len(place)] if place else 0
+        for run in runs:
+            jump(start, (first + run[0]) * inner)
+            pieces.append(gen.random(len(run) * inner))
+    jump(start, math.prod(full_shape))
+    return backend.to_device(np.concatenate(pieces).reshape(shape).astype(dtype, copy=False))
 
 
 def device_uniform(*shape, dtype=None):

@@ -292,12 +292,13 @@ def _gpt_save_resume(comm, path, pp, tp, sp):
 
 @pytest.mark.parametrize("pp, tp, sp", [(1, 2, True), (2, 1, False)], ids=["tp2+sp", "pp2"])
 def test_gpt_resumes_bit_exact_with_dropout(tmp_path, pp, tp, sp):
-    """Dropout masks come from every rank's generator: the checkpoint restores each rank's own (the
-    pipeline's stages draw different masks, so their generators differ)."""
+    """Dropout masks come from every rank's generator: the checkpoint restores each rank's own. Each stage draws
+    only its sites' masks, yet every rank's generator ends the step where one process's does (GPT3D's
+    MaskStream), so they are the same on every rank."""
     results = ThreadWorld(pp * tp).run(_gpt_save_resume, str(tmp_path), pp, tp, sp)
     for straight, resumed, _ in results:
         assert straight == resumed
-    assert (results[0][2] != results[1][2]) == (pp > 1)
+    assert all(state == results[0][2] for _, _, state in results)
 
 
 def _gpt_resume_on_another_schedule(comm, path):

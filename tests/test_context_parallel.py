@@ -17,6 +17,7 @@ from minitrain.nn import functional as F
 from minitrain.parallel.context_parallel import positions_of, ring_attention, zigzag_indices
 from minitrain.parallel.context_parallel.gpt import METHODS, sequence_positions
 from minitrain.parallel.context_parallel.ulysses import heads_to_seq, seq_to_heads, ulysses_attention
+from minitrain.parallel.dropout_masks import ring_mask_rows
 
 
 def full_attention(q, k, v, causal=True):
@@ -128,6 +129,39 @@ def test_ring_attention_backward_matches_central_differences():
     assert max(ThreadWorld(2).run(fn)) < 1e-8
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_ring_attention_drops_out_with_one_process_s_mask(p, layout):
+    """Attention dropout inside the ring: the output and Q/K/V gradients of heads [1, 3) of 4 are one process's
+    dropout(softmax(S)) V with its (B, 4, T, T) mask, and every rank's generator ends where that draw left it."""
+    mt.set_default_dtype(np.float64)
+    B, H, D, per_rank, drop = 2, 4, 3, 4, 0.3
+    T = per_rank * p
+    rng = np.random.default_rng(p)
+    q, k, v, do = (rng.standard_normal((B, H, T, D)) for _ in range(4))
+    mt.manual_seed(7)
+    tq, tk, tv = (mt.Tensor(a, requires_grad=True) for a in (q, k, v))
+    att = F.softmax((tq @ tk.transpose(-2, -1)) * (1.0 / math.sqrt(D)) + mt.Tensor(
+        np.where(np.triu(np.ones((T, T), dtype=bool), k=1), -np.inf, 0.0)), axis=-1)
+    out = F.dropout(att, drop, True) @ tv
+    after = mt.random.rand(3)
+    out.backward(do)
+    want = [a[:, 1:3] for a in (out.data, tq.grad, tk.grad, tv.grad)]
+
+    def fn(comm):
+        mt.manual_seed(7)
+        cols = positions_of(T, p, comm.rank, layout)
+        lq, lk, lv = (mt.Tensor(np.ascontiguousarray(a[:, 1:3][:, :, cols]), requires_grad=True) for a in (q, k, v))
+        y = ring_attention(lq, lk, lv, comm, layout=layout, dropout=ring_mask_rows(drop, H, 1, comm, layout, None, 0))
+        next_draw = mt.random.rand(3)
+        y.backward(np.ascontiguousarray(do[:, 1:3][:, :, cols]))
+        return cols, (y.data, lq.grad, lk.grad, lv.grad), next_draw
+    for cols, got, next_draw in ThreadWorld(p).run(fn):
+        for g, w, what in zip(got, want, ("output", "dQ", "dK", "dV")):
+            np.testing.assert_allclose(g, w[:, :, cols], rtol=1e-10, atol=1e-12, err_msg=what)
+        np.testing.assert_array_equal(next_draw, after)
+
+
 # ---------------------------------------------------------------- Ulysses
 def test_seq_to_heads_gives_the_whole_sequence_of_this_rank_s_heads_and_heads_to_seq_undoes_it():
     x = np.random.default_rng(0).standard_normal((2, 6, 9, 4))          # p = 3: 2 heads, 3 positions each
@@ -196,6 +230,23 @@ def test_gpt_3d_with_context_parallelism_equals_the_gpt_on_the_global_batch(case
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+DROPOUT_CASES = {   # mesh, GPT3D's other arguments (recompute: the config's)
+    "cp2 ring recompute full": (dict(cp=2), dict(recompute="full")),
+    "cp2xtp2+sp ring recompute selective": (dict(cp=2, tp=2), dict(sequence_parallel=True, recompute="selective")),
+    "cp2xtp2+sp ulysses": (dict(cp=2, tp=2), dict(cp_method="ulysses", sequence_parallel=True)),
+    "cp2xdp2 ring": (dict(cp=2, dp=2), dict()),
+    "cp2xpp2 ulysses zb_h1": (dict(cp=2, pp=2), dict(cp_method="ulysses", schedule="zb_h1", num_microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPOUT_CASES))
+def test_gpt_3d_with_context_parallelism_draws_one_process_s_dropout_masks(case):
+    """Every dropout site's mask is a function of the global place it applies to: cp (ring and Ulysses, with tp
+    and SP, dp, pp, recomputed) trains as one process does with dropout (float64)."""
+    from test_gpt_3d import dropout_run
+    dropout_run(*DROPOUT_CASES[case])
+
+
 @pytest.mark.parametrize("method, ratio", [("ring", 1.0), ("ring_contiguous", 2 * 4 / (4 + 1)), ("ulysses", 1.0)])
 def test_gpt_3d_counts_the_attention_work_each_cp_rank_does(method, ratio):
     """What the job's compute_max_over_mean reads: the cores' own counts over a training step, cp = 4
@@ -221,8 +272,6 @@ def test_gpt_3d_refuses_what_context_parallelism_cannot_split():
         ThreadWorld(8).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**CONFIG)), comm, tp=2, cp=4, cp_method="ulysses"))
     with pytest.raises(ValueError, match="unknown context-parallel method 'striped'"):
         ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**CONFIG)), comm, cp=2, cp_method="striped"))
-    with pytest.raises(ValueError, match="dropout=0.1 with context parallelism is not built"):
-        ThreadWorld(2).run(lambda comm: GPT3D(nn.GPT(nn.GPTConfig(**CONFIG, dropout=0.1)), comm, cp=2))
 
 
 # ---------------------------------------------------------------- the GPT job with --cp
@@ -232,7 +281,8 @@ LAUNCHES = {   # ranks -> {name: extra options}
     2: {"ring": ["--cp", 2], "ulysses": ["--cp", 2, "--cp-method", "ulysses"],
         # recomputation replays the ring's or the all-to-alls' forward in backward
         "ring recompute full": ["--cp", 2, "--recompute", "full"],
-        "ulysses recompute selective": ["--cp", 2, "--cp-method", "ulysses", "--recompute", "selective"]},
+        "ulysses recompute selective": ["--cp", 2, "--cp-method", "ulysses", "--recompute", "selective"],
+        "ring dropout": ["--cp", 2, "--dropout", 0.1]},
     4: {"ring cp4": ["--cp", 4], "ulysses cp4": ["--cp", 4, "--cp-method", "ulysses"],
         "ring dp2": ["--cp", 2, "--dp", 2], "ring tp2": ["--cp", 2, "--tp", 2],
         "ring pp2": ["--cp", 2, "--pp", 2, "--microbatches", 2],
@@ -242,36 +292,52 @@ LAUNCHES = {   # ranks -> {name: extra options}
 
 @pytest.fixture(scope="module")
 def job_runs(tmp_path_factory):
-    """Every layout of LAUNCHES, one mpiexec launch per world size; and one process's run."""
+    """Every layout of LAUNCHES, one mpiexec launch per world size; and one process's runs, without and with
+    dropout."""
     from minitrain.examples import gpt
     from minitrain.testing import run_mpi
     from test_resume_guards import run
     d = tmp_path_factory.mktemp("cp")
     reports = {}
-    saving = {"ring": ["--save-dir", str(d / "ckpt"), "--save-every", "5"]}   # resumed in one process below
+    saving = {name: ["--save-dir", str(d / name.replace(" ", "_")), "--save-every", "5"]   # resumed in one process
+              for name in ("ring", "ring dropout")}
+    # the dropout run resumed from step 5 on its own layout, in a copy of its checkpoints (rank 0 copies)
+    again = [str(x) for x in LAUNCHES[2]["ring dropout"]] + ["--save-dir", str(d / "resumed"), "--save-every", "5",
+                                                             "--resume", "--json", str(d / "resumed.json")]
+    resume = (f"; from mpi4py import MPI; import shutil; MPI.COMM_WORLD.rank or shutil.copytree("
+              f"{str(d / 'ring_dropout')!r}, {str(d / 'resumed')!r}, ignore=shutil.ignore_patterns('step-00000010')); "
+              f"MPI.COMM_WORLD.Barrier(); assert gpt.main(a + {again!r}) == 0")
     for n, layouts in LAUNCHES.items():
         calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra] + saving.get(name, [])!r} + "
                           f"['--json', {str(d / f'{name}.json')!r}]) == 0" for name, extra in layouts.items())
+        calls += resume if n == 2 else ""
         run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
                 n=n, timeout=300)
         reports.update({name: json.loads((d / f"{name}.json").read_text()) for name in layouts})
     dtype = mt.get_default_dtype()                   # the job sets float64; a module fixture's is not restored
+    one = {}
     try:
-        status, _, err = run(gpt, JOB + ["--json", d / "one.json"])
+        for dropout in (False, True):
+            status, _, err = run(gpt, JOB + ["--dropout", 0.1] * dropout + ["--json", d / "one.json"])
+            assert status == 0, err
+            one[dropout] = json.loads((d / "one.json").read_text())
     finally:
         mt.set_default_dtype(dtype)
-    assert status == 0, err
-    return reports, json.loads((d / "one.json").read_text()), d / "ckpt"
+    return reports, one, d
 
 
 @pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
 def test_the_gpt_job_with_cp_trains_with_one_process_s_losses(job_runs, name):
     reports, one, _ = job_runs
-    report = reports[name]
+    report, dropout = reports[name], "dropout" in name.split()
     assert report["cp"]["size"] == (4 if "cp4" in name else 2) and report["cp_method"] == name.split()[0]
     assert report["recompute"] == next((w for w in ("full", "selective") if w in name.split()), "none")
-    assert len(report["losses"]) == len(one["losses"]) == 10
-    np.testing.assert_allclose(report["losses"], one["losses"], rtol=1e-10, atol=0)
+    assert report["dropout"] == (0.1 if dropout else 0.0)
+    assert len(report["losses"]) == len(one[dropout]["losses"]) == 10
+    np.testing.assert_allclose(report["losses"], one[dropout]["losses"], rtol=1e-10, atol=0)
+    # validation in eval mode: before training one process's loss without dropout, after it the same model's
+    assert report["initial_val_loss"] == pytest.approx(one[False]["initial_val_loss"], rel=1e-12)
+    assert report["final_val_loss"] == pytest.approx(one[dropout]["final_val_loss"], rel=1e-12)
 
 
 @pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
@@ -296,7 +362,6 @@ def test_the_json_cp_block_measured_bytes_equal_the_formula_and_the_work_is_bala
     (["--cp", 2, "--tp", 4, "--sequence-parallel", "--block-size", 20],
      "--block-size 20 / --cp 2 is not divisible by --tp 4 (sequence parallelism"),
     (["--cp-method", "ulysses"], "--cp-method is not supported with --cp 1"),
-    (["--cp", 2, "--dropout", 0.1], "--dropout is not supported with --cp 2"),
     (["--cp", 2, "--moe-experts", 2, "--ep", 2], "--ep 2 does not divide the 1 data-parallel ranks"),
     (["--cp", 0], "argument --cp: must be >= 1"),
     (["--cp", 2, "--cp-method", "striped"], "argument --cp-method: invalid choice: 'striped'"),
@@ -308,19 +373,32 @@ def test_the_job_refuses_in_one_line(extra, needle):
     refused(gpt, JOB + extra, needle)
 
 
-def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_runs, tmp_path):
+def test_a_cp_dropout_run_resumed_on_its_layout_draws_the_uninterrupted_run_s_masks(job_runs):
+    """Each cp rank gets its own generator back: from step 5 on, the losses and the validation bit for bit."""
+    reports, _, d = job_runs
+    resumed = json.loads((d / "resumed.json").read_text())
+    assert resumed["first_step"] == 5
+    assert resumed["losses"] == reports["ring dropout"]["losses"][5:]
+    assert resumed["final_val_loss"] == reports["ring dropout"]["final_val_loss"]
+
+
+@pytest.mark.parametrize("name", ["ring", "ring dropout"])
+def test_a_cp_run_s_checkpoint_resumes_in_one_process_with_the_same_losses(job_runs, tmp_path, name):
+    """With dropout too: the cp ranks' generators are one process's, so the one process that resumes (rank 0's
+    generator back) draws the masks the uninterrupted cp run drew."""
     import shutil
     from minitrain.examples import gpt
     from test_resume_guards import run
     reports, _, saved = job_runs
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(saved, ckpt)
+    shutil.copytree(saved / name.replace(" ", "_"), ckpt)
     shutil.rmtree(ckpt / "step-00000010")                  # resume from step 5
-    status, _, err = run(gpt, JOB + ["--save-dir", ckpt, "--resume", "--json", tmp_path / "resumed.json"])
+    status, _, err = run(gpt, JOB + ["--dropout", 0.1] * ("dropout" in name) +
+                         ["--save-dir", ckpt, "--resume", "--json", tmp_path / "resumed.json"])
     assert status == 0, err
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed["first_step"] == 5
-    np.testing.assert_allclose(resumed["losses"], reports["ring"]["losses"][5:], rtol=1e-10, atol=0)
+    np.testing.assert_allclose(resumed["losses"], reports[name]["losses"][5:], rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

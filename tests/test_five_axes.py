@@ -1,5 +1,5 @@
 """The GPT job's axes combined (dp x pp x cp x tp, ZeRO on dp x cp, zero-bubble schedules, experts
-under pipelines) at 4 and 8 ranks: each layout trains with one process's losses (float64, 1e-10, 10
+under pipelines, dropout) at 4 and 8 ranks: each layout trains with one process's losses (float64, 1e-10, 10
 steps). The axes' own tests (test_context_parallel, test_gpt_zero, test_gpt_zero_bubble, test_moe_3d,
 test_expert_parallel) each vary one; this file checks that they meet."""
 import json
@@ -17,12 +17,14 @@ LAUNCHES = {   # ranks -> {name: extra options}
         "cp2 pp2 zbv": ["--cp", 2, "--pp", 2, "--schedule", "zbv", "--microbatches", 2],
         "pp2 dp2 zb_h1 zero2": ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 2],
         "moe pp2 dp2 zbv": ["--moe-experts", 4, "--pp", 2, "--dp", 2, "--schedule", "zbv"],
-        "tp2 dp2 dropout": ["--tp", 2, "--dp", 2, "--dropout", 0.1]},
+        "tp2 dp2 dropout": ["--tp", 2, "--dp", 2, "--dropout", 0.1],
+        "cp2 dp2 dropout": ["--cp", 2, "--dp", 2, "--dropout", 0.1]},
     8: {"pp2 cp2 tp2 zb_h1 zero1": ["--pp", 2, "--cp", 2, "--tp", 2, "--schedule", "zb_h1", "--microbatches", 2,
                                     "--zero", 1],
         "dp2 cp2 tp2 ulysses zero3": ["--dp", 2, "--cp", 2, "--tp", 2, "--cp-method", "ulysses", "--zero", 3]},
 }
-ONE_PROCESS = {"dense": [], "moe": ["--moe-experts", 4, "--moe-groups", 2]}   # the MoE run's groups: dp x m
+ONE_PROCESS = {"dense": [], "moe": ["--moe-experts", 4, "--moe-groups", 2],   # the MoE run's groups: dp x m
+               "dropout": ["--dropout", 0.1]}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +52,12 @@ def runs(tmp_path_factory):
     return reports, one
 
 
-@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts if "dropout" not in name])
+@pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])
 def test_the_axes_combined_train_with_one_process_s_losses(runs, name):
+    """With dropout too: every site's mask is one process's at the rows, positions and heads a rank holds."""
     reports, one = runs
-    report, reference = reports[name], one["moe" if name.startswith("moe") else "dense"]
+    report = reports[name]
+    reference = one[next((kind for kind in ("moe", "dropout") if kind in name.split()), "dense")]
     assert report["world_size"] == (8 if name in LAUNCHES[8] else 4)
     for axis in ("dp", "pp", "tp"):
         assert report[axis] == (2 if f"{axis}2" in name.split() else 1)
@@ -80,8 +84,8 @@ def test_the_cp_block_reads_a_rank_with_blocks(runs, name):
 
 
 def test_validation_runs_in_eval_mode(runs):
-    """Dropout's masks differ from one process's under dp (documented), so the training losses do; the validation
-    before training is the forward in eval mode, dropout off: one process's without dropout, to rounding."""
-    report, reference = runs[0]["tp2 dp2 dropout"], runs[1]["dense"]
-    assert report["initial_val_loss"] == pytest.approx(reference["initial_val_loss"], rel=1e-12)
-    assert report["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)      # dropout did train
+    """The validation before training is the forward in eval mode, dropout off: one process's without dropout."""
+    for name in ("tp2 dp2 dropout", "cp2 dp2 dropout"):
+        report, reference = runs[0][name], runs[1]["dense"]
+        assert report["initial_val_loss"] == pytest.approx(reference["initial_val_loss"], rel=1e-12)
+        assert report["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)      # dropout did train

@@ -1,7 +1,8 @@
 """3D parallelism (dp x pp x tp) on the GPT equals the single-process GPT on the global batch
 (float64, 1e-10, 3 steps of SGD with momentum and clipping by the global norm: SGD, unlike Adam,
 would show a gradient off by any factor), for pipeline schedules GPipe / 1F1B / interleaved, with
-and without sequence parallelism; and the shapes that cannot work are clear errors."""
+and without sequence parallelism, with dropout (one process's masks); and the shapes that cannot work are clear
+errors."""
 import numpy as np
 import pytest
 
@@ -48,6 +49,26 @@ def run_3d(comm, config, init, mesh, B=8, steps=3, **kwargs):
     return model.full_state_dict(), losses
 
 
+def dropout_run(mesh, kwargs, dropout=0.2):
+    """GPT3D on ``mesh`` with dropout (``kwargs``' recompute: the config's) == one process's run, masks and all."""
+    kwargs = dict(kwargs)
+    B = kwargs.pop("B", 8)
+    mt.set_default_dtype(np.float64)
+    mt.manual_seed(0)
+    config = nn.GPTConfig(**CONFIG, dropout=dropout, recompute=kwargs.pop("recompute", None))
+    init = {k: v.copy() for k, v in nn.GPT(config).state_dict().items()}
+    mt.manual_seed(1)                                   # the masks' stream, the same on every rank
+    expected, expected_losses = reference_run(config, init, B)
+
+    def run(comm):
+        mt.manual_seed(1)
+        return run_3d(comm, config, init, mesh, B, **kwargs)
+    for state, losses in ThreadWorld(int(np.prod(list(mesh.values())))).run(run):
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-10)
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 CASES = {   # mesh, pipeline schedule
     "pp2": (dict(pp=2), dict(schedule="1f1b", num_microbatches=2)),
     "tp2": (dict(tp=2), dict()),
@@ -85,6 +106,22 @@ def test_3d_gpt_equals_the_gpt_on_the_global_batch(case):
         assert set(state) == set(expected)
         for name, value in expected.items():
             np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+DROPOUT = {   # mesh, GPT3D's other arguments (recompute: the config's)
+    "dp4 3 rows": (dict(dp=4), dict(B=3)),                  # a replica without rows
+    "dp2 3 rows m2 recompute selective": (dict(dp=2), dict(num_microbatches=2, B=3, recompute="selective")),
+    "pp2 zb_h1 m4 recompute full": (dict(pp=2), dict(schedule="zb_h1", num_microbatches=4, recompute="full")),
+    "dp2xpp2xtp2+sp interleaved": (dict(dp=2, pp=2, tp=2), dict(schedule="interleaved_1f1b", num_microbatches=2,
+                                                              chunks=2, sequence_parallel=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPOUT))
+def test_3d_gpt_draws_one_process_s_dropout_masks(case):
+    """Each dropout site's mask is one process's at the rows, positions and heads a rank computes, whatever
+    replica, micro-batch or pipeline order computes them, and recomputed forwards draw them again."""
+    dropout_run(*DROPOUT[case])
 
 
 def test_shapes_that_cannot_work_are_clear_errors():

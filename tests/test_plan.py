@@ -189,11 +189,23 @@ def test_the_planner_refuses_what_the_pipeline_job_refuses():
     assert cli("gpt --pp 2 --dp 2 --world 4 --batch-size 31 --microbatches 16")["layout"]["microbatches"] == 16
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_the_planner_plans_dropout_under_cp_as_the_job_runs_it(method):
+    """The job trains with dropout under cp (one process's masks), so the planner plans it: the masks' work priced
+    (ring: its queries' rows of the attention mask drawn forward and again backward, inside the ring's node)."""
+    plain, dropped = (cli(f"gpt --cp 2 --cp-method {method} --world 2" + extra) for extra in ("", " --dropout 0.1"))
+    assert dropped["layout"]["cp"] == plain["layout"]["cp"] == 2
+    assert dropped["step_busy_s"] > plain["step_busy_s"]
+    if method == "ring":     # B·H rows of s = T/cp queries, each drawn over all T keys, forward and backward
+        from minitrain.plan.context import ring_attention_work
+        for work in ring_attention_work(6, 4, 5, 2, dropout=True):
+            assert work.ops[("dropout", None)] == [6 * 4 * 8, 1]
+
+
 @pytest.mark.parametrize("argv, needle", [
     ("mlp --strategy ddp --schedule gpipe --world 2", "--schedule is not supported with --strategy ddp"),
     ("mlp --strategy zero3 --sync-every 2 --world 2", "--sync-every is not supported with --strategy zero3"),
     ("mlp --strategy zero3 --bucket-cap-mb 5 --world 2", "--bucket-cap-mb is not supported with --strategy zero3"),
-    ("gpt --cp 2 --dropout 0.1 --world 2", "--dropout is not supported with --cp 2"),
     ("gpt --pp 1 --schedule zbv --world 2", "--schedule is not supported with --pp 1"),
     # the planner's own options where nothing reads them
     ("gpt --top 3 --world 2", "--top is not supported with one layout (only --search ranks layouts"),

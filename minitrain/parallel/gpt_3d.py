@@ -32,10 +32,9 @@ Nothing new is computed here: the pieces already exist and only meet.
   optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
-is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
-depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws
-other masks than one process; tied embeddings across the first and last stage would need
-Megatron's extra embedding all-reduce (refused with a clear error).
+is the single-process GPT's (tests/test_gpt_3d.py, float64), dropout's masks included (each rank draws its
+piece of one process's, dropout_masks.py; with MoE layers, within a replica and a micro-batch). Not combined:
+tied embeddings across the first and last stage would need Megatron's extra embedding all-reduce (a clear error).
 
 A GPT with MoE layers (GPTConfig.moe_experts, ep = 1): each MoE layer is replicated on its stage's
 tp ranks (with sequence parallelism each routes its own piece of the sequence: its token group the tp
@@ -62,6 +61,7 @@ from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import METHODS as CP_LAYOUTS, context_parallelize, sequence_positions
+from .dropout_masks import MaskStream, place_dropouts
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
 from .expert_data_parallel import reduce_expert_gradients
@@ -143,12 +143,16 @@ class GPT3D:
                 layer.sequence_comm, layer.token_comm = self.mesh.comm("tp"), self.mesh.comm("cp_tp")
                 layer.token_layout = CP_LAYOUTS[cp_method] if cp > 1 else "contiguous"
         self.moe_statistics = None
-        self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method) if cp > 1 else []
+        self.masks = MaskStream.of(gpt, moe=bool(self.moe_layers))     # one process's dropout masks (dropout_masks.py)
+        self.cp_cores = context_parallelize(self.model, self.mesh.comm("cp"), cp_method, self.masks) if cp > 1 else []
+        if cp == 1:
+            place_dropouts(self.model, self.masks)
         self.layers = Sequential(EmbeddingStage(self.model), *self.model.h, HeadStage(self.model))
         self.pipe = PipelineParallel(self.layers, self.mesh.comm("pp"), schedule, num_microbatches=num_microbatches,
                                      chunks=chunks, dp_comm=self.mesh.comm("dp_cp"),
                                      find_unused_parameters=bool(self.moe_layers),   # an idle expert: no grad
                                      dp_excluded=self.experts)
+        self.pipe.on_microbatch = self.masks.begin_microbatch
         if self.expert_dp_comm is not None and self.expert_dp_comm.size > 1:
             for q in self.local_experts:                           # the expert data-parallel replicas start equal
                 broadcast(self.expert_dp_comm, q.data, root=0)
@@ -197,6 +201,7 @@ class GPT3D:
         start = d * (n // self.dp) + min(d, n % self.dp)
         rows = slice(start, start + n // self.dp + (1 if d < n % self.dp else 0))
         idx, targets = idx[rows], targets[rows]
+        self.masks.replica_start = start
         if self.cp > 1:                                           # this rank's positions of every row
             cols = self.layers[0].cp_positions = sequence_positions(idx.shape[1], self.mesh.comm("cp"), self.cp_method)
             idx, targets = idx[:, cols], targets[:, cols]
@@ -209,12 +214,14 @@ class GPT3D:
 
     def train_step(self, idx, targets):
         n = len(idx)
+        self.masks.begin_step(n, idx.shape[1])
         idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
         for layer in self.moe_layers:
             layer.reset_step()
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
         loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
+        self.masks.end_step()
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
             reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp)

@@ -51,15 +51,17 @@ def cp_block_bytes(model, layout, rows):
     return rows * local_tokens(model, layout) * model.n_embd // layout.tp * PRECISIONS[layout.precision]
 
 
-def ring_attention_work(heads, s, d, cp):
+def ring_attention_work(heads, s, d, cp, dropout=False):
     """(forward, backward) Work of parallel/context_parallel/ring.py on one rank: ``heads`` (rows x heads)
     queries of s = T/cp positions in two zig-zag chunks of c = s/2; per chunk pair it computes (the causal
     ones, as _pairs yields them), the scores' product, scale (a diagonal pair: its mask), running max,
     exp, sum and the output's update, and in backward the scores again, the probabilities, dV, dS, dQ and
-    dK; the heads' rows of m, l and o are small. One graph node."""
+    dK; the heads' rows of m, l and o are small. One graph node. With ``dropout`` forward and backward
+    each draw the queries' rows of the mask (s x T per head) and multiply each pair's weights by it (backward
+    twice: P∘Z and dP∘Z); those rows are a transient of s·T per head, not kept between the two."""
     from ..parallel.context_parallel.ring import _pairs
     from .work import Work
-    kinds = [kind for step in range(cp) for _, _, kind in _pairs("zigzag", cp, 0, step, True)]
+    kinds = [kind for step in range(cp) for _, _, kind, _ in _pairs("zigzag", cp, 0, step, True)]
     pairs, diagonal = len(kinds), kinds.count("diagonal")
     c = s // 2
     P, O, R = heads * c * c, heads * c * d, heads * c            # a pair's scores, output rows, row statistics
@@ -75,4 +77,7 @@ def ring_attention_work(heads, s, d, cp):
     bwd.elementwise("simple", P, 4 * pairs + diagonal).elementwise("transcendental", P, pairs)
     bwd.elementwise("inplace", O, 3 * pairs).elementwise("simple", O, 2 * pairs)
     bwd.elementwise("reduce", 2 * O, 1).op("zeros", 3 * O * 2)      # delta; dq, dk, dv zeroed
+    if dropout:
+        fwd.op("dropout", heads * s * s * cp).elementwise("simple", P, pairs)
+        bwd.op("dropout", heads * s * s * cp).elementwise("simple", P, 2 * pairs)
     return fwd, bwd

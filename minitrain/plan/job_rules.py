@@ -70,10 +70,6 @@ def refuse_cp(parser, args, given):
         if "--cp-method" in given:
             cli.refuse(parser, "--cp-method", "--cp 1", "one rank holds the whole sequence: give --cp 2 or more")
         return
-    setting = f"--cp {args.cp}"
-    if args.dropout > 0:
-        cli.refuse(parser, "--dropout", setting, "each context-parallel rank would draw its chunk's masks, not one "
-                                                  "process's, and ring attention has no attention dropout")
 
 
 def refuse_gpt_layout(parser, args, given):

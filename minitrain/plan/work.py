@@ -149,17 +149,17 @@ def gpt_block_work(model, layout, rows, device="cpu", moe=False):
         q = kv = model.block_size                     # a/cp heads over the whole sequence
         heads, S = rows * at // layout.cp, rows * at // layout.cp * q * q
     if layout.cp > 1 and not ulysses:                 # ring: one node, its online softmax pair by pair
-        from .context import ring_attention_work      # (no dropout under cp: refused)
-        core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp)
+        from .context import ring_attention_work      # (its dropout inside that node)
+        core_f, core_b = ring_attention_work(rows * at, s, d, layout.cp, dropout=drop)
     else:                                             # softmax(q k^T / sqrt(d) + mask) v, and its backward
         core_f, core_b = Work(), Work()
         core_f.matmul(q, d, kv, heads).op("softmax", S).matmul(q, kv, d, heads)
         core_f.nodes += 4                             # k's transpose, two MatMuls, the Softmax
         core_b.matmul(q, kv, d, heads).matmul(d, q, kv, heads).op("softmax.backward", S)
         core_b.matmul(q, d, kv, heads).matmul(q, kv, d, heads)
-    if drop:
-        core_f.op("dropout", S).nodes += 1
-        core_b.op("dropout.backward", S)
+        if drop:
+            core_f.op("dropout", S).nodes += 1
+            core_b.op("dropout.backward", S)
 
     fwd, bwd = Work(), Work()
     if ulysses:

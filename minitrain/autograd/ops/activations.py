@@ -51,8 +51,9 @@ class Dropout(Function):
     """Zero each element with probability p and scale the rest by 1/(1-p) (inverted dropout).
     The mask comes from minitrain.random, so recomputation can replay it by restoring the state.
     With ``full_shape`` and ``index``, x is the slice ``index`` of a tensor of ``full_shape`` split
-    across ranks (tensor parallelism): the whole tensor's mask is drawn, as one process would, and
-    its slice kept, so the ranks' masks put together are one process's mask."""
+    across ranks (tensor, sequence or context parallelism): the slice of the whole tensor's mask, as one
+    process draws it, so the ranks' masks put together are one process's mask (on the host only the
+    slice's numbers are drawn, random.rand_at; on the GPU the whole is drawn and sliced)."""
 
     @staticmethod
     def forward(ctx, x, p, full_shape=None, index=None):
@@ -62,8 +63,8 @@ class Dropout(Function):
             out, keep = kernels.dropout(x, draw if index is None else draw[index], p, ctx.scale)
             ctx.save_for_backward(keep)
             return out
-        draw = _random.rand(*(x.shape if full_shape is None else full_shape), dtype=x.dtype)
-        keep = (draw if index is None else draw[index]) >= p
+        draw = _random.rand(*x.shape, dtype=x.dtype) if index is None else _random.rand_at(full_shape, index, x.dtype)
+        keep = draw >= p
         mask = keep * (1.0 / (1.0 - p))
         mask = mask.astype(x.dtype, copy=False)
         ctx.save_for_backward(mask)

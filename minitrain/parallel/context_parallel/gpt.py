@@ -5,8 +5,10 @@ communicator. Everything else in a block (LayerNorms, the linears, the MLP) acts
 and needs no communication; the position embedding looks up the true positions (positions_of).
 
 Megatron-Core's context parallelism does the same (its TEDotProductAttention with cp_group); its
-loss is the mean over the rank's tokens, averaged over the dp x cp ranks with the gradients.
+loss is the mean over the rank's tokens, averaged over the dp x cp ranks with the gradients. Dropout
+keeps one process's masks (parallel/dropout_masks.py): each rank draws its piece of every site's whole mask.
 """
+from ..dropout_masks import place_dropouts
 from .ring import ring_attention
 from .ulysses import check_heads, ulysses_attention
 from .zigzag import check_seq_len, positions_of
@@ -19,9 +21,10 @@ class ContextParallelCore:
     """The attention core over the cp ranks, in place of the block's own; ``computed`` counts the score
     entries this rank computed (the blocks a ring did not skip; the whole T x T of each head for Ulysses)."""
 
-    def __init__(self, attention, comm, method):
+    def __init__(self, attention, comm, method, dropout=None):
         self.attention, self.comm, self.method, self.computed = attention, comm, method, 0
         self._local_core = attention.core                # the GPT's own core: Ulysses runs it on whole heads
+        self.dropout = dropout                           # ring: (p, draw) of the attention dropout
 
     def _count(self, n):
         self.computed += n
@@ -34,23 +37,25 @@ class ContextParallelCore:
     def __call__(self, q, k, v):
         if self.method == "ulysses":
             return ulysses_attention(q, k, v, self.comm, self._ulysses_core)
-        return ring_attention(q, k, v, self.comm, causal=True, layout=METHODS[self.method], count=self._count)
+        dropout = self.dropout if self.attention.training else None
+        return ring_attention(q, k, v, self.comm, causal=True, layout=METHODS[self.method], count=self._count,
+                              dropout=dropout)
 
 
-def context_parallelize(model, comm, method="ring"):
-    """Put the cp attention into every block of ``model`` (a TensorParallelGPT, or an nn.GPT);
-    returns the cores (their ``computed`` counters). A clear error for what does not split."""
+def context_parallelize(model, comm, method="ring", masks=None):
+    """Put the cp attention into every block of ``model`` (a TensorParallelGPT, or an nn.GPT), its dropouts
+    drawing one process's masks (``masks``: GPT3D's MaskStream, parallel/dropout_masks.py); returns the cores
+    (their ``computed`` counters). A clear error for what does not split."""
     if method not in METHODS:
         raise ValueError(f"unknown context-parallel method {method!r}: expected one of {tuple(METHODS)[:2]}")
-    config = model.config           # (recomputation replays the core's forward, its ring or all-to-alls too)
-    if comm.size > 1 and config.dropout:
-        raise ValueError(f"dropout={config.dropout} with context parallelism is not built: each cp rank would draw "
-                         "its chunk's masks, not one process's (and ring attention has no attention dropout)")
-    cores = []
+    # (recomputation replays the core's forward, its ring or all-to-alls too, and its dropout draws)
     for block in model.h:
         if method == "ulysses":
             check_heads(block.attn.n_head, comm)
-        core = ContextParallelCore(block.attn, comm, method)
+    ring_dropouts = place_dropouts(model, masks, comm, method, METHODS[method])
+    cores = []
+    for block, dropout in zip(model.h, ring_dropouts):
+        core = ContextParallelCore(block.attn, comm, method, dropout)
         block.attn.core = core
         cores.append(core)
     return cores

@@ -56,6 +56,8 @@ class _Step:
 
 
 class PipelineParallel:
+    on_microbatch = None    # called with the first row of each F's and B's micro-batch (GPT3D's dropout masks)
+
     def __init__(self, model, comm, schedule="1f1b", num_microbatches=None, chunks=None, split_points=None,
                  dp_comm=None, layer_costs=None, find_unused_parameters=False, dp_excluded=(), progress_thread=None):
         if not isinstance(model, Sequential):
@@ -221,6 +223,8 @@ class PipelineParallel:
         return received
 
     def _compute(self, action, received):
+        if self.on_microbatch is not None and action.kind != "W":   # (B: a recomputed forward draws F's masks)
+            self.on_microbatch(self._step.starts[action.microbatch])
         if action.kind == "F":
             return self._forward(action, received)
         if action.kind == "B":

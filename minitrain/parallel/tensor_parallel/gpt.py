@@ -27,7 +27,8 @@ where it is split (attention probabilities by heads; with SP, the residual strea
 rank draws the mask of the whole tensor from the shared generator and keeps its slice
 (ParallelDropout, through autograd's Dropout op). Megatron instead forks a per-rank random
 stream for the split regions (its RNG tracker): no extra random numbers, but masks no single
-process would draw, so it cannot be checked against one. Here the split regions cost t times the random numbers and stay exact.
+process would draw, so it cannot be checked against one. Here the split regions stay exact, and each rank draws
+only its slice's numbers (random.rand_at jumps the generator over the rest).
 Recomputation (GPTConfig.recompute: "selective" the attention core, "full" each block) replays
 those draws, and in "full" the forward's collectives too.
 
