@@ -14,7 +14,7 @@ from minitrain.comm.guard import Guard
 from minitrain.comm.seam import Unguarded
 
 COMM = pathlib.Path(__file__).resolve().parent.parent / "minitrain" / "comm"
-GUARD_MODULES = {"guard", "headers", "reports", "flight_recorder", "flight_verdict", "watchdog", "death_watch"}
+GUARD_MODULES = {"guard", "headers", "reports", "flight_recorder", "flight_verdict", "flight_text", "watchdog", "death_watch"}
 TRANSPORT_MODULES = {"wire", "host", "staging", "ipc", "nccl", "transport", "mpi", "local"}
 CORE_LINES, RING_LINES = 200, 40
 

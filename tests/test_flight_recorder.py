@@ -200,6 +200,18 @@ def test_two_ranks_waiting_for_each_other_in_different_calls_are_a_deadlock():
     assert "wait for each other in different calls (a deadlock)" in text and "rank 0" in text and "rank 1" in text
 
 
+def test_a_deadlock_over_a_tag_that_differs_names_the_tags():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send(np.ones(3), 1, tag=1)
+            comm.recv(np.empty(3), 1, tag=3)
+        else:
+            comm.recv(np.empty(3), 0, tag=2)
+    text = run_failing(ThreadWorld(2, comm_timeout=0.3), fn, CollectiveMismatchError)
+    assert "(a deadlock): rank 1 waits to receive tag 2 from rank 0, whose send(s) to it with tag 1 were never " \
+           "received (the tags differ)" in text, text
+
+
 def test_a_split_that_one_rank_never_calls_cannot_hang():
     def fn(comm):
         if comm.rank != 2:

@@ -17,7 +17,7 @@ from collections import deque
 
 import numpy as np
 
-from .flight_verdict import describe_record
+from .flight_text import describe_record
 
 STATES = ("queued", "running", "done", "failed")
 

@@ -19,7 +19,8 @@ from .collectives import COLLECTIVE_NAMES
 from .communicator import COLLECTIVE_TAG_SPAN, NAME_TAG_SLOTS, USER_TAG_LIMIT
 from .wire import DTYPE_NAMES
 from .errors import CollectiveMismatchError
-from .flight_verdict import call_name, group_calls, record_at, signature
+from .flight_text import call_name, signature
+from .flight_verdict import group_calls, record_at
 from .reports import SNAPSHOT_TIMEOUT_S, raise_once, range_all
 
 

@@ -23,7 +23,7 @@ from .communicator import DEFAULT_COMM_TIMEOUT, HARD_TIMEOUT_FACTOR, Communicato
 from .wire import DTYPE_SLOTS
 from .errors import CollectiveMismatchError, CollectiveTimeout, RankFailedError, size_error
 from .flight_recorder import FlightRecorder
-from .flight_verdict import call_name
+from .flight_text import call_name
 from .guard import wrap
 from .wire import Request
 

@@ -10,7 +10,8 @@ flight record. raise_once: one rank reports a fault, the others give it time to 
 import sys
 
 from .errors import CollectiveMismatchError, CollectiveTimeout
-from .flight_verdict import analyze, call_name, format_report, signature
+from .flight_text import call_name, format_report, signature
+from .flight_verdict import analyze
 
 SNAPSHOT_TIMEOUT_S = 3.0          # how long a stalled rank waits for the others' flight records
 
