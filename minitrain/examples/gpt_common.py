@@ -65,6 +65,15 @@ def gpt_config(args, vocab_size, dp=1, replica=False):
                         recompute=None if args.recompute == "none" else args.recompute, **moe)
 
 
+def mixed_precision(opt):
+    """The JSON's mixed-precision figures from the MixedPrecisionOptimizer ``opt``: the steps skipped for inf/NaN
+    gradients (fp16's loss scale too large; every rank skips the same ones) and the loss scale at the end;
+    none for another optimizer (fp32 / fp64)."""
+    if not hasattr(opt, "skipped_steps"):
+        return {}
+    return {"skipped_steps": opt.skipped_steps, "loss_scale": opt.loss_scale}
+
+
 def moe_layers(model):
     return [block.mlp for i, block in enumerate(model.h) if model.config.is_moe_layer(i)]
 

@@ -42,9 +42,9 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import PRECISIONS, checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
+                                           gpt_config, layout, mixed_precision, moe_summary, nothing_left, routing_load, routing_step,
                                            print_sample, scheduler_for, stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
                                                     expected_model_states, layer_bytes_formula, local_blocks,
@@ -81,7 +81,7 @@ def main_parallel(args):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size, dp)
-    gpt = nn.GPT(config)
+    gpt = nn.GPT(config).to(PRECISIONS[args.precision])     # fp16 / bf16: GPT3D's optimizer keeps fp32 masters
     psi = gpt.num_parameters()
     rng = np.random.default_rng(args.seed)                   # the same batches on every rank
     try:
@@ -93,7 +93,8 @@ def main_parallel(args):
             sys.stderr.write(f"error: {e}\n")
         return 2
     del gpt
-    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01)
+    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01,
+                          **({"init_scale": args.init_scale} if args.precision == "fp16" else {}))
     scheduler = scheduler_for(opt, args)
     layer_bytes, sp_routing = measure_block_bytes(model)      # bytes sent inside each block's forward
 
@@ -174,7 +175,7 @@ def main_parallel(args):
         return 0
     full = None
     if state is not None:
-        full = nn.GPT(config)
+        full = nn.GPT(config).to(PRECISIONS[args.precision])
         full.load_state_dict(state)
     B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
@@ -245,7 +246,7 @@ def main_parallel(args):
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],
             "elapsed_seconds": elapsed, "planner": compared,
             "steady_state": watch.steady_state(),
-            "precision": args.precision, "first_step": first_step, "losses": losses,
+            "precision": args.precision, **mixed_precision(model.scaler), "first_step": first_step, "losses": losses,
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}),
             **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}),

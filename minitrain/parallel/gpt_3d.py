@@ -64,6 +64,7 @@ from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import METHODS as CP_LAYOUTS, context_parallelize, sequence_positions
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
+from .mixed_precision_3d import is_mixed, mixed_precision_optimizer
 from .expert_data_parallel import reduce_expert_gradients
 from .expert_parallel_3d import ExpertZero, clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
@@ -110,7 +111,8 @@ class GPT3D:
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
                  sequence_parallel=False, zero=0, cp=1, cp_method="ring", ep=1):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
-        self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
+        self.comm, self.dp, self.pp, self.tp, self.rank = comm, dp, pp, tp, comm.rank
+        self.scaler = None                   # mixed precision: the optimizer that holds the loss scale
         self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
@@ -171,14 +173,24 @@ class GPT3D:
         return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage,       # over the replicas it reduced over (dp x cp)
                       per_parameter=bool(self.moe_layers))                 # an expert no token chose: grad None
 
-    def optimizer(self, optimizer_class, **defaults):
-        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
+    def optimizer(self, optimizer_class, init_scale=2.0 ** 16, **defaults):
+        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard. With
+        float16 / bfloat16 parameters on fp32 master weights, every rank skipping the same steps, fp16's loss
+        scale starting at ``init_scale`` (mixed_precision_3d.py); train_step and clip_grad_norm_ use its scale."""
+        if is_mixed(self.parameters()):
+            opt, self.scaler = mixed_precision_optimizer(self, optimizer_class, init_scale, **defaults)
+            return opt
         if self.zero is None:
             return optimizer_class(self.parameters(), **defaults)
         return self.zero.optimizer(optimizer_class, **defaults)
 
     def parameters(self):
         return self.pipe.parameters()
+
+    @property
+    def loss_scale(self):
+        """What backward multiplies the loss by: mixed precision's scale (fp16's dynamic one), else 1."""
+        return 1.0 if self.scaler is None else self.scaler.loss_scale
 
     def zero_grad(self):
         if self.zero is not None:
@@ -210,11 +222,12 @@ class GPT3D:
     def train_step(self, idx, targets):
         n = len(idx)
         idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
-        for layer in self.moe_layers:
+        for layer in self.moe_layers:                             # the balancing loss's seed: as the loss's
             layer.reset_step()
+            layer.aux_loss_scale = self.loss_scale / self.pipe.m
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
-        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp, loss_scale=self.loss_scale)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
             reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp)
@@ -243,15 +256,17 @@ class GPT3D:
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
-        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp)."""
+        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp); mixed
+        precision's gradients, loss_scale times the true ones, by their norm over it (PyTorch's unscale_)."""
+        scale = self.loss_scale
         if self.zero is not None:
             replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
             return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
-                                             uncounted=replicas if self.mesh.coordinate("tp") else ())
+                                             uncounted=replicas if self.mesh.coordinate("tp") else (), loss_scale=scale)
         if self.ep > 1 and self.zero is None:
             return ep_clip_grad_norm_(self.model, self.parameters(), self.local_experts, max_norm,
-                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm)
-        return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
+                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm, loss_scale=scale)
+        return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"), loss_scale=scale)
 
     @property
     def local_experts(self):
