@@ -39,9 +39,9 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import PRECISIONS, job_parser, launch_info, parse_job_args, tqdm
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, mixed_precision, moe_layers, moe_step,
-                                          moe_summary, nothing_left, print_sample, routing_load, routing_step,
-                                          scheduler_for)
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, grad_norms, layout, mixed_precision,
+                                          moe_layers, moe_step, moe_summary, nothing_left, print_sample, routing_load,
+                                          routing_step, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -227,7 +227,7 @@ def _main(argv=None):
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)
-    losses = []
+    losses, norms = [], []
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
@@ -247,10 +247,10 @@ def _main(argv=None):
             opt.zero_grad()
             if mixed:                       # backward of the loss times the scale; clipped by the true norm
                 opt.scale(loss).backward()
-                opt.clip_grad_norm_(1.0)
+                norms.append(opt.clip_grad_norm_(1.0))
             else:
                 loss.backward()
-                optim.clip_grad_norm_(model.parameters(), 1.0)
+                norms.append(optim.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             scheduler.step()
         losses.append(loss.item())
@@ -296,6 +296,7 @@ def _main(argv=None):
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
             "precision": args.precision, **mixed_precision(opt), "first_step": first_step, "losses": losses,
+            "grad_norms": grad_norms(norms),
             **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
                if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],

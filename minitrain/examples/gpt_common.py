@@ -3,11 +3,12 @@ validation loss, the learning-rate schedule (linear warm-up, cosine decay: Lambd
 run is laid out (the checkpoint's manifest), and the answer of a resumed run with nothing left to train.
 """
 import dataclasses
+import math
 
 import numpy as np
 
 import minitrain
-from minitrain import nn
+from minitrain import backend, nn
 from minitrain.comm import all_reduce
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
@@ -72,6 +73,14 @@ def mixed_precision(opt):
     if not hasattr(opt, "skipped_steps"):
         return {}
     return {"skipped_steps": opt.skipped_steps, "loss_scale": opt.loss_scale}
+
+
+def grad_norms(norms):
+    """The JSON's "grad_norms": each step's gradient norm before clipping, as Megatron logs it (mixed precision:
+    the true gradient's, the loss scale divided out), read once after training (on the GPU each is a 0-d device
+    array); None where it was inf or NaN (a step fp16's loss scale overflowed, skipped)."""
+    values = [float(backend.to_scalar(n)) if backend.is_device_array(n) else float(n) for n in norms]
+    return [v if math.isfinite(v) else None for v in values]
 
 
 def moe_layers(model):

@@ -27,8 +27,9 @@ from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, mixed_precision, moe_layers, moe_step, moe_summary,
-                                           nothing_left, routing_load, routing_step, print_sample, scheduler_for)
+                                           gpt_config, grad_norms, layout, mixed_precision, moe_layers, moe_step,
+                                           moe_summary, nothing_left, routing_load, routing_step, print_sample,
+                                           scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, found_inf_on_any_rank, offload_activations
@@ -101,7 +102,7 @@ def main_moe_dp(args):
     memory.reset_peak()
     B = args.batch_size
     rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
-    losses, moe, a2a, routing = [], [], [], []                         # a2a: (measured, formula) bytes per step
+    losses, norms, moe, a2a, routing = [], [], [], [], []              # a2a: (measured, formula) bytes per step
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"dp{dp} moe", unit="step")
     comm.barrier()
@@ -121,11 +122,11 @@ def main_moe_dp(args):
             (opt.scale(loss) if mixed else loss).backward()            # DDP: the replicas' mean (dense) gradient
             if ep > 1:
                 ddp.reduce_expert_gradients()
-                ddp.clip_grad_norm_(1.0, loss_scale=scale)
+                norms.append(ddp.clip_grad_norm_(1.0, loss_scale=scale))
             elif mixed:
-                opt.clip_grad_norm_(1.0)                               # by the norm over the scale
+                norms.append(opt.clip_grad_norm_(1.0))                 # by the norm over the scale
             else:
-                optim.clip_grad_norm_(model.parameters(), 1.0)
+                norms.append(optim.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             scheduler.step()
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
@@ -171,7 +172,8 @@ def main_moe_dp(args):
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
-            "steady_state": watch.steady_state(), "precision": args.precision, **mixed_precision(opt), "first_step": first_step,
+            "steady_state": watch.steady_state(), "precision": args.precision, **mixed_precision(opt),
+            "first_step": first_step, "grad_norms": grad_norms(norms),
             "losses": losses, "moe": moe_block, "all_to_all_bytes_per_step": a2a_measured,
             "all_to_all_bytes_formula": a2a_formula, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "ranks": [{"rank": r, "step": s, "memory": memory_by_rank[r],
