@@ -6,8 +6,9 @@ step's parameters are the fp32 masters rounded to bf16, a unit in the last place
 across a rounding boundary. The tolerance is 2^-8 on the losses and the gradient norms (measured gaps: below
 2^-9.5); a dropped gradient all-reduce, a step skipped by some ranks only, or the loss scale left in the
 clipping norm moves them by far more (tried on purpose: see the report of this change).
-fp16 with --init-scale 2^18 overflows in its first two steps: every rank of the mesh skips both, as one process does
-(on pp x tp: over dp replicas the mean's fp16 sum reaches dp times the gradient, and the scale settles lower).
+fp16 with --init-scale 2^17 overflows in its first step, in the first stage's gradients more than the last's: every
+rank of the mesh skips it, as one process does (on pp x tp: over dp replicas the mean's fp16 sum reaches dp times
+the gradient, so a scale overflows there that one process's does not).
 """
 import json
 import sys
@@ -20,7 +21,7 @@ import minitrain as mt
 TOLERANCE = 2.0 ** -8           # bf16's unit roundoff: one rounding of a weight
 JOB = ["--no-progress", "--n-layer", 2, "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 4,
        "--sample-chars", 0, "--steps", 3, "--lr", 0.01]
-BF16, FP16 = ["--precision", "bf16"], ["--precision", "fp16", "--init-scale", 2 ** 18]
+BF16, FP16 = ["--precision", "bf16"], ["--precision", "fp16", "--init-scale", 2 ** 17]
 LAYOUTS = {   # one 4-rank launch: name -> options
     "fp16 pp2 tp2 sp": FP16 + ["--pp", 2, "--tp", 2, "--sequence-parallel", "--microbatches", 2],
     "dp2 tp2 zero1": BF16 + ["--dp", 2, "--tp", 2, "--zero", 1],
@@ -74,11 +75,11 @@ def test_the_mesh_trains_in_mixed_precision_as_one_process_does(runs, name):
 
 
 def test_fp16_overflows_then_steps_with_a_halved_scale(runs):
-    """2^18 overflows the first two steps' fp16 gradients: both skipped (no norm), the scale 2^16 after them,
-    the third step taken; bf16 has no loss scale and skips nothing."""
+    """2^17 overflows the first step's fp16 gradients: skipped (no norm), the next two taken at 2^16; bf16 has no
+    loss scale and skips nothing."""
     single = runs[1]["fp16"]
-    assert single["skipped_steps"] == 2 and single["loss_scale"] == 2.0 ** 16
-    assert single["grad_norms"][:2] == [None, None] and single["grad_norms"][2] > 0
+    assert single["skipped_steps"] == 1 and single["loss_scale"] == 2.0 ** 16
+    assert single["grad_norms"][0] is None and min(single["grad_norms"][1:]) > 0
     assert runs[1]["bf16"]["skipped_steps"] == 0 and runs[1]["bf16"]["loss_scale"] == 1.0
 
 
