@@ -7,8 +7,8 @@ across a rounding boundary. The tolerance is 2^-8 on the losses and the gradient
 2^-9.5); a dropped gradient all-reduce, a step skipped by some ranks only, or the loss scale left in the
 clipping norm moves them by far more (tried on purpose: see the report of this change).
 fp16 with --init-scale 2^17 overflows in its first step, in the first stage's gradients more than the last's: every
-rank of the mesh skips it, as one process does (on pp x tp: over dp replicas the mean's fp16 sum reaches dp times
-the gradient, so a scale overflows there that one process's does not).
+rank of the mesh skips it, as one process does (over dp the replicas' gradients are divided before they are summed,
+as PyTorch's DDP and Megatron do: a sum that divided after would overflow at a scale one process's does not).
 """
 import json
 import sys
@@ -22,18 +22,19 @@ TOLERANCE = 2.0 ** -8           # bf16's unit roundoff: one rounding of a weight
 JOB = ["--no-progress", "--n-layer", 2, "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 4,
        "--sample-chars", 0, "--steps", 3, "--lr", 0.01]
 BF16, FP16 = ["--precision", "bf16"], ["--precision", "fp16", "--init-scale", 2 ** 17]
-LAYOUTS = {   # one 4-rank launch: name -> options
+MOE = ["--moe-experts", 4]
+LAYOUTS = {   # one 4-rank launch: name -> options (the first word: the one-process run it equals)
     "fp16 pp2 tp2 sp": FP16 + ["--pp", 2, "--tp", 2, "--sequence-parallel", "--microbatches", 2],
-    "dp2 tp2 zero1": BF16 + ["--dp", 2, "--tp", 2, "--zero", 1],
-    "pp2 dp2 zb_h1 zero3": BF16 + ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 3],
-    "cp2 dp2 zero2": BF16 + ["--cp", 2, "--dp", 2, "--zero", 2],
-    "moe tp2 ep2": BF16 + ["--moe-experts", 4, "--tp", 2, "--ep", 2],
+    "fp16 dp2 tp2 zero1": FP16 + ["--dp", 2, "--tp", 2, "--zero", 1],
+    "bf16 pp2 dp2 zb_h1 zero3": BF16 + ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 3],
+    "bf16 cp2 dp2 zero2": BF16 + ["--cp", 2, "--dp", 2, "--zero", 2],
+    "fp16-moe tp2 ep2": FP16 + MOE + ["--tp", 2, "--ep", 2],
 }
-ONE_PROCESS = {"bf16": BF16, "moe": BF16 + ["--moe-experts", 4, "--moe-groups", 2], "fp16": FP16}
+ONE_PROCESS = {"bf16": BF16, "fp16": FP16, "fp16-moe": FP16 + MOE + ["--moe-groups", 2]}   # groups: dp x m
 
 
 def reference(name):
-    return "moe" if name.startswith("moe") else "fp16" if name.startswith("fp16") else "bf16"
+    return name.split()[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def runs(tmp_path_factory):
 def test_the_mesh_trains_in_mixed_precision_as_one_process_does(runs, name):
     reports, one = runs
     report, single = reports[name], one[reference(name)]
-    assert report["precision"] == single["precision"] == reference(name).replace("moe", "bf16")
+    assert report["precision"] == single["precision"] == reference(name)[:4]
     assert report["skipped_steps"] == single["skipped_steps"]
     assert [r["skipped_steps"] for r in report["ranks"]] == [single["skipped_steps"]] * 4   # every rank alike
     assert report["loss_scale"] == single["loss_scale"]
@@ -86,7 +87,7 @@ def test_fp16_overflows_then_steps_with_a_halved_scale(runs):
 def test_the_model_states_are_mixed_precision_s_bytes(runs):
     """2 bytes a parameter and a gradient, 12 for AdamW's fp32 moments and master: ZeRO-1's shard over dp 2 holds
     half the masters and moments, the ledger as the layout expects (the JSON's zero_memory)."""
-    report = runs[0]["dp2 tp2 zero1"]
+    report = runs[0]["fp16 dp2 tp2 zero1"]
     for rank in report["zero_memory"]["ranks"]:
         assert rank["expected"] == rank["measured"]
         assert rank["measured"]["optimizer_state"] == 3 * rank["measured"]["params"]     # 12 bytes x half, 2 x all

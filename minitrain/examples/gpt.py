@@ -238,7 +238,7 @@ def _main(argv=None):
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         with watch.step():
             for layer in seeded:                             # their aux loss's gradient, scaled as the loss
-                layer.aux_loss_scale = getattr(opt, "loss_scale", 1.0)
+                layer.main_loss_backward_scale = getattr(opt, "loss_scale", 1.0)
             if offload is not None:
                 with offload:
                     _, loss = model(x, y)

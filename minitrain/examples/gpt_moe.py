@@ -115,7 +115,7 @@ def main_moe_dp(args):
         with watch.step():
             scale = getattr(opt, "loss_scale", 1.0)                    # mixed precision's (1 for fp32 / fp64)
             for layer in seeded:                                       # their aux loss's gradient, scaled alike
-                layer.aux_loss_scale = scale
+                layer.main_loss_backward_scale = scale
             with offload:
                 _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()

@@ -35,6 +35,10 @@ class MoE(Module):
     forward, ``aux_loss`` holds the load-balancing loss (a Tensor in the graph, for the training loss)
     and ``stats`` what the step's report needs (``statistics()`` reads it on the host)."""
 
+    #: what backward's seed of the main loss is multiplied by (mixed precision's loss scale; Megatron's
+    #: MoEAuxLossAutoScaler.set_loss_scale): a seeded aux loss's gradient is scaled alike
+    main_loss_backward_scale = 1.0
+
     def __init__(self, n_embd, num_experts, top_k=2, capacity_factor=None, groups=1, aux_loss_coef=0.01,
                  normalize_gates=False, bias=True, dropout=0.0):
         super().__init__()
@@ -63,7 +67,7 @@ class MoE(Module):
         self.aux_loss = self.load_balancing_loss(probs, plan)
         self.stats = {"load": plan.routed.sum(axis=0), "dropped": plan.dropped, "aux_loss": self.aux_loss.data}
         if self.aux_loss_scale is not None:
-            y = AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale)
+            y = AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale * self.main_loss_backward_scale)
         return y.reshape(shape)
 
     def route(self, probs):

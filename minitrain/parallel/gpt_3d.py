@@ -113,6 +113,9 @@ class GPT3D:
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.comm, self.dp, self.pp, self.tp, self.rank = comm, dp, pp, tp, comm.rank
         self.scaler = None                   # mixed precision: the optimizer that holds the loss scale
+        # 16-bit gradients: each replica's divided by the dp x cp replicas before they are summed (PyTorch
+        # DDP's and Megatron's order: no partial sum exceeds the global gradient, fp16's range is one process's)
+        self.pre_divide = is_mixed(list(gpt.parameters()))
         self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
@@ -155,6 +158,8 @@ class GPT3D:
             for q in self.local_experts:                           # the expert data-parallel replicas start equal
                 broadcast(self.expert_dp_comm, q.data, root=0)
         self.zero = self._shard_over_dp(zero, schedule)
+        if self.pre_divide:
+            self.pipe.dp_reduce_op = "sum"
 
     def _shard_over_dp(self, stage, schedule):
         """ZeRO stage ``stage`` over the dp communicator (None for 0): it reduce-scatters the gradients."""
@@ -222,17 +227,20 @@ class GPT3D:
     def train_step(self, idx, targets):
         n = len(idx)
         idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
+        replicas = self.dp * self.cp if self.pre_divide else 1   # what backward's seed divides by already
+        seed = self.loss_scale / replicas
         for layer in self.moe_layers:                             # the balancing loss's seed: as the loss's
             layer.reset_step()
-            layer.aux_loss_scale = self.loss_scale / self.pipe.m
+            layer.main_loss_backward_scale = seed
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
-        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp, loss_scale=self.loss_scale)
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp, loss_scale=seed)
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
-            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp)
-        if self.zero is not None:
-            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
+            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp // replicas)
+        if self.zero is not None:                                 # dp x cp mean, a shard each
+            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else (),
+                                       **({"op": "sum"} if self.pre_divide else {}))
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage

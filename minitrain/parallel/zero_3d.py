@@ -113,14 +113,15 @@ class Zero3D:
         if any(q.grad is None for q in self.flat.params):
             self._point_grads_at_flat()
 
-    def reduce_gradients(self, unused=(), scale=1.0):
+    def reduce_gradients(self, unused=(), scale=1.0, op="mean"):
         """After the last backward: the flat gradient reduce-scattered (mean over dp) into the shard's
         gradient. Stages 2 and 3 then drop the full gradient, stage 3 the full parameters. With
         per_parameter, the parameters in ``unused`` (ids: no replica used them) get no gradient. ``scale``
-        multiplies the mean (experts over their expert data-parallel group: 1/ep)."""
+        multiplies the mean (experts over their expert data-parallel group: 1/ep); op "sum" sums where each
+        replica's gradient is already divided by their number (16-bit gradients, gpt_3d.py)."""
         out = self.shard_grad if self.stage == 1 else self.xp.zeros(self.flat.shard_size, self.flat.dtype)
         with trace.span("reduce-scatter gradients", kind="comm"):
-            ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=out)
+            ring_reduce_scatter(self.comm, self.flat_grad, op=op, out=out)
         if scale != 1.0:
             out *= scale
         if self.stage == 1 or self.shard.grad is None:

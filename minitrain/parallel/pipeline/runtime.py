@@ -65,6 +65,7 @@ class PipelineParallel:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.comm, self.dp_comm = comm, dp_comm
         self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
+        self.dp_reduce_op = "mean"             # "sum" where the loss's seed already divides by dp (gpt_3d.py)
         self.find_unused_parameters = find_unused_parameters
         # parameters whose replicas are not dp's (expert parallelism's experts): neither broadcast nor averaged here
         self.dp_excluded = {id(q) for q in dp_excluded}
@@ -276,7 +277,7 @@ class PipelineParallel:
 
     def _all_reduce_gradients(self):
         if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
-            all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters)
+            all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters, self.dp_reduce_op)
 
     # ---- measurement (measure.py)
     def measured_bubble(self, skip_first=True, global_rows=None):
