@@ -22,7 +22,7 @@ TOLERANCE = 2.0 ** -8           # bf16's unit roundoff: one rounding of a weight
 JOB = ["--no-progress", "--n-layer", 2, "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 4,
        "--sample-chars", 0, "--steps", 3, "--lr", 0.01]
 BF16, FP16 = ["--precision", "bf16"], ["--precision", "fp16", "--init-scale", 2 ** 17]
-MOE = ["--moe-experts", 4]
+MOE = ["--moe-experts", 4, "--moe-aux-loss-coef", 1.0]   # a balancing loss that moves the router
 LAYOUTS = {   # one 4-rank launch: name -> options (the first word: the one-process run it equals)
     "fp16 pp2 tp2 sp": FP16 + ["--pp", 2, "--tp", 2, "--sequence-parallel", "--microbatches", 2],
     "fp16 dp2 tp2 zero1": FP16 + ["--dp", 2, "--tp", 2, "--zero", 1],

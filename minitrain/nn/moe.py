@@ -98,9 +98,11 @@ class MoE(Module):
 
     def load_balancing_loss(self, probs, plan):
         """alpha · E · sum_i f_i · P_i per group, averaged over the groups (Switch's eq. 4 with f over the
-        k·N choices). f is counted, so its gradient is zero: the router learns balance through P."""
+        k·N choices). f is counted, so its gradient is zero: the router learns balance through P. In fp32 for
+        16-bit probabilities, as the cross-entropy: its gradient times the loss scale and alpha·E overflows fp16."""
         G, E = self.groups, self.num_experts
         S = probs.shape[0] // G
+        probs = probs.float() if probs.dtype in backend.LOW_PRECISION else probs
         f = self.choice_fractions(plan, S, probs.dtype)                         # (G, E)
         P = self.mean_probs(probs.reshape(G, S, E).mean(axis=1))
         return (P * f).sum() * (self.aux_loss_coef * E / G)
