@@ -1,6 +1,7 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
-    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64|fp16|bf16] [--json out.json] [--show-plan]
+    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64|fp16|bf16 [--init-scale S]] [--json out.json]
+        [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
@@ -27,6 +28,10 @@ of each stage, tp and cp coordinate); the table and
 --json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
 groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
 process given the run's G trains the same model.
+--precision fp16|bf16: mixed precision on any of these layouts (16-bit parameters and activations; LayerNorm,
+softmax and the losses in fp32; fp32 master weights and AdamW state; fp16's dynamic loss scale from
+--init-scale; a step any rank's gradient overflowed is skipped by all: "skipped_steps" in --json); refused with
+--zero and --ep together. --json's "grad_norms": each step's gradient norm before clipping (the scale divided out).
 """
 import sys
 import time

@@ -50,7 +50,6 @@ With ep > 1 (expert_parallel_3d.py) each MoE layer's experts are sharded over bl
 the stage and tp coordinate (all-to-all dispatch); the experts' gradients are reduced over the replicas
 that hold the same ones, the dense ones over dp as before.
 """
-import math
 
 import numpy as np
 
@@ -58,7 +57,6 @@ from ..autograd import Tensor
 from ..backend import array_module
 from ..comm import DeviceMesh, all_reduce, broadcast
 from ..nn import Module, Sequential
-from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import METHODS as CP_LAYOUTS, context_parallelize, sequence_positions
@@ -294,38 +292,7 @@ class GPT3D:
         return gather_experts(state, self.ep_comm, self.model.config.moe_experts) if self.ep > 1 else state
 
     def sharded_parameters(self):
-        """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
-        each as its tensor-parallel slice (c_attn's rows are three blocks, q, k and v, each cut by heads;
-        the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
-        slices; the checkpoint writes those once. With ep > 1 each expert is whole under its global name
-        (h.i.mlp.experts.e.*) on the ranks that hold it."""
-        t, r = self.tp, self.mesh.coordinate("tp")
-        vocab = self.model.config.vocab_size
-        local = {id(q) for q in self.pipe.parameters()}
-        placements = []
-        for name, (q, axis) in self.model._shards().items():
-            if id(q) not in local:
-                continue
-            shape = tuple(q.shape)
-            if axis is None:
-                pieces = [whole(shape)]
-            elif axis == "qkv":                      # rows [j·C + r·w, j·C + (r+1)·w) for j = q, k, v
-                w, row = shape[0] // 3, math.prod(shape[1:])
-                full = (3 * w * t,) + shape[1:]
-                pieces = [Slice(full, (j * w * t + r * w,) + (0,) * (len(shape) - 1), (w,) + shape[1:], j * w * row)
-                          for j in range(3)]
-            else:
-                full, offsets, sizes = list(shape), [0] * len(shape), list(shape)
-                full[axis] *= t
-                offsets[axis] = r * shape[axis]
-                if name in ("wte.weight", "lm_head.weight"):      # rows past the vocabulary are padding
-                    full[0] = vocab
-                    sizes[0] = max(0, min(shape[0], vocab - offsets[0]))
-                pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
-            placements.append((q, [(name, s) for s in pieces]))
-        if self.zero is not None and self.zero.stage == 3:       # the parameters are the shard, cut across them
-            by_id = {id(q): pieces for q, pieces in placements}
-            if isinstance(self.zero, ExpertZero):                 # two shards: the dense and the experts'
-                return self.zero.shard_placements(by_id)
-            return [(self.zero.shard, self.zero.shard_placements(by_id))]
-        return placements
+        """Where this rank's parameters sit in the GPT's logical tensors, for the checkpoint
+        (gpt_3d_placements.py)."""
+        from .gpt_3d_placements import sharded_parameters
+        return sharded_parameters(self)
