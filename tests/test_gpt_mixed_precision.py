@@ -84,6 +84,15 @@ def test_fp16_overflows_then_steps_with_a_halved_scale(runs):
     assert runs[1]["bf16"]["skipped_steps"] == 0 and runs[1]["bf16"]["loss_scale"] == 1.0
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_planner_predicts_the_ledger_s_peak_in_mixed_precision(runs, name):
+    """The planner given the job's --precision (what plan_comparison hands it) against the heaviest rank's ledger:
+    the fp32 master weights, moments and (while stepping) gradients, the 16-bit activations, and what stays fp32
+    (LayerNorm's 1/σ, the log-probabilities of the loss); within 1% (ring attention's blocks: a few hundred bytes)."""
+    planner = runs[0][name]["planner"]
+    assert planner["predicted"]["memory_bytes"] == pytest.approx(planner["measured"]["memory_bytes"], rel=0.01)
+
+
 def test_the_model_states_are_mixed_precision_s_bytes(runs):
     """2 bytes a parameter and a gradient, 12 for AdamW's fp32 moments and master: ZeRO-1's shard over dp 2 holds
     half the masters and moments, the ledger as the layout expects (the JSON's zero_memory)."""
