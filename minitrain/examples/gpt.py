@@ -130,9 +130,6 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "gpt")
-    if "--init-scale" in cli.given_options(p, argv) and args.precision != "fp16":
-        cli.refuse(p, "--init-scale", f"--precision {args.precision}", "only fp16 scales its loss (bf16 has fp32's "
-                                                                       "exponent range)")
     if args.precision in ("fp16", "bf16") and args.zero and args.ep > 1:
         cli.refuse(p, f"--precision {args.precision}", f"--zero {args.zero} and --ep {args.ep}",
                    "the dense and the experts' ZeRO shards would each keep a loss scale and skip steps apart")
