@@ -31,6 +31,10 @@ Nothing new is computed here: the pieces already exist and only meet.
   optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps. With MoE layers its
   optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
+fp16 / bf16 parameters (mixed precision, mixed_precision_3d.py): optimizer() keeps fp32 master weights,
+train_step seeds backward with the loss scale over dp x cp and sums the replicas' gradients, clip_grad_norm_
+divides the scale out, and every rank of the mesh skips a step any rank's gradient overflowed.
+
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64). Not combined here: dropout masks
 depend on how the batch is cut into micro-batches, so a run with dropout is correct but draws

@@ -9,7 +9,9 @@ by others would leave a model no process could train. The found-inf flag is the 
 the mesh (the world communicator, as Megatron's over its model-parallel group and data-parallel ranks): one
 all-reduce of one number per step. The loss scale then moves alike everywhere; GPT3D seeds each
 micro-batch's backward with it (the pipeline's loss_scale; the MoE layers' balancing losses, seeded by
-AuxLossAutoScaler, with it too) and clips by the gradient's norm over the scale.
+AuxLossAutoScaler, with it too) divided by the dp x cp replicas, whose gradients are then summed, not averaged
+(PyTorch DDP's pre-division, Megatron's: no partial sum of 16-bit gradients exceeds the global one, which a
+mean summed first would by dp x cp), and clips by the gradient's norm over the scale.
 Bytes per parameter a rank steps: 2 (param) + 2 (grad) + 4 (master) + 8 (AdamW's moments).
 """
 import functools
