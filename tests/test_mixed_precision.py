@@ -239,3 +239,26 @@ def test_sharded_ranks_skip_together_when_only_one_shard_overflows():
     results = ThreadWorld(2).run(body)
     assert [skipped for skipped, _ in results] == [1, 1]
     assert all(np.array_equal(weights, np.ones(8, np.float16)) for _, weights in results)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_layer_norm_and_softmax_compute_16_bit_inputs_in_fp32(dtype):
+    """Megatron's fused LayerNorm and fp32 attention softmax: the statistics of activations around 300 (squares past
+    fp16's 65504) and a softmax over 4096 entries (a 16-bit sum of 2^12 terms rounds off) are fp32's, rounded once
+    to the input's dtype; backward, from the saved 16-bit x̂, to 16-bit rounding of the largest gradient."""
+    rng = np.random.default_rng(0)
+    x = 300.0 + 30.0 * rng.standard_normal((2, 64))
+    w, b = 1.0 + 0.1 * rng.standard_normal(64), 0.1 * rng.standard_normal(64)
+    for op, args in ((lambda x, w, b: F.layer_norm(x, 64, w, b), (x, w, b)),
+                     (lambda x: F.softmax(x, axis=-1), (0.01 * rng.standard_normal((2, 4096)),))):
+        wide = [mt.Tensor(a.astype(dtype).astype(np.float32), requires_grad=True) for a in args]
+        low = [mt.Tensor(a.astype(dtype), requires_grad=True) for a in args]
+        want, got = op(*wide), op(*low)
+        seed = rng.standard_normal(want.shape)
+        want.backward(seed.astype(np.float32))
+        got.backward(seed.astype(dtype))
+        assert got.dtype == dtype and all(t.grad.dtype == dtype for t in low)
+        np.testing.assert_array_equal(got.data, want.data.astype(dtype))        # fp32's result, rounded once
+        for a, b_ in zip(low, wide):
+            np.testing.assert_allclose(a.grad.astype(np.float32), b_.grad, rtol=0,
+                                       atol=2.0 ** -7 * float(np.abs(b_.grad).max()))

@@ -534,10 +534,10 @@ def test_search_keeps_to_the_constraints_of_every_axis():
 
 def test_search_tries_the_zero_bubble_schedules_and_finds_the_fastest_of_every_schedule():
     """--search tries ZB-H1 and ZB-V in place of 1F1B on the pipelined layouts that could beat the fastest found
-    (not every layout: minutes at 512 devices). A 1.3B-like GPT on 16 devices of 2 GiB: the fastest of every layout
+    (not every layout: minutes at 512 devices). A 1.3B-like GPT on 16 devices of 4 GiB: the fastest of every layout
     under every schedule (enumerated here) is a zero-bubble one, and the search finds it; 1F1B's is slower."""
     model = plan.GPT(vocab_size=51200, block_size=2048, n_layer=24, n_head=16, n_embd=2048)
-    base, machine, capacity = plan.Layout(world=16, batch_size=16, precision="bf16"), plan.load_machine("a100-80gb"), 2 ** 31
+    base, machine, capacity = plan.Layout(world=16, batch_size=16, precision="bf16"), plan.load_machine("a100-80gb"), 2 ** 32
     ranked = search(model, base, machine, "minitrain", capacity)
     best = None
     for lay in plan.layouts(model, 16, 16, precision="bf16", cps={1, 2}):

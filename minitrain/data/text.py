@@ -5,6 +5,7 @@ the character vocabulary (printable ASCII and newline), and returns a CharCorpus
 get_batch for (B, T) next-character prediction.
 """
 import os
+import re
 import sysconfig
 
 import numpy as np
@@ -18,7 +19,12 @@ class CharCorpus:
         self.text = text
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        data = np.array([self.stoi[c] for c in text], dtype=np.int64)
+        if all(ord(c) < 128 for c in self.chars):         # ASCII (load_text's): a table lookup of the bytes
+            table = np.zeros(128, np.int64)
+            table[[ord(c) for c in self.chars]] = np.arange(len(self.chars))
+            data = table[np.frombuffer(text.encode("ascii"), np.uint8)]
+        else:
+            data = np.array([self.stoi[c] for c in text], dtype=np.int64)
         n_val = int(len(data) * val_fraction)
         self.train, self.val = data[:len(data) - n_val], data[len(data) - n_val:]
 
@@ -51,7 +57,7 @@ def load_text(modules=DEFAULT_MODULES, max_chars=None, val_fraction=0.1):
         with open(path, encoding="utf-8") as f:
             parts.append(f.read())
     text = "\n".join(parts)
-    text = "".join(c for c in text if c == "\n" or 32 <= ord(c) < 127)   # printable ASCII: ~96 symbols
+    text = re.sub("[^\n\x20-\x7e]", "", text)                   # printable ASCII and newline: ~96 symbols
     if max_chars is not None:
         text = text[:max_chars]
     return CharCorpus(text, val_fraction)

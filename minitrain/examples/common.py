@@ -10,11 +10,17 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 from tqdm import tqdm  # noqa: F401  (the jobs import it from here; a dependency in setup.cfg)
 
 from .. import backend, cli
-from ..backend import launch_info
+from ..backend import bfloat16, launch_info
 from ..comm.communicator import DEFAULT_COMM_TIMEOUT
+
+
+#: --precision -> the parameters' and activations' dtype (fp16 / bf16: mixed precision, fp32 master weights)
+PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
 
 
 def device_code():

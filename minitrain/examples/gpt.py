@@ -1,6 +1,7 @@
 """Train the small GPT on a character-level corpus (Python's own standard library sources).
 
-    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64] [--json out.json] [--show-plan]
+    python -m minitrain.examples.gpt [--steps 600] [--precision fp32|fp64|fp16|bf16 [--init-scale S]] [--json out.json]
+        [--show-plan]
         [--save-dir DIR --save-every N --resume]
     mpirun -n 2 python -m minitrain.examples.gpt --tp 2 [--sequence-parallel]
     mpirun -n 8 python -m minitrain.examples.gpt --tp 2 --pp 2 [--dp 2] --microbatches 4 [--zero 1|2|3]
@@ -27,6 +28,10 @@ of each stage, tp and cp coordinate); the table and
 --json report its load, dropped tokens, balancing loss and all-to-all bytes. Capacity
 groups (--moe-groups G, default one per replica and micro-batch) are counted per micro-batch: one
 process given the run's G trains the same model.
+--precision fp16|bf16: mixed precision on any of these layouts (16-bit parameters and activations; LayerNorm,
+softmax and the losses in fp32; fp32 master weights and AdamW state; fp16's dynamic loss scale from
+--init-scale; a step any rank's gradient overflowed is skipped by all: "skipped_steps" in --json); refused with
+--zero and --ep together. --json's "grad_norms": each step's gradient norm before clipping (the scale divided out).
 """
 import sys
 import time
@@ -38,9 +43,10 @@ from minitrain import cli, memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import job_parser, launch_info, parse_job_args, tqdm
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, layout, moe_layers, moe_step, moe_summary,
-                                          nothing_left, print_sample, routing_load, routing_step, scheduler_for)
+from minitrain.examples.common import PRECISIONS, job_parser, launch_info, parse_job_args, tqdm
+from minitrain.examples.gpt_common import (estimate_loss, gpt_config, grad_norms, layout, mixed_precision,
+                                          moe_layers, moe_step, moe_summary, nothing_left, print_sample, routing_load,
+                                          routing_step, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -66,7 +72,11 @@ def parse_args(argv=None):
                    "constant: linear warm-up, then --lr (Megatron's constant decay style)")
     p.add_argument("--warmup-steps", type=cli.nonneg_int, default=None,
                    help="steps of linear warm-up (default: steps // 10, at most 100, with cosine; 0 with constant)")
-    p.add_argument("--precision", choices=["fp32", "fp64"], default="fp32", help="parameters' and activations' dtype")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="parameters' and activations' dtype; fp16/bf16: mixed precision (fp32 master weights and "
+                        "AdamW state, LayerNorm, softmax and the loss in fp32; fp16 with a dynamic loss scale)")
+    p.add_argument("--init-scale", type=cli.positive_float, default=2.0 ** 16,
+                   help="fp16: the dynamic loss scale's first value (PyTorch's GradScaler init_scale)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the data order and dropout")
     p.add_argument("--sample-chars", type=cli.nonneg_int, default=200, help="characters sampled from the trained model")
     p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
@@ -120,6 +130,9 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "gpt")
+    if args.precision in ("fp16", "bf16") and args.zero and args.ep > 1:
+        cli.refuse(p, f"--precision {args.precision}", f"--zero {args.zero} and --ep {args.ep}",
+                   "the dense and the experts' ZeRO shards would each keep a loss scale and skip steps apart")
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10) if args.lr_schedule == "cosine" else 0
     if args.n_embd % args.n_head:
@@ -197,8 +210,12 @@ def _main(argv=None):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size)
-    model = nn.GPT(config)
-    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model = nn.GPT(config).to(PRECISIONS[args.precision])
+    mixed = args.precision in ("fp16", "bf16")
+    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, init_scale=args.init_scale, lr=args.lr,
+                                         weight_decay=0.01) if mixed
+           else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    seeded = [layer for layer in moe_layers(model) if layer.aux_loss_scale is not None]   # full recomputation
     scheduler = scheduler_for(opt, args)
     rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
     val_rng = np.random.default_rng(args.seed + 1)           # validation batches
@@ -212,7 +229,7 @@ def _main(argv=None):
 
     memory.reset_peak()
     initial_val = estimate_loss(model, corpus, args, val_rng)
-    losses = []
+    losses, norms = [], []
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress, file=sys.stdout, desc="train", unit="step")
     start = time.perf_counter()
     offload = offload_activations() if args.offload_activations else None
@@ -222,14 +239,20 @@ def _main(argv=None):
     for step in bar:
         x, y = corpus.get_batch("train", args.batch_size, args.block_size, rng)
         with watch.step():
+            for layer in seeded:                             # their aux loss's gradient, scaled as the loss
+                layer.main_loss_backward_scale = getattr(opt, "loss_scale", 1.0)
             if offload is not None:
                 with offload:
                     _, loss = model(x, y)
             else:
                 _, loss = model(x, y)
             opt.zero_grad()
-            loss.backward()
-            optim.clip_grad_norm_(model.parameters(), 1.0)
+            if mixed:                       # backward of the loss times the scale; clipped by the true norm
+                opt.scale(loss).backward()
+                norms.append(opt.clip_grad_norm_(1.0))
+            else:
+                loss.backward()
+                norms.append(optim.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             scheduler.step()
         losses.append(loss.item())
@@ -274,7 +297,8 @@ def _main(argv=None):
             "bytes_offloaded_per_step": offload.bytes_offloaded / len(losses) if offload else 0,
             "tokens_per_second": args.batch_size * args.block_size / steps["step_time_s"],
             **steps, "blas_threads": minitrain.backend.blas_threads(),
-            "precision": args.precision, "first_step": first_step, "losses": losses,
+            "precision": args.precision, **mixed_precision(opt), "first_step": first_step, "losses": losses,
+            "grad_norms": grad_norms(norms),
             **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
                if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],

@@ -3,11 +3,12 @@ validation loss, the learning-rate schedule (linear warm-up, cosine decay: Lambd
 run is laid out (the checkpoint's manifest), and the answer of a resumed run with nothing left to train.
 """
 import dataclasses
+import math
 
 import numpy as np
 
 import minitrain
-from minitrain import nn
+from minitrain import backend, nn
 from minitrain.comm import all_reduce
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
@@ -63,6 +64,23 @@ def gpt_config(args, vocab_size, dp=1, replica=False):
     return nn.GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                         n_embd=args.n_embd, dropout=args.dropout,
                         recompute=None if args.recompute == "none" else args.recompute, **moe)
+
+
+def mixed_precision(opt):
+    """The JSON's mixed-precision figures from the MixedPrecisionOptimizer ``opt``: the steps skipped for inf/NaN
+    gradients (fp16's loss scale too large; every rank skips the same ones) and the loss scale at the end;
+    none for another optimizer (fp32 / fp64)."""
+    if not hasattr(opt, "skipped_steps"):
+        return {}
+    return {"skipped_steps": opt.skipped_steps, "loss_scale": opt.loss_scale}
+
+
+def grad_norms(norms):
+    """The JSON's "grad_norms": each step's gradient norm before clipping, as Megatron logs it (mixed precision:
+    the true gradient's, the loss scale divided out), read once after training (on the GPU each is a 0-d device
+    array); None where it was inf or NaN (a step fp16's loss scale overflowed, skipped)."""
+    values = [float(backend.to_scalar(n)) if backend.is_device_array(n) else float(n) for n in norms]
+    return [v if math.isfinite(v) else None for v in values]
 
 
 def moe_layers(model):

@@ -25,13 +25,14 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_layers, moe_step, moe_summary, nothing_left,
-                                           routing_load, routing_step, print_sample, scheduler_for)
+                                           gpt_config, grad_norms, layout, mixed_precision, moe_layers, moe_step,
+                                           moe_summary, nothing_left, routing_load, routing_step, print_sample,
+                                           scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
-from minitrain.parallel import DistributedDataParallel, offload_activations
+from minitrain.parallel import DistributedDataParallel, found_inf_on_any_rank, offload_activations
 from minitrain.parallel.expert_data_parallel import ExpertDataParallel, expert_parallel_groups
 from minitrain.parallel.expert_parallel_moe import full_state_dict, shard_experts
 
@@ -60,7 +61,7 @@ def main_moe_dp(args):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size, dp)                    # the global batch's groups
-    model = nn.GPT(gpt_config(args, corpus.vocab_size, dp, replica=True))
+    model = nn.GPT(gpt_config(args, corpus.vocab_size, dp, replica=True)).to(PRECISIONS[args.precision])
     rng = np.random.default_rng(args.seed)                              # the same batches on every rank
     val_rng = np.random.default_rng(args.seed + 1)
     if ep > 1:
@@ -70,7 +71,13 @@ def main_moe_dp(args):
     else:
         ep_comm, ep_layers = None, []
         ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
-    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    mixed = args.precision in ("fp16", "bf16")
+    # mixed precision: fp32 masters; with --ep the ranks hold different experts, so all of them agree to skip
+    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, init_scale=args.init_scale, lr=args.lr,
+                                         weight_decay=0.01,
+                                         all_reduce_found_inf=found_inf_on_any_rank(comm) if ep > 1 else None)
+           if mixed else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    seeded = [layer for layer in moe_layers(model) if layer.aux_loss_scale is not None]   # full recomputation
     scheduler = scheduler_for(opt, args)
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler, layout=layout(args, "dp", dp, 1, 1, world),
                                       **checkpointing.data_rng(rng))
@@ -86,7 +93,7 @@ def main_moe_dp(args):
         if rank != 0:
             return None
         with minitrain.random.use_generator(minitrain.random.fork()):
-            full = nn.GPT(config)
+            full = nn.GPT(config).to(PRECISIONS[args.precision])
         full.load_state_dict(state)
         return full
     start_model = global_model()
@@ -95,7 +102,7 @@ def main_moe_dp(args):
     memory.reset_peak()
     B = args.batch_size
     rows = slice(rank * B // dp, (rank + 1) * B // dp)                  # contiguous, in order (B % G == 0)
-    losses, moe, a2a, routing = [], [], [], []                         # a2a: (measured, formula) bytes per step
+    losses, norms, moe, a2a, routing = [], [], [], [], []              # a2a: (measured, formula) bytes per step
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=f"dp{dp} moe", unit="step")
     comm.barrier()
@@ -106,15 +113,20 @@ def main_moe_dp(args):
         x, y = corpus.get_batch("train", B, args.block_size, rng)
         sent_before = all_to_all_sent(ep_comm)
         with watch.step():
+            scale = getattr(opt, "loss_scale", 1.0)                    # mixed precision's (1 for fp32 / fp64)
+            for layer in seeded:                                       # their aux loss's gradient, scaled alike
+                layer.main_loss_backward_scale = scale
             with offload:
                 _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()
-            loss.backward()                                            # DDP: the replicas' mean (dense) gradient
+            (opt.scale(loss) if mixed else loss).backward()            # DDP: the replicas' mean (dense) gradient
             if ep > 1:
                 ddp.reduce_expert_gradients()
-                ddp.clip_grad_norm_(1.0)
+                norms.append(ddp.clip_grad_norm_(1.0, loss_scale=scale))
+            elif mixed:
+                norms.append(opt.clip_grad_norm_(1.0))                 # by the norm over the scale
             else:
-                optim.clip_grad_norm_(model.parameters(), 1.0)
+                norms.append(optim.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             scheduler.step()
         losses.append(float(mtcomm.all_reduce(comm, np.array([loss.item()]), op="sum")[0]) / dp)
@@ -160,7 +172,8 @@ def main_moe_dp(args):
             "num_params": full.num_parameters(), "initial_val_loss": initial_val,
             "final_val_loss": final_val, "final_loss": float(tail), "elapsed_seconds": elapsed,
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * args.block_size / slowest["step_time_s"],
-            "steady_state": watch.steady_state(), "precision": args.precision, "first_step": first_step,
+            "steady_state": watch.steady_state(), "precision": args.precision, **mixed_precision(opt),
+            "first_step": first_step, "grad_norms": grad_norms(norms),
             "losses": losses, "moe": moe_block, "all_to_all_bytes_per_step": a2a_measured,
             "all_to_all_bytes_formula": a2a_formula, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "ranks": [{"rank": r, "step": s, "memory": memory_by_rank[r],

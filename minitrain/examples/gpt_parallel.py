@@ -42,10 +42,11 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import PRECISIONS, checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, layout, moe_summary, nothing_left, routing_load, routing_step,
-                                           print_sample, scheduler_for, stage_routing_loads)
+                                           gpt_config, grad_norms, layout, mixed_precision, moe_summary, nothing_left,
+                                           routing_load, routing_step, print_sample, scheduler_for,
+                                           stage_routing_loads)
 from minitrain.examples.gpt_parallel_report import (MODEL_STATES, bubble_costs, bubble_line, cp_bytes_sent, cp_report,
                                                     expected_model_states, layer_bytes_formula, local_blocks,
                                                     measure_block_bytes, zero_memory)
@@ -81,7 +82,7 @@ def main_parallel(args):
     minitrain.manual_seed(args.seed)
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size, dp)
-    gpt = nn.GPT(config)
+    gpt = nn.GPT(config).to(PRECISIONS[args.precision])     # fp16 / bf16: GPT3D's optimizer keeps fp32 masters
     psi = gpt.num_parameters()
     rng = np.random.default_rng(args.seed)                   # the same batches on every rank
     try:
@@ -93,7 +94,8 @@ def main_parallel(args):
             sys.stderr.write(f"error: {e}\n")
         return 2
     del gpt
-    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01)
+    opt = model.optimizer(optim.AdamW, lr=args.lr, weight_decay=0.01,
+                          **({"init_scale": args.init_scale} if args.precision == "fp16" else {}))
     scheduler = scheduler_for(opt, args)
     layer_bytes, sp_routing = measure_block_bytes(model)      # bytes sent inside each block's forward
 
@@ -111,7 +113,7 @@ def main_parallel(args):
     val_rng = np.random.default_rng(args.seed + 1)            # apart from rng; the same batches on every rank
     initial_val = estimate_loss(model, corpus, args, val_rng)      # the fresh or the resumed model's
     memory.reset_peak()
-    losses, moe, a2a, routing = [], [], [], []               # a2a: (measured, formula) all-to-all bytes per step
+    losses, norms, moe, a2a, routing = [], [], [], [], []    # a2a: (measured, formula) all-to-all bytes per step
     ep_layers = [layer for layer in model.moe_layers if model.ep > 1]
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or rank != 0, file=sys.stdout,
                desc=" x ".join(axes) + (" + sp" if args.sequence_parallel else ""), unit="step")
@@ -135,7 +137,7 @@ def main_parallel(args):
             model.zero_grad()
             with offload:
                 loss = model.train_step(x, y)
-            model.clip_grad_norm_(1.0)
+            norms.append(model.clip_grad_norm_(1.0))
             opt.step()
             scheduler.step()
         losses.append(loss)
@@ -160,7 +162,8 @@ def main_parallel(args):
                     *(persistent[c] for c in ("params", "grads", "optimizer_state")), peak["activations"],
                     peak["total"], *(peak[c] for c in memory.CATEGORIES), *expected_model_states(model).values(),
                     cp_sent_per_step[0], cp_computed, cp_sent_per_step[1], layer_bytes_formula(model, args),
-                    sp_routing["bytes"] / steps, len(local_blocks(model)), device_code()], np.float64)
+                    sp_routing["bytes"] / steps, len(local_blocks(model)), mixed_precision(model.scaler).get(
+                        "skipped_steps", 0), device_code()], np.float64)
     table = mtcomm.ring_all_gather(comm, row, total=row.size * world).reshape(world, -1)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     a2a_measured, a2a_formula, _, a2a_line = all_to_all_summary(comm, a2a, args.ep)
@@ -174,7 +177,7 @@ def main_parallel(args):
         return 0
     full = None
     if state is not None:
-        full = nn.GPT(config)
+        full = nn.GPT(config).to(PRECISIONS[args.precision])
         full.load_state_dict(state)
     B, T = args.batch_size, args.block_size
     b = -(-B // (dp * args.microbatches))                   # the largest micro-batch (they may differ by a row)
@@ -245,7 +248,8 @@ def main_parallel(args):
             "steps_per_second": 1 / slowest["step_time_s"], "tokens_per_second": B * T / slowest["step_time_s"],
             "elapsed_seconds": elapsed, "planner": compared,
             "steady_state": watch.steady_state(),
-            "precision": args.precision, "first_step": first_step, "losses": losses,
+            "precision": args.precision, **mixed_precision(model.scaler), "first_step": first_step, "losses": losses,
+            "grad_norms": grad_norms(norms),
             **({"moe": moe_block, "all_to_all_bytes_per_step": a2a_measured, "all_to_all_bytes_formula": a2a_formula}
                if moe_block else {}),
             **({"experts_sp_bytes_per_step": routing} if moe_block and args.sequence_parallel else {}),
@@ -256,6 +260,6 @@ def main_parallel(args):
             "ranks": [{"rank": r, "device": device_name(v[-1]), "bytes_sent": float(v[0]) * steps,
                        "memory": {"persistent": dict(zip(("params", "grads", "optimizer_state"), map(int, v[2:5]))),
                                   "peak": {**dict(zip(memory.CATEGORIES, map(int, v[7:12]))), "total": int(v[6])}},
-                       "step": step_by_rank[r]}
+                       "step": step_by_rank[r], **({"skipped_steps": int(v[-2])} if model.scaler else {})}
                       for r, v in enumerate(table)]})
     return 0

@@ -13,18 +13,21 @@ MODEL_STATES = ("params", "grads", "optimizer_state")
 
 def expected_model_states(model):
     """This rank's model states between steps by its layout (bytes): ZeRO's (zero_3d.py), or the stage's
-    parameters, their gradients and AdamW's two moments whole."""
+    parameters, their gradients and AdamW's two moments whole (16-bit parameters: the moments and master
+    weights in fp32, 12 bytes per parameter)."""
     if model.zero is not None:
         return model.zero.expected_bytes()
     b = sum(q.data.nbytes for q in model.parameters())
-    return {"params": b, "grads": b, "optimizer_state": 2 * b}
+    n = sum(q.data.size for q in model.parameters())
+    return {"params": b, "grads": b, "optimizer_state": 12 * n if model.scaler is not None else 2 * b}
 
 
 def zero_memory(stage, dp, table):
     """The JSON's "zero_memory": per rank, the model states expected by the layout beside the ledger's."""
     return {"stage": stage, "dp": dp,
             "expected": "ZeRO-s over dp, S = ceil(stage parameters / dp): params S·b at 3 (else padded whole), grads "
-                        "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments) at 1 to 3",
+                        "S·b at 2 and 3, optimizer state 2·S·b (AdamW's two moments; fp16/bf16: 12·S, the moments and "
+                        "master weights in fp32) at 1 to 3",
             "ranks": [{"rank": r, "expected": dict(zip(MODEL_STATES, map(int, v[12:15]))),
                        "measured": dict(zip(MODEL_STATES, map(int, v[2:5])))} for r, v in enumerate(table)]}
 

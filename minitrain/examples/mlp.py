@@ -21,11 +21,11 @@ import numpy as np
 
 import minitrain
 from minitrain import cli, memory, nn, optim
-from minitrain.backend import LOW_PRECISION, bfloat16
+from minitrain.backend import LOW_PRECISION
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
 from minitrain.examples import checkpointing
-from minitrain.examples.common import init_comm, job_parser, parse_job_args, tqdm
+from minitrain.examples.common import PRECISIONS, init_comm, job_parser, parse_job_args, tqdm
 from minitrain.examples.mlp_common import check_values, does_not_fit, layout, nothing_left, resume, split_seed
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
@@ -36,7 +36,6 @@ from minitrain.parallel import (CPUOffloadOptimizer, DistributedDataParallel, Fu
 from minitrain.parallel.pipeline import NAMES as PIPELINE_NAMES
 
 STRATEGIES = ("ddp", "local_sgd", "zero1", "zero2", "zero3", "pipeline")
-PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
 
 
 def parse_args(argv=None):

@@ -160,6 +160,12 @@ def aux_loss_term(moe):
     return moe.aux_loss if moe.aux_loss_scale is None else Tensor(moe.aux_loss.data)
 
 
+def float_logits(logits):
+    """float16 / bfloat16 logits in float32 for the loss (Megatron's default, fp16_lm_cross_entropy off): the
+    loss times fp16's loss scale (2^16 at first) would overflow 16 bits, and its log-sum-exp round there."""
+    return logits.float() if logits.dtype in backend.LOW_PRECISION else logits
+
+
 class GPT(Module):
     def __init__(self, config):
         super().__init__()
@@ -209,7 +215,7 @@ class GPT(Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits, targets)
+        loss = F.cross_entropy(float_logits(logits), targets)
         if self.config.moe_experts and self.training:
             for i, block in enumerate(self.h):
                 if self.config.is_moe_layer(i):

@@ -35,6 +35,10 @@ class MoE(Module):
     forward, ``aux_loss`` holds the load-balancing loss (a Tensor in the graph, for the training loss)
     and ``stats`` what the step's report needs (``statistics()`` reads it on the host)."""
 
+    #: what backward's seed of the main loss is multiplied by (mixed precision's loss scale; Megatron's
+    #: MoEAuxLossAutoScaler.set_loss_scale): a seeded aux loss's gradient is scaled alike
+    main_loss_backward_scale = 1.0
+
     def __init__(self, n_embd, num_experts, top_k=2, capacity_factor=None, groups=1, aux_loss_coef=0.01,
                  normalize_gates=False, bias=True, dropout=0.0):
         super().__init__()
@@ -63,7 +67,7 @@ class MoE(Module):
         self.aux_loss = self.load_balancing_loss(probs, plan)
         self.stats = {"load": plan.routed.sum(axis=0), "dropped": plan.dropped, "aux_loss": self.aux_loss.data}
         if self.aux_loss_scale is not None:
-            y = AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale)
+            y = AuxLossAutoScaler.apply(y, self.aux_loss, scale=self.aux_loss_scale * self.main_loss_backward_scale)
         return y.reshape(shape)
 
     def route(self, probs):
@@ -94,9 +98,11 @@ class MoE(Module):
 
     def load_balancing_loss(self, probs, plan):
         """alpha · E · sum_i f_i · P_i per group, averaged over the groups (Switch's eq. 4 with f over the
-        k·N choices). f is counted, so its gradient is zero: the router learns balance through P."""
+        k·N choices). f is counted, so its gradient is zero: the router learns balance through P. In fp32 for
+        16-bit probabilities, as the cross-entropy: its gradient times the loss scale and alpha·E overflows fp16."""
         G, E = self.groups, self.num_experts
         S = probs.shape[0] // G
+        probs = probs.float() if probs.dtype in backend.LOW_PRECISION else probs
         f = self.choice_fractions(plan, S, probs.dtype)                         # (G, E)
         P = self.mean_probs(probs.reshape(G, S, E).mean(axis=1))
         return (P * f).sum() * (self.aux_loss_coef * E / G)

@@ -67,12 +67,14 @@ class ExpertDataParallel:
         by dp (see the module's docstring)."""
         reduce_expert_gradients(self.experts, self.expert_dp_comm, self.comm.size)
 
-    def clip_grad_norm_(self, max_norm):
-        """Clip by the norm of the global gradient; returns it."""
+    def clip_grad_norm_(self, max_norm, loss_scale=1.0):
+        """Clip by the norm of the global gradient (over ``loss_scale``: mixed precision's scaled gradients);
+        returns it."""
         counted = [p.grad for p in self.experts if p.grad is not None]
         if self.ep_comm.rank == 0:
             counted += [p.grad for p in self.dense if p.grad is not None]
-        return clip_sharded_grad_norm_(self.model.parameters(), max_norm, sum_of_squares(counted), [self.ep_comm])
+        return clip_sharded_grad_norm_(self.model.parameters(), max_norm, sum_of_squares(counted), [self.ep_comm],
+                                       loss_scale)
 
 
 def reduce_expert_gradients(experts, expert_dp_comm, dp):

@@ -95,11 +95,11 @@ def gather_experts(state, ep_comm, num_experts):
     return state
 
 
-def clip_grad_norm_(model, parameters, experts, max_norm, tp_comm, pp_comm, ep_comm):
+def clip_grad_norm_(model, parameters, experts, max_norm, tp_comm, pp_comm, ep_comm, loss_scale=1.0):
     """Clip by the norm of the whole model's gradient: the squares of the dense parameters as
     TensorParallelGPT.clip_grad_norm_ counts them (a replicated one on tp rank 0), on ep rank 0 only (the ep
     ranks are dp replicas); the experts' on every ep rank (each holds others), on tp rank 0 (replicated on
-    tp); summed over tp, pp and ep."""
+    tp); summed over tp, pp and ep (the norm over ``loss_scale``: mixed precision's scaled gradients)."""
     replicated = {id(q) for q in model.replicated} | {id(q) for q in model.wpe.parameters()}
     expert_ids = {id(q) for q in experts}
     grads = [q for q in parameters if q.grad is not None]
@@ -108,7 +108,7 @@ def clip_grad_norm_(model, parameters, experts, max_norm, tp_comm, pp_comm, ep_c
         counted += [q.grad for q in grads if id(q) not in expert_ids and (id(q) not in replicated or tp_comm.rank == 0)]
     # a rank may count nothing (tp rank 1 of ep rank 1): its zero on the device the others' sums are on
     square = sum_of_squares(counted, like=grads[0].grad if grads else None)
-    return clip_sharded_grad_norm_(grads, max_norm, square, [tp_comm, pp_comm, ep_comm])
+    return clip_sharded_grad_norm_(grads, max_norm, square, [tp_comm, pp_comm, ep_comm], loss_scale)
 
 
 class ExpertZero:
@@ -140,9 +140,10 @@ class ExpertZero:
         if self.experts is not None:
             self.experts.reduce_gradients(unused, scale=1.0 / self.ep)
 
-    def clip_grad_norm_(self, max_norm, groups, uncounted=()):
+    def clip_grad_norm_(self, max_norm, groups, uncounted=(), loss_scale=1.0):
         square = sum(z.local_square(uncounted) for z in self.parts)
-        return clip_sharded_grad_norm_([z.shard for z in self.parts], max_norm, square, [self.comm, *groups])
+        return clip_sharded_grad_norm_([z.shard for z in self.parts], max_norm, square, [self.comm, *groups],
+                                       loss_scale)
 
     def expected_bytes(self, optimizer_states=2):
         parts = [z.expected_bytes(optimizer_states) for z in self.parts]

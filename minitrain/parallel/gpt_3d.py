@@ -31,6 +31,10 @@ Nothing new is computed here: the pieces already exist and only meet.
   optimizer(optim.AdamW, ...) builds the optimizer (sharded or not) the job steps. With MoE layers its
   optimizer steps each parameter's run of the shard apart, an expert no token chose left alone.
 
+fp16 / bf16 parameters (mixed precision, mixed_precision_3d.py): optimizer() keeps fp32 master weights,
+train_step seeds backward with the loss scale over dp x cp and sums the replicas' gradients, clip_grad_norm_
+divides the scale out, and every rank of the mesh skips a step any rank's gradient overflowed.
+
 Every rank ends the step with the gradient of the mean loss over the global batch, so training
 is the single-process GPT's (tests/test_gpt_3d.py, float64), dropout's masks included (each rank draws its
 piece of one process's, dropout_masks.py; with MoE layers, within a replica and a micro-batch). Not combined:
@@ -49,7 +53,6 @@ With ep > 1 (expert_parallel_3d.py) each MoE layer's experts are sharded over bl
 the stage and tp coordinate (all-to-all dispatch); the experts' gradients are reduced over the replicas
 that hold the same ones, the dense ones over dp as before.
 """
-import math
 
 import numpy as np
 
@@ -57,13 +60,13 @@ from ..autograd import Tensor
 from ..backend import array_module
 from ..comm import DeviceMesh, all_reduce, broadcast
 from ..nn import Module, Sequential
-from ..sharded import Slice, whole
 from .pipeline import PipelineParallel
 from .pipeline.schedules import default_chunks
 from .context_parallel.gpt import METHODS as CP_LAYOUTS, context_parallelize, sequence_positions
 from .dropout_masks import MaskStream, place_dropouts
 from .tensor_parallel import positions, tensor_parallelize
 from .zero_3d import Zero3D
+from .mixed_precision_3d import is_mixed, mixed_precision_optimizer
 from .expert_data_parallel import reduce_expert_gradients
 from .expert_parallel_3d import ExpertZero, clip_grad_norm_ as ep_clip_grad_norm_, gather_experts, shard_experts_3d
 from .tensor_parallel.moe import ReplicatedMoE, moe_step_statistics
@@ -110,7 +113,11 @@ class GPT3D:
     def __init__(self, gpt, comm, dp=1, pp=1, tp=1, schedule="1f1b", num_microbatches=1, chunks=1,
                  sequence_parallel=False, zero=0, cp=1, cp_method="ring", ep=1):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
-        self.dp, self.pp, self.tp, self.rank = dp, pp, tp, comm.rank
+        self.comm, self.dp, self.pp, self.tp, self.rank = comm, dp, pp, tp, comm.rank
+        self.scaler = None                   # mixed precision: the optimizer that holds the loss scale
+        # 16-bit gradients: each replica's divided by the dp x cp replicas before they are summed (PyTorch
+        # DDP's and Megatron's order: no partial sum exceeds the global gradient, fp16's range is one process's)
+        self.pre_divide = is_mixed(list(gpt.parameters()))
         self.cp, self.cp_method = cp, cp_method
         if pp > 1 and gpt.config.tie_weights:
             raise ValueError(f"[rank {comm.rank}] tied embeddings with pp = {pp}: wte lives on the first stage and "
@@ -157,6 +164,8 @@ class GPT3D:
             for q in self.local_experts:                           # the expert data-parallel replicas start equal
                 broadcast(self.expert_dp_comm, q.data, root=0)
         self.zero = self._shard_over_dp(zero, schedule)
+        if self.pre_divide:
+            self.pipe.dp_reduce_op = "sum"
 
     def _shard_over_dp(self, stage, schedule):
         """ZeRO stage ``stage`` over the dp communicator (None for 0): it reduce-scatters the gradients."""
@@ -175,14 +184,24 @@ class GPT3D:
         return Zero3D(self.pipe.parameters(), self.pipe.dp_comm, stage,       # over the replicas it reduced over (dp x cp)
                       per_parameter=bool(self.moe_layers))                 # an expert no token chose: grad None
 
-    def optimizer(self, optimizer_class, **defaults):
-        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard."""
+    def optimizer(self, optimizer_class, init_scale=2.0 ** 16, **defaults):
+        """The optimizer to step: ``optimizer_class`` on this rank's parameters, or with ZeRO on its shard. With
+        float16 / bfloat16 parameters on fp32 master weights, every rank skipping the same steps, fp16's loss
+        scale starting at ``init_scale`` (mixed_precision_3d.py); train_step and clip_grad_norm_ use its scale."""
+        if is_mixed(self.parameters()):
+            opt, self.scaler = mixed_precision_optimizer(self, optimizer_class, init_scale, **defaults)
+            return opt
         if self.zero is None:
             return optimizer_class(self.parameters(), **defaults)
         return self.zero.optimizer(optimizer_class, **defaults)
 
     def parameters(self):
         return self.pipe.parameters()
+
+    @property
+    def loss_scale(self):
+        """What backward multiplies the loss by: mixed precision's scale (fp16's dynamic one), else 1."""
+        return 1.0 if self.scaler is None else self.scaler.loss_scale
 
     def zero_grad(self):
         if self.zero is not None:
@@ -216,17 +235,21 @@ class GPT3D:
         n = len(idx)
         self.masks.begin_step(n, idx.shape[1])
         idx, targets, _ = self.replica_batch(idx, targets)   # the pipeline weights each replica by its rows over n
-        for layer in self.moe_layers:
+        replicas = self.dp * self.cp if self.pre_divide else 1   # what backward's seed divides by already
+        seed = self.loss_scale / replicas
+        for layer in self.moe_layers:                             # the balancing loss's seed: as the loss's
             layer.reset_step()
+            layer.main_loss_backward_scale = seed
         if self.zero is not None:
             self.zero.begin_step()                                # ZeRO-3: the stage's parameters gathered
-        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp)
+        loss = self.pipe.train_step(idx, targets, self.model.loss, global_rows=n * self.cp, loss_scale=seed)
         self.masks.end_step()
         self.model.all_reduce_replicated_grads()                  # SP: the partial sums, once per step
         if self.ep > 1 and self.zero is None:                     # the experts: summed over expert-dp, / dp
-            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp)
-        if self.zero is not None:
-            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else ())   # dp x cp mean, a shard each
+            reduce_expert_gradients(self.local_experts, self.expert_dp_comm, self.dp * self.cp // replicas)
+        if self.zero is not None:                                 # dp x cp mean, a shard each
+            self.zero.reduce_gradients(self._unused_experts() if self.moe_layers else (),
+                                       **({"op": "sum"} if self.pre_divide else {}))
         if self.dp * self.cp > 1:                                 # the replicas' mean: the global batch's
             loss = float(all_reduce(self.mesh.comm("dp_cp"), np.array([loss]), op="mean")[0])
         if self.moe_layers:        # (load_max_over_mean, tokens_dropped, aux_loss), gathered from every stage
@@ -250,15 +273,17 @@ class GPT3D:
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the norm of the whole model's gradient (shards summed over tp, stages over pp;
-        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp)."""
+        the dp replicas hold the same averaged gradient, or with ZeRO each its shard: summed over dp); mixed
+        precision's gradients, loss_scale times the true ones, by their norm over it (PyTorch's unscale_)."""
+        scale = self.loss_scale
         if self.zero is not None:
             replicas = {id(q) for q in self.model.replicated} | {id(q) for q in self.model.wpe.parameters()}
             return self.zero.clip_grad_norm_(max_norm, [self.mesh.comm("tp"), self.mesh.comm("pp")],
-                                             uncounted=replicas if self.mesh.coordinate("tp") else ())
+                                             uncounted=replicas if self.mesh.coordinate("tp") else (), loss_scale=scale)
         if self.ep > 1 and self.zero is None:
             return ep_clip_grad_norm_(self.model, self.parameters(), self.local_experts, max_norm,
-                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm)
-        return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"))
+                                      self.mesh.comm("tp"), self.mesh.comm("pp"), self.ep_comm, loss_scale=scale)
+        return self.model.clip_grad_norm_(max_norm, pipeline_comm=self.mesh.comm("pp"), loss_scale=scale)
 
     @property
     def local_experts(self):
@@ -278,38 +303,7 @@ class GPT3D:
         return gather_experts(state, self.ep_comm, self.model.config.moe_experts) if self.ep > 1 else state
 
     def sharded_parameters(self):
-        """Where this rank's parameters sit in the GPT's logical tensors: its pipeline stage's only,
-        each as its tensor-parallel slice (c_attn's rows are three blocks, q, k and v, each cut by heads;
-        the vocabulary's padding rows are left out). Replicas (dp, and tp for LayerNorms) hold the same
-        slices; the checkpoint writes those once. With ep > 1 each expert is whole under its global name
-        (h.i.mlp.experts.e.*) on the ranks that hold it."""
-        t, r = self.tp, self.mesh.coordinate("tp")
-        vocab = self.model.config.vocab_size
-        local = {id(q) for q in self.pipe.parameters()}
-        placements = []
-        for name, (q, axis) in self.model._shards().items():
-            if id(q) not in local:
-                continue
-            shape = tuple(q.shape)
-            if axis is None:
-                pieces = [whole(shape)]
-            elif axis == "qkv":                      # rows [j·C + r·w, j·C + (r+1)·w) for j = q, k, v
-                w, row = shape[0] // 3, math.prod(shape[1:])
-                full = (3 * w * t,) + shape[1:]
-                pieces = [Slice(full, (j * w * t + r * w,) + (0,) * (len(shape) - 1), (w,) + shape[1:], j * w * row)
-                          for j in range(3)]
-            else:
-                full, offsets, sizes = list(shape), [0] * len(shape), list(shape)
-                full[axis] *= t
-                offsets[axis] = r * shape[axis]
-                if name in ("wte.weight", "lm_head.weight"):      # rows past the vocabulary are padding
-                    full[0] = vocab
-                    sizes[0] = max(0, min(shape[0], vocab - offsets[0]))
-                pieces = [Slice(tuple(full), tuple(offsets), tuple(sizes), 0)] if sizes[0] else []
-            placements.append((q, [(name, s) for s in pieces]))
-        if self.zero is not None and self.zero.stage == 3:       # the parameters are the shard, cut across them
-            by_id = {id(q): pieces for q, pieces in placements}
-            if isinstance(self.zero, ExpertZero):                 # two shards: the dense and the experts'
-                return self.zero.shard_placements(by_id)
-            return [(self.zero.shard, self.zero.shard_placements(by_id))]
-        return placements
+        """Where this rank's parameters sit in the GPT's logical tensors, for the checkpoint
+        (gpt_3d_placements.py)."""
+        from .gpt_3d_placements import sharded_parameters
+        return sharded_parameters(self)

@@ -31,6 +31,7 @@ counted on tp rank 0 only) and the sums are added over dp, tp and pp (clip.py). 
 reduce-scatter + all-gather = 2(dp-1)/dp·Ψ_stage·b, as the all-reduce they replace.
 """
 from .. import memory, trace
+from ..backend import LOW_PRECISION
 from ..comm import ring_all_gather, ring_reduce_scatter
 from ..nn import Parameter
 from ..sharded import Slice, flat_range
@@ -112,14 +113,15 @@ class Zero3D:
         if any(q.grad is None for q in self.flat.params):
             self._point_grads_at_flat()
 
-    def reduce_gradients(self, unused=(), scale=1.0):
+    def reduce_gradients(self, unused=(), scale=1.0, op="mean"):
         """After the last backward: the flat gradient reduce-scattered (mean over dp) into the shard's
         gradient. Stages 2 and 3 then drop the full gradient, stage 3 the full parameters. With
         per_parameter, the parameters in ``unused`` (ids: no replica used them) get no gradient. ``scale``
-        multiplies the mean (experts over their expert data-parallel group: 1/ep)."""
+        multiplies the mean (experts over their expert data-parallel group: 1/ep); op "sum" sums where each
+        replica's gradient is already divided by their number (16-bit gradients, gpt_3d.py)."""
         out = self.shard_grad if self.stage == 1 else self.xp.zeros(self.flat.shard_size, self.flat.dtype)
         with trace.span("reduce-scatter gradients", kind="comm"):
-            ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=out)
+            ring_reduce_scatter(self.comm, self.flat_grad, op=op, out=out)
         if scale != 1.0:
             out *= scale
         if self.stage == 1 or self.shard.grad is None:
@@ -142,10 +144,12 @@ class Zero3D:
             self.flat_grad[...] = 0                      # the views stay: backward adds into them
             self._point_grads_at_flat()
 
-    def clip_grad_norm_(self, max_norm, groups, uncounted=()):
+    def clip_grad_norm_(self, max_norm, groups, uncounted=(), loss_scale=1.0):
         """Clip by the norm of the whole model's gradient: the squares of this rank's shard, less the
-        parameters in ``uncounted`` (ids: replicas counted on another rank), summed over dp then ``groups``."""
-        return clip_sharded_grad_norm_([self.shard], max_norm, self.local_square(uncounted), [self.comm, *groups])
+        parameters in ``uncounted`` (ids: replicas counted on another rank), summed over dp then ``groups``
+        (over ``loss_scale``: mixed precision's gradients are that many times the true ones)."""
+        return clip_sharded_grad_norm_([self.shard], max_norm, self.local_square(uncounted), [self.comm, *groups],
+                                       loss_scale)
 
     def local_square(self, uncounted=()):
         """The sum of the squares of this rank's gradient shard, less the parameters in ``uncounted``."""
@@ -211,9 +215,11 @@ class Zero3D:
     # ---- what the memory should be (the job prints it beside the ledger)
     def expected_bytes(self, optimizer_states=2):
         """Model states per rank by this layout: {'params', 'grads', 'optimizer_state'} in bytes between
-        steps (``optimizer_states`` arrays the size of the shard: AdamW's two moments)."""
+        steps (``optimizer_states`` arrays the size of the shard: AdamW's two moments; 16-bit parameters'
+        in fp32, beside the shard's fp32 master weights: mixed precision's K = 12 bytes per element)."""
         b, whole, shard = self.shard.data.itemsize, self.flat.padded, self.flat.shard_size
         stepped = shard if self.pieces is None else sum(b_ - a for _, a, b_ in self.pieces)   # no padding
+        state = 4 * (optimizer_states + 1) if self.shard.dtype in LOW_PRECISION else b * optimizer_states
         return {"params": b * (shard if self.stage == 3 else whole),
                 "grads": b * (whole if self.stage == 1 else shard),
-                "optimizer_state": b * stepped * optimizer_states}
+                "optimizer_state": stepped * state}

@@ -37,7 +37,7 @@ _positive = cli.positive_int
 #: the jobs' options that do not change a step, checked as the jobs check them
 IGNORED_TYPES = {"--epochs": cli.positive_int, "--steps": cli.positive_int, "--lr": cli.nonneg_float,
                  "--seed": cli.nonneg_int, "--comm-timeout": cli.comm_timeout, "--save-every": cli.positive_int,
-                 "--sample-chars": cli.nonneg_int, "--warmup-steps": cli.nonneg_int}
+                 "--sample-chars": cli.nonneg_int, "--warmup-steps": cli.nonneg_int, "--init-scale": cli.positive_float}
 
 
 def _json_path(text):
@@ -135,7 +135,7 @@ def add_gpt(p):
     axes.add_argument("--model", choices=sorted(NAMED), default=None,
                       help="a named configuration's sizes (plan/configs.py); options given beside it win (default: none, the sizes given)")
     for name in ("--steps", "--lr", "--seed", "--sample-chars", "--comm-timeout", "--save-dir", "--save-every",
-                 "--lr-schedule", "--warmup-steps"):
+                 "--lr-schedule", "--warmup-steps", "--init-scale"):
         p.add_argument(name, type=IGNORED_TYPES.get(name), help=IGNORED)
     for name in ("--no-progress", "--resume", "--show-plan", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         p.add_argument(name, action="store_true", help=IGNORED)

@@ -53,6 +53,12 @@ class Piece:
         return [(self.peak, 0)] if self._moments is None else self._moments
 
 
+def fp32(layout):
+    """Bytes of what mixed precision keeps in fp32 (LayerNorm's 1/σ, the loss's log-probabilities): 4, else the
+    layout's own itemsize."""
+    return 4 if layout.mixed else PRECISIONS[layout.precision]
+
+
 def mlp_pieces(model, layout, rows, in_pipeline=False):
     """The MLP's modules (Linear saves its input, ReLU its output), or with ``--recompute full``
     checkpoint_sequential's round(sqrt(n)) segments (each keeps only its input)."""
@@ -125,7 +131,7 @@ def gpt_block_bytes(model, layout, b, moe=False):
     s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     r = t if layout.sequence_parallel else 1           # replicated regions shrink by t under SP
     core = attention_core_values(model, layout, b)      # softmax output (+ dropout's mask and output)
-    ln = s * b * h / r + s * b / r                      # x̂ and 1/σ
+    ln = s * b * h / r + s * b / r * fp32(layout) / e   # x̂ and 1/σ (mixed precision: 1/σ in fp32)
     attn_in = ln + s * b * h / r + 3 * s * b * h / t    # ln_1, c_attn's input, the qkv buffer
     mlp = moe_kept_values(model, layout, b) if moe else dense_mlp_values(model, layout, b)
     full = (2 * ln + s * b * h / r + 4 * s * b * h / t + mlp + core
@@ -160,7 +166,8 @@ def gpt_block_w_nodes(model, layout, b, mlp_params, moe=False):
     s, h, t = model.block_size // layout.cp, model.n_embd, layout.tp
     r = t if layout.sequence_parallel else 1
     N = s * b
-    ln = (e * (N * h / r + N / r), 2 * h)
+    f32 = fp32(layout) if e else 0                      # 1/σ (nothing held under the offload, as x̂)
+    ln = (e * N * h / r + f32 * N / r, 2 * h)
     if moe:
         M, f = received_rows(model, layout, b), model.expert_ffn
         mlp = [(e * (N * h / r + M * h + M * f + model.moe_shared * (N * h + N * f) / r), sum(mlp_params))]
@@ -187,7 +194,8 @@ def _gpt_pieces(model, rows, single_process, *key):
     r = t if layout.sequence_parallel else 1
     v_pad = -(-V // t) * t
     emb_kept = rows * s * INT64 + s / r * INT64 + (e * rows * s * h / r if model.dropout else 0)
-    head_kept = e * (2 * rows * s * h / r + rows * s / r + rows * s * v_pad / t) + (0 if single_process else e)
+    f32 = fp32(layout)                                  # 1/σ, the log-probabilities and the loss (fp32 if mixed)
+    head_kept = e * 2 * rows * s * h / r + f32 * (rows * s / r + rows * s * v_pad / t) + (0 if single_process else f32)
     targets = layout.batch_size * s * INT64             # y: the global batch's array (a replica's rows: a view)
     if single_process:                                  # nn.GPT saves idx itself (the batch's own array)
         emb_kept = s * INT64 + (e * rows * s * h if model.dropout else 0)
@@ -218,7 +226,8 @@ def _gpt_pieces(model, rows, single_process, *key):
     # token lookup (their indices), and the head's Linear (its input), then ln_f (x̂ and 1/σ)
     held = 0 if layout.offload_activations else 1
     emb_nodes = [(held * s / r * INT64, model.block_size * h), (held * rows * s * INT64, v_pad * h // t)]
-    head_nodes = [(held * e * rows * s * h / r, v_pad * h // t), (held * e * (rows * s * h / r + rows * s / r), 2 * h)]
+    head_nodes = [(held * e * rows * s * h / r, v_pad * h // t),
+                  (held * (e * rows * s * h / r + f32 * rows * s / r), 2 * h)]
     return tuple([Piece("embedding", [[v_pad * h // t, model.block_size * h]], emb_kept, shared=emb_shared,
                         w_nodes=emb_nodes)]
                  + blocks + [Piece("head", [[h, h, v_pad * h // t]], head_kept, shared=targets,

@@ -77,6 +77,9 @@ def refuse_gpt_layout(parser, args, given):
     refuse_ep(parser, args, given)
     refuse_moe(parser, args, given)
     refuse_cp(parser, args, given)
+    if "--init-scale" in given and args.precision != "fp16":
+        cli.refuse(parser, "--init-scale", f"--precision {args.precision}", "only fp16 scales its loss (bf16 has fp32's "
+                                                                            "exponent range)")
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
             if option in given:

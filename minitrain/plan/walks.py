@@ -162,11 +162,19 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     step_grads = fp32_step_grads(stepped, layout)
     shard_g = e * pad // N if z >= 2 else 0                     # stages 2, 3: the gradient shard
     shard_p = e * pad // N + e if z == 3 else 0                 # stage 3: the parameter shard, a 0-d placeholder
-    peak = {"params": e * (pad + others) + shard_p, "grads": g + step_grads + shard_g, "activations": act_peak + shared,
-            "optimizer_state": optimizer_bytes(stepped, layout), "comm_buffers": e * pad // N if z == 1 else 0}
+    # after the last backward, its activations freed: the reduce-scatter (the stage whole, its flat gradient and
+    # the shard it lands in), then the optimizer step (at stages 2 and 3 the flat gradient freed, at 3 the gathered
+    # stage; mixed precision's fp32 gradients held while it steps)
+    reduced = {"params": e * (pad + others) + shard_p, "grads": g + shard_g, "activations": 0}
+    step = {"params": e * others + (e * pad if z < 3 else 0) + shard_p, "activations": 0,
+            "grads": (g if z < 2 else 0) + step_grads + shard_g}
+    peak = {"params": reduced["params"], "grads": max(reduced["grads"], step["grads"]),
+            "activations": act_peak + shared, "optimizer_state": optimizer_bytes(stepped, layout),
+            "comm_buffers": e * pad // N if z == 1 else 0}
     at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
-    if g + step_grads + shard_g > sum(dyn) + shared:           # the optimizer step: its activations are freed
-        at_peak.update(activations=0, grads=g + step_grads + shard_g)
+    for moment in (reduced, step):
+        if sum({**peak, **moment}.values()) > sum(at_peak.values()):
+            at_peak = {**peak, **moment}
     return peak, sum(at_peak.values()), at_peak
 
 

@@ -34,7 +34,8 @@ class GELU(Function):
             out, t = kernels.gelu(x)
             ctx.save_for_backward(x, t)
             return out
-        t = array_module(x).tanh(_GELU_C * (x + 0.044715 * x * x * x))
+        # ml_dtypes' bfloat16 tanh returns float32: t is kept in x's dtype (what the memory plan counts)
+        t = array_module(x).tanh(_GELU_C * (x + 0.044715 * x * x * x)).astype(x.dtype, copy=False)
         ctx.save_for_backward(x, t)
         return 0.5 * x * (1.0 + t)
 

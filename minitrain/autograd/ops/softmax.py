@@ -1,5 +1,7 @@
 """Softmax, log-softmax and the cross-entropy loss (softmax and negative log-likelihood fused): on the
-host in NumPy, on the GPU in fused kernels (kernels.py).
+host in NumPy, on the GPU in fused kernels (kernels.py). Softmax takes a float16 / bfloat16 input in
+float32 (Megatron's attention_softmax_in_fp32, PyTorch autocast's softmax): its exponentials' sum would
+round in 16 bits; its output and saved probabilities are of the input's dtype.
 """
 import math
 
@@ -8,6 +10,7 @@ import numpy as np
 from ... import kernels
 from ...backend import array_module, is_device_array, scatter_add, to_host
 from ..function import Function
+from .layer_norm import widen
 
 
 class Softmax(Function):
@@ -19,34 +22,44 @@ class Softmax(Function):
     @staticmethod
     def forward(ctx, x, axis=-1, scale=None, mask=None):
         ctx.axis, ctx.scale = axis, scale
-        if is_device_array(x):
-            if scale is not None or mask is not None:
-                x = kernels.scale_and_mask(x, 1.0 if scale is None else scale, mask)
-            out = kernels.softmax(x, axis, masked=mask is not None)
-        else:
-            xp = array_module(x)
-            if scale is not None:
-                x = x * scale
-            if mask is not None:
-                x = xp.where(mask, -math.inf, x)
-            m = x.max(axis=axis, keepdims=True)
-            if mask is not None:
-                m[m == -math.inf] = 0            # a row masked whole: its exps are 0, its sum made 1 below
-            e = xp.exp(x - m)
-            s = e.sum(axis=axis, keepdims=True)
-            if mask is not None:
-                s[s == 0] = 1
-            out = e / s
+        dtype, x = x.dtype, widen(x)
+        out = _softmax(x, axis, scale, mask).astype(dtype, copy=False)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
+        dtype, g, out = g.dtype, widen(g), widen(out)
         if is_device_array(g):
-            return kernels.softmax_backward(out, g, ctx.axis, 1.0 if ctx.scale is None else ctx.scale)
-        gx = out * (g - (g * out).sum(axis=ctx.axis, keepdims=True))   # 0 where masked (out is 0 there)
-        return gx if ctx.scale is None else gx * ctx.scale
+            gx = kernels.softmax_backward(out, g, ctx.axis, 1.0 if ctx.scale is None else ctx.scale)
+        else:
+            gx = out * (g - (g * out).sum(axis=ctx.axis, keepdims=True))   # 0 where masked (out is 0 there)
+            gx = gx if ctx.scale is None else gx * ctx.scale
+        return gx.astype(dtype, copy=False)
+
+
+def _softmax(x, axis, scale, mask):
+    """softmax(where(mask, -inf, x·scale)) along ``axis``, in x's dtype."""
+    if is_device_array(x):
+        if scale is not None or mask is not None:
+            x = kernels.scale_and_mask(x, 1.0 if scale is None else scale, mask)
+        out = kernels.softmax(x, axis, masked=mask is not None)
+    else:
+        xp = array_module(x)
+        if scale is not None:
+            x = x * scale
+        if mask is not None:
+            x = xp.where(mask, -math.inf, x)
+        m = x.max(axis=axis, keepdims=True)
+        if mask is not None:
+            m[m == -math.inf] = 0            # a row masked whole: its exps are 0, its sum made 1 below
+        e = xp.exp(x - m)
+        s = e.sum(axis=axis, keepdims=True)
+        if mask is not None:
+            s[s == 0] = 1
+        out = e / s
+    return out
 
 
 def _log_softmax(x, axis):

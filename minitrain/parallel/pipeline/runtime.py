@@ -50,8 +50,9 @@ __all__ = ["PipelineParallel", "balanced_split_points"]
 class _Step:
     """One train_step's batch, and what its actions leave for later ones (by micro-batch, chunk)."""
 
-    def __init__(self, x, y, loss_fn, starts, weights, xp):
+    def __init__(self, x, y, loss_fn, starts, weights, xp, scales):
         self.x, self.y, self.loss_fn, self.starts, self.weights, self.xp = x, y, loss_fn, starts, weights, xp
+        self.scales = scales                # each micro-batch's loss weight times the loss scale: backward's seed
         self.inputs, self.outputs, self.weight_grads, self.losses, self.loss_weights = {}, {}, {}, [], []
 
 
@@ -66,6 +67,7 @@ class PipelineParallel:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.comm, self.dp_comm = comm, dp_comm
         self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
+        self.dp_reduce_op = "mean"             # "sum" where the loss's seed already divides by dp (gpt_3d.py)
         self.find_unused_parameters = find_unused_parameters
         # parameters whose replicas are not dp's (expert parallelism's experts): neither broadcast nor averaged here
         self.dp_excluded = {id(q) for q in dp_excluded}
@@ -142,7 +144,7 @@ class PipelineParallel:
         return state
 
     # ---- one training step
-    def train_step(self, x, y, loss_fn, global_rows=None):
+    def train_step(self, x, y, loss_fn, global_rows=None, loss_scale=1.0):
         """Forward and backward of the global batch (x, y) as m micro-batches in the schedule's
         order; parameters' .grad hold the gradient of the mean loss. Returns the mean loss,
         on every rank. Only the first stage reads x and only the last reads y (every rank gets
@@ -150,19 +152,22 @@ class PipelineParallel:
         unevenly (the first n % m micro-batches one row more; with n < m some are empty) and each
         micro-batch's mean loss weighted by its rows. With dp replicas, global_rows is the rows of
         all replicas' batches together (default: n each): weights rows·dp/global_rows make the
-        replicas' mean, which the dp all-reduce takes, the mean over the global batch."""
+        replicas' mean, which the dp all-reduce takes, the mean over the global batch. ``loss_scale``: backward
+        starts from the loss times it (mixed precision's loss scaling, Megatron's grad_scale_func); the loss
+        returned is unscaled."""
         n = len(y)
         dp = self.dp_comm.size if self.dp_comm is not None else 1
         global_rows = n * dp if global_rows is None else global_rows
         sizes = microbatch_sizes(n, self.m)
         starts = np.cumsum([0] + sizes).tolist()
         weights = [1.0 / self.m if size * self.m * dp == global_rows else size * dp / global_rows for size in sizes]
+        scales = [w * loss_scale for w in weights]
         params = self.parameters()
         xp = array_module(params[0].data) if params else np
         if self.schedule_name == "pipedream_2bw":
             current = self._stash.swap_in(self.parameters())
         self.messages.begin((tuple(np.shape(x)), tuple(np.shape(y))))
-        self._step = _Step(x, y, loss_fn, starts, weights, xp)
+        self._step = _Step(x, y, loss_fn, starts, weights, xp, scales)
         tracer = trace.tracer()
         clock = self.stamps.clock(tracer)                   # this step's timing stamps (stamps.py)
         compute = self.progress.around(clock.compute(self._compute), self.messages)     # progress.py
@@ -251,7 +256,7 @@ class PipelineParallel:
                 loss = step.loss_fn(out, step.y[rows])
                 step.losses.append(loss.data)          # read once, after the step (no sync per micro-batch)
                 step.loss_weights.append(step.weights[mb])
-                out = loss * step.weights[mb]          # mean over micro-batches, by rows
+                out = loss * step.scales[mb]           # mean over micro-batches, by rows (times the loss scale)
         step.outputs[mb, chunk] = out
         return out.data
 
@@ -276,7 +281,7 @@ class PipelineParallel:
 
     def _all_reduce_gradients(self):
         if self.dp_comm is not None and self.dp_comm.size > 1 and self.all_reduce_dp_gradients:
-            all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters)
+            all_reduce_dp_gradients(self.dp_comm, self.dp_parameters(), self.find_unused_parameters, self.dp_reduce_op)
 
     # ---- measurement (measure.py)
     def measured_bubble(self, skip_first=True, global_rows=None):

@@ -25,12 +25,13 @@ def all_reduce_loss(comm, values, weights, m):
     return float(all_reduce(comm, np.array([mean_loss(values, weights, m)]), op="sum")[0])
 
 
-def all_reduce_dp_gradients(dp_comm, params, find_unused_parameters):
-    """The gradients averaged over the dp replicas. With find_unused_parameters (an expert no token
-    of a replica chose), see used_anywhere: every replica must reduce the same list."""
+def all_reduce_dp_gradients(dp_comm, params, find_unused_parameters, op="mean"):
+    """The gradients averaged over the dp replicas (op "sum": summed, each replica's already divided by
+    their number: 16-bit gradients). With find_unused_parameters (an expert no token of a replica chose),
+    see used_anywhere: every replica must reduce the same list."""
     if find_unused_parameters:
         params = used_anywhere(dp_comm, params)
-    all_reduce_coalesced(dp_comm, [q.grad for q in params if q.grad is not None], op="mean")
+    all_reduce_coalesced(dp_comm, [q.grad for q in params if q.grad is not None], op=op)
 
 
 def used_anywhere(comm, params):

@@ -48,7 +48,7 @@ from ...autograd.engine import queue_callback
 from ...backend import array_module
 from ...comm import all_reduce_coalesced, broadcast, ring_all_gather
 from ...nn import Embedding, LayerNorm, Module, ModuleList
-from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward, aux_loss_term
+from ...nn.gpt import GPT, Block, CausalSelfAttention, FeedForward, aux_loss_term, float_logits
 from ..clip import clip_sharded_grad_norm_, sum_of_squares
 from ..pipeline.step_end import used_anywhere
 from .comms import GatherFromTensorParallelRegion
@@ -166,16 +166,17 @@ class TensorParallelGPT(Module):
         all_reduce_coalesced(self.comm, [q.grad for q in params if q.grad is not None], algorithm="ring")
         self._pending = False
 
-    def clip_grad_norm_(self, max_norm, pipeline_comm=None):
+    def clip_grad_norm_(self, max_norm, pipeline_comm=None, loss_scale=1.0):
         """Clip by the norm of the *full* model's gradient: the squares summed over the tp ranks,
         a replicated parameter's counted on tp rank 0 only (Megatron's "not a tensor-parallel
         duplicate"). In a pipeline each rank holds its stage's parameters only (the others have no
-        gradient): the stages' squares are summed over ``pipeline_comm`` too."""
+        gradient): the stages' squares are summed over ``pipeline_comm`` too. ``loss_scale``: mixed precision's
+        gradients are that many times the true ones (the norm is theirs over it)."""
         replicated = {id(q) for q in self.replicated} | {id(q) for q in self.wpe.parameters()}
         grads = [q for q in self.parameters() if q.grad is not None]
         counted = [q.grad for q in grads if id(q) not in replicated or self.comm.rank == 0]
         groups = [self.comm] + ([pipeline_comm] if pipeline_comm is not None else [])
-        return clip_sharded_grad_norm_(grads, max_norm, sum_of_squares(counted), groups)
+        return clip_sharded_grad_norm_(grads, max_norm, sum_of_squares(counted), groups, loss_scale)
 
     def forward(self, idx, targets=None, cache=None):
         """With a KV ``cache`` (generation, the GPT's protocol) each rank's cache holds its own heads'
@@ -212,7 +213,8 @@ class TensorParallelGPT(Module):
                              f"shape {tuple(logits.shape[:-1])}, got {targets.dtype} {tuple(targets.shape)}")
         if backend.is_device_array(logits.data) and not backend.is_device_array(targets):
             targets = backend.to_device(targets)           # targets from the host: one counted copy
-        return VocabParallelCrossEntropy.apply(logits, targets, self.comm, self.wte.start, self.config.vocab_size)
+        return VocabParallelCrossEntropy.apply(float_logits(logits), targets, self.comm, self.wte.start,
+                                               self.config.vocab_size)
 
     # ---- names and shards
     def _shards(self):
@@ -289,7 +291,8 @@ class TensorParallelGPT(Module):
 
 def tensor_parallelize(gpt, comm, sequence_parallel=False):
     """The tensor-parallel form of ``gpt`` (an nn.GPT): rank 0's weights are broadcast, then each
-    rank keeps its shard of every matrix. Same function, same names (``full_state_dict()``)."""
+    rank keeps its shard of every matrix, in the GPT's dtype (a float16 GPT's shards are float16). Same
+    function, same names (``full_state_dict()``)."""
     if not isinstance(gpt, GPT):
         raise TypeError("tensor_parallelize takes an nn.GPT")
     state = {}
@@ -299,5 +302,6 @@ def tensor_parallelize(gpt, comm, sequence_parallel=False):
     # dropout masks that follow are the ones one process draws after building the GPT
     with random.use_generator(random.fork()):
         model = TensorParallelGPT(gpt.config, comm, sequence_parallel)
+    model.to(gpt.wte.weight.dtype)
     model.load_full_state_dict(state)
     return model
