@@ -302,7 +302,8 @@ def _main(argv=None):
             **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
                if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
-                       "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
+                       "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps,
+                       **({"skipped_steps": opt.skipped_steps} if mixed else {})}],
         })
     return 0
 
