@@ -260,3 +260,15 @@ def test_no_command_line_reads_an_abbreviation_as_an_option():
                          ("minitrain.plan.__main__", ["gpt", "--world", "2", "--offload"])):
         status, err = _run(module, argv)
         assert status == 2 and "unrecognized arguments: " in err and "Traceback" not in err, (module, err)
+
+
+@pytest.mark.parametrize("module, job", [("gpt_moe", "minitrain.examples.gpt --moe-experts"),
+                                         ("gpt_parallel", "minitrain.examples.gpt"),
+                                         ("mlp_pipeline", "minitrain.examples.mlp --strategy pipeline")])
+def test_a_job_s_half_run_as_a_program_names_its_job(module, job):
+    """python -m minitrain.examples.gpt_moe exited 0 having trained nothing (the module has no main of its own)."""
+    import runpy
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        runpy.run_module(f"minitrain.examples.{module}", run_name="__main__")
+    assert stop.value.code == 2 and len(err.getvalue().splitlines()) == 1 and job in err.getvalue()

@@ -25,7 +25,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, part_of_job, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, grad_norms, layout, mixed_precision, moe_layers, moe_step,
                                            moe_summary, nothing_left, routing_load, routing_step, print_sample,
@@ -187,3 +187,7 @@ def main_moe_dp(args):
                        "all_to_all_bytes_formula": a2a_by_rank[r, :, 1].tolist(),
                        **({"skipped_steps": int(skipped[r])} if mixed else {})} for r, s in enumerate(step_by_rank)]})
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(part_of_job("gpt_moe", "[mpirun -n D] python -m minitrain.examples.gpt --moe-experts E [--ep N]"))
