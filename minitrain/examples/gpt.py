@@ -64,8 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=cli.positive_int, default=4, help="attention heads")
     p.add_argument("--n-embd", type=cli.positive_int, default=64, help="embedding width")
     p.add_argument("--dropout", type=cli.probability, default=0.0,
-                   help="dropout probability (one process's masks on any layout; with --moe-experts, dp replicas and "
-                        "micro-batches draw their own)")
+                   help="dropout probability (one process's masks on any layout; with --moe-experts, dp replicas, "
+                        "micro-batches and pipeline stages draw their own)")
     p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine)); "
