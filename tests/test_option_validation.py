@@ -186,6 +186,13 @@ def test_an_option_the_job_would_ignore_is_refused_by_name(job, argv, option, se
     assert f"error: {option} is not supported with {setting} (" in err, err
 
 
+def test_the_planner_refuses_mixed_precision_with_zero_and_ep_as_the_job_does():
+    """It planned --precision fp16 --zero 1 --ep 2, a layout the job refuses (two loss scales): now the job's line."""
+    status, err = _run("minitrain.plan.__main__", ["gpt", "--world", "2", "--precision", "fp16", "--moe-experts", "4",
+                                                   "--zero", "1", "--ep", "2"])
+    assert status == 2 and "error: --precision fp16 is not supported with --zero 1 and --ep 2 (" in err, err
+
+
 def test_the_options_each_strategy_applies_are_accepted():
     for argv in (["--strategy", "pipeline", "--dp", "1", "--microbatches", "2", "--schedule", "gpipe"],
                  ["--strategy", "local_sgd", "--sync-every", "2"], ["--strategy", "zero2", "--bucket-cap-mb", "1"],

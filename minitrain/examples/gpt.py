@@ -130,9 +130,6 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "gpt")
-    if args.precision in ("fp16", "bf16") and args.zero and args.ep > 1:
-        cli.refuse(p, f"--precision {args.precision}", f"--zero {args.zero} and --ep {args.ep}",
-                   "the dense and the experts' ZeRO shards would each keep a loss scale and skip steps apart")
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10) if args.lr_schedule == "cosine" else 0
     if args.n_embd % args.n_head:
