@@ -58,7 +58,8 @@ def add_arguments(parser):
                        help=f"with --resume: train with this command line's {', '.join(settings[:-1])} and "
                             f"{settings[-1]} where they differ from the checkpoint's")
     which.add_argument(USE_CHECKPOINT, action="store_true",
-                       help="with --resume: keep the checkpoint's schedule, learning rate and seed (fp16: its loss scale)"
+                       help="with --resume: keep the checkpoint's schedule, learning rate and seed (fp16: its "
+                            "loss scale)"
                             + (" (and local SGD's --sync-every)" if "--sync-every" in settings else "")
                             + f" where this command line's differ ({length} still says how long to train)")
 

@@ -61,7 +61,8 @@ class DistributedDataParallel:
     ``naive`` or ``auto`` (by size). ``reduce_op="sum"``: the replicas' gradients summed, for a loss
     whose backward seed already divides by the replicas (16-bit gradients: no replica's gradient nor
     partial sum exceeds the global one, so fp16 overflows only where one process would). Gradient
-    accumulation follows PyTorch: gradients add up over backward calls until ``zero_grad``; inside ``no_sync()`` they add up locally, unreduced.
+    accumulation follows PyTorch: gradients add up over backward calls until ``zero_grad``; inside
+    ``no_sync()`` they add up locally, unreduced.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25.0, broadcast_from=0, find_unused_parameters=False,

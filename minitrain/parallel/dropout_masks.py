@@ -15,7 +15,8 @@ the attention mask (context_parallel/ring.py), drawn here. Without a MaskStream 
 whose experts draw masks of as many rows as the routing gives them) each site draws its piece from where the
 generator stands, which is one process's within a replica, a micro-batch and a pipeline stage (cp, tp), and
 each replica, micro-batch and stage draws its own (a stage's generator starts the step where the first stage's
-does: how far the stages before it moved it depends on their routing). Cost: one process's random numbers divided among the ranks that hold them.
+does: how far the stages before it moved it depends on their routing). Cost: one process's random numbers
+divided among the ranks that hold them.
 """
 import contextlib
 
