@@ -224,6 +224,28 @@ def test_a_checkpoint_is_served_at_its_own_sizes_and_precision_unless_told_other
     gc.collect()
 
 
+def test_a_16_bit_checkpoint_is_served_in_16_bits(tmp_path):
+    """The gpt job's bf16 checkpoint served with no --precision: bf16 weights and KV cache (the report said bf16
+    while it served float32, the choices holding fp32 and fp64 alone), the tokens its bf16 weights give."""
+    from minitrain import checkpoint
+    from minitrain.backend import bfloat16
+    from minitrain.examples import gpt as gpt_job
+    ck, out = tmp_path / "ck", tmp_path / "served.json"
+    assert gpt_job.main(["--steps", "1", "--n-embd", "32", "--n-layer", "1", "--no-progress", "--sample-chars", "1",
+                         "--precision", "bf16", "--save-dir", str(ck)]) == 0
+    assert generate.main(["--checkpoint", str(ck), "--num-prompts", "2", "--max-prompt-len", "8", "--max-new-tokens",
+                          "4", "--json", str(out)]) == 0
+    served = json.loads(out.read_text())
+    assert (served["precision"], served["itemsize"], served["param_bytes"]) == ("bf16", 2, served["num_params"] * 2)
+    minitrain.set_default_dtype(np.float32)
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=load_text().vocab_size, block_size=32, n_layer=1, n_head=4, n_embd=32))
+    checkpoint.load(checkpoint.find_latest(ck), None, gpt.to(bfloat16), strict=False)
+    for prompt, tokens in zip(served["prompts"], served["tokens"]):
+        assert tokens == gpt.generate(np.array([prompt]), 4, temperature=0, cache=None)[0, len(prompt):].tolist()
+    minitrain.set_default_dtype(np.float64)
+    gc.collect()
+
+
 def test_lengths_not_given_fit_the_context_and_lengths_given_are_kept(tmp_path):
     """The gpt job's checkpoint has a context of 32, shorter than the serving defaults' 24 + 32 tokens: with no
     length given the job serves it (32 -> 16 new tokens, prompts up to 16), a length given is kept and the

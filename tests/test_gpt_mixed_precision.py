@@ -9,6 +9,8 @@ clipping norm moves them by far more (tried on purpose: see the report of this c
 fp16 with --init-scale 2^17 overflows in its first step, in the first stage's gradients more than the last's: every
 rank of the mesh skips it, as one process does (over dp the replicas' gradients are divided before they are summed,
 as PyTorch's DDP and Megatron do: a sum that divided after would overflow at a scale one process's does not).
+The MoE job on plain data parallelism (gpt_moe.py, dp4 ep2) seeds its backward with the scale / dp too: seeded
+with the whole scale, a replica's gradients were dp times one process's and it skipped the second step as well.
 """
 import json
 import sys
@@ -29,8 +31,10 @@ LAYOUTS = {   # one 4-rank launch: name -> options (the first word: the one-proc
     "bf16 pp2 dp2 zb_h1 zero3": BF16 + ["--pp", 2, "--dp", 2, "--schedule", "zb_h1", "--microbatches", 2, "--zero", 3],
     "bf16 cp2 dp2 zero2": BF16 + ["--cp", 2, "--dp", 2, "--zero", 2],
     "fp16-moe tp2 ep2": FP16 + MOE + ["--tp", 2, "--ep", 2],
+    "fp16-moe4 dp4 ep2": FP16 + MOE + ["--ep", 2],      # gpt_moe.py's job: plain data parallelism over experts
 }
-ONE_PROCESS = {"bf16": BF16, "fp16": FP16, "fp16-moe": FP16 + MOE + ["--moe-groups", 2]}   # groups: dp x m
+ONE_PROCESS = {"bf16": BF16, "fp16": FP16, "fp16-moe": FP16 + MOE + ["--moe-groups", 2],   # groups: dp x m
+               "fp16-moe4": FP16 + MOE + ["--moe-groups", 4]}
 
 
 def reference(name):
@@ -65,6 +69,7 @@ def test_the_mesh_trains_in_mixed_precision_as_one_process_does(runs, name):
     reports, one = runs
     report, single = reports[name], one[reference(name)]
     assert report["precision"] == single["precision"] == reference(name)[:4]
+    assert single["ranks"][0]["skipped_steps"] == single["skipped_steps"]
     assert report["skipped_steps"] == single["skipped_steps"]
     assert [r["skipped_steps"] for r in report["ranks"]] == [single["skipped_steps"]] * 4   # every rank alike
     assert report["loss_scale"] == single["loss_scale"]

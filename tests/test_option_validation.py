@@ -186,6 +186,13 @@ def test_an_option_the_job_would_ignore_is_refused_by_name(job, argv, option, se
     assert f"error: {option} is not supported with {setting} (" in err, err
 
 
+def test_the_planner_refuses_mixed_precision_with_zero_and_ep_as_the_job_does():
+    """It planned --precision fp16 --zero 1 --ep 2, a layout the job refuses (two loss scales): now the job's line."""
+    status, err = _run("minitrain.plan.__main__", ["gpt", "--world", "2", "--precision", "fp16", "--moe-experts", "4",
+                                                   "--zero", "1", "--ep", "2"])
+    assert status == 2 and "error: --precision fp16 is not supported with --zero 1 and --ep 2 (" in err, err
+
+
 def test_the_options_each_strategy_applies_are_accepted():
     for argv in (["--strategy", "pipeline", "--dp", "1", "--microbatches", "2", "--schedule", "gpipe"],
                  ["--strategy", "local_sgd", "--sync-every", "2"], ["--strategy", "zero2", "--bucket-cap-mb", "1"],
@@ -260,3 +267,15 @@ def test_no_command_line_reads_an_abbreviation_as_an_option():
                          ("minitrain.plan.__main__", ["gpt", "--world", "2", "--offload"])):
         status, err = _run(module, argv)
         assert status == 2 and "unrecognized arguments: " in err and "Traceback" not in err, (module, err)
+
+
+@pytest.mark.parametrize("module, job", [("gpt_moe", "minitrain.examples.gpt --moe-experts"),
+                                         ("gpt_parallel", "minitrain.examples.gpt"),
+                                         ("mlp_pipeline", "minitrain.examples.mlp --strategy pipeline")])
+def test_a_job_s_half_run_as_a_program_names_its_job(module, job):
+    """python -m minitrain.examples.gpt_moe exited 0 having trained nothing (the module has no main of its own)."""
+    import runpy
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        runpy.run_module(f"minitrain.examples.{module}", run_name="__main__")
+    assert stop.value.code == 2 and len(err.getvalue().splitlines()) == 1 and job in err.getvalue()

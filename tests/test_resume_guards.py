@@ -94,6 +94,22 @@ def test_other_settings_stop_a_resume_unless_an_option_says_which_to_take(saved,
         assert json.loads((saved.parent / "r.json").read_text())["first_step"] == 4
 
 
+def test_fp16_s_init_scale_is_a_setting_a_resume_compares(tmp_path):
+    """The loss scale a resume continues with is the checkpoint's: another --init-scale is refused by name (not
+    silently dropped), the override restarts the scale at it, the checkpoint's option keeps the saved one."""
+    d, fp16 = tmp_path / "ckpt", GPT + ["--precision", "fp16", "--steps", 4, "--json", tmp_path / "r.json"]
+    assert run(gpt, fp16 + ["--steps", 2, "--init-scale", 2 ** 20, "--save-dir", d])[0] == 0   # 2 skipped: 2^18
+    refused(gpt, fp16 + ["--save-dir", d, "--resume"], "--init-scale 1048576.0 (this command line: 65536.0)",
+            OVERRIDE, USE_CHECKPOINT)
+    # from 8 no step overflows; from the saved 2^18 the third step overflows too (as it did in one run): 2^17
+    for option, scale, skipped in ((OVERRIDE, 8.0, 2), (USE_CHECKPOINT, 2.0 ** 17, 3)):
+        keep_until(d, 2)
+        status, _, err = run(gpt, fp16 + ["--save-dir", d, "--resume", "--init-scale", 8, option])
+        assert status == 0, err
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert (report["first_step"], report["loss_scale"], report["skipped_steps"]) == (2, scale, skipped)
+
+
 def keep_until(directory, step):
     for saved, _, path in checkpoint.list_checkpoints(directory):
         if saved > step:

@@ -10,7 +10,8 @@ What the jobs decide (README, "Checkpoints"):
   an existing step folder. --epochs / --steps count from the start of training: a resumed job runs
   only what remains.
 * The manifest records the model's configuration; another architecture is refused by name. It also
-  records the schedule and optimizer settings (--steps, --lr, --lr-schedule, --warmup-steps, --seed):
+  records the schedule and optimizer settings (--steps, --lr, --lr-schedule, --warmup-steps, --seed; fp16's
+  --init-scale, since the loss scale a resume continues with is the checkpoint's):
   a resume whose command line differs says which and stops, unless it gives Megatron-LM's
   --override-opt-param-scheduler (this command line's values: --steps 16 after an 8-step cosine run
   decays over 16 steps) or --use-checkpoint-opt-param-scheduler (the checkpoint's schedule, learning
@@ -31,7 +32,7 @@ from ..checkpoint import CheckpointError
 
 #: the schedule and optimizer settings a resume compares with the checkpoint's, by option
 TRAINING = {"steps": "--steps", "lr": "--lr", "lr_schedule": "--lr-schedule", "warmup_steps": "--warmup-steps",
-            "seed": "--seed", "sync_every": "--sync-every"}
+            "seed": "--seed", "sync_every": "--sync-every", "init_scale": "--init-scale"}
 #: the model's shape, by the option that sets it (the manifest's layout: "sizes", "model")
 ARCHITECTURE = {"sizes": "--hidden / --layers", "vocab_size": "the corpus", "block_size": "--block-size",
                 "n_layer": "--n-layer", "n_head": "--n-head", "n_embd": "--n-embd", "moe_experts": "--moe-experts",
@@ -57,7 +58,8 @@ def add_arguments(parser):
                        help=f"with --resume: train with this command line's {', '.join(settings[:-1])} and "
                             f"{settings[-1]} where they differ from the checkpoint's")
     which.add_argument(USE_CHECKPOINT, action="store_true",
-                       help="with --resume: keep the checkpoint's schedule, learning rate and seed"
+                       help="with --resume: keep the checkpoint's schedule, learning rate and seed (fp16: its "
+                            "loss scale)"
                             + (" (and local SGD's --sync-every)" if "--sync-every" in settings else "")
                             + f" where this command line's differ ({length} still says how long to train)")
 
@@ -78,6 +80,8 @@ def training_settings(args):
     settings = {key: getattr(args, key) for key in TRAINING if hasattr(args, key)}
     if getattr(args, "strategy", None) != "local_sgd":
         settings.pop("sync_every", None)
+    if getattr(args, "precision", None) != "fp16":      # the only precision that scales its loss
+        settings.pop("init_scale", None)
     return settings
 
 
@@ -251,6 +255,9 @@ class Checkpointer:
         elif "lr" in differ:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.args.lr
+        if "init_scale" in differ:    # fp16's loss scale starts again from this command line's, as a fresh run's
+            scaler = getattr(self.model, "scaler", None) or self.optimizer       # GPT3D's, or the job's own
+            scaler.loss_scale, scaler._good_steps = float(self.args.init_scale), 0
         if "seed" in differ:          # the new seed draws what comes next: dropout masks and the data order
             seeds = np.random.SeedSequence([self.args.seed, loaded.step])
             random.manual_seed(int(seeds.generate_state(1)[0]))

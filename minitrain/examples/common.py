@@ -23,6 +23,13 @@ from ..comm.communicator import DEFAULT_COMM_TIMEOUT
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
 
 
+def part_of_job(module, command):
+    """What ``python -m minitrain.examples.MODULE`` does for a module that is half of a job (it has no main of
+    its own, and would exit 0 having trained nothing): one line naming the job's command; the exit status 2."""
+    sys.stderr.write(f"error: minitrain.examples.{module} is part of a job, not one: run {command}\n")
+    return 2
+
+
 def device_code():
     """This rank's device as a number for the per-rank tables: the GPU index, or -1 for the CPU."""
     return backend.gpu_index() if backend.get_device() == "cuda" else -1

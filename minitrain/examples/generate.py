@@ -2,7 +2,7 @@
 
     python -m minitrain.examples.generate [--cache none|contiguous|paged] [--block-size 16] [--max-batch 8]
         [--num-prompts 8] [--max-new-tokens N] [--device-memory BYTES] [--preempt swap|recompute]
-        [--precision fp64|fp32] [--temperature 0] [--top-k K] [--seed 0] [--json PATH]
+        [--precision fp64|fp32|fp16|bf16] [--temperature 0] [--top-k K] [--seed 0] [--json PATH]
     mpirun -n 2 python -m minitrain.examples.generate --tp 2 ...
 
 Prompts of mixed lengths (--min/--max-prompt-len, after --shared-prefix common tokens) are cut
@@ -29,7 +29,8 @@ import numpy as np
 import minitrain
 from minitrain import cli, memory, nn, optim
 from minitrain.data import load_text
-from minitrain.examples.common import checks_line, init_comm, job_parser, launch_info, mpi_line, parse_job_args
+from minitrain.examples.common import (PRECISIONS, checks_line, init_comm, job_parser, launch_info, mpi_line,
+                                       parse_job_args)
 from minitrain.examples.options import refuse_unsupported
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.examples.serving_checkpoint import checkpoint_experts, fill_model_options, load_checkpoint
@@ -49,9 +50,10 @@ def parse_args(argv=None):
                    help="the teaching device's capacity per rank: parameters plus KV blocks (default: no limit)")
     p.add_argument("--preempt", choices=["swap", "recompute"], default="swap",
                    help="under memory pressure: swap sequences' blocks to host, or drop and recompute them")
-    p.add_argument("--precision", choices=["fp32", "fp64"], default=None,
+    p.add_argument("--precision", choices=["fp32", "fp64", "fp16", "bf16"], default=None,
                    help="fp64 (default; with --checkpoint, the checkpoint's; another: its weights cast to this one): "
-                   "every scheme gives the same logits to 1e-10")
+                   "every scheme gives the same logits to 1e-10 (fp16 / bf16: 16-bit weights, activations and KV "
+                   "cache; LayerNorm's statistics and softmax in fp32, as the gpt job trains them)")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=None, help="sample among the K likeliest tokens (default: all of them)")
     p.add_argument("--seed", type=cli.nonneg_int, default=0, help="seeds the model, the prompts and sampling")
@@ -137,16 +139,23 @@ def make_prompts(corpus, args):
 
 
 def train(model, corpus, args):
-    """A brief AdamW run; the optimizer's state and the gradients are freed before serving."""
-    opt = optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    """A brief AdamW run (fp16 / bf16: mixed precision, as the gpt job's); the optimizer's state and the
+    gradients are freed before serving."""
+    mixed = args.precision in ("fp16", "bf16")
+    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, lr=args.lr, weight_decay=0.01) if mixed
+           else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
     rng = np.random.default_rng(args.seed)
     losses = []
     for _ in range(args.train_steps):
         x, y = corpus.get_batch("train", args.batch_size, args.context, rng)
         _, loss = model(x, y)
         opt.zero_grad()
-        loss.backward()
-        optim.clip_grad_norm_(model.parameters(), 1.0)
+        if mixed:
+            opt.scale(loss).backward()
+            opt.clip_grad_norm_(1.0)
+        else:
+            loss.backward()
+            optim.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
     model.zero_grad(set_to_none=True)
@@ -185,7 +194,7 @@ def _main(args):
     config = nn.GPTConfig(vocab_size=corpus.vocab_size, block_size=args.context, n_layer=args.n_layer,
                           n_head=args.n_head, n_embd=args.n_embd,
                           **checkpoint_experts(args.served))
-    gpt = nn.GPT(config)
+    gpt = nn.GPT(config).to(PRECISIONS[args.precision])      # 16-bit: the default dtype stays fp32, as in training
     num_params = gpt.num_parameters()
     losses, source = [], "untrained"
     train_start = time.perf_counter()
@@ -240,7 +249,7 @@ def _main(args):
             "preemptions": result.preemptions, "n_layer": args.n_layer, "n_embd": args.n_embd,
             # beyond the issue's keys: what the figures above are measured against
             "cache": args.cache, "block_size": args.block_size, "max_batch": args.max_batch, "tp": args.tp,
-            "precision": args.precision, "itemsize": np.dtype(minitrain.get_default_dtype()).itemsize,
+            "precision": args.precision, "itemsize": np.dtype(PRECISIONS[args.precision]).itemsize,
             "context": args.context, "n_head": args.n_head, "num_params": num_params,
             "num_prompts": args.num_prompts, "prompts": prompts, "prompt_lengths": [len(p) for p in prompts],
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
@@ -279,7 +288,7 @@ def report(args, config, num_params, source, train_seconds, prompts, r, param_by
     if args.cache != "none":
         waste = r.kv_bytes_reserved - r.kv_bytes_used
         print(f"KV memory per rank, {r.kv_bytes_per_token:,} bytes per token (2 x {args.n_layer} layers x "
-              f"{args.n_embd // args.tp} x {np.dtype(minitrain.get_default_dtype()).itemsize} bytes), when the "
+              f"{args.n_embd // args.tp} x {np.dtype(PRECISIONS[args.precision]).itemsize} bytes), when the "
               f"reservation peaked ({r.num_sequences} sequences):")
         print(f"  reserved {fmt_bytes(r.kv_bytes_reserved)} ({r.kv_bytes_reserved:,} B), used "
               f"{fmt_bytes(r.kv_bytes_used)} ({r.kv_bytes_used:,} B), waste {fmt_bytes(waste)} "

@@ -64,8 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=cli.positive_int, default=4, help="attention heads")
     p.add_argument("--n-embd", type=cli.positive_int, default=64, help="embedding width")
     p.add_argument("--dropout", type=cli.probability, default=0.0,
-                   help="dropout probability (one process's masks on any layout; with --moe-experts, dp replicas and "
-                        "micro-batches draw their own)")
+                   help="dropout probability (one process's masks on any layout; with --moe-experts, dp replicas, "
+                        "micro-batches and pipeline stages draw their own)")
     p.add_argument("--lr", type=cli.nonneg_float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up, then cosine decay to lr/10 at --steps (LambdaLR(warmup_cosine)); "
@@ -130,9 +130,6 @@ def parse_args(argv=None):
     args = parse_job_args(p, argv)
     checkpointing.check_arguments(p, args)
     refuse_unsupported(p, args, argv, "gpt")
-    if args.precision in ("fp16", "bf16") and args.zero and args.ep > 1:
-        cli.refuse(p, f"--precision {args.precision}", f"--zero {args.zero} and --ep {args.ep}",
-                   "the dense and the experts' ZeRO shards would each keep a loss scale and skip steps apart")
     if args.warmup_steps is None:
         args.warmup_steps = min(100, args.steps // 10) if args.lr_schedule == "cosine" else 0
     if args.n_embd % args.n_head:
@@ -302,7 +299,8 @@ def _main(argv=None):
             **({"moe": moe_block, "ep": 1, "all_to_all_bytes_per_step": 0, "all_to_all_bytes_formula": 0}
                if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
-                       "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps}],
+                       "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps,
+                       **({"skipped_steps": opt.skipped_steps} if mixed else {})}],
         })
     return 0
 

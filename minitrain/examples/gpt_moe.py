@@ -25,7 +25,7 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, part_of_job, tqdm, transport_name
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, grad_norms, layout, mixed_precision, moe_layers, moe_step,
                                            moe_summary, nothing_left, routing_load, routing_step, print_sample,
@@ -64,14 +64,17 @@ def main_moe_dp(args):
     model = nn.GPT(gpt_config(args, corpus.vocab_size, dp, replica=True)).to(PRECISIONS[args.precision])
     rng = np.random.default_rng(args.seed)                              # the same batches on every rank
     val_rng = np.random.default_rng(args.seed + 1)
+    # 16-bit gradients: backward seeded with the loss scale / dp and the replicas' gradients summed (gpt_3d.py's
+    # order): a replica's gradient is then no larger than one process's, and fp16 overflows only where it would
+    mixed = args.precision in ("fp16", "bf16")
     if ep > 1:
         ep_comm, expert_dp_comm = expert_parallel_groups(comm, ep)
         ep_layers = shard_experts(model, ep_comm)                       # this rank keeps E/ep experts per layer
-        ddp = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm)
+        ddp = ExpertDataParallel(model, comm, ep_comm, expert_dp_comm, pre_divided=mixed)
     else:
         ep_comm, ep_layers = None, []
-        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True)   # an idle expert keeps grad None
-    mixed = args.precision in ("fp16", "bf16")
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True,   # an idle expert keeps grad None
+                                      reduce_op="sum" if mixed else "mean")
     # mixed precision: fp32 masters; with --ep the ranks hold different experts, so all of them agree to skip
     opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, init_scale=args.init_scale, lr=args.lr,
                                          weight_decay=0.01,
@@ -114,12 +117,13 @@ def main_moe_dp(args):
         sent_before = all_to_all_sent(ep_comm)
         with watch.step():
             scale = getattr(opt, "loss_scale", 1.0)                    # mixed precision's (1 for fp32 / fp64)
+            seed = scale / dp if mixed else 1.0
             for layer in seeded:                                       # their aux loss's gradient, scaled alike
-                layer.main_loss_backward_scale = scale
+                layer.main_loss_backward_scale = seed
             with offload:
                 _, loss = ddp(x[rows], y[rows])
             opt.zero_grad()
-            (opt.scale(loss) if mixed else loss).backward()            # DDP: the replicas' mean (dense) gradient
+            (loss * seed if mixed else loss).backward()                # DDP: the replicas' mean (dense) gradient
             if ep > 1:
                 ddp.reduce_expert_gradients()
                 norms.append(ddp.clip_grad_norm_(1.0, loss_scale=scale))
@@ -143,6 +147,8 @@ def main_moe_dp(args):
         return nothing_left(args, first_step, rank, world)
     step_by_rank, slowest = gather_steps(comm, watch.timer)
     memory_by_rank = gather_memory(comm, watch.persistent)
+    skipped = (mtcomm.ring_all_gather(comm, np.array([float(opt.skipped_steps)]), total=comm.size)   # every rank's
+               if mixed else None)
     a2a_measured, a2a_formula, a2a_by_rank, a2a_line = all_to_all_summary(comm, a2a, ep)   # (rank, step, 2)
     load = routing_load(comm, routing, ep, per_layer=args.recompute == "full")
     full = global_model()
@@ -178,5 +184,10 @@ def main_moe_dp(args):
             "all_to_all_bytes_formula": a2a_formula, **slowest, "blas_threads": minitrain.backend.blas_threads(),
             "ranks": [{"rank": r, "step": s, "memory": memory_by_rank[r],
                        "all_to_all_bytes": a2a_by_rank[r, :, 0].tolist(),
-                       "all_to_all_bytes_formula": a2a_by_rank[r, :, 1].tolist()} for r, s in enumerate(step_by_rank)]})
+                       "all_to_all_bytes_formula": a2a_by_rank[r, :, 1].tolist(),
+                       **({"skipped_steps": int(skipped[r])} if mixed else {})} for r, s in enumerate(step_by_rank)]})
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(part_of_job("gpt_moe", "[mpirun -n D] python -m minitrain.examples.gpt --moe-experts E [--ep N]"))

@@ -42,7 +42,8 @@ from minitrain import memory, nn, optim
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
-from minitrain.examples.common import PRECISIONS, checks_line, device_code, init_comm, mpi_line, tqdm, transport_name
+from minitrain.examples.common import (PRECISIONS, checks_line, device_code, init_comm, mpi_line, part_of_job, tqdm,
+                                       transport_name)
 from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
                                            gpt_config, grad_norms, layout, mixed_precision, moe_summary, nothing_left,
                                            routing_load, routing_step, print_sample, scheduler_for,
@@ -263,3 +264,7 @@ def main_parallel(args):
                        "step": step_by_rank[r], **({"skipped_steps": int(v[-2])} if model.scaler else {})}
                       for r, v in enumerate(table)]})
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(part_of_job("gpt_parallel", "mpirun -n N python -m minitrain.examples.gpt [--tp T] [--pp P] [--cp C] ..."))

@@ -26,7 +26,7 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.comm import DeviceMesh, MeshError
 from minitrain.data import DataLoader, DistributedSampler, load_digits
 from minitrain.examples import checkpointing
-from minitrain.examples.common import checks_line, device_code, mpi_line, tqdm, transport_name
+from minitrain.examples.common import checks_line, device_code, mpi_line, part_of_job, tqdm, transport_name
 from minitrain.examples.mlp_common import layout, nothing_left
 from minitrain.examples.mlp_report import speed_text
 from minitrain.examples.report import (StepWatch, device_name, fmt_bytes, gather_steps, plan_comparison,
@@ -197,3 +197,7 @@ def main_pipeline(args, parser, comm):
 def progress_line(progress):
     """What moves the pipeline's messages while a rank computes (progress.py)."""
     return f"pipeline progress thread {'on' if progress.enabled else 'off'} ({progress.why})"
+
+
+if __name__ == "__main__":
+    sys.exit(part_of_job("mlp_pipeline", "mpirun -n N python -m minitrain.examples.mlp --strategy pipeline ..."))

@@ -58,13 +58,18 @@ class DistributedDataParallel:
     as in single-process training. A Parameter shared by two modules (tied weights) appears
     once in ``parameters()``, so it is reduced once, with the sum of both uses. ``algorithm``: the
     all-reduce of each bucket, ``ring`` (bandwidth-optimal, the default), ``recursive_doubling``,
-    ``naive`` or ``auto`` (by size). Gradient accumulation follows PyTorch: gradients add up over
-    backward calls until ``zero_grad``; inside ``no_sync()`` they add up locally, unreduced.
+    ``naive`` or ``auto`` (by size). ``reduce_op="sum"``: the replicas' gradients summed, for a loss
+    whose backward seed already divides by the replicas (16-bit gradients: no replica's gradient nor
+    partial sum exceeds the global one, so fp16 overflows only where one process would). Gradient
+    accumulation follows PyTorch: gradients add up over backward calls until ``zero_grad``; inside
+    ``no_sync()`` they add up locally, unreduced.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25.0, broadcast_from=0, find_unused_parameters=False,
-                 algorithm="ring"):
-        self.module, self.comm = module, comm
+                 algorithm="ring", reduce_op="mean"):
+        if reduce_op not in ("mean", "sum"):
+            raise ValueError(f"DistributedDataParallel: reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
+        self.module, self.comm, self.reduce_op = module, comm, reduce_op
         self.algorithm = check_algorithm(algorithm, "DistributedDataParallel")
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.find_unused_parameters = find_unused_parameters
@@ -162,7 +167,7 @@ class DistributedDataParallel:
             # used: a gradient this backward, or one accumulated since zero_grad (under no_sync)
             used = np.array([float(i in bucket.ready or q.grad is not None) for i, q in enumerate(bucket.params)])
             bucket.used_work = all_reduce(self.comm, used, op="sum", async_op=True)
-        bucket.work = all_reduce(self.comm, bucket.flat, op="mean", algorithm=self.algorithm,
+        bucket.work = all_reduce(self.comm, bucket.flat, op=self.reduce_op, algorithm=self.algorithm,
                                  out=bucket.reduced, async_op=True)
 
     def _finish(self):

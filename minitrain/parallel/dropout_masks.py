@@ -13,8 +13,10 @@ a pipeline may run the sites in any order, and full recomputation redraws the sa
 Ring attention never holds the probabilities: it drops its weights block by block with its queries' rows of
 the attention mask (context_parallel/ring.py), drawn here. Without a MaskStream (a model with MoE layers,
 whose experts draw masks of as many rows as the routing gives them) each site draws its piece from where the
-generator stands, which is one process's within a replica and a micro-batch (cp, tp), and each replica and
-micro-batch draws its own. Cost: one process's random numbers divided among the ranks that hold them.
+generator stands, which is one process's within a replica, a micro-batch and a pipeline stage (cp, tp), and
+each replica, micro-batch and stage draws its own (a stage's generator starts the step where the first stage's
+does: how far the stages before it moved it depends on their routing). Cost: one process's random numbers
+divided among the ranks that hold them.
 """
 import contextlib
 

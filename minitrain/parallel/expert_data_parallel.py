@@ -49,23 +49,26 @@ class _Parameters:
 
 class ExpertDataParallel:
     """``model`` (its MoE layers already ExpertParallelMoE over ``ep_comm``) trained by the dp ranks of
-    ``comm``: dense gradients averaged by DDP during backward, the experts' by reduce_expert_gradients()."""
+    ``comm``: dense gradients averaged by DDP during backward, the experts' by reduce_expert_gradients().
+    ``pre_divided``: backward's seed already divides by dp (16-bit gradients), so both are summed instead."""
 
-    def __init__(self, model, comm, ep_comm, expert_dp_comm):
+    def __init__(self, model, comm, ep_comm, expert_dp_comm, pre_divided=False):
         self.model, self.comm, self.ep_comm, self.expert_dp_comm = model, comm, ep_comm, expert_dp_comm
+        self.divisor = 1 if pre_divided else comm.size
         expert_ids = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE)
                       for p in m.experts.parameters()}
         self.experts = [p for p in model.parameters() if id(p) in expert_ids]
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
-        self.ddp = DistributedDataParallel(_Parameters(self.dense), comm, find_unused_parameters=True)
+        self.ddp = DistributedDataParallel(_Parameters(self.dense), comm, find_unused_parameters=True,
+                                           reduce_op="sum" if pre_divided else "mean")
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
     def reduce_expert_gradients(self):
         """After backward: every expert's gradient summed over the expert data-parallel group and divided
-        by dp (see the module's docstring)."""
-        reduce_expert_gradients(self.experts, self.expert_dp_comm, self.comm.size)
+        by dp (see the module's docstring; by 1 when pre-divided)."""
+        reduce_expert_gradients(self.experts, self.expert_dp_comm, self.divisor)
 
     def clip_grad_norm_(self, max_norm, loss_scale=1.0):
         """Clip by the norm of the global gradient (over ``loss_scale``: mixed precision's scaled gradients);
