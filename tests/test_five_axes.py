@@ -2,13 +2,9 @@
 under pipelines, dropout) at 4 and 8 ranks: each layout trains with one process's losses (float64, 1e-10, 10
 steps). The axes' own tests (test_context_parallel, test_gpt_zero, test_gpt_zero_bubble, test_moe_3d,
 test_expert_parallel) each vary one; this file checks that they meet."""
-import json
-import sys
-
 import numpy as np
 import pytest
-
-import minitrain as mt
+from gpt_layouts import run_layouts
 
 JOB = ["--no-progress", "--precision", "fp64", "--n-layer", 2, "--n-embd", 32, "--n-head", 4, "--block-size", 16,
        "--batch-size", 4, "--sample-chars", 0, "--steps", 10]
@@ -29,27 +25,7 @@ ONE_PROCESS = {"dense": [], "moe": ["--moe-experts", 4, "--moe-groups", 2],   # 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from minitrain.examples import gpt
-    from minitrain.testing import run_mpi
-    from test_resume_guards import run
-    d = tmp_path_factory.mktemp("axes")
-    reports = {}
-    for n, layouts in LAUNCHES.items():
-        calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra]!r} + ['--json', {str(d / f'{k}.json')!r}]) == 0"
-                          for k, (name, extra) in enumerate(layouts.items()))
-        run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
-                n=n, timeout=400)
-        reports.update({name: json.loads((d / f"{k}.json").read_text()) for k, name in enumerate(layouts)})
-    dtype = mt.get_default_dtype()                   # the job sets float64; a module fixture's is not restored
-    one = {}
-    try:
-        for name, extra in ONE_PROCESS.items():
-            status, _, err = run(gpt, JOB + extra + ["--json", d / f"one_{name}.json"])
-            assert status == 0, err
-            one[name] = json.loads((d / f"one_{name}.json").read_text())
-    finally:
-        mt.set_default_dtype(dtype)
-    return reports, one
+    return run_layouts(tmp_path_factory.mktemp("axes"), JOB, LAUNCHES, ONE_PROCESS)
 
 
 @pytest.mark.parametrize("name", [name for layouts in LAUNCHES.values() for name in layouts])

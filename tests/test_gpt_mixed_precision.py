@@ -12,13 +12,9 @@ as PyTorch's DDP and Megatron do: a sum that divided after would overflow at a s
 The MoE job on plain data parallelism (gpt_moe.py, dp4 ep2) seeds its backward with the scale / dp too: seeded
 with the whole scale, a replica's gradients were dp times one process's and it skipped the second step as well.
 """
-import json
-import sys
-
 import numpy as np
 import pytest
-
-import minitrain as mt
+from gpt_layouts import run_layouts
 
 TOLERANCE = 2.0 ** -8           # bf16's unit roundoff: one rounding of a weight
 JOB = ["--no-progress", "--n-layer", 2, "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 4,
@@ -43,25 +39,7 @@ def reference(name):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from minitrain.testing import run_mpi
-    from test_resume_guards import run
-    from minitrain.examples import gpt
-    d = tmp_path_factory.mktemp("mixed")
-    calls = "; ".join(f"assert gpt.main(a + {[str(x) for x in extra]!r} + ['--json', {str(d / f'{k}.json')!r}]) == 0"
-                      for k, extra in enumerate(LAYOUTS.values()))
-    run_mpi([sys.executable, "-c", f"from minitrain.examples import gpt; a = {[str(x) for x in JOB]!r}; {calls}"],
-            n=4, timeout=300)
-    reports = {name: json.loads((d / f"{k}.json").read_text()) for k, name in enumerate(LAYOUTS)}
-    dtype = mt.get_default_dtype()
-    one = {}
-    try:
-        for name, extra in ONE_PROCESS.items():
-            status, _, err = run(gpt, JOB + extra + ["--json", d / f"one_{name}.json"])
-            assert status == 0, err
-            one[name] = json.loads((d / f"one_{name}.json").read_text())
-    finally:
-        mt.set_default_dtype(dtype)
-    return reports, one
+    return run_layouts(tmp_path_factory.mktemp("mixed"), JOB, {4: LAYOUTS}, ONE_PROCESS, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
