@@ -58,11 +58,8 @@ class DistributedDataParallel:
     as in single-process training. A Parameter shared by two modules (tied weights) appears
     once in ``parameters()``, so it is reduced once, with the sum of both uses. ``algorithm``: the
     all-reduce of each bucket, ``ring`` (bandwidth-optimal, the default), ``recursive_doubling``,
-    ``naive`` or ``auto`` (by size). ``reduce_op="sum"``: the replicas' gradients summed, for a loss
-    whose backward seed already divides by the replicas (16-bit gradients: no replica's gradient nor
-    partial sum exceeds the global one, so fp16 overflows only where one process would). Gradient
-    accumulation follows PyTorch: gradients add up over backward calls until ``zero_grad``; inside
-    ``no_sync()`` they add up locally, unreduced.
+    ``naive`` or ``auto`` (by size). ``reduce_op="sum"`` where backward's seed divides by the replicas (16-bit
+    gradients). Gradients add up over backward calls until ``zero_grad``, unreduced in ``no_sync()``.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25.0, broadcast_from=0, find_unused_parameters=False,
@@ -70,11 +67,10 @@ class DistributedDataParallel:
         if reduce_op not in ("mean", "sum"):
             raise ValueError(f"DistributedDataParallel: reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
         self.module, self.comm, self.reduce_op = module, comm, reduce_op
+        self.find_unused_parameters = find_unused_parameters
         self.algorithm = check_algorithm(algorithm, "DistributedDataParallel")
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.find_unused_parameters = find_unused_parameters
-        self._sync = True
-        self._pending = False
+        self._sync, self._pending = True, False
         self._broadcast_parameters(broadcast_from)
         self.buckets = self._build_buckets()
         self._bucket_of = {}
