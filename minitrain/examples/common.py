@@ -12,8 +12,6 @@ import sys
 
 import numpy as np
 
-from tqdm import tqdm  # noqa: F401  (the jobs import it from here; a dependency in setup.cfg)
-
 from .. import backend, cli
 from ..backend import bfloat16, launch_info
 from ..comm.communicator import DEFAULT_COMM_TIMEOUT
@@ -21,6 +19,34 @@ from ..comm.communicator import DEFAULT_COMM_TIMEOUT
 
 #: --precision -> the parameters' and activations' dtype (fp16 / bf16: mixed precision, fp32 master weights)
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64, "fp16": np.float16, "bf16": bfloat16}
+
+
+class _NoBar:
+    """A progress bar that shows nothing (--no-progress, and every rank but rank 0): iterates, ignores the rest."""
+
+    def __init__(self, iterable=None):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **values):
+        pass
+
+    def close(self):
+        pass
+
+
+def tqdm(iterable=None, disable=False, **options):
+    """tqdm's progress bar (a dependency in setup.cfg), imported only where one is shown: importing tqdm costs
+    ~35 ms of CPU, which every rank but rank 0 of every launch would pay for a bar it disables."""
+    if disable:
+        return _NoBar(iterable)
+    from tqdm import tqdm as bar
+    return bar(iterable, disable=False, **options)
 
 
 def part_of_job(module, command):
