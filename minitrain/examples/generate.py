@@ -27,10 +27,11 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import cli, memory, nn, optim
+from minitrain import cli, memory, nn
 from minitrain.data import load_text
 from minitrain.examples.common import (PRECISIONS, checks_line, init_comm, job_parser, launch_info, mpi_line,
                                        parse_job_args)
+from minitrain.examples.gpt_common import adamw, backward_and_clip
 from minitrain.examples.options import refuse_unsupported
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.examples.serving_checkpoint import checkpoint_experts, fill_model_options, load_checkpoint
@@ -141,21 +142,14 @@ def make_prompts(corpus, args):
 def train(model, corpus, args):
     """A brief AdamW run (fp16 / bf16: mixed precision, as the gpt job's); the optimizer's state and the
     gradients are freed before serving."""
-    mixed = args.precision in ("fp16", "bf16")
-    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, lr=args.lr, weight_decay=0.01) if mixed
-           else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    opt = adamw(model.parameters(), args)
     rng = np.random.default_rng(args.seed)
     losses = []
     for _ in range(args.train_steps):
         x, y = corpus.get_batch("train", args.batch_size, args.context, rng)
         _, loss = model(x, y)
         opt.zero_grad()
-        if mixed:
-            opt.scale(loss).backward()
-            opt.clip_grad_norm_(1.0)
-        else:
-            loss.backward()
-            optim.clip_grad_norm_(model.parameters(), 1.0)
+        backward_and_clip(opt, loss, model.parameters())
         opt.step()
         losses.append(loss.item())
     model.zero_grad(set_to_none=True)

@@ -39,14 +39,14 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import cli, memory, nn, optim
+from minitrain import cli, memory, nn
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import PRECISIONS, job_parser, launch_info, parse_job_args, tqdm
-from minitrain.examples.gpt_common import (estimate_loss, gpt_config, grad_norms, layout, mixed_precision,
-                                          moe_layers, moe_step, moe_summary, nothing_left, print_sample, routing_load,
-                                          routing_step, scheduler_for)
+from minitrain.examples.gpt_common import (MIXED, adamw, backward_and_clip, estimate_loss, gpt_config, grad_norms,
+                                          layout, mixed_precision, moe_layers, moe_step, moe_summary, nothing_left,
+                                          print_sample, routing_load, routing_step, scheduler_for)
 from minitrain.examples.report import (StepWatch, fmt_bytes, memory_table, plan_comparison, show_plan,
                                        write_json)
 from minitrain.examples.options import refuse_unsupported
@@ -208,10 +208,7 @@ def _main(argv=None):
     corpus = load_text()
     config = gpt_config(args, corpus.vocab_size)
     model = nn.GPT(config).to(PRECISIONS[args.precision])
-    mixed = args.precision in ("fp16", "bf16")
-    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, init_scale=args.init_scale, lr=args.lr,
-                                         weight_decay=0.01) if mixed
-           else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    opt = adamw(model.parameters(), args, args.init_scale)
     seeded = [layer for layer in moe_layers(model) if layer.aux_loss_scale is not None]   # full recomputation
     scheduler = scheduler_for(opt, args)
     rng = np.random.default_rng(args.seed)                   # training batches (as the parallel job's)
@@ -244,12 +241,7 @@ def _main(argv=None):
             else:
                 _, loss = model(x, y)
             opt.zero_grad()
-            if mixed:                       # backward of the loss times the scale; clipped by the true norm
-                opt.scale(loss).backward()
-                norms.append(opt.clip_grad_norm_(1.0))
-            else:
-                loss.backward()
-                norms.append(optim.clip_grad_norm_(model.parameters(), 1.0))
+            norms.append(backward_and_clip(opt, loss, model.parameters()))
             opt.step()
             scheduler.step()
         losses.append(loss.item())
@@ -300,7 +292,7 @@ def _main(argv=None):
                if moe_block else {}),
             "ranks": [{"rank": 0, "device": minitrain.backend.describe_device().split()[0],
                        "memory": {"persistent": watch.persistent, "peak": peak}, "bytes_sent": 0, "step": steps,
-                       **({"skipped_steps": opt.skipped_steps} if mixed else {})}],
+                       **({"skipped_steps": opt.skipped_steps} if args.precision in MIXED else {})}],
         })
     return 0
 

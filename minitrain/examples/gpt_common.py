@@ -8,10 +8,11 @@ import math
 import numpy as np
 
 import minitrain
-from minitrain import backend, nn
+from minitrain import backend, nn, optim
 from minitrain.comm import all_reduce
 from minitrain.examples.report import fmt_bytes, write_json
 from minitrain.optim.lr_scheduler import LambdaLR, warmup_cosine
+from minitrain.plan.layout import MIXED
 
 
 def estimate_loss(model, corpus, args, rng, batches=4):
@@ -64,6 +65,26 @@ def gpt_config(args, vocab_size, dp=1, replica=False):
     return nn.GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                         n_embd=args.n_embd, dropout=args.dropout,
                         recompute=None if args.recompute == "none" else args.recompute, **moe)
+
+
+def adamw(params, args, init_scale=2.0 ** 16, all_reduce_found_inf=None):
+    """The GPT jobs' AdamW (weight decay 0.01); with --precision fp16 / bf16 inside a MixedPrecisionOptimizer:
+    fp32 masters and moments, fp16's dynamic loss scale from ``init_scale``, ``all_reduce_found_inf`` where the
+    ranks hold different parameters (optim/mixed_precision.py)."""
+    if args.precision not in MIXED:
+        return optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    return optim.MixedPrecisionOptimizer(params, optim.AdamW, init_scale=init_scale, lr=args.lr, weight_decay=0.01,
+                                         all_reduce_found_inf=all_reduce_found_inf)
+
+
+def backward_and_clip(opt, loss, params, max_norm=1.0):
+    """Backward of ``loss`` and clipping to ``max_norm``; returns the norm before clipping. Mixed precision: the
+    backward of the loss times the scale, clipped by the true gradient's norm (the scale divided out)."""
+    if isinstance(opt, optim.MixedPrecisionOptimizer):
+        opt.scale(loss).backward()
+        return opt.clip_grad_norm_(max_norm)
+    loss.backward()
+    return optim.clip_grad_norm_(params, max_norm)
 
 
 def mixed_precision(opt):

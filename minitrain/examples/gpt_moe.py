@@ -26,10 +26,10 @@ from minitrain.checkpoint import CheckpointError
 from minitrain.data import load_text
 from minitrain.examples import checkpointing
 from minitrain.examples.common import PRECISIONS, checks_line, init_comm, mpi_line, part_of_job, tqdm, transport_name
-from minitrain.examples.gpt_common import (all_to_all_sent, all_to_all_step, all_to_all_summary, estimate_loss,
-                                           gpt_config, grad_norms, layout, mixed_precision, moe_layers, moe_step,
-                                           moe_summary, nothing_left, routing_load, routing_step, print_sample,
-                                           scheduler_for)
+from minitrain.examples.gpt_common import (MIXED, adamw, all_to_all_sent, all_to_all_step, all_to_all_summary,
+                                           estimate_loss, gpt_config, grad_norms, layout, mixed_precision, moe_layers,
+                                           moe_step, moe_summary, nothing_left, routing_load, routing_step,
+                                           print_sample, scheduler_for)
 from minitrain.examples.report import (MODEL_STATE, StepWatch, gather_steps, plan_comparison,
                                        show_plan, write_json)
 from minitrain.parallel import DistributedDataParallel, found_inf_on_any_rank, offload_activations
@@ -66,7 +66,7 @@ def main_moe_dp(args):
     val_rng = np.random.default_rng(args.seed + 1)
     # 16-bit gradients: backward seeded with the loss scale / dp and the replicas' gradients summed (gpt_3d.py's
     # order): a replica's gradient is then no larger than one process's, and fp16 overflows only where it would
-    mixed = args.precision in ("fp16", "bf16")
+    mixed = args.precision in MIXED
     if ep > 1:
         ep_comm, expert_dp_comm = expert_parallel_groups(comm, ep)
         ep_layers = shard_experts(model, ep_comm)                       # this rank keeps E/ep experts per layer
@@ -76,10 +76,7 @@ def main_moe_dp(args):
         ddp = DistributedDataParallel(model, comm, find_unused_parameters=True,   # an idle expert keeps grad None
                                       reduce_op="sum" if mixed else "mean")
     # mixed precision: fp32 masters; with --ep the ranks hold different experts, so all of them agree to skip
-    opt = (optim.MixedPrecisionOptimizer(model.parameters(), optim.AdamW, init_scale=args.init_scale, lr=args.lr,
-                                         weight_decay=0.01,
-                                         all_reduce_found_inf=found_inf_on_any_rank(comm) if ep > 1 else None)
-           if mixed else optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
+    opt = adamw(model.parameters(), args, args.init_scale, found_inf_on_any_rank(comm) if ep > 1 else None)
     seeded = [layer for layer in moe_layers(model) if layer.aux_loss_scale is not None]   # full recomputation
     scheduler = scheduler_for(opt, args)
     ckpt = checkpointing.Checkpointer(args, comm, model, opt, scheduler, layout=layout(args, "dp", dp, 1, 1, world),
