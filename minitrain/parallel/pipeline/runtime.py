@@ -50,9 +50,9 @@ __all__ = ["PipelineParallel", "balanced_split_points"]
 class _Step:
     """One train_step's batch, and what its actions leave for later ones (by micro-batch, chunk)."""
 
-    def __init__(self, x, y, loss_fn, starts, weights, xp, scales):
+    def __init__(self, x, y, loss_fn, starts, weights, xp, loss_scale):
         self.x, self.y, self.loss_fn, self.starts, self.weights, self.xp = x, y, loss_fn, starts, weights, xp
-        self.scales = scales                # each micro-batch's loss weight times the loss scale: backward's seed
+        self.loss_scale = loss_scale        # backward's seed: each micro-batch's loss weight times it
         self.inputs, self.outputs, self.weight_grads, self.losses, self.loss_weights = {}, {}, {}, [], []
 
 
@@ -161,13 +161,12 @@ class PipelineParallel:
         sizes = microbatch_sizes(n, self.m)
         starts = np.cumsum([0] + sizes).tolist()
         weights = [1.0 / self.m if size * self.m * dp == global_rows else size * dp / global_rows for size in sizes]
-        scales = [w * loss_scale for w in weights]
         params = self.parameters()
         xp = array_module(params[0].data) if params else np
         if self.schedule_name == "pipedream_2bw":
             current = self._stash.swap_in(self.parameters())
         self.messages.begin((tuple(np.shape(x)), tuple(np.shape(y))))
-        self._step = _Step(x, y, loss_fn, starts, weights, xp, scales)
+        self._step = _Step(x, y, loss_fn, starts, weights, xp, loss_scale)
         tracer = trace.tracer()
         clock = self.stamps.clock(tracer)                   # this step's timing stamps (stamps.py)
         compute = self.progress.around(clock.compute(self._compute), self.messages)     # progress.py
@@ -256,7 +255,7 @@ class PipelineParallel:
                 loss = step.loss_fn(out, step.y[rows])
                 step.losses.append(loss.data)          # read once, after the step (no sync per micro-batch)
                 step.loss_weights.append(step.weights[mb])
-                out = loss * step.scales[mb]           # mean over micro-batches, by rows (times the loss scale)
+                out = loss * (step.weights[mb] * step.loss_scale)   # mean over micro-batches, by rows (scaled)
         step.outputs[mb, chunk] = out
         return out.data
 
