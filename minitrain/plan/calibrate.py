@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from .. import cli
-from .collective_fits import _worker
+from .collective_fits import ROUNDS, _worker
 from .merge import _least, _least_fits, _most, _most_grid, merge
 from .microbench import (_clock, _dtype, _xp, measure_elementwise, measure_fresh_memory, measure_matmul,
                          measure_matmul_rows)
@@ -159,7 +159,7 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "collectives.json")
             run_mpi([sys.executable, "-m", "minitrain.plan.calibrate", "--worker", out,
-                     "--sizes", *map(str, msg_sizes)], n=p, timeout=600)
+                     "--sizes", *map(str, msg_sizes), "--rounds", str(rounds)], n=p, timeout=600)
             with open(out) as f:
                 for name, fit in json.load(f).items():
                     if name == "overheads":
@@ -215,9 +215,10 @@ def main(argv=None):
                         "merged ones (default: merge everything)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=cli.positive_int, nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=cli.positive_int, default=ROUNDS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.sizes)
+        return _worker(args.worker, args.sizes, args.rounds)
     if args.comm_only and not args.merge:
         p.error("--comm-only: only with --merge")
     if args.merge:

@@ -38,7 +38,7 @@ def fit_alpha_beta(points, name, p):
 ROUNDS = 3     # in-a-job rounds, each over every collective and size in turn, taken seconds apart
 
 
-def _worker(out_path, sizes):
+def _worker(out_path, sizes, rounds=ROUNDS):
     """Under mpiexec: time every collective at every size (best of 8, slowest rank), by the wall clock and by
     the CPU time the calling thread spends outside its waits (its copies, reductions and calls: the part a
     shared machine distorts least, which the jobs report as busy); and as a job meets it ("job_*": the median
@@ -47,7 +47,7 @@ def _worker(out_path, sizes):
     fit the cores); and its busy CPU right after that compute with the ranks aligned ("cold_busy_*": the
     collective's own Python and copies run from memory, not cache, as a tensor-parallel layer's collectives do
     after its matmuls: 2-3x the warm busy CPU here); rank 0 writes JSON. The in-a-job medians are the lowest of
-    ROUNDS rounds, each over every collective and size, so that they are taken seconds apart: a spell of
+    ``rounds`` rounds (ROUNDS; --quick: 1), each over every collective and size, so that they are taken seconds apart: a spell of
     another load on one core lasts 0.3-1 s here, and two rounds of one size 30 ms apart both fell in one (a
     2-rank all-gather's in-a-job fixed cost read 106-335 us over four calibrations, and priced ZeRO-3 3.7x its
     step). Between rounds, one series of the anchor for typical_job (job_overheads._typical_in_a_job)."""
@@ -89,7 +89,7 @@ def _worker(out_path, sizes):
         _, own = timed(ops[key], 9, aligned=True, after_compute=True)      # all ranks at once
         return float(np.median(job)), float(np.median(own))
     typical = []
-    lowest = lowest_of_rounds(list(ops), in_a_job, ROUNDS if fits_the_cores else 0,
+    lowest = lowest_of_rounds(list(ops), in_a_job, rounds if fits_the_cores else 0,
                               lambda: typical.append(typical_series(c)) if c.size == 2 else None)
     for name in names:
         points, busy, job_points, cold_points = [], [], [], []
