@@ -18,7 +18,7 @@ from gpt_layouts import run_layouts
 
 TOLERANCE = 2.0 ** -8           # bf16's unit roundoff: one rounding of a weight
 JOB = ["--no-progress", "--n-layer", 2, "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 4,
-       "--sample-chars", 0, "--steps", 3, "--lr", 0.01]
+       "--sample-chars", 0, "--steps", 4, "--lr", 0.01]
 BF16, FP16 = ["--precision", "bf16"], ["--precision", "fp16", "--init-scale", 2 ** 17]
 MOE = ["--moe-experts", 4, "--moe-aux-loss-coef", 1.0]   # a balancing loss that moves the router
 LAYOUTS = {   # one 4-rank launch: name -> options (the first word: the one-process run it equals)
@@ -28,8 +28,11 @@ LAYOUTS = {   # one 4-rank launch: name -> options (the first word: the one-proc
     "bf16 cp2 dp2 zero2": BF16 + ["--cp", 2, "--dp", 2, "--zero", 2],
     "fp16-moe tp2 ep2": FP16 + MOE + ["--tp", 2, "--ep", 2],
     "fp16-moe4 dp4 ep2": FP16 + MOE + ["--ep", 2],      # gpt_moe.py's job: plain data parallelism over experts
+    "fp16-moe tp2 ep2 zero1": FP16 + MOE + ["--tp", 2, "--ep", 2, "--zero", 1],   # the dense and the experts' shards
+    "bf16-moe tp2 ep2 zero3": BF16 + MOE + ["--tp", 2, "--ep", 2, "--zero", 3],   # step on one verdict, one scale
 }
 ONE_PROCESS = {"bf16": BF16, "fp16": FP16, "fp16-moe": FP16 + MOE + ["--moe-groups", 2],   # groups: dp x m
+               "bf16-moe": BF16 + MOE + ["--moe-groups", 2],
                "fp16-moe4": FP16 + MOE + ["--moe-groups", 4]}
 
 
@@ -59,7 +62,7 @@ def test_the_mesh_trains_in_mixed_precision_as_one_process_does(runs, name):
 
 
 def test_fp16_overflows_then_steps_with_a_halved_scale(runs):
-    """2^17 overflows the first step's fp16 gradients: skipped (no norm), the next two taken at 2^16; bf16 has no
+    """2^17 overflows the first step's fp16 gradients: skipped (no norm), the next three taken at 2^16; bf16 has no
     loss scale and skips nothing."""
     single = runs[1]["fp16"]
     assert single["skipped_steps"] == 1 and single["loss_scale"] == 2.0 ** 16
@@ -85,3 +88,22 @@ def test_the_model_states_are_mixed_precision_s_bytes(runs):
         assert rank["measured"]["optimizer_state"] == 3 * rank["measured"]["params"]     # 12 bytes x half, 2 x all
     one = runs[1]["bf16"]["ranks"][0]["memory"]["persistent"]
     assert one["optimizer_state"] == 6 * one["params"] == 6 * one["grads"]
+
+
+@pytest.mark.parametrize("name", ["fp16-moe tp2 ep2 zero1", "bf16-moe tp2 ep2 zero3"])
+def test_the_dense_and_the_experts_shards_step_one_after_the_other(runs, name):
+    """ZeRO with ep > 1: the dense shard (over dp) and the experts' (over dp / ep, wider) each keep fp32 masters
+    and moments, and fp32 gradients only while they step, one after the other: the gradients' peak is the 16-bit
+    ones and the larger fp32 copy, as the planner counts it (their sum would be the whole shard's and more)."""
+    import contextlib
+    import io
+    import json
+    from minitrain.plan.__main__ import main
+    options = [str(x) for x in JOB[JOB.index("--n-layer"):JOB.index("--sample-chars")] + LAYOUTS[name] + ["--moe-groups", 2]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["gpt", *options, "--world", "4", "--json"]) == 0
+    peaks = json.loads(out.getvalue())["memory_bytes_per_stage"][0]["category_peaks"]
+    states = ("params", "grads", "optimizer_state", "comm_buffers")       # (the activations: the routing's load)
+    for rank in runs[0][name]["ranks"]:
+        assert {c: rank["memory"]["peak"][c] for c in states} == {c: peaks[c] for c in states}

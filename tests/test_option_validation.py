@@ -168,8 +168,6 @@ REFUSED = [  # (module, argv, the option refused, the setting it is refused with
     ("gpt", ["--schedule", "gpipe"], "--schedule", "--pp 1"),
     ("gpt", ["--chunks", "2", "--schedule", "interleaved_1f1b"], "--schedule", "--pp 1"),
     ("gpt", ["--precision", "bf16", "--init-scale", "1024"], "--init-scale", "--precision bf16"),
-    ("gpt", ["--precision", "fp16", "--moe-experts", "4", "--zero", "1", "--ep", "2", "--dp", "2"], "--precision fp16",
-     "--zero 1 and --ep 2"),
     ("generate", ["--checkpoint", "DIR", "--train-steps", "5"], "--train-steps", "--checkpoint"),
     ("generate", ["--checkpoint", "DIR", "--lr", "1e-3"], "--lr", "--checkpoint"),
     ("generate", ["--top-k", "5"], "--top-k", "--temperature 0"),
@@ -184,13 +182,6 @@ def test_an_option_the_job_would_ignore_is_refused_by_name(job, argv, option, se
     status, err = _run(f"minitrain.examples.{job}", argv)
     assert status == 2 and "Traceback" not in err, err
     assert f"error: {option} is not supported with {setting} (" in err, err
-
-
-def test_the_planner_refuses_mixed_precision_with_zero_and_ep_as_the_job_does():
-    """It planned --precision fp16 --zero 1 --ep 2, a layout the job refuses (two loss scales): now the job's line."""
-    status, err = _run("minitrain.plan.__main__", ["gpt", "--world", "2", "--precision", "fp16", "--moe-experts", "4",
-                                                   "--zero", "1", "--ep", "2"])
-    assert status == 2 and "error: --precision fp16 is not supported with --zero 1 and --ep 2 (" in err, err
 
 
 def test_the_options_each_strategy_applies_are_accepted():

@@ -100,22 +100,27 @@ class MixedPrecisionOptimizer:
                  else math.sqrt(float(square[0]))) / self.loss_scale
         return clip_grad_norm_(params, max_norm, total_norm=total)
 
-    def _found_inf(self):
+    def _local_found_inf(self):
         grads = [q.grad for q in self.params if q.grad is not None]
         if grads and backend.is_device_array(grads[0]):     # one device reduction, one synchronisation
             counts = array_module(grads[0]).stack([kernels.count_nonfinite(g) for g in grads])
-            local = bool(backend.to_scalar(counts.sum()))
-        else:
-            local = any(not bool(array_module(g).isfinite(g).all()) for g in grads)
+            return bool(backend.to_scalar(counts.sum()))
+        return any(not bool(array_module(g).isfinite(g).all()) for g in grads)
+
+    def found_inf(self, also=()):
+        """Whether this step's gradients hold an inf/NaN: this optimizer's and those of the optimizers in
+        ``also`` that step beside it (the experts' shards beside the dense ones: one verdict, one scale)."""
+        local = any(o._local_found_inf() for o in (self, *also))
         if self.all_reduce_found_inf is None:
             return local
         # shards: every rank must agree to skip (the maximum of the ranks' flags)
         return bool(self.all_reduce_found_inf(np.array([float(local)]))[0])
 
-    def step(self):
+    def step(self, found_inf=None):
         """Unscale the gradients into fp32, step the masters, copy them into the parameters.
-        Returns False (and lowers the scale) when the step was skipped for inf/NaN gradients."""
-        if self._found_inf():
+        Returns False (and lowers the scale) when the step was skipped for inf/NaN gradients
+        (``found_inf``: the verdict, where found_inf(also=...) gave it for several optimizers)."""
+        if self.found_inf() if found_inf is None else found_inf:
             self.skipped_steps += 1
             self._good_steps = 0
             if self.dynamic:

@@ -28,6 +28,7 @@ import numpy as np
 from ..backend import to_host
 from ..comm import ring_all_gather
 from ..nn.layers import ModuleList
+from ..optim.mixed_precision import MixedPrecisionOptimizer
 from .clip import clip_sharded_grad_norm_, sum_of_squares
 from .expert_data_parallel import expert_parallel_groups
 from .expert_parallel_moe import ExpertParallelMoE, expert_range
@@ -132,13 +133,18 @@ class ExpertZero:
     def step(self):
         for dense, experts in zip(self.dense.param_groups, self.experts.param_groups if self.experts else ()):
             experts.update({k: v for k, v in dense.items() if k != "params"})
+        verdict = {}
+        if isinstance(self.dense.inner, MixedPrecisionOptimizer):   # both parts skip alike: one loss scale
+            verdict["found_inf"] = self.dense.inner.found_inf(also=[z.inner for z in self.parts[1:]])
         for z in self.parts:
-            z.step()
+            z.step(**verdict)
 
-    def reduce_gradients(self, unused=()):
-        self.dense.reduce_gradients(unused)
+    def reduce_gradients(self, unused=(), op="mean"):
+        """The dense part's mean over dp x cp; the experts' over their expert data-parallel group, / ep: the
+        same mean (op "sum": each replica's gradient already divided by dp x cp, as mixed precision's are)."""
+        self.dense.reduce_gradients(unused, op=op)
         if self.experts is not None:
-            self.experts.reduce_gradients(unused, scale=1.0 / self.ep)
+            self.experts.reduce_gradients(unused, **({"op": "sum"} if op == "sum" else {"scale": 1.0 / self.ep}))
 
     def clip_grad_norm_(self, max_norm, groups, uncounted=(), loss_scale=1.0):
         square = sum(z.local_square(uncounted) for z in self.parts)

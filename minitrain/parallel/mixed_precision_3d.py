@@ -35,9 +35,7 @@ def mixed_precision_optimizer(model, optimizer_class, init_scale=2.0 ** 16, **de
         opt = MixedPrecisionOptimizer(model.parameters(), optimizer_class, all_reduce_found_inf=agree,
                                       init_scale=init_scale, **defaults)
         return opt, opt
-    if hasattr(model.zero, "parts"):          # ExpertZero (on every rank: a stage without experts has one part)
-        raise ValueError(f"[rank {model.comm.rank}] mixed precision with ZeRO and ep = {model.ep}: the dense and the "
-                         f"experts' shards would step two loss scales")
     zero = model.zero.optimizer(functools.partial(MixedPrecisionOptimizer, optimizer_class=optimizer_class,
                                                   all_reduce_found_inf=agree, init_scale=init_scale), **defaults)
-    return zero, zero.inner
+    # ExpertZero (ep > 1): a dense and an experts' optimizer, which it steps on one verdict, so one scale
+    return zero, zero.dense.inner if hasattr(zero, "parts") else zero.inner

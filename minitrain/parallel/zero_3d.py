@@ -162,8 +162,8 @@ class Zero3D:
         return sum_of_squares(pieces)
 
     # ---- the optimizer's interface
-    def step(self):
-        self.inner.step()                                # the shard's update (a view of the flat buffer below 3)
+    def step(self, **kwargs):
+        self.inner.step(**kwargs)                        # the shard's update (a view of the flat buffer below 3)
         if self.stage < 3:
             with trace.span("all-gather parameters", kind="comm"):
                 ring_all_gather(self.comm, self.flat.shard().copy(), total=self.flat.padded, out=self.flat.data)

@@ -207,10 +207,23 @@ def zero_expert_extra(model, layout, moe_blocks):
     n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
     e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
     extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
-    extra["grads"] = fp32_step_grads(wide, layout) - fp32_step_grads(narrow, layout)    # stages 2, 3: memory.py
+    # (grads: the 16-bit shards at stages 2 and 3, memory.py; the fp32 ones while stepping, expert_step_grads)
     extra["params"] = e * (wide - narrow) if z == 3 else 0
     extra["comm_buffers"] = e * (wide - narrow) if z == 1 else 0      # ZeRO-1's reduce-scatter lands in a shard
     return extra
+
+
+def expert_step_grads(model, layout, pieces):
+    """Mixed precision's fp32 gradients while a stage with routed experts steps under ZeRO and ep > 1 (None
+    elsewhere): ExpertZero steps the dense shard (over dp x cp) and then the experts' (over dp/ep x cp), each
+    MixedPrecisionOptimizer holding its fp32 copy only while it steps: the larger of the two."""
+    if not (layout.mixed and layout.zero and layout.ep > 1):
+        return None
+    n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // layout.ep) * expert_params(model)
+    if not n:
+        return None
+    dp, local = layout.zero_ranks, sum(x.params for x in pieces)
+    return fp32_step_grads(max(-(-(local - n) // dp), -(-n // (dp // layout.ep))), layout)
 
 
 def paper_layer_bytes(model, layout, b, moe=False):

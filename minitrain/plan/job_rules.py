@@ -80,9 +80,6 @@ def refuse_gpt_layout(parser, args, given):
     if "--init-scale" in given and args.precision != "fp16":
         cli.refuse(parser, "--init-scale", f"--precision {args.precision}", "only fp16 scales its loss (bf16 has fp32's "
                                                                             "exponent range)")
-    if args.precision in ("fp16", "bf16") and args.zero and args.ep > 1:
-        cli.refuse(parser, f"--precision {args.precision}", f"--zero {args.zero} and --ep {args.ep}",
-                   "the dense and the experts' ZeRO shards would each keep a loss scale and skip steps apart")
     if args.pp == 1:
         for option in ("--schedule", "--chunks"):
             if option in given:

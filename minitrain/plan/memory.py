@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ..parallel.pipeline.schedules import SPLIT_BACKWARD, microbatch_sizes
 from .activations import gpt_pieces, mlp_pieces
-from .experts import expert_params, expert_params_per_rank, zero_expert_extra
+from .experts import expert_params, expert_params_per_rank, expert_step_grads, zero_expert_extra
 from .layout import PRECISIONS
 from .papers import paper_memory
 from .stages import _schedule, in_flight, stage_chunks
@@ -64,7 +64,8 @@ def minitrain_memory(model, layout):
         if stage is None:
             local, count = _count(tuple(x for ps in mine for x in ps))
             others = tensors - count if layout.pp > 1 else 0
-            walked = pipeline_walk(actions, chunks, layout, local, others, sizes)
+            walked = pipeline_walk(actions, chunks, layout, local, others, sizes,
+                                   expert_step_grads(model, layout, [x for ps in mine for x in ps]))
             stage = alike[key] = _experts_sharded(_stage_result(*walked), model, layout, [x for ps in mine for x in ps])
         out.append({**stage, "category_peaks": dict(stage["category_peaks"])})
     return out
@@ -103,7 +104,8 @@ def _expert_gradient_shards(stage, model, layout, pieces):
     n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // ep) * expert_params(model)
     dense_shard, wide, pad = -(-(local - n) // dp), -(-n // (dp // ep)), -(-local // dp) * dp
     reduce_peak = e * max(local + dense_shard, dense_shard + n + wide)
-    stage["category_peaks"]["grads"] += reduce_peak - e * (pad + pad // dp)
+    step_peak = e * (dense_shard + wide) + (expert_step_grads(model, layout, pieces) or 0)     # mixed: fp32 too
+    stage["category_peaks"]["grads"] = max(reduce_peak, step_peak)
     if not stage["activations"]:                      # the peak is the optimizer step: the shards alone
         shards = e * (dense_shard + wide - pad // dp)
         stage["grads"], stage["total"] = stage["grads"] + shards, stage["total"] + shards

@@ -88,7 +88,7 @@ def step_walk(pieces, layout, dp):
     return peak, peak_total, at_peak
 
 
-def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
+def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None, step_grads=None):
     """Peak bytes for one pipeline stage (per category, total, each category at the total's peak): its
     actions in the schedule's order. A forward adds its chunk's kept activations; a backward goes through
     its pieces in reverse (recomputed ones at their peak), creating their gradients (None before the step)
@@ -97,7 +97,8 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
     Pieces; ``others``: parameter tensors of other stages (0-d placeholders). The moments are (activations,
     gradients) pairs, the worst by their sum (then by activations, so that both walks pick the same).
     ``sizes``: the micro-batches' rows where a batch is cut unevenly (the first ones one row more; the pieces
-    count the largest; then ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows."""
+    count the largest; then ``actions`` is the schedule's list): what a micro-batch keeps scales with its rows.
+    ``step_grads``: the fp32 gradient bytes held while the optimizer steps, where not its whole shard's."""
     e = PRECISIONS[layout.precision]
     # ZeRO on the stage (parallel/zero_3d.py), over its dp x cp replicas (one too: a communicator of one): a
     # flat gradient buffer of the whole stage through the step (stage 1 keeps it between steps, 2 and 3 a shard
@@ -159,7 +160,8 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None):
                 seen.add(a.chunk)
                 g += grads[a.chunk]
     stepped = pad // N if zero1 else local_params              # what this rank's optimizer steps
-    step_grads = fp32_step_grads(stepped, layout)
+    if step_grads is None:        # mixed precision's fp32 gradients while stepping (given: plan/experts.py's)
+        step_grads = fp32_step_grads(stepped, layout)
     shard_g = e * pad // N if z >= 2 else 0                     # stages 2, 3: the gradient shard
     shard_p = e * pad // N + e if z == 3 else 0                 # stage 3: the parameter shard, a 0-d placeholder
     # after the last backward, its activations freed: the reduce-scatter (the stage whole, its flat gradient and
