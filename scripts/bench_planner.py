@@ -114,18 +114,18 @@ def search_seconds(repeats):
     return best, first_line
 
 
-def moe_walk_seconds(name):
+def moe_walk_seconds(name, first=None):
     """Process time of predicting the named MoE model's layouts on 1,024 GPUs (ZeRO-1, no recomputation, cp 1,
     2, 4), an MoE layer's backward walked at its first expert and its last two (the planner's) and at every
-    expert (moe_backward_moments' every_expert), one after the other in this run after a warm-up; the layouts;
-    whether every prediction is the same."""
+    expert (moe_backward_moments' every_expert), one after the other in this run after a warm-up (``first``: the
+    first so many layouts only); the layouts; whether every prediction is the same."""
     from minitrain.plan import activations, experts, gpt_from_args, layouts, predict
     from minitrain.plan.__main__ import parser
     from minitrain.plan.configs import NAMED
     model, base = gpt_from_args(parser(defaults=NAMED[name]).parse_args(["gpt", "--model", name]), 1024,
                                 NAMED[name]["vocab_size"])
     candidates = layouts(model, 1024, base.batch_size, precision="bf16", zeros=(1,), recomputes=("none",),
-                         cps={1, 2, 4})
+                         cps={1, 2, 4})[:first]
     machine, walk = load_machine(NAMED[name]["machine"]), experts.moe_backward_moments
     seconds, predictions = [], []
     try:
@@ -164,6 +164,8 @@ def main():
     ap.add_argument("--search-repeats", type=cli.nonneg_int, default=3, help="timed searches, the best kept (0: none)")
     ap.add_argument("--moe-walk", default="deepseek-v3", choices=["deepseek-v3", "mixtral-8x7b", "none"],
                     help="time the planner on this MoE model's layouts, against walking every expert (none: skip)")
+    ap.add_argument("--moe-walk-layouts", type=cli.positive_int, metavar="N",
+                    help="the first N of those layouts only (the smoke test's; default: every one)")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the figures as JSON (default: none written)")
     args = ap.parse_args()
     if args.calibrate:
@@ -219,7 +221,7 @@ def main():
         seconds, line = search_seconds(args.search_repeats)
         search = {"cpu_seconds_best": seconds, "repeats": args.search_repeats, "summary": line}
         print(f"search (GPT-3 175B, 1024 GPUs): {seconds:.2f} CPU s, best of {args.search_repeats} ({line})")
-    moe_walk = None if args.moe_walk == "none" else moe_walk_seconds(args.moe_walk)
+    moe_walk = None if args.moe_walk == "none" else moe_walk_seconds(args.moe_walk, args.moe_walk_layouts)
     if moe_walk:
         print(f"MoE walk ({moe_walk['model']}, 1024 GPUs, {moe_walk['layouts']} layouts): {moe_walk['cpu_seconds']:.2f} "
               f"CPU s; every expert walked {moe_walk['cpu_seconds_every_expert']:.2f} CPU s "

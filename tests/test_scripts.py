@@ -351,7 +351,8 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     predicted and measured median step and their ratio; the criteria counted over the runs; no time asserted."""
     out = tmp_path / "planner.json"
     monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "zero3-adam-512", "--steps", "3",
-                                      "--epochs", "1", "--search-repeats", "1", "--moe-walk", "mixtral-8x7b", "--json", str(out)])
+                                      "--epochs", "1", "--search-repeats", "1", "--moe-walk", "mixtral-8x7b", "--moe-walk-layouts", "200",
+                                      "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_planner.py"), run_name="__main__")
     printed = capsys.readouterr().out
     import json
@@ -372,7 +373,7 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     assert "within 20%: " in printed and "of 2" in printed
     assert results["search"]["cpu_seconds_best"] > 0 and "layouts fit" in results["search"]["summary"]
     walk = results["moe_walk"]             # the planner's walk of an MoE layer against every expert walked
-    assert walk["same_predictions"] and walk["layouts"] > 100 and walk["cpu_seconds"] > 0
+    assert walk["same_predictions"] and walk["layouts"] == 200 and walk["cpu_seconds"] > 0
     assert f"MoE walk (mixtral-8x7b, 1024 GPUs, {walk['layouts']} layouts)" in printed
     from minitrain.plan import validate
     assert "--steps 3 " not in validate.RUNS["gpt-1"][2]              # the shortened runs were the script's alone
