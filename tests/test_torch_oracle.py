@@ -130,14 +130,20 @@ def test_a_0_d_tensor_reduces_over_axis_0_or_minus_1_as_torch(op, float64):
         getattr(mt.Tensor(np.ones((2, 3))), op)(axis=2)
 
 
-def test_cross_entropy_matches_torch(float64, rng):
-    m, t = pair(rng.standard_normal((6, 5)))
-    y = rng.integers(0, 5, 6)
+@pytest.mark.parametrize("shape, target_shape", [((6, 5), (6,)), ((5,), ()), ((2, 5, 3), (2, 3)), ((2, 5, 5), (2, 5)),
+                                                 ((2, 5, 3, 4), (2, 3, 4))])
+def test_cross_entropy_matches_torch(float64, rng, shape, target_shape):
+    """PyTorch's shapes: the classes on dim 1 ((N, C, C) included: read along the last dim, the same shapes
+    would have been a wrong loss, not an error)."""
+    m, t = pair(rng.standard_normal(shape))
+    y = rng.integers(0, 5, target_shape)
     lm, lt = F.cross_entropy(m, y), TF.cross_entropy(t, torch.tensor(y))
     close(lm, lt)
     lm.backward()
     lt.backward()
     close(m.grad, t.grad)
+    with pytest.raises(ValueError, match=r"needs targets of shape"):
+        F.cross_entropy(m, np.zeros(shape, np.int64))
 
 
 def copy_into_torch(ours, theirs):

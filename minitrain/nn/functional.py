@@ -59,23 +59,28 @@ def _inputs_beside(values, like, what, call):
     return values
 
 
-def cross_entropy(logits, targets, validate_targets=False):
-    """Mean cross-entropy of integer class targets (no ignore_index, no label smoothing).
+def cross_entropy(input, target, validate_targets=False):
+    """Mean cross-entropy of integer class targets, in PyTorch's shapes: input (C), (N, C) or (N, C, d1, ...,
+    dk), the classes on dim 1, with target (), (N) or (N, d1, ..., dk) (no ignore_index, no label smoothing).
+    A GPT's (B, T, V) logits are flattened to (B·T, V) first, as nanoGPT does.
     A target outside [0, C) is an IndexError on the CPU, where checking is free (always done). On
     the GPU checking means reading the targets' range back, a synchronisation in every step: by
     default an out-of-range target makes the loss NaN instead (no wait; PyTorch's CUDA kernel trips a
     device-side assert, reported at a later synchronisation); validate_targets=True checks them
     (one synchronisation, IndexError)."""
-    targets = _raw(targets)
+    targets, shape = _raw(target), tuple(input.shape)
     if targets.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: targets must be integer class indices, got {targets.dtype}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} need targets of shape "
-                         f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
-    if backend.is_device_array(_raw(logits)) and not backend.is_device_array(targets):
-        ops.check_targets(targets.reshape(-1), logits.shape[-1])      # free here, while on the host
-    targets = _inputs_beside(targets, _raw(logits), "targets", "cross_entropy")
-    return ops.CrossEntropy.apply(logits, targets, validate_targets=validate_targets)
+    expected = shape[:1] + shape[2:] if len(shape) > 2 else shape[:-1]
+    if tuple(targets.shape) != expected:
+        raise ValueError(f"cross_entropy: input {shape} (classes on dim {1 if len(shape) > 1 else 0}) needs targets "
+                         f"of shape {expected}, got {tuple(targets.shape)}")
+    if len(shape) > 2:                       # the classes to the last axis, where CrossEntropy reads them
+        input = input.permute(0, *range(2, len(shape)), 1)
+    if backend.is_device_array(_raw(input)) and not backend.is_device_array(targets):
+        ops.check_targets(targets.reshape(-1), shape[1 if len(shape) > 1 else 0])      # free here, while on the host
+    targets = _inputs_beside(targets, _raw(input), "targets", "cross_entropy")
+    return ops.CrossEntropy.apply(input, targets, validate_targets=validate_targets)
 
 
 def mse_loss(input, target):

@@ -215,7 +215,7 @@ class GPT(Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(float_logits(logits), targets)
+        loss = F.cross_entropy(float_logits(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1))
         if self.config.moe_experts and self.training:
             for i, block in enumerate(self.h):
                 if self.config.is_moe_layer(i):

@@ -248,7 +248,7 @@ def gpt_ends_work(model, layout, rows, device="cpu"):
     _linear(head_f, rows, s, h, v, batched, bias=False)
     _linear_backward(head_b, rows, s, h, v, batched, bias=False)
     loss = "fp32" if layout.mixed else None
-    head_f.op("cross_entropy", N * v, dtype=loss).nodes += 1
+    head_f.op("cross_entropy", N * v, dtype=loss).nodes += 1 if not single else 2    # nn.GPT: (B·T, V) first
     head_b.op("cross_entropy.backward", N * v, dtype=loss)
     if not single:                                    # vocab-parallel: a copy of the logits, the padding
         head_f.op("copy", N * v, dtype=loss)          # masked; f (or SP's gather) before the head; loss / m
