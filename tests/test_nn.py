@@ -122,7 +122,7 @@ def test_mse_loss_refuses_shapes_that_would_broadcast(shapes):
 
 
 def test_cross_entropy_refuses_targets_of_another_shape():
-    with pytest.raises(ValueError, match=r"need targets of shape \(4,\), got \(4, 1\)"):
+    with pytest.raises(ValueError, match=r"needs targets of shape \(4,\), got \(4, 1\)"):
         F.cross_entropy(mt.Tensor(np.zeros((4, 3))), np.zeros((4, 1), np.int64))
 
 
