@@ -67,7 +67,7 @@ CASES = {
     "linear_3d": (lambda x, w, b: F.linear(x, w, b), [(2, 3, 4), (5, 4), (5,)]),
     "linear_no_bias": (lambda x, w: F.linear(x, w), [(3, 4), (2, 4)]),
     "cross_entropy": (lambda a: F.cross_entropy(a, np.array([0, 2, 1, 2])), [(4, 3)]),
-    "cross_entropy_3d": (lambda a: F.cross_entropy(a, np.array([[0, 1], [2, 0]])), [(2, 2, 3)]),
+    "cross_entropy_3d": (lambda a: F.cross_entropy(a, np.array([[0, 1, 2], [2, 0, 1]])), [(2, 3, 3)]),   # (N, C, d)
     "mse": (lambda a, b: F.mse_loss(a, b), [(3, 2), (3, 2)]),
 }
 
