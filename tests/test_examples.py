@@ -125,13 +125,13 @@ def test_gpt_recompute_modes_train_identically(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, flags", [("zero1", []), ("zero2", ["--precision", "bf16"]),
-                                             ("zero3", ["--offload"]),
-                                             ("zero3", ["--recompute", "full", "--layers", "4"])])
-def test_zero_strategies_train_and_report_the_formula_memory(tmp_path, strategy, flags):
+@pytest.mark.parametrize("strategy, epochs, flags", [("zero1", 3, []), ("zero2", 3, ["--precision", "bf16"]),
+                                                     ("zero3", 3, ["--offload"]),
+                                                     ("zero3", 4, ["--recompute", "full", "--layers", "4"])])
+def test_zero_strategies_train_and_report_the_formula_memory(tmp_path, strategy, epochs, flags):
     out = tmp_path / "mlp.json"
     run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", strategy,
-             "--epochs", "5", "--json", out, *flags], n=4, timeout=120)
+             "--epochs", str(epochs), "--lr", "3e-3", "--json", out, *flags], n=4, timeout=120)
     report = json.loads(out.read_text())
     assert report["test_accuracy"] >= 0.9
     formula = report["memory_formula"]
@@ -156,16 +156,16 @@ def test_a_model_too_big_for_the_device_under_ddp_fits_under_zero3(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n, flags", [(2, ["--schedule", "1f1b", "--microbatches", "4"]),
-                                      (2, ["--schedule", "interleaved_1f1b", "--microbatches", "4", "--chunks", "2",
-                                           "--layers", "3"]),
-                                      (4, ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2"]),
-                                      (2, ["--schedule", "zb_h1", "--microbatches", "4"]),
-                                      (4, ["--schedule", "zbv", "--microbatches", "8", "--lr", "3e-3"])])
-def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, flags):
+@pytest.mark.parametrize("n, epochs, flags", [
+    (2, 3, ["--schedule", "1f1b", "--microbatches", "4", "--lr", "3e-3"]),
+    (2, 3, ["--schedule", "interleaved_1f1b", "--microbatches", "4", "--chunks", "2", "--layers", "3", "--lr", "3e-3"]),
+    (4, 3, ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2", "--lr", "3e-3"]),
+    (2, 3, ["--schedule", "zb_h1", "--microbatches", "4", "--lr", "3e-3"]),
+    (4, 5, ["--schedule", "zbv", "--microbatches", "8", "--lr", "3e-3"])])     # 8 stages deep: 5 epochs
+def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, epochs, flags):
     out, plot = tmp_path / "pipe.json", tmp_path / "pipe.png"
     result = run_mpi([sys.executable, "-m", "minitrain.examples.mlp", "--no-progress", "--strategy", "pipeline",
-                      "--epochs", "5", "--json", out, "--plot", plot, *flags], n=n, timeout=120)
+                      "--epochs", str(epochs), "--json", out, "--plot", plot, *flags], n=n, timeout=120)
     report = json.loads(out.read_text())
     assert report["test_accuracy"] >= 0.9
     pipe = report["pipeline"]
@@ -174,7 +174,7 @@ def test_the_pipeline_strategy_trains_and_reports_its_bubble(tmp_path, n, flags)
     assert sum(pipe["residual_by_cause"].values()) == pytest.approx(
         pipe["measured_bubble_fraction"] - pipe["formula_bubble_fraction"], abs=1e-9)
     # the steps after the first but each epoch's short last batch (1,438 rows in batches of 64: 30 rows)
-    assert pipe["steps_left_out"] == 5 and pipe["steps_measured"] == report["steps"] - 1 - 5
+    assert pipe["steps_left_out"] == epochs and pipe["steps_measured"] == report["steps"] - 1 - epochs
     stages = pipe["stages"]                          # the table: every virtual stage's layers and share
     assert len(stages) == pipe["num_stages"] * pipe["chunks"] and sum(s["cost_share"] for s in stages) == \
         pytest.approx(1.0)
