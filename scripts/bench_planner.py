@@ -19,7 +19,7 @@ A speed figure, so it lives here (the tests compare what is exact, memory and gr
 tests/test_plan_validation.py).
 
 Search: plan gpt <GPT-3 175B> --world 1024 --search (every dp x pp x tp factoring x ZeRO x recompute x
-micro-batch size x SP), process time, best of --search-repeats (README: under 2 s). --moe-walk: the
+micro-batch size x SP x cp, then ZB-H1 and ZB-V), process time, best of --search-repeats. --moe-walk: the
 predictions of an MoE model's layouts (DeepSeek-V3's 256 experts by default), the planner's walk of an MoE
 layer's first and last two experts against every expert walked, in the same run, and whether they agree.
 
