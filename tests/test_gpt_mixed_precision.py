@@ -99,7 +99,8 @@ def test_the_dense_and_the_experts_shards_step_one_after_the_other(runs, name):
     import io
     import json
     from minitrain.plan.__main__ import main
-    options = [str(x) for x in JOB[JOB.index("--n-layer"):JOB.index("--sample-chars")] + LAYOUTS[name] + ["--moe-groups", 2]]
+    model = JOB[JOB.index("--n-layer"):JOB.index("--sample-chars")]
+    options = [str(x) for x in model + LAYOUTS[name] + ["--moe-groups", 2]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["gpt", *options, "--world", "4", "--json"]) == 0
