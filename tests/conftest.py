@@ -20,10 +20,14 @@ from minitrain import backend  # noqa: E402
 # other: a test that trains in this process would take a BLAS thread per core and wait on threads the
 # other worker keeps off the cores (a 2 s GPT test took 60 s). Each worker keeps to its share, as a rank
 # does (backend.limit_blas_threads), and the jobs and notebook kernels its tests start inherit it.
+# For the same reason a waiting rank of a job the tests start sleeps at once instead of polling with
+# sched_yield first (MINITRAIN_COMM_YIELD_S, comm/communicator.py): the core it would poll on is the other
+# worker's (a 3-file sample of the suite: 87.7 -> 82.4 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = backend.default_blas_threads(ranks=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.update({var: str(_share) for var in backend.BLAS_THREAD_VARS})
     backend.limit_blas_threads(_share)
+    os.environ.setdefault("MINITRAIN_COMM_YIELD_S", "0")
 
 
 @pytest.fixture

@@ -169,6 +169,7 @@ def test_a_pipeline_receive_yields_first_only_where_each_rank_has_a_core(monkeyp
 
 
 def test_a_pipeline_receive_among_threads_sleeps_and_never_yields(monkeypatch):
+    monkeypatch.setattr(communicator_module, "YIELD_WINDOW_S", 10e-3)     # the default (the suite's conftest sets 0)
     yields = []
     yield_now = communicator_module.os.sched_yield
     monkeypatch.setattr(communicator_module.os, "sched_yield",
@@ -269,3 +270,17 @@ def test_a_wait_on_a_big_message_keeps_yielding_past_the_window_instead_of_sleep
         return slept
     bufferless, small, big = ThreadWorld(1, guard=False).run(fn)[0]
     assert bufferless > 0 and small > 0 and big == 0
+
+
+def test_the_yield_window_is_minitrain_comm_yield_s_seconds_else_10_ms():
+    """MINITRAIN_COMM_YIELD_S: how long a waiting rank polls with sched_yield before it sleeps (the suite sets 0:
+    its two workers share the cores); unset, 10 ms; a negative value is 0."""
+    import os
+    import subprocess
+    import sys
+    code = "import minitrain.comm.communicator as c; print(c.YIELD_WINDOW_S)"
+    env = {k: v for k, v in os.environ.items() if k != "MINITRAIN_COMM_YIELD_S"}
+    for value, window in ((None, "0.01"), ("0", "0.0"), ("0.002", "0.002"), ("-1", "0.0")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env=env if value is None else {**env, "MINITRAIN_COMM_YIELD_S": value})
+        assert run.stdout.strip() == window, (value, run.stdout)
