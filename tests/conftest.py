@@ -22,7 +22,7 @@ from minitrain import backend  # noqa: E402
 # does (backend.limit_blas_threads), and the jobs and notebook kernels its tests start inherit it.
 # For the same reason a waiting rank of a job the tests start sleeps at once instead of polling with
 # sched_yield first (MINITRAIN_COMM_YIELD_S, comm/communicator.py): the core it would poll on is the other
-# worker's (a 3-file sample of the suite: 87.7 -> 82.4 s).
+# worker's (the whole suite on 2 cores: 593 -> 481 s; the jobs' own default, 10 ms, is for their own cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = backend.default_blas_threads(ranks=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.update({var: str(_share) for var in backend.BLAS_THREAD_VARS})

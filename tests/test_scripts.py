@@ -351,8 +351,8 @@ def test_bench_planner_reports_the_ratios_and_the_search_time(monkeypatch, capsy
     predicted and measured median step and their ratio; the criteria counted over the runs; no time asserted."""
     out = tmp_path / "planner.json"
     monkeypatch.setattr(sys, "argv", ["bench_planner.py", "--runs", "gpt-1", "zero3-adam-512", "--steps", "3",
-                                      "--epochs", "1", "--search-repeats", "1", "--moe-walk", "mixtral-8x7b", "--moe-walk-layouts", "200",
-                                      "--json", str(out)])
+                                      "--epochs", "1", "--search-repeats", "1", "--moe-walk", "mixtral-8x7b",
+                                      "--moe-walk-layouts", "200", "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_planner.py"), run_name="__main__")
     printed = capsys.readouterr().out
     import json

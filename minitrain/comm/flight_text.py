@@ -46,7 +46,7 @@ def describe_record(r, now):
     return text
 
 
-def describe_rank(snap, comm, now_note=""):
+def describe_rank(snap, comm):
     """What one rank is doing, in one line."""
     if snap is None:
         return "no answer from its flight recorder (dead, or stuck outside Python holding the GIL)"

@@ -30,8 +30,9 @@ groups (--moe-groups G, default one per replica and micro-batch) are counted per
 process given the run's G trains the same model.
 --precision fp16|bf16: mixed precision on any of these layouts (16-bit parameters and activations; LayerNorm,
 softmax and the losses in fp32; fp32 master weights and AdamW state; fp16's dynamic loss scale from
---init-scale; a step any rank's gradient overflowed is skipped by all: "skipped_steps" in --json); refused with
---zero and --ep together. --json's "grad_norms": each step's gradient norm before clipping (the scale divided out).
+--init-scale; a step any rank's gradient overflowed is skipped by all: "skipped_steps" in --json; with --zero and
+--ep the dense and the experts' shards skip together). --json's "grad_norms": each step's gradient norm before
+clipping (the scale divided out).
 """
 import sys
 import time

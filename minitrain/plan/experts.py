@@ -197,14 +197,19 @@ def all_to_all_bytes(model, layout, rows):
     return received_rows(model, layout, rows) * model.n_embd * e * (layout.ep - 1) / layout.ep
 
 
-def zero_expert_extra(model, layout, moe_blocks):
-    """Bytes a rank holds beyond ZeRO over dp (x cp) for its ``moe_blocks`` MoE blocks' routed experts, whose
+def routed_expert_params(model, layout, pieces):
+    """The routed experts' parameters a rank holds on a stage made of ``pieces``: E/ep experts per MoE block."""
+    return sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // layout.ep) * expert_params(model)
+
+
+def zero_expert_extra(model, layout, pieces):
+    """Bytes a rank holds beyond ZeRO over dp (x cp) for the routed experts of its stage's ``pieces``, whose
     states ZeRO shards over the dp/ep (x cp) ranks holding the same experts instead (0 without ZeRO or ep)."""
     z, dp, ep = layout.zero, layout.zero_ranks, layout.ep
     extra = {"params": 0, "grads": 0, "optimizer_state": 0, "comm_buffers": 0}
-    if not z or ep == 1 or not moe_blocks:
+    n = routed_expert_params(model, layout, pieces) if z and ep > 1 else 0
+    if not n:
         return extra
-    n = moe_blocks * (model.moe_experts // ep) * expert_params(model)
     e, wide, narrow = PRECISIONS[layout.precision], -(-n // (dp // ep)), -(-n // dp)
     extra["optimizer_state"] = optimizer_bytes(wide, layout) - optimizer_bytes(narrow, layout)
     # (grads: the 16-bit shards at stages 2 and 3, memory.py; the fp32 ones while stepping, expert_step_grads)
@@ -217,9 +222,7 @@ def expert_step_grads(model, layout, pieces):
     """Mixed precision's fp32 gradients while a stage with routed experts steps under ZeRO and ep > 1 (None
     elsewhere): ExpertZero steps the dense shard (over dp x cp) and then the experts' (over dp/ep x cp), each
     MixedPrecisionOptimizer holding its fp32 copy only while it steps: the larger of the two."""
-    if not (layout.mixed and layout.zero and layout.ep > 1):
-        return None
-    n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // layout.ep) * expert_params(model)
+    n = routed_expert_params(model, layout, pieces) if layout.mixed and layout.zero and layout.ep > 1 else 0
     if not n:
         return None
     dp, local = layout.zero_ranks, sum(x.params for x in pieces)

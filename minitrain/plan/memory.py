@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ..parallel.pipeline.schedules import SPLIT_BACKWARD, microbatch_sizes
 from .activations import gpt_pieces, mlp_pieces
-from .experts import expert_params, expert_params_per_rank, expert_step_grads, zero_expert_extra
+from .experts import expert_params_per_rank, expert_step_grads, routed_expert_params, zero_expert_extra
 from .layout import PRECISIONS
 from .papers import paper_memory
 from .stages import _schedule, in_flight, stage_chunks
@@ -62,11 +62,11 @@ def minitrain_memory(model, layout):
         key = (s,) if every_action else (actions, mine)     # stages alike (same layers, as many in flight)
         stage = alike.get(key)
         if stage is None:
-            local, count = _count(tuple(x for ps in mine for x in ps))
+            own = tuple(x for ps in mine for x in ps)       # the stage's pieces, its chunks together
+            local, count = _count(own)
             others = tensors - count if layout.pp > 1 else 0
-            walked = pipeline_walk(actions, chunks, layout, local, others, sizes,
-                                   expert_step_grads(model, layout, [x for ps in mine for x in ps]))
-            stage = alike[key] = _experts_sharded(_stage_result(*walked), model, layout, [x for ps in mine for x in ps])
+            walked = pipeline_walk(actions, chunks, layout, local, others, sizes, expert_step_grads(model, layout, own))
+            stage = alike[key] = _experts_sharded(_stage_result(*walked), model, layout, own)
         out.append({**stage, "category_peaks": dict(stage["category_peaks"])})
     return out
 
@@ -82,9 +82,7 @@ def _experts_sharded(stage, model, layout, pieces):
     """A stage's bytes with its routed experts' states sharded by ZeRO over dp/ep, not dp (plan/experts.py)."""
     if model.kind != "gpt" or not model.moe_experts or not layout.zero or layout.ep == 1:
         return stage
-    extra = zero_expert_extra(model, layout, sum(1 for x in pieces if x.name == "moe_block")) \
-        if model.kind == "gpt" else {}
-    for c, n in extra.items():
+    for c, n in zero_expert_extra(model, layout, pieces).items():
         stage[c] += n
         stage["category_peaks"][c] += n
         stage["total"] += n
@@ -101,7 +99,7 @@ def _expert_gradient_shards(stage, model, layout, pieces):
     that moment itself."""
     e, dp, ep = PRECISIONS[layout.precision], layout.zero_ranks, layout.ep
     local = sum(x.params for x in pieces)
-    n = sum(1 for x in pieces if x.name == "moe_block") * (model.moe_experts // ep) * expert_params(model)
+    n = routed_expert_params(model, layout, pieces)
     dense_shard, wide, pad = -(-(local - n) // dp), -(-n // (dp // ep)), -(-local // dp) * dp
     reduce_peak = e * max(local + dense_shard, dense_shard + n + wide)
     step_peak = e * (dense_shard + wide) + (expert_step_grads(model, layout, pieces) or 0)     # mixed: fp32 too
