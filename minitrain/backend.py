@@ -22,7 +22,7 @@ from ._backend.switch import (_import_cupy, set_device, get_device, cuda_availab
                               bind_thread, gpu_index, describe_device, xp, array_module, is_device_array)
 from ._backend.moves import (transfer_counts, to_host, to_device, to_host_into, to_device_into, to_scalar,
                              synchronize, record_event, elapsed_ms)
-from ._backend.arrays import scatter_add, device_uniform, address, byte_offset, view_of
+from ._backend.arrays import scatter_add, matmul, argsort, device_uniform, address, byte_offset, view_of
 from ._backend.host import (launch_info, local_rank, local_rank_count, usable_cores, BLAS_THREAD_VARS, default_blas_threads,
                             limit_blas_threads, HELD_ARRAY_BYTES, hold_host_memory, blas_threads)
 
@@ -31,7 +31,7 @@ __all__ = ["bfloat16", "LOW_PRECISION", "set_default_dtype", "get_default_dtype"
            "bind_thread", "gpu_index", "describe_device", "xp", "array_module", "is_device_array",
            "transfer_counts", "to_host", "to_device", "to_host_into", "to_device_into", "to_scalar",
            "synchronize", "record_event", "elapsed_ms",
-           "scatter_add", "device_uniform", "address", "byte_offset", "view_of",
+           "scatter_add", "matmul", "argsort", "device_uniform", "address", "byte_offset", "view_of",
            "launch_info", "local_rank", "local_rank_count", "usable_cores", "BLAS_THREAD_VARS", "default_blas_threads",
            "limit_blas_threads", "HELD_ARRAY_BYTES", "hold_host_memory", "blas_threads",
            "FUSE", "FUSED", "fuse", "elementwise_kernel"]

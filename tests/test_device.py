@@ -204,6 +204,47 @@ def test_fused_kernels_equal_the_cpu_ops_forward_and_backward(name, fn):
         np.testing.assert_allclose(g, c, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("shape_a, shape_b", [((2, 3, 4, 5), (2, 3, 5, 6)), ((3, 4, 5), (1, 5, 6)), ((5,), (2, 5, 3))])
+def test_a_batch_of_bfloat16_products_runs_in_float32_rounded_once(shape_a, shape_b):
+    """CuPy has no batched bfloat16 GEMM (the stand-in refuses one as CuPy 14.2 does on an H200):
+    attention's and the experts' products, forward and backward, go through float32."""
+    bf16, f32 = backend.bfloat16, np.float32
+    rng = np.random.default_rng(3)
+    a16, b16 = (rng.standard_normal(shape).astype(bf16) for shape in (shape_a, shape_b))
+    results = []
+    for device, dtype in (("cuda", bf16), ("cpu", f32)):
+        backend.set_device(device)
+        a, b = mt.Tensor(a16.astype(dtype), requires_grad=True), mt.Tensor(b16.astype(dtype), requires_grad=True)
+        out = a @ b
+        out.backward(np.linspace(-1, 1, out.size).reshape(out.shape).astype(dtype))
+        results.append([out.numpy(), backend.to_host(a.grad), backend.to_host(b.grad)])
+    backend.set_device("cuda")
+    (out, ga, gb), (want, want_ga, want_gb) = results
+    assert out.dtype == bf16 and np.array_equal(out, want.astype(bf16))      # the float32 product, rounded once
+    raw = backend.matmul(backend.to_device(a16), backend.to_device(b16))       # on arrays, as ring attention calls it
+    assert raw.dtype == bf16 and np.array_equal(backend.to_host(raw), want.astype(bf16))
+    for got, expected in ((ga, want_ga), (gb, want_gb)):
+        assert got.dtype == bf16
+        np.testing.assert_allclose(got.astype(f32), expected, rtol=2 ** -7, atol=2 ** -6)
+
+
+def test_bfloat16_sorts_and_repeated_index_adds_on_the_gpu_run_in_float32():
+    """CuPy sorts no bfloat16 and cupyx.scatter_add adds none (the stand-in refuses both, as CuPy 14.2 did
+    on an H200): the experts' router sorts, an embedding's backward adds rows at repeated indices."""
+    bf16, f32 = backend.bfloat16, np.float32
+    scores = np.array([[0.5, -1.0, 2.0, 0.25], [3.0, 1.0, -2.0, 0.0]]).astype(bf16)
+    order = backend.argsort(backend.to_device(scores), axis=-1)
+    assert np.array_equal(backend.to_host(order), np.argsort(scores.astype(f32), axis=-1))
+    indices = np.array([[0, 2, 0], [1, 0, 2]])                   # row 0 three times
+    upstream = (np.linspace(-1, 1, 24).reshape(2, 3, 4) + 1 / 3).astype(bf16)
+    weight = mt.Tensor(np.full((3, 4), 0.5, bf16), requires_grad=True)
+    F.embedding(indices, weight).backward(upstream)
+    sums = np.zeros((3, 4), f32)
+    np.add.at(sums, indices.reshape(-1), upstream.reshape(-1, 4).astype(f32))
+    assert weight.grad.dtype == bf16
+    assert np.array_equal(backend.to_host(weight.grad), sums.astype(bf16))  # added in float32, rounded once
+
+
 def test_cross_entropy_on_the_gpu_equals_the_cpu_and_copies_host_targets_on_purpose():
     rng = np.random.default_rng(2)
     logits, targets = rng.standard_normal((6, 7)), rng.integers(0, 7, 6)

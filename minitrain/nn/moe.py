@@ -73,7 +73,7 @@ class MoE(Module):
     def route(self, probs):
         """Each token's k experts, most probable first (N, k integers), and their gates (N, k Tensor)."""
         xp = backend.array_module(probs.data)
-        choices = xp.argsort(-probs.data, axis=-1)[:, :self.top_k]
+        choices = backend.argsort(-probs.data, axis=-1)[:, :self.top_k]
         gates = probs[xp.arange(probs.shape[0])[:, None], choices]
         if self.normalize_gates:
             gates = gates / gates.sum(axis=-1, keepdims=True)

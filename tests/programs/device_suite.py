@@ -1,5 +1,6 @@
 """The device suite's program: run a list of jobs twice each, on the CPU and on the GPU, inside one
-MPI launch (``mpiexec -n N python tests/programs/device_suite.py OUT_DIR``), then compare them
+MPI launch (``mpiexec -n N python tests/programs/device_suite.py OUT_DIR [NAME_PART ...]``: the jobs
+whose names contain a part, every job without one), then compare them
 (``python tests/programs/device_suite.py --compare OUT_DIR``: one line per job, exit 1 on a mismatch).
 
 Under the CuPy stand-in (PYTHONPATH=tests/standin) the "GPU" is NumPy with CuPy's rules; on a
@@ -61,6 +62,7 @@ CONFIGS = [
     gpt("gpt recompute selective", ["--recompute", "selective"], [1]),
     gpt("gpt offload activations", ["--offload-activations"], [1]),
     gpt("gpt dropout", ["--dropout", "0.1"], [1, 2], tol=5e-2),
+    gpt("gpt bf16", ["--precision", "bf16"], [1], tol=1e-2),
     gpt("gpt dp", [], [2]),
     gpt("gpt tp", ["--tp", "2"], [2]),
     gpt("gpt tp sp", ["--tp", "2", "--sequence-parallel"], [2]),
@@ -82,6 +84,7 @@ CONFIGS = [
         tol=1e-2),
     gpt("gpt moe dp x tp sp x ep", ["--moe-experts", "4", "--tp", "2", "--sequence-parallel", "--ep", "2"], [4]),
     gpt("gpt cp ring", ["--cp", "2"], [2]),
+    gpt("gpt cp ring bf16", ["--cp", "2", "--precision", "bf16"], [2], tol=1e-2),
     gpt("gpt cp ulysses x tp", ["--cp", "2", "--cp-method", "ulysses", "--tp", "2"], [4]),
     gpt("gpt zbv", ["--pp", "2", "--schedule", "zbv", "--microbatches", "2"], [2]),
 ] + [{"name": f"exercise {name}", "module": "exercise", "args": [name], "ranks": [1]} for name in EXERCISES]
@@ -118,7 +121,8 @@ def standin_state():
 def main():
     if sys.argv[1] == "--compare":
         return compare_all(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 4)
-    configs, out_dir = CONFIGS, sys.argv[1]
+    out_dir, parts = sys.argv[1], sys.argv[2:]      # parts: run only the jobs whose names contain one of them
+    configs = [c for c in CONFIGS if not parts or any(part in c["name"] for part in parts)]
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

@@ -2,7 +2,7 @@
 dA = dC B^T and dB = A^T dC, with batch dimensions folded or summed back.
 """
 from ... import kernels
-from ...backend import is_device_array
+from ...backend import is_device_array, matmul
 from ..function import Function
 from .arithmetic import unbroadcast
 
@@ -13,7 +13,7 @@ class MatMul(Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return a @ b
+        return matmul(a, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -24,7 +24,7 @@ class MatMul(Function):
             return (g * b if need[0] else None), (g * a if need[1] else None)
         if a.ndim == 1:                                 # (n) @ (..., n, m) -> (..., m)
             if need[0]:
-                ga = unbroadcast((g[..., None, :] @ b.swapaxes(-1, -2))[..., 0, :], a.shape)
+                ga = unbroadcast(matmul(g[..., None, :], b.swapaxes(-1, -2))[..., 0, :], a.shape)
             if need[1]:
                 gb = a[:, None] * g[..., None, :]
             return ga, gb
@@ -32,15 +32,15 @@ class MatMul(Function):
             if need[0]:
                 ga = g[..., None] * b
             if need[1]:
-                gb = unbroadcast((a.swapaxes(-1, -2) @ g[..., None])[..., 0], b.shape)
+                gb = unbroadcast(matmul(a.swapaxes(-1, -2), g[..., None])[..., 0], b.shape)
             return ga, gb
         if need[0]:
-            ga = unbroadcast(g @ b.swapaxes(-1, -2), a.shape)
+            ga = unbroadcast(matmul(g, b.swapaxes(-1, -2)), a.shape)
         if need[1]:
             if b.ndim == 2 and a.ndim > 2:              # (..., n, k) @ (k, m): fold the batch into rows
                 gb = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
             else:
-                gb = unbroadcast(a.swapaxes(-1, -2) @ g, b.shape)
+                gb = unbroadcast(matmul(a.swapaxes(-1, -2), g), b.shape)
         return ga, gb
 
 

@@ -28,14 +28,14 @@ import math
 
 from ... import random
 from ...autograd import Function
-from ...backend import array_module
+from ...backend import array_module, matmul
 from .zigzag import chunks_per_rank
 
 _TAG = 7300
 
 
 def _scores(q, k, scale, mask_kind, xp):
-    s = (q @ xp.swapaxes(k, -1, -2)) * scale
+    s = matmul(q, xp.swapaxes(k, -1, -2)) * scale
     if mask_kind == "diagonal":
         t = s.shape[-1]
         s = xp.where(xp.triu(xp.ones((t, t), dtype=bool), k=1), -xp.inf, s)
@@ -52,7 +52,8 @@ def online_softmax_step(m, l, o, s, v, keep=None):
     m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
     correction = xp.exp(m - m_new)
     e = xp.exp(s - m_new)
-    return m_new, l * correction + e.sum(axis=-1, keepdims=True), o * correction + (e if keep is None else e * keep) @ v
+    weights = e if keep is None else e * keep
+    return m_new, l * correction + e.sum(axis=-1, keepdims=True), o * correction + matmul(weights, v)
 
 
 def _mask_kind(q_chunk, k_chunk, causal):
@@ -158,11 +159,11 @@ class RingAttention(Function):
                 qi, doi, kj, vj = _chunk(q, i, n), _chunk(do, i, n), _chunk(kb, j, n), _chunk(vb, j, n)
                 prob = xp.exp(_scores(qi, kj, scale, kind, xp) - _chunk(lse, i, n))
                 keep = _columns(mask, i, n, kc)
-                _chunk(dvb, j, n)[...] += xp.swapaxes(prob if keep is None else prob * keep, -1, -2) @ doi
-                dprob = doi @ xp.swapaxes(vj, -1, -2)
+                _chunk(dvb, j, n)[...] += matmul(xp.swapaxes(prob if keep is None else prob * keep, -1, -2), doi)
+                dprob = matmul(doi, xp.swapaxes(vj, -1, -2))
                 ds = prob * ((dprob if keep is None else dprob * keep) - _chunk(delta, i, n))
-                _chunk(dq, i, n)[...] += (ds @ kj) * scale
-                _chunk(dkb, j, n)[...] += (xp.swapaxes(ds, -1, -2) @ qi) * scale
+                _chunk(dq, i, n)[...] += matmul(ds, kj) * scale
+                _chunk(dkb, j, n)[...] += matmul(xp.swapaxes(ds, -1, -2), qi) * scale
             if step < p - 1:
                 kb, vb, dkb, dvb = _pass_on(comm, [kb, vb, dkb, dvb], xp)
             else:                                   # the last pass brings only the gradients home

@@ -25,7 +25,8 @@ It enforces CuPy's rules (checked against cupy/cupy at v14.2.0), with CuPy's exc
   (``cupy.cuda.alloc_pinned_memory``, ``cupyx.empty_pinned``), CUDA IPC handles that raise
   ``CUDARuntimeError`` cudaErrorNotSupported, ``cupy.random`` (RandomState per device, Generator),
   ``cupy.fuse`` (one kernel; refuses what CuPy's fusion cannot compile), ``cupyx.scatter_add``,
-  bfloat16 through ml_dtypes (as CuPy 14.2 accepts it). ElementwiseKernel / RawKernel need a CUDA
+  bfloat16 through ml_dtypes (as CuPy 14.2 accepts it, refused where it refuses it: a batch of
+  products, sorts, ``cupyx.scatter_add``). ElementwiseKernel / RawKernel need a CUDA
   compiler: they raise NotImplementedError here.
 
 Counters (``cupy._standin.counters()``, ``cupy._standin.counting()``): h2d, d2h (and bytes),

@@ -34,6 +34,14 @@ _NO_ARRAY_RESULT = {"shape", "size", "ndim", "broadcast_shapes"}
 _FUSION_REDUCTIONS = {"sum": "sum", "prod": "prod", "amax": "max", "amin": "min", "max": "max", "min": "min"}
 # results whose size depends on the data: CuPy reads a count back first (a synchronisation)
 DATA_DEPENDENT = {"argwhere", "compress", "extract", "flatnonzero", "nonzero", "unique"}
+# CuPy's sorts (thrust) have no bfloat16: NotImplementedError (seen on an H200 with CuPy 14.2)
+SORTS = {"sort", "argsort", "lexsort", "msort", "partition", "argpartition", "unique"}
+
+
+def refuse_unsortable(arrays):
+    for a in arrays:
+        if a.dtype.char == "E":
+            raise NotImplementedError(f"Sorting arrays with dtype '{a.dtype}' is not supported")
 
 
 def _generic(name):
@@ -49,6 +57,8 @@ def _generic(name):
             raise TypeError(f"Unsupported type {type(bad)}")   # CuPy 14.2 on an H100 (2026-11-23): _preprocess_arg
         raw = [unwrap(a, found) for a in args]
         raw_kwargs = {k: unwrap(v, found) for k, v in kwargs.items()}
+        if name in SORTS:
+            refuse_unsortable(found)
         out = kwargs.get("out")
         state = S.fusion_state()
         if state is not None:
@@ -162,9 +172,13 @@ def copyto(dst, src, casting="same_kind", where=None):
 def _matmul_costs(generic):
     """cupy.matmul beyond two dimensions (cupy/_core/_routines_linalg.pyx): each operand is made
     contiguous first (a copy kernel when it is not), and broadcasting a batch dimension builds
-    arrays of matrix pointers for a batched GEMM; a 2-D product is one GEMM on the arrays as they are."""
+    arrays of matrix pointers for a batched GEMM; a 2-D product is one GEMM on the arrays as they are.
+    A batch in bfloat16 takes CuPy's integer kernels, which have no name for it: TypeError (seen on
+    an H200 with CuPy 14.2)."""
     def matmul(a, b, out=None, **kwargs):
         if isinstance(a, ndarray) and isinstance(b, ndarray) and max(a.ndim, b.ndim) > 2 and not S.fusing():
+            if np.promote_types(a.dtype, b.dtype).char == "E":
+                raise TypeError("data type 'E' not understood")
             for x in (a, b):
                 if not x._a.flags.c_contiguous:
                     S.kernel("matmul_contiguous_copy")

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _standin as S
 from ._core import _base_of, check_device, data_dependent_shape, new, unwrap, wrap_result
+from ._functions import SORTS, refuse_unsortable
 
 # CuPy 14.2's ndarray methods (cupy/_core/core.pyx), less the ones defined in _core.py
 _GENERIC = ("all", "any", "argmax", "argmin", "argpartition", "argsort", "choose", "clip", "compress", "conj",
@@ -22,6 +23,8 @@ def _generic(name):
             raise TypeError(f"ndarray.{name}() is not supported in cupy.fuse (use cupy.sum(x, axis=...) "
                             "and friends, without keepdims)")
         found = [self]
+        if name in SORTS:
+            refuse_unsortable(found)
         raw = [unwrap(a, found) for a in args]
         out = kwargs.get("out")
         raw_kwargs = {k: (v._a if isinstance(v, type(self)) else unwrap(v, found)) for k, v in kwargs.items()}

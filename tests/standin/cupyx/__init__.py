@@ -21,7 +21,14 @@ def _scatter(np_ufunc, a, slices, value):
     S.kernel(f"scatter_{np_ufunc.__name__}")
 
 
+# CuPy 14.2's atomicAdd types (bfloat16 refused, seen on an H200)
+_ADDABLE = tuple(np.dtype(t) for t in (np.int32, np.int64, np.float16, np.float32, np.float64, np.uint32, np.uint64))
+
+
 def scatter_add(a, slices, value):
+    if isinstance(value, (ndarray, np.ndarray)) and value.dtype not in _ADDABLE:
+        raise TypeError("cupy.add.at only supports int32, int64, float16, float32, float64, uint32, uint64 as "
+                        "data type")
     _scatter(np.add, a, slices, value)
 
 
