@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ from minitrain import checkpoint
 from minitrain.data import load_digits
 from minitrain.examples import generate, gpt, mlp
 from minitrain.optim.lr_scheduler import warmup_cosine
+from minitrain.testing import run_mpi
 
 GPT = ["--no-progress", "--precision", "fp64", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
        "--sample-chars", "1", "--n-layer", "1"]
@@ -108,6 +110,24 @@ def test_fp16_s_init_scale_is_a_setting_a_resume_compares(tmp_path):
         assert status == 0, err
         report = json.loads((tmp_path / "r.json").read_text())
         assert (report["first_step"], report["loss_scale"], report["skipped_steps"]) == (2, scale, skipped)
+
+
+def test_the_override_restarts_the_experts_loss_scale_too(tmp_path):
+    """fp16 with ZeRO and ep: the dense shard's and the experts' optimizers keep one loss scale. The override's
+    --init-scale restarted the dense one's alone: the experts' gradients, scaled by the new scale, were unscaled
+    by the saved one (the next loss 2e-4 off, silently). Against the same resume without ZeRO (one optimizer)."""
+    job = [sys.executable, "-m", "minitrain.examples.gpt", "--no-progress", "--n-layer", 2, "--n-embd", 16,
+           "--n-head", 2, "--block-size", 8, "--batch-size", 4, "--sample-chars", 0, "--lr", 0.01, "--precision",
+           "fp16", "--moe-experts", 4, "--moe-aux-loss-coef", 1.0, "--ep", 2]
+    reports = {}
+    for name, zero in (("zero1", ["--zero", 1]), ("one optimizer", [])):
+        d = tmp_path / name.replace(" ", "_")
+        run_mpi(job + zero + ["--steps", 2, "--init-scale", 2 ** 20, "--save-dir", d], n=2, timeout=120)
+        run_mpi(job + zero + ["--steps", 4, "--init-scale", 8, "--save-dir", d, "--resume", OVERRIDE,
+                              "--json", d / "r.json"], n=2, timeout=120)
+        reports[name] = json.loads((d / "r.json").read_text())
+    assert (reports["zero1"]["first_step"], reports["zero1"]["loss_scale"]) == (2, 8.0)
+    assert reports["zero1"]["losses"] == reports["one optimizer"]["losses"]
 
 
 def keep_until(directory, step):

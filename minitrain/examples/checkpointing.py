@@ -257,7 +257,7 @@ class Checkpointer:
                 group["lr"] = self.args.lr
         if "init_scale" in differ:    # fp16's loss scale starts again from this command line's, as a fresh run's
             scaler = getattr(self.model, "scaler", None) or self.optimizer       # GPT3D's, or the job's own
-            scaler.loss_scale, scaler._good_steps = float(self.args.init_scale), 0
+            scaler.reset_loss_scale(self.args.init_scale)
         if "seed" in differ:          # the new seed draws what comes next: dropout masks and the data order
             seeds = np.random.SeedSequence([self.args.seed, loaded.step])
             random.manual_seed(int(seeds.generate_state(1)[0]))

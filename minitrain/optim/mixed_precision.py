@@ -149,6 +149,10 @@ class MixedPrecisionOptimizer:
             self.loss_scale *= self.growth_factor
         return True
 
+    def reset_loss_scale(self, scale):
+        """The loss scale starts again from ``scale``, as a fresh run's (its count of good steps too)."""
+        self.loss_scale, self._good_steps = float(scale), 0
+
     def zero_grad(self, set_to_none=True):
         for q in self.params:
             if set_to_none:

@@ -18,6 +18,7 @@ import functools
 
 from ..backend import LOW_PRECISION
 from ..optim.mixed_precision import MixedPrecisionOptimizer
+from .expert_parallel_3d import ExpertZero
 from .offload import found_inf_on_any_rank
 
 
@@ -37,5 +38,26 @@ def mixed_precision_optimizer(model, optimizer_class, init_scale=2.0 ** 16, **de
         return opt, opt
     zero = model.zero.optimizer(functools.partial(MixedPrecisionOptimizer, optimizer_class=optimizer_class,
                                                   all_reduce_found_inf=agree, init_scale=init_scale), **defaults)
-    # ExpertZero (ep > 1): a dense and an experts' optimizer, which it steps on one verdict, so one scale
-    return zero, zero.dense.inner if hasattr(zero, "parts") else zero.inner
+    if isinstance(zero, ExpertZero):     # ep > 1: a dense and an experts' optimizer, stepped on one verdict
+        return zero, SharedLossScale([z.inner for z in zero.parts])
+    return zero, zero.inner
+
+
+class SharedLossScale:
+    """The one loss scale of MixedPrecisionOptimizers that skip the same steps (ExpertZero's dense shard's
+    and experts' shard's): their scales move alike; read from the first, reset on every one."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def loss_scale(self):
+        return self.optimizers[0].loss_scale
+
+    @property
+    def skipped_steps(self):
+        return self.optimizers[0].skipped_steps
+
+    def reset_loss_scale(self, scale):
+        for opt in self.optimizers:
+            opt.reset_loss_scale(scale)
