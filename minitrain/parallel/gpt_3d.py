@@ -114,7 +114,7 @@ class GPT3D:
                  sequence_parallel=False, zero=0, cp=1, cp_method="ring", ep=1):
         self.mesh = DeviceMesh(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         self.comm, self.dp, self.pp, self.tp, self.rank = comm, dp, pp, tp, comm.rank
-        self.scaler = None                   # mixed precision: what holds the loss scale (the optimizer, or SharedLossScale)
+        self.scaler = None                   # mixed precision: what holds the loss scale (mixed_precision_3d)
         # 16-bit gradients: each replica's divided by the dp x cp replicas before they are summed (PyTorch
         # DDP's and Megatron's order: no partial sum exceeds the global gradient, fp16's range is one process's)
         self.pre_divide = is_mixed(list(gpt.parameters()))
