@@ -9,7 +9,8 @@
 #   suite      every job on the GPU and on the CPU at 1, 2, 4 ranks, compared (tests/programs/device_suite.py)
 #   mlp        the main job at 1, 2, 4 ranks for each data-parallel strategy, and the full run (30 epochs, 4 ranks)
 #   mlp2       offload, fp16, bf16, recompute, activation offload, every pipeline schedule, at 2 and 4 ranks
-#   gpt        the GPT: one GPU, --tp, --sequence-parallel, --pp, --dp, pp x tp, recompute, offload, dropout
+#   gpt        the GPT: one GPU, --tp, --sequence-parallel, --pp, --dp, pp x tp, recompute, offload, dropout, bf16,
+#              bf16 with --cp, fp16 with experts over --ep and ZeRO
 #   bench      scripts/bench_gpu.py: training step vs PyTorch CUDA at the three GPT sizes and two MLPs
 #   transport  the device transports: tests/programs/transport_check.py, then scripts/bench_gpu_collectives.py
 #              (ring all-reduce bus bandwidth per transport vs MPI's and NCCL's all-reduce), at 2 and 4 ranks
@@ -196,7 +197,8 @@ step_gpt() {
   for spec in "1|--recompute full" "1|--offload-activations" "1|--dropout 0.1" "2|--dp 2" "2|--tp 2" \
               "2|--tp 2 --sequence-parallel --dropout 0.1" "2|--pp 2 --microbatches 2" "2|--tp 2 --recompute selective" \
               "4|--tp 2 --pp 2 --microbatches 2" "4|--tp 4" "4|--tp 2 --dp 2 --sequence-parallel" \
-              "4|--pp 2 --schedule interleaved_1f1b --chunks 2 --microbatches 2 --n-layer 4"; do
+              "4|--pp 2 --schedule interleaved_1f1b --chunks 2 --microbatches 2 --n-layer 4" \
+              "1|--precision bf16" "2|--cp 2 --precision bf16" "2|--moe-experts 4 --dp 2 --ep 2 --zero 1 --precision fp16"; do
     n=${spec%%|*}
     flags=${spec#*|}
     name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"

@@ -266,7 +266,7 @@ def test_gpu_validate_job_steps_launch_jobs_whose_options_parse(tmp_path):
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert {s: v["status"] for s, v in figures["steps"].items()} == {"mlp": "ok", "mlp2": "ok", "gpt": "ok"}
     jobs = [line[4:].split(": ", 1) for line in result.stdout.splitlines() if line.startswith("=== ")]
-    assert len(jobs) == 16 + 22 + 13
+    assert len(jobs) == 16 + 22 + 16
     for name, command in jobs:
         argv = shlex.split(command)
         module, args = argv[argv.index("-m") + 1], argv[argv.index("-m") + 2:]
