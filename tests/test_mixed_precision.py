@@ -8,7 +8,8 @@ from minitrain import memory, nn, optim
 from minitrain.backend import bfloat16
 from minitrain.comm import ThreadWorld
 from minitrain.nn import functional as F
-from minitrain.parallel import FullyShardedDataParallel, ZeroRedundancyOptimizer, found_inf_on_any_rank
+from minitrain.parallel import (DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer,
+                                found_inf_on_any_rank)
 from minitrain.parallel.zero_memory import MIXED_PRECISION_ADAM, model_state_bytes
 
 LOW = [np.float16, bfloat16]
@@ -239,6 +240,43 @@ def test_sharded_ranks_skip_together_when_only_one_shard_overflows():
     results = ThreadWorld(2).run(body)
     assert [skipped for skipped, _ in results] == [1, 1]
     assert all(np.array_equal(weights, np.ones(8, np.float16)) for _, weights in results)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")    # the mean's sum, on purpose
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_16_bit_gradients_seeded_with_1_over_p_then_summed_keep_one_process_s_range(strategy):
+    """fp16 near the top of its range (65504): one process's gradient 3 x 2^13 = 24576 fits, and so does each of 4
+    replicas' (the same rows everywhere). Averaged by reduce_op="mean" (summed, then divided) the replicas' sum,
+    98304, overflows and every rank skips a step one process takes; seeded with 1/4 and summed (reduce_op="sum",
+    PyTorch DDP's order) each holds 6144, the sum is 24576, and the step is one process's, bit for bit."""
+    big = 3.0 * 2 ** 13
+
+    def body(comm, reduce_op):
+        model = nn.Linear(2, 1, bias=False)
+        model.weight.data[...] = 1.0
+        model.to(np.float16)
+        if strategy.startswith("zero"):
+            forward, opt = model, ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, stage=int(strategy[-1]),
+                                                          loss_scale=1.0, reduce_op=reduce_op, lr=2.0 ** -20)
+        else:
+            forward = (DistributedDataParallel if strategy == "ddp" else FullyShardedDataParallel)(
+                model, comm, reduce_op=reduce_op)
+            opt = optim.MixedPrecisionOptimizer(forward.parameters(), optim.SGD, loss_scale=1.0, lr=2.0 ** -20,
+                                                all_reduce_found_inf=found_inf_on_any_rank(comm))
+        rows = 4 // comm.size
+        loss = forward(mt.Tensor(np.ones((rows, 2), np.float16))).float().sum() * (big / rows)   # dL/dw = big
+        loss.backward(np.asarray(1.0 / comm.size, np.float32) if reduce_op == "sum" else None)
+        opt.step()
+        skipped = (opt.optimizer if strategy.startswith("zero") else opt).skipped_steps
+        weight = forward.full_state_dict()["weight"] if strategy == "fsdp" else model.weight.data
+        return skipped, np.array(weight, dtype=np.float16)
+
+    [(skipped, one_process)] = ThreadWorld(1).run(body, "mean")
+    assert skipped == 0 and not np.array_equal(one_process, np.ones((1, 2), np.float16))
+    for skipped, weight in ThreadWorld(4).run(body, "sum"):
+        assert skipped == 0
+        np.testing.assert_array_equal(weight, one_process)
+    assert [skipped for skipped, _ in ThreadWorld(4).run(body, "mean")] == [1] * 4       # the sum overflowed
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import cli, memory, nn, optim
+from minitrain import backend, cli, memory, nn, optim
 from minitrain.backend import LOW_PRECISION
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
@@ -108,6 +108,10 @@ def _main(argv=None):
     opt_class, opt_args = ((optim.Adam, dict(lr=1e-3 if args.lr is None else args.lr)) if args.optimizer == "adam"
                            else (optim.SGD, dict(lr=0.1 if args.lr is None else args.lr, momentum=0.9)))
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
+    # 16-bit gradients: each replica's backward seeded with 1/world, then summed (PyTorch DDP's order: no partial
+    # sum exceeds the global gradient, so fp16's range is one process's); local SGD averages weights instead
+    pre_divide = mixed and args.strategy != "local_sgd" and world > 1
+    reduce_op = "sum" if pre_divide else "mean"
 
     def optimizer_for(params, comm_for_overflow=None):
         """fp32 master weights in mixed precision; on the host with --offload."""
@@ -118,7 +122,7 @@ def _main(argv=None):
             return optim.MixedPrecisionOptimizer(params, opt_class, all_reduce_found_inf=agree, **opt_args)
         return opt_class(params, **opt_args)
     if args.strategy == "ddp":
-        wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
+        wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, reduce_op=reduce_op)
         opt = optimizer_for(model.parameters())
     elif args.strategy == "local_sgd":            # with fp32 masters, LocalSGD averages the masters
         opt = optimizer_for(model.parameters(), comm)
@@ -126,11 +130,13 @@ def _main(argv=None):
     elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
         wrapped = model
         opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
-                                      bucket_cap_mb=args.bucket_cap_mb, offload=args.offload, **opt_args)
+                                      bucket_cap_mb=args.bucket_cap_mb, offload=args.offload, reduce_op=reduce_op,
+                                      **opt_args)
     else:
-        wrapped = FullyShardedDataParallel(model, comm, offload_params=args.offload)
+        wrapped = FullyShardedDataParallel(model, comm, offload_params=args.offload, reduce_op=reduce_op)
         opt = optimizer_for(wrapped.parameters(), comm)
     args.dtype = dtype
+    args.backward_seed = backend.to_device(np.asarray(1.0 / world, np.float32)) if pre_divide else None   # once
     if args.device_memory is not None:      # from here on: building the full model before sharding is not
         try:                                                 # counted (PyTorch's meta-device initialisation)
             memory.set_device_capacity(args.device_memory)
@@ -183,7 +189,7 @@ def train(args, loader, wrapped, opt, forward, offload, bar, watch, run, ckpt):
                     loss = share_loss(nn.functional.cross_entropy, forward(minitrain.Tensor(xb)), yb,
                                       loader.global_rows, loader.sampler.world)
                 opt.zero_grad()
-                (opt.scale(loss) if hasattr(opt, "scale") else loss).backward()
+                (opt.scale(loss) if hasattr(opt, "scale") else loss).backward(args.backward_seed)
                 opt.step()
                 if args.strategy == "local_sgd":
                     wrapped.step()

@@ -45,6 +45,15 @@ class _Bucket:
         self.work = None
 
 
+def check_reduce_op(reduce_op, who):
+    """The gradients' reduction over the replicas: "mean", or "sum" where each replica's backward was seeded
+    with 1/replicas already (16-bit gradients: no partial sum exceeds the global one, as PyTorch DDP divides
+    before it sums)."""
+    if reduce_op not in ("mean", "sum"):
+        raise ValueError(f"{who}: reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
+    return reduce_op
+
+
 @accounting.ddp                  # its buffers in the memory ledger, trace spans, bytes sent: see accounting.py
 class DistributedDataParallel:
     """Wrap ``module`` for data-parallel training over ``comm`` (PyTorch's name and call shape).
@@ -64,9 +73,8 @@ class DistributedDataParallel:
 
     def __init__(self, module, comm, bucket_cap_mb=25.0, broadcast_from=0, find_unused_parameters=False,
                  algorithm="ring", reduce_op="mean"):
-        if reduce_op not in ("mean", "sum"):
-            raise ValueError(f"DistributedDataParallel: reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
-        self.module, self.comm, self.reduce_op = module, comm, reduce_op
+        self.module, self.comm = module, comm
+        self.reduce_op = check_reduce_op(reduce_op, "DistributedDataParallel")
         self.find_unused_parameters = find_unused_parameters
         self.algorithm = check_algorithm(algorithm, "DistributedDataParallel")
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)

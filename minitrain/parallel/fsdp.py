@@ -26,6 +26,7 @@ from ..comm import broadcast, ring_all_gather, ring_reduce_scatter
 from ..nn import Module, ModuleList, Parameter, Sequential
 from . import accounting
 from .clip import clip_sharded_grad_norm_, sum_of_squares
+from .data_parallel import check_reduce_op
 from .flat_buffer import FlatParamBuffer
 from .fsdp_state import FSDPStateDicts
 
@@ -44,8 +45,8 @@ class _Unit:
     """One unit (Zhao et al. 2023, sec. 3.2): its parameters in one flat buffer, sharded at rest;
     gathered for its forward and its backward, freed after each, its gradients reduce-scattered."""
 
-    def __init__(self, name, module, params, comm, offload_params=False):
-        self.name, self.module, self.comm = name, module, comm
+    def __init__(self, name, module, params, comm, offload_params=False, reduce_op="mean"):
+        self.name, self.module, self.comm, self.reduce_op = name, module, comm, reduce_op
         self.offload_params = offload_params
         self.params = params
         self.trainable = [q for q in params if q.requires_grad]
@@ -112,7 +113,7 @@ class _Unit:
     def reduce(self):
         staging = self.staging_buffer()               # zeros if no gradient reached this unit
         self.grad_out = self.xp.zeros(self.flat.shard_size, self.dtype)
-        self.work = ring_reduce_scatter(self.comm, staging, op="mean", out=self.grad_out, async_op=True)
+        self.work = ring_reduce_scatter(self.comm, staging, op=self.reduce_op, out=self.grad_out, async_op=True)
         self.reduced = True
         self.release()
 
@@ -165,12 +166,14 @@ class FullyShardedDataParallel(FSDPStateDicts):
     ``prefetch``: start the next unit's all-gather while this one computes (forward and backward).
     ``offload_params``: the shards and their gradients live on the host (pair it with
     CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only.
+    ``reduce_op="sum"`` where backward's seed divides by the replicas (16-bit gradients), as in DDP.
     Several backward calls before the optimizer step add their gradients up, until ``zero_grad``
     (PyTorch's semantics)."""
 
-    def __init__(self, module, comm, auto_wrap=None, prefetch=True, offload_params=False):
+    def __init__(self, module, comm, auto_wrap=None, prefetch=True, offload_params=False, reduce_op="mean"):
         if not isinstance(module, Module):
             raise TypeError("FullyShardedDataParallel wraps an nn.Module")
+        reduce_op = check_reduce_op(reduce_op, "FullyShardedDataParallel")
         self.module, self.comm, self.prefetch = module, comm, prefetch
         names = {id(q): n for n, q in module.named_parameters()}
         self.names = names
@@ -181,10 +184,10 @@ class FullyShardedDataParallel(FSDPStateDicts):
             if params:
                 for q in params:
                     owner[id(q)] = name
-                self.units.append(_Unit(name, sub, params, comm, offload_params))
+                self.units.append(_Unit(name, sub, params, comm, offload_params, reduce_op))
         rest = [q for q in module.parameters() if id(q) not in owner]
         if rest:
-            self.units.append(_Unit("root", module, rest, comm, offload_params))
+            self.units.append(_Unit("root", module, rest, comm, offload_params, reduce_op))
         check_units(self.units, module, names, owner)
         self._pending = False
         layers = [u for u in self.units if u.module is not module]     # in forward order

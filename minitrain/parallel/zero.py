@@ -25,6 +25,7 @@ from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
 from ..optim.optimizer import param_groups
 from .clip import clip_sharded_grad_norm_, sum_of_squares
+from .data_parallel import check_reduce_op
 from .flat_buffer import FlatParamBuffer
 from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
 
@@ -39,7 +40,8 @@ class ZeroRedundancyOptimizer:
     ``clip_grad_norm_(max_norm)`` clips by the norm of the *full* gradient, computed across the
     shards. Frozen parameters are left out.
     float16/bfloat16 parameters get fp32 master weights (and a loss scale for fp16: backward on
-    ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host. A
+    ``opt.scale(loss)``); ``offload=True`` keeps masters and optimizer state on the host; ``reduce_op="sum"``
+    where backward's seed divides by the replicas (16-bit gradients), as in DDP. A
     parameter that gets no gradient in a step counts as a zero gradient: one optimizer steps the
     whole shard, so it cannot skip part of it (momentum or weight decay still moves such a
     parameter, where a single-process optimizer would skip it; DeepSpeed does the same). Gradient
@@ -51,10 +53,11 @@ class ZeroRedundancyOptimizer:
     that no zero_grad separates."""
 
     def __init__(self, params, optimizer_class, comm, stage=1, bucket_cap_mb=25.0, loss_scale="auto",
-                 offload=False, **defaults):
+                 offload=False, reduce_op="mean", **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.comm, self.stage = comm, stage
+        self.reduce_op = check_reduce_op(reduce_op, "ZeroRedundancyOptimizer")
         groups = param_groups(params, "ZeroRedundancyOptimizer")     # parameters, or PyTorch's groups
         for q in (q for g in groups for q in g["params"]):   # frozen ones too: every rank runs rank 0's model
             if not q.requires_grad:
@@ -183,7 +186,7 @@ class ZeroRedundancyOptimizer:
         bounds = [min(max(j * size, a), b) - a for j in range(self.comm.size)] + [b - a]
         target = self._scratch if self._accumulating else self.shard_grad
         out = target[max(a, s0) - s0:max(min(b, s1), s0) - s0]
-        bucket["work"] = ring_reduce_scatter(self.comm, self.staging[a:b], op="mean", out=out,
+        bucket["work"] = ring_reduce_scatter(self.comm, self.staging[a:b], op=self.reduce_op, out=out,
                                              bounds=bounds, async_op=True)
 
     def _finish_backward(self):
@@ -219,7 +222,7 @@ class ZeroRedundancyOptimizer:
         is: the averaged shard lands in its own buffer, which the shard's optimizer reads."""
         self._point_grads_at_flat()
         with trace.span("reduce-scatter gradients", kind="comm"):
-            ring_reduce_scatter(self.comm, self.flat_grad, op="mean", out=self.shard_grad)
+            ring_reduce_scatter(self.comm, self.flat_grad, op=self.reduce_op, out=self.shard_grad)
         self._set_shard_grad(self.shard_grad)
 
     def scale(self, loss):
