@@ -279,6 +279,15 @@ def test_16_bit_gradients_seeded_with_1_over_p_then_summed_keep_one_process_s_ra
     assert [skipped for skipped, _ in ThreadWorld(4).run(body, "mean")] == [1] * 4       # the sum overflowed
 
 
+@pytest.mark.parametrize("make", [
+    lambda comm: ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), optim.SGD, comm, reduce_op="avg", lr=1.0),
+    lambda comm: FullyShardedDataParallel(nn.Linear(2, 2), comm, reduce_op="avg"),
+    lambda comm: DistributedDataParallel(nn.Linear(2, 2), comm, reduce_op="avg")], ids=["zero", "fsdp", "ddp"])
+def test_a_reduce_op_other_than_mean_or_sum_is_refused_by_name(make):
+    with pytest.raises(ValueError, match=r"reduce_op must be 'mean' or 'sum', got 'avg'"):
+        ThreadWorld(1).run(make)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 def test_layer_norm_and_softmax_compute_16_bit_inputs_in_fp32(dtype):
     """Megatron's fused LayerNorm and fp32 attention softmax: the statistics of activations around 300 (squares past
