@@ -161,6 +161,8 @@ def _main(argv=None):
     forward, opt.step = traced(forward, "forward"), traced(opt.step, "optimizer")   # the timeline's phases
     offload = offload_activations() if args.offload_activations else None
     watch, run = StepWatch(rank), Run(first_step=first_step)
+    if mixed:                           # the optimizer that keeps the loss scale (ZeRO-1/2: the one inside)
+        run.scaler = opt if hasattr(opt, "skipped_steps") else opt.optimizer
     bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
                file=sys.stdout, desc=f"{args.strategy} x{world}", unit="step")
     comm.barrier()

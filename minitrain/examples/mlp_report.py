@@ -12,6 +12,7 @@ from minitrain import backend, memory, trace
 from minitrain.backend import LOW_PRECISION
 from minitrain.data import split_sizes
 from minitrain.examples.common import checks_line, device_code, mpi_line, transport_name
+from minitrain.examples.gpt_common import mixed_precision
 from minitrain.examples.mlp_common import evaluate, gather_rows, global_losses
 from minitrain.examples.report import (device_name, fmt_bytes, gather_steps, memory_table, plan_comparison,
                                        show_plan, write_json)
@@ -26,6 +27,7 @@ class Run:
     steps: int = 0
     losses: list = field(default_factory=list)       # every step's loss, on the device until the end
     elapsed: float = 0.0
+    scaler: object = None                             # mixed precision: the optimizer that keeps the loss scale
 
 
 def report(args, comm, model, wrapped, stage, watch, run, test, offload):
@@ -114,7 +116,7 @@ def report(args, comm, model, wrapped, stage, watch, run, test, offload):
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "bytes_offloaded_per_step": offload.bytes_offloaded / run.steps if offload else 0,
             **slowest, "blas_threads": backend.blas_threads(), "ranks": ranks, "planner": compared,
-            "first_step": run.first_step, "losses": losses})
+            "first_step": run.first_step, "losses": losses, **mixed_precision(run.scaler)})
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
