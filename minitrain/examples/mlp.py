@@ -20,13 +20,14 @@ import time
 import numpy as np
 
 import minitrain
-from minitrain import backend, cli, memory, nn, optim
+from minitrain import cli, memory, nn, optim
 from minitrain.backend import LOW_PRECISION
 from minitrain.checkpoint import CheckpointError
 from minitrain.data import DataLoader, DistributedSampler, load_digits, share_loss
 from minitrain.examples import checkpointing
 from minitrain.examples.common import PRECISIONS, init_comm, job_parser, parse_job_args, tqdm
-from minitrain.examples.mlp_common import check_values, does_not_fit, layout, nothing_left, resume, split_seed
+from minitrain.examples.mlp_common import (check_values, does_not_fit, layout, loss_scaler, nothing_left,
+                                           replica_reduction, resume, split_seed)
 from minitrain.examples.mlp_report import Run, report
 from minitrain.examples.report import StepWatch, traced
 from minitrain.examples.options import refuse_unsupported
@@ -108,10 +109,7 @@ def _main(argv=None):
     opt_class, opt_args = ((optim.Adam, dict(lr=1e-3 if args.lr is None else args.lr)) if args.optimizer == "adam"
                            else (optim.SGD, dict(lr=0.1 if args.lr is None else args.lr, momentum=0.9)))
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(args.strategy, 0)
-    # 16-bit gradients: each replica's backward seeded with 1/world, then summed (PyTorch DDP's order: no partial
-    # sum exceeds the global gradient, so fp16's range is one process's); local SGD averages weights instead
-    pre_divide = mixed and args.strategy != "local_sgd" and world > 1
-    reduce_op = "sum" if pre_divide else "mean"
+    reduce_op, args.backward_seed = replica_reduction(args, mixed, world)     # 16-bit: divided before the sum
 
     def optimizer_for(params, comm_for_overflow=None):
         """fp32 master weights in mixed precision; on the host with --offload."""
@@ -129,14 +127,12 @@ def _main(argv=None):
         wrapped = LocalSGD(model, comm, sync_every=args.sync_every, optimizer=opt)
     elif stage in (1, 2):           # ZeRO-1/2 communicate inside the optimizer: no wrapper
         wrapped = model
-        opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage,
-                                      bucket_cap_mb=args.bucket_cap_mb, offload=args.offload, reduce_op=reduce_op,
-                                      **opt_args)
+        opt = ZeroRedundancyOptimizer(model.parameters(), opt_class, comm, stage=stage, reduce_op=reduce_op,
+                                      bucket_cap_mb=args.bucket_cap_mb, offload=args.offload, **opt_args)
     else:
         wrapped = FullyShardedDataParallel(model, comm, offload_params=args.offload, reduce_op=reduce_op)
         opt = optimizer_for(wrapped.parameters(), comm)
     args.dtype = dtype
-    args.backward_seed = backend.to_device(np.asarray(1.0 / world, np.float32)) if pre_divide else None   # once
     if args.device_memory is not None:      # from here on: building the full model before sharding is not
         try:                                                 # counted (PyTorch's meta-device initialisation)
             memory.set_device_capacity(args.device_memory)
@@ -155,14 +151,11 @@ def _main(argv=None):
         model.forward = lambda x: checkpoint_sequential(model, None, x)   # under its hooks that free the units)
 
     def forward(x):
-        x = x.to(dtype)                     # mixed precision: compute in fp16/bf16, loss in fp32
-        out = wrapped(x)
+        out = wrapped(x.to(dtype))          # mixed precision: compute in fp16/bf16, loss in fp32
         return out.float() if mixed else out    # fp64 stays fp64 (the loss included)
     forward, opt.step = traced(forward, "forward"), traced(opt.step, "optimizer")   # the timeline's phases
     offload = offload_activations() if args.offload_activations else None
-    watch, run = StepWatch(rank), Run(first_step=first_step)
-    if mixed:                           # the optimizer that keeps the loss scale (ZeRO-1/2: the one inside)
-        run.scaler = opt if hasattr(opt, "skipped_steps") else opt.optimizer
+    watch, run = StepWatch(rank), Run(first_step=first_step, scaler=loss_scaler(opt) if mixed else None)
     bar = tqdm(total=args.epochs * len(loader), initial=first_step, disable=args.no_progress or rank != 0,
                file=sys.stdout, desc=f"{args.strategy} x{world}", unit="step")
     comm.barrier()

@@ -1,7 +1,7 @@
 """What the MLP job's two halves share (mlp.py: every data-parallel strategy; mlp_pipeline.py: the
-pipelines): the values checked across options, how a run is laid out (the checkpoint's manifest),
-the global loss of every step, the test accuracy, the answer of a resumed run with nothing left
-to train, and a device too small for the run.
+pipelines): the values checked across options, how a run is laid out (the checkpoint's manifest), how
+16-bit gradients are reduced, the global loss of every step, the test accuracy, the answer of a resumed run
+with nothing left to train, and a device too small for the run.
 """
 import sys
 
@@ -103,6 +103,20 @@ def resume(args, comm, wrapped, opt, loader, layout):
             f"replicas not averaged there, so this one cannot continue it; resume from a checkpoint at a multiple of "
             f"{averaged['sync_every']} steps (--save-every {averaged['sync_every']})")
     return ckpt, first
+
+
+def replica_reduction(args, mixed, world):
+    """(reduce_op, backward's seed). 16-bit gradients: each replica's backward seeded with 1/world, then summed
+    (PyTorch DDP's order: no partial sum exceeds the global gradient, so fp16's range is one process's); the
+    seed a device scalar made once. Local SGD averages weights instead."""
+    if not mixed or args.strategy == "local_sgd" or world == 1:
+        return "mean", None
+    return "sum", backend.to_device(np.asarray(1.0 / world, np.float32))
+
+
+def loss_scaler(opt):
+    """The optimizer that keeps mixed precision's loss scale (ZeRO-1/2: the one inside)."""
+    return opt if hasattr(opt, "skipped_steps") else opt.optimizer
 
 
 def does_not_fit(args, comm, error):

@@ -166,19 +166,16 @@ class FullyShardedDataParallel(FSDPStateDicts):
     ``prefetch``: start the next unit's all-gather while this one computes (forward and backward).
     ``offload_params``: the shards and their gradients live on the host (pair it with
     CPUOffloadOptimizer so that the optimizer state does too); the device holds gathered units only.
-    ``reduce_op="sum"`` where backward's seed divides by the replicas (16-bit gradients), as in DDP.
-    Several backward calls before the optimizer step add their gradients up, until ``zero_grad``
-    (PyTorch's semantics)."""
+    ``reduce_op="sum"`` where backward's seed divides by the replicas (16-bit gradients), as in DDP. Several
+    backward calls before the optimizer step add their gradients up, until ``zero_grad`` (PyTorch's semantics)."""
 
     def __init__(self, module, comm, auto_wrap=None, prefetch=True, offload_params=False, reduce_op="mean"):
         if not isinstance(module, Module):
             raise TypeError("FullyShardedDataParallel wraps an nn.Module")
         reduce_op = check_reduce_op(reduce_op, "FullyShardedDataParallel")
         self.module, self.comm, self.prefetch = module, comm, prefetch
-        names = {id(q): n for n, q in module.named_parameters()}
-        self.names = names
-        owner = {}
-        self.units = []
+        self.names = names = {id(q): n for n, q in module.named_parameters()}
+        owner, self.units = {}, []
         for name, sub in (auto_wrap or default_units)(module):
             params = [q for q in sub.parameters() if id(q) not in owner]
             if params:
