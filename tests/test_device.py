@@ -85,6 +85,20 @@ def test_mixed_precision_adds_one_synchronisation_for_its_overflow_check(standin
         assert_budget(delta, syncs=2)
 
 
+def test_one_overflow_verdict_for_two_optimizers_is_one_synchronisation(standin_gpu):
+    """ExpertZero's dense and experts' optimizers step on one verdict (found_inf(also=...)): their gradients'
+    non-finite counts summed on the device, read back once; an inf in the second alone skips both."""
+    dense, experts = nn.Linear(4, 4).to(np.float16), nn.Linear(4, 4).to(np.float16)
+    opts = [optim.MixedPrecisionOptimizer(m.parameters(), optim.Adam, lr=1e-3) for m in (dense, experts)]
+    for m in (dense, experts):
+        m(mt.Tensor(np.ones((2, 4), np.float16))).float().sum().backward()
+    with standin_gpu._standin.counting() as c:
+        assert not opts[0].found_inf(also=opts[1:])
+    assert c.delta["sync"] == 1, c.delta
+    experts.weight.grad[0, 0] = np.inf
+    assert opts[0].found_inf(also=opts[1:]) and not opts[0].found_inf()
+
+
 def gpt_config(**kw):
     return nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, **kw)
 

@@ -100,17 +100,15 @@ class MixedPrecisionOptimizer:
                  else math.sqrt(float(square[0]))) / self.loss_scale
         return clip_grad_norm_(params, max_norm, total_norm=total)
 
-    def _local_found_inf(self):
-        grads = [q.grad for q in self.params if q.grad is not None]
-        if grads and backend.is_device_array(grads[0]):     # one device reduction, one synchronisation
-            counts = array_module(grads[0]).stack([kernels.count_nonfinite(g) for g in grads])
-            return bool(backend.to_scalar(counts.sum()))
-        return any(not bool(array_module(g).isfinite(g).all()) for g in grads)
-
     def found_inf(self, also=()):
         """Whether this step's gradients hold an inf/NaN: this optimizer's and those of the optimizers in
         ``also`` that step beside it (the experts' shards beside the dense ones: one verdict, one scale)."""
-        local = any(o._local_found_inf() for o in (self, *also))
+        grads = [q.grad for o in (self, *also) for q in o.params if q.grad is not None]
+        if grads and backend.is_device_array(grads[0]):     # one device reduction, one synchronisation
+            counts = array_module(grads[0]).stack([kernels.count_nonfinite(g) for g in grads])
+            local = bool(backend.to_scalar(counts.sum()))
+        else:
+            local = any(not bool(array_module(g).isfinite(g).all()) for g in grads)
         if self.all_reduce_found_inf is None:
             return local
         # shards: every rank must agree to skip (the maximum of the ranks' flags)
