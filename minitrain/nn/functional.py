@@ -71,14 +71,15 @@ def cross_entropy(input, target, validate_targets=False):
     targets, shape = _raw(target), tuple(input.shape)
     if targets.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: targets must be integer class indices, got {targets.dtype}")
-    expected = shape[:1] + shape[2:] if len(shape) > 2 else shape[:-1]
+    classes_dim = 1 if len(shape) > 1 else 0
+    expected = shape[:classes_dim] + shape[classes_dim + 1:]
     if tuple(targets.shape) != expected:
-        raise ValueError(f"cross_entropy: input {shape} (classes on dim {1 if len(shape) > 1 else 0}) needs targets "
+        raise ValueError(f"cross_entropy: input {shape} (classes on dim {classes_dim}) needs targets "
                          f"of shape {expected}, got {tuple(targets.shape)}")
     if len(shape) > 2:                       # the classes to the last axis, where CrossEntropy reads them
         input = input.permute(0, *range(2, len(shape)), 1)
     if backend.is_device_array(_raw(input)) and not backend.is_device_array(targets):
-        ops.check_targets(targets.reshape(-1), shape[1 if len(shape) > 1 else 0])      # free here, while on the host
+        ops.check_targets(targets.reshape(-1), shape[classes_dim])      # free here, while on the host
     targets = _inputs_beside(targets, _raw(input), "targets", "cross_entropy")
     return ops.CrossEntropy.apply(input, targets, validate_targets=validate_targets)
 
