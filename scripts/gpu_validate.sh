@@ -198,7 +198,8 @@ step_gpt() {
               "2|--tp 2 --sequence-parallel --dropout 0.1" "2|--pp 2 --microbatches 2" "2|--tp 2 --recompute selective" \
               "4|--tp 2 --pp 2 --microbatches 2" "4|--tp 4" "4|--tp 2 --dp 2 --sequence-parallel" \
               "4|--pp 2 --schedule interleaved_1f1b --chunks 2 --microbatches 2 --n-layer 4" \
-              "1|--precision bf16" "2|--cp 2 --precision bf16" "2|--moe-experts 4 --dp 2 --ep 2 --zero 1 --precision fp16"; do
+              "1|--precision bf16" "2|--cp 2 --precision bf16" \
+              "2|--moe-experts 4 --dp 2 --ep 2 --zero 1 --precision fp16"; do
     n=${spec%%|*}
     flags=${spec#*|}
     name="gpt_$(echo "$flags" | tr -c 'a-z0-9\n' '_' | tr -s '_' | sed 's/^_//')_$n"

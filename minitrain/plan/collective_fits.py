@@ -50,7 +50,8 @@ def _worker(out_path, sizes, rounds=ROUNDS):
     ``rounds`` rounds (ROUNDS; --quick: 1), each over every collective and size, so that they are taken
     seconds apart: a spell of another load on one core lasts 0.3-1 s here, and two rounds of one size 30 ms
     apart both fell in one (a 2-rank all-gather's in-a-job fixed cost read 106-335 us over four calibrations,
-    and priced ZeRO-3 3.7x its step). Between rounds, one series of the anchor for typical_job (job_overheads._typical_in_a_job)."""
+    and priced ZeRO-3 3.7x its step). Between rounds, one series of the anchor for typical_job
+    (job_overheads._typical_in_a_job)."""
     from .. import backend, comm as mtcomm
     c = mtcomm.init()
     backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
