@@ -274,13 +274,21 @@ def test_a_wait_on_a_big_message_keeps_yielding_past_the_window_instead_of_sleep
 
 def test_the_yield_window_is_minitrain_comm_yield_s_seconds_else_10_ms():
     """MINITRAIN_COMM_YIELD_S: how long a waiting rank polls with sched_yield before it sleeps (the suite sets 0:
-    its two workers share the cores); unset, 10 ms; a negative value is 0."""
+    its two workers share the cores); unset or empty, 10 ms; a negative value is 0; not a finite number: refused."""
     import os
     import subprocess
     import sys
     code = "import minitrain.comm.communicator as c; print(c.YIELD_WINDOW_S)"
     env = {k: v for k, v in os.environ.items() if k != "MINITRAIN_COMM_YIELD_S"}
-    for value, window in ((None, "0.01"), ("0", "0.0"), ("0.002", "0.002"), ("-1", "0.0")):
+    for value, window in ((None, "0.01"), ("", "0.01"), ("0", "0.0"), ("0.002", "0.002"), ("-1", "0.0")):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env=env if value is None else {**env, "MINITRAIN_COMM_YIELD_S": value})
         assert run.stdout.strip() == window, (value, run.stdout)
+    # not a number, or no end to the yielding (a waiting rank would spin for ever): refused at import, by name
+    for value in ("abc", "inf", "nan", "1e400"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**env, "MINITRAIN_COMM_YIELD_S": value})
+        assert run.returncode != 0 and not run.stdout, (value, run.stdout)
+        last = run.stderr.strip().splitlines()[-1]
+        assert last == (f"ValueError: MINITRAIN_COMM_YIELD_S must be a finite number of seconds (the sched_yield "
+                        f"window of a waiting rank), got {value!r}"), (value, last)

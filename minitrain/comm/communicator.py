@@ -2,8 +2,7 @@
 
 Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag (tag * 16 + dtype
 code: a message of another dtype never matches); here, once for all: send / recv / sendrecv / isend /
-irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield 10 ms or MINITRAIN_COMM_YIELD_S,
-longer for a big message, then sleep with back-off: spinning made a 4 MiB ring all-reduce on 2 cores 5x slower);
+irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield, then sleep: waiting.py says why);
 each collective's sequence number, whose tag no other collective uses. Around it, through one seam
 (comm.guard, seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
 """
@@ -15,14 +14,13 @@ import zlib
 from .errors import CollectiveTimeout, CommError, MessageTruncated, size_error
 from .seam import Unguarded
 from .stats import CommStats
+from .waiting import MAX_SLEEP_S, YIELD_BYTES_PER_S, YIELD_WINDOW_S
 from .wire import DTYPE_SLOTS, dtype_code
 from .work import Launcher
 
 USER_TAG_LIMIT = 1 << 15          # p2p tags a user may choose: 0 .. 32767
 COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in flight at once: far fewer)
 NAME_TAG_SLOTS = 16               # ... times a few bits of the name (the last slot: the guard's headers)
-YIELD_WINDOW_S, MAX_SLEEP_S = max(0.0, float(os.environ.get("MINITRAIN_COMM_YIELD_S", 10e-3))), 1e-3  # see above
-YIELD_BYTES_PER_S = 1e9           # ... or bytes / this: MPI moves a big message only while polled (measured.md)
 DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
 _waiting = threading.local()          # per thread: CPU seconds spent polling
