@@ -184,7 +184,7 @@ def test_a_recomputed_forward_pays_its_python_without_recording_it():
     """Under recomputation a segment's first forward runs its modules and ops under no_grad: no node recorded
     (one checkpoint node instead) but their Python run all the same, priced as a node's (plan/costs.Costs)."""
     from minitrain.plan import load_machine
-    from minitrain.plan.layout import GPT, MLP
+    from minitrain.plan.models import GPT, MLP
     from minitrain.plan.costs import Costs
     from minitrain.plan.work import gpt_block_work, mlp_layer_work, mlp_recompute
     machine = load_machine("cpu-2core")

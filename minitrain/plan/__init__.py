@@ -14,7 +14,8 @@ options (examples.mlp / examples.gpt) into a model and a layout, so a job can pr
 what it measured.
 """
 from ..parallel.pipeline.schedules import default_chunks
-from .layout import GPT, MLP, Layout, LayoutError, Params, check, layouts
+from .layout import Layout, LayoutError, check, layouts
+from .models import GPT, MLP, Params
 from .memory import predict_memory
 from .papers import korthikanti_layer_bytes
 from .states import CATEGORIES

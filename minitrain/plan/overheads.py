@@ -80,7 +80,8 @@ def measure_node_overheads(machine, repeats=30, clock=time.perf_counter):
     unknowns). Measured here, ~20 us per node: 3x a bare chain of nodes, which leaves out the model code."""
     from .. import nn, random
     from ..autograd import Tensor
-    from .layout import GPT, MLP, Layout
+    from .layout import Layout
+    from .models import GPT, MLP
     from .costs import Costs
     from .work import gpt_block_work, gpt_ends_work, mlp_layer_work
     xp, sync = _xp()
