@@ -1,7 +1,7 @@
 """What the planner plans a layout for: the model by its sizes, as the jobs build it.
 
-MLP is ``nn.MLP(sizes)`` (the digits job), GPT nanoGPT's layout with its optional mixture of
-experts (``nn.GPT``), Params a model known only by its parameter count (``plan params``). Each
+MLP is nn.MLP(sizes) (the digits job), GPT nanoGPT's layout with its optional mixture of
+experts (nn.GPT), Params a model known only by its parameter count (plan params). Each
 counts its parameters; the MLP lists the modules a pipeline cuts into stages. layout.py says how
 ranks share the work.
 """
