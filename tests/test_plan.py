@@ -677,3 +677,19 @@ def test_a_thread_count_between_the_calibrated_ones_is_priced_between_them():
     times = {t: plan.predict(plan.MLP((64, 512, 512, 10)), layout, machine)["step_time_s"]["compute"]
              for t, layout in layouts.items()}
     assert times[1] > times[4] > times[8]
+
+
+def test_a_job_s_start_up_leaves_the_planner_s_predictions_unloaded_until_asked():
+    """Every rank imports the planner's option rules (examples/options.py) but only rank 0 asks for a prediction,
+    at the end: the modules that predict load when first named (plan/__init__.py), not at every rank's start-up."""
+    import subprocess
+    import sys
+    code = ("import sys, minitrain.examples.mlp, minitrain.examples.gpt\n"
+            "heavy = ['minitrain.plan.' + m for m in ('memory', 'time', 'calibrate', 'counts', 'papers')]\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "from minitrain import plan\n"
+            "plan.load_machine, plan.predict_time\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.splitlines()
+    assert before == "[]" and "'minitrain.plan.calibrate'" in after and "'minitrain.plan.time'" in after, (before, after)
