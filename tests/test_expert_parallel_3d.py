@@ -272,3 +272,26 @@ def test_a_checkpoint_of_ep2_with_zero_3_resumes_in_one_process_and_under_ep2_ze
         resumed = resume(n, options, name)
         assert resumed["first_step"] == 3
         np.testing.assert_allclose(resumed["losses"], whole["losses"][3:], rtol=1e-10, atol=0, err_msg=name)
+
+
+def test_an_overflow_in_the_experts_gradients_alone_skips_both_parts_of_the_step():
+    """fp16 with ZeRO and ep (ExpertZero: the dense shard's optimizer beside the experts'): an inf in one
+    expert's gradient on one rank skips the step of both parts on every rank, and both halve the one loss
+    scale (found_inf(also=...)); a verdict read from the dense gradients alone stepped the experts into inf."""
+    config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
+
+    def run(comm):
+        mt.manual_seed(0)
+        model = GPT3D(nn.GPT(config).to(np.float16), comm, dp=2, ep=2, zero=1)
+        opt = model.optimizer(optim.AdamW, lr=0.01, init_scale=8.0)
+        x, y = next(iter(data(steps=1)))
+        before = [q.data.copy() for q in model.parameters()]
+        model.zero_grad()
+        model.train_step(x, y)
+        if comm.rank == 1:                  # the experts' shard, as it stands after the reduce-scatter
+            next(q for q in model.zero.inners[1].params if q.grad is not None).grad[...] = np.inf
+        opt.step()
+        unchanged = all(np.array_equal(q.data, b) for q, b in zip(model.parameters(), before))
+        return unchanged, [o.loss_scale for o in model.zero.inners], [o.skipped_steps for o in model.zero.inners]
+    for unchanged, scales, skipped in ThreadWorld(2).run(run):
+        assert unchanged and scales == [4.0, 4.0] and skipped == [1, 1], (unchanged, scales, skipped)

@@ -134,10 +134,16 @@ class ExpertZero:
         for dense, experts in zip(self.dense.param_groups, self.experts.param_groups if self.experts else ()):
             experts.update({k: v for k, v in dense.items() if k != "params"})
         verdict = {}
-        if isinstance(self.dense.inner, MixedPrecisionOptimizer):   # both parts skip alike: one loss scale
-            verdict["found_inf"] = self.dense.inner.found_inf(also=[z.inner for z in self.parts[1:]])
+        first, *others = self.inners
+        if isinstance(first, MixedPrecisionOptimizer):             # both parts skip alike: one loss scale
+            verdict["found_inf"] = first.found_inf(also=others)
         for z in self.parts:
             z.step(**verdict)
+
+    @property
+    def inners(self):
+        """The parts' own optimizers, the dense shard's first."""
+        return [z.inner for z in self.parts]
 
     def reduce_gradients(self, unused=(), op="mean"):
         """The dense part's mean over dp x cp; the experts' over their expert data-parallel group, / ep: the

@@ -39,7 +39,7 @@ def mixed_precision_optimizer(model, optimizer_class, init_scale=2.0 ** 16, **de
     zero = model.zero.optimizer(functools.partial(MixedPrecisionOptimizer, optimizer_class=optimizer_class,
                                                   all_reduce_found_inf=agree, init_scale=init_scale), **defaults)
     if isinstance(zero, ExpertZero):     # ep > 1: a dense and an experts' optimizer, stepped on one verdict
-        return zero, SharedLossScale([z.inner for z in zero.parts])
+        return zero, SharedLossScale(zero.inners)
     return zero, zero.inner
 
 
