@@ -275,9 +275,9 @@ def test_a_checkpoint_of_ep2_with_zero_3_resumes_in_one_process_and_under_ep2_ze
 
 
 def test_an_overflow_in_the_experts_gradients_alone_skips_both_parts_of_the_step():
-    """fp16 with ZeRO and ep (ExpertZero: the dense shard's optimizer beside the experts'): an inf in one
-    expert's gradient on one rank skips the step of both parts on every rank, and both halve the one loss
-    scale (found_inf(also=...)); a verdict read from the dense gradients alone stepped the experts into inf."""
+    """fp16 with ZeRO and ep (ExpertZero: the dense shard's optimizer beside the experts'): an inf in the experts'
+    gradient shard on one rank skips the step of both parts on every rank, and both halve the one loss scale
+    (found_inf(also=...)); a verdict from the dense gradients alone would step the experts' masters into inf."""
     config = nn.GPTConfig(**{**CONFIG, "moe_groups": 2})
 
     def run(comm):

@@ -20,8 +20,8 @@ from .layout import Layout, LayoutError, check, layouts
 from .models import GPT, MLP, Params
 
 # Every rank of a job imports the planner's option rules at start-up (examples/options.py); only rank 0 asks
-# for a prediction, at the end. So the predictions' modules load when first named (PEP 562): ~90 ms less
-# start-up on every other rank.
+# for a prediction, at the end. So the predictions' modules load when first named (PEP 562): 30-40 ms of CPU
+# less at every other rank's start-up (with its bytecode cached; measured.md).
 _LAZY = {"predict_memory": "memory", "korthikanti_layer_bytes": "papers", "CATEGORIES": "states",
          "flops_per_iteration": "counts", "predict_time": "time", "MachineError": "calibrate",
          "load_machine": "calibrate"}
