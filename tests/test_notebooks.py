@@ -3,6 +3,8 @@ README. A failing cell fails the test, ``!`` shell commands included (run with `
 ``!mpiexec ... | tail`` whose job fails fails too)."""
 import pathlib
 import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -31,8 +33,24 @@ _ip.system = _ip.system_piped = _ip.system_raw = _checked_system
 '''
 
 
+# Also hidden: the notebook's temporary files (tempfile.mkdtemp, its jobs' TMPDIR) go to a directory the test
+# removes, so that the learner's notebook can leave them to the system and the suite leaves none behind.
+OWN_TMPDIR = """
+import os as _os, tempfile as _tempfile
+_tempfile.tempdir = _os.environ["TMPDIR"] = {tmp!r}
+"""
+
+
 def execute(path, nb):
-    nb.cells.insert(0, nbformat.v4.new_code_cell(CHECKED_SHELL))
+    tmp = tempfile.mkdtemp(prefix=f"minitrain-{path.stem}-")
+    try:
+        _execute(path, nb, CHECKED_SHELL + OWN_TMPDIR.format(tmp=tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _execute(path, nb, prelude):
+    nb.cells.insert(0, nbformat.v4.new_code_cell(prelude))
     for attempt in (1, 2):
         client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                          resources={"metadata": {"path": str(path.parent)}})
