@@ -10,11 +10,12 @@ model states plan/states.py's.
 """
 from dataclasses import replace
 from functools import lru_cache
+from types import MappingProxyType
 
 from ..parallel.pipeline.schedules import SPLIT_BACKWARD, microbatch_sizes
 from .activations import gpt_pieces, mlp_pieces
 from .experts import expert_params_per_rank, expert_step_grads, routed_expert_params, zero_expert_extra
-from .layout import PRECISIONS
+from .layout import PRECISIONS, Layout
 from .papers import paper_memory
 from .stages import _schedule, in_flight, stage_chunks
 from .states import CATEGORIES, _one_moment, model_states_at_rest
@@ -48,27 +49,41 @@ def minitrain_memory(model, layout):
             lay = replace(lay, extras={**lay.extras, "ddp_excluded_params": expert_params_per_rank(model, layout)})
         peak, total, at_peak = step_walk(gpt_pieces(model, layout, b, single_process=True), lay, layout.dp)
         return [_stage_result(peak, total, at_peak)]
-    pieces = (mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
-              else gpt_pieces(model, layout, b))
-    out, alike = [], {}
-    tensors = sum(len(x.sizes) for x in pieces)
+    pieces = tuple(mlp_pieces(model, layout, b, in_pipeline=True) if model.kind == "mlp"
+                   else gpt_pieces(model, layout, b))
     sizes = microbatch_rows(layout)
     # else the schedule's in-flight counts say it all (not for zero-bubble schedules: B and W free apart)
     every_action = layout.chunks > 1 or sizes is not None or layout.schedule in SPLIT_BACKWARD
-    for s, chunks in enumerate(stage_chunks(pieces, layout)):
-        actions = (_schedule(layout.schedule, layout.pp, layout.microbatches, layout.chunks)[s] if every_action
-                   else in_flight(layout.schedule, layout.pp, layout.microbatches, s))
-        mine = tuple(tuple(ps) for ps in chunks.values())
-        key = (s,) if every_action else (actions, mine)     # stages alike (same layers, as many in flight)
-        stage = alike.get(key)
-        if stage is None:
-            own = tuple(x for ps in mine for x in ps)       # the stage's pieces, its chunks together
-            local, count = _count(own)
-            others = tensors - count if layout.pp > 1 else 0
-            walked = pipeline_walk(actions, chunks, layout, local, others, sizes, expert_step_grads(model, layout, own))
-            stage = alike[key] = _experts_sharded(_stage_result(*walked), model, layout, own)
-        out.append({**stage, "category_peaks": dict(stage["category_peaks"])})
-    return out
+    stages = []
+    for s, (alike, actions, chunks, own, local, others) in enumerate(
+            pipeline_stages(pieces, layout.schedule, layout.pp, layout.microbatches, layout.chunks, every_action)):
+        if alike < s:           # its own copy: a caller may change one stage's
+            stages.append({**stages[alike], "category_peaks": dict(stages[alike]["category_peaks"])})
+            continue
+        walked = pipeline_walk(actions, chunks, layout, local, others, sizes, expert_step_grads(model, layout, own))
+        stages.append(_experts_sharded(_stage_result(*walked), model, layout, own))
+    return stages
+
+
+@lru_cache(maxsize=1024)
+def pipeline_stages(pieces, schedule, pp, microbatches, chunks, every_action):
+    """Per stage of ``pieces`` cut along this pipeline: (the first stage alike it, its actions or in-flight
+    counts, chunk -> its pieces, its pieces together, their parameters, the other stages' parameter tensors).
+    Cached: the search's layouts that differ only in what the walk alone reads (the ZeRO stage, the optimizer)
+    share it, and its arguments are all it reads (Pieces compare by identity: the same pieces, the same objects)."""
+    tensors = sum(len(x.sizes) for x in pieces)
+    out, first = [], {}
+    cut = stage_chunks(pieces, Layout(pp=pp, chunks=chunks, schedule=schedule))    # it reads these three
+    for s, stage in enumerate(cut):
+        actions = (_schedule(schedule, pp, microbatches, chunks)[s] if every_action
+                   else in_flight(schedule, pp, microbatches, s))
+        mine = tuple(tuple(ps) for ps in stage.values())
+        # stages alike: the same layers, as many in flight (every action: each stage its own)
+        alike = first.setdefault(s if every_action else (actions, mine), s)
+        own = tuple(x for ps in mine for x in ps)       # the stage's pieces, its chunks together
+        local, count = _count(own)
+        out.append((alike, actions, MappingProxyType(stage), own, local, tensors - count if pp > 1 else 0))
+    return tuple(out)
 
 
 def microbatch_rows(layout):
