@@ -143,7 +143,8 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None, ste
                 continue
             if a.kind == "W":           # the weights' gradients, made as what B left is freed, node by node
                 fresh = a.chunk not in seen
-                for freed, made in split_w[a.chunk]:
+                # a later W makes no gradient, so its first moment (nothing freed yet) is its worst: freed only grows
+                for freed, made in (split_w[a.chunk] if fresh else split_w[a.chunk][:1]):
                     dyn = _worst(dyn, (act - w * freed, g + (made if fresh else 0)))
                 act -= w * split_w[a.chunk][-1][0]
                 if fresh:
@@ -190,7 +191,7 @@ def _worst(a, b):
 def _chunk_split(pieces, grad_bytes):
     """A chunk's backward split in B and W (zero-bubble schedules): B's worst activations and what it leaves
     for W (each piece's ``deferred``, held once its B has passed); W's moments (deferred bytes freed, gradient
-    bytes made so far), node by node in B's order (``Piece.w_nodes``)."""
+    bytes made so far), node by node in B's order (``Piece.w_nodes``), from (0, 0): both only grow."""
     below = sum(p.kept for p in pieces)
     held, worst = 0, []
     for p in reversed(pieces):
@@ -202,6 +203,7 @@ def _chunk_split(pieces, grad_bytes):
     moments = [(0, 0)]
     for p in reversed(pieces):
         for node_freed, node_params in p.w_nodes:   # a node frees what it saved, then its gradients are made
+            assert node_freed >= 0, node_freed          # pipeline_walk takes a later W's first moment as its worst
             freed, made = freed + node_freed, made + grad_bytes * node_params
             moments.append((freed, made))
     return (max(worst), held), tuple(moments)
