@@ -5,7 +5,7 @@ schedule's actions. What each piece keeps for backward is plan/activations.py's.
 """
 from functools import lru_cache
 
-from .layout import PRECISIONS
+from .layout import PRECISIONS, Layout
 from .states import CATEGORIES, fp32_step_grads, optimizer_bytes
 
 
@@ -160,25 +160,44 @@ def pipeline_walk(actions, chunks, layout, local_params, others, sizes=None, ste
             if fresh:
                 seen.add(a.chunk)
                 g += grads[a.chunk]
+    states, moments = _step_end(g, local_params, others, step_grads, layout.precision, z, N, layout.optimizer,
+                                layout.offload)
+    peak = {"params": states["params"], "grads": states["grads"], "activations": act_peak + shared,
+            "optimizer_state": states["optimizer_state"], "comm_buffers": states["comm_buffers"]}
+    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
+    total = sum(at_peak.values())
+    for moment, moment_total in moments:
+        if moment_total > total:
+            at_peak, total = {**peak, **moment}, moment_total
+    return peak, total, at_peak
+
+
+@lru_cache(maxsize=4096, typed=True)
+def _step_end(grads, local_params, others, step_grads, precision, zero, zero_ranks, optimizer, offload):
+    """A stage's peaks of every category but activations (0 here: pipeline_walk's own), and the moments after
+    its last backward, activations freed: the reduce-scatter's and the optimizer step's, each with its total
+    (summed in the peak's order, as pipeline_walk sums its own). ``grads``: the gradient bytes at the last
+    backward's end (ZeRO: the flat buffer). Cached: stages alike but for their micro-batches in flight share
+    it, and its arguments are all it reads (typed: an int and an equal float apart, their sums' types)."""
+    e, z, N = PRECISIONS[precision], zero, zero_ranks
+    states_of = Layout(precision=precision, optimizer=optimizer, offload=offload)   # what the two below read
+    zero1 = z >= 1
+    pad = -(-local_params // N) * N if zero1 else local_params
     stepped = pad // N if zero1 else local_params              # what this rank's optimizer steps
     if step_grads is None:        # mixed precision's fp32 gradients while stepping (given: plan/experts.py's)
-        step_grads = fp32_step_grads(stepped, layout)
+        step_grads = fp32_step_grads(stepped, states_of)
     shard_g = e * pad // N if z >= 2 else 0                     # stages 2, 3: the gradient shard
     shard_p = e * pad // N + e if z == 3 else 0                 # stage 3: the parameter shard, a 0-d placeholder
     # after the last backward, its activations freed: the reduce-scatter (the stage whole, its flat gradient and
     # the shard it lands in), then the optimizer step (at stages 2 and 3 the flat gradient freed, at 3 the gathered
     # stage; mixed precision's fp32 gradients held while it steps)
-    reduced = {"params": e * (pad + others) + shard_p, "grads": g + shard_g, "activations": 0}
+    reduced = {"params": e * (pad + others) + shard_p, "grads": grads + shard_g, "activations": 0}
     step = {"params": e * others + (e * pad if z < 3 else 0) + shard_p, "activations": 0,
-            "grads": (g if z < 2 else 0) + step_grads + shard_g}
+            "grads": (grads if z < 2 else 0) + step_grads + shard_g}
     peak = {"params": reduced["params"], "grads": max(reduced["grads"], step["grads"]),
-            "activations": act_peak + shared, "optimizer_state": optimizer_bytes(stepped, layout),
+            "activations": 0, "optimizer_state": optimizer_bytes(stepped, states_of),
             "comm_buffers": e * pad // N if z == 1 else 0}
-    at_peak = {**peak, "activations": dyn[0] + shared, "grads": dyn[1]}    # (the shard made again by the step's end)
-    for moment in (reduced, step):
-        if sum({**peak, **moment}.values()) > sum(at_peak.values()):
-            at_peak = {**peak, **moment}
-    return peak, sum(at_peak.values()), at_peak
+    return peak, tuple((moment, sum({**peak, **moment}.values())) for moment in (reduced, step))
 
 
 def _worst(a, b):
