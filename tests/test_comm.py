@@ -275,6 +275,36 @@ def test_out_buffers_are_filled_in_place_and_checked():
         np.testing.assert_array_equal(gathered, out)
 
 
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def test_a_read_only_buffer_is_refused_where_a_call_would_write_before_anything_moves():
+    """A receive, an out= and a broadcast's buffer off the root are written into: a read-only NumPy array there is
+    refused by name on the rank that passed it (mpi4py said "dlpack: buffer is not writable", or the copy of the
+    result failed after the data had moved); the root's own broadcast buffer is only read, and may be read-only."""
+    def fn(comm):
+        peer = 1 - comm.rank
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] recv from {peer}: buffer of shape \(3,\) is "
+                                            r"read-only, and a receive writes into it"):
+            comm.irecv(read_only(np.empty(3)), peer, tag=1)
+        with pytest.raises(ValueError, match=rf"\[rank {comm.rank}\] ring_all_reduce: out must be a contiguous, "
+                                             r"writeable .*: it is read-only"):
+            ring_all_reduce(comm, np.ones(4), out=read_only(np.empty(4)))
+        if comm.rank == 1:          # (the root does not call: nothing is sent)
+            with pytest.raises(ValueError, match=r"\[rank 1\] broadcast: the buffer is read-only \(every rank but "
+                                                 r"the root's is filled in place\)"):
+                broadcast(comm, read_only(np.empty(2)), root=0)
+        x = read_only(np.full(2, 7.0)) if comm.rank == 0 else np.zeros(2)
+        broadcast(comm, x, root=0)
+        comm.send(np.arange(3.0), peer, tag=2)      # the refused receive posted nothing: the next one is whole
+        return x, comm.recv(np.empty(3), peer, tag=2)
+    for x, received in ThreadWorld(2).run(fn):
+        np.testing.assert_array_equal(x, [7.0, 7.0])
+        np.testing.assert_array_equal(received, np.arange(3.0))
+
+
 @pytest.mark.parametrize("collective", [all_reduce, ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast,
                                         reduce, naive_all_reduce, recursive_doubling_all_reduce, all_to_all])
 @pytest.mark.parametrize("value", [2.0, [1.0, 2.0]])

@@ -17,7 +17,7 @@ CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce m
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
           "object collectives", "isend/irecv", "barrier async_op", "batch_isend_irecv ring", "new_subgroups",
           "new_subgroups of a group",
-          "monitored_barrier", "destroyed"]
+          "monitored_barrier", "destroyed", "broadcast read-only", "irecv read-only"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
             "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "
@@ -42,7 +42,14 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "subgroups uneven": "new_subgroups: The world size (3) must be divisible by 'group_size=2'",
             "subgroups disagree": ("new_subgroups: the ranks disagree: group_size [1, 3, 3] on ranks 0..2; pass one "
                                    "group_size on every rank"),
-            "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1"}
+            "monitored timeout": "monitored_barrier: timeout must be a positive timedelta or number of seconds, got -1",
+            # where the call writes its result, before anything moves (mpi4py's own words were "dlpack: buffer is
+            # not writable", or NumPy's once the data had moved)
+            "read-only tensor": "all_reduce: tensor is read-only, and the call writes its result into it",
+            "read-only output": "all_gather_into_tensor: output_tensor is read-only, and the call writes its result",
+            "read-only list": "all_gather: a tensor of tensor_list is read-only, and the call writes its result",
+            "read-only scatter": "scatter: tensor is read-only, and the call writes its result into it",
+            "read-only gather list": "gather: a tensor of gather_list is read-only, and the call writes its result"}
 #: what each rank of monitored_barrier raises in each case of late ranks (PROGRAM): rank 1 late (wait_all_ranks=True,
 #: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's lines are in
 #: torch.distributed's words under gloo (2.13): case 0's as torch raised it, the others' in its source's format.

@@ -59,6 +59,9 @@ def broadcast(comm, x, root=0, async_op=False):
         raise ValueError(f"[rank {comm.rank}] broadcast: root {root} is not in a world of size {comm.size}")
     if not x.flags.c_contiguous:
         raise ValueError(f"[rank {comm.rank}] broadcast: the buffer must be contiguous (it is filled in place)")
+    if comm.rank != root and not getattr(x.flags, "writeable", True):
+        raise ValueError(f"[rank {comm.rank}] broadcast: the buffer is read-only (every rank but the root's is "
+                         f"filled in place)")
     header = {"shape": x.shape, "dtype": x.dtype, "extra": root}
     return comm.launch("broadcast", _broadcast_body, (x, root), async_op, header, x.nbytes)
 

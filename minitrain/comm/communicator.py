@@ -31,11 +31,13 @@ def waiting_cpu_seconds():
     return getattr(_waiting, "cpu", 0.0)
 
 
-def _check_buffer(a, what):          # what(): the call's name, made only for an error (every message passes)
+def _check_buffer(a, what, kind):    # what(): the call's name, made only for an error (every message passes)
     if not hasattr(a, "nbytes"):
         raise CommError(f"{what()}: expected a numpy or cupy array, got {type(a).__name__}")
     if not (a.flags.c_contiguous or a.size == 0):
         raise CommError(f"{what()}: buffer of shape {a.shape} is not contiguous (use ascontiguousarray)")
+    if kind == "recv" and not getattr(a.flags, "writeable", True):      # (CuPy's arrays are always writeable)
+        raise CommError(f"{what()}: buffer of shape {a.shape} is read-only, and a receive writes into it")
 
 
 class Communicator(Launcher):
@@ -74,7 +76,7 @@ class Communicator(Launcher):
         """isend / irecv: check, count (under ``counted``, apart from the totals, if given), hand over."""
         if not 0 <= peer < self.size:
             raise CommError(f"[rank {self.rank}] {kind}: peer {peer} is not in a world of size {self.size}")
-        _check_buffer(buf, lambda: f"[rank {self.rank}] {kind} {'to' if kind == 'send' else 'from'} {peer}")
+        _check_buffer(buf, lambda: f"[rank {self.rank}] {kind} {'to' if kind == 'send' else 'from'} {peer}", kind)
         call = self._call()
         if call is None and not 0 <= tag < USER_TAG_LIMIT:
             raise CommError(f"[rank {self.rank}] {kind}: tag {tag} is outside 0..{USER_TAG_LIMIT - 1} "

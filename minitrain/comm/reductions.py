@@ -65,7 +65,7 @@ def flat_view(x):
 
 
 def check_out(comm, name, out, shape, like):
-    """``out`` must be a contiguous array of ``shape``, of ``like``'s dtype, on ``like``'s device,
+    """``out`` must be a contiguous, writeable array of ``shape``, of ``like``'s dtype, on ``like``'s device,
     not overlapping it: checked on the calling thread, before a sequence number or a byte is spent."""
     if out is None:
         return
@@ -83,8 +83,10 @@ def check_out(comm, name, out, shape, like):
             problems.append("it is not contiguous")
         elif out.size and like.size and overlap(out, like):
             problems.append("it overlaps the input (the result would read its own partial sums)")
+        if not getattr(out.flags, "writeable", True):
+            problems.append("it is read-only")
     if problems:
-        raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous {like.dtype} array of shape "
+        raise ValueError(f"[rank {comm.rank}] {name}: out must be a contiguous, writeable {like.dtype} array of shape "
                          f"{tuple(shape)} on the input's device, apart from the input: " + "; ".join(problems))
 
 

@@ -19,6 +19,14 @@ def _array(t, name, what="tensor"):
     return data
 
 
+def _writable(pg, name, what, arrays):
+    """The arrays the call writes its result into: a read-only one is refused before anything moves (PyTorch's
+    tensors are never read-only; a NumPy array may be)."""
+    if any(not getattr(a.flags, "writeable", True) for a in arrays):
+        raise ValueError(f"[rank {pg.ranks[pg.rank()]}] {name}: {what} is read-only, and the call writes its "
+                         f"result into it")
+
+
 def _op(op, name, pg, x):
     """comm's name of PyTorch's ``op``, checked against ``x``'s dtype here, so that an error names this call."""
     op = TORCH_OP_NAMES.get(op.lower(), op.lower()) if isinstance(op, str) else op
@@ -78,6 +86,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if pg is None:
         return None
     x = _array(tensor, "all_reduce")
+    _writable(pg, "all_reduce", "tensor", [x])
     op = _op(op, "all_reduce", pg, x)
     return run(async_op, lambda a: C.all_reduce(pg.comm, x, op=op, async_op=a), into(x))
 
@@ -87,6 +96,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if pg is None:
         return None
     x, root = _array(tensor, "broadcast"), _peer(pg, "broadcast", src, group_src, "src")
+    _writable(pg, "broadcast", "tensor", [x] if pg.rank() != root else [])
     buf = x if x.flags.c_contiguous else array_module(x).ascontiguousarray(x)
     return run(async_op, lambda a: C.broadcast(pg.comm, buf, root=root, async_op=a),
                lambda _: None if buf is x else into(x)(buf))
@@ -97,6 +107,7 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     if pg is None:
         return None
     x, root = _array(tensor, "reduce"), _peer(pg, "reduce", dst, group_dst, "dst")
+    _writable(pg, "reduce", "tensor", [x] if pg.rank() == root else [])
     op = _op(op, "reduce", pg, x)
     return run(async_op, lambda a: C.reduce(pg.comm, x, root=root, op=op, async_op=a),
                lambda r: None if r is None else into(x)(r))
@@ -110,6 +121,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     out = _array(output_tensor, "all_gather_into_tensor", "output_tensor")
     x = _array(input_tensor, "all_gather_into_tensor")
     _same("all_gather_into_tensor", [out], x, "output_tensor")
+    _writable(pg, "all_gather_into_tensor", "output_tensor", [out])
     if out.size != pg.size() * x.size:
         raise ValueError(f"all_gather_into_tensor: output_tensor has {out.size} elements, the group's {pg.size()} "
                          f"inputs of {x.size} need {pg.size() * x.size}")
@@ -122,6 +134,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return None
     x, outs = _array(tensor, "all_gather"), [_array(t, "all_gather", "tensor_list") for t in tensor_list]
     _same("all_gather", outs, x, "tensor_list")
+    _writable(pg, "all_gather", "a tensor of tensor_list", outs)
     if len(outs) != pg.size() or any(o.shape != x.shape for o in outs):
         raise ValueError(f"all_gather: tensor_list must hold {pg.size()} tensors of shape {tuple(x.shape)}, got "
                          f"{[tuple(o.shape) for o in outs]}")
@@ -135,6 +148,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         return None
     out, x = _array(output, "reduce_scatter_tensor", "output"), _array(input, "reduce_scatter_tensor", "input")
     _same("reduce_scatter_tensor", [out], x, "output")
+    _writable(pg, "reduce_scatter_tensor", "output", [out])
     if x.size != pg.size() * out.size:
         raise ValueError(f"reduce_scatter_tensor: input has {x.size} elements, the group's {pg.size()} outputs "
                          f"of {out.size} need {pg.size() * out.size}")
@@ -147,6 +161,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     if pg is None:
         return None
     out = _array(output, "reduce_scatter", "output")
+    _writable(pg, "reduce_scatter", "output", [out])
     ins = [_array(t, "reduce_scatter", "input_list") for t in input_list]
     if len(ins) != pg.size() or any(i.shape != out.shape for i in ins):
         raise ValueError(f"reduce_scatter: input_list must hold {pg.size()} tensors of the output's shape "
@@ -171,6 +186,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         return None
     out, x = _array(output, "all_to_all_single", "output"), _array(input, "all_to_all_single", "input")
     _same("all_to_all_single", [out], x, "output")
+    _writable(pg, "all_to_all_single", "output", [out])
     rows = _rows(x, output_split_sizes, input_split_sizes)
     if rows is not None and tuple(out.shape) != (rows,) + tuple(x.shape[1:]):
         raise ValueError(f"all_to_all_single: output has shape {tuple(out.shape)}; what the splits receive "
@@ -194,6 +210,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     if len(outs) != pg.size() or len(ins) != pg.size():
         raise ValueError(f"all_to_all: both lists must hold {pg.size()} tensors, got {len(outs)} and {len(ins)}")
     _same("all_to_all", outs + ins[1:], ins[0], "both lists")
+    _writable(pg, "all_to_all", "a tensor of output_tensor_list", outs)
     flat = _flat(ins)
     return run(async_op, lambda a: C.all_to_all_single(pg.comm, flat, [o.size for o in outs], [i.size for i in ins],
                                                         async_op=a), _fill(outs))
@@ -206,6 +223,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     root = _peer(pg, "gather", dst, group_dst, "dst")
     _only_at_root(pg, "gather", root, gather_list, "gather_list", "destination")
     x = _array(tensor, "gather")
+    _writable(pg, "gather", "a tensor of gather_list", [_array(t, "gather", "gather_list") for t in gather_list or []])
     return all_gather(gather_list or [array_module(x).empty_like(x)] * pg.size(), tensor, pg, async_op)
 
 
@@ -214,6 +232,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     if pg is None:
         return None
     root, x = _peer(pg, "scatter", src, group_src, "src"), _array(tensor, "scatter")
+    _writable(pg, "scatter", "tensor", [x])
     _only_at_root(pg, "scatter", root, scatter_list, "scatter_list", "source")
     if scatter_list is not None:
         ins = [_array(t, "scatter", "scatter_list") for t in scatter_list]

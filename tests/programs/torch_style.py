@@ -10,11 +10,17 @@ from mpi4py import MPI
 
 import minitrain as mt
 import minitrain.distributed as dist
+from minitrain.comm import CommError
 
 returned = dist.init_process_group("gloo")
 r, p, world = dist.get_rank(), dist.get_world_size(), MPI.COMM_WORLD
 rng = np.random.default_rng(100 + r)
 N = 7                                    # prime: no p divides it
+
+
+def read_only(a):
+    a.flags.writeable = False
+    return a
 
 
 def ok(name, condition=True):
@@ -64,6 +70,23 @@ x = rng.standard_normal(N)
 want = world.bcast(x, root=p - 1)
 dist.broadcast(x, src=p - 1)
 ok("broadcast", np.array_equal(x, want))
+# a read-only tensor: the source's is only read; any other rank's is refused before anything moves (the source
+# does not call: nothing is sent)
+if r != 0:
+    try:
+        dist.broadcast(read_only(np.empty(2)), src=0)
+    except ValueError as e:
+        refused = str(e)
+y = read_only(np.full(2, 7.0)) if r == 0 else np.zeros(2)
+dist.broadcast(y, src=0)
+try:
+    dist.irecv(read_only(np.empty(2)), (r + 1) % p)
+except CommError as e:
+    recv_refused = str(e)
+ok("irecv read-only", recv_refused == f"[rank {r}] recv from {(r + 1) % p}: buffer of shape (2,) is read-only, and a "
+                                 f"receive writes into it")
+ok("broadcast read-only", np.array_equal(y, [7.0, 7.0]) and (r == 0 or refused == (
+    f"[rank {r}] broadcast: tensor is read-only, and the call writes its result into it")))
 x = rng.standard_normal(N)
 want = np.empty_like(x) if r == 0 else None
 world.Reduce(x, want, op=MPI.SUM, root=0)
@@ -238,6 +261,7 @@ if r in (0, p - 1):
        and np.array_equal(y, np.full(2, p - 1.0)))
 
 # refusals, each one line
+alone = [dist.new_group([i]) for i in range(p)][r]           # a group of this rank alone
 for name, call in (("twice", lambda: dist.init_process_group("gloo")),
                    ("bad op", lambda: dist.all_reduce(np.ones(2), op="median")),
                    ("bitwise op", lambda: dist.all_reduce(np.ones(2, np.int64), op=dist.ReduceOp.BAND)),
@@ -260,7 +284,15 @@ for name, call in (("twice", lambda: dist.init_process_group("gloo")),
                    ("peer outside", lambda: dist.P2POp(dist.irecv, np.ones(2), p)),
                    ("subgroups uneven", lambda: dist.new_subgroups(p - 1)),       # (p > 2: p - 1 divides no p)
                    ("subgroups disagree", lambda: dist.new_subgroups(1 if r == 0 else p)),
-                   ("monitored timeout", lambda: dist.monitored_barrier(timeout=-1))):
+                   ("monitored timeout", lambda: dist.monitored_barrier(timeout=-1)),
+                   ("read-only tensor", lambda: dist.all_reduce(read_only(np.ones(2)))),
+                   ("read-only output", lambda: dist.all_gather_into_tensor(read_only(np.empty(2 * p)), np.ones(2))),
+                   ("read-only list", lambda: dist.all_gather([np.empty(2)] + [read_only(np.empty(2))] * (p - 1),
+                                                              np.ones(2))),
+                   ("read-only gather list", lambda: dist.gather(np.ones(2), [read_only(np.empty(2))], group_dst=0,
+                                                                 group=alone)),   # (only the destination's list)
+                   ("read-only scatter", lambda: dist.scatter(read_only(np.empty(2)), [np.ones(2)] * p if r == 0
+                                                              else None, src=0))):
     try:
         call()
     except (ValueError, TypeError) as e:
