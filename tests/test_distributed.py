@@ -17,7 +17,7 @@ CHECKS = ["init as PyTorch's", "all_reduce sum", "all_reduce max", "all_reduce m
           "all_to_all_single uneven", "all_to_all", "in place", "strided, 0-d, empty", "gather", "scatter",
           "object collectives", "isend/irecv", "barrier async_op", "batch_isend_irecv ring", "new_subgroups",
           "new_subgroups of a group",
-          "monitored_barrier", "destroyed", "broadcast read-only", "irecv read-only"]
+          "monitored_barrier", "destroyed", "broadcast read-only"]
 REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "bad op": "all_reduce: op 'median' is not one of ReduceOp.SUM, AVG, PRODUCT, MIN, MAX",
             "bitwise op": "all_reduce: ReduceOp.BAND is not supported here (nor by NCCL); on bool tensors MIN is a "
@@ -49,7 +49,9 @@ REFUSALS = {"twice": "trying to initialize the default process group twice!",
             "read-only output": "all_gather_into_tensor: output_tensor is read-only, and the call writes its result",
             "read-only list": "all_gather: a tensor of tensor_list is read-only, and the call writes its result",
             "read-only scatter": "scatter: tensor is read-only, and the call writes its result into it",
-            "read-only gather list": "gather: a tensor of gather_list is read-only, and the call writes its result"}
+            "read-only gather list": "gather: a tensor of gather_list is read-only, and the call writes its result",
+            "read-only receive": "irecv: tensor is read-only, and the receive writes into it",
+            "read-only receive in a batch": "irecv: tensor is read-only, and the receive writes into it"}
 #: what each rank of monitored_barrier raises in each case of late ranks (PROGRAM): rank 1 late (wait_all_ranks=True,
 #: timeout 1 s), ranks 1 and 2 late (False, 0.3 s), ranks 1 and 2 late (True, 0.3 s). Rank 0's lines are in
 #: torch.distributed's words under gloo (2.13): case 0's as torch raised it, the others' in its source's format.

@@ -27,6 +27,8 @@ def _message(name, tensor, group, tag, peer, group_peer, what):
     rank, x = _peer(pg, name, peer, group_peer, what), _array(tensor, name)
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: the tensor must be contiguous (it is sent or received in place)")
+    if what == "src" and not getattr(x.flags, "writeable", True):
+        raise ValueError(f"[rank {pg.ranks[pg.rank()]}] {name}: tensor is read-only, and the receive writes into it")
     if not (isinstance(tag, numbers.Integral) and 0 <= tag < USER_TAG_LIMIT):
         raise ValueError(f"{name}: tag {tag!r} is not an integer in 0..{USER_TAG_LIMIT - 1} (tags above are the "
                          f"collectives')")
