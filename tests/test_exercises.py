@@ -89,6 +89,13 @@ def test_each_exercise_points_to_the_notebook_its_readme_row_teaches_it_in():
     assert not wrong, f"exercise -> (its NOTEBOOK, the README row's notebooks): {wrong}"
 
 
+def test_the_readme_counts_the_exercises_there_are():
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    said = re.search(r"exercises: (\d+) pieces to write, (\d+) broken programs to fix", readme)
+    kinds = [e.kind for e in all_exercises()]
+    assert said and tuple(map(int, said.groups())) == (kinds.count("implement"), kinds.count("debug")), said
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_each_exercise_is_complete_and_reads_as_plain_text(name):
     e = get(name)
