@@ -1,6 +1,6 @@
 """An asynchronous collective against the same collective called synchronously, in the same run.
 
-    python scripts/bench_async.py [--ranks 2 4] [--max-mib 16] [--repeats 101] [--json out.json]
+    python scripts/bench_async.py [--ranks 2 4] [--max-mib 16] [--repeats 101] [--api comm|distributed] [--json out.json]
 
 Launches itself under mpiexec -n p for each p. Sizes from 1 KiB to --max-mib MiB (float32, x4
 steps). For each size, minitrain.comm.all_reduce(comm, x, out=out) (sync) and
@@ -9,7 +9,9 @@ work.py) alternate (ABAB, each call after an MPI_Barrier, so that a machine shar
 slows both alike); a mode's time is the slowest rank's median over the repeats. Prints the times
 and the ratio async / sync per size, of the medians and paired (the median over repeats of each
 async call's time over the sync call's beside it, each the slowest rank's: load that drifts within
-a size cancels), and the largest of each (issue 29 asks for at most 1.2x).
+a size cancels), and the largest of each (issue 29 asks for at most 1.2x). --api distributed times the
+same through torch.distributed's call shape instead: minitrain.distributed.all_reduce(t) in place, and
+all_reduce(t, async_op=True).wait().
 Also, per p, the CPU seconds the communicator's progress thread used over the whole run (read from
 /proc: its utime + stime), which an async call that wakes it pays for.
 """
@@ -33,11 +35,23 @@ def thread_cpu_seconds(native_id):
         return None
 
 
-def worker(args):
-    from mpi4py import MPI
+def calls(api, x, out):
+    """(communicator, {"sync": call, "async": call}) of one all-reduce of x, through ``api``."""
+    if api == "distributed":
+        import minitrain.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("mpi")
+        return dist.group.WORLD.comm, {"sync": lambda: dist.all_reduce(x),
+                                       "async": lambda: dist.all_reduce(x, async_op=True).wait()}
     from minitrain.comm import all_reduce, init
     comm = init()
-    mpi = comm.mpi_comm
+    return comm, {"sync": lambda: all_reduce(comm, x, out=out),
+                  "async": lambda: all_reduce(comm, x, out=out, async_op=True).wait()}
+
+
+def worker(args):
+    from mpi4py import MPI
+    comm = None
 
     def one(fn):
         mpi.Barrier()
@@ -49,10 +63,13 @@ def worker(args):
     while size <= args.max_mib * (1 << 20):
         x = np.ones(size // 4, np.float32)
         out = np.empty_like(x)
-        modes = {"sync": lambda: all_reduce(comm, x, out=out),
-                 "async": lambda: all_reduce(comm, x, out=out, async_op=True).wait()}
-        for fn in modes.values():                       # warm up (first call: buffers, the thread)
+        comm, modes = calls(args.api, x, out)
+        mpi = comm.mpi_comm
+        for m, fn in modes.items():                     # warm up (first call: buffers, the thread), and check
+            x[...] = 1
             fn()
+            result = x if args.api == "distributed" else out
+            assert np.all(result == comm.size), (m, result[:4])
         once = max(one(fn) for fn in modes.values())
         repeats = int(np.clip(args.min_time / max(once, 1e-6), 3, args.repeats))
         repeats = mpi.allreduce(repeats, op=MPI.MAX)    # the same count on every rank
@@ -65,7 +82,6 @@ def worker(args):
         # each async call against the sync call beside it (load that drifts during the size cancels)
         slowest = {m: np.max(mpi.allgather(np.array(t)), axis=0) for m, t in times.items()}
         paired = float(np.median(slowest["async"] / slowest["sync"]))
-        assert np.all(out == comm.size)
         rows.append({"bytes": size, "repeats": repeats, **medians, "ratio": medians["async"] / medians["sync"],
                      "paired_ratio": paired})
         size *= 4
@@ -76,7 +92,7 @@ def worker(args):
     if comm.rank == 0:
         from minitrain.comm import mpi_library
         with open(args.worker_out, "w") as f:
-            json.dump({"p": comm.size, "mpi_library": mpi_library(), "rows": rows,
+            json.dump({"p": comm.size, "api": args.api, "mpi_library": mpi_library(), "rows": rows,
                        "progress_thread_cpu_s": None if cpu < 0 else cpu}, f)
 
 
@@ -88,6 +104,9 @@ def main():
     ap.add_argument("--max-mib", type=cli.largest_mib, default=16, help="largest size, MiB (from 1 KiB, x4 steps)")
     ap.add_argument("--repeats", type=cli.positive_int, default=101, help="most repeats of each mode per size")
     ap.add_argument("--min-time", type=cli.positive_float, default=3.0, help="seconds per mode and size (fewer repeats if slow)")
+    ap.add_argument("--api", choices=("comm", "distributed"), default="comm",
+                    help="comm: minitrain.comm.all_reduce(comm, x, out=out); distributed: torch.distributed's call shape, "
+                         "minitrain.distributed.all_reduce(t) in place")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results as JSON (default: none written)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -97,11 +116,11 @@ def main():
     results = {}
     for p in args.ranks:
         out = run_worker(__file__, p, ["--max-mib", args.max_mib, "--repeats", args.repeats,
-                                       "--min-time", args.min_time])
+                                       "--min-time", args.min_time, "--api", args.api])
         results[f"p{p}"] = out
         out["max_ratio"] = max(r["ratio"] for r in out["rows"])
         out["max_paired_ratio"] = max(r["paired_ratio"] for r in out["rows"])
-        print(f"p = {p} ranks, MPI: {out['mpi_library']}; all_reduce, float32, slowest rank's median, "
+        print(f"p = {p} ranks, MPI: {out['mpi_library']}; {args.api}'s all_reduce, float32, slowest rank's median, "
               "sync and async alternating")
         print(f"{'bytes':>10} {'repeats':>8} {'sync':>11} {'async+wait':>11} {'ratio':>7} {'paired':>7}")
         for r in out["rows"]:

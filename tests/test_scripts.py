@@ -403,10 +403,11 @@ def test_bench_planner_summarizes_the_fastest_of_the_quiet_repeats():
     assert quietest_of([run(float("nan"), 2.0), run(float("nan"), 1.0)])["step_time_s"]["wall"] == 1.0
 
 
-def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("api", ["comm", "distributed"])
+def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_path, api):
     out = tmp_path / "async.json"
     monkeypatch.setattr(sys, "argv", ["bench_async.py", "--ranks", "2", "--max-mib", "0.004", "--repeats", "3",
-                                      "--min-time", "0.01", "--json", str(out)])
+                                      "--min-time", "0.01", "--api", api, "--json", str(out)])
     runpy.run_path(str(SCRIPTS / "bench_async.py"), run_name="__main__")
     text = capsys.readouterr().out
     import json
@@ -416,6 +417,7 @@ def test_bench_async_runs_and_reports_a_ratio_per_size(monkeypatch, capsys, tmp_
     assert all(r["sync"] > 0 and r["async"] > 0 and r["ratio"] == r["async"] / r["sync"] for r in results["rows"])
     assert results["max_ratio"] == max(r["ratio"] for r in results["rows"]) and "max ratio async / sync" in text
     assert results["max_paired_ratio"] == max(r["paired_ratio"] for r in results["rows"]) > 0
+    assert results["api"] == api and f"{api}'s all_reduce" in text
 
 
 def test_bench_message_cost_runs_and_times_each_side_warm_and_cold(monkeypatch, capsys, tmp_path):
