@@ -3,6 +3,7 @@ dtypes, bytes equal to the formulas, async work, mesh, tracing. Faults, the rece
 the flight recorder: tests/test_flight_recorder.py."""
 import json
 import math
+import re
 import time
 
 import numpy as np
@@ -303,6 +304,35 @@ def test_a_read_only_buffer_is_refused_where_a_call_would_write_before_anything_
     for x, received in ThreadWorld(2).run(fn):
         np.testing.assert_array_equal(x, [7.0, 7.0])
         np.testing.assert_array_equal(received, np.arange(3.0))
+
+
+def test_a_reduction_takes_numbers_and_no_message_carries_python_objects():
+    """A reduction of strings was NumPy's string addition truncated into the buffer ("ab" summed over 2 ranks read
+    "ab"), of dates or records an error from inside the ring; an object array's pointers, sent to another process
+    and added there, crashed it (SIGSEGV). Each is refused by name before anything moves; strings and records still
+    travel where nothing is added (broadcast, all-gather, all-to-all)."""
+    record = np.dtype([("a", "f8"), ("b", "i4")])
+
+    def fn(comm):
+        for x in (np.array(["ab", "cd"]), np.zeros(2, record), np.array(["2020-01-01"] * 2, "datetime64[D]")):
+            for collective in (all_reduce, ring_reduce_scatter, reduce):
+                with pytest.raises(TypeError, match=rf"\[rank {comm.rank}\] \w+: op='sum' reduces numbers, and "
+                                                    rf"{re.escape(str(x.dtype))} is not a number type"):
+                    collective(comm, x)
+        objects = np.array([1, "a"], object)
+        for collective in (broadcast, all_to_all, ring_all_gather):
+            with pytest.raises(TypeError, match=rf"\[rank {comm.rank}\] {collective.__name__}: dtype object holds "
+                                                r"Python objects, whose pointers mean nothing in another process"):
+                collective(comm, objects)
+        with pytest.raises(CommError, match=rf"\[rank {comm.rank}\] send to {1 - comm.rank}: buffer of shape \(2,\) "
+                                            r"holds Python objects"):
+            comm.isend(objects, 1 - comm.rank, tag=3)
+        words = np.array(["ab", "cd"]) if comm.rank == 0 else np.array(["zz", "zz"])
+        broadcast(comm, words, root=0)
+        mine = np.zeros(1, record)
+        mine["a"] = comm.rank
+        return words.tolist(), ring_all_gather(comm, mine, total=2)["a"].tolist()
+    assert ThreadWorld(2).run(fn) == [(["ab", "cd"], [0.0, 1.0])] * 2
 
 
 @pytest.mark.parametrize("collective", [all_reduce, ring_all_reduce, ring_reduce_scatter, ring_all_gather, broadcast,

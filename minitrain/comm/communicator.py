@@ -1,10 +1,10 @@
 """Communicator: the only way bytes cross ranks. Point-to-point calls and the tag discipline.
 
-Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag (tag * 16 + dtype
-code: a message of another dtype never matches); here, once for all: send / recv / sendrecv / isend /
-irecv, checked (a receive of another size raises) and counted; wait_all (sched_yield, then sleep: waiting.py says why);
-each collective's sequence number, whose tag no other collective uses. Around it, through one seam
-(comm.guard, seam.py), the guard (guard.py); a collective runs here or on the progress thread (work.py).
+Under it a backend (mpi.py, local.py, nccl.py) moves raw bytes under a wire tag (tag * 16 + dtype code: a message
+of another dtype never matches); here, once for all: send / recv / sendrecv / isend / irecv, checked (a receive of
+another size raises) and counted; wait_all (sched_yield, then sleep: waiting.py says why); each collective's sequence
+number, whose tag no other collective uses. Around it, through one seam (comm.guard, seam.py), the guard (guard.py);
+a collective runs here or on the progress thread (work.py).
 """
 import os
 import threading
@@ -14,7 +14,7 @@ import zlib
 from .errors import CollectiveTimeout, CommError, MessageTruncated, size_error
 from .seam import Unguarded
 from .stats import CommStats
-from .waiting import MAX_SLEEP_S, YIELD_BYTES_PER_S, YIELD_WINDOW_S
+from .waiting import MAX_SLEEP_S, YIELD_BYTES_PER_S, YIELD_WINDOW_S, _waiting
 from .wire import DTYPE_SLOTS, dtype_code
 from .work import Launcher
 
@@ -23,21 +23,16 @@ COLLECTIVE_TAG_SPAN = 1 << 12     # collective sequence numbers wrap here (in fl
 NAME_TAG_SLOTS = 16               # ... times a few bits of the name (the last slot: the guard's headers)
 DEFAULT_COMM_TIMEOUT = 10.0       # the stall threshold, seconds
 HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
-_waiting = threading.local()          # per thread: CPU seconds spent polling
-
-
-def waiting_cpu_seconds():
-    """CPU seconds this thread has spent polling in ``wait_all`` (the jobs leave it out of a step's CPU time)."""
-    return getattr(_waiting, "cpu", 0.0)
 
 
 def _check_buffer(a, what, kind):    # what(): the call's name, made only for an error (every message passes)
     if not hasattr(a, "nbytes"):
         raise CommError(f"{what()}: expected a numpy or cupy array, got {type(a).__name__}")
-    if not (a.flags.c_contiguous or a.size == 0):
-        raise CommError(f"{what()}: buffer of shape {a.shape} is not contiguous (use ascontiguousarray)")
-    if kind == "recv" and not getattr(a.flags, "writeable", True):      # (CuPy's arrays are always writeable)
-        raise CommError(f"{what()}: buffer of shape {a.shape} is read-only, and a receive writes into it")
+    problem = ("is not contiguous (use ascontiguousarray)" if not (a.flags.c_contiguous or a.size == 0) else
+               "is read-only, and a receive writes into it" if kind == "recv" and not getattr(a.flags, "writeable", True)
+               else "holds Python objects, whose pointers mean nothing in another process" if a.dtype.hasobject else "")
+    if problem:                       # (CuPy's arrays are always writeable and never hold objects)
+        raise CommError(f"{what()}: buffer of shape {a.shape} {problem}")
 
 
 class Communicator(Launcher):

@@ -23,10 +23,14 @@ def check_array(comm, x, name):
     torch.distributed refuses what is not a Tensor, before any rank waits for it."""
     if not all(hasattr(x, a) for a in ("nbytes", "dtype", "shape", "flags")):
         raise TypeError(f"[rank {comm.rank}] {name}: expected an array (NumPy or CuPy), got {type(x).__name__}")
+    if x.dtype.hasobject:
+        raise TypeError(f"[rank {comm.rank}] {name}: dtype {x.dtype} holds Python objects, whose pointers mean nothing "
+                        f"in another process: send numbers (torch.distributed's *_object calls pickle objects)")
 
 
 def check_op(comm, name, op, dtype):
-    """``op`` is one this collective reduces ``dtype`` with: mean of floating dtypes only (an integer
+    """``op`` is one this collective reduces ``dtype`` with: numbers only (NumPy adds strings, and would
+    truncate their concatenation into the buffer); mean of floating dtypes only (an integer
     mean is not an integer), max / min not of complex ones (they have no order: MPI and PyTorch refuse
     them too); an error names the rank and the call."""
     if op not in OPS:
@@ -35,6 +39,9 @@ def check_op(comm, name, op, dtype):
                 if torch_name in TORCH_OP_NAMES else "")
         raise ValueError(f"[rank {comm.rank}] {name}: unknown op {op!r}: expected one of {OPS}{hint}")
     dtype = np.dtype(dtype)
+    if dtype.kind not in "biufc" and dtype not in LOW_PRECISION:
+        raise TypeError(f"[rank {comm.rank}] {name}: op={op!r} reduces numbers, and {dtype} is not a number type (bool, "
+                        f"integer, floating or complex)")
     if op == "mean" and dtype.kind not in "fc" and dtype not in LOW_PRECISION:
         raise TypeError(f"[rank {comm.rank}] {name}: op='mean' needs a floating dtype, got {dtype} (use 'sum')")
     if op in ("max", "min") and dtype.kind == "c":

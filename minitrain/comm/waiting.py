@@ -6,10 +6,12 @@ wait_all yields (sched_yield) for YIELD_WINDOW_S, or longer for a big message (i
 YIELD_BYTES_PER_S: MPI moves a big message only while one of its ends polls), then sleeps from
 50 us, doubling up to MAX_SLEEP_S. MINITRAIN_COMM_YIELD_S sets the window in seconds (below 0: 0;
 the test suite sets 0, its workers sharing the cores); anything but a finite number is refused when
-minitrain.comm is imported, in one line that names the variable.
+minitrain.comm is imported, in one line that names the variable. The CPU time a thread spends polling is
+kept apart (waiting_cpu_seconds): the jobs leave it out of a step's own CPU time.
 """
 import math
 import os
+import threading
 
 ENV = "MINITRAIN_COMM_YIELD_S"
 DEFAULT_YIELD_S = 10e-3
@@ -30,3 +32,10 @@ def yield_window(text):
 
 
 YIELD_WINDOW_S = yield_window(os.environ.get(ENV))
+
+_waiting = threading.local()      # per thread: CPU seconds spent polling (wait_all adds to .cpu)
+
+
+def waiting_cpu_seconds():
+    """CPU seconds this thread has spent polling in ``wait_all`` (the jobs leave it out of a step's CPU time)."""
+    return getattr(_waiting, "cpu", 0.0)

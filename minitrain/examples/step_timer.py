@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd.function import nodes_recorded
-from ..comm.communicator import waiting_cpu_seconds
+from ..comm.waiting import waiting_cpu_seconds
 
 WARMUP_STEPS = 3        # left out of the medians: the optimizer's state allocated, the caches warmed
 
@@ -23,7 +23,7 @@ def _page_faults():
 
 class StepTimer:
     """Measures each step (``with timer: ...``): the wall clock; the CPU time of this thread (time.thread_time)
-    and, within it, the CPU time spent polling for peers (``comm.communicator.waiting_cpu_seconds``); the page
+    and, within it, the CPU time spent polling for peers (``comm.waiting.waiting_cpu_seconds``); the page
     faults (new memory first touched); the autograd nodes recorded. On a machine shared with other jobs the wall
     clock counts their turns on the cores, and the polling how often a waiting thread is handed the core back;
     the rest of the thread's CPU time, the step's own work ("busy"), they only slow through the caches and the

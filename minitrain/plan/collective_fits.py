@@ -57,7 +57,7 @@ def _worker(out_path, sizes, rounds=ROUNDS):
     backend.hold_host_memory()          # freed memory kept, as the jobs run (else the anchor faults after a 16 MiB one)
     xp, sync = backend.xp(), backend.synchronize
     results = {}
-    from ..comm.communicator import waiting_cpu_seconds
+    from ..comm.waiting import waiting_cpu_seconds
     from .anchor import anchor
     from .job_overheads import measure_in_a_job, typical_series
     # ranks that outnumber the cores take turns: an in-a-job median would count the turns, which the planner

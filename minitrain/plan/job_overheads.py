@@ -98,7 +98,7 @@ def _line(points, alone="per_call"):
 
 def _busy_cpu():
     """This thread's CPU time outside its waits for peers (what the jobs' step timer calls busy)."""
-    from ..comm.communicator import waiting_cpu_seconds
+    from ..comm.waiting import waiting_cpu_seconds
     return time.thread_time() - waiting_cpu_seconds()
 
 
