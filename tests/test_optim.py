@@ -136,3 +136,42 @@ def test_bad_hyper_parameters_are_rejected():
         optim.Adam([w], betas=(1.0, 0.9))
     with pytest.raises(ValueError):
         optim.SGD([], lr=0.1)
+
+
+@pytest.mark.parametrize("make", [lambda w, v: optim.SGD([w], lr=v), lambda w, v: optim.SGD([w], lr=0.1, momentum=v),
+                                  lambda w, v: optim.SGD([w], lr=0.1, weight_decay=v),
+                                  lambda w, v: optim.Adam([w], lr=v), lambda w, v: optim.AdamW([w], lr=v),
+                                  lambda w, v: optim.AdamW([w], eps=v), lambda w, v: optim.AdamW([w], weight_decay=v)])
+@pytest.mark.parametrize("value", [float("nan"), -0.5])
+def test_a_nan_or_negative_hyper_parameter_is_refused_as_pytorch_refuses_it(make, value):
+    """`lr < 0` let NaN through (every step then made the weights NaN), and weight decay and momentum were not
+    checked at all; PyTorch writes `not 0.0 <= lr`, which refuses both."""
+    with pytest.raises(ValueError, match="invalid"):
+        make(nn.Parameter(np.ones(2)), value)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, float("nan"), None, "1", True])
+def test_clip_grad_norm_refuses_a_max_norm_that_is_not_a_number_at_least_0(max_norm, float64):
+    """A negative max_norm flipped every gradient's sign (the coefficient max_norm / norm below 1 was applied), NaN
+    left the host's gradients unclipped and made the GPU's NaN; PyTorch takes both without a word."""
+    w = nn.Parameter(np.zeros(2))
+    w.grad = np.array([3.0, 4.0])
+    with pytest.raises(ValueError, match="clip_grad_norm_: max_norm must be a number >= 0"):
+        optim.clip_grad_norm_([w], max_norm)
+    np.testing.assert_array_equal(w.grad, [3.0, 4.0])
+    assert optim.clip_grad_norm_([w], float("inf")) == 5.0 and list(w.grad) == [3.0, 4.0]     # inf: measure only
+    optim.clip_grad_norm_([w], 0.0)
+    np.testing.assert_array_equal(w.grad, [0.0, 0.0])                                       # 0: every gradient 0
+
+
+def test_a_sharded_clip_refuses_a_bad_max_norm_before_its_all_reduce():
+    from minitrain.comm import ThreadWorld
+    from minitrain.parallel.clip import clip_sharded_grad_norm_, sum_of_squares
+
+    def fn(comm):
+        w = nn.Parameter(np.zeros(2))
+        w.grad = np.array([3.0, 4.0])
+        with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
+            clip_sharded_grad_norm_([w], -1.0, sum_of_squares([w.grad]), [comm])
+        return comm.stats.by_name                 # no collective ran: the refusal came first on every rank
+    assert ThreadWorld(2).run(fn) == [{}, {}]

@@ -28,11 +28,19 @@ def sum_of_squares(arrays, like=None):
     return total
 
 
+def check_max_norm(max_norm, name="clip_grad_norm_"):
+    """max_norm is a number >= 0 (inf: the norm measured, nothing clipped): a negative one would flip every
+    gradient's sign and NaN make them NaN (PyTorch takes both), with no error."""
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float, np.integer, np.floating)) and max_norm >= 0):
+        raise ValueError(f"{name}: max_norm must be a number >= 0 (inf: measure the norm, clip nothing), got {max_norm!r}")
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, *, total_norm=None):
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the
     norm before clipping (torch.nn.utils.clip_grad_norm_'s call shape; the L2 norm only).
     ``parameters``: an iterable of tensors or one tensor (iterating a tensor would give its rows).
     ``total_norm`` (keyword) may be passed when it was computed elsewhere (across shards)."""
+    check_max_norm(max_norm)
     if hasattr(parameters, "shape"):
         parameters = [parameters]
     if norm_type != 2:

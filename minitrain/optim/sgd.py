@@ -6,8 +6,10 @@ from .optimizer import Optimizer
 
 class SGD(Optimizer):
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
-        if lr < 0:
+        if not 0 <= lr:                 # (as PyTorch writes it: NaN is refused too)
             raise ValueError(f"invalid learning rate {lr}")
+        if not (0 <= momentum and 0 <= weight_decay):
+            raise ValueError(f"invalid SGD hyper-parameters momentum={momentum} weight_decay={weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,

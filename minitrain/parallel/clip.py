@@ -9,7 +9,7 @@ import math
 
 from ..backend import array_module, is_device_array
 from ..comm import all_reduce
-from ..optim.clip import clip_grad_norm_, sum_of_squares
+from ..optim.clip import check_max_norm, clip_grad_norm_, sum_of_squares
 
 __all__ = ["clip_sharded_grad_norm_", "sum_of_squares"]
 
@@ -20,6 +20,7 @@ def clip_sharded_grad_norm_(parameters, max_norm, local_square, groups, loss_sca
     held by several ranks, a replicated parameter, is counted on one of them only); ``groups``: the
     communicators to sum over, one after the other (ZeRO: [dp]; tensor x pipeline: [tp, pp]).
     ``loss_scale``: gradients S times too large (mixed precision) have the norm total / S."""
+    check_max_norm(max_norm)                    # on every rank before the all-reduce: none waits for a refused one
     square = local_square
     for comm in groups:
         square = all_reduce(comm, square, op="sum")
