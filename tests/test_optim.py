@@ -1,4 +1,6 @@
 """Optimizer mechanics beyond the PyTorch oracle: state dicts, groups, zero_grad, clipping."""
+import re
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,27 @@ def test_a_sharded_clip_refuses_a_bad_max_norm_before_its_all_reduce():
             clip_sharded_grad_norm_([w], -1.0, sum_of_squares([w.grad]), [comm])
         return comm.stats.by_name                 # no collective ran: the refusal came first on every rank
     assert ThreadWorld(2).run(fn) == [{}, {}]
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(init_scale=0.0), "init_scale must be a positive finite number, got 0.0"),
+    (dict(init_scale=float("inf")), "init_scale must be a positive finite number, got inf"),
+    (dict(loss_scale=0.0), "loss_scale must be 'auto', 'dynamic', None or a positive finite number, got 0.0"),
+    (dict(growth_factor=0.5), "growth_factor must be > 1, got 0.5"),
+    (dict(backoff_factor=2.0), "backoff_factor must be in (0, 1), got 2.0"),
+    (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0")])
+def test_a_loss_scale_that_would_stop_training_is_refused(kwargs, said):
+    """A scale of 0 zeroed every gradient and made every step an overflow (0 as a static loss_scale read as none);
+    a growth below 1 or a backoff above 1 turned the scale's rule around (PyTorch's GradScaler asserts both)."""
+    with pytest.raises(ValueError, match=re.escape(f"MixedPrecisionOptimizer: {said}")):
+        optim.MixedPrecisionOptimizer([nn.Parameter(np.ones(2, np.float16))], optim.SGD, lr=0.1, **kwargs)
+
+
+def test_a_schedule_that_would_divide_by_zero_at_its_first_step_is_refused():
+    opt = optim.SGD([nn.Parameter(np.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="StepLR: step_size must be an integer >= 1, got 0"):
+        optim.lr_scheduler.StepLR(opt, step_size=0)
+    with pytest.raises(ValueError, match="CosineAnnealingLR: T_max must be > 0, got 0"):
+        optim.lr_scheduler.CosineAnnealingLR(opt, T_max=0)
+    with pytest.raises(ValueError, match="Linear: in_features and out_features must be >= 0, got -1, 3"):
+        nn.Linear(-1, 3)

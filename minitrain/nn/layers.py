@@ -16,6 +16,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True):
         super().__init__()
+        if not (in_features >= 0 and out_features >= 0):
+            raise ValueError(f"Linear: in_features and out_features must be >= 0, got {in_features}, {out_features}")
         self.in_features, self.out_features = in_features, out_features
         bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
         self.weight = Parameter(_uniform(bound, (out_features, in_features)))

@@ -89,6 +89,8 @@ class StepLR(LRScheduler):
     """Multiply the lr by ``gamma`` every ``step_size`` steps."""
 
     def __init__(self, optimizer, step_size, gamma=0.1, last_epoch=-1):
+        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:   # (PyTorch: 0 divides by 0
+            raise ValueError(f"StepLR: step_size must be an integer >= 1, got {step_size!r}")  # at the first step)
         self.step_size, self.gamma = step_size, gamma
         super().__init__(optimizer, last_epoch)
 
@@ -103,6 +105,8 @@ class CosineAnnealingLR(LRScheduler):
     recurrence from the previous lr (so another scheduler may change the lr in between)."""
 
     def __init__(self, optimizer, T_max, eta_min=0.0, last_epoch=-1):  # noqa: N803 (PyTorch's name)
+        if not T_max > 0:                     # (PyTorch: 0 divides by 0 at the first step)
+            raise ValueError(f"CosineAnnealingLR: T_max must be > 0, got {T_max!r}")
         self.T_max, self.eta_min = T_max, eta_min
         super().__init__(optimizer, last_epoch)
 

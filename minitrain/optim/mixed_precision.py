@@ -35,6 +35,26 @@ from .clip import clip_grad_norm_, sum_of_squares
 from .optimizer import _release, param_groups
 
 
+def check_scaling(loss_scale, init_scale, growth_factor, backoff_factor, growth_interval):
+    """What GradScaler asserts (growth above 1, backoff below 1), and what would silently stop training: a scale of
+    0 zeroes every gradient (and 0 as a static loss_scale read as none), inf or NaN makes every step overflow."""
+    def number(x):
+        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    problems = [f"loss_scale must be 'auto', 'dynamic', None or a positive finite number, got {loss_scale!r}"
+                if loss_scale not in ("auto", "dynamic", None) and not (number(loss_scale) and 0 < loss_scale < math.inf)
+                else None,
+                None if number(init_scale) and 0 < init_scale < math.inf else
+                f"init_scale must be a positive finite number, got {init_scale!r}",
+                None if number(growth_factor) and growth_factor > 1 else f"growth_factor must be > 1, got {growth_factor!r}",
+                None if number(backoff_factor) and 0 < backoff_factor < 1 else
+                f"backoff_factor must be in (0, 1), got {backoff_factor!r}",
+                None if isinstance(growth_interval, (int, np.integer)) and not isinstance(growth_interval, bool)
+                and growth_interval >= 1 else f"growth_interval must be an integer >= 1, got {growth_interval!r}"]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("MixedPrecisionOptimizer: " + "; ".join(problems))
+
+
 class MixedPrecisionOptimizer:
     #: where the masters and the optimizer state live (CPUOffloadOptimizer: the host)
     offload = False
@@ -51,6 +71,7 @@ class MixedPrecisionOptimizer:
             raise TypeError(f"MixedPrecisionOptimizer expects float16 or bfloat16 parameters, got "
                             f"{sorted(map(str, dtypes))} (cast the model with model.to(dtype) first)")
         self.dtype = next(iter(dtypes))
+        check_scaling(loss_scale, init_scale, growth_factor, backoff_factor, growth_interval)
         if loss_scale == "auto":                     # fp16 needs it, bf16 does not
             loss_scale = "dynamic" if self.dtype == np.float16 else None
         self.dynamic = loss_scale == "dynamic"
