@@ -216,3 +216,26 @@ def test_ddp_has_the_module_methods_a_training_loop_calls(float64):
             opt.step(), ref_opt.step()
             assert_same(model, reference, f"rank {r} step {step}")
     ThreadWorld(2).run(fn)
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("nan"), float("inf"), True])
+def test_a_bucket_cap_that_is_not_a_finite_size_is_refused_by_ddp_and_zero(cap):
+    """NaN ended in int()'s 'cannot convert float NaN to integer', and a negative cap was taken; 0 is PyTorch's
+    'a bucket per parameter' and stays."""
+    from minitrain.parallel import ZeroRedundancyOptimizer
+
+    def fn(comm):
+        model = nn.MLP([3, 4, 2])
+        for make, who in ((lambda: DistributedDataParallel(model, comm, bucket_cap_mb=cap), "DistributedDataParallel"),
+                          (lambda: ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, bucket_cap_mb=cap, lr=0.1),
+                           "ZeroRedundancyOptimizer")):
+            with pytest.raises(ValueError, match=f"{who}: bucket_cap_mb must be a finite number of MiB, 0 or more"):
+                make()
+        return len(DistributedDataParallel(model, comm, bucket_cap_mb=0).buckets)
+    assert ThreadWorld(2).run(fn) == [len(list(nn.MLP([3, 4, 2]).parameters()))] * 2
+
+
+def test_a_sampler_of_a_negative_number_of_samples_is_refused():
+    from minitrain.data.sampler import DistributedSampler
+    with pytest.raises(ValueError, match="DistributedSampler: n, the number of samples, must be >= 0, got -3"):
+        DistributedSampler(-3)

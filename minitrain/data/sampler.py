@@ -49,6 +49,8 @@ class DistributedSampler:
     def __init__(self, n, rank=0, world=1, seed=0, shuffle=True, drop_last=False):
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a world of size {world}")
+        if n < 0:
+            raise ValueError(f"DistributedSampler: n, the number of samples, must be >= 0, got {n}")
         self.n, self.rank, self.world, self.seed = n, rank, world, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch = 0

@@ -18,6 +18,8 @@ flat buffer per bucket for the gradients and one for the result (comm_buffers).
 """
 import contextlib
 import hashlib
+import math
+import numbers
 
 import numpy as np
 
@@ -54,6 +56,14 @@ def check_reduce_op(reduce_op, who):
     return reduce_op
 
 
+def bucket_cap_bytes(bucket_cap_mb, who):
+    """The bucket cap in bytes: a finite number of MiB, 0 or more (0: a bucket per parameter, as PyTorch's 0 makes;
+    NaN ended in int()'s error, a negative cap was taken)."""
+    if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, numbers.Real) and 0 <= bucket_cap_mb < math.inf):
+        raise ValueError(f"{who}: bucket_cap_mb must be a finite number of MiB, 0 or more, got {bucket_cap_mb!r}")
+    return int(bucket_cap_mb * 1024 * 1024)
+
+
 @accounting.ddp                  # its buffers in the memory ledger, trace spans, bytes sent: see accounting.py
 class DistributedDataParallel:
     """Wrap ``module`` for data-parallel training over ``comm`` (PyTorch's name and call shape).
@@ -77,7 +87,7 @@ class DistributedDataParallel:
         self.reduce_op = check_reduce_op(reduce_op, "DistributedDataParallel")
         self.find_unused_parameters = find_unused_parameters
         self.algorithm = check_algorithm(algorithm, "DistributedDataParallel")
-        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.bucket_cap_bytes = bucket_cap_bytes(bucket_cap_mb, "DistributedDataParallel")
         self._sync, self._pending = True, False
         self._broadcast_parameters(broadcast_from)
         self.buckets = self._build_buckets()

@@ -25,7 +25,7 @@ from ..nn import Parameter
 from ..optim.mixed_precision import MixedPrecisionOptimizer
 from ..optim.optimizer import param_groups
 from .clip import clip_sharded_grad_norm_, sum_of_squares
-from .data_parallel import check_reduce_op
+from .data_parallel import bucket_cap_bytes, check_reduce_op
 from .flat_buffer import FlatParamBuffer
 from .offload import CPUOffloadOptimizer, found_inf_on_any_rank
 
@@ -58,6 +58,7 @@ class ZeroRedundancyOptimizer:
             raise ValueError(f"ZeroRedundancyOptimizer does stages 1 and 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.comm, self.stage = comm, stage
         self.reduce_op = check_reduce_op(reduce_op, "ZeroRedundancyOptimizer")
+        cap = bucket_cap_bytes(bucket_cap_mb, "ZeroRedundancyOptimizer")
         groups = param_groups(params, "ZeroRedundancyOptimizer")     # parameters, or PyTorch's groups
         for q in (q for g in groups for q in g["params"]):   # frozen ones too: every rank runs rank 0's model
             if not q.requires_grad:
@@ -98,7 +99,7 @@ class ZeroRedundancyOptimizer:
             self._point_grads_at_flat()
             self._tracker.add("comm_buffers", ("grads", id(memory.owner(self.shard_grad))), self.shard_grad.nbytes)
         else:
-            self._build_buckets(int(bucket_cap_mb * 1024 * 1024), xp)
+            self._build_buckets(cap, xp)
 
     def _group_ranges(self, groups):
         """This rank's part [lo, hi) of each group's contiguous range of the flat buffer; lo == hi
