@@ -2,6 +2,8 @@
 checker rejects broken schedules, and the runtime equals single-process training (float64, 1e-10)
 for every synchronous schedule at p = 2, 3, 4, m below / at / above p, in 2D (dp x pp) too;
 PipeDream-2BW equals a single-process emulation of its delayed-gradient update rule."""
+import re
+
 import numpy as np
 import pytest
 
@@ -328,3 +330,17 @@ def test_the_measured_bubble_comes_from_the_trace():
     for r, (measured, formula, ops) in enumerate(ThreadWorld(2).run(fn)):
         assert len(measured) == 2 and all(0.0 <= b < 1.0 for b in measured) and formula == pytest.approx(1 / 5)
         assert ops == ["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"]
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(num_microbatches=2.5), "an integer >= 1 of stages and of micro-batches (num_microbatches), got 1 and 2.5"),
+    (dict(num_microbatches=True), "got 1 and True"),
+    (dict(schedule="interleaved_1f1b", chunks=2.5), "interleaved_1f1b: chunks must be an integer >= 1, got 2.5"),
+    (dict(layer_costs=[float("nan"), 1, 1, 1, 1]), "layer costs must be finite numbers >= 0"),
+    (dict(layer_costs=[-1, 1, 1, 1, 1]), "layer costs must be finite numbers >= 0")])
+def test_a_pipeline_s_counts_and_costs_are_refused_in_their_own_words(kwargs, said):
+    """A fractional count ended in range()'s "'float' object cannot be interpreted as an integer", True was taken as
+    one micro-batch, and a NaN or negative layer cost cut the stages at random (every cut priced alike)."""
+    kwargs = {"schedule": "gpipe", "num_microbatches": 2, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(said)):
+        PipelineParallel(nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)]), ThreadWorld(1).comms[0], **kwargs)

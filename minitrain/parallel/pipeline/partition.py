@@ -12,6 +12,7 @@ virtual stage's cost (the balanced formula is the special case of equal costs). 
 is the whole answer (where to cut, which rank and chunk holds each part): the runtime and the
 planner (minitrain/plan) both ask it, so the planner predicts the layout the job runs.
 """
+import math
 from functools import lru_cache
 
 from ...backend import array_module
@@ -79,6 +80,8 @@ def virtual_placement(schedule_name, p, chunks=None):
 def stage_layout(costs, schedule_name, p, chunks=None, split_points=None):
     """(bounds, where): virtual stage k holds layers bounds[k]:bounds[k + 1] (balanced by
     costs unless split_points says where) on where[k] = (rank, chunk)."""
+    if not all(math.isfinite(cost) and cost >= 0 for cost in costs):     # (NaN would price every cut alike)
+        raise ValueError(f"layer costs must be finite numbers >= 0, got {list(costs)}")
     where = virtual_placement(schedule_name, p, chunks)
     if split_points is None:
         split_points = balanced_split_points(list(costs), len(where)) if len(where) > 1 else []

@@ -63,8 +63,6 @@ class PipelineParallel:
                  dp_comm=None, layer_costs=None, find_unused_parameters=False, dp_excluded=(), progress_thread=None):
         if not isinstance(model, Sequential):
             raise TypeError("PipelineParallel cuts an nn.Sequential into stages")
-        if num_microbatches is None or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.comm, self.dp_comm = comm, dp_comm
         self.all_reduce_dp_gradients = True    # ZeRO on dp (zero_3d.py) reduce-scatters them instead
         self.dp_reduce_op = "mean"             # "sum" where the loss's seed already divides by dp (gpt_3d.py)

@@ -26,6 +26,8 @@ fraction is (p-1)/(v·m + p - 1).
 """
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Action:
@@ -199,6 +201,8 @@ def microbatch_sizes(rows, m):
 
 def default_chunks(name, chunks=None):
     """Model chunks per stage: chunks for interleaved_1f1b (default 1), 2 for zbv, else 1."""
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1):
+        raise ValueError(f"{name}: chunks must be an integer >= 1, got {chunks!r}")
     if name == "zbv":
         if chunks not in (None, 2):
             raise ValueError(f"zbv is a V of exactly 2 chunks per stage, got chunks={chunks}")
@@ -212,8 +216,9 @@ def get_schedule(name, num_stages, num_microbatches, chunks=None, steps=1):
     """Per stage, the ordered list of Actions. chunks only for interleaved_1f1b (zbv has 2);
     steps (batches chained without a flush) only for pipedream_2bw."""
     p, m = num_stages, num_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"a pipeline needs >= 1 stage and >= 1 micro-batch, got {p} and {m}")
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in (p, m)):
+        raise ValueError(f"a pipeline needs an integer >= 1 of stages and of micro-batches (num_microbatches), got "
+                         f"{p!r} and {m!r}")
     v = default_chunks(name, chunks)
     makers = {"naive": lambda: naive(p, m), "gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
               "interleaved_1f1b": lambda: interleaved_1f1b(p, m, v), "zb_h1": lambda: zb_h1(p, m),
