@@ -693,3 +693,21 @@ def test_a_job_s_start_up_leaves_the_planner_s_predictions_unloaded_until_asked(
     before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                    check=True).stdout.splitlines()
     assert before == "[]" and "'minitrain.plan.calibrate'" in after and "'minitrain.plan.time'" in after, (before, after)
+
+
+def test_offloaded_states_are_on_the_host_and_on_a_cpu_count_against_its_one_memory():
+    """ZeRO-3 + offload of 10^10 parameters on 4 ranks of the 2-core CPU machine: the device holds nothing at rest
+    and the host 16 bytes per parameter of each rank's shard (ZeRO-Offload's fp16 shards, fp32 master and moments),
+    which on a CPU is the same memory: it does not fit there (it was said to fit in 5.89 GiB with 0 B), and fits
+    an 80 GB GPU beside a host that holds it."""
+    model = plan.Params(10 ** 10)
+    for machine, fits in (("cpu-2core", False), ("a100-80gb", True)):
+        layout = plan.Layout(world=4, dp=4, zero=3, offload=True, precision="fp16", batch_size=4)
+        result = plan.predict(model, layout, plan.load_machine(machine))
+        shard = 10 ** 10 // 4
+        assert result["memory_bytes"]["total"] == 0
+        assert result["host_memory_bytes"] == {"params": 2 * shard, "grads": 2 * shard, "optimizer_state": 12 * shard,
+                                               "total": 16 * shard}
+        assert (result["fits"], result["fits_counts_host"]) == (fits, machine == "cpu-2core"), machine
+    assert plan.predict(model, plan.Layout(world=4, dp=4, zero=3, precision="fp16", batch_size=4),
+                        plan.load_machine("a100-80gb"))["host_memory_bytes"] is None

@@ -49,6 +49,20 @@ def test_peak_memory_of_every_rank_is_the_ledgers_within_5_percent(results):
 
 
 @pytest.mark.slow
+def test_what_offload_puts_on_the_host_is_the_ledgers_to_the_byte(results):
+    """The planner counted the device alone: --offload's host bytes were in no prediction (and on a CPU, where they
+    share the one memory, a layout that did not fit was said to fit)."""
+    offloaded = [res for res in results if "--offload " in res["options"] + " "]
+    assert {res["name"] for res in offloaded} == {"zero2-bf16-offload", "zero3-offload-4"}
+    for res in offloaded:
+        for r in res["ranks"]:
+            measured, predicted = r["measured_host"], r["predicted_host"]
+            assert measured and predicted["total"] == sum(predicted[c] for c in ("params", "grads", "optimizer_state"))
+            assert {c: predicted[c] for c in measured} == measured, (res["name"], r["rank"], measured, predicted)
+    assert all(r["predicted_host"] is None for res in results if res not in offloaded for r in res["ranks"])
+
+
+@pytest.mark.slow
 def test_the_gpt_s_zero_bubble_runs_are_planned_to_the_byte(results):
     """validate's GPT runs under ZB-H1 and ZB-V: every category of every rank as its ledger counts it. Each block's
     B frees what only the input gradients need and keeps its weights' inputs until W: ZB-H1's last stage holds

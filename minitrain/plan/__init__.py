@@ -49,16 +49,21 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     from .calibrate import load_machine
     from .counts import flops_per_iteration
     from .memory import predict_memory
-    from .states import CATEGORIES
+    from .states import CATEGORIES, offloaded_states
     from .time import predict_time
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     memory = predict_memory(model, layout, accounting)
     heaviest = memory["stages"][memory["heaviest"]]
+    # --offload's host bytes (the mlp and params models: data parallelism alone, every rank alike)
+    host = offloaded_states(model.num_parameters(), layout) if layout.offload and model.kind != "gpt" else None
+    need, shared = heaviest["total"], False
     capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
-    if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory
-        capacity = machine["memory_bytes"] // layout.world
-    if not time_if_unfit and capacity is not None and heaviest["total"] > capacity:
+    if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory,
+        capacity = machine["memory_bytes"] // layout.world     # where the offloaded states live too
+        shared = host is not None
+        need += host["total"] if shared else 0
+    if not time_if_unfit and capacity is not None and need > capacity:
         return {"fits": False}
     time = predict_time(model, layout, machine)
     timed = model.kind != "params"                # model states alone: no step, its figures null
@@ -69,7 +74,8 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
               "step_time_s": {k: time[k] for k in ("compute", "comm", "bubble", "total")} if timed else None,
               "step_busy_s": time["busy"] if timed else None,
               "bubble_fraction": time["bubble_fraction"] if timed else None,
-              "fits": capacity is None or heaviest["total"] <= capacity, "device_memory_bytes": capacity,
+              "host_memory_bytes": host, "fits_counts_host": shared,
+              "fits": capacity is None or need <= capacity, "device_memory_bytes": capacity,
               "flops_per_iteration": flops_per_iteration(model, layout)}
     if per_stage:
         result["memory_bytes_per_stage"] = memory["stages"]

@@ -192,6 +192,10 @@ def show(result):
              "memory per rank (the heaviest): " + ", ".join(f"{c} {fmt(mem[c])}" for c in mem)
              + f"  -> {'fits' if result['fits'] else 'does NOT fit'}"
              + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else "")]
+    if result.get("host_memory_bytes"):          # --offload
+        lines.append("on the host (offloaded), per rank: " + ", ".join(
+            f"{c} {fmt(v)}" for c, v in result["host_memory_bytes"].items())
+            + ("; on a CPU the host's memory is the device's: 'fits' counts both" if result["fits_counts_host"] else ""))
     if result["model"] != "params":             # model states alone: no step to time
         lines.append(f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm "
                      f"{t['comm'] * 1e3:.3f} + bubble {t['bubble'] * 1e3:.3f} (bubble fraction "

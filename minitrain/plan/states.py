@@ -36,6 +36,20 @@ def model_states_at_rest(n, layout):
     return {**{c: int(row[c]) for c in CATEGORIES}, "total": int(sum(row.values()))}
 
 
+def offloaded_states(n, layout):
+    """What --offload puts on the host for n parameters (the ledger's "host" entries): the optimizer's state of
+    this rank's share with an fp32 (fp64) master copy (CPUOffloadOptimizer), and under ZeRO-3 the parameter and
+    gradient shards (FSDP's offload_params). Zeros without --offload."""
+    e, z, N = PRECISIONS[layout.precision], layout.zero, layout.dp
+    pad = -(-n // N) * N if z else n
+    state_n = n if z == 0 else pad // N
+    shard = e * pad // N if layout.offload and z == 3 else 0
+    moments = 1 if layout.optimizer == "sgd" else 2
+    row = {"params": shard, "grads": shard,
+           "optimizer_state": state_n * (4 if layout.mixed else e) * (moments + 1) if layout.offload else 0}
+    return {**{c: int(v) for c, v in row.items()}, "total": int(sum(row.values()))}
+
+
 def _one_moment(row):
     """A row whose categories are held all at once (model states at rest, the papers' sums)."""
     parts = {c: int(round(row.get(c, 0))) for c in CATEGORIES}

@@ -88,7 +88,8 @@ def run(name, machine=None, timeout=300):
     ranks, stages = [], {}
     for r in report["ranks"]:
         stage = predicted["memory_bytes_per_stage"][r["rank"] // per_stage]
-        ranks.append({"rank": r["rank"], "measured": r["memory"]["peak"], "predicted": stage})
+        ranks.append({"rank": r["rank"], "measured": r["memory"]["peak"], "predicted": stage,
+                      "measured_host": r["memory"].get("host"), "predicted_host": predicted["host_memory_bytes"]})
         stages.setdefault(r["rank"] // per_stage, []).append((r["step"]["step_busy_per_anchor"],
                                                               r["step"].get("step_busy_per_anchor_median", 0.0)))
     # the slowest stage, its ranks (which do the same work) averaged: the largest of two noisy equals is biased
