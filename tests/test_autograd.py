@@ -249,3 +249,14 @@ def test_queued_callbacks_run_when_backward_ends(float64):
     assert order == [("end", 4.0)]
     with pytest.raises(RuntimeError, match="while backward"):
         queue_callback(lambda: None)
+
+
+def test_a_grad_assigned_takes_the_tensor_s_shape():
+    """PyTorch's "assigned grad has data of a different size": a (1,) gradient put on a (3,) parameter was kept, and
+    every optimizer step then broadcast it over the whole parameter."""
+    for t in (mt.Tensor(np.ones(3), requires_grad=True), nn.Parameter(np.ones(3))):
+        with pytest.raises(ValueError, match=r"assigned grad has shape \(1,\), the tensor \(3,\)"):
+            t.grad = np.ones(1)
+        t.grad = np.full(3, 2.0)
+        t.grad = None
+        assert t.grad is None

@@ -42,3 +42,11 @@ class TensorHooks:
             self._post_acc_hooks = []
         self._post_acc_hooks.append(fn)
         return RemovableHandle(self._post_acc_hooks, fn)
+
+
+def check_grad(tensor, grad):
+    """What ``.grad`` accepts: the tensor's shape (PyTorch: "assigned grad has data of a different size"); a (1,)
+    gradient would broadcast into every update, silently."""
+    if grad is not None and tuple(grad.shape) != tuple(tensor.shape):
+        raise ValueError(f"assigned grad has shape {tuple(grad.shape)}, the tensor {tuple(tensor.shape)}")
+    return grad

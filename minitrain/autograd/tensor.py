@@ -10,7 +10,7 @@ register_hook and register_post_accumulate_grad_hook, which Tensor inherits, are
 import numpy as np
 
 from .. import backend, memory
-from .hooks import TensorHooks
+from .hooks import TensorHooks, check_grad
 
 
 def _as_array(data, dtype=None):
@@ -75,7 +75,7 @@ class Tensor(TensorHooks):
 
     @grad.setter
     def grad(self, value):
-        self._grad = value._data if isinstance(value, Tensor) else value
+        self._grad = check_grad(self, value._data if isinstance(value, Tensor) else value)
 
     @property
     def grad_fn(self):

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 from .. import backend, memory
 from ..autograd import Tensor, RemovableHandle
+from ..autograd.hooks import check_grad
 
 
 def _release(mem):
@@ -50,7 +51,7 @@ class Parameter(Tensor):
 
     @Tensor.grad.setter
     def grad(self, value):
-        value = value._data if isinstance(value, Tensor) else value
+        value = check_grad(self, value._data if isinstance(value, Tensor) else value)
         tracker = self._mem[0]
         if self._mem[2] is not None:
             tracker.remove(self._mem[2])
