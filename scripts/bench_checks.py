@@ -52,7 +52,7 @@ def worker(args):
     ddp = DistributedDataParallel(model, comm)
     opt = optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader((x_train, y_train), 64 // comm.size,
-                        sampler=DistributedSampler(len(x_train), comm.rank, comm.size, seed=0))
+                        sampler=DistributedSampler(len(x_train), num_replicas=comm.size, rank=comm.rank, seed=0))
     batches = list(loader)
 
     def train_step(i):

@@ -718,7 +718,7 @@ def test_data_position_carries_over_to_another_world_size_with_the_same_global_b
     x = np.arange(n)
 
     def batches(world, start=0):
-        loaders = [DataLoader((x,), batch // world, sampler=DistributedSampler(n, r, world, seed=3)) for r in range(world)]
+        loaders = [DataLoader((x,), batch // world, sampler=DistributedSampler(n, num_replicas=world, rank=r, seed=3)) for r in range(world)]
         for loader in loaders:
             loader.set_epoch(1)
             loader.load_state_dict({"epoch": 1, "batches_done": start, "seed": 3, "global_batch_size": batch})

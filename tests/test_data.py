@@ -21,7 +21,7 @@ def test_digits_split_is_fixed_by_seed():
 def test_ranks_batches_union_to_the_single_process_batch(world):
     n, per_rank = 96, 4
     single = DataLoader((np.arange(n),), per_rank * world, seed=3)
-    ranks = [DataLoader((np.arange(n),), per_rank, sampler=DistributedSampler(n, r, world, seed=3))
+    ranks = [DataLoader((np.arange(n),), per_rank, sampler=DistributedSampler(n, num_replicas=world, rank=r, seed=3))
              for r in range(world)]
     for epoch in range(2):
         single.set_epoch(epoch)
@@ -34,16 +34,16 @@ def test_ranks_batches_union_to_the_single_process_batch(world):
 
 def test_sampler_shards_are_disjoint_and_padded():
     n, world = 10, 4
-    shards = [DistributedSampler(n, r, world, seed=0).indices() for r in range(world)]
+    shards = [DistributedSampler(n, num_replicas=world, rank=r, seed=0).indices() for r in range(world)]
     assert all(len(s) == 3 for s in shards)
     flat = np.concatenate(shards)
     assert set(flat.tolist()) == set(range(n))          # everything covered, 2 repeated as padding
-    cut = [DistributedSampler(n, r, world, seed=0, drop_last=True).indices() for r in range(world)]
+    cut = [DistributedSampler(n, num_replicas=world, rank=r, seed=0, drop_last=True).indices() for r in range(world)]
     assert len(set(np.concatenate(cut).tolist())) == 8
 
 
 def test_sampler_changes_order_with_the_epoch():
-    s = DistributedSampler(50, 0, 1, seed=0)
+    s = DistributedSampler(50, num_replicas=1, rank=0, seed=0)
     first = s.indices().copy()
     s.set_epoch(1)
     assert not np.array_equal(first, s.indices())
@@ -51,7 +51,7 @@ def test_sampler_changes_order_with_the_epoch():
 
 def test_sampler_rejects_a_rank_outside_the_world():
     with pytest.raises(ValueError, match="rank 4"):
-        DistributedSampler(10, 4, 4)
+        DistributedSampler(10, num_replicas=4, rank=4)
 
 
 def test_text_corpus_round_trips_and_batches():
@@ -85,3 +85,15 @@ def test_digits_are_scikit_learns_exactly_and_load_without_importing_it():
     order = np.random.default_rng(0).permutation(len(sk.target))
     assert np.array_equal(np.concatenate([x_test, x_train]), sk.data[order] / 16.0)
     assert np.array_equal(np.concatenate([y_test, y_train]), sk.target[order]) and y_train.dtype == np.int64
+
+
+def test_the_sampler_takes_pytorchs_call_shape():
+    """DistributedSampler(dataset, num_replicas, rank, ...), as torch.utils.data.distributed's: it was (n, rank,
+    world), so PyTorch's positional DistributedSampler(data, 2, 1) was read as rank 2 of a world of 1."""
+    data = np.arange(10)
+    assert DistributedSampler(data, 2, 1, shuffle=False).indices().tolist() == [1, 3, 5, 7, 9]
+    assert DistributedSampler(10, num_replicas=2, rank=1, shuffle=False).num_replicas == 2
+    from minitrain import distributed as dist
+    if not dist.is_initialized():            # (outside an init_process_group: PyTorch's default needs one)
+        with pytest.raises(ValueError, match="give num_replicas and rank, or call init_process_group first"):
+            DistributedSampler(data)

@@ -237,5 +237,5 @@ def test_a_bucket_cap_that_is_not_a_finite_size_is_refused_by_ddp_and_zero(cap):
 
 def test_a_sampler_of_a_negative_number_of_samples_is_refused():
     from minitrain.data.sampler import DistributedSampler
-    with pytest.raises(ValueError, match="DistributedSampler: n, the number of samples, must be >= 0, got -3"):
-        DistributedSampler(-3)
+    with pytest.raises(ValueError, match="DistributedSampler: the number of samples must be >= 0, got -3"):
+        DistributedSampler(-3, num_replicas=1, rank=0)

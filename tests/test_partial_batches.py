@@ -33,7 +33,7 @@ def rank_batches(n, batch, world, epoch=1, drop_last=False, start=0):
     """Per rank, the index batches its global-batch loader yields, and the global rows of each."""
     out = []
     for r in range(world):
-        loader = DataLoader((np.arange(n),), batch, sampler=DistributedSampler(n, r, world, seed=3),
+        loader = DataLoader((np.arange(n),), batch, sampler=DistributedSampler(n, num_replicas=world, rank=r, seed=3),
                             drop_last=drop_last, global_batch=True)
         loader.set_epoch(epoch)
         if start:
@@ -64,8 +64,8 @@ def test_full_batches_keep_pytorch_s_rows_where_the_ranks_divide_the_batch():
     """Bit-identical losses where the data divides: rank r's rows in order, as the padded layout gives them."""
     n, batch, world = 20, 8, 4
     for r in range(world):
-        old = DataLoader((np.arange(n),), batch // world, sampler=DistributedSampler(n, r, world, seed=3))
-        new = DataLoader((np.arange(n),), batch, sampler=DistributedSampler(n, r, world, seed=3), global_batch=True)
+        old = DataLoader((np.arange(n),), batch // world, sampler=DistributedSampler(n, num_replicas=world, rank=r, seed=3))
+        new = DataLoader((np.arange(n),), batch, sampler=DistributedSampler(n, num_replicas=world, rank=r, seed=3), global_batch=True)
         assert [b.tolist() for (b,) in new][:2] == [b.tolist() for (b,) in old][:2]
 
 

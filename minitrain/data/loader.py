@@ -23,7 +23,7 @@ class DataLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.drop_last, self.global_batch = batch_size, drop_last, global_batch
-        self.sampler = sampler or DistributedSampler(n, 0, 1, seed=seed, shuffle=shuffle)
+        self.sampler = sampler or DistributedSampler(n, num_replicas=1, rank=0, seed=seed, shuffle=shuffle)
         self.batches_done = 0           # batches yielded in the current epoch
         self.global_rows = None         # global_batch: the rows of the global batch last yielded
         self._resume_at = 0

@@ -46,12 +46,23 @@ def share_loss(loss_fn, output, target, global_rows, parts):
 
 
 class DistributedSampler:
-    def __init__(self, n, rank=0, world=1, seed=0, shuffle=True, drop_last=False):
+    """torch.utils.data.distributed.DistributedSampler's call shape: ``dataset`` (anything with a length, or the
+    number of samples), ``num_replicas`` and ``rank`` (default: the initialized process group's)."""
+
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+        n = dataset if isinstance(dataset, (int, np.integer)) and not isinstance(dataset, bool) else len(dataset)
+        if num_replicas is None or rank is None:
+            from .. import distributed
+            if not distributed.is_initialized():
+                raise ValueError("DistributedSampler: give num_replicas and rank, or call init_process_group first")
+            num_replicas = distributed.get_world_size() if num_replicas is None else num_replicas
+            rank = distributed.get_rank() if rank is None else rank
+        world = num_replicas
         if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in a world of size {world}")
+            raise ValueError(f"DistributedSampler: rank {rank} is not in a world of num_replicas={world}")
         if n < 0:
-            raise ValueError(f"DistributedSampler: n, the number of samples, must be >= 0, got {n}")
-        self.n, self.rank, self.world, self.seed = n, rank, world, seed
+            raise ValueError(f"DistributedSampler: the number of samples must be >= 0, got {n}")
+        self.n, self.rank, self.world, self.num_replicas, self.seed = n, rank, world, world, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch = 0
         if drop_last:

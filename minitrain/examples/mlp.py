@@ -138,7 +138,7 @@ def _main(argv=None):
             memory.set_device_capacity(args.device_memory)
         except memory.DeviceOutOfMemory as e:
             return does_not_fit(args, comm, e)
-    sampler = DistributedSampler(len(x_train), rank, world, seed=args.seed)
+    sampler = DistributedSampler(len(x_train), num_replicas=world, rank=rank, seed=args.seed)
     loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
 
     try:

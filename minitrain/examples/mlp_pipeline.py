@@ -84,7 +84,7 @@ def main_pipeline(args, parser, comm):
         print(format_stage_table(pipe.stage_rows, formula=equal, implied=implied))
     opt = (optim.Adam(pipe.parameters(), lr=1e-3 if args.lr is None else args.lr) if args.optimizer == "adam"
            else optim.SGD(pipe.parameters(), lr=0.1 if args.lr is None else args.lr, momentum=0.9))
-    sampler = DistributedSampler(len(x_train), dp_comm.rank, args.dp, seed=args.seed)
+    sampler = DistributedSampler(len(x_train), num_replicas=args.dp, rank=dp_comm.rank, seed=args.seed)
     loader = DataLoader((x_train, y_train), args.batch_size, sampler=sampler, global_batch=True)
     ckpt = checkpointing.Checkpointer(args, comm, pipe, opt, layout=layout(args, world, 0),
                                       **checkpointing.data_loader(loader))
