@@ -47,16 +47,14 @@ def share_loss(loss_fn, output, target, global_rows, parts):
 
 class DistributedSampler:
     """torch.utils.data.distributed.DistributedSampler's call shape: ``dataset`` (anything with a length, or the
-    number of samples), ``num_replicas`` and ``rank`` (default: the initialized process group's)."""
+    number of samples), ``num_replicas`` and ``rank``. Both are given: data/ sits below the ranks' layers and does
+    not read the process group (PyTorch takes them from it when left out)."""
 
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
         n = dataset if isinstance(dataset, (int, np.integer)) and not isinstance(dataset, bool) else len(dataset)
         if num_replicas is None or rank is None:
-            from .. import distributed
-            if not distributed.is_initialized():
-                raise ValueError("DistributedSampler: give num_replicas and rank, or call init_process_group first")
-            num_replicas = distributed.get_world_size() if num_replicas is None else num_replicas
-            rank = distributed.get_rank() if rank is None else rank
+            raise ValueError("DistributedSampler: give num_replicas and rank (e.g. dist.get_world_size(), "
+                             "dist.get_rank()): minitrain's data layer does not read the process group")
         world = num_replicas
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"DistributedSampler: rank {rank} is not in a world of num_replicas={world}")
