@@ -17,7 +17,7 @@ import os
 import sys
 
 from ._backend import switch
-from ._backend.dtypes import bfloat16, LOW_PRECISION, set_default_dtype, get_default_dtype
+from ._backend.dtypes import bfloat16, LOW_PRECISION, set_default_dtype, get_default_dtype, is_int, is_real
 from ._backend.switch import (_import_cupy, set_device, get_device, cuda_available, gpu_count, use_gpu,
                               bind_thread, gpu_index, describe_device, xp, array_module, is_device_array)
 from ._backend.moves import (transfer_counts, to_host, to_device, to_host_into, to_device_into, to_scalar,
@@ -26,7 +26,7 @@ from ._backend.arrays import scatter_add, matmul, argsort, device_uniform, addre
 from ._backend.host import (launch_info, local_rank, local_rank_count, usable_cores, BLAS_THREAD_VARS, default_blas_threads,
                             limit_blas_threads, HELD_ARRAY_BYTES, hold_host_memory, blas_threads)
 
-__all__ = ["bfloat16", "LOW_PRECISION", "set_default_dtype", "get_default_dtype",
+__all__ = ["bfloat16", "LOW_PRECISION", "set_default_dtype", "get_default_dtype", "is_int", "is_real",
            "_import_cupy", "set_device", "get_device", "cuda_available", "gpu_count", "use_gpu",
            "bind_thread", "gpu_index", "describe_device", "xp", "array_module", "is_device_array",
            "transfer_counts", "to_host", "to_device", "to_host_into", "to_device_into", "to_scalar",

@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from ..backend import is_int
+
 
 def split_sizes(count, parts):
     """count rows into parts as evenly as possible (the first count % parts get one more; some may
@@ -51,7 +53,7 @@ class DistributedSampler:
     not read the process group (PyTorch takes them from it when left out)."""
 
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
-        n = dataset if isinstance(dataset, (int, np.integer)) and not isinstance(dataset, bool) else len(dataset)
+        n = dataset if is_int(dataset) else len(dataset)
         if num_replicas is None or rank is None:
             raise ValueError("DistributedSampler: give num_replicas and rank (e.g. dist.get_world_size(), "
                              "dist.get_rank()): minitrain's data layer does not read the process group")

@@ -2,7 +2,6 @@
 new_group's sub-communicators (comm.split) and new_subgroups' (one new_group each), ranks in and out of a
 group, PyTorch's reduction names."""
 import datetime
-import numbers
 import operator
 import warnings
 
@@ -145,7 +144,7 @@ def new_subgroups(group_size=None, group=None, timeout=None, backend=None, pg_op
     world = _group(None, "new_subgroups")
     pg = None if group is GroupMember.NON_GROUP_MEMBER else _group(group, "new_subgroups")
     size = backend_module.local_rank_count() if group_size is None else group_size
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+    if not backend_module.is_int(size):
         raise TypeError(f"new_subgroups: group_size must be an integer, got {size!r}")
     table = C.ring_all_gather(world.comm, np.array([size, -1 if pg is None else pg.rank()], np.int64),
                               total=2 * world.size()).reshape(world.size(), 2)

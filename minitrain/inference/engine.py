@@ -17,7 +17,8 @@ import numpy as np
 
 from .. import backend, memory
 from ..autograd import no_grad
-from ..nn.generation import ContiguousKVCache, is_int, sample
+from ..backend import is_int
+from ..nn.generation import ContiguousKVCache, sample
 from ..nn.moe import MoE
 from .kv_cache import BlockPool, PagedKVCache
 from .scheduler import Scheduler, Sequence

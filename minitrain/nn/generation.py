@@ -161,11 +161,6 @@ class ContiguousKVCache(KVCache):
         return self.tokens_held() * self.bytes_per_token
 
 
-def is_int(value):
-    """An integer, as torch takes a count or a token id: a bool or 2.5 is not one."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def sample(logits, temperature=1.0, top_k=None, rng=None):
     """One token from a row of host logits: the argmax when ``temperature`` is 0 (greedy), else one
     draw of ``rng`` from softmax(logits / temperature) over the ``top_k`` largest (nanoGPT's rule)."""
@@ -191,7 +186,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None, 
     is computed from the last block_size tokens without the cache, exactly as with ``cache=None``."""
     rng = rng or np.random.default_rng(0)
     idx = backend.to_host(idx.data if isinstance(idx, Tensor) else idx)
-    if idx.ndim != 2 or 0 in idx.shape or not (is_int(max_new_tokens) and max_new_tokens >= 0):
+    if idx.ndim != 2 or 0 in idx.shape or not (backend.is_int(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"generate takes idx of shape (B, T), B and T >= 1, and max_new_tokens an integer >= 0; got "
                          f"shape {idx.shape} and {max_new_tokens!r}")
     B, context = idx.shape[0], model.config.block_size

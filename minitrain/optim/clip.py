@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .. import kernels
-from ..backend import array_module, is_device_array
+from ..backend import array_module, is_device_array, is_real
 
 
 def sum_of_squares(arrays, like=None):
@@ -31,7 +31,7 @@ def sum_of_squares(arrays, like=None):
 def check_max_norm(max_norm, name="clip_grad_norm_"):
     """max_norm is a number >= 0 (inf: the norm measured, nothing clipped): a negative one would flip every
     gradient's sign and NaN make them NaN (PyTorch takes both), with no error."""
-    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float, np.integer, np.floating)) and max_norm >= 0):
+    if not (is_real(max_norm) and max_norm >= 0):
         raise ValueError(f"{name}: max_norm must be a number >= 0 (inf: measure the norm, clip nothing), got {max_norm!r}")
 
 

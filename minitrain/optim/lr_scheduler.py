@@ -14,6 +14,8 @@ travel with state_dict() as in PyTorch. state_dict() is JSON-able: checkpoints s
 import math
 import types
 
+from ..backend import is_int
+
 
 class LRScheduler:
     def __init__(self, optimizer, last_epoch=-1):
@@ -89,7 +91,7 @@ class StepLR(LRScheduler):
     """Multiply the lr by ``gamma`` every ``step_size`` steps."""
 
     def __init__(self, optimizer, step_size, gamma=0.1, last_epoch=-1):
-        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:   # (PyTorch: 0 divides by 0
+        if not (is_int(step_size) and step_size >= 1):     # (PyTorch: 0 divides by 0
             raise ValueError(f"StepLR: step_size must be an integer >= 1, got {step_size!r}")  # at the first step)
         self.step_size, self.gamma = step_size, gamma
         super().__init__(optimizer, last_epoch)

@@ -38,19 +38,19 @@ from .optimizer import _release, param_groups
 def check_scaling(loss_scale, init_scale, growth_factor, backoff_factor, growth_interval):
     """What GradScaler asserts (growth above 1, backoff below 1), and what would silently stop training: a scale of
     0 zeroes every gradient (and 0 as a static loss_scale read as none), inf or NaN makes every step overflow."""
-    def number(x):
-        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-    problems = [f"loss_scale must be 'auto', 'dynamic', None or a positive finite number, got {loss_scale!r}"
-                if loss_scale not in ("auto", "dynamic", None) and not (number(loss_scale) and 0 < loss_scale < math.inf)
-                else None,
-                None if number(init_scale) and 0 < init_scale < math.inf else
-                f"init_scale must be a positive finite number, got {init_scale!r}",
-                None if number(growth_factor) and growth_factor > 1 else f"growth_factor must be > 1, got {growth_factor!r}",
-                None if number(backoff_factor) and 0 < backoff_factor < 1 else
-                f"backoff_factor must be in (0, 1), got {backoff_factor!r}",
-                None if isinstance(growth_interval, (int, np.integer)) and not isinstance(growth_interval, bool)
-                and growth_interval >= 1 else f"growth_interval must be an integer >= 1, got {growth_interval!r}"]
-    problems = [p for p in problems if p]
+    def positive_finite(x):
+        return backend.is_real(x) and 0 < x < math.inf
+    problems = []
+    if loss_scale not in ("auto", "dynamic", None) and not positive_finite(loss_scale):
+        problems.append(f"loss_scale must be 'auto', 'dynamic', None or a positive finite number, got {loss_scale!r}")
+    if not positive_finite(init_scale):
+        problems.append(f"init_scale must be a positive finite number, got {init_scale!r}")
+    if not (backend.is_real(growth_factor) and growth_factor > 1):
+        problems.append(f"growth_factor must be > 1, got {growth_factor!r}")
+    if not (backend.is_real(backoff_factor) and 0 < backoff_factor < 1):
+        problems.append(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if not (backend.is_int(growth_interval) and growth_interval >= 1):
+        problems.append(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
     if problems:
         raise ValueError("MixedPrecisionOptimizer: " + "; ".join(problems))
 

@@ -19,7 +19,6 @@ flat buffer per bucket for the gradients and one for the result (comm_buffers).
 import contextlib
 import hashlib
 import math
-import numbers
 
 import numpy as np
 
@@ -59,7 +58,7 @@ def check_reduce_op(reduce_op, who):
 def bucket_cap_bytes(bucket_cap_mb, who):
     """The bucket cap in bytes: a finite number of MiB, 0 or more (0: a bucket per parameter, as PyTorch's 0 makes;
     NaN ended in int()'s error, a negative cap was taken)."""
-    if isinstance(bucket_cap_mb, bool) or not (isinstance(bucket_cap_mb, numbers.Real) and 0 <= bucket_cap_mb < math.inf):
+    if not (backend.is_real(bucket_cap_mb) and 0 <= bucket_cap_mb < math.inf):
         raise ValueError(f"{who}: bucket_cap_mb must be a finite number of MiB, 0 or more, got {bucket_cap_mb!r}")
     return int(bucket_cap_mb * 1024 * 1024)
 

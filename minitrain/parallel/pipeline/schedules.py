@@ -26,7 +26,7 @@ fraction is (p-1)/(v·m + p - 1).
 """
 from dataclasses import dataclass
 
-import numpy as np
+from ...backend import is_int
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def microbatch_sizes(rows, m):
 
 def default_chunks(name, chunks=None):
     """Model chunks per stage: chunks for interleaved_1f1b (default 1), 2 for zbv, else 1."""
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1):
+    if chunks is not None and not (is_int(chunks) and chunks >= 1):
         raise ValueError(f"{name}: chunks must be an integer >= 1, got {chunks!r}")
     if name == "zbv":
         if chunks not in (None, 2):
@@ -216,7 +216,7 @@ def get_schedule(name, num_stages, num_microbatches, chunks=None, steps=1):
     """Per stage, the ordered list of Actions. chunks only for interleaved_1f1b (zbv has 2);
     steps (batches chained without a flush) only for pipedream_2bw."""
     p, m = num_stages, num_microbatches
-    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in (p, m)):
+    if not all(is_int(n) and n >= 1 for n in (p, m)):
         raise ValueError(f"a pipeline needs an integer >= 1 of stages and of micro-batches (num_microbatches), got "
                          f"{p!r} and {m!r}")
     v = default_chunks(name, chunks)
