@@ -28,11 +28,13 @@ HARD_TIMEOUT_FACTOR = 3           # timeout=None means 3 x comm_timeout
 def _check_buffer(a, what, kind):    # what(): the call's name, made only for an error (every message passes)
     if not hasattr(a, "nbytes"):
         raise CommError(f"{what()}: expected a numpy or cupy array, got {type(a).__name__}")
-    problem = ("is not contiguous (use ascontiguousarray)" if not (a.flags.c_contiguous or a.size == 0) else
-               "is read-only, and a receive writes into it" if kind == "recv" and not getattr(a.flags, "writeable", True)
-               else "holds Python objects, whose pointers mean nothing in another process" if a.dtype.hasobject else "")
-    if problem:                       # (CuPy's arrays are always writeable and never hold objects)
-        raise CommError(f"{what()}: buffer of shape {a.shape} {problem}")
+    if not (a.flags.c_contiguous or a.size == 0):
+        raise CommError(f"{what()}: buffer of shape {a.shape} is not contiguous (use ascontiguousarray)")
+    if kind == "recv" and not getattr(a.flags, "writeable", True):       # (CuPy's arrays are always writeable)
+        raise CommError(f"{what()}: buffer of shape {a.shape} is read-only, and a receive writes into it")
+    if a.dtype.hasobject:
+        raise CommError(f"{what()}: buffer of shape {a.shape} holds Python objects, whose pointers mean nothing in "
+                        f"another process")
 
 
 class Communicator(Launcher):

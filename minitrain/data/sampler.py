@@ -62,7 +62,7 @@ class DistributedSampler:
             raise ValueError(f"DistributedSampler: rank {rank} is not in a world of num_replicas={world}")
         if n < 0:
             raise ValueError(f"DistributedSampler: the number of samples must be >= 0, got {n}")
-        self.n, self.rank, self.world, self.num_replicas, self.seed = n, rank, world, world, seed
+        self.n, self.rank, self.world, self.seed = n, rank, world, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch = 0
         if drop_last:
@@ -70,6 +70,11 @@ class DistributedSampler:
         else:
             self.num_samples = math.ceil(n / world)
         self.total_size = self.num_samples * world
+
+    @property
+    def num_replicas(self):
+        """PyTorch's name for the world the sampler shares out over."""
+        return self.world
 
     def set_epoch(self, epoch):
         """A new permutation each epoch, the same on every rank."""
