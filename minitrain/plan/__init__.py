@@ -49,14 +49,18 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     from .calibrate import load_machine
     from .counts import flops_per_iteration
     from .memory import predict_memory
+    from .activations import mlp_pieces
     from .states import CATEGORIES, offloaded_states
     from .time import predict_time
     check(model, layout)
     machine = machine if isinstance(machine, dict) else load_machine(machine)
     memory = predict_memory(model, layout, accounting)
     heaviest = memory["stages"][memory["heaviest"]]
-    # --offload's host bytes (the mlp and params models: data parallelism alone, every rank alike)
-    host = offloaded_states(model.num_parameters(), layout) if layout.offload and model.kind != "gpt" else None
+    # --offload's host bytes (the mlp and params models: data parallelism alone, every rank alike; the MLP's
+    # ZeRO-3 shards padded unit by unit, as its walk pads them)
+    units = ([u for p in mlp_pieces(model, layout, layout.micro_batch_size) for u in p.units]
+             if model.kind == "mlp" and layout.offload else None)
+    host = offloaded_states(model.num_parameters(), layout, units) if layout.offload and model.kind != "gpt" else None
     need, shared = heaviest["total"], False
     capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
     if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory,

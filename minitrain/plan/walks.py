@@ -6,7 +6,7 @@ schedule's actions. What each piece keeps for backward is plan/activations.py's.
 from functools import lru_cache
 
 from .layout import PRECISIONS, Layout
-from .states import CATEGORIES, fp32_step_grads, optimizer_bytes
+from .states import CATEGORIES, fp32_step_grads, optimizer_bytes, zero3_share
 
 
 def step_walk(pieces, layout, dp):
@@ -19,7 +19,7 @@ def step_walk(pieces, layout, dp):
     pad = -(-n // N) * N if z else n                          # ZeRO-1/2: one flat buffer padded to N
     unit_pad = lambda u: -(-sum(u) // N) * N                  # noqa: E731  ZeRO-3: one flat buffer per unit
     units = [u for p in pieces for u in p.units]
-    shards = sum(unit_pad(u) for u in units) // N if z == 3 else 0
+    shards = zero3_share(units, N) if z == 3 else 0
     state_n = {0: n, 1: pad // N, 2: pad // N, 3: shards}[z]  # parameters this rank's optimizer steps
     live = dict.fromkeys(CATEGORIES, 0)
     peak = dict.fromkeys(CATEGORIES, 0)
