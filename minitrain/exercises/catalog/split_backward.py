@@ -7,6 +7,7 @@ import numpy as np
 from ..comparing import as_array, compare, host, to_learner
 from ..grading import Check, Mismatch
 from ..harness import run_ranks
+from ..watching import Watched, watch
 
 TITLE = "the backward split for zero-bubble pipelines: B (input gradient) now, W (weight gradient) later"
 ORDER = 137
@@ -138,59 +139,17 @@ def _halves(impl, g, x, w, what):
         ("averaged over the rows: sum them (the loss's 1/N is already in grad_y)", lambda: rows_g.mean(axis=0))])
 
 
-class _Watched(np.ndarray):
-    """An array whose every numeric operation (not a reshape or copy) is noted: (half running, name, op)."""
-    SHAPING = {"reshape", "ravel", "transpose", "swapaxes", "moveaxis", "copy", "ascontiguousarray", "asarray",
-               "asanyarray", "shape", "ndim", "size", "result_type", "shares_memory", "may_share_memory"}
-    seen, half = [], None
-
-    def __array_finalize__(self, obj):
-        self.name = getattr(obj, "name", None)
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        op = ufunc.__name__ + ("" if method == "__call__" else "." + method)
-        _Watched.seen += [(_Watched.half, name, op) for name in _names(inputs)]
-        return getattr(ufunc, method)(*_plain(inputs), **_plain(kwargs))
-
-    def __array_function__(self, func, types, args, kwargs):
-        names = _names(args) + _names(kwargs.values())
-        out = func(*_plain(args), **_plain(kwargs))
-        if func.__name__ not in self.SHAPING:
-            _Watched.seen += [(_Watched.half, name, f"np.{func.__name__}") for name in names]
-        elif isinstance(out, np.ndarray) and names:     # a view or a copy of x is still x
-            out = out.view(_Watched)
-            out.name = names[0]
-        return out
-
-
-def _names(values):
-    return [n for v in values for n in (_names(v) if isinstance(v, (tuple, list)) else
-                                         [v.name] if isinstance(v, _Watched) else [])]
-
-
-def _plain(v):
-    if isinstance(v, (tuple, list, dict)):
-        return {k: _plain(u) for k, u in v.items()} if isinstance(v, dict) else type(v)(_plain(u) for u in v)
-    return v.view(np.ndarray) if isinstance(v, _Watched) else v
-
-
-def _watch(a, name):
-    w = np.array(a).view(_Watched)
-    w.name = name
-    return w
-
-
 def _split(impl):
     g, x, w = _values((2, 3), 5, 4, 2)
-    _Watched.seen = []
+    Watched.seen = []
     try:
-        _Watched.half = "B"
-        _, deferred = _pair(impl[0](_watch(g, "grad_y"), _watch(x, "x"), _watch(w, "weight")), "backward_b", "B")
-        _Watched.half = "W"
+        Watched.half = "B"
+        _, deferred = _pair(impl[0](watch(g, "grad_y"), watch(x, "x"), watch(w, "weight")), "backward_b", "B")
+        Watched.half = "W"
         _pair(impl[1](deferred), "backward_w", "W")
     finally:
-        _Watched.half = None
-    for half, name, op in _Watched.seen:
+        Watched.half = None
+    for half, name, op in Watched.seen:
         if half == "B" and name == "x":
             raise Mismatch(f"B ran {op} on x: the weight gradient (grad_y.T @ x) is W's work, which the pipeline "
                            f"defers; B keeps x for W (in deferred) and computes nothing from it")
