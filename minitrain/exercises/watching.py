@@ -1,6 +1,6 @@
 """Watched NumPy arrays: a grader hands the learner arrays that note every numeric operation run on them
 (a ufunc or a NumPy function, not a reshape, view or copy, whose result stays watched under the same name),
-so that a check can say which half of an algorithm computed what (``Watched.half``, set by the grader)."""
+so that a check can say which half of an algorithm computed what (Watched.half, which the grader sets)."""
 import numpy as np
 
 
