@@ -118,11 +118,14 @@ step_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$LAUNCHER" --version 2>&1 | head -2
   "$PY" - <<'EOF'
-import importlib, platform, sys
+import importlib.metadata, platform, sys
 print("python", platform.python_version())
-for name in ("numpy", "cupy", "torch", "mpi4py", "ml_dtypes", "sklearn", "pytest", "tqdm", "threadpoolctl", "matplotlib"):
+# the installed versions, read without importing each package (torch and sklearn take seconds to import)
+for name, dist in (("numpy", "numpy"), ("cupy", None), ("torch", "torch"), ("mpi4py", "mpi4py"),
+                   ("ml_dtypes", "ml_dtypes"), ("sklearn", "scikit-learn"), ("pytest", "pytest"), ("tqdm", "tqdm"),
+                   ("threadpoolctl", "threadpoolctl"), ("matplotlib", "matplotlib")):
     try:
-        print(f"{name:<14}", getattr(importlib.import_module(name), "__version__", "?"))
+        print(f"{name:<14}", importlib.metadata.version(dist) if dist else importlib.import_module(name).__version__)
     except Exception as e:
         print(f"{name:<14} missing ({type(e).__name__})")
 import cupy

@@ -174,17 +174,20 @@ def main():
     comm = init(comm_timeout=60)
     big = "--big" in sys.argv
     counts = run_all(comm, mpi_comm=comm.mpi_comm)
-    if big:   # 2^27 + 3 elements (512 MiB of float32 per rank), not divisible by p
+    if big:   # 2^27 + 3 elements, not divisible by p
         n, period = (1 << 27) + 3, 251
-        # a different small integer at every position and rank, i % 251 + 7·rank (exact in float32 in any
-        # order), so that a chunk sent to the wrong place, or summed twice, changes the result
-        x = np.resize(np.arange(period, dtype=np.float32) + 7 * comm.rank, n)
+        # a different small integer at every position and rank, i % 251 + 7·rank, so that a chunk sent to the
+        # wrong place, or summed twice, changes the result; in the narrowest integer that holds the sum (int16,
+        # 256 MiB a rank at p = 4: the length is what is checked here, and half float32's bytes halve its time)
+        top = (period - 1) * comm.size + 7 * sum(range(comm.size))
+        dtype = np.int16 if top < 2 ** 15 else np.int32
+        x = np.resize(np.arange(period, dtype=dtype) + 7 * comm.rank, n)
         got = R.ring_all_reduce(comm, x)
         ref = np.empty_like(x)
         comm.mpi_comm.Allreduce(x, ref)
         assert np.array_equal(got, ref), f"[rank {comm.rank}] 2^27 + 3 elements differ from MPI"
         del x, ref
-        want = (np.arange(period) * comm.size + 7 * sum(range(comm.size))).astype(np.float32)   # the formula
+        want = (np.arange(period) * comm.size + 7 * sum(range(comm.size))).astype(dtype)   # the formula
         whole = n // period * period
         rows = got[:whole].reshape(-1, period)
         for lo in range(0, len(rows), 1 << 16):            # a block of rows at a time (memory)
