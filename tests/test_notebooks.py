@@ -92,6 +92,15 @@ def test_every_notebook_asserts_what_it_teaches(path):
     assert asserts, f"{path.name} asserts nothing: a walkthrough must check what it shows"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_every_cell_has_its_own_id(path):
+    """nbformat 4.5 gives every cell an id (Jupyter's links and diffs use it); a cell written without one is
+    a warning today and, nbformat says, a hard error in a future version."""
+    import json
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids), (path.name, ids)
+
+
 def test_every_notebook_is_in_the_readme_and_every_readme_notebook_exists():
     readme = (ROOT / "README.md").read_text()
     named = set(re.findall(r"notebooks/(\d\d_\w+\.ipynb)", readme))
