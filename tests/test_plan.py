@@ -713,6 +713,34 @@ def test_offloaded_states_are_on_the_host_and_on_a_cpu_count_against_its_one_mem
                         plan.load_machine("a100-80gb"))["host_memory_bytes"] is None
 
 
+def test_offload_on_a_gpu_machine_fits_only_where_each_rank_s_share_of_its_host_holds_what_it_offloads():
+    """A GPU machine's host (a100-80gb: a DGX A100's 2 TiB for its 8 GPUs) is shared by the ranks on it, min(world, 8):
+    GPT-3's 175B under ZeRO-3 + offload puts 16 bytes a parameter of each shard on the host, 350 GB a rank on 8 ranks,
+    more than a rank's 256 GiB (it was said to fit: nothing on the device), and 43.75 GB on 64; 13B on 4 ranks gets
+    half the node each. --host-memory gives another host; refused where nothing is offloaded."""
+    node, shard = 2 ** 41, lambda n, world: 16 * n // world
+    for n, world, share, fits in ((175e9, 8, node // 8, False), (175e9, 64, node // 8, True), (13e9, 4, node // 4, True)):
+        result = cli(f"params --num-params {n:.0f} --world {world} --zero 3 --offload --precision bf16 --machine a100-80gb")
+        assert result["memory_bytes"]["total"] == 0 and result["host_memory_bytes"]["total"] == shard(int(n), world)
+        assert (result["host_capacity_bytes"], result["fits"], result["fits_counts_host"]) == (share, fits, False), n
+    bigger = cli("params --num-params 175e9 --world 8 --zero 3 --offload --precision bf16 --machine a100-80gb "
+                 "--host-memory 4e12")
+    assert (bigger["host_capacity_bytes"], bigger["fits"]) == (5 * 10 ** 11, True)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main("params --num-params 175e9 --world 8 --zero 3 --offload --precision bf16 --machine a100-80gb".split())
+    assert "total 0 B  -> fits in 80.00 GiB" in out.getvalue()                     # the device's verdict, then the host's
+    assert "total 325.96 GiB  -> does NOT fit in its share of the host, 256.00 GiB" in out.getvalue()
+    # --search tries every ZeRO stage with and without offload: only ZeRO-3 + offload fits, and only on a bigger host
+    search = "params --num-params 175e9 --world 8 --precision bf16 --machine a100-80gb --search"
+    assert cli(search) == [] and [r["describe"] for r in cli(search + " --host-memory 4e12")] == [
+        "dp8 pp1 tp1 zero3+offload m=1 x b=1"]
+    assert "--host-memory is not supported with a layout that offloads nothing" in refused(
+        "params --num-params 1e9 --world 8 --zero 3 --machine a100-80gb --host-memory 4e12")
+    assert "--host-memory is not supported with the gpt model" in refused("gpt --world 2 --machine a100-80gb --host-memory 1e12")
+    assert cli("params --num-params 1e9 --world 8 --zero 3 --machine a100-80gb")["host_capacity_bytes"] is None
+
+
 @pytest.mark.slow
 def test_zero3_offload_of_units_no_rank_count_divides_is_planned_to_the_byte(tmp_path):
     """FSDP pads each unit's flat shard on its own: at hidden 33 on 4 ranks the host holds 1,184 elements per rank, where

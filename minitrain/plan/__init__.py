@@ -63,11 +63,12 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
     host = offloaded_states(model.num_parameters(), layout, units) if layout.offload and model.kind != "gpt" else None
     need, shared = heaviest["total"], False
     capacity = device_memory if device_memory is not None else machine.get("device_memory_bytes")
-    if capacity is None and machine.get("memory_bytes"):       # a CPU: the ranks share the host's memory,
-        capacity = machine["memory_bytes"] // layout.world     # where the offloaded states live too
-        shared = host is not None
+    host_share = host_share_bytes(machine, layout.world)
+    if capacity is None and host_share is not None:   # a CPU: the ranks' memory is the host's,
+        capacity, shared = host_share, host is not None        # where the offloaded states live too
         need += host["total"] if shared else 0
-    if not time_if_unfit and capacity is not None and need > capacity:
+    host_fits = host is None or shared or host_share is None or host["total"] <= host_share
+    if not time_if_unfit and not (host_fits and (capacity is None or need <= capacity)):
         return {"fits": False}
     time = predict_time(model, layout, machine)
     timed = model.kind != "params"                # model states alone: no step, its figures null
@@ -79,11 +80,22 @@ def predict(model, layout, machine=None, accounting="minitrain", device_memory=N
               "step_busy_s": time["busy"] if timed else None,
               "bubble_fraction": time["bubble_fraction"] if timed else None,
               "host_memory_bytes": host, "fits_counts_host": shared,
-              "fits": capacity is None or need <= capacity, "device_memory_bytes": capacity,
+              "host_capacity_bytes": host_share if host is not None else None,
+              "fits": host_fits and (capacity is None or need <= capacity), "device_memory_bytes": capacity,
               "flops_per_iteration": flops_per_iteration(model, layout)}
     if per_stage:
         result["memory_bytes_per_stage"] = memory["stages"]
     return result
+
+
+def host_share_bytes(machine, world):
+    """Each rank's share of its host's memory (machine["memory_bytes"], one host's): on a CPU every rank is on the
+    one host; on a GPU machine its gpus_per_node ranks share one (as DeepSpeed's estimators count a node's CPU
+    memory). None where the machine does not say."""
+    if not machine.get("memory_bytes"):
+        return None
+    on_one = world if machine.get("device_memory_bytes") is None else min(world, machine.get("gpus_per_node", 1))
+    return machine["memory_bytes"] // on_one
 
 
 def mlp_from_args(args, world):

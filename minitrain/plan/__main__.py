@@ -53,6 +53,10 @@ def add_common(p, precision="fp32"):
                    help="minitrain: the bytes the jobs' ledger counts; paper: ZeRO's and Korthikanti's formulas")
     p.add_argument("--device-memory", type=cli.positive_float, default=None, metavar="BYTES",
                    help="memory per rank (default: the machine's); a layout fits if its heaviest rank fits")
+    p.add_argument("--host-memory", type=cli.positive_float, default=None, metavar="BYTES",
+                   help="one host's memory, shared by the ranks on it (a GPU machine's GPUs per node, a CPU's every "
+                        "rank; default: the machine's): a layout that offloads fits if each rank's share holds what "
+                        "it offloads")
     p.add_argument("--json", nargs="?", const="-", type=_json_path, metavar="PATH",
                    help="print JSON (or write it to PATH; default: a table)")
     p.add_argument("--search", action="store_true", help="rank every valid layout of this world that fits")
@@ -178,6 +182,19 @@ def model_and_layout(args):
     return Params(int(args.num_params)), layout
 
 
+def with_host_memory(parser, args, machine, model, layout):
+    """The machine with --host-memory as its host's memory, or the option refused where it would change nothing: a
+    device of its own (a GPU's, or --device-memory on a CPU) and nothing offloaded (the planner counts the host bytes
+    of the mlp and params models' --offload; params' --search tries offload whatever was asked)."""
+    own_device = machine.get("device_memory_bytes") is not None or args.device_memory is not None
+    offloads = model.kind != "gpt" and (layout.offload or (args.search and model.kind == "params"))
+    if own_device and not offloads:
+        cli.refuse(parser, "--host-memory", "a layout that offloads nothing" if model.kind != "gpt" else "the gpt model",
+                   "each rank holds everything on its device, so nothing is planned on the host; --offload puts "
+                   "the mlp's and params' optimizer state there")
+    return {**machine, "memory_bytes": int(args.host_memory)}
+
+
 def fmt(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -186,16 +203,19 @@ def fmt(n):
 
 
 def show(result):
-    mem, t = result["memory_bytes"], result["step_time_s"]
+    mem, t, host, shared = result["memory_bytes"], result["step_time_s"], result["host_memory_bytes"], result["fits_counts_host"]
+    device, host_share = result["device_memory_bytes"], result["host_capacity_bytes"]
+    # the verdict on each memory: the device's alone where the host is checked apart (a GPU's, with --offload)
+    device_fits = result["fits"] if shared or host is None else device is None or mem["total"] <= device
     lines = [f"{result['model']} ({result['num_params']:,} parameters) on {result['layout']['world']} rank(s): "
              f"{result['describe']}; {result['accounting']} accounting, machine {result['machine']}",
              "memory per rank (the heaviest): " + ", ".join(f"{c} {fmt(mem[c])}" for c in mem)
-             + f"  -> {'fits' if result['fits'] else 'does NOT fit'}"
-             + (f" in {fmt(result['device_memory_bytes'])}" if result["device_memory_bytes"] else "")]
-    if result.get("host_memory_bytes"):          # --offload
-        lines.append("on the host (offloaded), per rank: " + ", ".join(
-            f"{c} {fmt(v)}" for c, v in result["host_memory_bytes"].items())
-            + ("; on a CPU the host's memory is the device's: 'fits' counts both" if result["fits_counts_host"] else ""))
+             + f"  -> {'fits' if device_fits else 'does NOT fit'}" + (f" in {fmt(device)}" if device else "")]
+    if host:                                    # --offload
+        lines.append("on the host (offloaded), per rank: " + ", ".join(f"{c} {fmt(v)}" for c, v in host.items())
+                     + ("; on a CPU the host's memory is the device's: 'fits' counts both" if shared else
+                        f"  -> {'fits' if host['total'] <= host_share else 'does NOT fit'} in its share of the host, "
+                        f"{fmt(host_share)}" if host_share else ""))
     if result["model"] != "params":             # model states alone: no step to time
         lines.append(f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm "
                      f"{t['comm'] * 1e3:.3f} + bubble {t['bubble'] * 1e3:.3f} (bubble fraction "
@@ -227,6 +247,8 @@ def main(argv=None):
         if getattr(args, "threads", None) is not None:
             refuse_threads(p.commands[args.command], args, machine)
         model, layout = model_and_layout(args)
+        if args.host_memory is not None:
+            machine = with_host_memory(p.commands[args.command], args, machine, model, layout)
         if args.search:
             started = time.perf_counter()
             out = search(model, layout, machine, args.accounting, args.device_memory)

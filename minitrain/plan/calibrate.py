@@ -144,6 +144,7 @@ def calibrate(ranks=(2, 4), quick=False, log=print):
     if device == "cuda":
         import cupy
         machine["device_memory_bytes"] = int(cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
+        machine["gpus_per_node"] = cupy.cuda.runtime.getDeviceCount()     # the ranks that share this host's memory
     fp32 = machine["elementwise_s_per_element"]["float32"]
     log("elementwise fp32 (ns per element): " + ", ".join(f"{k} {v * 1e9:.2f}" for k, v in fp32.items()) + "; NumPy call "
         f"{machine['numpy_call_s'] * 1e6:.2f} us; autograd node {machine['autograd_node_s'] * 1e6:.1f} us; first gradient "
