@@ -739,6 +739,8 @@ def test_offload_on_a_gpu_machine_fits_only_where_each_rank_s_share_of_its_host_
         "params --num-params 1e9 --world 8 --zero 3 --machine a100-80gb --host-memory 4e12")
     assert "--host-memory is not supported with the gpt model" in refused("gpt --world 2 --machine a100-80gb --host-memory 1e12")
     assert cli("params --num-params 1e9 --world 8 --zero 3 --machine a100-80gb")["host_capacity_bytes"] is None
+    tiny = cli("params --num-params 1e9 --world 8 --zero 3 --offload --machine a100-80gb --host-memory 0.5")
+    assert (tiny["host_capacity_bytes"], tiny["fits"]) == (0, False)      # a host of no bytes holds nothing (it was unchecked)
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ def host_share_bytes(machine, world):
     """Each rank's share of its host's memory (machine["memory_bytes"], one host's): on a CPU every rank is on the
     one host; on a GPU machine its gpus_per_node ranks share one (as DeepSpeed's estimators count a node's CPU
     memory). None where the machine does not say."""
-    if not machine.get("memory_bytes"):
+    if machine.get("memory_bytes") is None:
         return None
     on_one = world if machine.get("device_memory_bytes") is None else min(world, machine.get("gpus_per_node", 1))
     return machine["memory_bytes"] // on_one

@@ -215,7 +215,7 @@ def show(result):
         lines.append("on the host (offloaded), per rank: " + ", ".join(f"{c} {fmt(v)}" for c, v in host.items())
                      + ("; on a CPU the host's memory is the device's: 'fits' counts both" if shared else
                         f"  -> {'fits' if host['total'] <= host_share else 'does NOT fit'} in its share of the host, "
-                        f"{fmt(host_share)}" if host_share else ""))
+                        f"{fmt(host_share)}" if host_share is not None else ""))
     if result["model"] != "params":             # model states alone: no step to time
         lines.append(f"step time: {t['total'] * 1e3:.3f} ms = compute {t['compute'] * 1e3:.3f} + comm "
                      f"{t['comm'] * 1e3:.3f} + bubble {t['bubble'] * 1e3:.3f} (bubble fraction "
