@@ -20,14 +20,9 @@ weights, the first block computes its input gradient like every other: each (vir
 p = 2 and 4, v = 1 and 2, does the same F, the same B and the same W (to 1.6%), as the formula
 assumes, and the counted-cost split (partition.py) cuts it so. (Without the stem, the first stage's
 B would lack one block's input gradient: 7/8 of the others' at p = 2, a bubble the formula does
-not count.) Measured bubble (minitrain/parallel/pipeline/measure.py):
-per rank, the step's time outside its own F/B/W work over the step's wall time (first stage's start
-to the last rank's end), mean over ranks, averaged over the steps after the first; beside it the
-formula: (p-1)/(v·m+p-1) for GPipe, 1F1B, interleaved (v = 2), the simulator's bubble at the
-measured mean F, B, W for zb_h1 and zbv, and the residual per cause; "simulated" is each measured step run
-by the simulator with its actions' own measured durations and the measured message costs (what
-the zero-bubble schedules are held to; its difference from the formula is the stages' unequal
-speed, the spread of compute times and the messages' cost, each in residual_by_cause). The anchor is the same model
+not count.) The measured bubble, the simulation, the formula ((p-1)/(v·m+p-1) for GPipe, 1F1B and
+interleaved; the simulator's at the measured mean F, B, W for zb_h1 and zbv) and residual_by_cause are
+minitrain/parallel/pipeline/measure.py's. The anchor is the same model
 trained in one process on the whole batch: "speed-up" is its step time / the pipeline's. At p = 4
 the 2 cores of this machine are oversubscribed: ranks wait for a core as well as for their inputs.
 On a shared machine other jobs stretch some actions and not others, which the formula cannot know:
