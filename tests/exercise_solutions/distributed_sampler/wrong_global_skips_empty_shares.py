@@ -1,0 +1,25 @@
+"""Yields nothing for a global batch that leaves this rank no rows: that rank takes one step
+fewer than the others, who wait in that step's all-reduce."""
+import math
+
+import numpy as np
+
+
+def shard(order, num_replicas, rank, drop_last=False):
+    n = len(order)
+    if drop_last:
+        padded = order[:n // num_replicas * num_replicas]
+    else:
+        total = math.ceil(n / num_replicas) * num_replicas
+        padded = np.concatenate([order] * math.ceil(total / max(n, 1)))[:total]
+    return padded[rank::num_replicas]
+
+
+def global_batch_shard(order, batch_size, num_replicas, rank, start=0):
+    for begin in range(start * batch_size, len(order), batch_size):
+        batch = order[begin:begin + batch_size]
+        mine = batch[rank::num_replicas]
+        if len(mine):
+            yield mine, len(batch)
+
+EXPECT = ['the ranks yield [4, 3] batches', 'an empty share included']
