@@ -77,7 +77,7 @@ BETAS, EPS = (0.9, 0.999), 1e-8
 
 
 def _rule(param, grad, master, m, v, t, lr, scale, mistake=None):
-    """The step on host copies, in minitrain's order (``mistake``: one of the usual slips, to name it)."""
+    """The step on host copies, in minitrain's order (mistake: one of the usual slips, to name it)."""
     master, m, v = master.copy(), m.copy(), v.copy()
     b1, b2 = BETAS
     if mistake == "fp16 unscale":
