@@ -3,7 +3,8 @@
 Collectives: minitrain.comm.checks' inputs (integer-valued, so every order of additions is exact),
 lengths (0, 1, fewer than p, not divisible by p, a few thousand) and dtypes, compared bit for bit;
 bytes and messages from comm.stats against the algorithm's formula. Gradients: central
-differences (minitrain.testing.numerical_grad), minitrain's own ops, and PyTorch where installed.
+differences (minitrain.testing.numerical_grad), minitrain's own ops, and PyTorch where installed. Pipelines: a
+PipelineParallel's step on ThreadWorld against one process's on the whole batch.
 """
 import importlib.util
 
@@ -182,6 +183,46 @@ def simulate_schedule(impl, p, m, kinds="FB", costs=(1.0, 2.0, 0.0)):
         return schedule, simulate(schedule, *costs)
     except ScheduleError as e:
         raise Mismatch(f"{what}: {e}") from None
+
+
+def one_process_step(make_model, batch):
+    """(loss, name -> gradient on the host) of one mse_loss backward of make_model() on the whole batch: what a
+    pipeline of the same model must reproduce."""
+    from minitrain.autograd import Tensor
+    from minitrain.nn import functional as F
+    model, (x, y) = make_model(), batch
+    loss = F.mse_loss(model(Tensor(to_learner(x))), Tensor(to_learner(y)))
+    loss.backward()
+    return float(host(loss.data)), {n: host(q.grad) for n, q in model.named_parameters()}
+
+
+def same_grads(got, want, where, note=""):
+    """Each gradient of ``got`` (name -> array) == ``want``'s (float64: 1e-10), or a Mismatch naming it (+ note)."""
+    for name, grad in got.items():
+        if grad is None:
+            raise Mismatch(f"{where}: {name}.grad is None; one backward gives it a gradient")
+        problem = compare(grad, want[name], f"{where}: {name}.grad", rtol=1e-10, atol=1e-12)
+        if problem:
+            raise Mismatch(problem + note)
+
+
+def pipeline_matches_one_process(p, schedule, make_model, batch, where, reference=None, split_points=None, note=""):
+    """A p-stage PipelineParallel of make_model() (4 micro-batches; cut at split_points, or by its counted costs)
+    trains one step on ThreadWorld: on every rank its loss and each gradient == one process's step of reference()
+    (default make_model()) on the whole batch."""
+    want_loss, want = one_process_step(reference or make_model, batch)
+
+    def rank(comm):
+        from minitrain.nn import functional as F
+        from minitrain.parallel.pipeline import PipelineParallel
+        pipe = PipelineParallel(make_model(), comm, schedule, num_microbatches=4, split_points=split_points)
+        x, y = batch
+        loss = pipe.train_step(to_learner(x), to_learner(y), F.mse_loss)
+        return float(host(loss)), {n: host(q.grad) for n, q in pipe.named_parameters()}
+    for r, (loss, grads) in enumerate(run_ranks(p, rank)):
+        if abs(loss - want_loss) > 1e-10:
+            raise Mismatch(f"{where}, rank {r}: loss {loss}, one process's {want_loss}")
+        same_grads(grads, want, f"{where}, rank {r}", note)
 
 
 # ---------------------------------------------------------------- context parallelism

@@ -5,8 +5,8 @@ small sizes, t = 1 to 8, == minitrain.plan.korthikanti_layer_bytes; Table 2's GP
 they say; an unknown recompute mode refused. A wrong total is read back in units of sbh and as²b, and
 the usual slips (2-byte masks, everything divided by t without SP, the scores not split, ...) named."""
 import math
-import numbers
 
+from ...backend import is_real
 from ..grading import Check, Mismatch
 
 TITLE = "activation memory per transformer layer: Korthikanti et al.'s Table 2 from its pieces, under TP, SP, recompute"
@@ -135,7 +135,7 @@ def _slips(s, b, h, a, t, sp, rc):
 def _bytes(impl, s, b, h, a, t, sp, rc, name=""):
     call = f"layer_activation_bytes(s={s}, b={b}, h={h}, a={a}, t={t}, sequence_parallel={sp}, recompute={rc!r})"
     got = impl(s, b, h, a, t=t, sequence_parallel=sp, recompute=rc)
-    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+    if not is_real(got):
         raise Mismatch(f"{call}: returned {type(got).__name__} {got!r:.60}, expected a number of bytes")
     want = korthikanti_layer_bytes(s, b, h, a, t, sp, rc)
     if math.isclose(got, want, rel_tol=1e-9):

@@ -11,9 +11,8 @@ import numbers
 import numpy as np
 
 from ...parallel.pipeline.partition import balanced_split_points
-from ..comparing import compare, host, to_learner
 from ..grading import Check, Mismatch
-from ..harness import run_ranks
+from ..oracles import pipeline_matches_one_process
 
 TITLE = "the pipeline's split points: contiguous groups of layers, the largest group's cost as small as possible"
 ORDER = 133
@@ -228,31 +227,9 @@ def _batch():
 
 def _pipeline(impl, p):
     from ...parallel.pipeline.partition import counted_costs, parameter_costs
-    sizes = counted_costs(parameter_costs(list(_mlp())))
-    cut, what = _cut(impl, sizes, p)
-
-    def rank(comm):
-        from ...nn import functional as F
-        from ...parallel.pipeline import PipelineParallel
-        pipe = PipelineParallel(_mlp(), comm, "1f1b", num_microbatches=4, split_points=cut)
-        x, y = _batch()
-        loss = pipe.train_step(to_learner(x), to_learner(y), F.mse_loss)
-        return float(host(loss)), {n: host(q.grad) for n, q in pipe.named_parameters()}
-
-    from ...autograd import Tensor
-    from ...nn import functional as F
-    model, (x, y) = _mlp(), _batch()
-    loss = F.mse_loss(model(Tensor(to_learner(x))), Tensor(to_learner(y)))
-    loss.backward()
-    want = {n: host(q.grad) for n, q in model.named_parameters()}
-    where = f"a {p}-stage 1F1B PipelineParallel cut at {cut} ({what})"
-    for r, (got_loss, grads) in enumerate(run_ranks(p, rank)):
-        if abs(got_loss - float(host(loss.data))) > 1e-10:
-            raise Mismatch(f"{where}, rank {r}: loss {got_loss}, one process's {float(host(loss.data))}")
-        for name, grad in grads.items():
-            problem = compare(grad, want[name], f"{where}, rank {r}: {name}.grad", rtol=1e-10, atol=1e-12)
-            if problem:
-                raise Mismatch(problem)
+    cut, what = _cut(impl, counted_costs(parameter_costs(list(_mlp()))), p)
+    pipeline_matches_one_process(p, "1f1b", _mlp, _batch(), f"a {p}-stage 1F1B PipelineParallel cut at {cut} ({what})",
+                                 split_points=cut)
 
 
 def checks():

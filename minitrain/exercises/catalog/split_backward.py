@@ -6,7 +6,7 @@ import numpy as np
 
 from ..comparing import as_array, compare, host, to_learner
 from ..grading import Check, Mismatch
-from ..harness import run_ranks
+from ..oracles import one_process_step, pipeline_matches_one_process, same_grads
 from ..watching import Watched, watch
 
 TITLE = "the backward split for zero-bubble pipelines: B (input gradient) now, W (weight gradient) later"
@@ -201,6 +201,9 @@ def _linear_op(impl):
     return YourLinear
 
 
+NOTE = " (minitrain's own Linear gives the expected one)"
+
+
 def _mlp(op=None):
     from ... import manual_seed, nn
     manual_seed(0)
@@ -215,22 +218,6 @@ def _batch():
     return np.random.default_rng(3).standard_normal((12, 5)), np.random.default_rng(4).standard_normal((12, 3))
 
 
-def _same_grads(got, where):
-    """``got`` (name -> gradient) against one backward of minitrain's own MLP on the whole batch."""
-    from ...autograd import Tensor
-    from ...nn import functional as F
-    model = _mlp()
-    x, y = _batch()
-    F.mse_loss(model(Tensor(to_learner(x))), Tensor(to_learner(y))).backward()
-    want = {n: host(q.grad) for n, q in model.named_parameters()}
-    for name, grad in got.items():
-        if grad is None:
-            raise Mismatch(f"{where}: {name}.grad is None; one backward gives it a gradient")
-        problem = compare(grad, want[name], f"{where}: {name}.grad", rtol=1e-10, atol=1e-12)
-        if problem:
-            raise Mismatch(problem + " (minitrain's own Linear gives the expected one)")
-
-
 def _under_defer(impl):
     from ...autograd import Tensor, defer_weight_grads
     from ...nn import functional as F
@@ -240,19 +227,13 @@ def _under_defer(impl):
         for loss in losses:
             loss.backward()                          # three Bs
     w.run()                                          # their Ws
-    _same_grads({n: host(q.grad) for n, q in model.named_parameters()}, "three Bs under defer_weight_grads, then W")
+    same_grads({n: host(q.grad) for n, q in model.named_parameters()}, one_process_step(_mlp, _batch())[1],
+               "three Bs under defer_weight_grads, then W", NOTE)
 
 
 def _pipeline(impl):
-    def rank(comm):
-        from ...nn import functional as F
-        from ...parallel.pipeline import PipelineParallel
-        pipe = PipelineParallel(_mlp(_linear_op(impl)), comm, "zb_h1", num_microbatches=4)
-        x, y = _batch()
-        pipe.train_step(to_learner(x), to_learner(y), F.mse_loss)
-        return {n: host(q.grad) for n, q in pipe.named_parameters()}
-    for r, grads in enumerate(run_ranks(2, rank)):
-        _same_grads(grads, f"ZB-H1 on 2 ranks, 4 micro-batches, rank {r}")
+    pipeline_matches_one_process(2, "zb_h1", lambda: _mlp(_linear_op(impl)), _batch(), "ZB-H1 on 2 ranks, 4 micro-batches",
+                                 reference=_mlp, note=NOTE)
 
 
 def checks():
